@@ -1,0 +1,135 @@
+"""Writes a small Qwen3 checkpoint with seeded random weights, in Hugging Face format.
+
+No machine here reaches a model hub, so this is the embedded default model for the demo and
+the tests: config.json, generation_config.json, model.safetensors and a byte-level BPE
+tokenizer (tokenizer.json, tokenizer_config.json) that transformers' AutoTokenizer loads.
+Same arguments => byte-identical weights and tokenizer.
+
+    python -m common.tiny_model --out models/tiny-qwen3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A fixed English corpus, so the BPE merges (and so the token ids) never change.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A scheduler batches requests, allocates blocks
+of the key-value cache and streams tokens back to every client as soon as they are sampled.
+Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.
+Complex is better than complicated. Flat is better than nested. Sparse is better than dense.
+Readability counts. Special cases aren't special enough to break the rules. Although
+practicality beats purity. Errors should never pass silently. Unless explicitly silenced.
+In the face of ambiguity, refuse the temptation to guess. There should be one obvious way to
+do it. Now is better than never. If the implementation is hard to explain, it's a bad idea.
+Hello world! Once upon a time there was a model that answered questions about the weather,
+numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000, and code such as def main(): return 42.
+"""
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on the fixed corpus: every string encodes, every id decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tokenizer
+
+
+def write_tiny_qwen3(
+    out: pathlib.Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = True,
+    init_std: float = 0.25,
+) -> pathlib.Path:
+    """Writes the checkpoint into `out` and returns it. The defaults exercise GQA (4:2) and a
+    head_dim that is not hidden_size / num_heads, as Qwen3 allows."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={vocab_size}")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.save_pretrained(out)
+    eos_ids = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std,
+        bos_token_id=None,
+        eos_token_id=eos_ids[0],
+        pad_token_id=eos_ids[1],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos_ids, "pad_token_id": eos_ids[1], "do_sample": False}, indent=2) + "\n"
+    )
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("models/tiny-qwen3"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
+    args = parser.parse_args()
+    write_tiny_qwen3(
+        args.out,
+        seed=args.seed,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        hidden_size=args.hidden_size,
+        tie_word_embeddings=not args.untied,
+    )
+    print(f"wrote tiny Qwen3 checkpoint to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
