@@ -1,0 +1,52 @@
+"""The contract between the model and its attention backends.
+
+Every backend computes, for a batch that mixes prefill chunks and decodes, causal attention of
+each request's new query tokens over that request's whole context in the paged KV cache:
+query token i of a request (position seq_len - query_len + i) attends keys at positions
+0..that position. Before attending, the backend writes the step's new keys/values into the
+cache at `slot_mapping` (slot = block_id * block_size + offset_in_block).
+
+Cache layout (flash-attn's paged layout): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # Per token of the step (num_tokens entries), on the model's device.
+    slot_mapping: torch.Tensor      # int64 [num_tokens]: where each new token's K/V goes; -1: skip
+    # Per request (batch entries), on the model's device.
+    query_start_loc: torch.Tensor   # int32 [batch + 1]: cumulative query lengths (cu_seqlens_q)
+    seq_lens: torch.Tensor          # int32 [batch]: context length after this step (cached + new)
+    block_tables: torch.Tensor      # int32 [batch, max_blocks_per_seq]: padded with 0 past the end
+    # Host-side facts, so backends never synchronise with the device to learn them.
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every request computes exactly one token (the CUDA-graph case)."""
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,        # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:          # [num_tokens, num_heads, head_dim]
+        ...
