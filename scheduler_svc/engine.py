@@ -1,0 +1,344 @@
+"""The engine: admits requests, routes each to a worker group, and runs one asyncio step loop per
+group that schedules, sends the step message, applies the sampled tokens and streams the results.
+
+Everything runs on one event loop, so request state needs no locks; per-step Python work is
+proportional to the batch (the step message carries diffs, tokens are detokenized incrementally).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from common.pb.llm.v1 import generation_pb2
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.step_message import build_step_request
+from scheduler_svc.stop_strings import StopStringMatcher
+from scheduler_svc.worker_client import WorkerError, WorkerGroupClient
+
+log = logging.getLogger("scheduler.engine")
+
+_FINISH_TO_PROTO = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generation_pb2.FINISH_REASON_ABORT,
+}
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None      # None: what the workers support
+    max_waiting: int = 4096               # admission bound: past it, requests are refused
+    step_timeout_s: float = 300.0         # a step slower than this counts as a dead worker
+    reconnect_interval_s: float = 0.5
+    startup_timeout_s: float = 300.0
+
+
+@dataclass
+class RequestOutput:
+    """One streamed message: tokens and text new since the last one."""
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: int = generation_pb2.FINISH_REASON_UNSPECIFIED
+    usage: generation_pb2.Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class EngineFull(Exception):
+    """The waiting queue is at its bound."""
+
+
+class DuplicateRequest(Exception):
+    """A request with this id is already active."""
+
+
+class EngineUnavailable(Exception):
+    """No worker group can take requests (shutting down, or none connected yet)."""
+
+
+@dataclass
+class _Active:
+    seq: Sequence
+    group: "GroupRunner"
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher | None
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_at: float | None = None
+
+
+class GroupRunner:
+    """One worker group: its scheduler (and block manager) and the loop that steps it."""
+
+    def __init__(self, index: int, client: WorkerGroupClient, engine: "Engine") -> None:
+        self.index = index
+        self.client = client
+        self.engine = engine
+        self.scheduler: Scheduler | None = None
+        self.healthy = False
+        self.info = None               # rank 0's WorkerInfo
+        self._instance_ids: list[str] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._step_ids = itertools.count(1)
+        self.last_step_ms = 0.0
+
+    # -- connection -----------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Describes every rank, checks they agree, and (re)builds state after a restart."""
+        infos = await self.client.describe(timeout=10.0)
+        first = infos[0]
+        for info in infos[1:]:
+            if (info.num_kv_blocks, info.block_size) != (first.num_kv_blocks, first.block_size):
+                raise WorkerError(f"ranks of group {self.index} disagree on KV cache shape")
+        instance_ids = [i.instance_id for i in infos]
+        if self.scheduler is None:
+            self.scheduler = Scheduler(
+                self.engine.scheduler_config(first),
+                BlockManager(first.num_kv_blocks, first.block_size),
+                eos_token_ids=self.engine.eos_token_ids,
+            )
+        elif instance_ids != self._instance_ids:
+            log.warning("group %d: worker restarted; re-sending %d running requests in full",
+                        self.index, self.scheduler.num_running)
+        # Whatever the worker holds now is not what our block tables describe: start both clean.
+        self.scheduler.reset_all_worker_state()
+        await self.client.reset(timeout=10.0)
+        self._instance_ids = instance_ids
+        self.info = first
+        self.healthy = True
+        log.info("group %d connected: %s, %d KV blocks of %d tokens, %s", self.index,
+                 ",".join(self.client.addresses), first.num_kv_blocks, first.block_size, first.device)
+
+    async def _reconnect(self) -> None:
+        while True:
+            try:
+                await self.connect()
+                return
+            except WorkerError as e:
+                log.debug("group %d still down: %s", self.index, e)
+                await asyncio.sleep(self.engine.config.reconnect_interval_s)
+
+    # -- step loop ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=f"group-{self.index}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.healthy:
+                await self._reconnect()
+            if not self.scheduler.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            output = self.scheduler.schedule()
+            if output.is_empty:
+                # Nothing fits right now (every request waits for blocks held by none): wait
+                # for an abort or a new request instead of spinning.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            request = build_step_request(next(self._step_ids), output)
+            started = time.perf_counter()
+            try:
+                reply = await self.client.step(request, timeout=self.engine.config.step_timeout_s)
+            except WorkerError as e:
+                log.error("group %d: step failed (%s); marking it down", self.index, e)
+                self.healthy = False
+                self.scheduler.reset_all_worker_state()
+                continue
+            self.last_step_ms = (time.perf_counter() - started) * 1000
+            self.engine.metrics.observe_step(self, output, reply, self.last_step_ms)
+            sampled = {t.seq_id: t for t in reply.sampled}
+            for seq in self.scheduler.update(output, {i: t.token_id for i, t in sampled.items()}):
+                self.engine._emit(seq, sampled[seq.seq_id].logprob)
+
+    # -- load -----------------------------------------------------------------------------
+    @property
+    def load(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting if self.scheduler else 0
+
+
+class _NoMetrics:
+    def observe_step(self, *args) -> None:
+        pass
+
+    def observe_request(self, *args) -> None:
+        pass
+
+
+class Engine:
+    def __init__(self, groups: list[WorkerGroupClient], *, tokenizer, eos_token_ids: list[int],
+                 vocab_size: int, config: EngineConfig | None = None, metrics=None) -> None:
+        if not groups:
+            raise ValueError("the engine needs at least one worker group")
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.metrics = metrics or _NoMetrics()
+        self.groups = [GroupRunner(i, g, self) for i, g in enumerate(groups)]
+        self._active: dict[str, _Active] = {}
+        self._by_seq: dict[int, _Active] = {}
+        self._seq_ids = itertools.count(1)
+        self._accepting = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connects every group (waiting for workers that are still starting), then steps."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        for group in self.groups:
+            while True:
+                try:
+                    await group.connect()
+                    break
+                except WorkerError as e:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.info("waiting for group %d: %s", group.index, e)
+                    await asyncio.sleep(self.config.reconnect_interval_s)
+        for group in self.groups:
+            group.start()
+        self._accepting = True
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stops admitting, lets running requests finish for grace_s, then aborts the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._active):
+            self.abort(request_id)
+        for group in self.groups:
+            await group.stop()
+            await group.client.close()
+
+    def scheduler_config(self, info) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len_for(info),
+            block_size=info.block_size,
+        )
+
+    def max_model_len_for(self, info) -> int:
+        limit = self.config.max_model_len
+        return min(limit, info.max_model_len) if limit else info.max_model_len
+
+    @property
+    def max_model_len(self) -> int:
+        return min(self.max_model_len_for(g.info) for g in self.groups if g.info)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and any(g.healthy for g in self.groups)
+
+    # -- requests -------------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return sum(g.scheduler.num_waiting for g in self.groups if g.scheduler)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queues a validated request; returns its stream of outputs."""
+        if not self._accepting:
+            raise EngineUnavailable("the server is shutting down")
+        if request_id in self._active:
+            raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
+        if self.num_waiting() >= self.config.max_waiting:
+            raise EngineFull(f"{self.config.max_waiting} requests are already waiting; retry later")
+        group = self._route(prompt_token_ids)
+        seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params)
+        active = _Active(
+            seq=seq, group=group,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+            stops=StopStringMatcher(params.stop) if params.stop else None,
+        )
+        self._active[request_id] = active
+        self._by_seq[seq.seq_id] = active
+        group.scheduler.add(seq)
+        group.wake()
+        return self._stream(active)
+
+    def _route(self, prompt_token_ids: list[int]) -> GroupRunner:
+        """The healthy group holding the longest cached prefix of the prompt; ties go to the
+        least loaded. With every group down, the least loaded one queues it until it is back."""
+        candidates = [g for g in self.groups if g.healthy] or self.groups
+        return max(candidates, key=lambda g: (g.scheduler.block_manager.cached_prefix_len(prompt_token_ids), -g.load))
+
+    async def _stream(self, active: _Active) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out = await active.queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            # The consumer went away (cancelled stream, deadline): free the request at once.
+            if active.seq.request_id in self._active:
+                self.abort(active.seq.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        active = self._active.get(request_id)
+        if active is None:
+            return False
+        active.group.scheduler.abort(active.seq.seq_id)
+        active.group.wake()
+        self._finish(active, FinishReason.ABORT, [], "", [])
+        return True
+
+    # -- outputs --------------------------------------------------------------------------
+    def _emit(self, seq: Sequence, logprob: float) -> None:
+        """Turns the token a step appended to `seq` into a stream message."""
+        active = self._by_seq.get(seq.seq_id)
+        if active is None:
+            return
+        now = time.monotonic()
+        if active.first_token_at is None:
+            active.first_token_at = now
+        token = seq.token_ids[-1]
+        text = active.detokenizer.push([token])
+        logprobs = [logprob] if seq.sampling.logprobs else []
+        stopped = False
+        if active.stops is not None:
+            text, stopped = active.stops.feed(text)
+        if stopped and seq.status != SequenceStatus.FINISHED:
+            active.group.scheduler.finish(seq.seq_id, FinishReason.STOP)
+        if stopped or seq.status == SequenceStatus.FINISHED:
+            reason = FinishReason.STOP if stopped else seq.finish_reason
+            if not stopped:
+                tail = active.detokenizer.flush()
+                text += active.stops.feed(tail)[0] + active.stops.flush() if active.stops else tail
+            self._finish(active, reason, [token], text, logprobs)
+        else:
+            active.queue.put_nowait(RequestOutput([token], text, logprobs))
+
+    def _finish(self, active: _Active, reason: FinishReason, tokens: list[int], text: str, logprobs: list[float]) -> None:
+        seq = active.seq
+        self._active.pop(seq.request_id, None)
+        self._by_seq.pop(seq.seq_id, None)
+        usage = generation_pb2.Usage(
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_prompt_tokens=seq.num_cached_prompt_tokens,
+        )
+        self.metrics.observe_request(seq, reason, active.first_token_at)
+        active.queue.put_nowait(RequestOutput(tokens, text, logprobs, _FINISH_TO_PROTO[reason], usage))

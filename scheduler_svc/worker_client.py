@@ -1,0 +1,119 @@
+"""How the scheduler reaches its workers: over gRPC, or in-process for the offline engine.
+
+A worker group is one tensor-parallel set of ranks; every step goes to every rank and rank 0's
+sampled tokens are the answer (the ranks keep their mirrors in step among themselves).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol, Sequence
+
+import grpc
+
+from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
+
+# A NewRequest carries a whole prompt once: leave room for long-context prompts.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+class WorkerError(RuntimeError):
+    """A worker did not answer a step: down, restarted, timed out or refused the step."""
+
+
+class WorkerClient(Protocol):
+    address: str
+
+    async def describe(self, timeout: float) -> worker_pb2.WorkerInfo: ...
+    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse: ...
+    async def reset(self, timeout: float) -> None: ...
+    async def close(self) -> None: ...
+
+
+class GrpcWorkerClient:
+    """One worker rank reached through llm.worker.v1.Worker."""
+
+    def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 auth_token: str | None = None) -> None:
+        self.address = address
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # Notice a dead worker within seconds, even while no step is in flight.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.enable_retries", 0),
+        ]
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+
+    async def _call(self, method, request, timeout: float):
+        try:
+            return await method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise WorkerError(f"worker {self.address}: {e.code().name}: {e.details()}") from e
+
+    async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
+        return await self._call(self._stub.Describe, worker_pb2.DescribeRequest(), timeout)
+
+    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
+        return await self._call(self._stub.Step, request, timeout)
+
+    async def reset(self, timeout: float) -> None:
+        await self._call(self._stub.Reset, worker_pb2.ResetRequest(), timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class LocalWorkerClient:
+    """A ModelRunner in this process. Steps run in a thread so the event loop keeps streaming."""
+
+    def __init__(self, runner) -> None:
+        self.address = "local"
+        self._runner = runner
+
+    async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
+        return self._runner.describe()
+
+    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
+        try:
+            return await asyncio.to_thread(self._runner.step, request)
+        except ValueError as e:
+            raise WorkerError(f"local worker refused the step: {e}") from e
+
+    async def reset(self, timeout: float) -> None:
+        self._runner.reset()
+
+    async def close(self) -> None:
+        pass
+
+
+class WorkerGroupClient:
+    """The ranks of one tensor-parallel group, driven as one."""
+
+    def __init__(self, ranks: Sequence[WorkerClient]) -> None:
+        if not ranks:
+            raise ValueError("a worker group needs at least one rank")
+        self.ranks = list(ranks)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [r.address for r in self.ranks]
+
+    async def describe(self, timeout: float) -> list[worker_pb2.WorkerInfo]:
+        return list(await asyncio.gather(*(r.describe(timeout) for r in self.ranks)))
+
+    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
+        replies = await asyncio.gather(*(r.step(request, timeout) for r in self.ranks))
+        return replies[0]
+
+    async def reset(self, timeout: float) -> None:
+        await asyncio.gather(*(r.reset(timeout) for r in self.ranks))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.close() for r in self.ranks), return_exceptions=True)
