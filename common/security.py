@@ -1,0 +1,92 @@
+"""Bearer-token checks and TLS credentials for both services.
+
+The public API can require `authorization: Bearer <token>`; a worker can require its
+scheduler's token, or a client certificate signed by a CA it trusts (mutual TLS). Health checks
+stay open so orchestrators can probe without secrets.
+"""
+from __future__ import annotations
+
+import hmac
+import pathlib
+
+import grpc
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def _authorized(metadata, token: str) -> bool:
+    for key, value in metadata or ():
+        if key == "authorization":
+            # Constant-time comparison: the token is a secret.
+            return hmac.compare_digest(value.encode(), f"Bearer {token}".encode())
+    return False
+
+
+def _exempt(method: str) -> bool:
+    return method.startswith(HEALTH_PREFIX)
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler | None, aio: bool):
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+    message = "missing or wrong bearer token (send metadata 'authorization: Bearer <token>')"
+
+    if aio:
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    else:
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler is not None and handler.response_streaming and not handler.request_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    if handler is not None and handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """For synchronous servers (the worker)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if _exempt(handler_call_details.method) or _authorized(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _deny_handler(handler, aio=False)
+
+
+class AsyncTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """For asyncio servers (the scheduler)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if _exempt(handler_call_details.method) or _authorized(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _deny_handler(handler, aio=True)
+
+
+def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
+    """TLS for a server; with client_ca, clients must present a certificate signed by it (mTLS)."""
+    return grpc.ssl_server_credentials(
+        [(pathlib.Path(key).read_bytes(), pathlib.Path(cert).read_bytes())],
+        root_certificates=pathlib.Path(client_ca).read_bytes() if client_ca else None,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
+    """TLS for a client; cert/key present this client's own certificate (mTLS)."""
+    read = lambda p: pathlib.Path(p).read_bytes() if p else None  # noqa: E731
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key), certificate_chain=read(cert))
+
+
+def read_secret(value: str | None, file: str | None) -> str | None:
+    """A token given inline or, better (it stays out of `ps`), in a file."""
+    if file:
+        return pathlib.Path(file).read_text().strip()
+    return value
