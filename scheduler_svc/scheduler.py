@@ -1,0 +1,298 @@
+"""Continuous batching: decides each step's work and applies the sampled tokens.
+
+One unified step in the style of vLLM V1: every request simply has some tokens left to
+compute. Running requests go first (a decode takes one token, an unfinished prefill the
+next chunk), preempting the most recently admitted ones when KV blocks run out; then waiting
+requests are admitted first come, first served with the remaining token budget, chunked when
+their prompt does not fit. So one step can mix a long prompt's chunk with many decodes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int                   # running requests at most
+    max_num_batched_tokens: int         # token budget of one step
+    max_model_len: int                  # prompt plus output at most (else finish "length")
+    block_size: int
+    long_prefill_token_threshold: int = 0   # >0: a prefill takes at most this many per step
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the worker does not mirror yet: everything it needs, copied at schedule
+    time so later appends to the sequence cannot change what this step says."""
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """A request the worker mirrors: only what changed."""
+    seq_id: int
+    num_scheduled_tokens: int
+    new_block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_scheduled_tokens: int
+    # Where the sequence stood when scheduled: update() ignores it if it moved on since
+    # (aborted, preempted, reset, or this output applied twice).
+    num_computed_tokens: int
+    num_admissions: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)    # finished or aborted
+    preempted_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        if config.block_size != block_manager.block_size:
+            raise ValueError("config.block_size differs from the block manager's")
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []       # in admission order: preempt from the end
+        self._unfinished: dict[int, Sequence] = {}
+        # Worker mirrors to drop, collected until the next step that is sent.
+        self._finished_ids: list[int] = []
+        self._preempted_ids: list[int] = []
+        self.num_preemptions = 0                # since start, for metrics
+
+    # -- queue -----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence. Refuses one that could never fit in the KV cache alone
+        (it would wait forever), so whatever is admitted can always finish."""
+        if seq.seq_id in self._unfinished:
+            raise ValueError(f"seq_id {seq.seq_id} is already queued")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"{seq} is not new")
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(f"the prompt has {seq.num_tokens} tokens; max_model_len is "
+                             f"{self.config.max_model_len}")
+        if seq.sampling.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        needed = self.block_manager.blocks_for(self._max_kv_tokens(seq))
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(f"the request needs up to {needed} KV blocks; the cache has "
+                             f"{self.block_manager.num_blocks}")
+        self.waiting.append(seq)
+        self._unfinished[seq.seq_id] = seq
+
+    def _max_kv_tokens(self, seq: Sequence) -> int:
+        """KV slots the sequence may need: every token but the last one sampled."""
+        final_len = min(seq.num_prompt_tokens + seq.sampling.max_tokens, self.config.max_model_len)
+        return max(final_len, seq.num_prompt_tokens + 1) - 1
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drops a request in whatever state, freeing its blocks at once."""
+        return self.finish(seq_id, FinishReason.ABORT)
+
+    def finish(self, seq_id: int, reason: FinishReason = FinishReason.STOP) -> Sequence | None:
+        """Ends a request early (a stop string found by the detokenizer, or an abort)."""
+        seq = self._unfinished.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq, reason)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        num_preemptions = self.num_preemptions
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        # After a preemption the cache is full: admitting now would only preempt again.
+        if self.num_preemptions == num_preemptions:
+            self._schedule_waiting(output, budget)
+        if output.scheduled:
+            # Sent with this step; when nothing is scheduled no step is sent, so they wait.
+            output.finished_seq_ids, self._finished_ids = self._finished_ids, []
+            output.preempted_seq_ids, self._preempted_ids = self._preempted_ids, []
+        return output
+
+    def _num_to_schedule(self, num_uncomputed: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            num_uncomputed = min(num_uncomputed, threshold)
+        return min(num_uncomputed, budget)
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = self._num_to_schedule(seq.num_uncomputed_tokens, budget)
+            if self._reserve_slots(seq, num_tokens):
+                self._add_to_output(output, seq, num_tokens)
+                budget -= num_tokens
+                i += 1
+        return budget
+
+    def _reserve_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Preempts the most recently admitted requests until seq's new tokens have slots;
+        False when seq itself (then the last one) had to go."""
+        while not self.block_manager.append_slots(seq, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.match_prefix(seq)
+            num_cached = len(cached) * bm.block_size
+            num_tokens = self._num_to_schedule(seq.num_tokens - num_cached, budget)
+            # FCFS: when the head does not fit, nobody behind it jumps the queue.
+            if not bm.allocate(seq, cached, num_cached + num_tokens):
+                break
+            self.waiting.popleft()
+            if seq.status is SequenceStatus.WAITING:
+                seq.num_cached_prompt_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            seq.num_admissions += 1
+            self.running.append(seq)
+            self._add_to_output(output, seq, num_tokens)
+            budget -= num_tokens
+
+    def _add_to_output(self, output: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
+        output.scheduled.append(
+            ScheduledSequence(seq, num_tokens, seq.num_computed_tokens, seq.num_admissions))
+        if seq.on_worker:
+            output.cached_requests.append(CachedRequestData(
+                seq.seq_id, num_tokens, seq.block_table[seq.num_blocks_on_worker:]))
+        else:
+            output.new_requests.append(NewRequestData(
+                seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
+                num_tokens, list(seq.block_table), seq.sampling))
+            seq.on_worker = True
+        seq.num_blocks_on_worker = len(seq.block_table)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: free everything, wait at the front of the queue."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        if seq.on_worker:
+            self._preempted_ids.append(seq.seq_id)
+            seq.on_worker = False
+
+    def _release(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._unfinished[seq.seq_id]
+        if seq.on_worker:
+            self._finished_ids.append(seq.seq_id)
+            seq.on_worker = False
+
+    # -- results -----------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Applies a step's result: marks the scheduled tokens computed, appends each sampled
+        token and checks the stop conditions, freeing finished sequences at once. Returns the
+        sequences that received a token (finished ones included, with finish_reason set)."""
+        live = [s for s in output.scheduled
+                if s.seq.status is SequenceStatus.RUNNING
+                and s.seq.num_admissions == s.num_admissions
+                and s.seq.num_computed_tokens == s.num_computed_tokens]
+        # Check before changing anything, so a bad reply leaves every sequence as it was.
+        missing = [s.seq.seq_id for s in live
+                   if s.num_computed_tokens + s.num_scheduled_tokens == s.seq.num_tokens
+                   and s.seq.seq_id not in sampled]
+        if missing:
+            raise ValueError(f"the step returned no token for seq_ids {missing}")
+        received: list[Sequence] = []
+        for s in live:
+            seq = s.seq
+            self.block_manager.mark_computed(seq, s.num_scheduled_tokens)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue                      # a prefill chunk: no token to sample yet
+            seq.token_ids.append(sampled[seq.seq_id])
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                self._release(seq, reason)
+            received.append(seq)
+        if any(seq.is_finished for seq in received):
+            self.running = [seq for seq in self.running if not seq.is_finished]
+        return received
+
+    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
+        """EOS and stop tokens win over length when both apply (the model did stop)."""
+        params = seq.sampling
+        token = seq.token_ids[-1]
+        if seq.num_output_tokens >= params.min_tokens and (
+                (token in self.eos_token_ids and not params.ignore_eos)
+                or token in params.stop_token_ids):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- worker restart ----------------------------------------------------------------------
+    def reset_all_worker_state(self) -> None:
+        """The worker lost its KV cache and mirrors: every running request goes back to the
+        front of the queue, in order, to be re-sent in full, and the prefix cache is emptied."""
+        for seq in reversed(self.running):
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.PREEMPTED
+            seq.on_worker = False
+            self.waiting.appendleft(seq)
+        self.running = []
+        self._finished_ids.clear()
+        self._preempted_ids.clear()
+        self.block_manager.reset_prefix_cache()
