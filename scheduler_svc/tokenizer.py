@@ -1,0 +1,38 @@
+"""The model's tokenizer, loaded from its directory only (never from a hub), behind a two-call API.
+
+Calls go straight to the Rust `tokenizers` backend: the incremental detokenizer decodes a short
+window per sampled token, and transformers' Python wrapper around the same call costs ~3x as much.
+Decoding never applies `clean_up_tokenization_spaces`: that rewrite looks across token boundaries,
+so text streamed piece by piece could not reproduce it.
+"""
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | pathlib.Path) -> None:
+        path = pathlib.Path(model_dir)
+        if not path.is_dir():
+            # Otherwise from_pretrained would read the string as a hub repo id.
+            raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        self._backend = getattr(self.hf, "backend_tokenizer", None)
+        if self._backend is None:
+            raise ValueError(f"{path}: the tokenizer has no tokenizers backend (tokenizer.json); Qwen3 ships one")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of raw text: only what the tokenizer's own post-processor adds (none for Qwen3),
+        no chat template."""
+        return self._backend.encode(text, add_special_tokens=True).ids
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of `token_ids`; ids the vocabulary lacks (the model's padded rows) decode to nothing."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        """Ids the tokenizer knows, added tokens included; may be below the model's vocab_size."""
+        return len(self.hf)
