@@ -1,0 +1,57 @@
+"""The worker's settings: one dataclass, filled from the command line (see common.md's CLI)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from worker_svc.layers.attention import BACKEND_NAMES
+
+DEFAULT_PORT = 50061
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str                                  # Hugging Face model directory
+    device: str = "cpu"
+    dtype: str = "auto"                         # auto: float32 on CPU, the checkpoint's dtype on CUDA
+    block_size: int | None = None               # None: 16, or 256 for flash_attn
+    num_kv_blocks: int | None = None            # explicit KV-cache size, overrides the two below
+    kv_cache_memory_gb: float | None = None     # KV-cache size in GiB
+    gpu_memory_utilization: float = 0.9         # CUDA: share of device memory the process may use
+    max_model_len: int | None = None            # None: the model's max_position_embeddings
+    attention_backend: str = "auto"
+    load_format: str = "auto"                   # auto/safetensors: the checkpoint; dummy: random
+    enforce_eager: bool = False                 # no CUDA graphs
+    seed: int = 0                               # unseeded sampling and dummy weights
+    max_num_seqs: int = 256                     # requests per step
+    max_num_batched_tokens: int = 16384         # tokens per step (sizes the CUDA warm-up)
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face Qwen3 model directory")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--attention-backend", default="auto", choices=list(BACKEND_NAMES))
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+
+
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    config = WorkerConfig(**{f.name: getattr(args, f.name) for f in fields(WorkerConfig)})
+    positive = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens")
+    for name in positive:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+    return config

@@ -1,0 +1,58 @@
+"""Pure-torch paged attention: the reference every other backend is checked against.
+
+Writes the step's K/V into the cache, then for each request gathers its blocks and runs SDPA
+with a causal mask shifted by the cached prefix. One SDPA call per request keeps it obviously
+correct; it is the CPU path, not a fast one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.layers.attention.base import AttentionMetadata
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Stores each token's K/V at its slot (block_id * block_size + offset); slot -1 is padding."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep])
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep])
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len cached tokens of one request: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [query_len, H, D] are the last query_len positions of the context k, v [seq_len, Hkv, D]."""
+    query_len, seq_len = q.shape[0], k.shape[0]
+    # Query i sits at position seq_len - query_len + i and sees keys up to and including it.
+    mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - query_len)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            block_table = meta.block_tables[i]
+            keys = gather_context(k_cache, block_table, seq_len)
+            values = gather_context(v_cache, block_table, seq_len)
+            out[start:start + query_len] = causal_attention(q[start:start + query_len], keys, values, scale)
+            start += query_len
+        return out

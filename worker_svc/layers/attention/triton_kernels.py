@@ -1,0 +1,284 @@
+"""This project's Triton kernels for attention over the paged KV cache.
+
+Three kernels, each launched once per layer per step:
+- `_store_kv_kernel`: writes the step's new K/V rows into the cache at their slots.
+- `_paged_attention_kernel`: causal attention of every query token over its request's paged
+  context. One program handles one kv head for a tile of query tokens of one request, and all
+  the query heads that share that kv head (GQA): the K/V tile it loads is used by the whole
+  group, so KV bytes are read once per kv head rather than once per query head. Rows of the
+  tile are (query token, head in group) pairs, so a decode (one token) still fills a tensor-core
+  tile with its group. Optionally split-K ("flash decoding"): each program covers a slice of
+  the context and writes a partial result with its log-sum-exp.
+- `_merge_splits_kernel`: combines the split-K partials into the output.
+
+Pure-decode launches depend only on tensor shapes (never on context lengths known on the host),
+so they are safe to capture in a CUDA graph and replay with other lengths.
+
+Cache layout (see base.py): [num_blocks, block_size, num_kv_heads, head_dim]; the last dim must
+be contiguous.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+# Rows of a prefill tile: (query token, head in group) pairs.
+PREFILL_TILE_ROWS = 64
+# Keys per inner-loop iteration; independent of the cache's block size (each key looks up its
+# own block), so any block size works.
+KV_TILE = 64
+# Split-K is sized to give the GPU about this many programs per multiprocessor.
+PROGRAMS_PER_SM = 2
+MAX_DECODE_SPLITS = 64
+STORE_TOKENS_PER_PROGRAM = 16
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, TOKENS: tl.constexpr,
+):
+    # A program copies TOKENS tokens x all kv heads x head_dim; the last axis is (head, dim).
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    slots = tl.load(slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    cols = tl.arange(0, HEADS_PAD * DIM_PAD)
+    heads = cols // DIM_PAD
+    dims = cols % DIM_PAD
+    # Slot -1: padding (CUDA-graph batches) or a token whose KV is not kept.
+    mask = (slots >= 0)[:, None] & ((heads < NUM_KV_HEADS) & (dims < HEAD_DIM))[None, :]
+    dst = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs)[:, None] \
+        + (heads * stride_ch + dims)[None, :]
+    rows = tokens.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + rows * stride_kt + (heads * stride_kh + dims)[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    v = tl.load(v_ptr + rows * stride_vt + (heads * stride_vh + dims)[None, :], mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
+    """Request owning global query tile `tile`. Request r owns tiles starting at
+    query_start_loc[r] // BLOCK_Q + r: increasing in r, never overlapping, so a binary search
+    finds it on the device without any host-built tile map."""
+    lo = num_requests * 0
+    hi = num_requests - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        mid_first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if mid_first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_requests"])
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_requests,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if PURE_DECODE:  # one token per request: tile i is request i, query token i
+        request = tile
+        q_start = tile
+        q_len = 1
+        q_tile = 0
+    else:
+        request = _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + request)
+        q_len = tl.load(query_start_loc_ptr + request + 1) - q_start
+        q_tile = tile - (q_start // BLOCK_Q + request)
+        if q_tile * BLOCK_Q >= q_len:  # an unused tile index between two requests
+            return
+    seq_len = tl.load(seq_lens_ptr + request)
+    context_len = seq_len - q_len  # keys already in the cache before this step's tokens
+
+    rows = tl.arange(0, TILE_ROWS)
+    q_local = rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    q_index = q_tile * BLOCK_Q + q_local  # query token within the request
+    row_valid = (q_local < BLOCK_Q) & (q_index < q_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group
+    q_pos = context_len + q_index  # its position: it sees keys 0..q_pos
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    token = (q_start + q_index).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    # Keys this tile needs: up to the position of its last query token; then this split's slice.
+    kv_end = tl.minimum(context_len + (q_tile + 1) * BLOCK_Q, seq_len)
+    kv_per_split = tl.cdiv(tl.cdiv(kv_end, KV_TILE), NUM_SPLITS) * KV_TILE
+    kv_lo = split * kv_per_split
+    kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
+
+    # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for rows that see no key.
+    m_i = tl.full([TILE_ROWS], -1.0e30, tl.float32)
+    l_i = tl.zeros([TILE_ROWS], tl.float32)
+    acc = tl.zeros([TILE_ROWS, DIM_PAD], tl.float32)
+    block_table = block_tables_ptr + request.to(tl.int64) * stride_bt
+    for kv_start in range(kv_lo, kv_hi, KV_TILE):
+        kv_pos = kv_start + tl.arange(0, KV_TILE)
+        kv_valid = kv_pos < kv_hi
+        block = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
+        kv_offset = block * stride_cb + (kv_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = kv_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # Partials are contiguous [num_tokens, num_heads, NUM_SPLITS, (HEAD_DIM)] float32.
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, DIM_PAD)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part)
+    lse_max = tl.max(lse, 0)
+    # Every split empty (a padded request with no context): weights 0, output 0.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)
+    partial = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                      mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the CPU interpreter: any small number exercises the same code paths
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_requests: int, num_kv_heads: int, device: torch.device) -> int:
+    """Split-K factor for a pure-decode launch: enough programs to fill the GPU. Depends only on
+    the batch shape, never on context lengths, so a captured CUDA graph stays valid."""
+    target = PROGRAMS_PER_SM * _multiprocessor_count(device)
+    splits = 1
+    while num_requests * num_kv_heads * splits < target and splits < MAX_DECODE_SPLITS:
+        splits *= 2
+    return splits
+
+
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[token] for every slot >= 0."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    _store_kv_kernel[(triton.cdiv(num_tokens, STORE_TOKENS_PER_PROGRAM),)](
+        k, v, k_cache, v_cache, slot_mapping, num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim), TOKENS=STORE_TOKENS_PER_PROGRAM,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    scale: float, *, pure_decode: bool, num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache (see base.py).
+    pure_decode: every request has exactly one query token (then num_tokens == batch).
+    num_splits: split-K factor; by default chosen from the batch shape for pure decode, 1 otherwise."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_requests = seq_lens.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    group = num_heads // num_kv_heads
+    group_pad = _pow2(group)
+    if pure_decode:
+        assert num_tokens == num_requests
+        block_q = 1
+        num_tiles = num_requests
+    else:
+        block_q = max(1, PREFILL_TILE_ROWS // group_pad)
+        num_tiles = num_tokens // block_q + num_requests  # upper bound, see _find_request
+    if num_splits is None:
+        num_splits = decode_num_splits(num_requests, num_kv_heads, q.device) if pure_decode else 1
+    assert num_splits == _pow2(num_splits), "num_splits must be a power of two"
+    if num_splits > 1:
+        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel
+    dim_pad = max(16, _pow2(head_dim))
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        query_start_loc, seq_lens, block_tables,
+        scale * LOG2_E, num_requests,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=block_q, TILE_ROWS=max(16, block_q * group_pad), KV_TILE=KV_TILE,
+        NUM_SPLITS=num_splits, PURE_DECODE=pure_decode,
+        # float32 caches (CPU-style tests, debugging) get exact products, not tf32.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
+        )
+    return out

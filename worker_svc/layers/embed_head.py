@@ -1,0 +1,43 @@
+"""Token embedding and LM head split by vocabulary rows across tensor-parallel ranks."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.parallel_state import divide, get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.rows_per_rank = divide(num_embeddings, self.tp_size)
+        self.vocab_start = self.rows_per_rank * self.tp_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.rows_per_rank))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(token_ids, self.weight)
+        # Each rank embeds the ids it owns and contributes zeros for the rest.
+        local = token_ids - self.vocab_start
+        owned = (local >= 0) & (local < self.rows_per_rank)
+        y = F.embedding(local * owned, self.weight) * owned.unsqueeze(-1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        # Every rank gets the full logits, so any rank can sample (rank 0's answer is used).
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        dist.all_gather(parts, logits)
+        return torch.cat(parts, dim=-1)

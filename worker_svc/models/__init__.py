@@ -1,0 +1,1 @@
+"""Model architectures the worker runs."""

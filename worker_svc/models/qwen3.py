@@ -1,0 +1,129 @@
+"""Qwen3ForCausalLM (dense) over a flat batch of tokens from many requests.
+
+Tokens of all requests in a step are concatenated ([num_tokens, hidden]); which request each
+token belongs to, and where its K/V live, is in the AttentionMetadata. Projections are
+tensor-parallel (heads split across ranks) with q/k/v and gate/up packed into one matmul each.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_svc.layers.activation import SiluAndMul
+from worker_svc.layers.attention import AttentionBackend, AttentionMetadata
+from worker_svc.layers.attention.layer import PagedAttention
+from worker_svc.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from worker_svc.layers.layernorm import RMSNorm
+from worker_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+from worker_svc.parallel_state import divide, get_tp_size
+
+
+def head_dim_of(config) -> int:
+    """Qwen3 may set head_dim explicitly (Qwen3-0.6B: 128 with hidden 1024 and 16 heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config, backend: AttentionBackend) -> None:
+        super().__init__()
+        tp_size = get_tp_size()
+        self.head_dim = head_dim_of(config)
+        self.num_heads = divide(config.num_attention_heads, tp_size)
+        self.num_kv_heads = divide(config.num_key_value_heads, tp_size)
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=bias
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        # Qwen3 normalises each head's q and k before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attn = PagedAttention(backend, scale=self.head_dim ** -0.5)
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, meta)
+        return self.o_proj(out.flatten(1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"Qwen3 uses silu, this checkpoint asks for {config.hidden_act!r}")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Qwen3Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        # Residual adds in the model dtype, in the reference's order, so bf16 results track it.
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(*inverse_frequencies(config, head_dim_of(config)), max_position)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        rope = self.rotary_emb(positions)   # looked up once, shared by every layer
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, rope, meta)
+        return self.norm(hidden)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint projection -> (packed parameter, its part); the loader maps names through this.
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, backend: AttentionBackend, max_position: int | None = None) -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported (no released Qwen3 model uses it)")
+        self.config = config
+        self.model = Qwen3Model(config, backend, max_position or config.max_position_embeddings)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states of every token: [num_tokens, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows that sample only: [len(logits_indices), vocab]."""
+        return self.lm_head(hidden[logits_indices])
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

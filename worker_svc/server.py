@@ -1,0 +1,99 @@
+"""gRPC front of the worker: llm.worker.v1.Worker, grpc.health.v1 and server reflection.
+
+The port opens before the model loads (health NOT_SERVING, Worker calls UNAVAILABLE), so an
+orchestrator can tell "starting" from "dead"; health turns SERVING once the runner is ready.
+Steps are serial by nature, so one lock serialises every call into the runner.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.model_runner import ModelRunner, StaleMirrorError
+
+logger = logging.getLogger(__name__)
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# A NewRequest carries a whole prompt: 128k tokens of varint ids fit well within this.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self) -> None:
+        self._runner: ModelRunner | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, runner: ModelRunner) -> None:
+        self._runner = runner
+
+    def _ready_runner(self, context: grpc.ServicerContext) -> ModelRunner:
+        if self._runner is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        return self._runner
+
+    def Describe(self, request, context):
+        return self._ready_runner(context).describe()
+
+    def Step(self, request, context):
+        runner = self._ready_runner(context)
+        with self._lock:
+            try:
+                return runner.step(request)
+            except StaleMirrorError as exc:
+                code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+            except ValueError as exc:
+                code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        logger.warning("rejected step %d: %s", request.step_id, message)
+        context.abort(code, message)
+
+    def Reset(self, request, context):
+        runner = self._ready_runner(context)
+        with self._lock:
+            runner.reset()
+        logger.info("reset: every request mirror dropped")
+        return worker_pb2.ResetResponse()
+
+
+class WorkerServer:
+    def __init__(self, host: str, port: int) -> None:
+        self.servicer = WorkerServicer()
+        self.health = health.HealthServicer()
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-rpc"),
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        )
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.address = f"{host}:{port}"
+        if self.server.add_insecure_port(self.address) == 0:
+            raise OSError(f"cannot listen on {self.address}")
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _set_health(self, status) -> None:
+        for service in ("", WORKER_SERVICE):
+            self.health.set(service, status)
+
+    def start(self) -> None:
+        self.server.start()
+        logger.info("listening on %s", self.address)
+
+    def serve(self, runner: ModelRunner) -> None:
+        self.servicer.attach(runner)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving %s", WORKER_SERVICE)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Reports NOT_SERVING, lets in-flight calls finish for up to `grace` seconds, stops."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        logger.info("stopped")
