@@ -1,0 +1,180 @@
+"""Admission checks of a GenerateRequest: reject what the engine or a worker could not serve, with a
+message naming the field, and resolve the defaults the proto leaves unset.
+
+Cheap checks come first, so a bad request is refused before its text is tokenized.
+"""
+from __future__ import annotations
+
+import math
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from common.pb.llm.v1 import generation_pb2
+from scheduler_svc.sampling_params import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A request the service refuses; str() is the whole message, starting with the field's path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on what one request may ask for, so that no client can make admission expensive."""
+    max_prompt_bytes: int = 1 << 20          # UTF-8 bytes of a text prompt, checked before tokenizing
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256           # characters; the matcher holds back up to this many
+    max_request_id_len: int = 256            # characters
+
+
+def validate_request(
+    req: generation_pb2.GenerateRequest,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    tokenize: Callable[[str], list[int]],
+    limits: RequestLimits = RequestLimits(),
+) -> tuple[list[int], SamplingParams]:
+    """Returns the prompt's token ids and the resolved sampling parameters, or raises InvalidRequest."""
+    _check_request_id(req.request_id, limits)
+    sampling = _resolve_sampling(req.sampling, vocab_size, limits)
+    prompt = _prompt_token_ids(req, vocab_size, tokenize, limits)
+    room = max_model_len - len(prompt)
+    if room <= 0:
+        raise InvalidRequest(
+            "prompt",
+            f"prompt has {len(prompt)} tokens; max_model_len {max_model_len} leaves no room for a generated token",
+        )
+    requested = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else room
+    return prompt, SamplingParams(max_tokens=min(requested, room), **sampling)
+
+
+def _check_request_id(request_id: str, limits: RequestLimits) -> None:
+    if len(request_id) > limits.max_request_id_len:
+        raise InvalidRequest(
+            "request_id",
+            f"request_id is {len(request_id)} characters, more than the limit of {limits.max_request_id_len}",
+        )
+    for index, char in enumerate(request_id):
+        # Ids end up in logs and metadata, where control characters forge or break lines.
+        if unicodedata.category(char) == "Cc":
+            raise InvalidRequest(
+                "request_id", f"request_id has a control character (U+{ord(char):04X}) at index {index}"
+            )
+
+
+def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limits: RequestLimits) -> dict:
+    """Every SamplingParams field except max_tokens, which depends on the prompt's length."""
+    top_k = msg.top_k if msg.HasField("top_k") else 0
+    if top_k < -1:
+        raise InvalidRequest("sampling.top_k", f"sampling.top_k must be -1 or 0 (off) or positive, got {top_k}")
+    if msg.HasField("max_tokens") and msg.max_tokens == 0:
+        raise InvalidRequest("sampling.max_tokens", "sampling.max_tokens must be positive when set, got 0")
+    min_tokens = msg.min_tokens if msg.HasField("min_tokens") else 0
+    if msg.HasField("max_tokens") and min_tokens > msg.max_tokens:
+        raise InvalidRequest(
+            "sampling.min_tokens",
+            f"sampling.min_tokens must be <= sampling.max_tokens ({msg.max_tokens}), got {min_tokens}",
+        )
+    return dict(
+        temperature=_bounded_float(msg, "temperature", 1.0, 0.0, 100.0),
+        top_p=_bounded_float(msg, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(top_k, 0),  # -1 and 0 both mean off; the sampler knows only 0
+        min_p=_bounded_float(msg, "min_p", 0.0, 0.0, 1.0),
+        seed=msg.seed if msg.HasField("seed") else None,
+        min_tokens=min_tokens,
+        ignore_eos=msg.ignore_eos,
+        stop=_stop_strings(msg.stop, limits),
+        stop_token_ids=_stop_token_ids(msg.stop_token_ids, vocab_size),
+        repetition_penalty=_bounded_float(msg, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+        presence_penalty=_bounded_float(msg, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_bounded_float(msg, "frequency_penalty", 0.0, -2.0, 2.0),
+        logprobs=msg.logprobs,
+        skip_special_tokens=msg.skip_special_tokens,
+    )
+
+
+def _bounded_float(
+    msg: generation_pb2.SamplingParams, name: str, default: float, low: float, high: float, *, low_open: bool = False
+) -> float:
+    """The field's value, or `default` when unset; it must lie in [low, high] ((low, high] if low_open)."""
+    if not msg.HasField(name):
+        return default
+    value = getattr(msg, name)
+    field = f"sampling.{name}"
+    if not math.isfinite(value):
+        raise InvalidRequest(field, f"{field} must be a finite number, got {value}")
+    if value > high or value < low or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise InvalidRequest(field, f"{field} must be in {interval}, got {value:g}")
+    return value
+
+
+def _stop_strings(stops: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
+    if len(stops) > limits.max_stop_strings:
+        raise InvalidRequest(
+            "sampling.stop", f"sampling.stop has {len(stops)} strings, more than the limit of {limits.max_stop_strings}"
+        )
+    for index, stop in enumerate(stops):
+        if not stop:
+            raise InvalidRequest("sampling.stop", f"sampling.stop[{index}] is empty; it would match at once")
+        if len(stop) > limits.max_stop_string_len:
+            raise InvalidRequest(
+                "sampling.stop",
+                f"sampling.stop[{index}] is {len(stop)} characters, more than the limit of {limits.max_stop_string_len}",
+            )
+    return tuple(stops)
+
+
+def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    bad = _first_out_of_vocab(ids, vocab_size)
+    if bad is not None:
+        raise InvalidRequest(
+            "sampling.stop_token_ids",
+            f"sampling.stop_token_ids[{bad}] = {ids[bad]} is out of range: vocab_size is {vocab_size}",
+        )
+    return tuple(ids)
+
+
+def _prompt_token_ids(
+    req: generation_pb2.GenerateRequest, vocab_size: int, tokenize: Callable[[str], list[int]], limits: RequestLimits
+) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("prompt", "prompt is missing: set text or token_ids")
+    if kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("token_ids", "token_ids is empty")
+        bad = _first_out_of_vocab(ids, vocab_size)
+        if bad is not None:
+            raise InvalidRequest(
+                "token_ids", f"token_ids[{bad}] = {ids[bad]} is out of range: vocab_size is {vocab_size}"
+            )
+        return ids
+    if not req.text:
+        raise InvalidRequest("text", "text is empty")
+    size = len(req.text.encode("utf-8"))
+    if size > limits.max_prompt_bytes:
+        raise InvalidRequest("text", f"text is {size} bytes, more than the limit of {limits.max_prompt_bytes}")
+    ids = tokenize(req.text)
+    if not ids:
+        raise InvalidRequest("text", "text encodes to no tokens")
+    bad = _first_out_of_vocab(ids, vocab_size)
+    if bad is not None:
+        # Only a tokenizer larger than the model's embedding gets here; a worker would crash on it.
+        raise InvalidRequest(
+            "text", f"text encodes to token id {ids[bad]} at index {bad}, out of range: vocab_size is {vocab_size}"
+        )
+    return ids
+
+
+def _first_out_of_vocab(ids: Sequence[int], vocab_size: int) -> int | None:
+    """Index of the first id >= vocab_size, or None. Ids are uint32 in the proto, so never negative."""
+    if not ids or max(ids) < vocab_size:  # max() runs in C: the common case costs no Python loop
+        return None
+    return next(index for index, token_id in enumerate(ids) if token_id >= vocab_size)
