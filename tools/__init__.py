@@ -1,0 +1,1 @@
+"""Operator tools that run beside the services: the load-test client and the benchmark scripts."""
