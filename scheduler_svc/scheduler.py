@@ -86,6 +86,12 @@ class Scheduler:
                  eos_token_ids: Iterable[int] = ()) -> None:
         if config.block_size != block_manager.block_size:
             raise ValueError("config.block_size differs from the block manager's")
+        # So that any one request can always run to max_model_len alone (else it could
+        # wait, or preempt itself, forever).
+        capacity = block_manager.num_blocks * block_manager.block_size
+        if config.max_model_len > capacity:
+            raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
+                             f"{config.max_model_len}: lower max_model_len or add KV blocks")
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -95,12 +101,10 @@ class Scheduler:
         # Worker mirrors to drop, collected until the next step that is sent.
         self._finished_ids: list[int] = []
         self._preempted_ids: list[int] = []
-        self.num_preemptions = 0                # since start, for metrics
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence. Refuses one that could never fit in the KV cache alone
-        (it would wait forever), so whatever is admitted can always finish."""
+        """Queues a new sequence."""
         if seq.seq_id in self._unfinished:
             raise ValueError(f"seq_id {seq.seq_id} is already queued")
         if seq.status is not SequenceStatus.WAITING:
@@ -110,17 +114,8 @@ class Scheduler:
                              f"{self.config.max_model_len}")
         if seq.sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        needed = self.block_manager.blocks_for(self._max_kv_tokens(seq))
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(f"the request needs up to {needed} KV blocks; the cache has "
-                             f"{self.block_manager.num_blocks}")
         self.waiting.append(seq)
         self._unfinished[seq.seq_id] = seq
-
-    def _max_kv_tokens(self, seq: Sequence) -> int:
-        """KV slots the sequence may need: every token but the last one sampled."""
-        final_len = min(seq.num_prompt_tokens + seq.sampling.max_tokens, self.config.max_model_len)
-        return max(final_len, seq.num_prompt_tokens + 1) - 1
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Drops a request in whatever state, freeing its blocks at once."""
@@ -152,11 +147,10 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        num_preemptions = self.num_preemptions
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        # After a preemption the cache is full: admitting now would only preempt again.
-        if self.num_preemptions == num_preemptions:
-            self._schedule_waiting(output, budget)
+        # No admission can follow a preemption in the same step: the last victim heads the
+        # queue and needs at least the blocks it gave up, more than the preemptor left over.
+        self._schedule_waiting(output, budget)
         if output.scheduled:
             # Sent with this step; when nothing is scheduled no step is sent, so they wait.
             output.finished_seq_ids, self._finished_ids = self._finished_ids, []
@@ -227,7 +221,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
         if seq.on_worker:
             self._preempted_ids.append(seq.seq_id)
             seq.on_worker = False
