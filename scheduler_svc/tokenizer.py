@@ -10,19 +10,19 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | pathlib.Path) -> None:
-        path = pathlib.Path(model_dir)
-        if not path.is_dir():
-            # Otherwise from_pretrained would read the string as a hub repo id.
-            raise FileNotFoundError(f"tokenizer directory {path} does not exist")
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        self._backend = getattr(self.hf, "backend_tokenizer", None)
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase) -> None:
+        self.hf = hf_tokenizer
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         if self._backend is None:
-            raise ValueError(f"{path}: the tokenizer has no tokenizers backend (tokenizer.json); Qwen3 ships one")
+            raise ValueError(f"{type(hf_tokenizer).__name__} has no tokenizers backend (tokenizer.json); Qwen3 ships one")
+        # A tokenizer.json may carry truncation or padding settings, which would silently cut or pad
+        # prompts here; transformers resets them on each of its own calls, so clearing them is safe.
+        self._backend.no_truncation()
+        self._backend.no_padding()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text: only what the tokenizer's own post-processor adds (none for Qwen3),
@@ -36,3 +36,12 @@ class Tokenizer:
     def __len__(self) -> int:
         """Ids the tokenizer knows, added tokens included; may be below the model's vocab_size."""
         return len(self.hf)
+
+
+def load_tokenizer(model_dir: str | pathlib.Path) -> Tokenizer:
+    """The tokenizer of a model directory, from local files only: never a network call."""
+    path = pathlib.Path(model_dir)
+    if not path.is_dir():
+        # Otherwise from_pretrained would read the string as a hub repo id.
+        raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+    return Tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False))

@@ -23,7 +23,7 @@ class InvalidRequest(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class RequestLimits:
+class Limits:
     """Bounds on what one request may ask for, so that no client can make admission expensive."""
     max_prompt_bytes: int = 1 << 20          # UTF-8 bytes of a text prompt, checked before tokenizing
     max_stop_strings: int = 16
@@ -37,7 +37,7 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     tokenize: Callable[[str], list[int]],
-    limits: RequestLimits = RequestLimits(),
+    limits: Limits = Limits(),
 ) -> tuple[list[int], SamplingParams]:
     """Returns the prompt's token ids and the resolved sampling parameters, or raises InvalidRequest."""
     _check_request_id(req.request_id, limits)
@@ -53,7 +53,7 @@ def validate_request(
     return prompt, SamplingParams(max_tokens=min(requested, room), **sampling)
 
 
-def _check_request_id(request_id: str, limits: RequestLimits) -> None:
+def _check_request_id(request_id: str, limits: Limits) -> None:
     if len(request_id) > limits.max_request_id_len:
         raise InvalidRequest(
             "request_id",
@@ -67,7 +67,7 @@ def _check_request_id(request_id: str, limits: RequestLimits) -> None:
             )
 
 
-def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limits: RequestLimits) -> dict:
+def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limits: Limits) -> dict:
     """Every SamplingParams field except max_tokens, which depends on the prompt's length."""
     top_k = msg.top_k if msg.HasField("top_k") else 0
     if top_k < -1:
@@ -114,7 +114,7 @@ def _bounded_float(
     return value
 
 
-def _stop_strings(stops: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
+def _stop_strings(stops: Sequence[str], limits: Limits) -> tuple[str, ...]:
     if len(stops) > limits.max_stop_strings:
         raise InvalidRequest(
             "sampling.stop", f"sampling.stop has {len(stops)} strings, more than the limit of {limits.max_stop_strings}"
@@ -141,7 +141,7 @@ def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
 
 
 def _prompt_token_ids(
-    req: generation_pb2.GenerateRequest, vocab_size: int, tokenize: Callable[[str], list[int]], limits: RequestLimits
+    req: generation_pb2.GenerateRequest, vocab_size: int, tokenize: Callable[[str], list[int]], limits: Limits
 ) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:

@@ -1,21 +1,25 @@
-"""Incremental detokenizer against the reference: tokenizer.decode of all output ids at once.
+"""Tokenizer and incremental detokenizer against the references: transformers' own encode/decode, and
+the decode of all output ids at once.
 
 The tiny tokenizer is byte-level BPE, so random ids split UTF-8 characters almost always (nearly every
 random 20-id sequence decodes with a U+FFFD somewhere): exactly the case the hold-back exists for.
 """
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.detokenizer import PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.tokenizer import Tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir) -> Tokenizer:
-    return Tokenizer(tiny_model_dir)
+    return load_tokenizer(tiny_model_dir)
 
 
 def stream(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> list[str]:
@@ -88,6 +92,33 @@ def test_ids_beyond_the_tokenizer_decode_to_nothing(tokenizer):
     # A model's vocab_size may exceed the tokenizer's (Qwen3: 151936 vs 151669); random weights sample them.
     detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
     assert stream(detok, [[len(tokenizer) + 7], tokenizer.encode("ok")]) == ["", "ok"]
+
+
+@HYPOTHESIS
+@given(text=st.text(max_size=40))
+def test_encode_matches_transformers(tokenizer, text):
+    assert tokenizer.encode(text) == tokenizer.hf(text)["input_ids"]
+
+
+@HYPOTHESIS
+@given(ids=token_ids, skip=st.booleans())
+def test_decode_matches_transformers_without_space_cleanup(tokenizer, ids, skip):
+    assert tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.hf.decode(
+        ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+    )
+
+
+def test_truncation_in_tokenizer_json_does_not_cut_prompts(tiny_model_dir, tmp_path):
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    assert len(load_tokenizer(model).encode("The quick brown fox jumps over the lazy dog")) > 4
+
+
+def test_missing_directory_is_not_taken_for_a_hub_id(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer directory .* does not exist"):
+        load_tokenizer(tmp_path / "Qwen" / "Qwen3-0.6B")
 
 
 class CountingTokenizer:

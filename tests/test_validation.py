@@ -8,11 +8,11 @@ import pytest
 
 from common.pb.llm.v1 import generation_pb2 as pb
 from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.validation import InvalidRequest, RequestLimits, validate_request
+from scheduler_svc.validation import InvalidRequest, Limits, validate_request
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 128
-LIMITS = RequestLimits(max_prompt_bytes=100, max_stop_strings=2, max_stop_string_len=5, max_request_id_len=8)
+LIMITS = Limits(max_prompt_bytes=100, max_stop_strings=2, max_stop_string_len=5, max_request_id_len=8)
 
 
 def utf8_tokenize(text: str) -> list[int]:
@@ -167,6 +167,6 @@ def test_bad_sampling_is_refused_before_tokenizing():
 
 
 def test_default_limits_apply_when_none_are_given():
-    stops = ["s"] * (RequestLimits().max_stop_strings + 1)
-    with pytest.raises(InvalidRequest, match=f"more than the limit of {RequestLimits().max_stop_strings}"):
+    stops = ["s"] * (Limits().max_stop_strings + 1)
+    with pytest.raises(InvalidRequest, match=f"more than the limit of {Limits().max_stop_strings}"):
         validate_request(request(stop=stops), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, tokenize=utf8_tokenize)
