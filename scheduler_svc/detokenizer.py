@@ -6,6 +6,8 @@ push decodes a short window of ids: `prefix` (ids already emitted, kept as conte
 not yet emitted, and returns the part of the window's text that goes past the prefix's text. While the
 window's text ends in U+FFFD (an incomplete, or invalid, UTF-8 sequence), it is held back: the next
 token may complete the character. `flush()` returns what is still held when the sequence ends.
+The window is the last emitted piece's ids plus the held ones, so it grows only during a run of tokens
+that each leave the text ending in U+FFFD (as in vLLM, TGI and tokenizers' DecodeStream).
 
 Invariant (byte-level BPE, the Qwen3 tokenizer): the concatenation of every push and the flush equals
 `tokenizer.decode(output_ids)`. Without the flush, it equals that decode whenever the decode does not
