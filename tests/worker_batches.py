@@ -1,0 +1,52 @@
+"""Hand-built paged batches for the worker's model and attention tests.
+
+A request is described by its final context length and how many of those tokens it computes
+this step; its blocks are drawn at random from the cache, so no test relies on blocks being
+contiguous or ordered.
+"""
+from __future__ import annotations
+
+import torch
+
+from worker_svc.layers.attention.base import AttentionMetadata
+
+
+def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
+                        generator: torch.Generator) -> list[list[int]]:
+    """Distinct random blocks for each request, enough for its whole context."""
+    needed = [-(-s // block_size) for s in seq_lens]
+    assert sum(needed) <= num_blocks, "cache too small for the batch"
+    pool = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, start = [], 0
+    for n in needed:
+        tables.append(pool[start:start + n])
+        start += n
+    return tables
+
+
+def paged_metadata(block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+                   block_size: int) -> AttentionMetadata:
+    """Metadata for computing the last query_lens[i] tokens of request i's seq_lens[i]."""
+    slots = []
+    for table, seq_len, query_len in zip(block_tables, seq_lens, query_lens):
+        for pos in range(seq_len - query_len, seq_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    width = max(-(-s // block_size) for s in seq_lens)
+    padded = [table[:-(-s // block_size)] + [0] * (width - -(-s // block_size)) for table, s in zip(block_tables, seq_lens)]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(padded, dtype=torch.int32),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+
+
+def positions_of(seq_lens: list[int], query_lens: list[int]) -> torch.Tensor:
+    return torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)], dtype=torch.int64)
