@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import pathlib
+import shutil
 import threading
 
 import grpc
@@ -12,6 +14,7 @@ import pytest
 
 from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1 import generation_pb2_grpc as pb_grpc
+from tests.certs import make_ca_and_certs
 from tools.loadtest.__main__ import main
 
 VOCAB = 97
@@ -81,8 +84,9 @@ class FakeGeneration(pb_grpc.GenerationServicer):
 
 
 @contextlib.contextmanager
-def serving(servicer: FakeGeneration):
-    """Runs a grpc.aio server on its own event loop in a thread, since main() runs its own loop."""
+def serving(servicer: FakeGeneration, certs: pathlib.Path | None = None):
+    """Runs a grpc.aio server on its own event loop in a thread, since main() runs its own loop;
+    with certs (a tests.certs directory) it serves TLS only."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -90,7 +94,11 @@ def serving(servicer: FakeGeneration):
     async def start():
         server = grpc.aio.server()
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        if certs is None:
+            port = server.add_insecure_port("127.0.0.1:0")
+        else:
+            key_pair = ((certs / "server.key").read_bytes(), (certs / "server.pem").read_bytes())
+            port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([key_pair]))
         await server.start()
         return server, port
 
@@ -207,3 +215,16 @@ def test_missing_token_fails_before_sending(capsys):
         rc = main(["--target", target, "--num-prompts", "2"])
     assert rc == 2 and fake.calls == 0
     assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls_target_with_a_private_ca(tmp_path):
+    certs = make_ca_and_certs(tmp_path / "certs", names=("server",))
+    fake = FakeGeneration()
+    with serving(fake, certs) as target:
+        assert run_cli(target, "--tls-ca", str(certs / "ca.pem"), "--num-prompts", "2", "--output-len", "2",
+                       "--input-len", "4", "--disable-tqdm") == 0
+        assert fake.calls == 2
+        # The same server refuses a plaintext client before any request is made.
+        assert run_cli(target, "--num-prompts", "1", "--timeout", "5") == 2
+    assert fake.calls == 2

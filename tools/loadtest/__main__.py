@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     conn = ap.add_argument_group("connection")
     conn.add_argument("--target", default="127.0.0.1:50051", help="scheduler HOST:PORT")
     conn.add_argument("--token", help="sent as `authorization: Bearer TOKEN` metadata")
+    conn.add_argument("--tls-ca", type=pathlib.Path, help="PEM root certificates: connect with TLS and verify the server")
     conn.add_argument("--timeout", type=float, help="per-request deadline in seconds (default: none)")
     data = ap.add_argument_group("dataset")
     data.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random")
@@ -107,11 +108,17 @@ def _settings(args: argparse.Namespace, info: pb.ModelInfo) -> dict:
     return {**given, "server": model}
 
 
+def open_channel(target: str, tls_ca: pathlib.Path | None) -> grpc.aio.Channel:
+    if tls_ca is None:
+        return grpc.aio.insecure_channel(target)
+    return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes()))
+
+
 async def run_load_test(args: argparse.Namespace) -> int:
     rates = args.sweep or [args.request_rate]
     session = uuid.uuid4().hex[:8]  # request ids stay unique when several load tests share a server
     show_progress = not args.disable_tqdm
-    async with grpc.aio.insecure_channel(args.target) as channel:
+    async with open_channel(args.target, args.tls_ca) as channel:
         client = LoadClient(channel, timeout_s=args.timeout, token=args.token)
         try:
             info = await client.model_info()
