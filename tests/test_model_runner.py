@@ -1,0 +1,195 @@
+"""ModelRunner driven step by step as the scheduler would: greedy generation equals
+transformers' generate token for token through chunked prefill, prefix-cache hits, decodes and
+growing block tables; seeded sampling survives preemption; bad steps are refused untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.pb.llm.worker.v1 import worker_pb2 as pb
+from tests.hf_reference import hf_greedy, hf_model
+from worker_svc.config import WorkerConfig
+from worker_svc.model_runner import ModelRunner, StaleMirrorError
+
+BLOCK_SIZE = 16
+GREEDY = pb.SamplingOptions(temperature=0.0)
+
+
+class Driver:
+    """A scheduler in miniature: hands out blocks, tracks every sequence, builds the messages."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.free_blocks = list(range(runner.num_kv_blocks))
+        self.tokens: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.step_id = 0
+
+    def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
+        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
+        fresh = [self.free_blocks.pop(0) for _ in range(max(needed, 0))]
+        self.blocks[seq_id] += fresh
+        return fresh
+
+    def new(self, seq_id: int, token_ids: list[int], num_scheduled: int, sampling=GREEDY, *,
+            num_prompt: int | None = None, cached_prefix_blocks: list[int] = ()) -> pb.NewRequest:
+        self.tokens[seq_id] = list(token_ids)
+        self.blocks[seq_id] = list(cached_prefix_blocks)
+        self.computed[seq_id] = len(cached_prefix_blocks) * BLOCK_SIZE
+        self._grow(seq_id, self.computed[seq_id] + num_scheduled)
+        return pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=num_prompt or len(token_ids),
+                             num_computed_tokens=self.computed[seq_id], num_scheduled_tokens=num_scheduled,
+                             block_ids=self.blocks[seq_id], sampling=sampling)
+
+    def cached(self, seq_id: int, num_scheduled: int = 1) -> pb.CachedRequest:
+        fresh = self._grow(seq_id, self.computed[seq_id] + num_scheduled)
+        return pb.CachedRequest(seq_id=seq_id, num_scheduled_tokens=num_scheduled, new_block_ids=fresh)
+
+    def step(self, new=(), cached=(), finished=()) -> dict[int, int]:
+        self.step_id += 1
+        response = self.runner.step(pb.StepRequest(step_id=self.step_id, new_requests=new,
+                                                   cached_requests=cached, finished_seq_ids=finished))
+        assert response.step_id == self.step_id
+        for request in [*new, *cached]:
+            self.computed[request.seq_id] += request.num_scheduled_tokens
+        sampled = {s.seq_id: s.token_id for s in response.sampled}
+        for seq_id, token in sampled.items():
+            self.tokens[seq_id].append(token)
+        return sampled
+
+    def forget(self, seq_id: int) -> None:
+        self.free_blocks += self.blocks.pop(seq_id)
+        del self.tokens[seq_id], self.computed[seq_id]
+
+
+def make_runner(model_dir, **overrides) -> ModelRunner:
+    settings = {"num_kv_blocks": 64, "block_size": BLOCK_SIZE} | overrides
+    return ModelRunner(WorkerConfig(model=str(model_dir), **settings))
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_greedy_generation_equals_transformers(tiny_model_dir):
+    d = Driver(make_runner(tiny_model_dir))
+    a, b = prompt(1, 37), prompt(2, 11)
+    c = a[:32] + prompt(3, 6)       # shares a's first two full blocks: a prefix-cache hit
+    num_new = 10
+
+    # Step 1: a's first chunk (mid-prompt: samples nothing) with b's whole prompt.
+    assert set(d.step(new=[d.new(1, a, 20), d.new(2, b, 11)])) == {2}
+    # Step 2: the rest of a's prompt over its cached chunk, b decodes.
+    assert set(d.step(cached=[d.cached(1, 17), d.cached(2)])) == {1, 2}
+    # Step 3: c arrives with 32 tokens already cached (a's blocks), a and b decode.
+    sampled = d.step(new=[d.new(3, c, 6, cached_prefix_blocks=d.blocks[1][:2])], cached=[d.cached(1), d.cached(2)])
+    assert set(sampled) == {1, 2, 3}
+    for _ in range(num_new - 1):
+        d.step(cached=[d.cached(s) for s in (1, 2, 3)])
+    for seq_id, p in [(1, a), (2, b), (3, c)]:
+        assert d.tokens[seq_id][len(p):][:num_new] == hf_greedy(tiny_model_dir, p, num_new), f"sequence {seq_id}"
+    assert len(d.blocks[2]) == 2   # b grew into a second block while decoding
+
+
+def test_repetition_penalty_equals_transformers(tiny_model_dir):
+    d = Driver(make_runner(tiny_model_dir))
+    p = prompt(4, 9)
+    options = pb.SamplingOptions(temperature=0.0, repetition_penalty=1.8)
+    d.step(new=[d.new(1, p, 9, options)])
+    for _ in range(11):
+        d.step(cached=[d.cached(1)])
+    ids = torch.tensor([p])
+    with torch.inference_mode():
+        expected = hf_model(tiny_model_dir).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, repetition_penalty=1.8,
+            max_new_tokens=12, min_new_tokens=12, pad_token_id=0)[0, 9:].tolist()
+    assert d.tokens[1][9:] == expected
+
+
+def test_seeded_sampling_survives_preemption_and_batch_changes(tiny_model_dir):
+    options = pb.SamplingOptions(temperature=1.0, top_k=40, seed=1234, frequency_penalty=0.5, logprobs=True)
+    p = prompt(5, 21)
+
+    alone = Driver(make_runner(tiny_model_dir, seed=1))
+    alone.step(new=[alone.new(7, p, 21, options)])
+    for _ in range(9):
+        alone.step(cached=[alone.cached(7)])
+    reference = alone.tokens[7][21:]
+
+    d = Driver(make_runner(tiny_model_dir, seed=2))
+    d.step(new=[d.new(7, p, 21, options), d.new(8, prompt(6, 5), 5, pb.SamplingOptions(temperature=1.0))])
+    for _ in range(3):
+        d.step(cached=[d.cached(7), d.cached(8)])
+    # Preempted: the worker drops it; later it comes back with its outputs, recomputed in two chunks.
+    so_far = d.tokens[7]
+    d.forget(7)
+    d.step(cached=[d.cached(8)], finished=[7])
+    assert 7 not in d.runner.mirror
+    d.step(new=[d.new(7, so_far, 16, options, num_prompt=21)], cached=[d.cached(8)])
+    d.step(cached=[d.cached(7, len(so_far) - 16), d.cached(8)])
+    while len(d.tokens[7]) < 31:
+        d.step(cached=[d.cached(7)])
+    assert d.tokens[7][21:] == reference
+
+
+def test_logprobs_are_returned_when_asked(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    p = prompt(8, 12)
+    d.step(new=[d.new(1, p, 12, pb.SamplingOptions(temperature=0.0, logprobs=True))])
+    response = runner.step(pb.StepRequest(step_id=99, cached_requests=[d.cached(1)]))
+    with torch.inference_mode():
+        logits = hf_model(tiny_model_dir)(torch.tensor([d.tokens[1]])).logits[0, -1]
+    [s] = response.sampled
+    assert s.token_id == int(logits.argmax())
+    assert s.logprob == pytest.approx(float(logits.log_softmax(-1).max()), abs=1e-4)
+    assert response.timings.total_ms >= response.timings.forward_ms > 0
+
+
+def test_bad_steps_are_refused_and_change_nothing(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    p = prompt(9, 10)
+    d.step(new=[d.new(1, p, 10)])
+    before = (list(runner.mirror[1].token_ids), runner.mirror[1].num_computed_tokens, runner.mirror[1].num_blocks)
+
+    def refused(error, match, **step):
+        with pytest.raises(error, match=match):
+            runner.step(pb.StepRequest(step_id=50, **step))
+
+    fresh = pb.NewRequest(seq_id=2, token_ids=[5, 6, 7], num_prompt_tokens=3, num_scheduled_tokens=3,
+                          block_ids=[60], sampling=GREEDY)
+    refused(StaleMirrorError, "not running", new_requests=[fresh], cached_requests=[pb.CachedRequest(seq_id=42, num_scheduled_tokens=1)])
+    refused(StaleMirrorError, "already running", new_requests=[pb.NewRequest(seq_id=1, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[61])])
+    refused(ValueError, "past the known tokens", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=2)])
+    refused(ValueError, "out of range", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1, new_block_ids=[64])])
+    refused(ValueError, "cannot hold", new_requests=[pb.NewRequest(seq_id=3, token_ids=list(range(20)), num_prompt_tokens=20, num_scheduled_tokens=20, block_ids=[62])])
+    refused(ValueError, "vocab_size", new_requests=[pb.NewRequest(seq_id=3, token_ids=[512], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62])])
+    refused(ValueError, "top_p", new_requests=[pb.NewRequest(seq_id=3, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62], sampling=pb.SamplingOptions(top_p=2))])
+    refused(ValueError, "listed twice", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1)] * 2)
+    refused(ValueError, "num_scheduled_tokens is 0", cached_requests=[pb.CachedRequest(seq_id=1)])
+    assert 2 not in runner.mirror and 3 not in runner.mirror
+    after = (list(runner.mirror[1].token_ids), runner.mirror[1].num_computed_tokens, runner.mirror[1].num_blocks)
+    assert after == before
+    d.step(cached=[d.cached(1)])     # and the request carries on
+    assert d.tokens[1][10:] == hf_greedy(tiny_model_dir, p, 2)
+
+
+def test_describe_reset_and_cache_sizing(tiny_model_dir):
+    runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), max_model_len=100_000))
+    info = runner.describe()
+    assert (info.model, info.vocab_size, info.max_model_len, info.block_size) == ("tiny-qwen3", 512, 4096, 16)
+    assert (info.device, info.attention_backend, info.dtype, info.world_size) == ("cpu", "torch", "float32", 1)
+    assert info.num_kv_blocks == 4096   # the capped CPU default: 1 GiB would be 65536 tiny blocks
+    assert info.instance_id and info.instance_id != make_runner(tiny_model_dir).describe().instance_id
+    sized = make_runner(tiny_model_dir, num_kv_blocks=None, kv_cache_memory_gb=1 / 1024, max_model_len=256)
+    # 1 MiB / (2 * 2 layers * 16 tokens * 2 kv heads * 32 dims * 4 bytes)
+    assert (sized.num_kv_blocks, sized.max_model_len) == (64, 256)
+
+    d = Driver(runner)
+    d.step(new=[d.new(1, prompt(10, 5), 5), d.new(2, prompt(11, 7), 7)])
+    runner.reset()
+    assert len(runner.mirror) == 0
+    with pytest.raises(StaleMirrorError):
+        runner.step(pb.StepRequest(step_id=1, cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1)]))
