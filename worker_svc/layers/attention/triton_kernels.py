@@ -20,17 +20,26 @@ be contiguous.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
-# Rows of a prefill tile: (query token, head in group) pairs.
-PREFILL_TILE_ROWS = 64
-# Keys per inner-loop iteration; independent of the cache's block size (each key looks up its
-# own block), so any block size works.
-KV_TILE = 64
+
+
+@dataclass
+class LaunchConfig:
+    tile_rows: int   # rows of a query tile: (query token, head in group) pairs; at least 16 (tl.dot)
+    kv_tile: int     # keys per inner-loop step; any cache block size works (each key finds its block)
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on an H200 with bench/attention_microbench.py (docs/PERF_NOTES.md).
+DECODE_LAUNCH = LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=3)
+PREFILL_LAUNCH = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
 # Split-K is sized to give the GPU about this many programs per multiprocessor.
 PROGRAMS_PER_SM = 2
 MAX_DECODE_SPLITS = 64
@@ -248,10 +257,12 @@ def paged_attention(
     group_pad = _pow2(group)
     if pure_decode:
         assert num_tokens == num_requests
+        launch = DECODE_LAUNCH
         block_q = 1
         num_tiles = num_requests
     else:
-        block_q = max(1, PREFILL_TILE_ROWS // group_pad)
+        launch = PREFILL_LAUNCH
+        block_q = max(1, launch.tile_rows // group_pad)
         num_tiles = num_tokens // block_q + num_requests  # upper bound, see _find_request
     if num_splits is None:
         num_splits = decode_num_splits(num_requests, num_kv_heads, q.device) if pure_decode else 1
@@ -270,11 +281,11 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=block_q, TILE_ROWS=max(16, block_q * group_pad), KV_TILE=KV_TILE,
+        BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits, PURE_DECODE=pure_decode,
         # float32 caches (CPU-style tests, debugging) get exact products, not tf32.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -1,0 +1,110 @@
+"""CUDA graphs for pure-decode steps.
+
+A decode step of a small model is dozens of short kernels per layer; launching them one by one
+from Python costs more than running them. So the model's forward is captured once per padded
+batch size (1, 2, 4, 8, then every multiple of 16) and a decode step replays the smallest graph
+that fits: its inputs are copied into static buffers, the padding rows are made inert (slot -1:
+their K/V are not stored; seq_len 0: they attend to nothing), and the graph runs.
+
+Only backends whose pure-decode path reads lengths from device tensors can be captured (they say
+so with `supports_cuda_graphs = True`); a backend that reads AttentionMetadata's host lists
+would replay the lengths it saw at capture time.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+import torch
+
+from worker_svc.layers.attention.base import AttentionMetadata
+
+# Beyond this many requests a decode step is dominated by its matmuls and attention, not by
+# launch overhead, and the graphs' static buffers would only grow.
+MAX_GRAPH_BATCH_SIZE = 512
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """Padded batch sizes to capture: 1, 2, 4, 8, 16, 32, 48, ... up to max_batch_size, which is
+    always included so every batch the scheduler may send has a graph."""
+    cap = min(max_batch_size, MAX_GRAPH_BATCH_SIZE)
+    sizes = [s for s in (1, 2, 4, 8) if s < cap] + list(range(16, cap, 16))
+    return sizes + [cap]
+
+
+class DecodeGraphs:
+    """Captured forwards for pure-decode batches of up to `max_batch_size` requests.
+
+    `forward(input_ids, positions, meta)` must return a fresh [num_tokens, ...] tensor (hidden
+    states) and must only read the metadata's device tensors. Capture happens in the
+    constructor, after the KV cache is allocated and bound (the graphs read its addresses)."""
+
+    def __init__(self, forward: Forward, *, max_batch_size: int, max_blocks_per_seq: int,
+                 max_model_len: int, device: torch.device) -> None:
+        self.forward = forward
+        self.batch_sizes = graph_batch_sizes(max_batch_size)
+        self.max_model_len = max_model_len
+        largest = self.batch_sizes[-1]
+        with torch.device(device):
+            self.input_ids = torch.zeros(largest, dtype=torch.int64)
+            self.positions = torch.zeros(largest, dtype=torch.int64)
+            self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64)
+            self.seq_lens = torch.zeros(largest, dtype=torch.int32)
+            self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32)
+            # One query token per request, so the offsets never change.
+            self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32)
+        self.outputs: torch.Tensor | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._capture_all()
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return meta.is_pure_decode and meta.seq_lens.shape[0] <= self.batch_sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The forward's output for this decode batch. The returned tensor is a view of a static
+        buffer: read it before the next run."""
+        n = input_ids.shape[0]
+        padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:padded].fill_(-1)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.seq_lens[n:padded].zero_()
+        # Columns past a request's last block keep stale ids: nothing reads past seq_len.
+        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.graphs[padded].replay()
+        return self.outputs[:n]
+
+    def _static_meta(self, batch_size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch_size],
+            query_start_loc=self.query_start_loc[:batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            # Host facts hold for every replay only as bounds; graph-safe backends ignore them.
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * batch_size,
+            seq_lens_cpu=[self.max_model_len] * batch_size,
+        )
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: the smaller graphs then fit in the memory the largest already took.
+        for batch_size in reversed(self.batch_sizes):
+            args = (self.input_ids[:batch_size], self.positions[:batch_size], self._static_meta(batch_size))
+            # Eager warm-up: compiles this shape's kernels (Triton JIT, cuBLAS plans) outside
+            # the capture. Its slots are all -1, so the KV cache is left untouched.
+            warm = self.forward(*args)
+            if self.outputs is None:
+                self.outputs = torch.empty((self.batch_sizes[-1], *warm.shape[1:]), dtype=warm.dtype,
+                                           device=warm.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[:batch_size] = self.forward(*args)
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
