@@ -8,13 +8,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from common.tiny_model import write_tiny_qwen3
 from tests.worker_batches import paged_metadata, positions_of, random_block_tables
 from worker_svc import kv_cache
 from worker_svc.layers.attention import TorchAttentionBackend
 from worker_svc.loader import init_dummy_weights, load_safetensors
+from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import Qwen3ForCausalLM
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
@@ -31,11 +32,11 @@ def checkpoint(request, tmp_path_factory):
 
 
 def build_model(model_dir) -> Qwen3ForCausalLM:
-    config = AutoConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     model = Qwen3ForCausalLM(config, TorchAttentionBackend()).eval()
     load_safetensors(model, model_dir)
-    kv_cache.allocate_kv_cache(model, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads,
-                               model.model.layers[0].self_attn.head_dim, torch.float32, torch.device("cpu"))
+    kv_cache.allocate_kv_cache(model, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim,
+                               torch.float32, torch.device("cpu"))
     return model
 
 
@@ -91,6 +92,35 @@ def test_batch_mixing_decodes_and_prefill_chunks(checkpoint):
         torch.testing.assert_close(out, exp[-query_len:], atol=1e-4, rtol=1e-4)
 
 
+def rewrite_config(src, dst, edit) -> None:
+    """dst gets src's weights and an edited copy of its config.json."""
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    dst.mkdir(exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+
+
+def old_style_rope(config: dict) -> None:
+    """transformers 4 wrote rope_theta at the top level (and rope_scaling beside it)."""
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["rope_scaling"] = None
+
+
+def yarn_rope(config: dict) -> None:
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("edit", [old_style_rope, yarn_rope])
+def test_rope_configurations(edit, tmp_path, tiny_model_dir):
+    rewrite_config(tiny_model_dir, tmp_path, edit)
+    prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    tables = random_block_tables([40], BLOCK_SIZE, NUM_BLOCKS, torch.Generator().manual_seed(4))
+    [logits] = run_chunks(build_model(tmp_path), tables, [40], [40], [prompt])
+    torch.testing.assert_close(logits, reference_logits(tmp_path, prompt), atol=1e-4, rtol=1e-4)
+
+
 def test_loads_sharded_checkpoints(tmp_path, tiny_model_dir):
     """A checkpoint split over two files with an index, as large models ship, loads the same."""
     tensors = load_file(tiny_model_dir / "model.safetensors")
@@ -116,7 +146,7 @@ def test_missing_weights_fail_loudly(tmp_path, tiny_model_dir):
 
 
 def test_dummy_weights_are_seeded_and_finite(tiny_model_dir):
-    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config = load_model_config(tiny_model_dir)
     models = [Qwen3ForCausalLM(config, TorchAttentionBackend()) for _ in range(3)]
     for model, seed in zip(models, [5, 5, 6]):
         init_dummy_weights(model, seed)

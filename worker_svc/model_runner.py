@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoConfig
 
 from common.model_dir import read_model_facts
 from common.pb.llm.worker.v1 import worker_pb2
@@ -20,6 +19,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.layers.attention import AttentionMetadata, get_attention_backend
 from worker_svc.layers.sampler import Sampler, SamplingOptions
 from worker_svc.loader import init_dummy_weights, load_safetensors
+from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
 from worker_svc.parallel_state import get_tp_rank, get_tp_size
 from worker_svc.request_state import RequestMirror, RequestState
@@ -55,12 +55,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, model_config) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cpu":
         return torch.float32    # CPU half-precision matmuls are slow and the reference is float32
-    checkpoint = getattr(hf_config, "dtype", None) or torch.bfloat16
+    checkpoint = getattr(model_config, "dtype", None) or torch.bfloat16
     return getattr(torch, checkpoint) if isinstance(checkpoint, str) else checkpoint
 
 
@@ -72,26 +72,23 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         model_dir = pathlib.Path(config.model)
         self.model_name = read_model_facts(model_dir).name
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        if hf_config.model_type != "qwen3":
-            raise ValueError(f"{model_dir}: model_type {hf_config.model_type!r} is not qwen3")
-        self.hf_config = hf_config
-        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        self.model_config = model_config = load_model_config(model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.block_size = config.block_size or (
             _FLASH_ATTN_BLOCK_SIZE if self.backend.name == "flash_attn" else _DEFAULT_BLOCK_SIZE
         )
-        self.max_model_len = min(config.max_model_len or hf_config.max_position_embeddings,
-                                 hf_config.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.vocab_size = hf_config.vocab_size
-        self.num_kv_heads = hf_config.num_key_value_heads // get_tp_size()
-        self.head_dim = head_dim_of(hf_config)
+        self.vocab_size = model_config.vocab_size
+        self.num_kv_heads = model_config.num_key_value_heads // get_tp_size()
+        self.head_dim = head_dim_of(model_config)
 
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = Qwen3ForCausalLM(hf_config, self.backend, self.max_model_len).eval()
+            self.model = Qwen3ForCausalLM(model_config, self.backend, self.max_model_len).eval()
         if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed, std=getattr(hf_config, "initializer_range", 0.02))
+            init_dummy_weights(self.model, config.seed, std=model_config.initializer_range)
         else:
             load_safetensors(self.model, model_dir)
         self.sampler = Sampler(self.vocab_size, self.device, config.seed)
@@ -302,7 +299,7 @@ class ModelRunner:
 
     def _size_kv_cache(self) -> int:
         config = self.config
-        per_block = kv_cache.block_bytes(self.hf_config.num_hidden_layers, self.block_size, self.num_kv_heads,
+        per_block = kv_cache.block_bytes(self.model_config.num_hidden_layers, self.block_size, self.num_kv_heads,
                                          self.head_dim, self.dtype)
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks

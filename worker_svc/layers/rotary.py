@@ -19,7 +19,8 @@ def rope_settings(config) -> dict:
 
 
 def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2] float32, scale applied to cos and sin)."""
+    """(inv_freq [head_dim / 2] float32, scale applied to cos and sin). `config` is a
+    transformers config or worker_svc.model_config's namespace."""
     params = rope_settings(config)
     rope_type = params["rope_type"]
     if rope_type == "default":
@@ -27,9 +28,11 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     if rope_type in _STATIC_SCALED_ROPE:
         # The scaled variants' formulas are transformers' own; reuse them rather than re-derive.
+        from transformers import Qwen3Config
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        hf_config = Qwen3Config(**config.raw) if hasattr(config, "raw") else config
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         return inv_freq.float(), float(attention_scaling)
     raise ValueError(f"unsupported rope_type {rope_type!r}: supported are default and {', '.join(_STATIC_SCALED_ROPE)}")
 
