@@ -115,7 +115,8 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, cached_block_ids: list[int], num_tokens: int) -> bool:
         """Admits seq: reuses cached_block_ids (from match_prefix) and adds fresh blocks so
-        that num_tokens slots exist. All or nothing; False when the blocks are not there."""
+        that num_tokens slots exist. All or nothing; False when the blocks are not there.
+        The hit counters count every admission, re-admissions after preemption included."""
         if seq.block_table:
             raise RuntimeError(f"{seq} already holds blocks")
         num_fresh = self.blocks_for(num_tokens) - len(cached_block_ids)

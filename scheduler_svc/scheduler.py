@@ -148,8 +148,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        # No admission can follow a preemption in the same step: the last victim heads the
-        # queue and needs at least the blocks it gave up, more than the preemptor left over.
+        # Preempted requests head the queue. One comes back in this same step only when
+        # others still hold its prefix blocks; the worker drops the old mirror first.
         self._schedule_waiting(output, budget)
         if output.scheduled:
             # Sent with this step; when nothing is scheduled no step is sent, so they wait.

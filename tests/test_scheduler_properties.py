@@ -20,7 +20,7 @@ from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.step_message import build_step_request
 
 EOS = 0
-VOCAB = range(5)          # few token ids: prompts share prefixes often
+VOCAB = range(6)          # few token ids: prompts share prefixes often
 LOST = "lost"             # what a slot holds after the worker restarted
 
 
@@ -84,7 +84,7 @@ class FakeWorker:
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 4),
-                budget=st.integers(1, 12), max_num_seqs=st.integers(1, 4),
+                budget=st.integers(1, 12), max_num_seqs=st.integers(1, 6),
                 threshold=st.integers(0, 3))
     def setup(self, num_blocks, block_size, budget, max_num_seqs, threshold):
         self.block_size = block_size
@@ -103,7 +103,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         return [s for s in self.seqs if not s.is_finished]
 
     @rule(base=st.integers(0, 100), suffix=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=9),
-          max_tokens=st.integers(1, 6), min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
+          max_tokens=st.integers(1, 12), min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
           stop_token_ids=st.lists(st.sampled_from(VOCAB), max_size=1))
     def add(self, base, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids):
         # Often continue a known sequence (prompt and output), so prefix hits are common.
@@ -146,26 +146,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             h = hash_block(h, seq.token_ids[end - bs:end])
             self.prefix_by_hash[h] = tuple(seq.token_ids[:end])
 
-    @rule(seed=st.integers(0, 2**32), abort_in_flight=st.none() | st.integers(0, 10))
-    def step(self, seed, abort_in_flight):
-        self.run_step(seed, abort_in_flight)
+    @rule(seed=st.integers(0, 2**32), num_steps=st.integers(1, 4),
+          abort_in_flight=st.none() | st.integers(0, 10))
+    def step(self, seed, num_steps, abort_in_flight):
+        for i in range(num_steps):
+            self.run_step(seed + i, abort_in_flight if i == 0 else None)
 
+    # One rule for the rarer events, so that steps and arrivals make up most of a run.
     @precondition(lambda self: self.unfinished)
-    @rule(index=st.integers(0, 100))
-    def abort(self, index):
-        seq = self.unfinished[index % len(self.unfinished)]
-        assert self.sched.abort(seq.seq_id) is seq and seq.is_finished
-
-    @precondition(lambda self: self.sched.running)
-    @rule(index=st.integers(0, 100))
-    def finish_on_stop_string(self, index):
-        seq = self.sched.running[index % self.sched.num_running]
-        assert self.sched.finish(seq.seq_id) is seq
-
-    @rule()
-    def worker_restart(self):
-        self.sched.reset_all_worker_state()
-        self.worker.reset()
+    @rule(kind=st.sampled_from(["abort", "stop_string", "worker_restart"]), index=st.integers(0, 100))
+    def disrupt(self, kind, index):
+        if kind == "abort":
+            seq = self.unfinished[index % len(self.unfinished)]
+            assert self.sched.abort(seq.seq_id) is seq and seq.is_finished
+        elif kind == "stop_string" and self.sched.running:
+            seq = self.sched.running[index % self.sched.num_running]
+            assert self.sched.finish(seq.seq_id) is seq
+        elif kind == "worker_restart":
+            self.sched.reset_all_worker_state()
+            self.worker.reset()
 
     @rule(seed=st.integers(0, 2**32))
     def drain(self, seed):
@@ -210,5 +209,5 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.block_table == [] and seq.num_computed_tokens == 0
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestSchedulerMachine = SchedulerMachine.TestCase
