@@ -6,13 +6,20 @@ the service name `worker` one A record per replica (`docker compose up --scale w
 a Kubernetes headless service does per pod. Any other item (host:port, unix:PATH, ...) is kept
 as written; gRPC resolves it when it connects, to one server.
 
-    resolve_worker_addresses("dns:///worker:50061")        -> ["172.18.0.3:50061", "172.18.0.4:50061"]
+A replica is named by its own DNS name where it has one (Docker answers the reverse lookup of a
+container's address with the container's name): a restarted container gets a new address, and
+gRPC re-resolves a name when it reconnects, while an address would go stale.
+
+    resolve_worker_addresses("dns:///worker:50061")
+        -> ["proj-worker-1.proj_default:50061", "proj-worker-2.proj_default:50061"]
     resolve_worker_addresses("10.0.0.5:50061,unix:/w.sock") -> ["10.0.0.5:50061", "unix:/w.sock"]
 """
 from __future__ import annotations
 
 import ipaddress
 import socket
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 DNS_SCHEME = "dns:"
 
@@ -22,9 +29,10 @@ class WorkerDiscoveryError(ValueError):
 
 
 def resolve_worker_addresses(spec: str) -> list[str]:
-    """Expands every dns: item of `spec` into the addresses its name has now, in a stable
-    order (sorted, so each replica lands in the same place of the list whatever order the DNS
-    server answers in), and returns them with the other items, in the order of `spec`."""
+    """Expands every dns: item of `spec` into one address per server its name resolves to now
+    (the server's own name where it has one, else its IP), ordered by IP so the list does not
+    depend on the order the DNS server answers in, and returns them with the other items, in
+    the order of `spec`, each address once."""
     addresses: list[str] = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
@@ -46,13 +54,42 @@ def _resolve_dns_item(item: str) -> list[str]:
         if authority:
             raise WorkerDiscoveryError(f"{item!r}: a DNS server in the address is not supported; use dns:///HOST:PORT")
     host, port = _split_host_port(item, target)
+    ips = _lookup(host, port)
+    if _is_ip_literal(host):
+        return [_join(str(ips[0]), port)]
+    return [_join(_own_name(ip, port) or str(ip), port) for ip in ips]
+
+
+def _lookup(host: str, port: int) -> list[IPAddress]:
+    """The addresses `host` resolves to, sorted (IPv4 first) so the order does not depend on
+    the order the DNS server answers in."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as err:
-        raise WorkerDiscoveryError(f"{item!r}: cannot resolve {host!r}: {err.strerror}") from err
-    ips = sorted({ipaddress.ip_address(info[4][0]) for info in infos},
-                 key=lambda ip: (ip.version, ip))
-    return [f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}" for ip in ips]
+        raise WorkerDiscoveryError(f"cannot resolve {host!r}: {err.strerror}") from err
+    return sorted({ipaddress.ip_address(info[4][0]) for info in infos}, key=lambda ip: (ip.version, ip))
+
+
+def _own_name(ip: IPAddress, port: int) -> str | None:
+    """The name the reverse lookup of `ip` gives, if that name resolves to `ip` alone (so it
+    names this one replica, not a group)."""
+    try:
+        name = socket.gethostbyaddr(str(ip))[0]
+        return name if _lookup(name, port) == [ip] else None
+    except (OSError, WorkerDiscoveryError):
+        return None
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _split_host_port(item: str, target: str) -> tuple[str, int]:

@@ -26,8 +26,10 @@ init-model)
     # checkpoint and an interrupted write leaves nothing behind that looks like a model.
     tmp=$(mktemp -d "$(dirname "$MODEL_DIR")/.tiny-qwen3.XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
-    python -m common.tiny_model --out "$tmp" --seed "${TINY_MODEL_SEED:-0}" "$@"
+    python -m common.tiny_model --out "$tmp" --seed "${TINY_MODEL_SEED:-0}" "$@" >/dev/null
+    chmod -R a+rX "$tmp"
     mv -T "$tmp" "$MODEL_DIR"
+    echo "wrote the tiny Qwen3 checkpoint to $MODEL_DIR"
     ;;
 worker)
     flag device "${DEVICE:-}"
