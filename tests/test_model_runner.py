@@ -9,7 +9,7 @@ import torch
 from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.hf_reference import hf_greedy, hf_model
 from worker_svc.config import WorkerConfig
-from worker_svc.model_runner import ModelRunner, StaleMirrorError
+from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
 
 BLOCK_SIZE = 16
 GREEDY = pb.SamplingOptions(temperature=0.0)
@@ -20,7 +20,7 @@ class Driver:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.free_blocks = list(range(runner.num_kv_blocks))
+        self.free_blocks = list(range(runner.num_kv_blocks))[::-1]   # pop() hands out 0, 1, ...
         self.tokens: dict[int, list[int]] = {}
         self.blocks: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
@@ -28,7 +28,7 @@ class Driver:
 
     def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
         needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
-        fresh = [self.free_blocks.pop(0) for _ in range(max(needed, 0))]
+        fresh = [self.free_blocks.pop() for _ in range(max(needed, 0))]
         self.blocks[seq_id] += fresh
         return fresh
 
@@ -162,13 +162,13 @@ def test_bad_steps_are_refused_and_change_nothing(tiny_model_dir):
                           block_ids=[60], sampling=GREEDY)
     refused(StaleMirrorError, "not running", new_requests=[fresh], cached_requests=[pb.CachedRequest(seq_id=42, num_scheduled_tokens=1)])
     refused(StaleMirrorError, "already running", new_requests=[pb.NewRequest(seq_id=1, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[61])])
-    refused(ValueError, "past the known tokens", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=2)])
-    refused(ValueError, "out of range", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1, new_block_ids=[64])])
-    refused(ValueError, "cannot hold", new_requests=[pb.NewRequest(seq_id=3, token_ids=list(range(20)), num_prompt_tokens=20, num_scheduled_tokens=20, block_ids=[62])])
-    refused(ValueError, "vocab_size", new_requests=[pb.NewRequest(seq_id=3, token_ids=[512], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62])])
-    refused(ValueError, "top_p", new_requests=[pb.NewRequest(seq_id=3, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62], sampling=pb.SamplingOptions(top_p=2))])
-    refused(ValueError, "listed twice", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1)] * 2)
-    refused(ValueError, "num_scheduled_tokens is 0", cached_requests=[pb.CachedRequest(seq_id=1)])
+    refused(InvalidStepError, "past the known tokens", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=2)])
+    refused(InvalidStepError, "out of range", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1, new_block_ids=[64])])
+    refused(InvalidStepError, "cannot hold", new_requests=[pb.NewRequest(seq_id=3, token_ids=list(range(20)), num_prompt_tokens=20, num_scheduled_tokens=20, block_ids=[62])])
+    refused(InvalidStepError, "vocab_size", new_requests=[pb.NewRequest(seq_id=3, token_ids=[512], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62])])
+    refused(InvalidStepError, "top_p", new_requests=[pb.NewRequest(seq_id=3, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62], sampling=pb.SamplingOptions(top_p=2))])
+    refused(InvalidStepError, "listed twice", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1)] * 2)
+    refused(InvalidStepError, "num_scheduled_tokens is 0", cached_requests=[pb.CachedRequest(seq_id=1)])
     assert 2 not in runner.mirror and 3 not in runner.mirror
     after = (list(runner.mirror[1].token_ids), runner.mirror[1].num_computed_tokens, runner.mirror[1].num_blocks)
     assert after == before

@@ -27,7 +27,11 @@ from worker_svc.request_state import RequestMirror, RequestState
 logger = logging.getLogger(__name__)
 
 
-class StaleMirrorError(ValueError):
+class InvalidStepError(ValueError):
+    """The step contradicts itself or the worker's limits; nothing was changed."""
+
+
+class StaleMirrorError(InvalidStepError):
     """The step names requests this worker does not hold (or already holds): its mirror and the
     scheduler's view differ, e.g. after a worker restart. The scheduler should re-send them."""
 
@@ -93,9 +97,11 @@ class ModelRunner:
             load_safetensors(self.model, model_dir)
         self.sampler = Sampler(self.vocab_size, self.device, config.seed)
         self.mirror = RequestMirror(self.max_blocks_per_seq)
+        self.decode_graphs = None   # captured below, once the KV cache they read exists
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
                                                    self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self.decode_graphs = self._capture_decode_graphs()
         self.instance_id = uuid.uuid4().hex
         logger.info(
             "model %s on %s (%s, attention %s): %d KV blocks of %d tokens, max_model_len %d",
@@ -121,7 +127,8 @@ class ModelRunner:
         )
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        """Raises ValueError, before changing any state, when the step contradicts the mirror."""
+        """Raises InvalidStepError (a ValueError), before changing any state, when the step
+        contradicts itself, the worker's limits or its mirror."""
         start = time.perf_counter()
         scheduled = self._apply(req)
         response = worker_pb2.StepResponse(step_id=req.step_id)
@@ -146,7 +153,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of every token of the batch (the CUDA-graph helper overrides this)."""
+        """Hidden states of every token of the batch; pure-decode batches replay a CUDA graph."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            return self.decode_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta)
 
     # --- a step ------------------------------------------------------------------------------
@@ -188,7 +197,7 @@ class ModelRunner:
         finished = set(req.finished_seq_ids)
         batch_size = len(req.new_requests) + len(req.cached_requests)
         if batch_size > self.config.max_num_seqs:
-            raise ValueError(f"step {req.step_id}: {batch_size} requests exceed max_num_seqs {self.config.max_num_seqs}")
+            raise InvalidStepError(f"step {req.step_id}: {batch_size} requests exceed max_num_seqs {self.config.max_num_seqs}")
         seen: set[int] = set()
         options: dict[int, SamplingOptions] = {}
         num_tokens = 0
@@ -199,17 +208,17 @@ class ModelRunner:
                 raise StaleMirrorError(f"{where}: already running here; list it in finished_seq_ids to re-send it")
             known = len(new.token_ids)
             if not 0 < new.num_prompt_tokens <= known:
-                raise ValueError(f"{where}: num_prompt_tokens {new.num_prompt_tokens} not in 1..{known} (token_ids)")
+                raise InvalidStepError(f"{where}: num_prompt_tokens {new.num_prompt_tokens} not in 1..{known} (token_ids)")
             if known > self.max_model_len:
-                raise ValueError(f"{where}: {known} tokens exceed max_model_len {self.max_model_len}")
+                raise InvalidStepError(f"{where}: {known} tokens exceed max_model_len {self.max_model_len}")
             if max(new.token_ids) >= self.vocab_size:
-                raise ValueError(f"{where}: token id {max(new.token_ids)} >= vocab_size {self.vocab_size}")
+                raise InvalidStepError(f"{where}: token id {max(new.token_ids)} >= vocab_size {self.vocab_size}")
             self._check_schedule(where, new.num_computed_tokens, new.num_scheduled_tokens, known)
             self._check_blocks(where, new.block_ids, 0, new.num_computed_tokens + new.num_scheduled_tokens)
             try:
                 options[new.seq_id] = SamplingOptions.from_proto(new.sampling)
             except ValueError as exc:
-                raise ValueError(f"{where}: {exc}") from None
+                raise InvalidStepError(f"{where}: {exc}") from None
             num_tokens += new.num_scheduled_tokens
         for cached in req.cached_requests:
             where = f"step {req.step_id}, cached request {cached.seq_id}"
@@ -222,33 +231,33 @@ class ModelRunner:
                                state.num_computed_tokens + cached.num_scheduled_tokens)
             num_tokens += cached.num_scheduled_tokens
         if num_tokens > self.config.max_num_batched_tokens:
-            raise ValueError(f"step {req.step_id}: {num_tokens} tokens exceed max_num_batched_tokens "
+            raise InvalidStepError(f"step {req.step_id}: {num_tokens} tokens exceed max_num_batched_tokens "
                              f"{self.config.max_num_batched_tokens}")
         return options
 
     @staticmethod
     def _check_unique(seq_id: int, seen: set[int], where: str) -> None:
         if seq_id in seen:
-            raise ValueError(f"{where}: listed twice in one step")
+            raise InvalidStepError(f"{where}: listed twice in one step")
         seen.add(seq_id)
 
     @staticmethod
     def _check_schedule(where: str, num_computed: int, num_scheduled: int, num_known: int) -> None:
         if num_scheduled == 0:
-            raise ValueError(f"{where}: num_scheduled_tokens is 0")
+            raise InvalidStepError(f"{where}: num_scheduled_tokens is 0")
         if num_computed + num_scheduled > num_known:
-            raise ValueError(f"{where}: scheduling past the known tokens ({num_computed} computed + "
+            raise InvalidStepError(f"{where}: scheduling past the known tokens ({num_computed} computed + "
                              f"{num_scheduled} scheduled > {num_known} known)")
 
     def _check_blocks(self, where: str, block_ids, num_blocks_before: int, num_tokens: int) -> None:
         if block_ids and max(block_ids) >= self.num_kv_blocks:
-            raise ValueError(f"{where}: block id {max(block_ids)} out of range (the cache has {self.num_kv_blocks})")
+            raise InvalidStepError(f"{where}: block id {max(block_ids)} out of range (the cache has {self.num_kv_blocks})")
         num_blocks = num_blocks_before + len(block_ids)
         if num_blocks > self.max_blocks_per_seq:
-            raise ValueError(f"{where}: {num_blocks} blocks exceed {self.max_blocks_per_seq} (max_model_len "
+            raise InvalidStepError(f"{where}: {num_blocks} blocks exceed {self.max_blocks_per_seq} (max_model_len "
                              f"{self.max_model_len} / block_size {self.block_size})")
         if num_blocks * self.block_size < num_tokens:
-            raise ValueError(f"{where}: {num_blocks} blocks of {self.block_size} cannot hold {num_tokens} tokens")
+            raise InvalidStepError(f"{where}: {num_blocks} blocks of {self.block_size} cannot hold {num_tokens} tokens")
 
     def _prepare(self, scheduled: list[tuple[RequestState, int]]) -> InputBatch:
         """The step's flat batch. Python loops touch each request once and each scheduled token
@@ -294,6 +303,22 @@ class ModelRunner:
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
+
+    def _capture_decode_graphs(self):
+        """CUDA graphs of the decode forward, where the device and the backend allow them."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if not getattr(self.backend, "supports_cuda_graphs", False):
+            logger.info("attention backend %s cannot be captured: decoding eagerly", self.backend.name)
+            return None
+        from worker_svc.cuda_graphs import DecodeGraphs   # CUDA only
+
+        start = time.perf_counter()
+        graphs = DecodeGraphs(self.model, max_batch_size=self.config.max_num_seqs,
+                              max_blocks_per_seq=self.max_blocks_per_seq, max_model_len=self.max_model_len,
+                              device=self.device)
+        logger.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - start)
+        return graphs
 
     # --- KV-cache sizing -----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc.model_runner import ModelRunner, StaleMirrorError
+from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return runner.step(request)
             except StaleMirrorError as exc:
                 code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-            except ValueError as exc:
+            except InvalidStepError as exc:
                 code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        logger.warning("rejected step %d: %s", request.step_id, message)
+            except Exception as exc:   # mid-step, e.g. the device ran out of memory
+                logger.exception("step %d failed", request.step_id)
+                code = grpc.StatusCode.INTERNAL
+                message = f"step failed: {exc!r}; the request mirrors may be inconsistent: Reset and re-send them"
+        if code != grpc.StatusCode.INTERNAL:
+            logger.warning("rejected step %d: %s", request.step_id, message)
         context.abort(code, message)
 
     def Reset(self, request, context):
