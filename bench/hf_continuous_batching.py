@@ -1,0 +1,68 @@
+"""transformers' own continuous batching (ContinuousBatchingManager) on the benchmark workload.
+
+Requests go through the manager one by one so each keeps its own max_new_tokens (generate_batch
+takes one length for all). EOS is disabled (eos_token_id -1) as ignore_eos does elsewhere, and
+sampling is plain temperature 1 (top-k and top-p off), as the other engines are asked for.
+Keyword arguments that this transformers version does not know are left out rather than failing,
+since the GPU machine's transformers is older than ours.
+"""
+from __future__ import annotations
+
+import inspect
+import pathlib
+import time
+
+import torch
+
+from bench.workload import Workload
+
+
+def _supported(fn, kwargs: dict) -> dict:
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _batching_config(tuned: bool, max_batch_tokens: int):
+    """None: transformers' defaults. tuned: its CUDA graphs and a large token budget per step."""
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    if not tuned:
+        return ContinuousBatchingConfig()
+    return ContinuousBatchingConfig(**_supported(ContinuousBatchingConfig, {
+        "use_cuda_graph": True, "max_batch_tokens": max_batch_tokens}))
+
+
+def run_hf_continuous_batching(model_dir: pathlib.Path, workload: Workload, *, tuned: bool,
+                               max_batch_tokens: int = 16384, device: str = "cuda") -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    generation_config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(workload.max_tokens),
+        eos_token_id=-1, pad_token_id=0)
+    context_kwargs = _supported(model.continuous_batching_context_manager, {
+        "generation_config": generation_config, "continuous_batching_config": _batching_config(tuned, max_batch_tokens),
+        "block": True, "warmup": True})
+    started = time.perf_counter()
+    with model.continuous_batching_context_manager(**context_kwargs) as manager:
+        ready = time.perf_counter()
+        for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.max_tokens)):
+            manager.add_request(input_ids=prompt, request_id=f"r{i}", max_new_tokens=max_tokens)
+        generated = 0
+        finished = 0
+        while finished < len(workload.prompts):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"the manager stopped after {finished} of {len(workload.prompts)} requests")
+                continue
+            if result.is_finished():
+                if result.error:
+                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+                generated += len(result.generated_tokens)
+                finished += 1
+        done = time.perf_counter()
+    return {"output_tokens": generated, "seconds": done - ready, "setup_s": ready - started,
+            "attn_implementation": getattr(model.config, "_attn_implementation", "?")}
