@@ -56,6 +56,19 @@ def test_truncation_never_picks_excluded_tokens(options, allowed):
     assert set(tokens) == allowed   # every allowed token turns up in 400 draws, nothing else
 
 
+@pytest.mark.parametrize("with_plain_row", [False, True])   # True: a row without top-k forces the full sort
+def test_truncation_is_per_row_within_a_batch(with_plain_row):
+    probs = [0.5, 0.3, 0.15, 0.05]
+    kinds = [(SamplingOptions(top_k=2), {0, 1}), (SamplingOptions(top_k=3, top_p=0.75), {0, 1}),
+             (SamplingOptions(temperature=0.0), {0})]
+    if with_plain_row:
+        kinds.append((SamplingOptions(top_p=0.9), {0, 1, 2}))
+    rows = [Row(options) for options, _ in kinds for _ in range(300)]
+    tokens, _ = sampler().sample(crafted_logits(probs, len(rows)), rows)
+    for i, (_, allowed) in enumerate(kinds):
+        assert set(tokens[300 * i:300 * (i + 1)]) == allowed
+
+
 def test_sampled_logprob_is_of_the_processed_distribution():
     rows = [Row(SamplingOptions(temperature=0.5, top_k=2, logprobs=True)) for _ in range(50)]
     probs = [0.5, 0.3, 0.15, 0.05]

@@ -73,6 +73,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
+            if self.device.index is None:   # "cuda": the current device, named by its index
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         model_dir = pathlib.Path(config.model)
         self.model_name = read_model_facts(model_dir).name

@@ -160,10 +160,11 @@ class Sampler:
         vocab = logits.shape[-1]
         temperature = self._tensor([1.0 if o.greedy else o.temperature for o in options], torch.float32)
         logits = logits / temperature.unsqueeze(1)
-        top_k = [o.top_k if 0 < o.top_k < vocab and not o.greedy else vocab for o in options]
+        # Greedy rows keep their top token only, so they never force the full-vocabulary sort.
+        top_k = [1 if o.greedy else o.top_k if 0 < o.top_k < vocab else vocab for o in options]
         top_p = [o.top_p if o.top_p < 1 and not o.greedy else float("inf") for o in options]
         if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
-            logits = self._top_k_top_p(logits, self._tensor(top_k, torch.long), self._tensor(top_p, torch.float32))
+            logits = self._top_k_top_p(logits, top_k, self._tensor(top_p, torch.float32))
         if any(o.min_p > 0 and not o.greedy for o in options):
             min_p = self._tensor([0.0 if o.greedy else o.min_p for o in options], torch.float32)
             probs = logits.softmax(-1)
@@ -171,17 +172,22 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
-    @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    def _top_k_top_p(self, logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
         """One descending sort serves both. Top-k keeps ties with the k-th logit; top-p keeps
-        the smallest prefix whose probability reaches p (always at least the top token)."""
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        the smallest prefix whose probability reaches p (always at least the top token). When
+        every row has a top-k, only the largest max(k) candidates are sorted, not the vocabulary
+        (then a tie with the k-th logit outside those candidates is dropped)."""
+        candidates = max(top_k)
+        if candidates < logits.shape[-1]:
+            sorted_logits, order = logits.topk(candidates, dim=-1)
+        else:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+        kth = sorted_logits.gather(1, (self._tensor(top_k, torch.long) - 1).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
     def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """argmax(p / E), E ~ Exp(1) per token: a draw from p without a cumulative sum."""
