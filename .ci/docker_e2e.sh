@@ -66,6 +66,8 @@ cleanup() {
         for _ in $(seq 60); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.5; done
         kill -0 "$DOCKERD_PID" 2>/dev/null && { log "dockerd did not stop; killing it"; kill -KILL "$DOCKERD_PID"; }
     fi
+    # dockerd leaves its bind mount of the host's network namespace under the exec root.
+    awk -v run="$RUN/" 'index($5, run) == 1 { print $5 }' /proc/self/mountinfo | sort -r | xargs -r umount -l
     rm -rf "$RUN"
     if ((rc == 0)); then
         echo "docker_e2e: PASS ($((SECONDS - START_TIME)) s)"
@@ -131,11 +133,12 @@ start_reference() {
     local worker_port scheduler_port
     worker_port=$(free_port)
     scheduler_port=$(free_port)
-    "$PYTHON" -m worker_svc --model "$RUN/model/tiny-qwen3" --host 127.0.0.1 --port "$worker_port" \
+    # Thread counts as in the containers (torch's default, one per core), so both compute alike.
+    env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PYTHON" -m worker_svc --model "$RUN/model/tiny-qwen3" --host 127.0.0.1 --port "$worker_port" \
         --device cpu --block-size "$BLOCK_SIZE" --kv-cache-memory-gb "$KV_CACHE_MEMORY_GB" \
         >"$RUN/reference-worker.log" 2>&1 &
     REFERENCE_PIDS+=($!)
-    "$PYTHON" -m scheduler_svc --model "$RUN/model/tiny-qwen3" --host 127.0.0.1 --port "$scheduler_port" \
+    env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PYTHON" -m scheduler_svc --model "$RUN/model/tiny-qwen3" --host 127.0.0.1 --port "$scheduler_port" \
         --workers "127.0.0.1:$worker_port" >"$RUN/reference-scheduler.log" 2>&1 &
     REFERENCE_PIDS+=($!)
     REFERENCE=127.0.0.1:$scheduler_port
@@ -162,6 +165,7 @@ compose up -d --wait --no-build --pull never
 TARGET=127.0.0.1:$SCHEDULER_PORT
 
 step "compare answers through the published port with the reference"
+"$PYTHON" -m common.healthcheck "$REFERENCE" --wait 120 >/dev/null
 "$PYTHON" -m tools.docker_smoke compare --target "$TARGET" --reference "$REFERENCE"
 
 step "kill the worker during a request, start it again"

@@ -2,14 +2,17 @@
 
 The container healthcheck of both services (the images carry no grpc_health_probe binary):
 
-    python -m common.healthcheck 127.0.0.1:50061 [--service NAME] [--timeout SECONDS]
+    python -m common.healthcheck 127.0.0.1:50061 [--service NAME] [--timeout SECONDS] [--wait SECONDS]
 
-It imports only grpc and the health stubs, so a check costs a fraction of a second.
+With --wait it keeps asking until the answer is SERVING or the time is up, for scripts that
+start a server and wait for it. It imports only grpc and the health stubs, so a check costs a
+fraction of a second.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,9 +35,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("address", help="host:port of the server")
     parser.add_argument("--service", default="", help="service name to ask about (default: the server)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each answer")
+    parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                        help="ask again until SERVING, for up to this long (default: ask once)")
     args = parser.parse_args(argv)
-    status = check_health(args.address, args.service, args.timeout)
+    deadline = time.monotonic() + args.wait
+    while (status := check_health(args.address, args.service, args.timeout)) != "SERVING":
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
     print(f"{args.address}: {status}")
     return 0 if status == "SERVING" else 1
 
