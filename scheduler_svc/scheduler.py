@@ -101,6 +101,7 @@ class Scheduler:
         # Worker mirrors to drop, collected until the next step that is sent.
         self._finished_ids: list[int] = []
         self._preempted_ids: list[int] = []
+        self.num_preemptions = 0                # since start, for ModelInfo and metrics
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -221,6 +222,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
+        self.num_preemptions += 1
         if seq.on_worker:
             self._preempted_ids.append(seq.seq_id)
             seq.on_worker = False

@@ -90,6 +90,7 @@ def test_preemption_when_blocks_run_out_and_readmission():
     b_tokens = list(b.token_ids)
     out, received = step(sched)                          # a needs a block for position 12
     assert out.preempted_seq_ids == [b.seq_id] and scheduled_tokens(out) == {a.seq_id: 1}
+    assert sched.num_preemptions == 1
     assert b.status is SequenceStatus.PREEMPTED and b.block_table == [] and b.is_prefill
     assert list(sched.waiting) == [b]
     assert received == [a] and a.finish_reason is FinishReason.LENGTH
