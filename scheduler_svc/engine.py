@@ -16,9 +16,10 @@ from typing import AsyncIterator, Callable
 from common.pb.llm.v1 import generation_pb2
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.sequence import FinishReason, Sequence
 from scheduler_svc.step_message import build_step_request
 from scheduler_svc.stop_strings import StopStringMatcher
 from scheduler_svc.worker_client import WorkerError, WorkerGroupClient
@@ -165,10 +166,11 @@ class GroupRunner:
             except WorkerError as e:
                 log.error("group %d: step failed (%s); marking it down", self.index, e)
                 self.healthy = False
+                self.engine.metrics.observe_worker_failure(self.index)
                 self.scheduler.reset_all_worker_state()
                 continue
             self.last_step_ms = (time.perf_counter() - started) * 1000
-            self.engine.metrics.observe_step(self, output, reply, self.last_step_ms)
+            self.engine.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms, reply.timings.forward_ms)
             sampled = {t.seq_id: t for t in reply.sampled}
             for seq in self.scheduler.update(output, {i: t.token_id for i, t in sampled.items()}):
                 self.engine._emit(seq, sampled[seq.seq_id].logprob)
@@ -179,24 +181,16 @@ class GroupRunner:
         return self.scheduler.num_running + self.scheduler.num_waiting if self.scheduler else 0
 
 
-class _NoMetrics:
-    def observe_step(self, *args) -> None:
-        pass
-
-    def observe_request(self, *args) -> None:
-        pass
-
-
 class Engine:
     def __init__(self, groups: list[WorkerGroupClient], *, tokenizer, eos_token_ids: list[int],
-                 vocab_size: int, config: EngineConfig | None = None, metrics=None) -> None:
+                 vocab_size: int, config: EngineConfig | None = None, metrics: SchedulerMetrics | None = None) -> None:
         if not groups:
             raise ValueError("the engine needs at least one worker group")
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
-        self.metrics = metrics or _NoMetrics()
+        self.metrics = metrics or SchedulerMetrics()
         self.groups = [GroupRunner(i, g, self) for i, g in enumerate(groups)]
         self._active: dict[str, _Active] = {}
         self._by_seq: dict[int, _Active] = {}
@@ -242,8 +236,12 @@ class Engine:
         )
 
     def max_model_len_for(self, info) -> int:
-        limit = self.config.max_model_len
-        return min(limit, info.max_model_len) if limit else info.max_model_len
+        """The context limit of a group: the configured one, what the model supports, and what
+        its KV cache holds (so a single request can always run to the limit alone)."""
+        limits = [info.max_model_len, info.num_kv_blocks * info.block_size]
+        if self.config.max_model_len:
+            limits.append(self.config.max_model_len)
+        return min(limits)
 
     @property
     def max_model_len(self) -> int:
@@ -311,23 +309,24 @@ class Engine:
         active = self._by_seq.get(seq.seq_id)
         if active is None:
             return
-        now = time.monotonic()
         if active.first_token_at is None:
-            active.first_token_at = now
+            active.first_token_at = time.monotonic()
         token = seq.token_ids[-1]
-        text = active.detokenizer.push([token])
         logprobs = [logprob] if seq.sampling.logprobs else []
+        text = active.detokenizer.push([token])
+        if seq.is_finished:
+            text += active.detokenizer.flush()
         stopped = False
         if active.stops is not None:
             text, stopped = active.stops.feed(text)
-        if stopped and seq.status != SequenceStatus.FINISHED:
-            active.group.scheduler.finish(seq.seq_id, FinishReason.STOP)
-        if stopped or seq.status == SequenceStatus.FINISHED:
-            reason = FinishReason.STOP if stopped else seq.finish_reason
-            if not stopped:
-                tail = active.detokenizer.flush()
-                text += active.stops.feed(tail)[0] + active.stops.flush() if active.stops else tail
-            self._finish(active, reason, [token], text, logprobs)
+            if seq.is_finished and not stopped:
+                text += active.stops.flush()
+        if stopped:
+            if not seq.is_finished:
+                active.group.scheduler.finish(seq.seq_id, FinishReason.STOP)
+            self._finish(active, FinishReason.STOP, [token], text, logprobs)
+        elif seq.is_finished:
+            self._finish(active, seq.finish_reason, [token], text, logprobs)
         else:
             active.queue.put_nowait(RequestOutput([token], text, logprobs))
 
@@ -340,5 +339,6 @@ class Engine:
             completion_tokens=seq.num_output_tokens,
             cached_prompt_tokens=seq.num_cached_prompt_tokens,
         )
-        self.metrics.observe_request(seq, reason, active.first_token_at)
+        self.metrics.observe_request(reason.value, seq.arrival_time, active.first_token_at,
+                                     seq.num_prompt_tokens, seq.num_output_tokens)
         active.queue.put_nowait(RequestOutput(tokens, text, logprobs, _FINISH_TO_PROTO[reason], usage))

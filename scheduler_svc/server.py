@@ -64,6 +64,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 num_running=g.scheduler.num_running if g.scheduler else 0,
                 device=g.info.device if g.info else "",
                 attention_backend=g.info.attention_backend if g.info else "",
+                num_preemptions=g.scheduler.num_preemptions if g.scheduler else 0,
+                prefix_cache_queried_tokens=g.scheduler.block_manager.prefix_cache_queried_tokens if g.scheduler else 0,
+                prefix_cache_hit_tokens=g.scheduler.block_manager.prefix_cache_hit_tokens if g.scheduler else 0,
+                tensor_parallel_size=len(g.client.ranks),
             )
             for g in self.engine.groups
         ]

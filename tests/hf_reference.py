@@ -16,10 +16,15 @@ def hf_model(model_dir: pathlib.Path):
 
 @torch.inference_mode()
 def hf_greedy(model_dir: pathlib.Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """Greedy continuation of exactly num_tokens tokens (EOS ignored), one request at a time
-    so no padding enters the reference."""
+    """Greedy continuation of exactly num_tokens tokens, one request at a time so no padding
+    enters the reference. EOS is neither masked nor a stop (the service's ignore_eos), so this
+    is transformers' model driven by a plain greedy loop over its own KV cache: generate()
+    would merge in the checkpoint's EOS ids, and min_new_tokens masks EOS logits."""
     model = hf_model(model_dir)
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    generated = []
+    for _ in range(num_tokens):
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return generated

@@ -148,9 +148,9 @@ def test_max_model_len_finishes_with_length(tiny_model_dir, launch_services):
 
 
 @pytest.mark.parametrize("request_kwargs, field", [
-    (dict(text=""), "prompt"),
+    (dict(text=""), "text"),
     (dict(), "prompt"),
-    (dict(token_ids=[]), "prompt"),
+    (dict(token_ids=[]), "token_ids"),
     (dict(token_ids=[5, 512]), "token_ids"),
     (dict(token_ids=[1] * 5000), "max_model_len"),
     (dict(text="hi", temperature=-1.0), "temperature"),
