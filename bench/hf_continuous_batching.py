@@ -42,27 +42,36 @@ def run_hf_continuous_batching(model_dir: pathlib.Path, workload: Workload, *, t
     generation_config = GenerationConfig(
         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(workload.max_tokens),
         eos_token_id=-1, pad_token_id=0)
+    batching_config = _batching_config(tuned, max_batch_tokens)
     context_kwargs = _supported(model.continuous_batching_context_manager, {
-        "generation_config": generation_config, "continuous_batching_config": _batching_config(tuned, max_batch_tokens),
+        "generation_config": generation_config, "continuous_batching_config": batching_config,
         "block": True, "warmup": True})
     started = time.perf_counter()
     with model.continuous_batching_context_manager(**context_kwargs) as manager:
+        # One short request first, timed apart, like the other engines' warm-up.
+        _collect(manager, [[1, 2, 3]], [8])
         ready = time.perf_counter()
-        for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.max_tokens)):
-            manager.add_request(input_ids=prompt, request_id=f"r{i}", max_new_tokens=max_tokens)
-        generated = 0
-        finished = 0
-        while finished < len(workload.prompts):
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError(f"the manager stopped after {finished} of {len(workload.prompts)} requests")
-                continue
-            if result.is_finished():
-                if result.error:
-                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-                generated += len(result.generated_tokens)
-                finished += 1
+        generated = _collect(manager, workload.prompts, workload.max_tokens)
         done = time.perf_counter()
     return {"output_tokens": generated, "seconds": done - ready, "setup_s": ready - started,
-            "attn_implementation": getattr(model.config, "_attn_implementation", "?")}
+            "attn_implementation": getattr(model.config, "_attn_implementation", "?"),
+            "batching_config": {k: v for k, v in vars(batching_config).items() if isinstance(v, (bool, int, float, str))}}
+
+
+def _collect(manager, prompts: list[list[int]], max_tokens: list[int]) -> int:
+    """Submits every prompt and waits for all of them; returns the tokens generated."""
+    request_ids = [manager.add_request(input_ids=p, max_new_tokens=n) for p, n in zip(prompts, max_tokens)]
+    pending = set(request_ids)
+    generated = 0
+    while pending:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError(f"the manager stopped with {len(pending)} of {len(prompts)} requests unfinished")
+            continue
+        if result.is_finished() and result.request_id in pending:
+            if result.error:
+                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+            generated += len(result.generated_tokens)
+            pending.discard(result.request_id)
+    return generated
