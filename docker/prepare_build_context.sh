@@ -18,7 +18,11 @@ torch_pin=$(grep -E '^torch==' "$REPO/requirements.txt")
 wheel_dir=$REPO/docker/wheelhouse
 if ! ls "$wheel_dir"/torch-"${torch_pin#torch==}"*.whl >/dev/null 2>&1; then
     find "$wheel_dir" -name 'torch-*.whl' -delete
-    "$PYTHON" -m pip download --quiet --no-deps "$torch_pin" -d "$wheel_dir"
+    "$PYTHON" -m pip download --quiet --no-deps "$torch_pin" -d "$wheel_dir" \
+        2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 fi
+# Docker's layer cache keys on modes too: make them the same whatever umask made the checkout.
+chmod 755 "$ca_dir" "$wheel_dir"
+find "$ca_dir" "$wheel_dir" -type f -exec chmod 644 {} +
 echo "prepare_build_context: $(find "$ca_dir" -name '*.crt' | wc -l) CA certificate(s)," \
     "$(cd "$wheel_dir" && ls torch-*.whl)"
