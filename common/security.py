@@ -37,11 +37,12 @@ def _deny_handler(handler: grpc.RpcMethodHandler | None, aio: bool):
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler is not None and handler.response_streaming and not handler.request_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    if handler is not None and handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
+    # The same streaming shape as the real method, or gRPC would read the call wrongly.
+    # An unknown method (handler None) is denied too, so probing names reveals nothing.
+    shape = (handler.request_streaming, handler.response_streaming) if handler is not None else (False, False)
+    factory = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+               (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return factory[shape](deny)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -86,7 +87,10 @@ def channel_credentials(ca: str | None, cert: str | None = None, key: str | None
 
 
 def read_secret(value: str | None, file: str | None) -> str | None:
-    """A token given inline or, better (it stays out of `ps`), in a file."""
-    if file:
-        return pathlib.Path(file).read_text().strip()
-    return value
+    """A token given inline or, better (it stays out of `ps`), in a file; None when neither.
+    An empty one is an error: callers treat "no token" as "no authentication", so an empty
+    file (a failed secret mount, say) would otherwise switch authentication off silently."""
+    secret = pathlib.Path(file).read_text().strip() if file else value
+    if secret is not None and not secret:
+        raise ValueError(f"empty token{f' in {file}' if file else ''}")
+    return secret

@@ -3,6 +3,8 @@
 The port opens before the model loads (health NOT_SERVING, Worker calls UNAVAILABLE), so an
 orchestrator can tell "starting" from "dead"; health turns SERVING once the runner is ready.
 Steps are serial by nature, so one lock serialises every call into the runner.
+With a token every call but health needs `authorization: Bearer <token>`; with credentials the
+port speaks only TLS (mutual TLS when they name a client CA).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
+from common.security import TokenAuthInterceptor
 from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
 
 logger = logging.getLogger(__name__)
@@ -66,11 +69,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 class WorkerServer:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, auth_token: str | None = None,
+                 credentials: grpc.ServerCredentials | None = None) -> None:
         self.servicer = WorkerServicer()
         self.health = health.HealthServicer()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-rpc"),
+            interceptors=[TokenAuthInterceptor(auth_token)] if auth_token else None,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
         )
@@ -80,7 +85,9 @@ class WorkerServer:
             (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         self.address = f"{host}:{port}"
-        if self.server.add_insecure_port(self.address) == 0:
+        bound = (self.server.add_secure_port(self.address, credentials) if credentials
+                 else self.server.add_insecure_port(self.address))
+        if bound == 0:
             raise OSError(f"cannot listen on {self.address}")
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
