@@ -6,13 +6,21 @@ import asyncio
 import logging
 import signal
 
-from common.logging_setup import setup_logging
+from common.logging_setup import LOG_FORMATS, setup_logging
 from common.model_dir import read_model_facts
+from common.security import AsyncTokenAuthInterceptor, channel_credentials, read_secret, server_credentials
+from common.worker_discovery import resolve_worker_addresses
+from scheduler_svc.decode_guard import DecodeGuardInterceptor
 from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import build_server, keep_health_current
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import Limits
-from scheduler_svc.worker_client import MAX_MESSAGE_BYTES, GrpcWorkerClient, WorkerGroupClient
+from scheduler_svc.worker_client import GrpcWorkerClient, WorkerGroupClient
+
+# The public API takes prompts of up to max_model_len tokens as ids (~5 bytes each) or text
+# (Limits.max_prompt_bytes); anything far larger is refused by gRPC before it is buffered.
+MAX_PUBLIC_MESSAGE_BYTES = 64 * 1024 * 1024
 
 log = logging.getLogger("scheduler")
 
@@ -22,8 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="Hugging Face model directory (tokenizer and config are read from it)")
     p.add_argument("--served-model-name", default=None, help="name reported in ModelInfo (default: the directory's name)")
     p.add_argument("--workers", required=True,
-                   help="worker addresses, comma-separated (host:port or unix:PATH); with --tensor-parallel-size N, "
-                        "each N consecutive addresses form one group, rank 0 first; several groups serve in data parallel")
+                   help="worker addresses, comma-separated (host:port, unix:PATH, or dns:///NAME:PORT for every "
+                        "address NAME resolves to); with --tensor-parallel-size N, each N consecutive addresses form "
+                        "one group, rank 0 first; several groups serve in data parallel")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
@@ -33,22 +42,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting-queue bound; past it requests get RESOURCE_EXHAUSTED")
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a silent worker is declared down")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics over HTTP on this port (0: off)")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="json: one JSON object a line")
+    sec = p.add_argument_group("security")
+    sec.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on the public API")
+    sec.add_argument("--auth-token-file", default=None, help="the same, read from a file (stays out of `ps`)")
+    sec.add_argument("--tls-cert", default=None, help="serve the public API over TLS with this certificate (PEM)")
+    sec.add_argument("--tls-key", default=None)
+    sec.add_argument("--tls-client-ca", default=None, help="also require client certificates signed by this CA")
+    sec.add_argument("--worker-auth-token", default=None, help="bearer token the workers require")
+    sec.add_argument("--worker-auth-token-file", default=None)
+    sec.add_argument("--worker-tls-ca", default=None, help="reach workers over TLS, trusting this CA")
+    sec.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
+    sec.add_argument("--worker-tls-key", default=None)
+    args = p.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
+        p.error("--worker-tls-cert and --worker-tls-key go together")
+    return args
 
 
-def worker_groups(spec: str, tp_size: int) -> list[WorkerGroupClient]:
-    addresses = [a.strip() for a in spec.split(",") if a.strip()]
-    if not addresses or len(addresses) % tp_size:
-        raise SystemExit(f"--workers lists {len(addresses)} addresses, not a multiple of --tensor-parallel-size={tp_size}")
-    return [WorkerGroupClient([GrpcWorkerClient(a) for a in addresses[i:i + tp_size]])
-            for i in range(0, len(addresses), tp_size)]
+def worker_groups(args: argparse.Namespace) -> list[WorkerGroupClient]:
+    addresses = resolve_worker_addresses(args.workers)
+    tp_size = args.tensor_parallel_size
+    if len(addresses) % tp_size:
+        raise SystemExit(f"--workers gives {len(addresses)} addresses, not a multiple of --tensor-parallel-size={tp_size}")
+    credentials = (channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+                   if args.worker_tls_ca else None)
+    token = read_secret(args.worker_auth_token, args.worker_auth_token_file)
+    make = lambda a: GrpcWorkerClient(a, credentials=credentials, auth_token=token)  # noqa: E731
+    return [WorkerGroupClient([make(a) for a in addresses[i:i + tp_size]]) for i in range(0, len(addresses), tp_size)]
 
 
 async def serve(args: argparse.Namespace) -> None:
     facts = read_model_facts(args.model)
+    metrics = SchedulerMetrics()
     engine = Engine(
-        worker_groups(args.workers, args.tensor_parallel_size),
+        worker_groups(args),
         tokenizer=load_tokenizer(args.model),
         eos_token_ids=facts.eos_token_ids,
         vocab_size=facts.vocab_size,
@@ -59,14 +91,25 @@ async def serve(args: argparse.Namespace) -> None:
             max_waiting=args.max_waiting,
             step_timeout_s=args.step_timeout,
         ),
+        metrics=metrics,
     )
+    token = read_secret(args.auth_token, args.auth_token_file)
+    interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
     server, health_servicer = build_server(
         engine, model_name=args.served_model_name or facts.name, limits=Limits(),
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        options=[("grpc.max_receive_message_length", MAX_PUBLIC_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_PUBLIC_MESSAGE_BYTES)],
+        interceptors=interceptors,
     )
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    listen = f"{args.host}:{args.port}"
+    if args.tls_cert:
+        server.add_secure_port(listen, server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca))
+    else:
+        server.add_insecure_port(listen)
     await server.start()
+    if args.metrics_port:
+        metrics.watch(engine)
+        metrics.serve(args.metrics_port, args.host)
     health_task = asyncio.create_task(keep_health_current(engine, health_servicer))
     log.info("listening on %s:%d, connecting to workers %s", args.host, args.port, args.workers)
     await engine.start()
@@ -85,7 +128,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     asyncio.run(serve(args))
 
 

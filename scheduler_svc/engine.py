@@ -196,6 +196,7 @@ class Engine:
         self._by_seq: dict[int, _Active] = {}
         self._seq_ids = itertools.count(1)
         self._accepting = False
+        self._draining = False
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -218,6 +219,7 @@ class Engine:
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Stops admitting, lets running requests finish for grace_s, then aborts the rest."""
         self._accepting = False
+        self._draining = True
         deadline = time.monotonic() + grace_s
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -258,7 +260,8 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Queues a validated request; returns its stream of outputs."""
         if not self._accepting:
-            raise EngineUnavailable("the server is shutting down")
+            raise EngineUnavailable("the server is shutting down" if self._draining
+                                    else "the server is still connecting to its workers")
         if request_id in self._active:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
         if self.num_waiting() >= self.config.max_waiting:

@@ -34,22 +34,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 limits=self.limits,
             )
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id or uuid.uuid4().hex
         try:
             stream = self.engine.add_request(request_id, prompt_ids, params)
         except EngineFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except DuplicateRequest as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, str(e))
         except EngineUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, str(e))
         log.info("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), params.max_tokens)
         async for out in stream:
             yield generation_pb2.GenerateResponse(
                 request_id=request_id, token_ids=out.token_ids, text=out.text,
                 logprobs=out.logprobs, finish_reason=out.finish_reason, usage=out.usage,
             )
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.engine.metrics.observe_rejection(code.name)
+        await context.abort(code, message)
 
     async def Abort(self, request: generation_pb2.AbortRequest, context) -> generation_pb2.AbortResponse:
         return generation_pb2.AbortResponse(found=self.engine.abort(request.request_id))
