@@ -37,12 +37,11 @@ def _deny_handler(handler: grpc.RpcMethodHandler | None, aio: bool):
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    # The same streaming shape as the real method, or gRPC would read the call wrongly.
-    # An unknown method (handler None) is denied too, so probing names reveals nothing.
-    shape = (handler.request_streaming, handler.response_streaming) if handler is not None else (False, False)
-    factory = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-               (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    return factory[shape](deny)
+    if handler is not None and handler.response_streaming and not handler.request_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    if handler is not None and handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
