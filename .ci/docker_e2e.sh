@@ -3,7 +3,8 @@
 # registry: installs a Docker engine and the Compose v2 plugin from Debian's and PyPI's
 # packages, starts a private dockerd, builds the base image locally and the service image,
 # brings the compose project up, checks its answers against the same model served without
-# Docker, kills and restarts the worker during a request, and tears everything down.
+# Docker, kills and restarts the worker during a request, scales to two workers, and tears
+# everything down.
 # Everything it starts it stops; the last line says PASS or FAIL.
 #
 #   bash .ci/docker_e2e.sh
@@ -176,11 +177,16 @@ TARGET=127.0.0.1:$SCHEDULER_PORT
 
 step "compare answers through the published port with the reference"
 "$PYTHON" -m common.healthcheck "$REFERENCE" --wait 120 >/dev/null
-"$PYTHON" -m tools.docker_smoke compare --target "$TARGET" --reference "$REFERENCE"
+"$PYTHON" -m tools.docker_smoke compare --target "$TARGET" --reference "$REFERENCE" --expect-groups 1
 
 step "kill the worker during a request, start it again"
 "$PYTHON" -m tools.docker_smoke failover --target "$TARGET" --reference "$REFERENCE" \
     --kill-cmd "$DOCKER compose kill worker" --start-cmd "$DOCKER compose start worker"
+
+step "scale to two workers; the recreated scheduler finds both through DNS"
+compose up -d --wait --no-build --pull never --scale worker=2
+compose up -d --wait --no-build --pull never --no-deps --force-recreate scheduler
+"$PYTHON" -m tools.docker_smoke compare --target "$TARGET" --reference "$REFERENCE" --expect-groups 2
 
 step "docker compose down -v"
 compose down -v --remove-orphans --timeout 20

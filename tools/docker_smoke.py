@@ -5,7 +5,8 @@
         --kill-cmd "docker compose kill worker" --start-cmd "docker compose start worker"
 
 `compare` sends the same requests (greedy, and seeded sampling) to both services, one at a time
-so batching cannot differ, and requires identical tokens and text. `failover` kills the
+so batching cannot differ, and requires identical tokens and text (and, with --expect-groups N,
+N healthy worker groups behind the target). `failover` kills the
 target's worker during a long request, requires the scheduler to report the worker group
 unhealthy, starts the worker again, requires the group healthy again and a greedy answer equal
 to the reference's. Exits 0 when every check passes; prints one line per check.
@@ -107,12 +108,17 @@ def test_requests(info: pb.ModelInfo, seed: int) -> list[pb.GenerateRequest]:
     return requests
 
 
-def compare(target: Service, reference: Service, seed: int) -> None:
+def compare(target: Service, reference: Service, seed: int, expect_groups: int | None) -> None:
     info, ref_info = target.model_info(), reference.model_info()
     for name in ("model", "vocab_size", "max_model_len", "eos_token_ids", "block_size"):
         if getattr(info, name) != getattr(ref_info, name):
             raise CheckFailed(f"ModelInfo.{name} differs: {getattr(info, name)} vs {getattr(ref_info, name)}")
-    print(f"ok   model info matches ({info.model}, vocab {info.vocab_size}, {len(info.worker_groups)} worker group(s))")
+    healthy = [group.healthy for group in info.worker_groups]
+    if expect_groups is not None and (len(healthy) != expect_groups or not all(healthy)):
+        raise CheckFailed(f"expected {expect_groups} healthy worker groups, the target has {healthy} "
+                          f"({[list(group.addresses) for group in info.worker_groups]})")
+    print(f"ok   model info matches ({info.model}, vocab {info.vocab_size}, "
+          f"{sum(healthy)} of {len(healthy)} worker group(s) healthy)")
     for i, request in enumerate(test_requests(info, seed)):
         got, want = target.generate(request), reference.generate(request)
         if got.error or want.error:
@@ -180,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--target", required=True, help="the service under test, HOST:PORT")
         p.add_argument("--reference", required=True, help="the same model served without Docker, HOST:PORT")
         p.add_argument("--ready-timeout", type=float, default=120.0)
-    sub.choices["compare"].add_argument("--seed", type=int, default=None, help="prompt seed (default: fresh)")
+    cmp = sub.choices["compare"]
+    cmp.add_argument("--seed", type=int, default=None, help="prompt seed (default: fresh)")
+    cmp.add_argument("--expect-groups", type=int, default=None, help="require this many healthy worker groups")
     fo = sub.choices["failover"]
     fo.add_argument("--kill-cmd", required=True, help="kills the target's worker, e.g. 'docker compose kill worker'")
     fo.add_argument("--start-cmd", required=True, help="starts it again, e.g. 'docker compose start worker'")
@@ -196,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             seed = args.seed if args.seed is not None else random.randrange(2**31)
             print(f"prompt seed {seed}")
-            compare(target, reference, seed)
+            compare(target, reference, seed, args.expect_groups)
         else:
             failover(target, reference, args.kill_cmd, args.start_cmd, args.long_tokens, args.recovery_timeout)
     except CheckFailed as err:
