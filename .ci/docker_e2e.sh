@@ -145,12 +145,13 @@ start_reference() {
     worker_port=$(free_port)
     scheduler_port=$(free_port)
     # Thread counts as in the containers (torch's default, one per core), so both compute alike.
-    env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PYTHON" -m worker_svc --model "$RUN/model/tiny-qwen3" --host 127.0.0.1 --port "$worker_port" \
+    local run_python=(env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PYTHON")
+    "${run_python[@]}" -m worker_svc --model "$RUN/model/tiny-qwen3" --host 127.0.0.1 --port "$worker_port" \
         --device cpu --block-size "$BLOCK_SIZE" --kv-cache-memory-gb "$KV_CACHE_MEMORY_GB" \
         >"$RUN/reference-worker.log" 2>&1 &
     REFERENCE_PIDS+=($!)
-    env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PYTHON" -m scheduler_svc --model "$RUN/model/tiny-qwen3" --host 127.0.0.1 --port "$scheduler_port" \
-        --workers "127.0.0.1:$worker_port" >"$RUN/reference-scheduler.log" 2>&1 &
+    "${run_python[@]}" -m scheduler_svc --model "$RUN/model/tiny-qwen3" --host 127.0.0.1 \
+        --port "$scheduler_port" --workers "127.0.0.1:$worker_port" >"$RUN/reference-scheduler.log" 2>&1 &
     REFERENCE_PIDS+=($!)
     REFERENCE=127.0.0.1:$scheduler_port
 }
