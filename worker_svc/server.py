@@ -89,6 +89,7 @@ class WorkerServer:
                  else self.server.add_insecure_port(self.address))
         if bound == 0:
             raise OSError(f"cannot listen on {self.address}")
+        self._guards = ", ".join(name for name, on in (("TLS", credentials), ("bearer token", auth_token)) if on)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _set_health(self, status) -> None:
@@ -97,7 +98,7 @@ class WorkerServer:
 
     def start(self) -> None:
         self.server.start()
-        logger.info("listening on %s", self.address)
+        logger.info("listening on %s (%s)", self.address, self._guards or "plaintext, no token")
 
     def serve(self, runner: ModelRunner) -> None:
         self.servicer.attach(runner)
