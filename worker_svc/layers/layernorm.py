@@ -11,7 +11,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual): the sum is the next
+        residual, so a decoder layer's residual add and its norm are one step (one kernel on CUDA)."""
+        if x.is_cuda:
+            from worker_svc.layers import fused_kernels   # imports Triton, which CUDA installs have
+
+            if fused_kernels.ENABLED:
+                return fused_kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        total = x + residual   # in the model dtype, as the reference adds
+        return self._norm(total), total
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32; cast back before the weight multiply, as the reference does.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker_svc.layers.layernorm import RMSNorm
+
 # RoPE variants whose frequencies do not depend on the sequence length, so one table serves
 # every position. "dynamic" and "longrope" rescale with the length and are not supported.
 _STATIC_SCALED_ROPE = ("linear", "yarn", "llama3")
@@ -47,13 +49,34 @@ class RotaryEmbedding(nn.Module):
         # the frequencies come from, then moved to the device the model is being built on.
         self.register_buffer("cos_sin", cos_sin.to(torch.get_default_device()), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each token: [num_tokens, 1, head_dim / 2], broadcast over heads."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's cos | sin row: [num_tokens, head_dim] float32."""
+        return self.cos_sin[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """Rotates x [num_tokens, num_heads, head_dim] in float32 and returns it in x's dtype."""
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)   # broadcast over heads
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def norm_and_rotate_qkv(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos_sin: torch.Tensor,
+                        num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Splits a packed [q | k | v] projection into q, k, v [num_tokens, heads, head_dim], with
+    Qwen3's per-head RMSNorm and then RoPE applied to q and k. On CUDA one kernel does both, in
+    place over qkv (q, k and v are then views of it)."""
+    head_dim = q_norm.weight.shape[0]
+    fused = False
+    if qkv.is_cuda:
+        from worker_svc.layers import fused_kernels   # imports Triton, which CUDA installs have
+
+        fused = fused_kernels.ENABLED
+        if fused:
+            fused_kernels.qk_norm_rope_(qkv, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, cos_sin,
+                                        num_heads, num_kv_heads)
+    heads = (num_heads, num_kv_heads, num_kv_heads)
+    q, k, v = (part.view(-1, n, head_dim) for part, n in zip(qkv.split([n * head_dim for n in heads], dim=-1), heads))
+    if not fused:
+        q, k = apply_rotary(q_norm(q), cos_sin), apply_rotary(k_norm(k), cos_sin)
+    return q, k, v

@@ -15,7 +15,7 @@ from worker_svc.layers.attention.layer import PagedAttention
 from worker_svc.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.layernorm import RMSNorm
 from worker_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+from worker_svc.layers.rotary import RotaryEmbedding, inverse_frequencies, norm_and_rotate_qkv
 from worker_svc.parallel_state import divide, get_tp_size
 
 
@@ -41,16 +41,10 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.attn = PagedAttention(backend, scale=self.head_dim ** -0.5)
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, meta)
-        return self.o_proj(out.flatten(1))
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = norm_and_rotate_qkv(self.qkv_proj(hidden), self.q_norm, self.k_norm, cos_sin,
+                                      self.num_heads, self.num_kv_heads)
+        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
 
 
 class Qwen3MLP(nn.Module):
@@ -74,11 +68,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        # Residual adds in the model dtype, in the reference's order, so bf16 results track it.
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it). Each residual add is done
+        by the norm that follows it (one kernel on CUDA), in the model dtype as the reference adds."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class Qwen3Model(nn.Module):
@@ -90,11 +90,11 @@ class Qwen3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(*inverse_frequencies(config, head_dim_of(config)), max_position)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        rope = self.rotary_emb(positions)   # looked up once, shared by every layer
-        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(positions)   # looked up once, shared by every layer
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, rope, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, meta)
+        return self.norm(hidden, residual)[0]
 
 
 class Qwen3ForCausalLM(nn.Module):

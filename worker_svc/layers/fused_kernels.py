@@ -1,0 +1,162 @@
+"""Triton kernels that fuse the model's elementwise work, one launch where PyTorch needs many.
+
+A decode step of a small model is dominated by tiny elementwise kernels (RMSNorm alone is about
+seven: cast, square, mean, add, rsqrt, multiply, cast, weight): each reads and writes a few KiB
+and costs a launch. These three kernels do each group in one pass:
+- `rms_norm`: RMSNorm of each row, optionally after adding the residual (returning the sum as
+  the next residual), like vLLM's fused_add_rms_norm.
+- `silu_and_mul`: SwiGLU over the packed [gate | up] projection.
+- `qk_norm_rope_`: Qwen3's per-head RMSNorm of q and k, then RoPE, in place over the packed qkv
+  projection (one program per token covers all its q and k heads).
+
+Each rounds to the model dtype exactly where the torch path (layernorm.py, activation.py,
+rotary.py, which mirror transformers) does, so bf16 results match it up to the order of float32
+sums. The layers call these on CUDA tensors unless WORKER_FUSED_KERNELS=0 (for comparisons);
+importing this module imports Triton, so the layers import it only once they see a CUDA tensor.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("WORKER_FUSED_KERNELS", "1") != "0"
+SILU_BLOCK = 1024   # columns of the activation per program
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro, num_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the model dtype first: it is the residual the torch path keeps.
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (x + residual).to(dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, total, mask=mask)
+        x = total.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (x * rstd).to(dtype).to(tl.float32)   # cast before the weight, as transformers does
+    tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(dtype), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)   # F.silu rounds its output
+    tl.store(out_ptr + row * stride_o + cols, (activated * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
+    stride_qkv, stride_cs, q_eps, k_eps,
+    NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    # Rows of the tile are the token's q heads then its k heads (adjacent in the packed
+    # projection); columns are one half of head_dim, since RoPE (neox layout) pairs the halves.
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    cols = tl.arange(0, HALF_PAD)
+    mask = (heads < NUM_HEADS)[:, None] & (cols < HALF)[None, :]
+    dtype = qkv_ptr.dtype.element_ty
+    first = qkv_ptr + token * stride_qkv + (heads * (2 * HALF))[:, None] + cols[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+
+    is_q = (heads < NUM_Q_HEADS)[:, None]
+    eps = tl.where(heads < NUM_Q_HEADS, q_eps, k_eps)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    col_mask = cols < HALF
+    w1 = tl.where(is_q, tl.load(q_weight_ptr + cols, mask=col_mask, other=0.0)[None, :],
+                  tl.load(k_weight_ptr + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
+    w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :],
+                  tl.load(k_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
+    # RMSNorm as layernorm.py rounds it (normed, then times the weight), then RoPE in float32.
+    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    cos = tl.load(cos_sin_ptr + token * stride_cs + cols, mask=col_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + token * stride_cs + HALF + cols, mask=col_mask, other=0.0)[None, :]
+    tl.store(first, (n1 * cos - n2 * sin).to(dtype), mask=mask)
+    tl.store(first + HALF, (n2 * cos + n1 * sin).to(dtype), mask=mask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with a contiguous last dim (a view where strides allow)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim. With `residual`: (norm(x + residual), x + residual)."""
+    assert weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    rows = _rows(x)
+    num_rows, num_cols = rows.shape
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        residual_rows = residual_out = rows   # unused by the kernel
+    else:
+        residual_rows = _rows(residual)
+        residual_out = torch.empty_like(out)
+    if num_rows:
+        block = _pow2(num_cols)
+        _rms_norm_kernel[(num_rows,)](
+            rows, residual_rows, weight, out, residual_out,
+            rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), num_cols, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+        )
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), residual_out.view(x.shape)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    rows = _rows(gate_up)
+    num_rows, num_cols = rows.shape[0], rows.shape[1] // 2
+    out = torch.empty(num_rows, num_cols, dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows:
+        block = min(SILU_BLOCK, _pow2(num_cols))
+        _silu_and_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](
+            rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4,
+        )
+    return out.view(*gate_up.shape[:-1], num_cols)
+
+
+def qk_norm_rope_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_eps: float,
+                  k_eps: float, cos_sin: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> None:
+    """In place over qkv [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]: each q and
+    k head is RMS-normalised with its weight, then rotated by cos_sin [num_tokens, head_dim]
+    (cos | sin, float32). The v part is left alone."""
+    head_dim = q_weight.shape[0]
+    num_tokens = qkv.shape[0]
+    assert head_dim % 2 == 0 and qkv.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and cos_sin.shape == (num_tokens, head_dim)
+    if num_tokens == 0:
+        return
+    num_heads = num_q_heads + num_kv_heads
+    _qk_norm_rope_kernel[(num_tokens,)](
+        qkv, q_weight, k_weight, cos_sin, qkv.stride(0), cos_sin.stride(0), q_eps, k_eps,
+        NUM_Q_HEADS=num_q_heads, NUM_HEADS=num_heads, HEADS_PAD=_pow2(num_heads),
+        HALF=head_dim // 2, HALF_PAD=_pow2(head_dim // 2), num_warps=4,
+    )
