@@ -344,4 +344,7 @@ class Engine:
         )
         self.metrics.observe_request(reason.value, seq.arrival_time, active.first_token_at,
                                      seq.num_prompt_tokens, seq.num_output_tokens)
+        # Logged from the step loop, which serves many requests: name this one explicitly.
+        log.info("finished (%s): %d prompt tokens (%d cached), %d generated", reason.value, seq.num_prompt_tokens,
+                 seq.num_cached_prompt_tokens, seq.num_output_tokens, extra={"request_id": seq.request_id})
         active.queue.put_nowait(RequestOutput(tokens, text, logprobs, _FINISH_TO_PROTO[reason], usage))

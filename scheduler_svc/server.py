@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.logging_setup import bind_request_id
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine import DuplicateRequest, Engine, EngineFull, EngineUnavailable
 from scheduler_svc.validation import InvalidRequest, validate_request
@@ -36,6 +37,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id or uuid.uuid4().hex
+        bind_request_id(request_id)   # this handler's task ends with the request
         try:
             stream = self.engine.add_request(request_id, prompt_ids, params)
         except EngineFull as e:
@@ -44,7 +46,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, str(e))
         except EngineUnavailable as e:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, str(e))
-        log.info("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), params.max_tokens)
+        log.info("admitted: %d prompt tokens, max_tokens %d", len(prompt_ids), params.max_tokens)
         async for out in stream:
             yield generation_pb2.GenerateResponse(
                 request_id=request_id, token_ids=out.token_ids, text=out.text,
