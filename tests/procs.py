@@ -106,12 +106,27 @@ def scheduler_proc(model_dir: pathlib.Path, log_dir: pathlib.Path, worker_addrs:
     return Proc(f"scheduler-{port}", f"127.0.0.1:{port}", args, log_dir / f"scheduler-{port}.log")
 
 
+def tensor_parallel_args(group_size: int, rank: int, init_addr: str) -> tuple[str, ...]:
+    """The worker flags that make a process one rank of a tensor-parallel group."""
+    return ("--tensor-parallel-size", str(group_size), "--rank", str(rank), "--dist-init-addr", init_addr)
+
+
 @contextlib.contextmanager
 def running_services(model_dir: pathlib.Path, log_dir: pathlib.Path, *, worker_args: tuple[str, ...] = (),
-                     scheduler_args: tuple[str, ...] = (), num_workers: int = 1):
-    """Starts num_workers workers and a scheduler over them; stops all on exit."""
+                     scheduler_args: tuple[str, ...] = (), num_workers: int = 1, tensor_parallel_size: int = 1):
+    """Starts num_workers workers and a scheduler over them; stops all on exit. With
+    tensor_parallel_size N, each N consecutive workers are the ranks of one group (so
+    num_workers / N groups serve in data parallel)."""
+    if num_workers % tensor_parallel_size:
+        raise ValueError(f"{num_workers} workers do not split into groups of {tensor_parallel_size}")
     log_dir.mkdir(parents=True, exist_ok=True)
-    workers = [worker_proc(model_dir, log_dir, *worker_args).start() for _ in range(num_workers)]
+    rank_args = [()] * num_workers
+    if tensor_parallel_size > 1:
+        scheduler_args = ("--tensor-parallel-size", str(tensor_parallel_size), *scheduler_args)
+        init_addrs = [f"127.0.0.1:{free_port()}" for _ in range(num_workers // tensor_parallel_size)]
+        rank_args = [tensor_parallel_args(tensor_parallel_size, i % tensor_parallel_size,
+                                          init_addrs[i // tensor_parallel_size]) for i in range(num_workers)]
+    workers = [worker_proc(model_dir, log_dir, *worker_args, *rank_args[i]).start() for i in range(num_workers)]
     services = Services(scheduler_proc(model_dir, log_dir, [w.addr for w in workers], *scheduler_args), workers)
     try:
         for w in workers:

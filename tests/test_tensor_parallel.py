@@ -1,39 +1,57 @@
-"""The parallel layers split across two gloo ranks on the CPU: greedy generation through
-ModelRunner on each rank equals transformers' (so sharded loading, the all-reduces and the
-LM head's all-gather agree with one unsplit model)."""
+"""The parallel layers split across two gloo ranks on the CPU, joined through the worker's own
+rendezvous: greedy generation through ModelRunner equals transformers' (so sharded loading, the
+all-reduces and the LM head's gather agree with one unsplit model); rank 0 alone reports tokens
+and the other rank's mirror follows it, sampled and penalised requests included."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.hf_reference import hf_greedy
 from tests.procs import free_port
 
 WORLD_SIZE, NUM_NEW = 2, 6
-PROMPTS = {1: [5, 17, 33, 2, 99, 140, 7, 8, 250, 31, 12, 44, 61, 3, 9, 77, 301, 5], 2: [400, 3, 3, 18]}
+PROMPTS = {1: [5, 17, 33, 2, 99, 140, 7, 8, 250, 31, 12, 44, 61, 3, 9, 77, 301, 5], 2: [400, 3, 3, 18],
+           3: [7, 7, 7, 100, 200]}
+SAMPLED = pb.SamplingOptions(temperature=1.0, top_k=20, seed=1234, repetition_penalty=1.3)
 
 
 def _rank_main(rank: int, port: int, model_dir: str, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    from tests.test_model_runner import Driver, make_runner
+    from worker_svc import parallel_state
+    from worker_svc.config import WorkerConfig
+
+    parallel_state.init_tensor_parallel(WorkerConfig(model=model_dir, tensor_parallel_size=WORLD_SIZE, rank=rank,
+                                                     dist_init_addr=f"127.0.0.1:{port}"))
     try:
-        from tests.test_model_runner import Driver, make_runner
-        runner = make_runner(model_dir)
+        runner = make_runner(model_dir, tensor_parallel_size=WORLD_SIZE, rank=rank)
         assert (runner.describe().rank, runner.describe().world_size) == (rank, WORLD_SIZE)
         d = Driver(runner)
-        d.step(new=[d.new(1, PROMPTS[1], 10), d.new(2, PROMPTS[2], 4)])   # 1: a first chunk
-        d.step(cached=[d.cached(1, 8), d.cached(2)])
+        reported = {s: [] for s in PROMPTS}
+
+        def step(**work) -> None:
+            for seq_id, token in d.step(**work).items():
+                reported[seq_id].append(token)
+
+        step(new=[d.new(1, PROMPTS[1], 10), d.new(2, PROMPTS[2], 4), d.new(3, PROMPTS[3], 5, SAMPLED)])
+        step(cached=[d.cached(1, 8), d.cached(2), d.cached(3)])     # 1: the rest of its prompt
         for _ in range(NUM_NEW - 1):
-            d.step(cached=[d.cached(1), d.cached(2)])
-        results.put((rank, {s: d.tokens[s][len(p):][:NUM_NEW] for s, p in PROMPTS.items()}))
+            step(cached=[d.cached(s) for s in PROMPTS])
+        mirrored = {s: runner.mirror[s].token_ids[len(p):] for s, p in PROMPTS.items()}
+        results.put((rank, reported, mirrored))
     finally:
-        dist.destroy_process_group()
+        parallel_state.destroy_tensor_parallel()
 
 
 def test_two_ranks_generate_like_one_model(tiny_model_dir):
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank_main, args=(free_port(), str(tiny_model_dir), queue), nprocs=WORLD_SIZE)
-    results = dict(queue.get() for _ in range(WORLD_SIZE))
-    expected = {s: hf_greedy(tiny_model_dir, p, NUM_NEW) for s, p in PROMPTS.items()}
-    assert results[0] == expected and results[1] == expected
+    results = {rank: (reported, mirrored) for rank, reported, mirrored in (queue.get() for _ in range(WORLD_SIZE))}
+    (reported, mirror0), (silent, mirror1) = results[0], results[1]
+    greedy = {s: hf_greedy(tiny_model_dir, PROMPTS[s], len(reported[s])) for s in (1, 2)}
+    assert {s: reported[s] for s in greedy} == greedy and len(reported[1]) == NUM_NEW
+    assert len(reported[3]) == NUM_NEW + 1
+    assert silent == {s: [] for s in PROMPTS}           # rank 1 reports nothing ...
+    assert mirror1 == mirror0 == reported                # ... but holds exactly rank 0's tokens

@@ -1,8 +1,15 @@
-"""python -m worker_svc --model DIR --port PORT [...]: one worker process (one GPU, or the CPU)."""
+"""python -m worker_svc --model DIR --port PORT [...]: one worker process (one GPU, or the CPU).
+
+With --tensor-parallel-size N it is rank --rank of a group of N such processes that meet at
+--dist-init-addr (rank 0's address); the scheduler sends every step to all of them. Exit codes:
+0 after SIGTERM/SIGINT, 1 when the model cannot load, EXIT_GROUP_BROKEN when a peer rank died or
+a collective timed out (--dist-timeout).
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -14,6 +21,8 @@ from common.security import read_secret, server_credentials
 from worker_svc.config import DEFAULT_PORT, add_worker_arguments, worker_config_from_args
 
 logger = logging.getLogger("worker_svc")
+
+EXIT_GROUP_BROKEN = 3   # a peer rank died or a collective timed out
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,12 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda signum, _frame: stop.set())
 
     # Imported after argument parsing so --help is instant (torch takes seconds to import).
+    from worker_svc import parallel_state
     from worker_svc.model_runner import ModelRunner
     from worker_svc.server import WorkerServer
 
     server = WorkerServer(args.host, args.port, auth_token=auth_token, credentials=credentials)
     server.start()
+    threading.Thread(target=_exit_when_group_breaks, args=(server, parallel_state.group_broken()), daemon=True,
+                     name="tp-exit").start()
     try:
+        parallel_state.init_tensor_parallel(config)
         runner = ModelRunner(config)
     except Exception:
         logger.exception("could not load the model")
@@ -81,7 +94,20 @@ def main(argv: list[str] | None = None) -> int:
         pass
     logger.info("shutting down")
     server.stop()
+    parallel_state.destroy_tensor_parallel()
     return 0
+
+
+def _exit_when_group_breaks(server, broken: threading.Event) -> None:
+    """A broken tensor-parallel group cannot heal: exit (EXIT_GROUP_BROKEN) so that every rank
+    restarts and they form a new group. Hard, because a step or the start-up may be stuck in
+    a collective that will never complete."""
+    broken.wait()
+    logger.error("exiting: every rank of the group must restart to form it again")
+    server.stop(grace=1.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_GROUP_BROKEN)
 
 
 if __name__ == "__main__":

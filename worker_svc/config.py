@@ -25,6 +25,11 @@ class WorkerConfig:
     seed: int = 0                               # unseeded sampling and dummy weights
     max_num_seqs: int = 256                     # requests per step
     max_num_batched_tokens: int = 16384         # tokens per step (sizes the CUDA warm-up)
+    tensor_parallel_size: int = 1               # ranks in this worker's group, one process each
+    rank: int = 0                               # this process's rank in the group
+    dist_init_addr: str | None = None           # HOST:PORT of rank 0's rendezvous store
+    dist_backend: str = "auto"                  # auto: nccl on CUDA, gloo on the CPU
+    dist_timeout: float = 60.0                  # seconds a collective (or a silent peer) may take
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,16 +47,32 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    tp = parser.add_argument_group("tensor parallelism", "one worker process per rank; the scheduler "
+                                   "lists the group's addresses, rank 0 first, with --tensor-parallel-size")
+    tp.add_argument("--tensor-parallel-size", type=int, default=1)
+    tp.add_argument("--rank", type=int, default=0)
+    tp.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                    help="rendezvous address: rank 0 listens there, the other ranks connect to it")
+    tp.add_argument("--dist-backend", default="auto", choices=["auto", "gloo", "nccl"])
+    tp.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="a collective (or a silent peer) past this breaks the group: the worker exits, "
+                         "so that every rank restarts and the group forms again")
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     config = WorkerConfig(**{f.name: getattr(args, f.name) for f in fields(WorkerConfig)})
     positive = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens")
+                "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout")
     for name in positive:
         value = getattr(config, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+    if not 0 <= config.rank < config.tensor_parallel_size:
+        raise ValueError(f"--rank must be in 0..{config.tensor_parallel_size - 1}, got {config.rank}")
+    if config.tensor_parallel_size > 1 and not config.dist_init_addr:
+        raise ValueError("--tensor-parallel-size > 1 needs --dist-init-addr HOST:PORT (rank 0's rendezvous address)")
+    if config.dist_init_addr and not config.dist_init_addr.rpartition(":")[2].isdigit():
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {config.dist_init_addr!r}")
     return config

@@ -14,14 +14,14 @@ import torch
 
 from common.model_dir import read_model_facts
 from common.pb.llm.worker.v1 import worker_pb2
-from worker_svc import kv_cache
+from worker_svc import kv_cache, parallel_state
 from worker_svc.config import WorkerConfig
 from worker_svc.layers.attention import AttentionMetadata, get_attention_backend
 from worker_svc.layers.sampler import Sampler, SamplingOptions
 from worker_svc.loader import init_dummy_weights, load_safetensors
 from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
-from worker_svc.parallel_state import get_tp_rank, get_tp_size
+from worker_svc.parallel_state import all_reduce_min, broadcast_token_ids, get_tp_rank, get_tp_size
 from worker_svc.request_state import RequestMirror, RequestState
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,10 @@ class ModelRunner:
             if self.device.index is None:   # "cuda": the current device, named by its index
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if (self.tp_rank, self.tp_size) != (config.rank, config.tensor_parallel_size):
+            raise ValueError(f"configured as rank {config.rank} of {config.tensor_parallel_size}, but the process "
+                             f"group makes this rank {self.tp_rank} of {self.tp_size}")
         model_dir = pathlib.Path(config.model)
         self.model_name = read_model_facts(model_dir).name
         self.model_config = model_config = load_model_config(model_dir)
@@ -88,7 +92,7 @@ class ModelRunner:
                                  model_config.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.vocab_size = model_config.vocab_size
-        self.num_kv_heads = model_config.num_key_value_heads // get_tp_size()
+        self.num_kv_heads = model_config.num_key_value_heads // self.tp_size
         self.head_dim = head_dim_of(model_config)
 
         with torch.device(self.device), _default_dtype(self.dtype):
@@ -97,7 +101,9 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed, std=model_config.initializer_range)
         else:
             load_safetensors(self.model, model_dir)
-        self.sampler = Sampler(self.vocab_size, self.device, config.seed)
+        parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
+        # Rank 0 alone samples (and keeps penalty state); the others take its tokens.
+        self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp_rank == 0 else None
         self.mirror = RequestMirror(self.max_blocks_per_seq)
         self.decode_graphs = None   # captured below, once the KV cache they read exists
         self.num_kv_blocks = self._size_kv_cache()
@@ -120,8 +126,8 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
-            rank=get_tp_rank(),
-            world_size=get_tp_size(),
+            rank=self.tp_rank,
+            world_size=self.tp_size,
             device=str(self.device),
             attention_backend=self.backend.name,
             dtype=str(self.dtype).removeprefix("torch."),
@@ -130,19 +136,29 @@ class ModelRunner:
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         """Raises InvalidStepError (a ValueError), before changing any state, when the step
-        contradicts itself, the worker's limits or its mirror."""
+        contradicts itself, the worker's limits or its mirror. Every rank of a tensor-parallel
+        group runs the same steps in the same order; only rank 0 reports sampled tokens."""
         start = time.perf_counter()
+        if parallel_state.group_broken().is_set():
+            raise RuntimeError("the tensor-parallel group is broken; this worker is exiting")
         scheduled = self._apply(req)
         response = worker_pb2.StepResponse(step_id=req.step_id)
         if scheduled:
             batch = self._prepare(scheduled)
             prepared = time.perf_counter()
-            token_ids, logprobs = self._execute(batch)
+            try:
+                token_ids, logprobs = self._execute(batch)
+            except Exception as exc:
+                if self.tp_size > 1:   # the other ranks are left waiting in a collective
+                    parallel_state.mark_broken(f"step {req.step_id} failed: {exc!r}")
+                raise
             for state, num_tokens in scheduled:
                 state.num_computed_tokens += num_tokens
-            for state, token_id, logprob in zip(batch.sampling, token_ids, logprobs):
+            for state, token_id in zip(batch.sampling, token_ids):
                 state.token_ids.append(token_id)
-                response.sampled.add(seq_id=state.seq_id, token_id=token_id, logprob=logprob)
+            if self.tp_rank == 0:
+                for state, token_id, logprob in zip(batch.sampling, token_ids, logprobs):
+                    response.sampled.add(seq_id=state.seq_id, token_id=token_id, logprob=logprob)
             done = time.perf_counter()
             response.timings.prepare_ms = (prepared - start) * 1e3
             response.timings.forward_ms = (done - prepared) * 1e3
@@ -164,11 +180,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, batch: InputBatch) -> tuple[list[int], list[float]]:
+        """Token ids of the sampling requests (on every rank) and their logprobs (rank 0)."""
         hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         if not batch.sampling:
             return [], []
         logits = self.model.compute_logits(hidden, batch.logits_indices)
-        return self.sampler.sample(logits, batch.sampling)
+        if self.sampler is None:   # not rank 0: its tokens keep this rank's mirror identical
+            return broadcast_token_ids(None, len(batch.sampling), self.device), []
+        token_ids, logprobs = self.sampler.sample(logits, batch.sampling)
+        return broadcast_token_ids(token_ids, len(token_ids), self.device), logprobs
 
     def _apply(self, req: worker_pb2.StepRequest) -> list[tuple[RequestState, int]]:
         """Validates the step, then updates the mirror: drops, admissions, appended blocks.
@@ -181,7 +201,8 @@ class ModelRunner:
         for new in req.new_requests:
             token_ids = list(new.token_ids)
             sampling = options[new.seq_id]
-            penalty_row = self.sampler.add_request(token_ids, new.num_prompt_tokens, sampling)
+            penalty_row = (self.sampler.add_request(token_ids, new.num_prompt_tokens, sampling)
+                           if self.sampler is not None else None)
             state = self.mirror.add(new.seq_id, token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                                     list(new.block_ids), sampling, penalty_row)
             scheduled.append((state, new.num_scheduled_tokens))
@@ -192,7 +213,9 @@ class ModelRunner:
         return scheduled
 
     def _drop(self, seq_id: int) -> None:
-        self.sampler.remove_request(self.mirror.remove(seq_id).penalty_row)
+        state = self.mirror.remove(seq_id)
+        if self.sampler is not None:
+            self.sampler.remove_request(state.penalty_row)
 
     def _validate(self, req: worker_pb2.StepRequest) -> dict[int, SamplingOptions]:
         """Checks the whole step against the mirror; returns the new requests' parsed options."""
@@ -329,14 +352,17 @@ class ModelRunner:
         per_block = kv_cache.block_bytes(self.model_config.num_hidden_layers, self.block_size, self.num_kv_heads,
                                          self.head_dim, self.dtype)
         if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if config.kv_cache_memory_gb is not None:
+            num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory_gb is not None:
             num_blocks = kv_cache.blocks_for_memory(config.kv_cache_memory_gb, per_block)
         elif self.device.type == "cuda":
             self._warm_up()
             num_blocks = kv_cache.cuda_free_blocks(self.device, per_block, config.gpu_memory_utilization)
         else:
             num_blocks = kv_cache.cpu_default_blocks(per_block)
+        # The scheduler hands out one set of block ids for the whole group: every rank holds
+        # as many blocks as the tightest one can.
+        num_blocks = all_reduce_min(num_blocks, self.device)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (a block takes {per_block} bytes)")
         return num_blocks
@@ -358,8 +384,9 @@ class ModelRunner:
             scheduled.append((state, seq_len))
         torch.cuda.reset_peak_memory_stats(self.device)
         self._execute(self._prepare(scheduled))
-        sampling_rows = [scheduled[0][0]] * config.max_num_seqs
-        self.sampler.sample(torch.zeros(config.max_num_seqs, self.vocab_size, device=self.device), sampling_rows)
+        if self.sampler is not None:
+            sampling_rows = [scheduled[0][0]] * config.max_num_seqs
+            self.sampler.sample(torch.zeros(config.max_num_seqs, self.vocab_size, device=self.device), sampling_rows)
         self.reset()
         kv_cache.unbind_kv_cache(self.model)
         torch.cuda.synchronize(self.device)

@@ -1,12 +1,36 @@
-"""Tensor-parallel rank and size of this process.
+"""Tensor-parallel rank and size of this process, and the life of its process group.
 
 The whole torch.distributed world is the tensor-parallel group: one worker process per GPU,
 all ranks of a worker group run every step. Without an initialised process group the worker
 is a single rank (rank 0 of 1), so the parallel layers degrade to plain ones.
+
+A group lives and dies whole. Collectives time out after `timeout_s` (gloo raises; NCCL's
+watchdog ends the process), and a heartbeat through the rendezvous store notices a dead peer
+while no step runs. Either way the group is marked broken and the worker exits, so that every
+rank restarts and they rendezvous afresh: a process group cannot take a restarted rank back.
 """
 from __future__ import annotations
 
+import datetime
+import logging
+import threading
+import time
+
+import torch
 import torch.distributed as dist
+
+from worker_svc.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+# Ranks start and load their shards at their own pace (one may wait for a GPU, or pull an
+# image): waiting for each other may take far longer than any collective should.
+RENDEZVOUS_TIMEOUT_S = 600.0
+HEARTBEAT_INTERVAL_S = 1.0
+
+_store: dist.Store | None = None
+_broken = threading.Event()
+_stopping = threading.Event()   # a deliberate shutdown: silence is no longer a failure
 
 
 def _distributed() -> bool:
@@ -26,3 +50,115 @@ def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
     return numerator // denominator
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """auto: NCCL between GPUs, gloo between CPU processes."""
+    if name == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if name == "nccl" and device.type != "cuda":
+        raise ValueError("the nccl backend needs --device cuda")
+    return name
+
+
+def init_tensor_parallel(config: WorkerConfig) -> None:
+    """Joins the group whose rank 0 hosts the rendezvous store at config.dist_init_addr
+    (HOST:PORT); returns once every rank has joined, and starts the heartbeat. A no-op for a
+    single rank."""
+    if config.tensor_parallel_size > 1:
+        backend = resolve_backend(config.dist_backend, torch.device(config.device))
+        _join(config.tensor_parallel_size, config.rank, config.dist_init_addr, backend, config.dist_timeout)
+
+
+def _join(world_size: int, rank: int, init_addr: str, backend: str, timeout_s: float) -> None:
+    global _store
+    host, _, port = init_addr.rpartition(":")
+    logger.info("rank %d of %d: joining the %s group at %s", rank, world_size, backend, init_addr)
+    store = dist.TCPStore(host.strip("[]"), int(port), world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
+    # Each rank counts itself in. A count past world_size means this rank reached a store
+    # whose group is still running (its rank 0 has not noticed a dead peer yet): give up and
+    # let the restart find a fresh one.
+    if store.add("joined", 1) > world_size:
+        raise RuntimeError(f"the group at {init_addr} already has {world_size} ranks; is an old rank 0 still running?")
+    _store_barrier(store, "joined", world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _store = store
+    threading.Thread(target=_heartbeat, args=(store, rank, world_size, timeout_s), daemon=True,
+                     name="tp-heartbeat").start()
+    logger.info("rank %d of %d: group ready", rank, world_size)
+
+
+def barrier(name: str) -> None:
+    """Waits, up to RENDEZVOUS_TIMEOUT_S, until every rank arrives here: before the first
+    collective after slow, uneven work (loading weights), which the collective timeout would
+    not allow for. A no-op on a single rank or a group this module did not start."""
+    if _store is not None:
+        _store_barrier(_store, name, get_tp_size())
+
+
+def _store_barrier(store: dist.Store, name: str, world_size: int) -> None:
+    if store.add(f"arrived/{name}", 1) == world_size:
+        store.set(f"all/{name}", "1")
+    store.wait([f"all/{name}"])
+
+
+def _heartbeat(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Ranks > 0 tick a counter in rank 0's store (which fails once rank 0 is gone); rank 0
+    watches that every counter moves within timeout_s."""
+    last_count = [0] * world_size
+    last_seen = [time.monotonic()] * world_size
+    while not _stopping.wait(HEARTBEAT_INTERVAL_S) and not _broken.is_set():
+        try:
+            if rank != 0:
+                store.add(f"heartbeat/{rank}", 1)
+                continue
+            now = time.monotonic()
+            for peer in range(1, world_size):
+                count = store.add(f"heartbeat/{peer}", 0)   # adding 0 reads the counter
+                if count != last_count[peer]:
+                    last_count[peer], last_seen[peer] = count, now
+                elif now - last_seen[peer] > timeout_s:
+                    mark_broken(f"rank {peer} sent no heartbeat for {timeout_s:.0f} s")
+        except Exception as exc:   # the store's connection to rank 0 broke
+            mark_broken(f"rank 0 is unreachable: {exc}")
+
+
+def mark_broken(reason: str) -> None:
+    """The group can run no more collectives (a peer died, or a step failed half-way)."""
+    if not _broken.is_set():
+        logger.error("tensor-parallel group broken: %s", reason)
+        _broken.set()
+
+
+def group_broken() -> threading.Event:
+    return _broken
+
+
+def all_reduce_min(value: int, device: torch.device) -> int:
+    if get_tp_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def broadcast_token_ids(token_ids: list[int] | None, count: int, device: torch.device) -> list[int]:
+    """Rank 0's sampled token ids, on every rank (others pass None and the count they expect)."""
+    if get_tp_size() == 1:
+        return token_ids
+    if get_tp_rank() == 0:
+        tensor = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    else:
+        tensor = torch.empty(count, dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return tensor.tolist()
+
+
+def destroy_tensor_parallel() -> None:
+    global _store
+    _stopping.set()
+    if _distributed():
+        dist.destroy_process_group()
+    _store = None

@@ -33,11 +33,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full logits on rank 0, which alone samples; None on the other ranks."""
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        # Every rank gets the full logits, so any rank can sample (rank 0's answer is used).
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.all_gather(parts, logits)
-        return torch.cat(parts, dim=-1)
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, parts, dst=0)
+        return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None
