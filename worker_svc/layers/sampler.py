@@ -107,36 +107,48 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[float]]:
         """logits [len(rows), vocab] (any float dtype) -> (token ids, logprobs; 0.0 where not
-        asked). Counts the sampled tokens into the rows' penalty state."""
-        logits = logits.float()
+        asked). Counts the sampled tokens into the rows' penalty state. Greedy rows cost one
+        argmax (over the logits as given: the same token as in float32); only the rows that draw
+        go through temperature, truncation and the race."""
         options = [row.sampling for row in rows]
-        want_logprobs = [o.logprobs for o in options]
-        greedy = [o.greedy for o in options]
-        # Greedy logprobs are those of the raw model distribution.
-        raw_logprobs = logits.log_softmax(-1) if any(w and g for w, g in zip(want_logprobs, greedy)) else None
+        raw = logits   # greedy logprobs are those of the raw model distribution
         penalized = [i for i, row in enumerate(rows) if row.penalty_row is not None]
         if penalized:
-            logits = logits.clone()
+            logits = logits.to(torch.float32, copy=True)
             self._apply_penalties(logits, rows, penalized)
-        token_ids = logits.argmax(-1)
+        drawing = [i for i, o in enumerate(options) if not o.greedy]
+        token_ids = logits.argmax(-1) if len(drawing) < len(rows) else None
         processed = None
-        if not all(greedy):
-            processed = self._process(logits, options)
-            sampled = self._race(processed.softmax(-1), rows)
-            token_ids = torch.where(self._tensor(greedy, torch.bool), token_ids, sampled)
+        if drawing:
+            index = None if token_ids is None else self._tensor(drawing, torch.long)
+            processed = self._process((logits if index is None else logits[index]).float(),
+                                      [options[i] for i in drawing])
+            drawn = self._race(processed.softmax(-1), [rows[i] for i in drawing])
+            token_ids = drawn if index is None else token_ids.index_copy_(0, index, drawn)
         if penalized:
             index = self._tensor(penalized, torch.long)
             table_rows = self._tensor([rows[i].penalty_row for i in penalized], torch.long)
             self.penalties.record(table_rows, token_ids[index])
         logprobs = [0.0] * len(rows)
-        if any(want_logprobs):
-            chosen = token_ids.unsqueeze(1)
-            raw = raw_logprobs.gather(1, chosen).squeeze(1).tolist() if raw_logprobs is not None else None
-            drawn = processed.log_softmax(-1).gather(1, chosen).squeeze(1).tolist() if processed is not None else None
-            logprobs = [
-                (raw[i] if greedy[i] else drawn[i]) if want else 0.0 for i, want in enumerate(want_logprobs)
-            ]
+        greedy_asked = [i for i, o in enumerate(options) if o.logprobs and o.greedy]
+        drawn_asked = [i for i, o in enumerate(options) if o.logprobs and not o.greedy]
+        if greedy_asked:
+            values = self._chosen_logprobs(raw, greedy_asked, greedy_asked, token_ids)
+            for i, value in zip(greedy_asked, values):
+                logprobs[i] = value
+        if drawn_asked:
+            processed_row = {i: j for j, i in enumerate(drawing)}
+            values = self._chosen_logprobs(processed, [processed_row[i] for i in drawn_asked], drawn_asked, token_ids)
+            for i, value in zip(drawn_asked, values):
+                logprobs[i] = value
         return token_ids.tolist(), logprobs
+
+    def _chosen_logprobs(self, scores: torch.Tensor, score_rows: list[int], batch_rows: list[int],
+                         token_ids: torch.Tensor) -> list[float]:
+        """log_softmax(scores[score_rows[j]]) at the token chosen for batch row batch_rows[j]."""
+        chosen = token_ids[self._tensor(batch_rows, torch.long)].unsqueeze(1)
+        picked = scores[self._tensor(score_rows, torch.long)].float()
+        return picked.log_softmax(-1).gather(1, chosen).squeeze(1).tolist()
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -155,18 +167,19 @@ class Sampler:
         )
 
     def _process(self, logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
-        """Temperature, top-k, top-p and min-p; excluded tokens get -inf. Greedy rows pass through
-        with temperature 1 (their token is the argmax anyway)."""
+        """Temperature, top-k, top-p and min-p of rows that draw (no greedy rows); excluded
+        tokens get -inf. Each step is skipped when no row asks for it, so plain sampling never
+        sorts the vocabulary."""
         vocab = logits.shape[-1]
-        temperature = self._tensor([1.0 if o.greedy else o.temperature for o in options], torch.float32)
-        logits = logits / temperature.unsqueeze(1)
-        # Greedy rows keep their top token only, so they never force the full-vocabulary sort.
-        top_k = [1 if o.greedy else o.top_k if 0 < o.top_k < vocab else vocab for o in options]
-        top_p = [o.top_p if o.top_p < 1 and not o.greedy else float("inf") for o in options]
+        if any(o.temperature != 1.0 for o in options):
+            logits = logits / self._tensor([o.temperature for o in options], torch.float32).unsqueeze(1)
+        top_k = [o.top_k if 0 < o.top_k < vocab else vocab for o in options]
+        # p = 1 keeps everything: inf, so rounding in the cumulative sum never drops the tail.
+        top_p = [o.top_p if o.top_p < 1 else float("inf") for o in options]
         if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
             logits = self._top_k_top_p(logits, top_k, self._tensor(top_p, torch.float32))
-        if any(o.min_p > 0 and not o.greedy for o in options):
-            min_p = self._tensor([0.0 if o.greedy else o.min_p for o in options], torch.float32)
+        if any(o.min_p > 0 for o in options):
+            min_p = self._tensor([o.min_p for o in options], torch.float32)
             probs = logits.softmax(-1)
             threshold = min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -199,4 +212,5 @@ class Sampler:
             self._row_generator.manual_seed(seeded_noise_seed(seed, rows[i].num_output_tokens))
             noise[i].exponential_(generator=self._row_generator)
         # A zero draw would turn an excluded token (p = 0) into 0/0; the floor keeps it at 0.
-        return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
+        # probs is the caller's scratch: dividing in place saves a vocabulary-sized buffer.
+        return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
