@@ -15,28 +15,21 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import shutil
 import sys
-import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "configs" / "qwen3-0.6b.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def write_config_dir(out: pathlib.Path, config_path: pathlib.Path = DEFAULT_CONFIG) -> pathlib.Path:
     """config.json, generation_config.json and the tiny tokenizer in `out`; no weights."""
-    from common.tiny_model import write_tiny_qwen3
+    from common.tiny_model import save_tiny_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(config_path.read_text())
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}) + "\n")
-    # The tiny checkpoint writer owns the tokenizer; its (tiny) weights are thrown away.
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny = write_tiny_qwen3(pathlib.Path(tmp) / "tiny")
-        for name in TOKENIZER_FILES:
-            shutil.copy(tiny / name, out / name)
+    save_tiny_tokenizer(out)
     return out
 
 

@@ -47,6 +47,26 @@ def build_tokenizer(vocab_size: int):
     return tokenizer
 
 
+def save_tiny_tokenizer(out: pathlib.Path, vocab_size: int = 512):
+    """Writes the embedded tokenizer (tokenizer.json, tokenizer_config.json) into `out`, so any
+    model directory, a config-only one too, gets a tokenizer that transformers loads. Returns the
+    trained `tokenizers.Tokenizer`."""
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={vocab_size}")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.save_pretrained(out)
+    return tokenizer
+
+
 def write_tiny_qwen3(
     out: pathlib.Path,
     *,
@@ -65,19 +85,9 @@ def write_tiny_qwen3(
     """Writes the checkpoint into `out` and returns it. The defaults exercise GQA (4:2) and a
     head_dim that is not hidden_size / num_heads, as Qwen3 allows."""
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
-    if tokenizer.get_vocab_size() > vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={vocab_size}")
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    fast.save_pretrained(out)
+    tokenizer = save_tiny_tokenizer(out, vocab_size)
     eos_ids = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
 
     config = Qwen3Config(
