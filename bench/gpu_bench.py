@@ -203,7 +203,8 @@ def stage_decode(args: argparse.Namespace) -> dict:
                                         max_token_id=max_token_id(args))
     finally:
         worker.stop()
-    return {"rows": rows}
+    # The worker inherits this environment; WORKER_FUSED_KERNELS=0 times the unfused torch path.
+    return {"rows": rows, "fused_kernels": os.environ.get("WORKER_FUSED_KERNELS", "1") != "0"}
 
 
 def stage_correctness(args: argparse.Namespace) -> dict:
@@ -343,7 +344,8 @@ def print_tables(args: argparse.Namespace) -> None:
         s = ok["service"]
         print(f"# service: median TTFT {s['ttft_median_s'] * 1e3:.0f} ms, median TPOT {s['tpot_median_s'] * 1e3:.2f} ms")
     if "decode" in ok:
-        print(f"\ndecode steps at context {args.decode_context} (medians, ms)")
+        fused = "on" if ok["decode"].get("fused_kernels", True) else "off"
+        print(f"\ndecode steps at context {args.decode_context} (medians, ms; fused kernels {fused})")
         print(f"{'batch':>5s} {'step':>7s} {'sched':>7s} {'transp':>7s} {'prep':>7s} {'forward':>8s} {'w.rest':>7s} "
               f"{'floor':>7s} {'tok/s':>8s}")
         for row in ok["decode"]["rows"]:
