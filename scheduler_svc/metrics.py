@@ -24,9 +24,11 @@ class _EngineStateCollector:
         free = GaugeMetricFamily("llm_kv_blocks_free", "KV-cache blocks free", labels=["group"])
         healthy = GaugeMetricFamily("llm_worker_group_healthy", "1 when the group answers steps", labels=["group", "addresses"])
         hit_rate = GaugeMetricFamily("llm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up", labels=["group"])
+        tp_size = GaugeMetricFamily("llm_worker_group_tensor_parallel_size", "Ranks (worker processes) of the group", labels=["group"])
         for g in self.engine.groups:
             label = str(g.index)
             healthy.add_metric([label, ",".join(g.client.addresses)], 1.0 if g.healthy else 0.0)
+            tp_size.add_metric([label], len(g.client.ranks))
             if g.scheduler is None:
                 continue
             bm = g.scheduler.block_manager
@@ -36,7 +38,7 @@ class _EngineStateCollector:
             used.add_metric([label], bm.num_blocks - bm.num_free_blocks)
             queried, hits = bm.prefix_cache_queried_tokens, bm.prefix_cache_hit_tokens
             hit_rate.add_metric([label], hits / queried if queried else 0.0)
-        yield from (running, waiting, used, free, healthy, hit_rate)
+        yield from (running, waiting, used, free, healthy, hit_rate, tp_size)
 
 
 class SchedulerMetrics:

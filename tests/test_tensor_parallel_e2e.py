@@ -14,6 +14,7 @@ import pytest
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.client import generate_many, model_info
 from tests.hf_reference import hf_greedy
+from tests.test_metrics_e2e import _scrape as scrape_metrics
 from scheduler_svc.offline import LLM
 from scheduler_svc.sampling_params import SamplingParams
 from tests.procs import free_port, tensor_parallel_args, worker_proc
@@ -40,10 +41,13 @@ def _describe(addr: str) -> worker_pb2.WorkerInfo:
 
 def test_two_ranks_serve_like_one_worker_and_transformers(tiny_model_dir, launch_services):
     requests = _requests()
-    with launch_services(num_workers=2, tensor_parallel_size=2, scheduler_args=SCHEDULER_ARGS,
-                         worker_args=("--dist-timeout", "5")) as svc, svc.channel() as channel:
+    metrics_port = free_port()
+    with launch_services(num_workers=2, tensor_parallel_size=2, worker_args=("--dist-timeout", "5"),
+                         scheduler_args=(*SCHEDULER_ARGS, "--metrics-port", str(metrics_port))) as svc, \
+            svc.channel() as channel:
         tp2 = generate_many(channel, requests)
         info = model_info(channel)
+        metrics = scrape_metrics(metrics_port)
         ranks = [_describe(w.addr) for w in svc.workers]
         svc.workers[0].kill()
         # Rank 1 is idle: its heartbeat into rank 0's store is what notices.
@@ -55,6 +59,7 @@ def test_two_ranks_serve_like_one_worker_and_transformers(tiny_model_dir, launch
 
     [group] = info.worker_groups
     assert group.tensor_parallel_size == 2 and len(group.addresses) == 2 and group.healthy
+    assert metrics['llm_worker_group_tensor_parallel_size{group="0"}'] == 2
     assert [(r.rank, r.world_size) for r in ranks] == [(0, 2), (1, 2)]
     assert ranks[0].num_kv_blocks == ranks[1].num_kv_blocks == group.num_kv_blocks
     for i, (req, got, single) in enumerate(zip(requests, tp2, tp1)):
