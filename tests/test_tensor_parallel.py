@@ -1,15 +1,23 @@
 """The parallel layers split across two gloo ranks on the CPU, joined through the worker's own
 rendezvous: greedy generation through ModelRunner equals transformers' (so sharded loading, the
 all-reduces and the LM head's gather agree with one unsplit model); rank 0 alone reports tokens
-and the other rank's mirror follows it, sampled and penalised requests included."""
+and the other rank's mirror follows it, sampled and penalised requests included. Flags and
+settings that cannot form a working group are refused."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
+
+import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.hf_reference import hf_greedy
 from tests.procs import free_port
+from worker_svc.config import WorkerConfig, add_worker_arguments, worker_config_from_args
+from worker_svc.parallel_state import check_same_settings, resolve_backend
 
 WORLD_SIZE, NUM_NEW = 2, 6
 PROMPTS = {1: [5, 17, 33, 2, 99, 140, 7, 8, 250, 31, 12, 44, 61, 3, 9, 77, 301, 5], 2: [400, 3, 3, 18],
@@ -21,7 +29,6 @@ def _rank_main(rank: int, port: int, model_dir: str, results) -> None:
     torch.set_num_threads(1)
     from tests.test_model_runner import Driver, make_runner
     from worker_svc import parallel_state
-    from worker_svc.config import WorkerConfig
 
     parallel_state.init_tensor_parallel(WorkerConfig(model=model_dir, tensor_parallel_size=WORLD_SIZE, rank=rank,
                                                      dist_init_addr=f"127.0.0.1:{port}"))
@@ -55,3 +62,27 @@ def test_two_ranks_generate_like_one_model(tiny_model_dir):
     assert len(reported[3]) == NUM_NEW + 1
     assert silent == {s: [] for s in PROMPTS}           # rank 1 reports nothing ...
     assert mirror1 == mirror0 == reported                # ... but holds exactly rank 0's tokens
+
+
+def test_flags_that_cannot_form_a_group_are_refused():
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    for flags, message in [(["--tensor-parallel-size", "2"], "--dist-init-addr"),
+                           (["--tensor-parallel-size", "2", "--rank", "2", "--dist-init-addr", "h:1"], "--rank"),
+                           (["--tensor-parallel-size", "2", "--dist-init-addr", "h"], "HOST:PORT"),
+                           (["--dist-timeout", "0"], "--dist-timeout")]:
+        with pytest.raises(ValueError, match=message):
+            worker_config_from_args(parser.parse_args(["--model", "m", *flags]))
+    assert resolve_backend("auto", torch.device("cpu")) == "gloo"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(ValueError, match="cuda"):
+        resolve_backend("nccl", torch.device("cpu"))
+
+
+def test_ranks_must_share_the_settings_that_decide_a_step():
+    store = dist.HashStore()
+    rank_0 = WorkerConfig(model="m", tensor_parallel_size=2, rank=0, dist_init_addr="h:1", block_size=16)
+    check_same_settings(store, rank_0)
+    check_same_settings(store, dataclasses.replace(rank_0, rank=1, num_kv_blocks=100, device="cuda:1"))
+    with pytest.raises(ValueError, match="same settings"):
+        check_same_settings(store, dataclasses.replace(rank_0, rank=1, block_size=32))

@@ -12,6 +12,7 @@ rank restarts and they rendezvous afresh: a process group cannot take a restarte
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import threading
 import time
@@ -65,13 +66,31 @@ def init_tensor_parallel(config: WorkerConfig) -> None:
     """Joins the group whose rank 0 hosts the rendezvous store at config.dist_init_addr
     (HOST:PORT); returns once every rank has joined, and starts the heartbeat. A no-op for a
     single rank."""
+    global _store
     if config.tensor_parallel_size > 1:
         backend = resolve_backend(config.dist_backend, torch.device(config.device))
-        _join(config.tensor_parallel_size, config.rank, config.dist_init_addr, backend, config.dist_timeout)
+        _store = _join(config.tensor_parallel_size, config.rank, config.dist_init_addr, backend, config.dist_timeout)
+        check_same_settings(_store, config)
 
 
-def _join(world_size: int, rank: int, init_addr: str, backend: str, timeout_s: float) -> None:
-    global _store
+# Settings every rank must share: they decide which steps a rank accepts and the shape of its
+# work, and ranks that judged a step differently would wait for each other in a collective.
+_GROUP_SETTINGS = ("dtype", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                   "load_format", "enforce_eager", "attention_backend")
+
+
+def check_same_settings(store: dist.Store, config: WorkerConfig) -> None:
+    """Rank 0 posts its settings in the store; every other rank compares its own with them."""
+    mine = json.dumps({name: getattr(config, name) for name in _GROUP_SETTINGS}, sort_keys=True)
+    if config.rank == 0:
+        store.set("settings", mine)
+    theirs = store.get("settings").decode()
+    if theirs != mine:
+        raise ValueError(f"rank {config.rank} runs with {mine}, rank 0 with {theirs}: start every rank "
+                         "with the same settings")
+
+
+def _join(world_size: int, rank: int, init_addr: str, backend: str, timeout_s: float) -> dist.Store:
     host, _, port = init_addr.rpartition(":")
     logger.info("rank %d of %d: joining the %s group at %s", rank, world_size, backend, init_addr)
     store = dist.TCPStore(host.strip("[]"), int(port), world_size, is_master=rank == 0,
@@ -84,10 +103,10 @@ def _join(world_size: int, rank: int, init_addr: str, backend: str, timeout_s: f
     _store_barrier(store, "joined", world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    _store = store
     threading.Thread(target=_heartbeat, args=(store, rank, world_size, timeout_s), daemon=True,
                      name="tp-heartbeat").start()
     logger.info("rank %d of %d: group ready", rank, world_size)
+    return store
 
 
 def barrier(name: str) -> None:
