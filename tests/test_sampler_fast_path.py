@@ -3,6 +3,7 @@ and nothing sorts the vocabulary unless a row asks for top-k or top-p. The resul
 of the full computation (tests/test_sampler.py covers the semantics themselves)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -70,3 +71,15 @@ def test_nothing_sorts_the_vocabulary_without_top_k_or_top_p(monkeypatch):
     assert all(tokens[i] == top[i] for i in range(0, 300, 4)) and all(tokens[i] == top[i] for i in range(3, 300, 4))
     assert all(-math.inf < logprobs[i] <= 0.0 for i in range(1, 300, 4))
     assert len({tokens[i] for i in range(1, 300, 4)}) > 1   # the tempered rows really drew
+
+
+def test_half_precision_logits_draw_exactly_as_their_float32_copy():
+    """Skipping the float32 copy (and temperature 1's division) changes no draw and no logprob."""
+    g = torch.Generator().manual_seed(24)
+    logits = (torch.randn(10, VOCAB, generator=g) * 3).to(torch.bfloat16)
+    kinds = [SamplingOptions(temperature=1.0), SamplingOptions(temperature=0.7), SamplingOptions(top_k=4),
+             SamplingOptions(top_p=0.8, temperature=1.2), SamplingOptions(min_p=0.2), SamplingOptions(temperature=0.0)]
+    rows = [Row(dataclasses.replace(kinds[i % len(kinds)], seed=i, logprobs=True), i) for i in range(10)]
+    as_given = Sampler(VOCAB, torch.device("cpu")).sample(logits, rows)
+    upcast = Sampler(VOCAB, torch.device("cpu")).sample(logits.float(), rows)
+    assert as_given == upcast

@@ -121,9 +121,8 @@ class Sampler:
         processed = None
         if drawing:
             index = None if token_ids is None else self._tensor(drawing, torch.long)
-            processed = self._process((logits if index is None else logits[index]).float(),
-                                      [options[i] for i in drawing])
-            drawn = self._race(processed.softmax(-1), [rows[i] for i in drawing])
+            processed = self._process(logits if index is None else logits[index], [options[i] for i in drawing])
+            drawn = self._race(processed.softmax(-1, dtype=torch.float32), [rows[i] for i in drawing])
             token_ids = drawn if index is None else token_ids.index_copy_(0, index, drawn)
         if penalized:
             index = self._tensor(penalized, torch.long)
@@ -169,17 +168,19 @@ class Sampler:
     def _process(self, logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p of rows that draw (no greedy rows); excluded
         tokens get -inf. Each step is skipped when no row asks for it, so plain sampling never
-        sorts the vocabulary."""
+        sorts the vocabulary; the result is float32 unless no step applied (then it is `logits`,
+        whose softmax the caller takes in float32)."""
         vocab = logits.shape[-1]
-        if any(o.temperature != 1.0 for o in options):
+        if any(o.temperature != 1.0 for o in options):   # float32 / float32 of the upcast logits
             logits = logits / self._tensor([o.temperature for o in options], torch.float32).unsqueeze(1)
         top_k = [o.top_k if 0 < o.top_k < vocab else vocab for o in options]
         # p = 1 keeps everything: inf, so rounding in the cumulative sum never drops the tail.
         top_p = [o.top_p if o.top_p < 1 else float("inf") for o in options]
         if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
-            logits = self._top_k_top_p(logits, top_k, self._tensor(top_p, torch.float32))
+            logits = self._top_k_top_p(logits.float(), top_k, self._tensor(top_p, torch.float32))
         if any(o.min_p > 0 for o in options):
             min_p = self._tensor([o.min_p for o in options], torch.float32)
+            logits = logits.float()
             probs = logits.softmax(-1)
             threshold = min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
