@@ -2,11 +2,14 @@
 rendezvous: greedy generation through ModelRunner equals transformers' (so sharded loading, the
 all-reduces and the LM head's gather agree with one unsplit model); rank 0 alone reports tokens
 and the other rank's mirror follows it, sampled and penalised requests included. Flags and
-settings that cannot form a working group are refused."""
+settings that cannot form a working group are refused; steps enter the runner in step_id order,
+whatever order their calls arrive in."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from tests.hf_reference import hf_greedy
 from tests.procs import free_port
 from worker_svc.config import WorkerConfig, add_worker_arguments, worker_config_from_args
 from worker_svc.parallel_state import check_same_settings, resolve_backend
+from worker_svc.step_order import StepOrder
 
 WORLD_SIZE, NUM_NEW = 2, 6
 PROMPTS = {1: [5, 17, 33, 2, 99, 140, 7, 8, 250, 31, 12, 44, 61, 3, 9, 77, 301, 5], 2: [400, 3, 3, 18],
@@ -86,3 +90,38 @@ def test_ranks_must_share_the_settings_that_decide_a_step():
     check_same_settings(store, dataclasses.replace(rank_0, rank=1, num_kv_blocks=100, device="cuda:1"))
     with pytest.raises(ValueError, match="same settings"):
         check_same_settings(store, dataclasses.replace(rank_0, rank=1, block_size=32))
+
+
+def test_steps_run_one_at_a_time_in_step_id_order():
+    order, ran = StepOrder(wait_s=5.0), []
+
+    def run(step_id: int, started: threading.Event | None = None) -> None:
+        with order.step(step_id):
+            ran.append(step_id)
+            if started:
+                started.set()
+                time.sleep(0.05)   # so that the others queue up behind it
+
+    first = threading.Event()
+    threads = [threading.Thread(target=run, args=(1, first))]
+    threads[0].start()
+    first.wait()
+    for step_id in (4, 3, 2):   # arriving in reverse while 1 runs
+        threads.append(threading.Thread(target=run, args=(step_id,)))
+        threads[-1].start()
+        time.sleep(0.01)
+    for thread in threads:
+        thread.join(timeout=10)
+    assert ran == [1, 2, 3, 4]
+    start = time.monotonic()
+    run(1)                                      # a lower id (a new scheduler) need not wait
+    with order.exclusive():                     # a Reset: any id may follow
+        pass
+    run(9)
+    assert time.monotonic() - start < 1.0 and ran[-2:] == [1, 9]
+    gap = StepOrder(wait_s=0.2)
+    with gap.step(1):
+        pass
+    start = time.monotonic()
+    with gap.step(3):                           # step 2 never comes: 3 waits, then runs
+        assert 0.2 <= time.monotonic() - start < 2.0

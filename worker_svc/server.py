@@ -2,14 +2,14 @@
 
 The port opens before the model loads (health NOT_SERVING, Worker calls UNAVAILABLE), so an
 orchestrator can tell "starting" from "dead"; health turns SERVING once the runner is ready.
-Steps are serial by nature, so one lock serialises every call into the runner.
+Steps are serial by nature: one call at a time enters the runner, steps in step_id order
+(worker_svc.step_order says why).
 With a token every call but health needs `authorization: Bearer <token>`; with credentials the
 port speaks only TLS (mutual TLS when they name a client CA).
 """
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent import futures
 
 import grpc
@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.security import TokenAuthInterceptor
 from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
+from worker_svc.step_order import StepOrder
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self) -> None:
         self._runner: ModelRunner | None = None
-        self._lock = threading.Lock()
+        self._order = StepOrder()
 
     def attach(self, runner: ModelRunner) -> None:
         self._runner = runner
@@ -45,7 +46,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request, context):
         runner = self._ready_runner(context)
-        with self._lock:
+        with self._order.step(request.step_id):
             try:
                 return runner.step(request)
             except StaleMirrorError as exc:
@@ -62,7 +63,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Reset(self, request, context):
         runner = self._ready_runner(context)
-        with self._lock:
+        with self._order.exclusive():
             runner.reset()
         logger.info("reset: every request mirror dropped")
         return worker_pb2.ResetResponse()
