@@ -121,8 +121,9 @@ class Qwen3ForCausalLM(nn.Module):
         """Final hidden states of every token: [num_tokens, hidden]."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits of the rows that sample only: [len(logits_indices), vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the rows that sample only: [len(logits_indices), vocab], on tensor-parallel
+        rank 0 (which samples); None on the other ranks."""
         return self.lm_head(hidden[logits_indices])
 
     def attention_layers(self) -> list[PagedAttention]:
