@@ -147,16 +147,15 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
-    def mark_computed(self, seq: Sequence, num_new_computed: int) -> None:
-        """Records that a step computed num_new_computed more tokens of seq and registers the
-        blocks that this made full (prefill chunks and decode tokens alike)."""
+    def cache_computed_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Registers the blocks of seq that a step computing its positions start..end-1 made
+        full, once that step's result is back (prefill chunks and decode tokens alike). Not at
+        schedule time: a block's last tokens may still be placeholders then, and a hit in the
+        very step that computes the block would rely on the worker writing before reading."""
         bs = self.block_size
-        num_computed = seq.num_computed_tokens + num_new_computed
-        if num_computed > min(seq.num_tokens, len(seq.block_table) * bs):
-            raise RuntimeError(f"{seq} cannot compute {num_new_computed} more tokens")
-        first_full = seq.num_computed_tokens // bs
-        seq.num_computed_tokens = num_computed
-        for i in range(first_full, num_computed // bs):
+        if end > min(seq.num_tokens, len(seq.block_table) * bs):
+            raise RuntimeError(f"{seq} has no computed tokens up to position {end}")
+        for i in range(start // bs, end // bs):
             block = self.blocks[seq.block_table[i]]
             block.hash = self._block_hash(seq.token_ids, seq.block_hashes, i)
             block.token_ids = seq.token_ids[i * bs:(i + 1) * bs]

@@ -5,6 +5,12 @@ compute. Running requests go first (a decode takes one token, an unfinished pref
 next chunk), preempting the most recently admitted ones when KV blocks run out; then waiting
 requests are admitted first come, first served with the remaining token budget, chunked when
 their prompt does not fit. So one step can mix a long prompt's chunk with many decodes.
+
+Steps may be scheduled ahead (vLLM's async scheduling): schedule() for step N+1 may run before
+update() of step N, since the worker runs steps in order and appends the tokens it samples. A
+request that samples in a step in flight counts one placeholder token, so the next step names its
+decode; update() turns placeholders into real tokens. A request that stops at step N although
+step N+1 computes it gets that step's token discarded; preempted or aborted ones likewise.
 """
 from __future__ import annotations
 
@@ -58,13 +64,14 @@ class CachedRequestData:
 class ScheduledSequence:
     seq: Sequence
     num_scheduled_tokens: int
-    # Where the sequence stood when scheduled: update() ignores it if it moved on since
-    # (aborted, preempted, reset, or this output applied twice).
-    num_computed_tokens: int
+    num_computed_tokens: int     # before this step
+    samples: bool                # the step reaches the end of its tokens: it samples one
+    # The admission it belongs to: update() ignores it if the sequence was finished,
+    # preempted or reset since.
     num_admissions: int
 
 
-@dataclass
+@dataclass(eq=False)             # compared by identity: the scheduler tracks outputs in flight
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -101,6 +108,8 @@ class Scheduler:
         # Worker mirrors to drop, collected until the next step that is sent.
         self._finished_ids: list[int] = []
         self._preempted_ids: list[int] = []
+        # Scheduled steps whose results have not been applied, oldest first.
+        self._in_flight: deque[SchedulerOutput] = deque()
         self.num_preemptions = 0                # since start, for ModelInfo and metrics
 
     # -- queue -----------------------------------------------------------------------------
@@ -145,6 +154,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -156,6 +169,7 @@ class Scheduler:
             # Sent with this step; when nothing is scheduled no step is sent, so they wait.
             output.finished_seq_ids, self._finished_ids = self._finished_ids, []
             output.preempted_seq_ids, self._preempted_ids = self._preempted_ids, []
+            self._in_flight.append(output)
         return output
 
     def _num_to_schedule(self, num_uncomputed: int, budget: int) -> int:
@@ -168,6 +182,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_placeholder_tokens and self._finishes_by_length(seq, seq.num_placeholder_tokens):
+                i += 1                        # its last token is in flight: nothing left to run
+                continue
             num_tokens = self._num_to_schedule(seq.num_uncomputed_tokens, budget)
             if self._reserve_slots(seq, num_tokens):
                 self._add_to_output(output, seq, num_tokens)
@@ -205,8 +222,9 @@ class Scheduler:
             budget -= num_tokens
 
     def _add_to_output(self, output: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
-        output.scheduled.append(
-            ScheduledSequence(seq, num_tokens, seq.num_computed_tokens, seq.num_admissions))
+        num_computed = seq.num_computed_tokens
+        samples = num_tokens == seq.num_uncomputed_tokens
+        output.scheduled.append(ScheduledSequence(seq, num_tokens, num_computed, samples, seq.num_admissions))
         if seq.on_worker:
             output.cached_requests.append(CachedRequestData(
                 seq.seq_id, num_tokens, seq.block_table[seq.num_blocks_on_worker:]))
@@ -216,19 +234,29 @@ class Scheduler:
                 num_tokens, list(seq.block_table), seq.sampling))
             seq.on_worker = True
         seq.num_blocks_on_worker = len(seq.block_table)
+        seq.num_computed_tokens = num_computed + num_tokens
+        seq.num_placeholder_tokens += samples
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute-style preemption: free everything, wait at the front of the queue."""
+    def _free(self, seq: Sequence) -> None:
+        """Gives back seq's blocks; what steps in flight compute or sample for it is dropped."""
         self.block_manager.free(seq)
+        seq.num_placeholder_tokens = 0
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Recompute-style preemption: free everything, wait at the front of the queue."""
+        self._free(seq)
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
         self.num_preemptions += 1
         if seq.on_worker:
             self._preempted_ids.append(seq.seq_id)
             seq.on_worker = False
 
     def _release(self, seq: Sequence, reason: FinishReason) -> None:
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._unfinished[seq.seq_id]
@@ -238,26 +266,31 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Applies a step's result: marks the scheduled tokens computed, appends each sampled
-        token and checks the stop conditions, freeing finished sequences at once. Returns the
-        sequences that received a token (finished ones included, with finish_reason set)."""
+        """Applies the result of the oldest step in flight: registers the blocks it filled,
+        appends each sampled token and checks the stop conditions, freeing finished sequences
+        at once. Returns the sequences that received a token (finished ones included, with
+        finish_reason set). An output no longer in flight (applied already, or dropped by a
+        reset) is ignored."""
+        if not any(o is output for o in self._in_flight):
+            return []
+        if output is not self._in_flight[0]:
+            raise RuntimeError("step results must be applied in the order the steps were scheduled")
         live = [s for s in output.scheduled
-                if s.seq.status is SequenceStatus.RUNNING
-                and s.seq.num_admissions == s.num_admissions
-                and s.seq.num_computed_tokens == s.num_computed_tokens]
+                if s.seq.status is SequenceStatus.RUNNING and s.seq.num_admissions == s.num_admissions]
         # Check before changing anything, so a bad reply leaves every sequence as it was.
-        missing = [s.seq.seq_id for s in live
-                   if s.num_computed_tokens + s.num_scheduled_tokens == s.seq.num_tokens
-                   and s.seq.seq_id not in sampled]
+        missing = [s.seq.seq_id for s in live if s.samples and s.seq.seq_id not in sampled]
         if missing:
             raise ValueError(f"the step returned no token for seq_ids {missing}")
+        self._in_flight.popleft()
         received: list[Sequence] = []
         for s in live:
             seq = s.seq
-            self.block_manager.mark_computed(seq, s.num_scheduled_tokens)
-            if seq.num_computed_tokens < seq.num_tokens:
+            self.block_manager.cache_computed_blocks(
+                seq, s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
+            if not s.samples:
                 continue                      # a prefill chunk: no token to sample yet
             seq.token_ids.append(sampled[seq.seq_id])
+            seq.num_placeholder_tokens -= 1
             reason = self._stop_reason(seq)
             if reason is not None:
                 self._release(seq, reason)
@@ -274,20 +307,25 @@ class Scheduler:
                 (token in self.eos_token_ids and not params.ignore_eos)
                 or token in params.stop_token_ids):
             return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self._finishes_by_length(seq, 0):
             return FinishReason.LENGTH
         return None
 
+    def _finishes_by_length(self, seq: Sequence, num_more_tokens: int) -> bool:
+        """Whether seq reaches max_tokens or max_model_len once num_more_tokens are appended."""
+        return (seq.num_output_tokens + num_more_tokens >= seq.sampling.max_tokens
+                or seq.num_tokens + num_more_tokens >= self.config.max_model_len)
+
     # -- worker restart ----------------------------------------------------------------------
     def reset_all_worker_state(self) -> None:
-        """The worker lost its KV cache and mirrors: every running request goes back to the
-        front of the queue, in order, to be re-sent in full, and the prefix cache is emptied."""
+        """The worker lost its KV cache and mirrors (and the results of steps in flight): every
+        running request goes back to the front of the queue, in order, to be re-sent in full,
+        and the prefix cache is emptied."""
         for seq in reversed(self.running):
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.PREEMPTED
+            self._requeue(seq)
             seq.on_worker = False
-            self.waiting.appendleft(seq)
         self.running = []
+        self._in_flight.clear()
         self._finished_ids.clear()
         self._preempted_ids.clear()
         self.block_manager.reset_prefix_cache()

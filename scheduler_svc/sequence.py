@@ -28,6 +28,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_prompt_tokens", "block_table", "block_hashes", "status", "finish_reason",
         "sampling", "arrival_time", "num_admissions", "on_worker", "num_blocks_on_worker",
+        "num_placeholder_tokens",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -38,7 +39,14 @@ class Sequence:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt, then output so far
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0          # tokens whose KV is in the cache
+        # Tokens whose KV is in the cache or being computed by a step sent to the worker: a
+        # step counts its tokens as computed when it is scheduled, since the worker runs steps
+        # in order and a later step can rely on them.
+        self.num_computed_tokens = 0
+        # Tokens that steps in flight will sample: counted as known for scheduling (so the next
+        # step can already name the decode of one) but not in token_ids, which holds only real
+        # tokens. At most one per step in flight.
+        self.num_placeholder_tokens = 0
         self.num_cached_prompt_tokens = 0     # prefix-cache hit at the first admission (Usage)
         self.block_table: list[int] = []
         # Chained hashes of the full blocks of token_ids, filled lazily by the block manager.
@@ -75,8 +83,9 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens still to run through the model before the next one can be sampled."""
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens still to run through the model before the next one can be sampled (the
+        placeholders of steps in flight included: their decode comes next)."""
+        return len(self.token_ids) + self.num_placeholder_tokens - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -91,4 +100,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, "
                 f"status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+                f"computed={self.num_computed_tokens}, placeholders={self.num_placeholder_tokens}, "
+                f"blocks={len(self.block_table)})")

@@ -18,11 +18,19 @@ def make_seq(tokens: list[int]) -> Sequence:
     return Sequence(next(_ids), "req", tokens, SamplingParams())
 
 
+def compute(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
+    """What the scheduler does for a step that computes num_tokens more of seq: counts them
+    when scheduling, registers the blocks they fill when the result is back."""
+    start = seq.num_computed_tokens
+    seq.num_computed_tokens += num_tokens
+    bm.cache_computed_blocks(seq, start, seq.num_computed_tokens)
+
+
 def admit(bm: BlockManager, seq: Sequence) -> int:
     """Admits seq with its prefix hits and computes the rest; returns the hit tokens."""
     assert bm.allocate(seq, bm.match_prefix(seq), seq.num_tokens)
     hit = seq.num_computed_tokens
-    bm.mark_computed(seq, seq.num_uncomputed_tokens)
+    compute(bm, seq, seq.num_uncomputed_tokens)
     return hit
 
 
@@ -30,7 +38,7 @@ def decode(bm: BlockManager, seq: Sequence, token: int) -> None:
     """Appends a sampled token and computes it, as one decode step does."""
     seq.token_ids.append(token)
     assert bm.append_slots(seq, 1)
-    bm.mark_computed(seq, 1)
+    compute(bm, seq, 1)
 
 
 def chain_hashes(tokens: list[int], block_size: int) -> list[int]:
@@ -53,9 +61,9 @@ def test_only_full_computed_blocks_are_hashed_including_decode_completed():
     seq = make_seq(tokens)
     assert bm.allocate(seq, [], 10) and len(seq.block_table) == 3
     assert not bm.hash_to_block_id                       # allocated is not computed
-    bm.mark_computed(seq, 6)                             # a chunk ending inside block 1
+    compute(bm, seq, 6)                             # a chunk ending inside block 1
     assert [bm.blocks[b].hash is not None for b in seq.block_table] == [True, False, False]
-    bm.mark_computed(seq, 4)
+    compute(bm, seq, 4)
     assert [bm.blocks[b].hash is not None for b in seq.block_table] == [True, True, False]
     decode(bm, seq, 7)                                   # position 10: block 2 not full yet
     assert bm.blocks[seq.block_table[2]].hash is None
@@ -105,7 +113,7 @@ def test_reuse_keeps_the_entry_of_a_newer_block_with_the_same_content():
     for seq in (a, b):                                   # admitted together: both miss
         assert bm.allocate(seq, bm.match_prefix(seq), 5)
     for seq in (a, b):
-        bm.mark_computed(seq, 5)
+        compute(bm, seq, 5)
     (h,) = bm.hash_to_block_id
     assert bm.hash_to_block_id[h] == b.block_table[0]
     old_block = a.block_table[0]
@@ -133,7 +141,7 @@ def test_preempted_sequence_hits_its_own_computed_blocks():
     for token in (100, 101):
         seq.token_ids.append(token)                      # sampled ...
         assert bm.append_slots(seq, 1)
-        bm.mark_computed(seq, 1)                         # ... and computed next step
+        compute(bm, seq, 1)                         # ... and computed next step
     seq.token_ids.append(102)                            # sampled, not computed
     table = list(seq.block_table)
     bm.free(seq)                                         # preempted
@@ -189,7 +197,7 @@ def test_append_slots_is_all_or_nothing():
     assert len(seq.block_table) == 1 and bm.num_free_blocks == 2
     assert bm.append_slots(seq, 12) and len(seq.block_table) == 3
     with pytest.raises(RuntimeError):
-        bm.mark_computed(seq, 4)                         # more than the 3 tokens it has
+        bm.cache_computed_blocks(seq, 0, 4)              # more than the 3 tokens it has
 
 
 def test_counters_usage_and_reset():

@@ -34,10 +34,13 @@ def add(sched: Scheduler, prompt: list[int], **params) -> Sequence:
 def step(sched: Scheduler, token: int | Callable[[Sequence], int] = 7) -> tuple[SchedulerOutput, list[Sequence]]:
     """One engine step with a worker that samples `token` for every request it completes."""
     output = sched.schedule()
-    sampled = {s.seq.seq_id: token(s.seq) if callable(token) else token
-               for s in output.scheduled
-               if s.num_computed_tokens + s.num_scheduled_tokens == s.seq.num_tokens}
-    return output, sched.update(output, sampled)
+    return output, sched.update(output, sample(output, token))
+
+
+def sample(output: SchedulerOutput, token: int | Callable[[Sequence], int] = 7) -> dict[int, int]:
+    """What a worker returns for the step: `token` for every request whose step samples."""
+    return {s.seq.seq_id: token(s.seq) if callable(token) else token
+            for s in output.scheduled if s.samples}
 
 
 def scheduled_tokens(output: SchedulerOutput) -> dict[int, int]:
@@ -264,7 +267,7 @@ def test_update_skips_stale_results_and_rejects_missing_tokens():
     out = sched.schedule()
     with pytest.raises(ValueError):
         sched.update(out, {a.seq_id: 7})                 # b's token is missing
-    assert a.num_computed_tokens == 0 and a.num_tokens == 2
+    assert a.num_tokens == 2 and a.num_placeholder_tokens == 1 and sched.num_steps_in_flight == 1
     sched.abort(b.seq_id)                                # aborted while the step ran
     assert sched.update(out, {a.seq_id: 7, b.seq_id: 7}) == [a]
     assert b.num_tokens == 2
@@ -283,3 +286,97 @@ def test_config_and_add_are_validated():
     seq = add(sched, [1])
     with pytest.raises(ValueError):
         sched.add(seq)                                   # already queued
+
+
+# -- scheduling ahead: step N+1 is scheduled before step N's result is back ----------------
+
+def test_the_next_step_names_the_decode_of_a_token_still_in_flight():
+    sched = make_scheduler(block_size=4)
+    seq = add(sched, [1, 2, 3])
+    first = sched.schedule()                             # the prompt: samples token 3
+    second = sched.schedule()                            # its decode, before token 3 is known
+    third = sched.schedule()                             # and the next: position 4 opens block 1
+    assert scheduled_tokens(second) == scheduled_tokens(third) == {seq.seq_id: 1}
+    assert [r.new_block_ids for r in second.cached_requests] == [[]]
+    assert [r.new_block_ids for r in third.cached_requests] == [seq.block_table[1:]]
+    assert seq.token_ids == [1, 2, 3] and seq.num_placeholder_tokens == 3
+    assert seq.num_computed_tokens == 5 and sched.num_steps_in_flight == 3
+    with pytest.raises(RuntimeError):
+        sched.update(second, {seq.seq_id: 8})            # results come back in step order
+    assert sched.update(first, {seq.seq_id: 7}) == [seq]
+    assert not sched.block_manager.hash_to_block_id      # positions 0..2 computed: no full block
+    assert sched.update(second, {seq.seq_id: 8}) == [seq]
+    assert sched.block_manager.hash_to_block_id == {
+        sched.block_manager.blocks[seq.block_table[0]].hash: seq.block_table[0]}
+    assert sched.update(third, {seq.seq_id: 9}) == [seq]
+    assert seq.token_ids == [1, 2, 3, 7, 8, 9] and seq.num_placeholder_tokens == 0
+    assert seq.num_computed_tokens == 5 and sched.num_steps_in_flight == 0
+
+
+def test_a_request_that_stops_with_its_next_step_in_flight_loses_that_token():
+    sched = make_scheduler()
+    eos, stop_string, aborted, other = (add(sched, [i, i]) for i in range(1, 5))
+    step(sched)
+    in_flight = sched.schedule()
+    ahead = sched.schedule()
+    assert set(scheduled_tokens(ahead)) == {eos.seq_id, stop_string.seq_id, aborted.seq_id, other.seq_id}
+    assert sched.update(in_flight, {s.seq.seq_id: 5 for s in in_flight.scheduled} | {eos.seq_id: EOS}) == \
+        [eos, stop_string, aborted, other]
+    assert eos.finish_reason is FinishReason.STOP and eos.token_ids == [1, 1, 7, EOS]
+    sched.finish(stop_string.seq_id)                     # the detokenizer found a stop string
+    sched.abort(aborted.seq_id)
+    assert sched.block_manager.num_used_blocks == 1      # only other's block is left
+    assert sched.update(ahead, {s.seq.seq_id: 6 for s in ahead.scheduled}) == [other]
+    assert eos.token_ids == [1, 1, 7, EOS] and stop_string.token_ids == [2, 2, 7, 5]
+    out, _ = step(sched)
+    assert out.finished_seq_ids == [eos.seq_id, stop_string.seq_id, aborted.seq_id]
+    assert scheduled_tokens(out) == {other.seq_id: 1} and other.token_ids == [4, 4, 7, 5, 6, 7]
+
+
+def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
+    sched = make_scheduler(max_model_len=8)
+    capped = add(sched, [1, 2], max_tokens=2)
+    edge = add(sched, list(range(1, 8)))                 # its first token reaches max_model_len
+    first = sched.schedule()
+    ahead = sched.schedule()
+    assert scheduled_tokens(ahead) == {capped.seq_id: 1}
+    assert sched.update(first, sample(first)) == [capped, edge]
+    assert edge.finish_reason is FinishReason.LENGTH
+    assert sched.schedule().is_empty                     # capped's last token is in flight
+    assert sched.update(ahead, sample(ahead)) == [capped]
+    assert capped.finish_reason is FinishReason.LENGTH and capped.num_output_tokens == 2
+
+
+def test_preempted_with_its_step_in_flight_the_token_is_sampled_again():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2, max_model_len=12)
+    a = add(sched, [1, 2, 3, 4], max_tokens=3)
+    b = add(sched, [5, 6, 7])
+    step(sched)                                          # a: 2 blocks from now on, b: 1
+    in_flight = sched.schedule()
+    ahead = sched.schedule()                             # b's position 4 needs a 4th block: b goes
+    assert ahead.preempted_seq_ids == [b.seq_id] and sched.num_preemptions == 1
+    # Its own block is free again, so it comes back in this step, without the token in flight.
+    (new,) = ahead.new_requests
+    assert (new.seq_id, new.token_ids, new.num_computed_tokens, new.num_scheduled_tokens) == \
+        (b.seq_id, [5, 6, 7, 7], 0, 4)
+    assert scheduled_tokens(ahead) == {a.seq_id: 1, b.seq_id: 4}
+    assert sched.update(in_flight, {a.seq_id: 10, b.seq_id: 11}) == [a]   # b's 11 is stale
+    assert b.token_ids == [5, 6, 7, 7]
+    assert sched.update(ahead, {a.seq_id: 12, b.seq_id: 11}) == [a, b]    # sampled again
+    assert a.token_ids == [1, 2, 3, 4, 7, 10, 12] and a.finish_reason is FinishReason.LENGTH
+    assert b.token_ids == [5, 6, 7, 7, 11] and b.num_placeholder_tokens == 0
+
+
+def test_reset_drops_the_steps_in_flight():
+    sched = make_scheduler()
+    seq = add(sched, [1, 2, 3])
+    first = sched.schedule()
+    ahead = sched.schedule()
+    sched.reset_all_worker_state()
+    assert sched.num_steps_in_flight == 0 and seq.num_placeholder_tokens == 0
+    assert sched.update(first, {seq.seq_id: 7}) == [] and sched.update(ahead, {seq.seq_id: 8}) == []
+    assert seq.token_ids == [1, 2, 3]
+    again = sched.schedule()
+    (new,) = again.new_requests
+    assert (new.token_ids, new.num_computed_tokens, new.num_scheduled_tokens) == ([1, 2, 3], 0, 3)
+    assert sched.update(again, {seq.seq_id: 7}) == [seq] and seq.token_ids == [1, 2, 3, 7]

@@ -1,88 +1,32 @@
-"""A hypothesis state machine drives the scheduler with a fake worker that follows the step
-messages and keeps a model KV cache: every slot records the token prefix that produced it,
-so a block served from a stale hash entry, a shared block overwritten, or a worker mirror
-out of step with the scheduler shows up as a wrong slot. Block accounting is checked after
-every rule."""
+"""A hypothesis state machine drives the scheduler with a fake worker (tests/fake_worker.py)
+whose model KV cache records, in every slot, the token prefix that produced it: a block served
+from a stale hash entry, a shared block overwritten, or a worker mirror out of step with the
+scheduler shows up as a wrong slot. Block accounting is checked after every rule. The machine runs synchronously (each step's result applied before the next is
+scheduled) and with a step in flight (the next one scheduled first, as the engine's async
+scheduling does); a last property checks that both give every request the same tokens."""
 from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
 
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from common.pb.llm.worker.v1 import worker_pb2
 from scheduler_svc.block_manager import BlockManager, hash_block
 from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_svc.step_message import build_step_request
+from tests.fake_worker import FakeWorker, prefix_token
 
 EOS = 0
 VOCAB = range(6)          # few token ids: prompts share prefixes often
-LOST = "lost"             # what a slot holds after the worker restarted
-
-
-@dataclass
-class Mirror:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.kv: list[list] = [[None] * block_size for _ in range(num_blocks)]
-        self.mirrors: dict[int, Mirror] = {}
-
-    def slot(self, block_ids: list[int], position: int):
-        return self.kv[block_ids[position // self.block_size]][position % self.block_size]
-
-    def assert_kv(self, mirror: Mirror) -> None:
-        """What attention would read: slot p must hold the KV of tokens[:p+1]."""
-        for p in range(mirror.num_computed_tokens):
-            assert self.slot(mirror.block_ids, p) == tuple(mirror.token_ids[:p + 1]), p
-
-    def step(self, request: worker_pb2.StepRequest, rng: random.Random) -> dict[int, int]:
-        for seq_id in request.finished_seq_ids:
-            del self.mirrors[seq_id]
-        scheduled = []
-        for new in request.new_requests:
-            assert new.seq_id not in self.mirrors
-            mirror = Mirror(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
-            self.assert_kv(mirror)                       # the prefix-cache hit it relies on
-            self.mirrors[new.seq_id] = mirror
-            scheduled.append((new.seq_id, new.num_scheduled_tokens))
-        for cached in request.cached_requests:
-            self.mirrors[cached.seq_id].block_ids.extend(cached.new_block_ids)
-            scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
-        for seq_id, n in scheduled:                      # write every slot, then read
-            mirror = self.mirrors[seq_id]
-            start = mirror.num_computed_tokens
-            assert n >= 1 and start + n <= len(mirror.token_ids)
-            assert start + n <= len(mirror.block_ids) * self.block_size
-            for p in range(start, start + n):
-                self.kv[mirror.block_ids[p // self.block_size]][p % self.block_size] = \
-                    tuple(mirror.token_ids[:p + 1])
-            mirror.num_computed_tokens += n
-        sampled = {}
-        for seq_id, _ in scheduled:
-            mirror = self.mirrors[seq_id]
-            self.assert_kv(mirror)
-            if mirror.num_computed_tokens == len(mirror.token_ids):
-                sampled[seq_id] = rng.choice(VOCAB)
-                mirror.token_ids.append(sampled[seq_id])
-        return sampled
-
-    def reset(self) -> None:
-        self.mirrors.clear()
-        for block in self.kv:
-            block[:] = [LOST] * self.block_size
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    # Steps scheduled before the oldest result is applied: 1 is synchronous.
+    depth = 1
+
     @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 4),
                 budget=st.integers(1, 12), max_num_seqs=st.integers(1, 6),
                 threshold=st.integers(0, 3))
@@ -94,6 +38,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_blocks, block_size)
         self.sched = Scheduler(config, self.bm, eos_token_ids=[EOS])
         self.worker = FakeWorker(num_blocks, block_size)
+        # Steps the worker has run (it runs each when it is sent) whose results are not applied.
+        self.in_flight: list[tuple[SchedulerOutput, dict[int, int]]] = []
+        self.running_since_sent: set[int] = set()
         self.seqs: list[Sequence] = []
         self.prefix_by_hash: dict[int, tuple[int, ...]] = {}
         self.next_id = 1
@@ -118,17 +65,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.record_prefixes(seq)
 
     def run_step(self, seed: int, abort_in_flight: int | None = None) -> None:
-        running_before = {s.seq_id for s in self.sched.running}
+        """Schedules and sends one step; applies the oldest result once `depth` steps are in
+        flight, or when nothing more could be scheduled."""
+        # A step that schedules nothing sends nothing: its preemptions go with the next one.
+        self.running_since_sent |= {s.seq_id for s in self.sched.running}
         output = self.sched.schedule()
         if output.is_empty:
-            assert not self.sched.has_unfinished()
-            return
-        assert output.num_scheduled_tokens <= self.sched.config.max_num_batched_tokens
-        assert self.sched.num_running <= self.sched.config.max_num_seqs
-        assert set(output.preempted_seq_ids) <= running_before
-        sampled = self.worker.step(build_step_request(1, output), random.Random(seed))
+            if not self.in_flight:
+                assert not self.sched.has_unfinished()
+                return
+        else:
+            assert output.num_scheduled_tokens <= self.sched.config.max_num_batched_tokens
+            assert self.sched.num_running <= self.sched.config.max_num_seqs
+            assert set(output.preempted_seq_ids) <= self.running_since_sent
+            self.running_since_sent = set()
+            rng = random.Random(seed)
+            sampled = self.worker.step(build_step_request(1, output), lambda _: rng.choice(VOCAB))
+            self.in_flight.append((output, sampled))
         if abort_in_flight is not None and self.sched.running:
             self.sched.abort(self.sched.running[abort_in_flight % self.sched.num_running].seq_id)
+        if output.is_empty or len(self.in_flight) == self.depth:
+            self.apply_oldest()
+
+    def apply_oldest(self) -> None:
+        output, sampled = self.in_flight.pop(0)
         lengths = {s.seq_id: s.num_tokens for s in self.seqs}
         received = self.sched.update(output, sampled)
         for seq in self.seqs:
@@ -162,18 +122,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif kind == "stop_string" and self.sched.running:
             seq = self.sched.running[index % self.sched.num_running]
             assert self.sched.finish(seq.seq_id) is seq
-        elif kind == "worker_restart":
+        elif kind == "worker_restart":             # the results in flight are lost with it
             self.sched.reset_all_worker_state()
             self.worker.reset()
+            self.in_flight.clear()
 
     @rule(seed=st.integers(0, 2**32))
     def drain(self, seed):
         """Everything admitted finishes: nothing deadlocks, however full the cache is."""
         for i in range(1000):
-            if not self.sched.has_unfinished():
+            if not self.sched.has_unfinished() and not self.in_flight:
                 break
             self.run_step(seed + i)
-        assert not self.sched.has_unfinished()
+        assert not self.sched.has_unfinished() and not self.in_flight
 
     @invariant()
     def blocks_are_accounted(self):
@@ -200,14 +161,78 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def worker_mirrors_match(self):
+        """The worker is ahead by the steps in flight: their tokens are placeholders here."""
         for seq in self.sched.running:
             mirror = self.worker.mirrors[seq.seq_id]
-            assert mirror.token_ids == seq.token_ids and mirror.block_ids == seq.block_table
-            assert mirror.num_computed_tokens == seq.num_computed_tokens < seq.num_tokens
+            assert mirror.token_ids[:seq.num_tokens] == seq.token_ids
+            assert len(mirror.token_ids) == seq.num_tokens + seq.num_placeholder_tokens
+            assert mirror.block_ids == seq.block_table
+            assert mirror.num_computed_tokens == seq.num_computed_tokens < len(mirror.token_ids)
+            assert seq.num_placeholder_tokens == sum(
+                1 for output, _ in self.in_flight for s in output.scheduled
+                if s.seq is seq and s.num_admissions == seq.num_admissions and s.samples)
         for seq in self.sched.waiting:
             assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
-            assert seq.block_table == [] and seq.num_computed_tokens == 0
+            assert seq.block_table == [] and seq.num_computed_tokens == seq.num_placeholder_tokens == 0
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+class AsyncSchedulerMachine(SchedulerMachine):
+    depth = 2
+
+
+_machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+SchedulerMachine.TestCase.settings = _machine_settings
+AsyncSchedulerMachine.TestCase.settings = _machine_settings
 TestSchedulerMachine = SchedulerMachine.TestCase
+TestAsyncSchedulerMachine = AsyncSchedulerMachine.TestCase
+
+
+def run_to_completion(requests, arrivals, num_blocks: int, block_size: int, budget: int,
+                      depth: int) -> list[tuple[list[int], FinishReason]]:
+    """Runs the requests (prompt, params, stop_after) through a scheduler and a fake worker,
+    each arriving before the step numbered in arrivals, with `depth` steps in flight at most.
+    stop_after finishes a request as a stop string would, once it has that many tokens."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                             max_model_len=num_blocks * block_size, block_size=block_size)
+    sched = Scheduler(config, BlockManager(num_blocks, block_size), eos_token_ids=[EOS])
+    worker = FakeWorker(num_blocks, block_size)
+    seqs = [Sequence(i, f"r{i}", prompt, params) for i, (prompt, params, _) in enumerate(requests)]
+    in_flight: list[tuple[SchedulerOutput, dict[int, int]]] = []
+    for step_index in range(10_000):
+        for seq, arrival in zip(seqs, arrivals):
+            if arrival == step_index:
+                sched.add(seq)
+        if not sched.has_unfinished() and not in_flight and step_index > max(arrivals):
+            break
+        output = sched.schedule()
+        if not output.is_empty:
+            in_flight.append((output, worker.step(build_step_request(step_index, output), lambda tokens: prefix_token(tokens, len(VOCAB)))))
+        if in_flight and (output.is_empty or len(in_flight) == depth):
+            output, sampled = in_flight.pop(0)
+            for seq in sched.update(output, sampled):
+                stop_after = requests[seq.seq_id][2]
+                if not seq.is_finished and seq.num_output_tokens == stop_after:
+                    sched.finish(seq.seq_id)
+    assert all(seq.is_finished for seq in seqs)
+    return [(seq.output_token_ids, seq.finish_reason) for seq in seqs]
+
+
+_request = st.tuples(
+    st.lists(st.sampled_from(VOCAB), min_size=1, max_size=10),
+    st.builds(SamplingParams, max_tokens=st.integers(1, 10), min_tokens=st.integers(0, 2),
+              ignore_eos=st.booleans()),
+    st.none() | st.integers(1, 6),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(_request, min_size=1, max_size=8), data=st.data(),
+       num_blocks=st.integers(5, 10), block_size=st.integers(1, 4), budget=st.integers(1, 12))
+def test_a_step_in_flight_changes_no_request_s_tokens(requests, data, num_blocks, block_size, budget):
+    """Scheduled ahead or not, with preemptions and early stops, each request gets the same
+    tokens and the same finish reason."""
+    max_len = num_blocks * block_size
+    requests = [(prompt[:max_len], params, stop_after) for prompt, params, stop_after in requests]
+    arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
+    sync = run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth=1)
+    assert run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth=2) == sync

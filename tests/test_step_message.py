@@ -21,8 +21,7 @@ def run_step(sched: Scheduler, step_id: int = 1) -> worker_pb2.StepRequest:
     """Schedules and encodes one step, then applies a sampled token where one is due."""
     output = sched.schedule()
     request = build_step_request(step_id, output)
-    sched.update(output, {s.seq.seq_id: random.randrange(150_000) for s in output.scheduled
-                          if s.num_computed_tokens + s.num_scheduled_tokens == s.seq.num_tokens})
+    sched.update(output, {s.seq.seq_id: random.randrange(150_000) for s in output.scheduled if s.samples})
     return request
 
 
