@@ -197,3 +197,16 @@ def output_throughput_over_time(records: list[RequestRecord], bin_s: float) -> t
     edges = np.arange(int(max(times) / bin_s) + 2) * bin_s
     counts, _ = np.histogram(times, bins=edges, weights=tokens)
     return edges, counts / bin_s
+
+
+def requests_in_flight(records: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """(times in s since the run started, requests in flight from each time on): a step function
+    over every finished request, failed ones included, since they held the server's attention too."""
+    spans = [(r.start_s, r.start_s + r.e2e_s) for r in records if r.e2e_s is not None]
+    if not spans:
+        return np.zeros(1), np.zeros(1)
+    # Tuples sort an end (-1) before a start (+1) at the same instant, so the count never overshoots.
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    times = np.array([0.0] + [t for t, _ in events])
+    counts = np.concatenate([[0], np.cumsum([step for _, step in events])])
+    return times, counts

@@ -8,7 +8,13 @@ import pathlib
 
 import numpy as np
 
-from tools.loadtest.metrics import LatencyStats, RunResult, RunSummary, output_throughput_over_time
+from tools.loadtest.metrics import (
+    LatencyStats,
+    RunResult,
+    RunSummary,
+    output_throughput_over_time,
+    requests_in_flight,
+)
 
 _LATENCIES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2el"))
 _WIDTH = 64
@@ -101,7 +107,8 @@ def _pyplot():
 
 
 def plot_run(path: pathlib.Path, result: RunResult, summary: RunSummary) -> None:
-    """Histograms of TTFT, TPOT, ITL and E2E, and output throughput over the run."""
+    """Histograms of TTFT, TPOT, ITL and E2E (with their --goodput SLOs), and output throughput
+    and requests in flight over the run."""
     plt = _pyplot()
     done = [r for r in result.records if r.ok]
     samples = {
@@ -115,22 +122,43 @@ def plot_run(path: pathlib.Path, result: RunResult, summary: RunSummary) -> None
     for i, (label, name) in enumerate(_LATENCIES):
         ax = fig.add_subplot(grid[i // 2, i % 2])
         stats: LatencyStats | None = getattr(summary, name)
+        title = f"{label} ({len(samples[name])} samples)"
         if stats is not None:
-            ms = [v * 1000 for v in samples[name]]
+            ms = np.asarray(samples[name]) * 1000
+            # A few stalls far out (a pause of the host, say) would squeeze the bulk into one or two
+            # bins: the axis stops at twice the p99 and the title counts what lies beyond.
+            upper = min(float(ms.max()), 2 * stats.p99_ms)
+            beyond = int((ms > upper).sum())
+            if beyond:
+                title += f", {beyond} above {upper:.0f} ms not shown"
             # Explicit edges: numpy cannot split a range of float noise (all samples equal) into bins.
-            edges = np.linspace(min(ms), max(max(ms), min(ms) + 1e-3), 41)
-            ax.hist(ms, bins=edges, color="tab:blue", alpha=0.8)
+            edges = np.linspace(ms.min(), max(upper, ms.min() + 1e-3), 41)
+            ax.hist(ms[ms <= upper], bins=edges, color="tab:blue", alpha=0.8)
             ax.axvline(stats.median_ms, color="black", linestyle="--", label=f"median {stats.median_ms:.1f}")
             ax.axvline(stats.p99_ms, color="tab:red", linestyle=":", label=f"p99 {stats.p99_ms:.1f}")
+            if name in summary.slos_ms:  # the --goodput limit, so the picture shows who met it
+                limit = summary.slos_ms[name]
+                ax.axvline(limit, color="tab:green", linewidth=2, label=f"SLO {limit:g}")
             ax.legend()
-        ax.set(title=f"{label} ({len(samples[name])} samples)", xlabel="ms", ylabel="count")
+        ax.set(title=title, xlabel="ms", ylabel="count")
     ax = fig.add_subplot(grid[2, :])
-    # Per-second buckets as vLLM uses, finer when the run is too short to show a shape.
-    bin_s = min(1.0, max(result.duration_s, 1e-3) / 50)
+    # About 30 bins: batched decoding emits a token for every running request at once, so bins
+    # only a step or two wide would show the step rhythm rather than the run's shape.
+    bin_s = max(result.duration_s, 1e-3) / 30
     edges, tokens_per_s = output_throughput_over_time(result.records, bin_s)
-    ax.stairs(tokens_per_s, edges)
+    ax.stairs(tokens_per_s, edges, color="tab:blue", linewidth=1.5)
     ax.set_xlim(0.0, max(result.duration_s, edges[-1]))
-    ax.set(title=f"Output throughput over time ({bin_s:.3g} s bins)", xlabel="s since start", ylabel="tokens/s")
+    ax.set_title(f"Output throughput ({bin_s:.2g} s bins) and requests in flight")
+    ax.set_xlabel("s since start")
+    # In flight on a second axis: it tells a server keeping up (flat) from a queue growing (rising).
+    # Each axis is coloured as its line, which reads more easily than a legend over the data.
+    in_flight_ax = ax.twinx()
+    times, in_flight = requests_in_flight(result.records)
+    in_flight_ax.step(times, in_flight, where="post", color="tab:orange")
+    in_flight_ax.set_ylim(bottom=0)
+    for axis, color, label in ((ax, "tab:blue", "output tokens/s"), (in_flight_ax, "tab:orange", "requests in flight")):
+        axis.set_ylabel(label, color=color)
+        axis.tick_params(axis="y", colors=color)
     fig.suptitle(
         f"rate {_rate(summary.request_rate)} req/s: {summary.completed} completed, {summary.failed} failed, "
         f"{summary.output_throughput:.1f} output tok/s"
@@ -140,7 +168,8 @@ def plot_run(path: pathlib.Path, result: RunResult, summary: RunSummary) -> None
 
 
 def plot_sweep(path: pathlib.Path, summaries: list[RunSummary]) -> None:
-    """Median and p99 of each latency against output throughput, one point per request rate."""
+    """Median and p99 of each latency (and its --goodput SLO) against output throughput, one point
+    per request rate."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 9), layout="constrained")
     for ax, (label, name) in zip(axes.flat, _LATENCIES):
@@ -150,7 +179,14 @@ def plot_sweep(path: pathlib.Path, summaries: list[RunSummary]) -> None:
         ax.plot(x, [p[1].p99_ms for p in points], marker="s", linestyle="--", label="p99")
         for throughput, stats, rate in points:
             ax.annotate(_rate(rate), (throughput, stats.median_ms), textcoords="offset points", xytext=(4, 4))
+        if name in summaries[0].slos_ms:
+            ax.axhline(summaries[0].slos_ms[name], color="tab:green", linewidth=2, label="SLO")
         ax.set(title=f"{label} vs throughput (labels: req/s)", xlabel="output tokens/s", ylabel="ms")
+        ax.set_ylim(bottom=0)
+        ax.margins(x=0.08)  # room for the last point's label
         ax.legend()
+    goodputs = ", ".join(f"{_rate(s.request_rate)}: {_opt(s.goodput, '.2f')}" for s in summaries)
+    fig.suptitle(f"Request-rate sweep, {summaries[0].completed + summaries[0].failed} requests per rate"
+                 + (f"; goodput (req/s) {goodputs}" if summaries[0].slos_ms else ""))
     fig.savefig(path, dpi=100)
     plt.close(fig)
