@@ -16,6 +16,7 @@ from tools.loadtest.metrics import (
     meets_slos,
     output_throughput_over_time,
     parse_slos,
+    requests_in_flight,
     summarize,
 )
 
@@ -195,3 +196,13 @@ def test_jsonl_prompts(tmp_path):
         path.write_text(bad + "\n")
         with pytest.raises(ValueError, match="prompts.jsonl:1"):
             datasets.jsonl_prompts(np.random.default_rng(0), 1, path, default_max_tokens=9, ignore_eos=False)
+
+
+def test_requests_in_flight_is_a_step_function_over_every_ended_request():
+    records = [make_record([(0.5, 1)], 2.0, start_s=0.0), make_record([(0.2, 1)], 1.0, start_s=1.0),
+               make_record([], 0.5, start_s=2.0, status="UNAVAILABLE"), make_record([], None, start_s=3.0)]
+    times, counts = requests_in_flight(records)
+    # The second request ends (at 2.0) together with the first; the failed one still counts while it ran;
+    # the one with no end is left out. An end sorts before a start at the same instant.
+    assert times.tolist() == [0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.5]
+    assert counts.tolist() == [0, 1, 2, 1, 0, 1, 0]
