@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (chunked prefill beyond it)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the workers' limit)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="wait for each step's reply before scheduling the next (default: one step ahead)")
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting-queue bound; past it requests get RESOURCE_EXHAUSTED")
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a silent worker is declared down")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
@@ -90,6 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
             max_model_len=args.max_model_len,
             max_waiting=args.max_waiting,
             step_timeout_s=args.step_timeout,
+            async_scheduling=args.async_scheduling,
         ),
         metrics=metrics,
     )

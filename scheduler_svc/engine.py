@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -18,7 +19,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.sequence import FinishReason, Sequence
 from scheduler_svc.step_message import build_step_request
 from scheduler_svc.stop_strings import StopStringMatcher
@@ -42,6 +43,10 @@ class EngineConfig:
     step_timeout_s: float = 300.0         # a step slower than this counts as a dead worker
     reconnect_interval_s: float = 0.5
     startup_timeout_s: float = 300.0
+    # Schedule and send step N+1 while the worker runs step N, so it never waits for the
+    # round trip and the scheduler's per-step work (vLLM's async scheduling). Needs workers
+    # that run steps in the order sent, as the gRPC worker and LocalWorkerClient do.
+    async_scheduling: bool = True
 
 
 @dataclass
@@ -95,6 +100,7 @@ class GroupRunner:
         self._task: asyncio.Task | None = None
         self._step_ids = itertools.count(1)
         self.last_step_ms = 0.0
+        self._last_reply_at = 0.0
 
     # -- connection -----------------------------------------------------------------------
     async def connect(self) -> None:
@@ -145,35 +151,61 @@ class GroupRunner:
         self._wakeup.set()
 
     async def _loop(self) -> None:
-        while True:
-            if not self.healthy:
-                await self._reconnect()
-            if not self.scheduler.has_unfinished():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            output = self.scheduler.schedule()
-            if output.is_empty:
-                # Nothing fits right now (every request waits for blocks held by none): wait
-                # for an abort or a new request instead of spinning.
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            request = build_step_request(next(self._step_ids), output)
-            started = time.perf_counter()
-            try:
-                reply = await self.client.step(request, timeout=self.engine.config.step_timeout_s)
-            except WorkerError as e:
-                log.error("group %d: step failed (%s); marking it down", self.index, e)
-                self.healthy = False
-                self.engine.metrics.observe_worker_failure(self.index)
-                self.scheduler.reset_all_worker_state()
-                continue
-            self.last_step_ms = (time.perf_counter() - started) * 1000
-            self.engine.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms, reply.timings.forward_ms)
-            sampled = {t.seq_id: t for t in reply.sampled}
-            for seq in self.scheduler.update(output, {i: t.token_id for i, t in sampled.items()}):
-                self.engine._emit(seq, sampled[seq.seq_id].logprob)
+        # Steps sent whose replies are not applied yet, oldest first: with async scheduling one
+        # more is scheduled and sent as soon as the last one is, so the worker (which runs steps
+        # in step_id order) finds it queued when it finishes the current one.
+        depth = 2 if self.engine.config.async_scheduling else 1
+        in_flight: deque[tuple[SchedulerOutput, asyncio.Task, float]] = deque()
+        try:
+            while True:
+                if not self.healthy:
+                    await self._reconnect()
+                if len(in_flight) < depth and self.scheduler.has_unfinished():
+                    output = self.scheduler.schedule()
+                    if not output.is_empty:
+                        in_flight.append(self._send(output))
+                        continue
+                if not in_flight:
+                    # Nothing to do, or nothing fits right now (every request waits for blocks
+                    # held by none): wait for an abort or a new request instead of spinning.
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                output, reply, sent_at = in_flight.popleft()
+                try:
+                    self._apply(output, await reply, sent_at)
+                except WorkerError as e:
+                    log.error("group %d: step failed (%s); marking it down", self.index, e)
+                    self.healthy = False
+                    self.engine.metrics.observe_worker_failure(self.index)
+                    # Let the steps sent after it settle first, so none still runs on the
+                    # worker when the reconnect resets it; their results are void.
+                    await asyncio.gather(*(r for _, r, _ in in_flight), return_exceptions=True)
+                    in_flight.clear()
+                    self.scheduler.reset_all_worker_state()
+        finally:
+            for _, reply, _ in in_flight:
+                reply.cancel()
+
+    def _send(self, output: SchedulerOutput) -> tuple[SchedulerOutput, asyncio.Task, float]:
+        request = build_step_request(next(self._step_ids), output)
+        reply = asyncio.create_task(self.client.step(request, timeout=self.engine.config.step_timeout_s))
+        return output, reply, time.perf_counter()
+
+    def _apply(self, output: SchedulerOutput, reply, sent_at: float) -> None:
+        """Applies a step's reply and streams the tokens it brought."""
+        now = time.perf_counter()
+        # A pipelined step queues behind the one before it: time it from when that one replied.
+        self.last_step_ms = (now - max(sent_at, self._last_reply_at)) * 1000
+        self._last_reply_at = now
+        self.engine.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms, reply.timings.forward_ms)
+        sampled = {t.seq_id: t for t in reply.sampled}
+        try:
+            received = self.scheduler.update(output, {i: t.token_id for i, t in sampled.items()})
+        except ValueError as e:       # the reply lacks tokens the step had to sample
+            raise WorkerError(f"group {self.index}: {e}") from e
+        for seq in received:
+            self.engine._emit(seq, sampled[seq.seq_id].logprob)
 
     # -- load -----------------------------------------------------------------------------
     @property

@@ -1,0 +1,121 @@
+"""The engine's step loop with a step in flight: it sends step N+1 before step N's reply is back
+and gives every request the tokens, text and finish reason of the synchronous loop, through
+preemptions, stop strings and a worker that dies with a step in flight."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+from common.pb.llm.v1 import generation_pb2
+from common.pb.llm.worker.v1 import worker_pb2
+from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.worker_client import WorkerError, WorkerGroupClient
+from tests.fake_worker import FakeWorker, prefix_token
+
+EOS = 0
+VOCAB_SIZE = 6
+NUM_BLOCKS, BLOCK_SIZE = 12, 2
+
+
+class LetterTokenizer:
+    """Token i reads as the i-th letter, so stop strings can match across tokens."""
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+class FakeWorkerClient:
+    """A worker rank over FakeWorker: steps take a moment and run in the order they were sent,
+    as the gRPC worker runs them in step_id order. The steps named in die_at fail as a crashing
+    worker's do: it loses its state and refuses every step until it is reset."""
+
+    address = "fake"
+
+    def __init__(self, die_at: set[int] = frozenset()) -> None:
+        self.worker = FakeWorker(NUM_BLOCKS, BLOCK_SIZE)
+        self.die_at = die_at
+        self.dead = False
+        self.restarts = 0
+        self._turn = asyncio.Lock()        # FIFO: the first step sent runs first
+        self.num_in_flight = self.max_in_flight = 0
+
+    async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(max_model_len=NUM_BLOCKS * BLOCK_SIZE, block_size=BLOCK_SIZE,
+                                     num_kv_blocks=NUM_BLOCKS, instance_id=str(self.restarts))
+
+    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        try:
+            async with self._turn:
+                await asyncio.sleep(0.002)     # the forward pass
+                if request.step_id in self.die_at:
+                    self.dead = True
+                    self.restarts += 1
+                    self.worker.reset()
+                if self.dead:
+                    raise WorkerError(f"worker died before step {request.step_id}")
+                sampled = self.worker.step(request, lambda tokens: prefix_token(tokens, VOCAB_SIZE))
+            return worker_pb2.StepResponse(step_id=request.step_id, sampled=[
+                worker_pb2.SampledToken(seq_id=seq_id, token_id=token) for seq_id, token in sampled.items()])
+        finally:
+            self.num_in_flight -= 1
+
+    async def reset(self, timeout: float) -> None:
+        self.worker.reset()
+        self.dead = False
+
+    async def close(self) -> None:
+        pass
+
+
+def random_requests(seed: int, num: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num):
+        prompt = [rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(1, 9))]
+        stop = ("".join(rng.choice("abcdef") for _ in range(2)),) if rng.random() < 0.4 else ()
+        requests.append((prompt, SamplingParams(max_tokens=rng.randint(1, 8), stop=stop,
+                                                ignore_eos=rng.random() < 0.5)))
+    return requests
+
+
+async def generate(requests, client: FakeWorkerClient, async_scheduling: bool):
+    """Every request's (token ids, text, finish reason), all submitted at once."""
+    engine = Engine([WorkerGroupClient([client])], tokenizer=LetterTokenizer(), eos_token_ids=[EOS],
+                    vocab_size=VOCAB_SIZE,
+                    config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, reconnect_interval_s=0.001,
+                                        async_scheduling=async_scheduling))
+    await engine.start()
+
+    async def collect(stream):
+        tokens, text = [], ""
+        async for out in stream:
+            tokens += out.token_ids
+            text += out.text
+        return tokens, text, out.finish_reason
+
+    try:
+        streams = [engine.add_request(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(requests)]
+        return await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), timeout=60)
+    finally:
+        await engine.shutdown(grace_s=0)
+
+
+def test_a_step_in_flight_gives_the_synchronous_outputs():
+    requests = random_requests(seed=1, num=12)         # 12 blocks of 2 for 4 at a time: preemptions
+    sync_client, async_client = FakeWorkerClient(), FakeWorkerClient()
+    expected = asyncio.run(generate(requests, sync_client, async_scheduling=False))
+    assert asyncio.run(generate(requests, async_client, async_scheduling=True)) == expected
+    assert (sync_client.max_in_flight, async_client.max_in_flight) == (1, 2)
+    reasons = {reason for _, _, reason in expected}
+    assert {generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH} <= reasons
+
+
+def test_a_worker_that_dies_with_a_step_in_flight_is_reset_and_the_outputs_hold():
+    requests = random_requests(seed=2, num=8)
+    expected = asyncio.run(generate(requests, FakeWorkerClient(), async_scheduling=False))
+    client = FakeWorkerClient(die_at={3, 9})
+    assert asyncio.run(generate(requests, client, async_scheduling=True)) == expected
+    assert client.restarts == 2 and client.max_in_flight == 2
