@@ -154,10 +154,6 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    @property
-    def num_steps_in_flight(self) -> int:
-        return len(self._in_flight)
-
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
