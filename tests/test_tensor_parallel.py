@@ -92,36 +92,37 @@ def test_ranks_must_share_the_settings_that_decide_a_step():
         check_same_settings(store, dataclasses.replace(rank_0, rank=1, block_size=32))
 
 
-def test_steps_run_one_at_a_time_in_step_id_order():
-    order, ran = StepOrder(wait_s=5.0), []
+def _run_steps(order: StepOrder, step_ids: list[int]) -> list[int]:
+    """Starts a thread per step, in the given order, each a little after the last; returns the
+    order in which they ran."""
+    ran = []
 
-    def run(step_id: int, started: threading.Event | None = None) -> None:
+    def run(step_id: int) -> None:
         with order.step(step_id):
             ran.append(step_id)
-            if started:
-                started.set()
-                time.sleep(0.05)   # so that the others queue up behind it
+            time.sleep(0.02)   # so that the later ones queue up behind it
 
-    first = threading.Event()
-    threads = [threading.Thread(target=run, args=(1, first))]
-    threads[0].start()
-    first.wait()
-    for step_id in (4, 3, 2):   # arriving in reverse while 1 runs
-        threads.append(threading.Thread(target=run, args=(step_id,)))
-        threads[-1].start()
-        time.sleep(0.01)
+    threads = [threading.Thread(target=run, args=(step_id,)) for step_id in step_ids]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.005)
     for thread in threads:
         thread.join(timeout=10)
-    assert ran == [1, 2, 3, 4]
+    return ran
+
+
+def test_steps_run_one_at_a_time_in_step_id_order():
+    order = StepOrder(wait_s=5.0)
     start = time.monotonic()
-    run(1)                                      # a lower id (a new scheduler) need not wait
-    with order.exclusive():                     # a Reset: any id may follow
+    assert _run_steps(order, [2, 3, 1]) == [1, 2, 3]        # step 1 comes first after a start
+    assert _run_steps(order, [6, 5, 4]) == [4, 5, 6]
+    assert _run_steps(order, [1]) == [1]                     # a lower id: a new scheduler's count
+    with order.exclusive():                                  # a Reset: step 1 is next again
         pass
-    run(9)
-    assert time.monotonic() - start < 1.0 and ran[-2:] == [1, 9]
-    gap = StepOrder(wait_s=0.2)
-    with gap.step(1):
-        pass
+    assert _run_steps(order, [2, 1]) == [1, 2]
+    assert time.monotonic() - start < 3.0                    # no step waited out its time
+    impatient = StepOrder(wait_s=0.3)
     start = time.monotonic()
-    with gap.step(3):                           # step 2 never comes: 3 waits, then runs
-        assert 0.2 <= time.monotonic() - start < 2.0
+    assert _run_steps(impatient, [8, 7]) == [7, 8]           # numbered otherwise: the lowest first
+    assert _run_steps(impatient, [10]) == [10]               # step 9 never comes: 10 runs anyway
+    assert 0.6 <= time.monotonic() - start < 3.0

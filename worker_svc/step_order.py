@@ -4,8 +4,13 @@ A scheduler that pipelines sends step N+1 before step N has answered. gRPC hands
 its own thread, and nothing stops N+1's thread from reaching the runner first: one worker
 would then refuse N+1 (its decodes need N's tokens), and the ranks of a tensor-parallel group
 that ran the two in different orders would wait on each other's collectives until they time
-out. So a step whose predecessor has not run yet waits for it, briefly: step ids restart with
-a new scheduler and a step lost in transit never arrives, so after `wait_s` it runs anyway.
+out. So a step ahead of its turn waits for the ones before it, but only for `wait_s`: a step
+lost in transit never arrives. Once that wait is over, the lowest id waiting goes first, so
+steps that arrived within `wait_s` of each other still run in order. A lower id than expected
+(a new scheduler's count) runs at once.
+
+At start and after a Reset the next step is 1. A scheduler that keeps counting across a
+Reset is still served in order, after one `wait_s` on the first step that follows it.
 """
 from __future__ import annotations
 
@@ -20,38 +25,45 @@ class StepOrder:
         self._wait_s = wait_s
         self._cond = threading.Condition()
         self._busy = False
-        self._last_step_id: int | None = None   # None: any step may come next
+        self._next_step_id = 1
+        self._waiting: set[int] = set()
 
     @contextlib.contextmanager
     def step(self, step_id: int) -> Iterator[None]:
-        """Exclusive, once step_id - 1 has run (or wait_s has passed, or it is a lower id)."""
+        """Exclusive, in its turn."""
         deadline = time.monotonic() + self._wait_s
         with self._cond:
-            while self._busy or not self._in_turn(step_id, deadline):
-                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0) if not self._busy else None)
+            self._waiting.add(step_id)
+            while not self._may_run(step_id, deadline):
+                early = not self._busy and time.monotonic() < deadline
+                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0) if early else None)
+            self._waiting.discard(step_id)
             self._busy = True
         try:
             yield
         finally:
-            self._release(step_id)
+            self._release(step_id + 1)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """Exclusive, in no order; afterwards any step id may come next (for Reset)."""
+        """Exclusive, in no order; afterwards step 1 is next (for Reset)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._busy)
             self._busy = True
         try:
             yield
         finally:
-            self._release(None)
+            self._release(1)
 
-    def _in_turn(self, step_id: int, deadline: float) -> bool:
-        last = self._last_step_id
-        return last is None or step_id <= last + 1 or time.monotonic() >= deadline
+    def _may_run(self, step_id: int, deadline: float) -> bool:
+        if self._busy:
+            return False
+        if step_id <= self._next_step_id:
+            return True
+        return time.monotonic() >= deadline and step_id == min(self._waiting)
 
-    def _release(self, last_step_id: int | None) -> None:
+    def _release(self, next_step_id: int) -> None:
         with self._cond:
             self._busy = False
-            self._last_step_id = last_step_id
+            self._next_step_id = next_step_id
             self._cond.notify_all()
