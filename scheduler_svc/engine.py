@@ -123,6 +123,8 @@ class GroupRunner:
         # Whatever the worker holds now is not what our block tables describe: start both clean.
         self.scheduler.reset_all_worker_state()
         await self.client.reset(timeout=10.0)
+        # A reset worker expects step 1 next (it runs steps in step_id order).
+        self._step_ids = itertools.count(1)
         self._instance_ids = instance_ids
         self.info = first
         self.healthy = True

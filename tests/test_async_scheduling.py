@@ -27,8 +27,9 @@ class LetterTokenizer:
 
 class FakeWorkerClient:
     """A worker rank over FakeWorker: steps take a moment and run in the order they were sent,
-    as the gRPC worker runs them in step_id order. The steps named in die_at fail as a crashing
-    worker's do: it loses its state and refuses every step until it is reset."""
+    as the gRPC worker runs them in step_id order. The steps named in die_at (counted over the
+    client's whole life: step ids restart after a reset) fail as a crashing worker's do: it
+    loses its state and refuses every step until it is reset."""
 
     address = "fake"
 
@@ -37,6 +38,7 @@ class FakeWorkerClient:
         self.die_at = die_at
         self.dead = False
         self.restarts = 0
+        self.num_steps = 0
         self._turn = asyncio.Lock()        # FIFO: the first step sent runs first
         self.num_in_flight = self.max_in_flight = 0
 
@@ -50,7 +52,8 @@ class FakeWorkerClient:
         try:
             async with self._turn:
                 await asyncio.sleep(0.002)     # the forward pass
-                if request.step_id in self.die_at:
+                self.num_steps += 1
+                if self.num_steps in self.die_at:
                     self.dead = True
                     self.restarts += 1
                     self.worker.reset()

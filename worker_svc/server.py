@@ -78,7 +78,11 @@ class WorkerServer:
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-rpc"),
             interceptors=[TokenAuthInterceptor(auth_token)] if auth_token else None,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     # The scheduler pings every 10 s, calls or not, to notice a dead worker
+                     # between steps; without these the server answers GOAWAY too_many_pings.
+                     ("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.min_ping_interval_without_data_ms", 5_000)],
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
