@@ -6,7 +6,9 @@ stay open so orchestrators can probe without secrets.
 """
 from __future__ import annotations
 
+import argparse
 import hmac
+import logging
 import pathlib
 
 import grpc
@@ -93,3 +95,32 @@ def read_secret(value: str | None, file: str | None) -> str | None:
     if secret is not None and not secret:
         raise ValueError(f"empty token{f' in {file}' if file else ''}")
     return secret
+
+
+def add_server_security_arguments(parser: argparse.ArgumentParser, who: str) -> None:
+    """The flags that decide who may call a server (`who` names its callers in the help)."""
+    group = parser.add_argument_group("security", f"who may call this server: {who} (health checks stay open)")
+    token = group.add_mutually_exclusive_group()
+    token.add_argument("--auth-token-file", metavar="PATH",
+                       help="file holding the token every call must send as 'authorization: Bearer <token>'")
+    token.add_argument("--auth-token", help="the token inline (discouraged: any local user sees it in ps)")
+    group.add_argument("--tls-cert", metavar="PATH", help="PEM certificate chain: serve only TLS (with --tls-key)")
+    group.add_argument("--tls-key", metavar="PATH", help="PEM private key of --tls-cert")
+    group.add_argument("--tls-client-ca", metavar="PATH",
+                       help="PEM CA: mutual TLS, clients must present a certificate it signed")
+
+
+def server_security_from_args(args: argparse.Namespace, log: logging.Logger) -> tuple[str | None, grpc.ServerCredentials | None]:
+    """The bearer token and TLS credentials the flags ask for; reads the files now, so a wrong
+    path fails at start-up rather than at the first call."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.auth_token is not None:
+        log.warning("--auth-token is visible in the process list; prefer --auth-token-file")
+    token = read_secret(args.auth_token, args.auth_token_file)
+    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    if token and credentials is None:
+        log.warning("the bearer token travels in plaintext: add --tls-cert/--tls-key unless the network is private")
+    return token, credentials

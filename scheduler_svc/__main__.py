@@ -6,9 +6,12 @@ import asyncio
 import logging
 import signal
 
+import grpc
+
 from common.logging_setup import LOG_FORMATS, setup_logging
 from common.model_dir import read_model_facts
-from common.security import AsyncTokenAuthInterceptor, channel_credentials, read_secret, server_credentials
+from common.security import (AsyncTokenAuthInterceptor, add_server_security_arguments, channel_credentials,
+                             read_secret, server_security_from_args)
 from common.worker_discovery import resolve_worker_addresses
 from scheduler_svc.decode_guard import DecodeGuardInterceptor
 from scheduler_svc.engine import Engine, EngineConfig
@@ -47,20 +50,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics over HTTP on this port (0: off)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="json: one JSON object a line")
-    sec = p.add_argument_group("security")
-    sec.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on the public API")
-    sec.add_argument("--auth-token-file", default=None, help="the same, read from a file (stays out of `ps`)")
-    sec.add_argument("--tls-cert", default=None, help="serve the public API over TLS with this certificate (PEM)")
-    sec.add_argument("--tls-key", default=None)
-    sec.add_argument("--tls-client-ca", default=None, help="also require client certificates signed by this CA")
+    add_server_security_arguments(p, "clients of the public API")
+    sec = p.add_argument_group("worker security", "how this scheduler proves itself to its workers")
     sec.add_argument("--worker-auth-token", default=None, help="bearer token the workers require")
     sec.add_argument("--worker-auth-token-file", default=None)
     sec.add_argument("--worker-tls-ca", default=None, help="reach workers over TLS, trusting this CA")
     sec.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
     sec.add_argument("--worker-tls-key", default=None)
     args = p.parse_args(argv)
-    if bool(args.tls_cert) != bool(args.tls_key):
-        p.error("--tls-cert and --tls-key go together")
     if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
         p.error("--worker-tls-cert and --worker-tls-key go together")
     return args
@@ -78,7 +75,7 @@ def worker_groups(args: argparse.Namespace) -> list[WorkerGroupClient]:
     return [WorkerGroupClient([make(a) for a in addresses[i:i + tp_size]]) for i in range(0, len(addresses), tp_size)]
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, token: str | None, credentials: grpc.ServerCredentials | None) -> None:
     facts = read_model_facts(args.model)
     metrics = SchedulerMetrics()
     engine = Engine(
@@ -96,7 +93,6 @@ async def serve(args: argparse.Namespace) -> None:
         ),
         metrics=metrics,
     )
-    token = read_secret(args.auth_token, args.auth_token_file)
     interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
     server, health_servicer = build_server(
         engine, model_name=args.served_model_name or facts.name, limits=Limits(),
@@ -105,8 +101,8 @@ async def serve(args: argparse.Namespace) -> None:
         interceptors=interceptors,
     )
     listen = f"{args.host}:{args.port}"
-    if args.tls_cert:
-        server.add_secure_port(listen, server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca))
+    if credentials:
+        server.add_secure_port(listen, credentials)
     else:
         server.add_insecure_port(listen)
     await server.start()
@@ -132,7 +128,11 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    asyncio.run(serve(args))
+    try:
+        token, credentials = server_security_from_args(args, log)
+    except (ValueError, OSError) as e:   # reported like a usage error, before anything starts
+        raise SystemExit(f"python -m scheduler_svc: error: {e}") from e
+    asyncio.run(serve(args, token, credentials))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.certs import make_ca_and_certs
 from tests.client import generate
-from tests.procs import Proc, free_port, running_services, wait_serving, worker_proc
+from tests.procs import Proc, free_port, running_services, worker_proc
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")]
@@ -25,17 +27,15 @@ def test_bearer_token_required_on_public_api(tiny_model_dir, tmp_path):
         # Health stays open for probes.
         assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status == \
             health_pb2.HealthCheckResponse.SERVING
-        stub_call = grpc.insecure_channel(svc.scheduler_addr)
-        from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
-        msgs = list(generation_pb2_grpc.GenerationStub(stub_call).Generate(
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        msgs = list(stub.Generate(
             generation_pb2.GenerateRequest(text="hi", sampling=generation_pb2.SamplingParams(max_tokens=2, ignore_eos=True)),
             metadata=(("authorization", "Bearer s3cret"),), timeout=30))
         assert msgs[-1].usage.completion_tokens == 2
         with pytest.raises(grpc.RpcError) as err:
-            list(generation_pb2_grpc.GenerationStub(stub_call).Generate(
+            list(stub.Generate(
                 generation_pb2.GenerateRequest(text="hi"), metadata=(("authorization", "Bearer wrong"),), timeout=30))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        stub_call.close()
 
 
 def test_tls_public_api_refuses_plaintext(tiny_model_dir, tmp_path):
@@ -55,7 +55,6 @@ def test_tls_public_api_refuses_plaintext(tiny_model_dir, tmp_path):
         with grpc.secure_channel(f"localhost:{port}", creds) as tls:
             grpc.channel_ready_future(tls).result(timeout=60)
             health_stub = health_pb2_grpc.HealthStub(tls)
-            import time
             deadline = time.monotonic() + 60
             while health_stub.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
                 assert time.monotonic() < deadline

@@ -4,6 +4,7 @@ so the status code tells how far each call got."""
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 
 import grpc
@@ -14,7 +15,8 @@ from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.security import server_credentials
 from tests.certs import make_ca_and_certs
 from tests.procs import free_port
-from worker_svc.__main__ import add_security_arguments, main, security_from_args
+from common.security import add_server_security_arguments, server_security_from_args
+from worker_svc.__main__ import main
 from worker_svc.server import WorkerServer
 
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
@@ -95,26 +97,29 @@ def test_tls_without_client_ca_serves_any_client_that_trusts_the_server(serve, c
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+LOG = logging.getLogger("test")
+
+
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_security_arguments(parser)
+    add_server_security_arguments(parser, "tests")
     return parser.parse_args(argv)
 
 
 def test_flags_that_cannot_work_are_refused(tmp_path):
     (tmp_path / "empty").write_text("\n")
     (tmp_path / "token").write_text("t0ken\n")
-    assert security_from_args(parse("--auth-token-file", str(tmp_path / "token"))) == ("t0ken", None)
-    assert security_from_args(parse()) == (None, None)
+    assert server_security_from_args(parse("--auth-token-file", str(tmp_path / "token")), LOG) == ("t0ken", None)
+    assert server_security_from_args(parse(), LOG) == (None, None)
     for argv, error in ((("--tls-cert", "c.pem"), "go together"),
                         (("--tls-key", "k.pem"), "go together"),
                         (("--tls-client-ca", "ca.pem"), "needs --tls-cert"),
                         (("--auth-token-file", str(tmp_path / "empty")), "empty token"),
                         (("--auth-token", ""), "empty token")):
         with pytest.raises(ValueError, match=error):
-            security_from_args(parse(*argv))
+            server_security_from_args(parse(*argv), LOG)
     with pytest.raises(FileNotFoundError):
-        security_from_args(parse("--auth-token-file", str(tmp_path / "missing")))
+        server_security_from_args(parse("--auth-token-file", str(tmp_path / "missing")), LOG)
     with pytest.raises(SystemExit):   # a token inline and in a file: which one was meant?
         parse("--auth-token", "a", "--auth-token-file", str(tmp_path / "token"))
     with pytest.raises(SystemExit) as exit_:   # main reports the same errors as usage errors

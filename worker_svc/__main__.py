@@ -14,43 +14,13 @@ import signal
 import sys
 import threading
 
-import grpc
-
 from common.logging_setup import LOG_FORMATS, setup_logging
-from common.security import read_secret, server_credentials
+from common.security import add_server_security_arguments, server_security_from_args
 from worker_svc.config import DEFAULT_PORT, add_worker_arguments, worker_config_from_args
 
 logger = logging.getLogger("worker_svc")
 
 EXIT_GROUP_BROKEN = 3   # a peer rank died or a collective timed out
-
-
-def add_security_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("security", "who may call this worker (health checks stay open)")
-    token = group.add_mutually_exclusive_group()
-    token.add_argument("--auth-token-file", metavar="PATH",
-                       help="file holding the token every Worker call must send as 'authorization: Bearer <token>'")
-    token.add_argument("--auth-token", help="the token inline (discouraged: any local user sees it in ps)")
-    group.add_argument("--tls-cert", metavar="PATH", help="PEM certificate chain: serve only TLS (with --tls-key)")
-    group.add_argument("--tls-key", metavar="PATH", help="PEM private key of --tls-cert")
-    group.add_argument("--tls-client-ca", metavar="PATH",
-                       help="PEM CA: mutual TLS, clients must present a certificate it signed")
-
-
-def security_from_args(args: argparse.Namespace) -> tuple[str | None, grpc.ServerCredentials | None]:
-    """The bearer token and TLS credentials the flags ask for; reads the files now, so a wrong
-    path fails before the model loads rather than after."""
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ValueError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-    if args.auth_token is not None:
-        logger.warning("--auth-token is visible in the process list; prefer --auth-token-file")
-    token = read_secret(args.auth_token, args.auth_token_file)
-    credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    if token and credentials is None:
-        logger.warning("the bearer token travels in plaintext: add --tls-cert/--tls-key unless the network is private")
-    return token, credentials
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="json: one JSON object a line")
-    add_security_arguments(parser)
+    add_server_security_arguments(parser, "the scheduler")
     add_worker_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
         config = worker_config_from_args(args)
-        auth_token, credentials = security_from_args(args)
+        auth_token, credentials = server_security_from_args(args, logger)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
 
