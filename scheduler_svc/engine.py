@@ -42,6 +42,8 @@ class EngineConfig:
     max_waiting: int = 4096               # admission bound: past it, requests are refused
     step_timeout_s: float = 300.0         # a step slower than this counts as a dead worker
     reconnect_interval_s: float = 0.5
+    idle_probe_interval_s: float = 1.0    # how often an idle group checks its workers are alive
+    idle_probe_timeout_s: float = 2.0
     startup_timeout_s: float = 300.0
     # Schedule and send step N+1 while the worker runs step N, so it never waits for the
     # round trip and the scheduler's per-step work (vLLM's async scheduling). Needs workers
@@ -169,25 +171,44 @@ class GroupRunner:
                         continue
                 if not in_flight:
                     # Nothing to do, or nothing fits right now (every request waits for blocks
-                    # held by none): wait for an abort or a new request instead of spinning.
+                    # held by none): wait for an abort or a new request instead of spinning,
+                    # probing the worker meanwhile so a death is seen before the next request.
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), self.engine.config.idle_probe_interval_s)
+                    except asyncio.TimeoutError:
+                        await self._probe()
                     continue
                 output, reply, sent_at = in_flight.popleft()
                 try:
                     self._apply(output, await reply, sent_at)
                 except WorkerError as e:
-                    log.error("group %d: step failed (%s); marking it down", self.index, e)
-                    self.healthy = False
-                    self.engine.metrics.observe_worker_failure(self.index)
                     # Let the steps sent after it settle first, so none still runs on the
                     # worker when the reconnect resets it; their results are void.
                     await asyncio.gather(*(r for _, r, _ in in_flight), return_exceptions=True)
                     in_flight.clear()
-                    self.scheduler.reset_all_worker_state()
+                    self._mark_down(f"step failed ({e})")
         finally:
             for _, reply, _ in in_flight:
                 reply.cancel()
+
+    def _mark_down(self, why: str) -> None:
+        log.error("group %d: %s; marking it down", self.index, why)
+        self.healthy = False
+        self.engine.metrics.observe_worker_failure(self.index)
+        self.scheduler.reset_all_worker_state()
+
+    async def _probe(self) -> None:
+        """An idle group's liveness check: a rank that does not answer, or answers as a new
+        process (it restarted between steps, its mirrors gone), takes the group down; the
+        reconnect then rebuilds it."""
+        try:
+            infos = await self.client.describe(timeout=self.engine.config.idle_probe_timeout_s)
+        except WorkerError as e:
+            self._mark_down(f"idle probe failed ({e})")
+            return
+        if [i.instance_id for i in infos] != self._instance_ids:
+            self._mark_down("a worker restarted while idle")
 
     def _send(self, output: SchedulerOutput) -> tuple[SchedulerOutput, asyncio.Task, float]:
         request = build_step_request(next(self._step_ids), output)

@@ -156,3 +156,24 @@ def test_soak_with_random_cancellations_loses_nothing(services):
         while (g := model_info(ch).worker_groups[0]).num_free_kv_blocks != g.num_kv_blocks or g.num_running:
             assert time.monotonic() < deadline, f"blocks still held after the soak: {g}"
             time.sleep(0.05)
+
+
+def test_request_with_deadline_ends_cleanly_while_the_worker_is_down(tiny_model_dir, tmp_path):
+    with running_services(tiny_model_dir, tmp_path / "logs") as svc, svc.channel() as ch:
+        svc.workers[0].kill()
+        deadline = time.monotonic() + 30
+        while model_info(ch).worker_groups[0].healthy:
+            assert time.monotonic() < deadline, "the scheduler never noticed the dead worker"
+            time.sleep(0.05)
+        # Admitted and queued (the scheduler keeps accepting), then ended by the client's deadline.
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            generate(ch, text="anyone there?", max_tokens=4, timeout=2.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 5
+        group = model_info(ch).worker_groups[0]
+        assert group.num_running == 0 and group.num_free_kv_blocks == group.num_kv_blocks
+        # Once a worker is back on the same address, the service answers again.
+        port = int(svc.workers[0].addr.rsplit(":", 1)[1])
+        svc.workers[0] = worker_proc(tiny_model_dir, tmp_path / "logs", port=port).start()
+        assert generate(ch, text="back?", max_tokens=3, ignore_eos=True, timeout=120).usage.completion_tokens == 3
