@@ -104,15 +104,14 @@ def stage_bandwidth(args: argparse.Namespace) -> dict:
     import torch
     import triton.testing
 
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=500, return_mode="median")
-    del src, dst
+    from bench.attention_microbench import measure_copy_bandwidth
+
+    copy_bytes_per_s = measure_copy_bandwidth()
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=500, return_mode="median")
-    return {"copy_bytes_per_s": 2 * (2 << 30) / (copy_ms * 1e-3), "matmul_flops_per_s": 2 * n**3 / (mm_ms * 1e-3),
+    return {"copy_bytes_per_s": copy_bytes_per_s, "matmul_flops_per_s": 2 * n**3 / (mm_ms * 1e-3),
             "device": torch.cuda.get_device_name()}
 
 

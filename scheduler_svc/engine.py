@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from common.pb.llm.v1 import generation_pb2
 from scheduler_svc.block_manager import BlockManager

@@ -10,7 +10,6 @@ Set ATTN_TEST_SEED to replay a failing draw (its seed is in the assertion messag
 """
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import random

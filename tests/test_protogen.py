@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import filecmp
-import pathlib
 
 from common.protogen import PACKAGE_PREFIX, REPO, generate
 
