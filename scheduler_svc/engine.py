@@ -285,9 +285,12 @@ class Engine:
             await group.client.close()
 
     def scheduler_config(self, info) -> SchedulerConfig:
+        """This engine's limits, capped by what the group's workers accept in one step (0: a
+        worker that does not say)."""
         return SchedulerConfig(
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=min(self.config.max_num_seqs, info.max_num_seqs or self.config.max_num_seqs),
+            max_num_batched_tokens=min(self.config.max_num_batched_tokens,
+                                       info.max_num_batched_tokens or self.config.max_num_batched_tokens),
             max_model_len=self.max_model_len_for(info),
             block_size=info.block_size,
         )

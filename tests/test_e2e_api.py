@@ -187,3 +187,14 @@ def test_duplicate_request_id_is_refused(services):
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         stream.cancel()
         _wait_all_blocks_free(ch)
+
+
+def test_scheduler_limits_are_capped_by_the_workers(launch_services):
+    # The scheduler would batch up to 256 requests and 2048 tokens a step; this worker takes 4 and 64.
+    requests = [dict(token_ids=list(range(3 + i, 103 + i)), temperature=0.0, ignore_eos=True, max_tokens=6)
+                for i in range(8)]
+    with launch_services(worker_args=("--max-num-seqs", "4", "--max-num-batched-tokens", "64")) as svc, \
+            svc.channel() as ch:
+        outs = generate_many(ch, requests)
+        assert model_info(ch).worker_groups[0].healthy
+    assert all(o.finish_reason == generation_pb2.FINISH_REASON_LENGTH and len(o.token_ids) == 6 for o in outs)

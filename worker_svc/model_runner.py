@@ -132,6 +132,8 @@ class ModelRunner:
             attention_backend=self.backend.name,
             dtype=str(self.dtype).removeprefix("torch."),
             instance_id=self.instance_id,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
