@@ -197,6 +197,7 @@ class GroupRunner:
         self.healthy = False
         self.engine.metrics.observe_worker_failure(self.index)
         self.scheduler.reset_all_worker_state()
+        self.engine.migrate_from(self)
 
     async def _probe(self) -> None:
         """An idle group's liveness check: a rank that does not answer, or answers as a new
@@ -336,6 +337,21 @@ class Engine:
         group.scheduler.add(seq)
         group.wake()
         return self._stream(active)
+
+    def migrate_from(self, down: GroupRunner) -> None:
+        """Moves a down group's requests to the healthy groups (by the same routing as new
+        requests), where they are recomputed from their tokens; with no healthy group they stay
+        and wait for this one to come back."""
+        if not any(g.healthy for g in self.groups):
+            return
+        moved = down.scheduler.hand_over()
+        for seq in moved:
+            active = self._by_seq[seq.seq_id]
+            active.group = self._route(seq.token_ids)
+            active.group.scheduler.adopt(seq)
+            active.group.wake()
+        if moved:
+            log.warning("group %d is down: %d requests moved to healthy groups", down.index, len(moved))
 
     def _route(self, prompt_token_ids: list[int]) -> GroupRunner:
         """The healthy group holding the longest cached prefix of the prompt; ties go to the

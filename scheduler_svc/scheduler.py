@@ -127,6 +127,27 @@ class Scheduler:
         self.waiting.append(seq)
         self._unfinished[seq.seq_id] = seq
 
+    def hand_over(self) -> list[Sequence]:
+        """Gives up every unfinished request, in queue order, for other groups to adopt (this
+        group's workers are gone): they hold no blocks and keep all their tokens."""
+        self.reset_all_worker_state()
+        seqs = list(self.waiting)
+        self.waiting.clear()
+        self._unfinished.clear()
+        return seqs
+
+    def adopt(self, seq: Sequence) -> None:
+        """Queues a request another group's scheduler handed over; like a preempted one, it
+        is re-sent in full and recomputed (hitting this group's prefix cache where it can)."""
+        if seq.seq_id in self._unfinished:
+            raise ValueError(f"seq_id {seq.seq_id} is already queued")
+        if seq.status is SequenceStatus.FINISHED or seq.block_table or seq.on_worker:
+            raise ValueError(f"{seq} was not handed over")
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(f"{seq} is longer than this group's max_model_len {self.config.max_model_len}")
+        self.waiting.append(seq)
+        self._unfinished[seq.seq_id] = seq
+
     def abort(self, seq_id: int) -> Sequence | None:
         """Drops a request in whatever state, freeing its blocks at once."""
         return self.finish(seq_id, FinishReason.ABORT)

@@ -177,3 +177,39 @@ def test_request_with_deadline_ends_cleanly_while_the_worker_is_down(tiny_model_
         port = int(svc.workers[0].addr.rsplit(":", 1)[1])
         svc.workers[0] = worker_proc(tiny_model_dir, tmp_path / "logs", port=port).start()
         assert generate(ch, text="back?", max_tokens=3, ignore_eos=True, timeout=120).usage.completion_tokens == 3
+
+
+def test_requests_of_a_dead_group_move_to_the_healthy_one(tiny_model_dir, tmp_path):
+    requests = _requests(14, 12, 100)
+    with running_services(tiny_model_dir, tmp_path / "logs", num_workers=2) as svc, svc.channel() as ch:
+        undisturbed = generate_many(ch, requests)
+        results: list = [None] * len(requests)
+        started = threading.Barrier(len(requests) + 1)
+
+        def run(i: int) -> None:
+            r = requests[i]
+            stream = generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
+                token_ids=generation_pb2.TokenIds(ids=r["token_ids"]),
+                sampling=generation_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["max_tokens"])),
+                timeout=180)
+            tokens, reason = [], 0
+            for n, msg in enumerate(stream):
+                tokens += msg.token_ids
+                reason = msg.finish_reason or reason
+                if n == 0:
+                    started.wait()
+            results[i] = (tokens, reason)
+
+        with ThreadPoolExecutor(len(requests)) as pool:
+            futures = [pool.submit(run, i) for i in range(len(requests))]
+            started.wait(60)          # every stream has its first token: both groups are busy
+            info = model_info(ch)
+            assert all(g.num_running > 0 for g in info.worker_groups), "the load did not spread"
+            svc.workers[1].kill()     # and it stays dead
+            for f in futures:
+                f.result()
+        groups = model_info(ch).worker_groups
+        assert not groups[1].healthy and groups[0].healthy
+    for i, (tokens, reason) in enumerate(results):
+        assert reason == generation_pb2.FINISH_REASON_LENGTH
+        assert tokens == undisturbed[i].token_ids, f"stream {i} changed when its group died"

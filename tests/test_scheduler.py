@@ -380,3 +380,22 @@ def test_reset_drops_the_steps_in_flight():
     (new,) = again.new_requests
     assert (new.token_ids, new.num_computed_tokens, new.num_scheduled_tokens) == ([1, 2, 3], 0, 3)
     assert sched.update(again, {seq.seq_id: 7}) == [seq] and seq.token_ids == [1, 2, 3, 7]
+
+
+def test_hand_over_to_another_group_keeps_tokens_and_resends_in_full():
+    down, healthy = make_scheduler(max_num_seqs=1), make_scheduler()
+    a = add(down, [1, 2, 3, 4, 5])
+    waiting = add(down, [6, 7])
+    step(down)
+    step(down)                                      # a has two output tokens; `waiting` never ran
+    assert a.token_ids == [1, 2, 3, 4, 5, 7, 7] and waiting.status is SequenceStatus.WAITING
+    moved = down.hand_over()
+    assert moved == [a, waiting]
+    assert not down.has_unfinished() and down.block_manager.num_free_blocks == down.block_manager.num_blocks
+    for seq in moved:
+        healthy.adopt(seq)
+    out, _ = step(healthy)
+    sent = {r.seq_id: list(r.token_ids) for r in out.new_requests}
+    assert sent == {a.seq_id: [1, 2, 3, 4, 5, 7, 7], waiting.seq_id: [6, 7]}
+    with pytest.raises(ValueError, match="already queued"):
+        healthy.adopt(a)
