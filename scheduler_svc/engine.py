@@ -388,7 +388,7 @@ class Engine:
             return
         if active.first_token_at is None:
             active.first_token_at = time.monotonic()
-        token = seq.token_ids[-1]
+        token = seq.last_token_id
         logprobs = [logprob] if seq.sampling.logprobs else []
         text = active.detokenizer.push([token])
         if seq.is_finished:

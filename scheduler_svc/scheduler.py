@@ -319,7 +319,7 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence) -> FinishReason | None:
         """EOS and stop tokens win over length when both apply (the model did stop)."""
         params = seq.sampling
-        token = seq.token_ids[-1]
+        token = seq.last_token_id
         if seq.num_output_tokens >= params.min_tokens and (
                 (token in self.eos_token_ids and not params.ignore_eos)
                 or token in params.stop_token_ids):
