@@ -165,7 +165,7 @@ def stage_service(args: argparse.Namespace) -> dict:
 
 
 def stage_offline(args: argparse.Namespace) -> dict:
-    from scheduler_svc.offline import LLM
+    from tools.offline import LLM
     from scheduler_svc.sampling_params import SamplingParams
 
     load = workload(args)

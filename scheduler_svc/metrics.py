@@ -87,8 +87,8 @@ class SchedulerMetrics:
             if num_output_tokens > 1:
                 self.tpot_seconds.observe((now - first_token_at) / (num_output_tokens - 1))
 
-    def observe_rejection(self, code: str) -> None:
-        self.rejected.labels(code).inc()
+    def observe_rejection(self, code: str, count: int = 1) -> None:
+        self.rejected.labels(code).inc(count)
 
     def observe_worker_failure(self, group: int) -> None:
         self.worker_failures.labels(str(group)).inc()

@@ -24,6 +24,11 @@ class Tokenizer:
         self._backend.no_truncation()
         self._backend.no_padding()
 
+    @property
+    def backend(self):
+        """The Rust `tokenizers.Tokenizer` (what DecodeStream steps with)."""
+        return self._backend
+
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text: only what the tokenizer's own post-processor adds (none for Qwen3),
         no chat template."""
