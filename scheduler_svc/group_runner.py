@@ -226,7 +226,8 @@ class GroupRunner:
         self.last_step_ms = (now - max(sent_at, self._last_reply_at)) * 1000
         self._last_reply_at = now
         result = parse_step_response(reply)
-        self.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms, result.forward_ms)
+        self.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms,
+                                 result.device_ms or result.forward_ms)
         try:
             received = self.scheduler.update(output, result.token_ids)
         except ValueError as e:       # the reply lacks tokens the step had to sample

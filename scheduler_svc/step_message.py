@@ -48,8 +48,10 @@ class StepResult:
     sequence of the step, in its order."""
     token_ids: list[int]
     logprobs: list[float] | None     # None when no request of the step asked
-    forward_ms: float
+    forward_ms: float                # the worker's host time launching the forward
+    device_ms: float                 # the step's device time (0 on the CPU)
 
 
 def parse_step_response(response: worker_pb2.StepResponse) -> StepResult:
-    return StepResult(list(response.token_ids), list(response.logprobs) or None, response.timings.forward_ms)
+    t = response.timings
+    return StepResult(list(response.token_ids), list(response.logprobs) or None, t.forward_ms, t.device_ms)

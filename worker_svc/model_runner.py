@@ -61,12 +61,14 @@ class PendingStep:
     """A launched step; result() waits (without the interpreter lock) for its tokens."""
 
     def __init__(self, step_id: int, started: float, prepare_ms: float, forward_ms: float, num_sampled: int,
-                 tokens: torch.Tensor | None, logprobs: torch.Tensor | None, event, release) -> None:
+                 tokens: torch.Tensor | None, logprobs: torch.Tensor | None, event, release,
+                 device_start=None) -> None:
         self.step_id = step_id
         self._started = started
         self._prepare_ms, self._forward_ms = prepare_ms, forward_ms
         self._num_sampled = num_sampled
         self._tokens, self._logprobs, self._event, self._release = tokens, logprobs, event, release
+        self._device_start = device_start
 
     def result(self) -> StepOutput:
         try:
@@ -79,8 +81,9 @@ class PendingStep:
             if self._release is not None:
                 self._release()
                 self._release = None
+        device_ms = self._device_start.elapsed_time(self._event) if self._device_start is not None else 0.0
         return StepOutput(self.step_id, tokens, logprobs, self._prepare_ms, self._forward_ms,
-                          (time.perf_counter() - self._started) * 1e3)
+                          (time.perf_counter() - self._started) * 1e3, device_ms)
 
 
 class _OutputSlots:
@@ -469,6 +472,10 @@ class ModelRunner:
     def _execute(self, step_id: int, batch: StepBatch, started: float, prepare_ms: float) -> PendingStep:
         """Enqueues the forward and the sampling; the tokens land in a pinned slot behind an event."""
         launched = time.perf_counter()
+        device_start = None
+        if self.device.type == "cuda":
+            device_start = torch.cuda.Event(enable_timing=True)
+            device_start.record()
         hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         num_sampled = len(batch.sampling_rows)
         if not num_sampled:
@@ -491,12 +498,12 @@ class ModelRunner:
             host_logprobs = self._outputs.logprobs[slot]
             host_logprobs[:num_sampled].copy_(logprobs, non_blocking=True)
         event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
+        if device_start is not None:
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
         forward_ms = (time.perf_counter() - launched) * 1e3
         return PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
-                           event, lambda: self._outputs.release(slot))
+                           event, lambda: self._outputs.release(slot), device_start)
 
     def _capture_decode_graphs(self):
         """CUDA graphs of the decode forward, where the device and the backend allow them."""

@@ -62,6 +62,7 @@ class StepOutput:
     prepare_ms: float
     forward_ms: float
     total_ms: float
+    device_ms: float = 0.0
 
 
 def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptions:
@@ -126,5 +127,5 @@ def build_step_response(output: StepOutput) -> worker_pb2.StepResponse:
         token_ids=output.token_ids,
         logprobs=output.logprobs or (),
         timings=worker_pb2.StepTimings(prepare_ms=output.prepare_ms, forward_ms=output.forward_ms,
-                                       total_ms=output.total_ms),
+                                       total_ms=output.total_ms, device_ms=output.device_ms),
     )

@@ -109,14 +109,16 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("prepare_ms", "forward_ms", "total_ms")
+    __slots__ = ("prepare_ms", "forward_ms", "total_ms", "device_ms")
     PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MS_FIELD_NUMBER: _ClassVar[int]
     prepare_ms: float
     forward_ms: float
     total_ms: float
-    def __init__(self, prepare_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    device_ms: float
+    def __init__(self, prepare_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., device_ms: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "token_ids", "logprobs", "timings")
