@@ -1,0 +1,67 @@
+"""Random JSON schemas for structured-output tests and the grammar-backend comparison.
+
+Each schema mixes what real response formats use: objects with required and optional
+properties, nested objects, arrays with item bounds, enums (strings with quotes, backslashes and
+non-ASCII, numbers, null), integers and numbers with inclusive and exclusive bounds, booleans,
+strings with length bounds or a pattern. Sizes stay bounded (maxLength, maxItems) so that
+sampling from random logits, where closing a string is one choice among hundreds, ends within
+a few hundred tokens. Same seed => same schemas.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+_ENUM_STRINGS = ["red", "green", "blue", 'say "hi"', "back\\slash", "naïve", "東京", "tab\there", ""]
+_PATTERNS = [r"[a-z]{1,6}", r"[A-Z][0-9]{2}", r"(yes|no)", r"\d{3}-\d{4}"]
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """An object schema whose properties are random leaves, arrays and (up to depth 2) objects."""
+    names = rng.sample(["id", "name", "tags", "score", "count", "ok", "kind", "meta", "items", "note", "unit"],
+                       rng.randint(1, 4))
+    properties = {name: _random_value(rng, depth) for name in names}
+    required = [name for name in names if rng.random() < 0.6]
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _random_value(rng: random.Random, depth: int) -> dict[str, Any]:
+    kinds = ["string", "bounded_string", "pattern", "integer", "number", "boolean", "enum", "null_or_int", "array"]
+    if depth < 2:
+        kinds += ["object", "object"]
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(0, 6)}
+    if kind == "bounded_string":
+        low = rng.randint(0, 3)
+        return {"type": "string", "minLength": low, "maxLength": low + rng.randint(0, 4)}
+    if kind == "pattern":
+        return {"type": "string", "pattern": "^" + rng.choice(_PATTERNS) + "$"}
+    if kind == "integer":
+        low = rng.randint(-1000, 1000)
+        bounds = {"minimum": low, "maximum": low + rng.randint(0, 5000)}
+        if rng.random() < 0.3:
+            bounds = {"exclusiveMinimum": low, "exclusiveMaximum": low + rng.randint(2, 50)}
+        return {"type": "integer", **bounds}
+    if kind == "number":
+        low = round(rng.uniform(-100, 100), 2)
+        return {"type": "number", "minimum": low, "maximum": round(low + rng.uniform(0.5, 200), 2)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        values = rng.sample(_ENUM_STRINGS, rng.randint(1, 4)) + rng.sample([1, 2.5, -3, None, True], rng.randint(0, 2))
+        return {"enum": values}
+    if kind == "null_or_int":
+        return {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 0, "maximum": 99}]}
+    if kind == "array":
+        low = rng.randint(0, 2)
+        return {"type": "array", "items": _random_value(rng, depth + 1), "minItems": low, "maxItems": low + rng.randint(0, 2)}
+    return random_schema(rng, depth + 1)
+
+
+def random_schemas(seed: int, count: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [random_schema(rng) for _ in range(count)]
