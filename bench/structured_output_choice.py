@@ -9,8 +9,9 @@ only the masks differ) and the script counts:
   - outputs that did not finish within --max-tokens (a grammar that lets a weak model loop),
   - the longest whitespace run outside strings (JSON is compact by default here),
 and the time to compile a grammar and to fill one mask + accept one token.
-Both backends run in their compact JSON mode (xgrammar: any_whitespace=False with "," and ":"
-separators, as vLLM's disable-any-whitespace; llguidance: whitespace_flexible=False).
+Both libraries run in their compact JSON mode (xgrammar: any_whitespace=False with "," and ":"
+separators, as vLLM's disable-any-whitespace; llguidance: whitespace_flexible=False); the row
+"service" is xgrammar as this service drives it (common/constraint.py).
 
     python -m bench.structured_output_choice [--model DIR] [--schemas 30] [--samples 3] [--out out.json]
 
@@ -85,6 +86,21 @@ class XGrammarBackend:
 
     def finished(self, matcher) -> bool:
         return matcher.is_terminated()
+
+
+class ServiceBackend(XGrammarBackend):
+    """xgrammar as this service compiles it (common/constraint.py: compact JSON, fixed strings,
+    special tokens masked; worker_svc/layers/grammar.py)."""
+    name = "service"
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
+        from worker_svc.layers.grammar import GrammarCompiler
+        super().__init__(hf_tokenizer, vocab_size, stop_ids)
+        self.service = GrammarCompiler(hf_tokenizer, vocab_size, stop_ids)
+
+    def compile(self, kind: str, text: str):
+        from common.constraint import Constraint
+        return self.service.compile(Constraint(kind, text))
 
 
 class LLGuidanceBackend:
@@ -164,7 +180,7 @@ def main() -> int:
     config = json.loads((model_dir / "config.json").read_text())
     vocab_size = config["vocab_size"]
     stop_ids = [hf_tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    backends = [XGrammarBackend(hf_tokenizer, vocab_size, stop_ids)]
+    backends = [XGrammarBackend(hf_tokenizer, vocab_size, stop_ids), ServiceBackend(hf_tokenizer, vocab_size, stop_ids)]
     try:
         backends.append(LLGuidanceBackend(hf_tokenizer, vocab_size, stop_ids))
     except ImportError:

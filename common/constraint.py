@@ -16,10 +16,16 @@ Guarantees of the grammars built here, for JSON (json_schema, json_object, tool-
     arguments allow at most one whitespace character between tokens (Qwen3 writes `", "`).
   - RFC 8259 strings: `json.loads` (strict) parses every output. xgrammar 0.2.9 emits, for strings
     with minLength/maxLength, a character class `[^"\\\r\n]` that lets raw control characters
-    (U+0000..U+001F) through and forbids escapes; `_fix_counted_strings` replaces it with JSON's
-    own string character (any unescaped character but controls, `"` and `\\`, or one escape).
+    (U+0000..U+001F) through and forbids escapes; `to_grammar` replaces it with JSON's own string
+    character (any unescaped character but controls, `"` and `\\`, or one escape).
   - strict objects: properties the schema does not declare are not generated (xgrammar's
     strict_mode, vLLM's default), so an object ends once its declared properties are written.
+For every kind, the text is valid UTF-8: xgrammar 0.2.9 lets a negated character class (JSON's
+string character, `[^a]`, ...) and its expansion of the regex `.` match the 3-byte encoding of a
+UTF-16 surrogate (ED A0..BF xx), which is no character; the detokenizer renders it as three
+U+FFFD, which also breaks maxLength. `_exclude_surrogates` takes U+D800..U+DFFF out of those
+classes. Not covered: character classes inside a JSON schema's "pattern" (xgrammar keeps the
+pattern as a regex it matches itself).
 Why xgrammar rather than llguidance: docs/STRUCTURED_OUTPUT.md (measured by
 bench/structured_output_choice.py).
 """
@@ -46,6 +52,10 @@ _JSON_STRING_CHAR = (
     r'([^\0-\x1f\"\\] | "\\" ([\"\\/bfnrt] | "u" ([0-9A-Ca-cE-Fe-f] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f]'
     r' | [Dd] [0-7] [0-9A-Fa-f] [0-9A-Fa-f])))'
 )
+# xgrammar's expansion of the regex `.`, and the same without surrogates.
+_ANY_CHAR = r"[\0-\U0010ffff]"
+_ANY_SCALAR = r"[\0-\ud7ff\ue000-\U0010ffff]"
+_SURROGATES = r"\ud800-\udfff"
 # xgrammar prefixes its C++ errors with "[time] /path/file.cc:line: " (and some with a failed
 # check's text); the caller wants the problem.
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -81,18 +91,22 @@ def to_grammar(constraint: Constraint) -> "xgrammar.Grammar":
         if kind == "json_schema":
             _parse_json(kind, text)
             grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=True)
-            return _fix_counted_strings(grammar)
-        if kind == "json_object":
+        elif kind == "json_object":
             # Non-strict: `{"type": "object"}` in strict mode would admit only {}.
             grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
                                                    separators=(",", ":"), strict_mode=False)
-            return _fix_counted_strings(grammar)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(text)
-        if kind == "grammar":
-            return xgr.Grammar.from_ebnf(text)
-        _parse_json(kind, text)
-        return _fix_counted_strings(xgr.Grammar.from_structural_tag(text))
+        elif kind == "regex":
+            grammar = xgr.Grammar.from_regex(text)
+        elif kind == "grammar":
+            grammar = xgr.Grammar.from_ebnf(text)
+        else:
+            _parse_json(kind, text)
+            grammar = xgr.Grammar.from_structural_tag(text)
+        ebnf = str(grammar)
+        if kind not in ("regex", "grammar"):   # a user's own grammar means what it says
+            ebnf = ebnf.replace(_XGRAMMAR_COUNTED_CHAR, _JSON_STRING_CHAR)
+        ebnf = _exclude_surrogates(ebnf)
+        return grammar if ebnf == str(grammar) else xgr.Grammar.from_ebnf(ebnf)
     except GrammarError:
         raise
     except (RuntimeError, ValueError, TypeError) as exc:
@@ -106,13 +120,33 @@ def _parse_json(kind: str, text: str) -> None:
         raise GrammarError(kind, f"not valid JSON: {exc}") from None
 
 
-def _fix_counted_strings(grammar: "xgrammar.Grammar") -> "xgrammar.Grammar":
-    import xgrammar as xgr
-
-    ebnf = str(grammar)
-    if _XGRAMMAR_COUNTED_CHAR not in ebnf:
-        return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_XGRAMMAR_COUNTED_CHAR, _JSON_STRING_CHAR))
+def _exclude_surrogates(ebnf: str) -> str:
+    """`ebnf` with U+D800..U+DFFF removed from every negated character class and from the
+    any-character class, outside string literals (and so outside Regex("...") patterns)."""
+    out, i, n = [], 0, len(ebnf)
+    while i < n:
+        ch = ebnf[i]
+        if ch == '"':                        # a string literal: copy through its closing quote
+            j = i + 1
+            while j < n and ebnf[j] != '"':
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(ebnf[i:j + 1])
+            i = j + 1
+        elif ch == "[":                      # a character class: find its closing bracket
+            j = i + 1
+            while j < n and ebnf[j] != "]":
+                j += 2 if ebnf[j] == "\\" else 1
+            cls = ebnf[i:j + 1]
+            if cls == _ANY_CHAR:
+                cls = _ANY_SCALAR
+            elif cls.startswith("[^"):
+                cls = "[^" + _SURROGATES + cls[2:]
+            out.append(cls)
+            i = j + 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
 
 
 def _native_message(exc: Exception) -> str:

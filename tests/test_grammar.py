@@ -251,3 +251,33 @@ def test_the_frontend_can_check_a_constraint_without_a_tokenizer():
     to_grammar(Constraint("json_schema", '{"type": "integer"}'))
     with pytest.raises(GrammarError, match="invalid regex"):
         to_grammar(Constraint("regex", "[z-a]"))
+
+
+def utf8_byte_tokens(compiler) -> dict[int, int]:
+    """byte -> the id of the token that is exactly that byte (the tiny tokenizer has all 256)."""
+    tokens: dict[int, int] = {}
+    for token_id, raw in enumerate(compiler.tokenizer_info.decoded_vocab):
+        if len(raw) == 1:
+            tokens.setdefault(raw[0], token_id)
+    return tokens
+
+
+@pytest.mark.parametrize("constraint", [
+    Constraint("json_schema", '{"type": "string"}'),
+    Constraint("json_schema", '{"type": "string", "maxLength": 4}'),
+    Constraint("json_object"),
+    Constraint("regex", '"[^x]*"'),
+    Constraint("regex", '".+"'),
+    Constraint("grammar", 'root ::= "\\"" [^x]* "\\""'),
+])
+def test_the_utf8_encoding_of_a_surrogate_is_never_accepted(compiler, constraint):
+    # xgrammar 0.2.9 alone accepts ED A0 80 (U+D800 encoded as if it were a character) here.
+    byte_token = utf8_byte_tokens(compiler)
+    quote = byte_token[ord('"')]
+    for raw, accepted in ((b"\xed\xa0\x80", False), (b"\xed\x9f\xbf", True), ("é😀".encode(), True)):
+        matcher = compiler.matcher(constraint)
+        prefix = b'{"k":"' if constraint.kind == "json_object" else b'"'
+        assert matcher.accept_tokens([byte_token[b] for b in prefix])
+        assert matcher.accept_tokens([byte_token[b] for b in raw]) == accepted, (constraint, raw)
+        if accepted:
+            assert matcher.accept_token(quote)
