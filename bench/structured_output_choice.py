@@ -1,7 +1,7 @@
 """xgrammar against llguidance on what structured output must guarantee, then on speed.
 
 Both libraries build a token bitmask from a grammar; what differs is what their grammars let
-through. For each random JSON schema (tests/json_schemas.py) and each regex, every backend
+through. For each random JSON schema (tests/constraint_cases.py) and each regex, every backend
 samples several outputs from random logits under its mask (the same logits stream for both, so
 only the masks differ) and the script counts:
   - outputs that `json.loads` (strict: no raw control characters in strings) rejects,
@@ -30,35 +30,7 @@ import time
 import torch
 
 from common.tiny_model import write_tiny_qwen3
-from tests.json_schemas import random_schemas
-
-# Bounded repetitions where a class has hundreds of tokens: under random logits, `[a-z]+` ends
-# only when the one token that leaves it is drawn.
-REGEXES = [
-    r"[a-z]{3,8}", r"\d{1,4}", r"(cat|dog|bird)s?", r"[A-Z][a-z]{2,5} [A-Z][a-z]{2,5}", r"\d{3}-\d{3}-\d{4}",
-    r"(true|false)", r"[0-9a-f]{8}", r"-?\d+\.\d{1,3}", r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)", r"(ab|cd){1,4}",
-    r"#[0-9A-F]{6}", r"\(\d{2}\)", r"[^ \n]{1,10}", r"x*y+z?", r"(\w{1,6} ){1,3}end",
-    r"\d{4}-\d{2}-\d{2}", r"[ACGT]{5,10}", r"(north|south)(east|west)?", r"[a-c]{2}[x-z]{2}", r"yes|no|maybe",
-]
-
-
-def whitespace_run(text: str) -> int:
-    """Longest run of whitespace outside JSON strings."""
-    longest = run = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            in_string = escaped or ch != '"'
-            escaped = not escaped and ch == "\\"
-            continue
-        if ch in " \t\r\n":
-            run += 1
-            longest = max(longest, run)
-        else:
-            run = 0
-            in_string = ch == '"'
-    return longest
-
+from tests.constraint_cases import REGEXES, random_schemas, whitespace_run
 
 class XGrammarBackend:
     name = "xgrammar"

@@ -14,10 +14,9 @@ import jsonschema
 import pytest
 import torch
 
-from bench.structured_output_choice import REGEXES, whitespace_run
 from common.constraint import Constraint, GrammarError, to_grammar
 from scheduler_svc.tokenizer import load_tokenizer
-from tests.json_schemas import random_schemas
+from tests.constraint_cases import REGEXES, random_schemas, whitespace_run
 from worker_svc.layers.grammar import GrammarBitmask, GrammarCompiler, apply_bitmask
 
 VOCAB_SIZE = 512
@@ -281,3 +280,14 @@ def test_the_utf8_encoding_of_a_surrogate_is_never_accepted(compiler, constraint
         assert matcher.accept_tokens([byte_token[b] for b in raw]) == accepted, (constraint, raw)
         if accepted:
             assert matcher.accept_token(quote)
+
+
+def test_a_threaded_fill_writes_the_same_rows_as_one_by_one(compiler, tokenizer, stop_ids):
+    constraints = [Constraint("json_schema", json.dumps(s)) for s in random_schemas(seed=4, count=5)]
+    constraints.append(Constraint("regex", "ok"))
+    matchers = [compiler.matcher(c) for c in constraints]
+    assert matchers[-1].accept_tokens(tokenizer.encode("ok") + [stop_ids[0]])   # terminated rows mix in
+    for m in matchers[:-1]:
+        assert m.accept_tokens(tokenizer.encode("{"))
+    threaded = GrammarBitmask(VOCAB_SIZE, max_threads=2, initial_rows=2).fill(matchers).clone()
+    assert torch.equal(threaded, GrammarBitmask(VOCAB_SIZE).fill(matchers))

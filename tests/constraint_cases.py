@@ -1,4 +1,5 @@
-"""Random JSON schemas for structured-output tests and the grammar-backend comparison.
+"""Structured-output cases shared by the tests and the grammar-backend comparison (bench/):
+random JSON schemas, 20 regexes, and a compactness measure.
 
 Each schema mixes what real response formats use: objects with required and optional
 properties, nested objects, arrays with item bounds, enums (strings with quotes, backslashes and
@@ -65,3 +66,31 @@ def _random_value(rng: random.Random, depth: int) -> dict[str, Any]:
 def random_schemas(seed: int, count: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [random_schema(rng) for _ in range(count)]
+
+
+# Bounded repetitions where a class has hundreds of tokens: under random logits, `[a-z]+` ends
+# only when the one token that leaves it is drawn.
+REGEXES = [
+    r"[a-z]{3,8}", r"\d{1,4}", r"(cat|dog|bird)s?", r"[A-Z][a-z]{2,5} [A-Z][a-z]{2,5}", r"\d{3}-\d{3}-\d{4}",
+    r"(true|false)", r"[0-9a-f]{8}", r"-?\d+\.\d{1,3}", r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)", r"(ab|cd){1,4}",
+    r"#[0-9A-F]{6}", r"\(\d{2}\)", r"[^ \n]{1,10}", r"x*y+z?", r"(\w{1,6} ){1,3}end",
+    r"\d{4}-\d{2}-\d{2}", r"[ACGT]{5,10}", r"(north|south)(east|west)?", r"[a-c]{2}[x-z]{2}", r"yes|no|maybe",
+]
+
+
+def whitespace_run(text: str) -> int:
+    """Longest run of whitespace outside JSON strings."""
+    longest = run = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            in_string = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+            continue
+        if ch in " \t\r\n":
+            run += 1
+            longest = max(longest, run)
+        else:
+            run = 0
+            in_string = ch == '"'
+    return longest
