@@ -26,7 +26,6 @@ Constraint kinds and their grammars (and why xgrammar): common/constraint.py.
 """
 from __future__ import annotations
 
-import logging
 import pathlib
 import threading
 from collections import OrderedDict
@@ -37,7 +36,6 @@ import xgrammar as xgr
 
 from common.constraint import Constraint, GrammarError, to_grammar
 
-logger = logging.getLogger(__name__)
 
 __all__ = ["Constraint", "GrammarError", "GrammarCompiler", "GrammarMatcher", "GrammarBitmask", "apply_bitmask"]
 
