@@ -36,7 +36,6 @@ import xgrammar as xgr
 
 from common.constraint import Constraint, GrammarError, to_grammar
 
-
 __all__ = ["Constraint", "GrammarError", "GrammarCompiler", "GrammarMatcher", "GrammarBitmask", "apply_bitmask"]
 
 BITS = 32   # xgrammar's bitmask: int32 words, bit j of word w is token 32 * w + j
