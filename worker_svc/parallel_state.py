@@ -163,6 +163,15 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum of every rank's values (the values themselves on a single rank)."""
+    if get_tp_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def broadcast_token_ids(token_ids: list[int] | None, count: int, device: torch.device) -> list[int]:
     """Rank 0's sampled token ids, on every rank (others pass None and the count they expect)."""
     if get_tp_size() == 1:
