@@ -201,3 +201,52 @@ def test_the_real_warm_up_and_measurement_run_the_torch_backend():
     times = measure_backend(backend, TINY, torch.device("cpu"), calls=2, rounds=1)
     assert list(times) == [c.name for c in measurement_cases(TINY)]
     assert all(t > 0 for t in times.values())
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_on_a_gpu_the_worker_runs_and_reports_the_backend_auto_chose(tiny_model_dir, caplog):
+    from worker_svc.config import WorkerConfig
+    from worker_svc.model_runner import ModelRunner
+
+    caplog.set_level(logging.INFO)
+    runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=512,
+                                      max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512))
+    chosen = runner.describe().attention_backend
+    assert chosen in ("flash_attn", "triton")
+    assert any(line.startswith(f"attention backend {chosen} chosen") for line in selection_lines(caplog))
+
+
+@cuda
+def test_flash_attn_kernels_compiled_once_load_from_disk_after_a_restart(tmp_path):
+    """Two processes warm up the same shapes with one cache folder: the second compiles nothing."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash_attn (FlashAttention-4) is not installed")
+    script = (
+        "import sys, torch\n"
+        "from worker_svc.layers.attention import configure_kernel_cache\n"
+        "configure_kernel_cache(sys.argv[1])\n"
+        "from worker_svc.layers.attention.registry import load_backend\n"
+        "from worker_svc.layers.attention.selection import AttentionShape, warm_up_backend\n"
+        "shape = AttentionShape(4, 2, 64, torch.bfloat16, 16, 4, 64, 256)\n"
+        "print(warm_up_backend(load_backend('flash_attn'), shape, torch.device('cuda')))\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[1]
+
+    def warm_up_seconds() -> float:
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=root, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return float(done.stdout.strip().splitlines()[-1])
+
+    first = warm_up_seconds()
+    assert list((tmp_path / "flash_attn_cute").rglob("*.o")), "nothing was written to the kernel cache"
+    second = warm_up_seconds()
+    assert second < first / 3, f"warm-up took {first:.1f} s, then {second:.1f} s with the kernels on disk"
