@@ -135,7 +135,8 @@ def graph_of(fn):
 
 
 def cases(setup: Setup) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
-    decodes = [(f"decode b={b} ctx={c}", ((c - 1, 1),) * b) for b in setup.decode_batches for c in setup.decode_contexts]
+    decodes = [(f"decode b={b} ctx={c}", ((c - 1, 1),) * b)
+               for b in setup.decode_batches for c in setup.decode_contexts]
     return decodes + list(setup.prompts)
 
 
@@ -246,7 +247,8 @@ def _fmt(value, spec: str) -> str:
 def print_tables(rows: list[dict], host_rows: list[dict], backends: list[str], bandwidth: float) -> None:
     by_key = {(r["case"], r["block_size"], r["backend"]): r for r in rows}
     accelerated = [b for b in backends if b != "torch"]
-    print(f"\n## per-layer attention ms (decode: eager / CUDA-graph replay; copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
+    print(f"\n## per-layer attention ms (decode: eager / CUDA-graph replay; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
     header = f"{'case':24s} {'blk':>4s} {'floor':>7s}"
     for b in accelerated:
         header += f" {b + ' eager':>16s} {b + ' graph':>16s} {'%floor':>6s} {'err':>7s}"

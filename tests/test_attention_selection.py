@@ -103,7 +103,8 @@ def test_a_backend_that_fails_on_the_models_shapes_is_skipped(caplog):
 
 def test_when_no_accelerated_backend_runs_torch_does(caplog):
     caplog.set_level(logging.INFO)
-    device = FakeDevice({}, cannot_load={"flash_attn": ImportError("no flash_attn"), "triton": ImportError("no triton")})
+    device = FakeDevice({}, cannot_load={"flash_attn": ImportError("no flash_attn"),
+                                         "triton": ImportError("no triton")})
     assert device.select().name == "torch"
     assert any("attention runs on torch" in line for line in selection_lines(caplog))
 
@@ -175,7 +176,8 @@ def test_measured_steps_of_qwen3_cover_small_and_full_decode_a_mixed_chunk_and_a
 def test_synthetic_steps_write_each_new_token_into_its_own_requests_blocks(pool_blocks):
     requests = [(5, 1), (0, 20), (33, 3)]
     q, k, v, k_cache, v_cache, meta = synthetic_step(requests, TINY, torch.device("cpu"), pool_blocks=pool_blocks)
-    assert q.shape == (24, TINY.num_heads, TINY.head_dim) and k.shape == v.shape == (24, TINY.num_kv_heads, TINY.head_dim)
+    assert q.shape == (24, TINY.num_heads, TINY.head_dim)
+    assert k.shape == v.shape == (24, TINY.num_kv_heads, TINY.head_dim)
     assert meta.query_start_loc.tolist() == [0, 1, 21, 24] and meta.seq_lens.tolist() == [6, 20, 36]
     expected = []
     for r, (cached, new) in enumerate(requests):

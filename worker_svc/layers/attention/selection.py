@@ -153,7 +153,8 @@ def measurement_cases(shape: AttentionShape) -> list[StepCase]:
     cases = [StepCase(f"decode b=1 ctx={context}", ((context, 1),))]
     if batch > 1:
         cases.append(StepCase(f"decode b={batch} ctx={context}", ((context, 1),) * batch))
-    cases += [StepCase(f"chunk {chunk} over {prefix} + {decodes} decodes", ((prefix, chunk),) + ((context, 1),) * decodes),
+    cases += [StepCase(f"chunk {chunk} over {prefix} + {decodes} decodes",
+                       ((prefix, chunk),) + ((context, 1),) * decodes),
               StepCase(f"prompt {prompt}", ((0, prompt),))]
     return cases
 
