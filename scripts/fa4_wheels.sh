@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Downloads the FlashAttention-4 wheel set (requirements-gpu.txt, docs in docs/PERF_NOTES.md) for a
-# GPU machine without internet: Python 3.12, manylinux x86_64. The set (~98 MiB) lands in two
+# Downloads the FlashAttention-4 wheel set (the pins in requirements-gpu.txt) for an offline
+# GPU machine: Python 3.12, manylinux x86_64. The set (~98 MiB) lands in two
 # folders, .whl/fa4a and .whl/fa4b, each under 60 MiB so that each can travel on its own: the one
 # large wheel (nvidia-cutlass-dsl-libs-cu13, ~88 MiB) is cut in two with `split -b`, one part per
 # folder, and scripts/fa4_install.sh puts it back together with `cat` on the GPU machine (and
