@@ -26,12 +26,13 @@ from common.pb.llm.worker.v1 import worker_pb2
 from worker_svc import kv_cache, parallel_state
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
-from worker_svc.layers.attention import AttentionMetadata, get_attention_backend
+from worker_svc.layers.attention import (AttentionMetadata, AttentionShape, configure_kernel_cache,
+                                         select_attention_backend)
 from worker_svc.layers.sampler import Sampler, SamplingMetadata, SamplingOptions
 from worker_svc.loader import init_dummy_weights, load_safetensors
 from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
-from worker_svc.parallel_state import all_reduce_min, broadcast_tokens, get_tp_rank, get_tp_size
+from worker_svc.parallel_state import all_reduce_max, all_reduce_min, broadcast_tokens, get_tp_rank, get_tp_size
 from worker_svc.step_message import InvalidStepError, NewRequest, StaleMirrorError, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ModelRunner", "InvalidStepError", "StaleMirrorError", "PendingStep"]
 
 _DEFAULT_BLOCK_SIZE = 16
-_FLASH_ATTN_BLOCK_SIZE = 256    # flash_attn_with_kvcache wants paged blocks of 256 tokens
 # Launched steps whose tokens may not be read yet: the server has at most two (the one whose
 # reply is awaited and the one launched behind it); more slots only add slack.
 _OUTPUT_SLOTS = 4
@@ -184,16 +184,14 @@ class ModelRunner:
         self.model_name = read_model_facts(model_dir).name
         self.model_config = model_config = load_model_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.block_size = config.block_size or (
-            _FLASH_ATTN_BLOCK_SIZE if self.backend.name == "flash_attn" else _DEFAULT_BLOCK_SIZE
-        )
+        self.block_size = config.block_size or _DEFAULT_BLOCK_SIZE
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.vocab_size = model_config.vocab_size
         self.num_kv_heads = model_config.num_key_value_heads // self.tp_size
         self.head_dim = head_dim_of(model_config)
+        self.backend = self._select_attention_backend()
 
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = Qwen3ForCausalLM(model_config, self.backend, self.max_model_len).eval()
@@ -504,6 +502,23 @@ class ModelRunner:
         forward_ms = (time.perf_counter() - launched) * 1e3
         return PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
                            event, lambda: self._outputs.release(slot), device_start)
+
+    def _select_attention_backend(self):
+        """The configured backend, or the fastest on this device for this model's attention
+        (every rank of a group agrees on one), warmed up before the memory profile and capture."""
+        configure_kernel_cache(self.config.kernel_cache_dir)
+        shape = AttentionShape(
+            num_heads=self.model_config.num_attention_heads // self.tp_size, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, dtype=self.dtype, block_size=self.block_size,
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len)
+
+        def agree(totals: list[float]) -> list[float]:
+            parallel_state.barrier("attention measured")   # first compiles take uneven time
+            return all_reduce_max(totals, self.device)
+
+        return select_attention_backend(self.config.attention_backend, self.device, shape,
+                                        reduce_across_ranks=agree if self.tp_size > 1 else None)
 
     def _capture_decode_graphs(self):
         """CUDA graphs of the decode forward, where the device and the backend allow them."""

@@ -163,6 +163,15 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum of every rank's values (the values themselves on a single rank)."""
+    if get_tp_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def broadcast_tokens(token_ids: torch.Tensor | None, count: int, device: torch.device) -> torch.Tensor:
     """Rank 0's sampled token ids (int64, on the device), on every rank; the others pass None
     and the count they expect. On CUDA the broadcast is enqueued, not waited for."""
