@@ -90,16 +90,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 async def keep_health_current(engine: Engine, servicer: health.aio.HealthServicer, interval_s: float = 0.25) -> None:
-    """SERVING while the engine admits requests and some worker group is up."""
+    """SERVING while the engine admits requests and some worker group is up; NOT_SERVING for good
+    once cancelled (at shutdown), so a watcher hears it even when the drain was too short for a poll."""
     last = None
-    while True:
-        status = (health_pb2.HealthCheckResponse.SERVING if engine.accepting
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        if status != last:
-            for name in ("", SERVICE_NAME):
-                await servicer.set(name, status)
-            last = status
-        await asyncio.sleep(interval_s)
+    try:
+        while True:
+            status = (health_pb2.HealthCheckResponse.SERVING if engine.accepting
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            if status != last:
+                for name in ("", SERVICE_NAME):
+                    await servicer.set(name, status)
+                last = status
+            await asyncio.sleep(interval_s)
+    finally:
+        await servicer.enter_graceful_shutdown()
 
 
 def build_server(engine: Engine, *, model_name: str, limits, options: list | None = None,
