@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 import torch
 import xxhash
 
+from worker_svc.layers.logits_guard import drawable_rows, with_unusable_rows_raw
 from worker_svc.layers.penalties import PenaltyTable
 
 # Temperatures below this are greedy: dividing by them would overflow the logits.
@@ -116,13 +117,18 @@ class Sampler:
         if penalized:
             logits = logits.to(torch.float32, copy=True)
             self._apply_penalties(logits, rows, penalized)
+            logits = with_unusable_rows_raw(logits, raw)   # a penalty made a row non-finite: skip it
         drawing = [i for i, o in enumerate(options) if not o.greedy]
         token_ids = logits.argmax(-1) if len(drawing) < len(rows) else None
         processed = None
         if drawing:
             index = None if token_ids is None else self._tensor(drawing, torch.long)
             processed = self._process(logits if index is None else logits[index], [options[i] for i in drawing])
-            drawn = self._race(processed.softmax(-1, dtype=torch.float32), [rows[i] for i in drawing])
+            probs = processed.softmax(-1, dtype=torch.float32)
+            drawable = drawable_rows(probs)   # before the race overwrites probs
+            drawn = self._race(probs, [rows[i] for i in drawing])
+            raw_drawing = raw if index is None else raw[index]
+            drawn = torch.where(drawable, drawn, raw_drawing.argmax(-1))
             token_ids = drawn if index is None else token_ids.index_copy_(0, index, drawn)
         if penalized:
             index = self._tensor(penalized, torch.long)
@@ -136,6 +142,7 @@ class Sampler:
             for i, value in zip(greedy_asked, values):
                 logprobs[i] = value
         if drawn_asked:
+            processed = with_unusable_rows_raw(processed, raw_drawing)
             processed_row = {i: j for j, i in enumerate(drawing)}
             values = self._chosen_logprobs(processed, [processed_row[i] for i in drawn_asked], drawn_asked, token_ids)
             for i, value in zip(drawn_asked, values):
