@@ -33,6 +33,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 max_model_len=self.engine.max_model_len,
                 tokenize=self.engine.tokenizer.encode,
                 limits=self.limits,
+                max_input_bytes_per_token=self.engine.tokenizer.max_input_bytes_per_token,
             )
         except InvalidRequest as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
