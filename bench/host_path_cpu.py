@@ -81,12 +81,14 @@ def run_one(args, model_dir: pathlib.Path, frontends: int, stream_interval: int)
         worker.stop()
     failed = [r for r in records if r["status"] != "OK"]
     steps = [line.split() for line in trace.read_text().splitlines()]
-    # Steady decode: every request in the step, one token each; time between consecutive ends.
-    ends = [float(t) for t, n, k in steps if int(n) == args.num_requests and int(k) == args.num_requests]
-    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    # Steady decode: consecutive pure-decode steps (one token a request) of the largest batch seen
+    # (all requests, unless the clients could not get them in fast enough); the time between ends.
+    pure = [(float(t), int(n)) for t, n, k in steps if int(n) == int(k)]
+    batch = max((n for _, n in pure), default=0)
+    gaps = [b[0] - a[0] for a, b in zip(pure, pure[1:]) if a[1] == b[1] == batch]
     step_ms = statistics.median(gaps) * 1e3 if gaps else float("nan")
     tokens = sum(r["output_tokens"] for r in records)
-    return {"frontends": frontends, "stream_interval": stream_interval, "failed": len(failed),
+    return {"frontends": frontends, "stream_interval": stream_interval, "failed": len(failed), "batch": batch,
             "decode_steps_timed": len(gaps), "step_ms": step_ms, "ratio": step_ms / args.forward_ms,
             "output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
             "cpu": sampler.summary() if sampler else {}}
@@ -110,10 +112,11 @@ def main(argv=None) -> int:
             (args.out / "host_path.json").write_text(json.dumps(rows, indent=1))
     print(f"\nhost path, {args.num_requests} streams x {args.max_tokens} tokens, prompt {args.prompt_len}, "
           f"forward replaced by {args.forward_ms} ms:")
-    print(f"{'frontends':>9} {'interval':>8} {'step ms':>8} {'ratio':>6} {'tok/s':>8} {'failed':>6}  cpu (median cores)")
+    print(f"{'frontends':>9} {'interval':>8} {'batch':>5} {'step ms':>8} {'ratio':>6} {'tok/s':>8} {'failed':>6}  "
+          "cpu (median cores)")
     for r in rows:
         cpu = ", ".join(f"{name}={v['median']:.2f}" for name, v in r["cpu"].items())
-        print(f"{r['frontends']:>9} {r['stream_interval']:>8} {r['step_ms']:>8.2f} {r['ratio']:>6.2f} "
+        print(f"{r['frontends']:>9} {r['stream_interval']:>8} {r['batch']:>5} {r['step_ms']:>8.2f} {r['ratio']:>6.2f} "
               f"{r['tok_per_s']:>8.0f} {r['failed']:>6}  {cpu}")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 

@@ -154,7 +154,7 @@ async def serve(args: argparse.Namespace, security) -> None:
     stop = Stop()
     stop.install()
     if args.metrics_port:
-        metrics.watch(core)
+        metrics.watch(core.info)
         metrics.serve(args.metrics_port, args.host)
     local = None
     frontends = None

@@ -1,7 +1,8 @@
 """Prometheus metrics of the scheduler, served over HTTP by prometheus-client.
 
 Gauges that describe current state (queue lengths, KV blocks, worker health) are read from the
-engine when Prometheus scrapes, so the step loop only pays for the counters and histograms.
+engine core's state snapshot when Prometheus scrapes, so the step loop only pays for the counters
+and histograms.
 """
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class _EngineStateCollector:
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    """Gauges from one snapshot of the engine core's state (EngineCore.info(), which GetModelInfo
+    reads too), taken when Prometheus scrapes."""
+
+    def __init__(self, snapshot) -> None:
+        self.snapshot = snapshot
 
     def collect(self):
         running = GaugeMetricFamily("llm_requests_running", "Requests being computed", labels=["group"])
@@ -25,18 +29,17 @@ class _EngineStateCollector:
         healthy = GaugeMetricFamily("llm_worker_group_healthy", "1 when the group answers steps", labels=["group", "addresses"])
         hit_rate = GaugeMetricFamily("llm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up", labels=["group"])
         tp_size = GaugeMetricFamily("llm_worker_group_tensor_parallel_size", "Ranks (worker processes) of the group", labels=["group"])
-        for g in self.engine.groups:
-            label = str(g.index)
-            healthy.add_metric([label, ",".join(g.client.addresses)], 1.0 if g.healthy else 0.0)
-            tp_size.add_metric([label], len(g.client.ranks))
-            if g.scheduler is None:
+        for index, g in enumerate(self.snapshot().groups):
+            label = str(index)
+            healthy.add_metric([label, ",".join(g.addresses)], 1.0 if g.healthy else 0.0)
+            tp_size.add_metric([label], len(g.addresses))
+            if not g.num_kv_blocks:          # never connected: no scheduler state yet
                 continue
-            bm = g.scheduler.block_manager
-            running.add_metric([label], g.scheduler.num_running)
-            waiting.add_metric([label], g.scheduler.num_waiting)
-            free.add_metric([label], bm.num_free_blocks)
-            used.add_metric([label], bm.num_blocks - bm.num_free_blocks)
-            queried, hits = bm.prefix_cache_queried_tokens, bm.prefix_cache_hit_tokens
+            running.add_metric([label], g.num_running)
+            waiting.add_metric([label], g.num_waiting)
+            free.add_metric([label], g.num_free_kv_blocks)
+            used.add_metric([label], g.num_kv_blocks - g.num_free_kv_blocks)
+            queried, hits = g.prefix_cache_queried_tokens, g.prefix_cache_hit_tokens
             hit_rate.add_metric([label], hits / queried if queried else 0.0)
         yield from (running, waiting, used, free, healthy, hit_rate, tp_size)
 
@@ -63,8 +66,9 @@ class SchedulerMetrics:
         self.generated_tokens = Counter("llm_generated_tokens", "Output tokens of finished requests", registry=r)
         self.worker_failures = Counter("llm_worker_failures", "Steps that failed because a worker was down", ["group"], registry=r)
 
-    def watch(self, engine) -> None:
-        self.registry.register(_EngineStateCollector(engine))
+    def watch(self, snapshot) -> None:
+        """Reads the state gauges from snapshot() (a CoreInfo) at each scrape."""
+        self.registry.register(_EngineStateCollector(snapshot))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from worker_svc.layers.attention import BACKEND_NAMES
 
 DEFAULT_PORT = 50061
+# The attention backends a worker can be told to use (worker_svc/layers/attention/registry.py has
+# their modules). Named here, so that parsing a command line imports no torch.
+ATTENTION_BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-backend", default="auto", choices=list(BACKEND_NAMES),
+    parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
                         help="auto: the fastest that runs on this device for the model, measured at start-up")
     parser.add_argument("--kernel-cache-dir", default=None, metavar="DIR",
                         help="where compiled attention kernels (FlashAttention-4) are kept across restarts "

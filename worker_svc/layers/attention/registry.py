@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from worker_svc.config import ATTENTION_BACKEND_NAMES
 from worker_svc.layers.attention.base import AttentionBackend
 
 # name -> (module, class); modules other than torch's may be absent from an installation.
@@ -19,7 +20,8 @@ _BACKENDS = {
     "triton": ("worker_svc.layers.attention.triton_backend", "TritonAttentionBackend"),
     "torch": ("worker_svc.layers.attention.torch_backend", "TorchAttentionBackend"),
 }
-BACKEND_NAMES = ("auto", *_BACKENDS)
+BACKEND_NAMES = ATTENTION_BACKEND_NAMES
+assert set(BACKEND_NAMES) == {"auto", *_BACKENDS}, "config.ATTENTION_BACKEND_NAMES and the registry disagree"
 # What "auto" measures on CUDA. torch is the reference, a loop of SDPA calls per request that
 # no CUDA graph can hold: it is only the fallback when neither of these runs.
 CUDA_CANDIDATES = ("flash_attn", "triton")
