@@ -10,13 +10,13 @@ fraction of a second.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.cli import ArgumentParser
 
 def check_health(address: str, service: str = "", timeout_s: float = 3.0) -> str:
     """Returns the serving status name the server reports for `service` ("" is the whole
@@ -31,13 +31,13 @@ def check_health(address: str, service: str = "", timeout_s: float = 3.0) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.healthcheck", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m common.healthcheck", description=__doc__,
+                            env_prefix="QWEN3_SERVE_HEALTHCHECK_")
     parser.add_argument("address", help="host:port of the server")
-    parser.add_argument("--service", default="", help="service name to ask about (default: the server)")
+    parser.add_argument("--service", default="", help="service name to ask about (empty: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each answer")
     parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                        help="ask again until SERVING, for up to this long (default: ask once)")
+                        help="ask again until SERVING, for up to this long (0: ask once)")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.wait
     while (status := check_health(args.address, args.service, args.timeout)) != "SERVING":

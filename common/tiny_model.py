@@ -1,7 +1,6 @@
 """Writes a small Qwen3 checkpoint with seeded random weights, in Hugging Face format.
 
-No machine here reaches a model hub, so this is the embedded default model for the demo and
-the tests: config.json, generation_config.json, model.safetensors and a byte-level BPE
+It is the embedded default model of the demo and the tests, so neither needs a download: config.json, generation_config.json, model.safetensors and a byte-level BPE
 tokenizer (tokenizer.json, tokenizer_config.json) that transformers' AutoTokenizer loads.
 Same arguments => byte-identical weights and tokenizer.
 
@@ -9,10 +8,11 @@ Same arguments => byte-identical weights and tokenizer.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
+
+from common.cli import ArgumentParser
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A fixed English corpus, so the BPE merges (and so the token ids) never change.
@@ -117,7 +117,8 @@ def write_tiny_qwen3(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m common.tiny_model", description=__doc__,
+                            env_prefix="QWEN3_SERVE_TINY_MODEL_")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("models/tiny-qwen3"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=2)
