@@ -116,7 +116,7 @@ def write_tiny_qwen3(
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m common.tiny_model", description=__doc__,
                             env_prefix="QWEN3_SERVE_TINY_MODEL_")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("models/tiny-qwen3"))
@@ -127,7 +127,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     write_tiny_qwen3(
         args.out,
         seed=args.seed,
