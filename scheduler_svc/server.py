@@ -7,10 +7,10 @@ import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.logging_setup import bind_request_id
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
+from common.reflection import enable_server_reflection
 from scheduler_svc.engine import DuplicateRequest, Engine, EngineFull, EngineUnavailable
 from scheduler_svc.validation import InvalidRequest, validate_request
 
@@ -109,6 +109,5 @@ def build_server(engine: Engine, *, model_name: str, limits, options: list | Non
         GenerationService(engine, model_name=model_name, limits=limits), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    enable_server_reflection([SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
     return server, health_servicer
