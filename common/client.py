@@ -3,7 +3,7 @@
 
     from common.client import Client
 
-    with Client("127.0.0.1:50051") as client:
+    with Client("127.0.0.1:50051") as client:      # Client(): $QWEN3_SERVE_TARGET or 127.0.0.1:50051
         out = client.generate("Once upon a time", max_tokens=32, temperature=0.7, seed=42)
         print(out.text, out.finish_reason, out.usage.completion_tokens)
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import pathlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -49,6 +50,8 @@ from common.pb.llm.v1 import generation_pb2_grpc as pb_grpc
 # The scheduler accepts requests up to 64 MiB (a long prompt as token ids); gRPC's default send
 # limit of 4 MiB would refuse them on this side first.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_TARGET = "127.0.0.1:50051"
+TARGET_ENV = "QWEN3_SERVE_TARGET"     # where Client() connects when given no target
 
 FinishReason = Literal["stop", "length", "abort"]
 _FINISH_REASONS: dict[int, FinishReason] = {
@@ -258,8 +261,9 @@ class _ChannelSettings:
     options: tuple[tuple[str, object], ...]
 
     @classmethod
-    def build(cls, target: str, *, tls: bool, ca_file, client_cert, client_key, token, token_file,
+    def build(cls, target: str | None, *, tls: bool, ca_file, client_cert, client_key, token, token_file,
               channel_options) -> "_ChannelSettings":
+        target = target or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
         if (client_cert is None) != (client_key is None):
             raise ValueError("client_cert and client_key go together")
         if token is not None and token_file is not None:
@@ -289,7 +293,8 @@ class Client:
     close it with `close()` or a `with` block.
 
     Args:
-        target: `host:port` of the scheduler (any gRPC target: `unix:PATH`, `dns:///name:port`).
+        target: `host:port` of the scheduler (any gRPC target: `unix:PATH`, `dns:///name:port`);
+            None: $QWEN3_SERVE_TARGET, else 127.0.0.1:50051.
         timeout: default deadline of each call in seconds (None: no deadline).
         tls: connect over TLS trusting the system's roots (implied by ca_file or client_cert).
         ca_file: PEM file of the CA that signed the server's certificate.
@@ -298,7 +303,7 @@ class Client:
         channel_options: extra gRPC channel arguments, e.g. [("grpc.keepalive_time_ms", 30000)].
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 60.0, tls: bool = False,
+    def __init__(self, target: str | None = None, *, timeout: float | None = 60.0, tls: bool = False,
                  ca_file: str | pathlib.Path | None = None, client_cert: str | pathlib.Path | None = None,
                  client_key: str | pathlib.Path | None = None, token: str | None = None,
                  token_file: str | pathlib.Path | None = None,
@@ -391,7 +396,7 @@ class AsyncClient:
     inside a running event loop; close it with `await close()` or an `async with` block. Takes
     the same arguments as Client."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 60.0, tls: bool = False,
+    def __init__(self, target: str | None = None, *, timeout: float | None = 60.0, tls: bool = False,
                  ca_file: str | pathlib.Path | None = None, client_cert: str | pathlib.Path | None = None,
                  client_key: str | pathlib.Path | None = None, token: str | None = None,
                  token_file: str | pathlib.Path | None = None,

@@ -15,7 +15,7 @@ from common.client import Client, RequestError
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m tools.generate", description=__doc__, env_prefix="QWEN3_SERVE_GENERATE_")
     p.add_argument("prompt")
-    p.add_argument("--target", default="127.0.0.1:50051", help="scheduler HOST:PORT")
+    p.add_argument("--target", default=None, help="scheduler HOST:PORT (unset: $QWEN3_SERVE_TARGET, else 127.0.0.1:50051)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=None)
