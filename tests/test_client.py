@@ -143,6 +143,11 @@ def test_tls_with_a_ca_file_and_a_bearer_token(tiny_model_dir, tmp_path):
         with Client(f"localhost:{port}", ca_file=certs / "ca.pem", token_file=token_file) as c:
             c.wait_ready(120)
             assert c.generate("hi", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+        # The probe a Kubernetes pod runs against its own TLS-only scheduler (deploy/k8s/scheduler-tls.yaml).
+        probe = subprocess.run([sys.executable, "-m", "common.healthcheck", f"127.0.0.1:{port}", "--tls-ca",
+                                str(certs / "ca.pem"), "--tls-server-name", "localhost"], cwd=REPO,
+                               capture_output=True, text=True, timeout=30)
+        assert probe.returncode == 0 and probe.stdout.strip().endswith("SERVING"), probe
         with Client(f"localhost:{port}", ca_file=certs / "ca.pem") as no_token:
             with pytest.raises(RequestError) as err:
                 no_token.generate("hi", max_tokens=2)
