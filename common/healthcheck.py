@@ -41,7 +41,7 @@ def check_health(address: str, service: str = "", timeout_s: float = 3.0, *, tls
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m common.healthcheck", description=__doc__,
                             env_prefix="QWEN3_SERVE_HEALTHCHECK_")
     parser.add_argument("address", help="host:port of the server")
@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-ca", metavar="PATH", help="check over TLS, trusting this PEM CA")
     parser.add_argument("--tls-server-name", metavar="NAME",
                         help="name the server's certificate must carry (unset: the address's host)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.wait
     while (status := check_health(args.address, args.service, args.timeout, tls_ca=args.tls_ca,
