@@ -119,17 +119,16 @@ _SLO_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2E", "all": "all SLOs"}
 
 
 def _mark_slo(ax, limit: float, *, vertical: bool) -> None:
-    """Draws the SLO as a line where it falls inside the axis the data set; one far beyond the
-    data would squeeze the data into a corner, so it is named at the edge instead."""
-    low, high = ax.get_xlim() if vertical else ax.get_ylim()
-    if limit <= high:
+    """Draws the SLO as a line when it lies within half again of the axis the data set (the axis
+    grows to show it); one far beyond the data would squeeze the data into a corner, so it only
+    gets a legend entry saying so. Call before the legend."""
+    high = (ax.get_xlim() if vertical else ax.get_ylim())[1]
+    if limit <= 1.5 * high:
         (ax.axvline if vertical else ax.axhline)(limit, color=_SLO_COLOR, linewidth=2, label=f"SLO {limit:g}")
-    elif vertical:
-        ax.annotate(f"SLO {limit:g} ms \u2192", xy=(1, 0.5), xycoords="axes fraction", ha="right", va="center",
-                    color=_SLO_COLOR, fontweight="bold")
+        if limit >= high:   # set limits stop autoscaling: make room for the line by hand
+            (ax.set_xlim(right=1.05 * limit) if vertical else ax.set_ylim(top=1.05 * limit))
     else:
-        ax.annotate(f"SLO {limit:g} ms \u2191", xy=(0.98, 0.97), xycoords="axes fraction", ha="right", va="top",
-                    color=_SLO_COLOR, fontweight="bold")
+        ax.plot([], [], color=_SLO_COLOR, linewidth=2, label=f"SLO {limit:g} ms (beyond the axis)")
 
 
 def _latency_histogram(ax, label: str, samples_s: list[float], stats: LatencyStats | None,
