@@ -6,10 +6,9 @@ How the fresh venv stays cheap (the test must fit CI's budget on two cores, with
 torch's ~200 MB wheel): the venv is made `--without-pip`, and a .pth file in its site-packages
 appends the site-packages of the venv running the tests, so the dependencies (torch,
 transformers, grpcio...) are importable without being installed again. Then the wheel is
-installed with the running venv's pip (`pip --python NEW_VENV install --no-index --find-links
-WHEEL_DIR qwen3-serve`), dependencies included: pip sees the appended packages as installed, so
-the resolve succeeds offline only if every pin of the wheel's metadata is satisfied by what is
-installed, which is a check of the metadata in itself. The project's own code comes from the
+installed with the running venv's pip (`pip --python NEW_VENV install --no-index --no-deps
+WHEEL`), and every requirement in the wheel's metadata is checked against the installed versions,
+which checks the pins in the metadata in itself. The project's own code comes from the
 wheel only: the running venv holds no copy of it (the tests import it from the checkout through
 the working directory), every program runs from an empty temporary directory without
 PYTHONPATH, and the test checks where `common` was imported from.
@@ -82,10 +81,31 @@ def _fresh_venv(tmp: pathlib.Path, wheel: pathlib.Path) -> pathlib.Path:
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     (pathlib.Path(site) / "_dependencies_from_the_test_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # --force-reinstall: a copy of the project installed in the test venv (`pip install -e .`) is
+    # visible through the .pth file and would otherwise count as "already satisfied".
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-index",
-                    "--disable-pip-version-check", "--find-links", str(wheel.parent), "qwen3-serve"],
+                    "--no-deps", "--force-reinstall", "--disable-pip-version-check", str(wheel)],
                    check=True, timeout=180)
+    unmet = subprocess.run([python, "-c", _UNMET_REQUIREMENTS], check=True, capture_output=True, text=True).stdout
+    assert not unmet.strip(), f"the wheel's pins are not what is installed:\n{unmet}"
     return venv
+
+
+# Run in the new venv: every requirement of the installed wheel (extras aside) that the
+# environment does not satisfy, one per line.
+_UNMET_REQUIREMENTS = """
+from importlib.metadata import PackageNotFoundError, distribution, version
+from packaging.requirements import Requirement
+for requirement in map(Requirement, distribution("qwen3-serve").requires or []):
+    if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        installed = version(requirement.name)
+    except PackageNotFoundError:
+        installed = None
+    if installed is None or not requirement.specifier.contains(installed, prereleases=True):
+        print(requirement, "installed:", installed)
+"""
 
 
 @pytest.fixture(scope="module")
