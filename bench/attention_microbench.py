@@ -4,6 +4,8 @@ of 16-token blocks) through each backend that runs here, against the floor.
 Decode is memory-bound: the floor is the KV bytes of every request over the measured copy
 bandwidth. Prefill is reported in TFLOP/s of causal attention (4 * visible keys * head_dim per
 query head). Triton launch configs can be swept (--sweep) to choose triton_kernels' defaults.
+The comparison of backends (eager and CUDA graphs, two block sizes, host cost) is
+bench/attention_backends_bench.py.
 
     python -m bench.attention_microbench [--sweep] [--json out.json]
 """
@@ -117,8 +119,6 @@ def run_cases(found: dict, bandwidth: float, rows: list[dict]) -> None:
         step = paged_step(requests, seed=i)
         reference = None
         for backend_name, backend in found.items():
-            if backend_name == "flash_attn" and BLOCK_SIZE % 256:
-                continue
             try:
                 ms, out = time_backend(backend, step)
             except Exception as exc:  # one failing backend must not hide the others' rows

@@ -10,13 +10,18 @@ Stages, in order:
   checkpoint   Qwen3-0.6B shapes (configs/qwen3-0.6b.json) with seeded random weights, so every
                engine runs identical weights (skipped with --model)
   bandwidth    device copy bandwidth (read + write) and bf16 matmul rate, for the floor
-  service      worker and scheduler processes over loopback gRPC, all requests at once through
-               the public Generate API; then greedy prompts for the correctness stage
-  offline      the same engine in one process, no gRPC (scheduler_svc.offline.LLM)
+  service      a worker and the scheduler (engine core + --frontends processes) over loopback gRPC,
+               all requests at once through the public Generate API from --client-processes
+               processes, once per --stream-intervals value, with every process's CPU sampled;
+               then greedy prompts for the correctness stage
+  offline      the same engine in one process, no gRPC (tools.offline.LLM)
   hf_default   transformers ContinuousBatchingManager at its defaults
   hf_tuned     the same with its CUDA graphs and a 16k-token batch budget
-  decode       decode steps at batch 1, 64, 256 and fixed context, time split into scheduler,
-               transport, input preparation and forward (bench/decode_breakdown.py)
+  decode       pipelined decode steps (two in flight, as the service runs them) at each
+               BATCHxCONTEXT of --decode-cases: step time, device time and host costs
+               (bench/decode_breakdown.py)
+  profile      torch.profiler over decode graph replays at --profile-batches: the top kernels
+               (bench/profile_decode.py)
   correctness  greedy tokens of the service vs transformers bf16 (first 32 tokens), and the
                engine's logits vs transformers fp32 and bf16 on the same prompts
 
@@ -36,7 +41,8 @@ import time
 import traceback
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ("checkpoint", "bandwidth", "service", "offline", "hf_default", "hf_tuned", "decode", "correctness")
+STAGES = ("checkpoint", "bandwidth", "service", "offline", "hf_default", "hf_tuned", "decode", "profile",
+          "correctness")
 MAX_MESSAGE_BYTES = 64 << 20
 CORRECTNESS_PROMPTS = 4
 CORRECTNESS_TOKENS = 32
@@ -56,8 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--decode-batches", default="1,64,256")
-    p.add_argument("--decode-context", type=int, default=1024)
+    p.add_argument("--frontends", type=int, default=4, help="frontend processes of the service stage")
+    p.add_argument("--stream-intervals", default="1,8", help="the service stage runs once per stream interval")
+    p.add_argument("--client-processes", type=int, default=4, help="processes the service stage's client spreads over")
+    p.add_argument("--decode-cases", default="1x1024,64x1024,256x1024,512x1024,256x4096",
+                   help="BATCHxCONTEXT decode cases of the decode stage")
+    p.add_argument("--decode-context", type=int, default=1024, help="context of the profile stage")
+    p.add_argument("--profile-batches", default="1,64,256")
     p.add_argument("--stage-timeout", type=float, default=900.0, help="seconds before a stage is killed")
     p.add_argument("--run-stage", choices=STAGES, help=argparse.SUPPRESS)  # the subprocess side
     return p.parse_args(argv)
@@ -115,57 +126,85 @@ def stage_bandwidth(args: argparse.Namespace) -> dict:
             "device": torch.cuda.get_device_name()}
 
 
-async def _send_all(addr: str, prompts) -> tuple[list, float]:
-    import grpc
-
-    from tools.loadtest.client import LoadClient
-
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    async with grpc.aio.insecure_channel(addr, options=options) as channel:
-        client = LoadClient(channel, timeout_s=None, token=None)
-        started = time.perf_counter()
-        records = await client.send_all_at_once(prompts, "bench")
-        return records, time.perf_counter() - started
-
-
 def correctness_prompts(args: argparse.Namespace) -> list[list[int]]:
     rng = random.Random(1234)
     return [[rng.randint(0, max_token_id(args)) for _ in range(rng.randint(16, 64))]
             for _ in range(CORRECTNESS_PROMPTS)]
 
 
+def service_variants(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(frontend processes, stream interval) pairs, from --frontends and --stream-intervals."""
+    return [(args.frontends, int(i)) for i in args.stream_intervals.split(",")]
+
+
 def stage_service(args: argparse.Namespace) -> dict:
+    """The workload through the public API, from --client-processes processes, once per service
+    variant (the worker stays up; the scheduler is started afresh for each). Every process's CPU
+    use is sampled once a second."""
     import statistics
 
+    from bench.multiproc_client import send_from_processes
+    from bench.proc_cpu import CpuSampler
     from tests.client import generate
-    from tests.procs import running_services
+    from tests.procs import scheduler_proc, worker_proc
     from tools.loadtest.datasets import Prompt
 
     load = workload(args)
     prompts = [Prompt(max_tokens=n, token_ids=tuple(p), ignore_eos=True) for p, n in zip(load.prompts, load.max_tokens)]
-    with running_services(model_dir(args), args.out / "logs", worker_args=worker_args(args),
-                          scheduler_args=tuple(engine_args(args))) as services:
-        with services.channel() as channel:  # warm-up, as nano-vllm's bench does
-            generate(channel, token_ids=[1, 2, 3], max_tokens=8, ignore_eos=True)
-        records, seconds = asyncio.run(_send_all(services.scheduler_addr, prompts))
-        failed = [r for r in records if not r.ok]
-        if failed:
-            raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0].status} {failed[0].error}")
-        short = [r for r, n in zip(records, load.max_tokens) if r.output_tokens != n]
-        if short:
-            raise RuntimeError(f"{len(short)} requests returned a wrong number of tokens")
-        with services.channel() as channel:
-            greedy = [generate(channel, token_ids=p, max_tokens=CORRECTNESS_TOKENS, ignore_eos=True,
-                               temperature=0.0).token_ids for p in correctness_prompts(args)]
-    output_tokens = sum(r.output_tokens for r in records)
-    tpots = [r.tpot_s for r in records if r.tpot_s is not None]
-    return {"output_tokens": output_tokens, "seconds": seconds,
-            "ttft_median_s": statistics.median(r.ttft_s for r in records),
-            "tpot_median_s": statistics.median(tpots) if tpots else None, "greedy": greedy}
+    logs = args.out / "logs"
+    worker = worker_proc(model_dir(args), logs, *worker_args(args)).start()
+    variants, greedy = [], None
+    try:
+        worker.wait_serving(timeout=900)
+        for frontends, interval in service_variants(args):
+            scheduler = scheduler_proc(model_dir(args), logs, [worker.addr], *engine_args(args),
+                                       "--frontends", str(frontends), "--stream-interval", str(interval),
+                                       "--log-level", "WARNING").start()
+            try:
+                scheduler.wait_serving(timeout=300)
+                with scheduler_channel(scheduler) as channel:  # warm-up, as nano-vllm's bench does
+                    generate(channel, token_ids=[1, 2, 3], max_tokens=8, ignore_eos=True)
+                samplers = []
+
+                def watch(client_pids, scheduler=scheduler):
+                    named = {"scheduler": scheduler.popen.pid, "worker": worker.popen.pid}
+                    named.update({f"client{i}": pid for i, pid in enumerate(client_pids)})
+                    samplers.append(CpuSampler(named).__enter__())
+
+                records, seconds, _ = send_from_processes(scheduler.addr, prompts, processes=args.client_processes,
+                                                          on_start=watch)
+                samplers[0].__exit__(None, None, None)
+                failed = [r for r in records if r["status"] != "OK"]
+                if failed:
+                    raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]['status']} {failed[0]['error']}")
+                if sorted(r["output_tokens"] for r in records) != sorted(load.max_tokens):
+                    raise RuntimeError("some requests returned a wrong number of tokens")
+                tpots = [r["tpot_s"] for r in records if r["tpot_s"] is not None]
+                variants.append({"frontends": frontends, "stream_interval": interval,
+                                 "output_tokens": sum(r["output_tokens"] for r in records), "seconds": seconds,
+                                 "ttft_median_s": statistics.median(r["ttft_s"] for r in records),
+                                 "tpot_median_s": statistics.median(tpots) if tpots else None,
+                                 "cpu": samplers[0].summary()})
+                if greedy is None:
+                    with scheduler_channel(scheduler) as channel:
+                        greedy = [generate(channel, token_ids=p, max_tokens=CORRECTNESS_TOKENS, ignore_eos=True,
+                                           temperature=0.0).token_ids for p in correctness_prompts(args)]
+            finally:
+                scheduler.stop()
+    finally:
+        worker.stop()
+    return dict(variants[0], variants=variants, greedy=greedy)
+
+
+def scheduler_channel(proc):
+    import grpc
+
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    return grpc.insecure_channel(proc.addr, options=options)
 
 
 def stage_offline(args: argparse.Namespace) -> dict:
-    from scheduler_svc.offline import LLM
+    from tools.offline import LLM
     from scheduler_svc.sampling_params import SamplingParams
 
     load = workload(args)
@@ -187,23 +226,38 @@ def stage_hf(args: argparse.Namespace, tuned: bool) -> dict:
                                       max_batch_tokens=args.max_num_batched_tokens, device=args.device)
 
 
+def decode_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in case.split("x")) for case in args.decode_cases.split(",")]
+
+
 def stage_decode(args: argparse.Namespace) -> dict:
     from bench.decode_breakdown import measure_decode_breakdown
     from tests.procs import worker_proc
 
-    batches = [int(b) for b in args.decode_batches.split(",")]
+    cases = decode_cases(args)
     log_dir = args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    worker = worker_proc(model_dir(args), log_dir, *worker_args(args)).start()
+    largest = max(b for b, _ in cases)
+    longest = max(c for _, c in cases) + 128
+    worker = worker_proc(model_dir(args), log_dir, "--device", args.device, "--attention-backend",
+                         args.attention_backend, "--max-num-seqs", str(largest), "--max-num-batched-tokens",
+                         str(args.max_num_batched_tokens), "--max-model-len", str(longest)).start()
     try:
-        worker.wait_serving(timeout=600)
-        rows = measure_decode_breakdown(worker.addr, model_dir(args), batch_sizes=batches, context=args.decode_context,
+        worker.wait_serving(timeout=900)
+        rows = measure_decode_breakdown(worker.addr, model_dir(args), cases=cases,
                                         max_num_batched_tokens=args.max_num_batched_tokens,
                                         max_token_id=max_token_id(args))
     finally:
         worker.stop()
     # The worker inherits this environment; WORKER_FUSED_KERNELS=0 times the unfused torch path.
     return {"rows": rows, "fused_kernels": os.environ.get("WORKER_FUSED_KERNELS", "1") != "0"}
+
+
+def stage_profile(args: argparse.Namespace) -> dict:
+    from bench.profile_decode import profile_decode
+
+    return {"rows": profile_decode(model_dir(args), batches=[int(b) for b in args.profile_batches.split(",")],
+                                   context=args.decode_context, attention_backend=args.attention_backend)}
 
 
 def stage_correctness(args: argparse.Namespace) -> dict:
@@ -264,7 +318,7 @@ def logits_agreement(ours: list, reference: list) -> dict:
 STAGE_FUNCTIONS = {
     "checkpoint": stage_checkpoint, "bandwidth": stage_bandwidth, "service": stage_service, "offline": stage_offline,
     "hf_default": lambda a: stage_hf(a, tuned=False), "hf_tuned": lambda a: stage_hf(a, tuned=True),
-    "decode": stage_decode, "correctness": stage_correctness,
+    "decode": stage_decode, "profile": stage_profile, "correctness": stage_correctness,
 }
 
 
@@ -318,7 +372,7 @@ def print_tables(args: argparse.Namespace) -> None:
     if bandwidth:
         print(f"# {bandwidth['device']}: copy {bandwidth['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "
               f"bf16 matmul {bandwidth['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
-    rows = [("this service (gRPC, 2 processes)", "service"), ("same engine in-process", "offline"),
+    rows = [("this service (gRPC, separate processes)", "service"), ("same engine in-process", "offline"),
             ("transformers CB, defaults", "hf_default"), ("transformers CB, CUDA graphs + 16k", "hf_tuned")]
     service_tps = ok["service"]["output_tokens"] / ok["service"]["seconds"] if "service" in ok else None
     floor_tps = None
@@ -339,23 +393,40 @@ def print_tables(args: argparse.Namespace) -> None:
     if floor_tps:
         print(f"{'floor (analytic, see bench/workload.py)':38s} {floor_tps:9.0f} {floor.total_s:8.2f}    "
               f"decode {floor.decode_s:.2f} s over {floor.decode_steps} steps + prefill {floor.prefill_s:.2f} s")
-    if "service" in ok and ok["service"].get("tpot_median_s"):
-        s = ok["service"]
-        print(f"# service: median TTFT {s['ttft_median_s'] * 1e3:.0f} ms, median TPOT {s['tpot_median_s'] * 1e3:.2f} ms")
+    if "service" in ok:
+        print(f"\nservice variants (--frontends, --stream-interval), client over {args.client_processes} processes; "
+              "CPU: median cores of each process (scheduler = engine core; its children are the frontends)")
+        for v in ok["service"].get("variants", [ok["service"]]):
+            tps = v["output_tokens"] / v["seconds"]
+            of_floor = f"{tps / floor_tps:6.1%}" if floor_tps else "-"
+            print(f"  frontends {v.get('frontends', '?')}, stream interval {v.get('stream_interval', 1)}: "
+                  f"{tps:8.0f} tok/s ({of_floor} of floor), TTFT median {v['ttft_median_s'] * 1e3:.0f} ms, "
+                  f"TPOT median {(v['tpot_median_s'] or 0) * 1e3:.2f} ms")
+            cpu = v.get("cpu", {})
+            if cpu:
+                print("    cpu: " + ", ".join(f"{name} {c['median']:.2f} (max {c['max']:.2f})" for name, c in cpu.items()))
     if "decode" in ok:
         fused = "on" if ok["decode"].get("fused_kernels", True) else "off"
-        print(f"\ndecode steps at context {args.decode_context} (medians, ms; fused kernels {fused})")
-        print(f"{'batch':>5s} {'step':>7s} {'sched':>7s} {'transp':>7s} {'prep':>7s} {'forward':>8s} {'w.rest':>7s} "
-              f"{'floor':>7s} {'tok/s':>8s}")
+        print(f"\npipelined decode steps (two in flight; medians, ms; fused kernels {fused})")
+        print(f"{'batch':>5s} {'ctx':>5s} {'step':>7s} {'device':>7s} {'floor':>7s} {'step/dev':>8s} {'dev/floor':>9s} "
+              f"{'step/floor':>10s} {'sched':>6s} {'prep':>6s} {'launch':>6s} {'tok/s':>8s}")
         for row in ok["decode"]["rows"]:
             floor_ms = (decode_step_floor_s(shape, row["batch"], row["context"], bandwidth["copy_bytes_per_s"]) * 1e3
                         if bandwidth else float("nan"))
             if "step_ms" not in row:
-                print(f"{row['batch']:5d}   no pure-decode steps measured")
+                print(f"{row['batch']:5d} {row['context']:5d}   {row.get('skipped', 'no pure-decode steps measured')}")
                 continue
-            print(f"{row['batch']:5d} {row['step_ms']:7.2f} {row['scheduler_ms']:7.2f} {row['transport_ms']:7.2f} "
-                  f"{row['prepare_ms']:7.2f} {row['forward_ms']:8.2f} {row['worker_rest_ms']:7.2f} {floor_ms:7.3f} "
-                  f"{row['batch'] / row['step_ms'] * 1e3:8.0f}")
+            device = row["device_ms"] or float("nan")    # 0: no device timing (a CPU run)
+            print(f"{row['batch']:5d} {row['context']:5d} {row['step_ms']:7.2f} {device:7.2f} {floor_ms:7.3f} "
+                  f"{row['step_ms'] / device:8.2f} {device / floor_ms:9.2f} "
+                  f"{row['step_ms'] / floor_ms:10.2f} {row['scheduler_ms']:6.2f} {row['prepare_ms']:6.2f} "
+                  f"{row['launch_ms']:6.2f} {row['batch'] / row['step_ms'] * 1e3:8.0f}")
+    if "profile" in ok:
+        for row in ok["profile"]["rows"]:
+            print(f"\nprofile: decode graph replay at batch {row['batch']}, context {row['context']}: "
+                  f"{row['device_ms_per_step']:.2f} ms of kernels per step; top kernels (ms per step, share)")
+            for name, ms in row["top"][:12]:
+                print(f"  {ms:7.3f} {ms / row['device_ms_per_step']:6.1%}  {name[:90]}")
     if "correctness" in ok:
         c = ok["correctness"]
         print("\ncorrectness (bf16 engine vs transformers on the same random weights)")

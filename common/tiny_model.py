@@ -1,7 +1,12 @@
 """Writes a small Qwen3 checkpoint with seeded random weights, in Hugging Face format.
 
-It is the embedded default model of the demo and the tests, so neither needs a download: config.json, generation_config.json, model.safetensors and a byte-level BPE
-tokenizer (tokenizer.json, tokenizer_config.json) that transformers' AutoTokenizer loads.
+It is the embedded default model of the demo and the tests, so neither needs a download:
+config.json, generation_config.json, model.safetensors and a byte-level BPE tokenizer
+(tokenizer.json, tokenizer_config.json, chat_template.jinja) that transformers' AutoTokenizer
+loads. The tokenizer is shaped like Qwen3's: the same special and added tokens (chat turns,
+<think> reasoning, <tool_call> blocks), Qwen3's own chat template (tools and the enable_thinking
+switch), and fewer ids than the model's vocab_size, so the padded embedding rows that real Qwen3
+checkpoints have (151669 tokens, 151936 rows) exist here too.
 Same arguments => byte-identical weights and tokenizer.
 
     python -m common.tiny_model --out models/tiny-qwen3
@@ -15,6 +20,13 @@ import sys
 from common.cli import ArgumentParser
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Added after the BPE vocabulary, as in Qwen3, and like Qwen3 not special: they mark structure
+# in the model's text (reasoning, tool calls, tool results) and survive skip_special_tokens, so
+# the chat output parser sees them whatever the request asks.
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# Embedding rows past the tokenizer's last id (Qwen3 pads its vocabulary to a multiple of 128).
+PADDED_ROWS = 8
+CHAT_TEMPLATE_PATH = pathlib.Path(__file__).with_name("qwen3_chat_template.jinja")
 # A fixed English corpus, so the BPE merges (and so the token ids) never change.
 _CORPUS = """
 The quick brown fox jumps over the lazy dog. A scheduler batches requests, allocates blocks
@@ -31,7 +43,9 @@ numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000, and code such as def main(): retur
 
 
 def build_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on the fixed corpus: every string encodes, every id decodes."""
+    """A byte-level BPE trained on the fixed corpus: every string encodes, every id decodes.
+    Its `vocab_size` ids are the special tokens, the bytes and the merges (the first ids of a
+    larger vocab_size's training, so a token's id does not depend on the size)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -48,13 +62,17 @@ def build_tokenizer(vocab_size: int):
 
 
 def save_tiny_tokenizer(out: pathlib.Path, vocab_size: int = 512):
-    """Writes the embedded tokenizer (tokenizer.json, tokenizer_config.json) into `out`, so any
-    model directory, a config-only one too, gets a tokenizer that transformers loads. Returns the
-    trained `tokenizers.Tokenizer`."""
+    """Writes the embedded tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja)
+    into `out`, so any model directory, a config-only one too, gets a tokenizer that transformers
+    loads. It has PADDED_ROWS fewer ids than the model's `vocab_size`. Returns the trained
+    `tokenizers.Tokenizer`, added tokens included."""
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
+    num_bpe = vocab_size - len(ADDED_TOKENS) - PADDED_ROWS
+    tokenizer = build_tokenizer(num_bpe)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in ADDED_TOKENS])
     if tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={vocab_size}")
     fast = PreTrainedTokenizerFast(
@@ -62,6 +80,7 @@ def save_tiny_tokenizer(out: pathlib.Path, vocab_size: int = 512):
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE_PATH.read_text().rstrip("\n"),   # as Qwen3 ships it
     )
     fast.save_pretrained(out)
     return tokenizer

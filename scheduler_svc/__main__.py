@@ -1,32 +1,44 @@
-"""python -m scheduler_svc --model DIR --workers ADDR[,ADDR...] --port PORT"""
+"""python -m scheduler_svc --model DIR --workers ADDR[,ADDR...] --port PORT
+
+The scheduler service's processes: this one is the engine core (scheduling, block tables, the
+worker connections); it starts --frontends frontend processes that serve the public API on the
+same port (the kernel spreads client connections over them, SO_REUSEPORT) and reach the core over
+a unix socket. With --frontends 0 the one frontend runs inside this process (the simplest layout,
+for small machines and the demo).
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import signal
-
-import grpc
+import multiprocessing
+import os
+import tempfile
 
 from common.cli import ArgumentParser, add_logging_arguments, warn_if_exposed
 from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
-from common.security import (AsyncTokenAuthInterceptor, add_server_security_arguments, channel_credentials,
-                             read_secret, server_security_from_args)
+from common.security import (add_server_security_arguments, channel_credentials, read_secret,
+                             server_security_from_args)
 from common.worker_discovery import resolve_worker_addresses
-from scheduler_svc.decode_guard import DecodeGuardInterceptor
-from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.core import EngineConfig, EngineCore
+from scheduler_svc.core_client import LocalCoreClient
+from scheduler_svc.core_server import build_core_server
+from scheduler_svc.frontend_process import Stop, drain_frontend, frontend_process_main, start_frontend
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.server import build_server, keep_health_current
-from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.validation import Limits
 from scheduler_svc.worker_client import GrpcWorkerClient, WorkerGroupClient
 
-# The public API takes prompts of up to max_model_len tokens as ids (~5 bytes each) or text
-# (Limits.max_prompt_bytes); anything far larger is refused by gRPC before it is buffered.
-MAX_PUBLIC_MESSAGE_BYTES = 64 * 1024 * 1024
+# Seconds a frontend that died waits before it is started again (a crash loop stays slow).
+FRONTEND_RESTART_DELAY_S = 1.0
 
 log = logging.getLogger("scheduler")
+
+
+def default_num_frontends(cpu_count: int | None = None) -> int:
+    """One frontend process per 4 cores, up to 8; none (in-process) on machines of 2 cores or fewer,
+    where extra processes would only compete with the core and the workers."""
+    cpus = cpu_count or os.cpu_count() or 1
+    return 0 if cpus <= 2 else min(8, max(1, cpus // 4))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per worker group")
     p.add_argument("--host", default="127.0.0.1", help="address of the public API (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=50051, help="port of the public API")
+    p.add_argument("--frontends", type=int, default=None,
+                   help="frontend processes serving the public port (0: one, inside the core's process; unset: "
+                        f"one per 4 cores, up to 8, so {default_num_frontends()} here)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed message (the first comes at once; the last carries the rest): "
+                        "larger values trade inter-token latency for CPU")
+    p.add_argument("--core-address", default=None,
+                   help="where the engine core listens for its frontends (unset: a unix socket in a private "
+                        "temporary directory)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (chunked prefill beyond it)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (unset: the workers' limit)")
@@ -60,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
         p.error("--worker-tls-cert and --worker-tls-key go together")
+    if args.frontends is None:
+        args.frontends = default_num_frontends()
+    if args.frontends < 0:
+        p.error("--frontends must be 0 or more")
+    if args.stream_interval < 1:
+        p.error("--stream-interval must be at least 1")
     return args
 
 
@@ -75,66 +102,98 @@ def worker_groups(args: argparse.Namespace) -> list[WorkerGroupClient]:
     return [WorkerGroupClient([make(a) for a in addresses[i:i + tp_size]]) for i in range(0, len(addresses), tp_size)]
 
 
-async def serve(args: argparse.Namespace, token: str | None, credentials: grpc.ServerCredentials | None) -> None:
+# -- the engine core ---------------------------------------------------------------------------------
+
+class FrontendProcesses:
+    """The frontend processes of this core: started, restarted when one dies, stopped."""
+
+    def __init__(self, args: argparse.Namespace, core_address: str) -> None:
+        self.args = args
+        self.core_address = core_address
+        self._context = multiprocessing.get_context("spawn")
+        self.procs: dict[int, multiprocessing.Process] = {}
+        self._stopping = False
+
+    def start(self, frontend_id: int) -> None:
+        proc = self._context.Process(target=frontend_process_main, args=(self.args, frontend_id, self.core_address),
+                                     name=f"frontend-{frontend_id}", daemon=True)
+        proc.start()
+        self.procs[frontend_id] = proc
+
+    async def supervise(self) -> None:
+        while not self._stopping:
+            for frontend_id, proc in list(self.procs.items()):
+                if not proc.is_alive() and not self._stopping:
+                    log.error("frontend %d exited with %s; starting it again", frontend_id, proc.exitcode)
+                    await asyncio.sleep(FRONTEND_RESTART_DELAY_S)
+                    if not self._stopping:
+                        self.start(frontend_id)
+            await asyncio.sleep(0.5)
+
+    async def stop(self, timeout_s: float) -> None:
+        self._stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()          # SIGTERM: each drains (its requests are ended by now)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        for proc in self.procs.values():
+            while proc.is_alive() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.is_alive():
+                proc.kill()
+
+
+async def serve(args: argparse.Namespace, security) -> None:
     facts = read_model_facts(args.model)
     metrics = SchedulerMetrics()
-    engine = Engine(
-        worker_groups(args),
-        tokenizer=load_tokenizer(args.model),
-        eos_token_ids=facts.eos_token_ids,
-        vocab_size=facts.vocab_size,
-        config=EngineConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            max_waiting=args.max_waiting,
-            step_timeout_s=args.step_timeout,
-            async_scheduling=args.async_scheduling,
-        ),
-        metrics=metrics,
-    )
-    interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
-    server, health_servicer = build_server(
-        engine, model_name=args.served_model_name or facts.name, limits=Limits(),
-        options=[("grpc.max_receive_message_length", MAX_PUBLIC_MESSAGE_BYTES),
-                 ("grpc.max_send_message_length", MAX_PUBLIC_MESSAGE_BYTES)],
-        interceptors=interceptors,
-    )
-    listen = f"{args.host}:{args.port}"
-    if credentials:
-        server.add_secure_port(listen, credentials)
-    else:
-        server.add_insecure_port(listen)
-    await server.start()
+    core = EngineCore(
+        worker_groups(args), eos_token_ids=facts.eos_token_ids, metrics=metrics,
+        config=EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+                            step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling))
+    stop = Stop()
+    stop.install()
     if args.metrics_port:
-        metrics.watch(engine)
+        metrics.watch(core)
         metrics.serve(args.metrics_port, args.host)
-    health_task = asyncio.create_task(keep_health_current(engine, health_servicer))
-    log.info("listening on %s:%d, connecting to workers %s", args.host, args.port, args.workers)
-    await engine.start()
-    log.info("serving %s (max_model_len %d)", facts.name, engine.max_model_len)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: no new requests, %.0fs for running ones", args.shutdown_grace)
-    await engine.shutdown(args.shutdown_grace)
-    health_task.cancel()
-    await server.stop(grace=1.0)
+    local = None
+    frontends = None
+    with tempfile.TemporaryDirectory(prefix="qwen3-core-") as private_dir:
+        if args.frontends == 0:
+            local = await start_frontend(args, LocalCoreClient(core), security)
+        else:
+            core_address = args.core_address or f"unix:{os.path.join(private_dir, 'core.sock')}"
+            core_server = build_core_server(core, metrics, core_address)
+            await core_server.start()
+            frontends = FrontendProcesses(args, core_address)
+            for frontend_id in range(args.frontends):
+                frontends.start(frontend_id)
+            supervisor = asyncio.create_task(frontends.supervise())
+        log.info("listening on %s:%d (%s), connecting to workers %s", args.host, args.port,
+                 f"{args.frontends} frontend processes" if args.frontends else "frontend in process", args.workers)
+        await core.start()
+        await stop.event.wait()
+        log.info("shutting down: no new requests, %.0fs for running ones", args.shutdown_grace)
+        await core.shutdown(args.shutdown_grace)
+        if local is not None:
+            await drain_frontend(*local, grace_s=0.0)
+        else:
+            supervisor.cancel()
+            await frontends.stop(timeout_s=10.0)
+            await core_server.stop(grace=1.0)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
-        token, credentials = server_security_from_args(args, log)
+        security = server_security_from_args(args, log)
     except (ValueError, OSError) as e:   # reported like a usage error, before anything starts
         raise SystemExit(f"python -m scheduler_svc: error: {e}") from e
+    token, credentials = security
     warn_if_exposed(args.host, args.port, has_token=bool(token), has_tls=credentials is not None, log=log,
                     what="the scheduler's public API")
-    asyncio.run(serve(args, token, credentials))
+    asyncio.run(serve(args, security))
 
 
 if __name__ == "__main__":

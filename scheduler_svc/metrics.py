@@ -47,7 +47,7 @@ class SchedulerMetrics:
         r = self.registry
         self.step_seconds = Histogram("llm_step_seconds", "Wall time of one engine step, scheduler to worker and back",
                                       buckets=_LATENCY_BUCKETS, registry=r)
-        self.worker_forward_seconds = Histogram("llm_worker_forward_seconds", "Worker-reported forward+sample time per step",
+        self.worker_forward_seconds = Histogram("llm_worker_forward_seconds", "Worker-reported device time of a step (host time launching it on the CPU)",
                                                 buckets=_LATENCY_BUCKETS, registry=r)
         self.step_tokens = Histogram("llm_step_tokens", "Tokens computed in one step",
                                      buckets=(1, 8, 32, 128, 512, 2048, 8192), registry=r)
@@ -87,8 +87,8 @@ class SchedulerMetrics:
             if num_output_tokens > 1:
                 self.tpot_seconds.observe((now - first_token_at) / (num_output_tokens - 1))
 
-    def observe_rejection(self, code: str) -> None:
-        self.rejected.labels(code).inc()
+    def observe_rejection(self, code: str, count: int = 1) -> None:
+        self.rejected.labels(code).inc(count)
 
     def observe_worker_failure(self, group: int) -> None:
         self.worker_failures.labels(str(group)).inc()

@@ -17,7 +17,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()   # a set: checked for every sampled token
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence as Sequence_
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class NewRequestData:
-    """A request the worker does not mirror yet: everything it needs, copied at schedule
+    """A request the worker does not hold yet: everything it needs, copied at schedule
     time so later appends to the sequence cannot change what this step says."""
     seq_id: int
     token_ids: list[int]
@@ -54,7 +54,7 @@ class NewRequestData:
 
 @dataclass(frozen=True, slots=True)
 class CachedRequestData:
-    """A request the worker mirrors: only what changed."""
+    """One cached request read back from the output's columns (a view for tests and logs)."""
     seq_id: int
     num_scheduled_tokens: int
     new_block_ids: list[int]
@@ -62,30 +62,65 @@ class CachedRequestData:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSequence:
+    """One scheduled sequence read back from the output's columns (a view for tests)."""
     seq: Sequence
     num_scheduled_tokens: int
     num_computed_tokens: int     # before this step
     samples: bool                # the step reaches the end of its tokens: it samples one
-    # The admission it belongs to: update() ignores it if the sequence was finished,
-    # preempted or reset since.
     num_admissions: int
 
 
 @dataclass(eq=False)             # compared by identity: the scheduler tracks outputs in flight
 class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    """One step, as columns in batch order: the requests the worker holds (cached) first, in
+    the order of the running list, then the ones it does not (new). Index i of `seqs`,
+    `num_scheduled`, `num_computed` and `admissions` is one scheduled sequence; for i below
+    len(cached_seq_ids) it is also entry i of the cached columns.
+
+    A decode-heavy step is mostly sequences computing one token and getting no block, so the
+    columns list only the exceptions (multi-token chunks, block growth); the step message
+    copies them to the wire as they are."""
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled: list[int] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)      # before this step
+    # The admission each entry belongs to: update() ignores an entry whose sequence was
+    # finished, preempted or reset since.
+    admissions: list[int] = field(default_factory=list)
+    # The sequences that sample one token in this step, in batch order: the worker's reply
+    # holds one token for each, in this order.
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    sampling_admissions: list[int] = field(default_factory=list)
+    # Cached requests' columns.
+    cached_seq_ids: list[int] = field(default_factory=list)
+    multi_token_indices: list[int] = field(default_factory=list)
+    multi_token_counts: list[int] = field(default_factory=list)
+    new_block_indices: list[int] = field(default_factory=list)
+    new_block_counts: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)    # finished or aborted
     preempted_seq_ids: list[int] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.seqs
 
     @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
+    def scheduled(self) -> list[ScheduledSequence]:
+        sampling = {id(s) for s in self.sampling_seqs}
+        return [ScheduledSequence(seq, n, c, id(seq) in sampling, a)
+                for seq, n, c, a in zip(self.seqs, self.num_scheduled, self.num_computed, self.admissions)]
+
+    @property
+    def cached_requests(self) -> list[CachedRequestData]:
+        counts = dict(zip(self.multi_token_indices, self.multi_token_counts))
+        blocks, offset = {}, 0
+        for index, count in zip(self.new_block_indices, self.new_block_counts):
+            blocks[index] = self.new_block_ids[offset:offset + count]
+            offset += count
+        return [CachedRequestData(seq_id, counts.get(i, 1), blocks.get(i, []))
+                for i, seq_id in enumerate(self.cached_seq_ids)]
 
 
 class Scheduler:
@@ -182,7 +217,7 @@ class Scheduler:
         # Preempted requests head the queue. One comes back in this same step only when
         # others still hold its prefix blocks; the worker drops the old mirror first.
         self._schedule_waiting(output, budget)
-        if output.scheduled:
+        if output.seqs:
             # Sent with this step; when nothing is scheduled no step is sent, so they wait.
             output.finished_seq_ids, self._finished_ids = self._finished_ids, []
             output.preempted_seq_ids, self._preempted_ids = self._preempted_ids, []
@@ -196,15 +231,27 @@ class Scheduler:
         return min(num_uncomputed, budget)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Every running sequence gets its next tokens while the budget lasts. The common case,
+        a decode that stays inside its last block, touches nothing but the output's columns."""
+        bs = self.block_manager.block_size
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_placeholder_tokens and self._finishes_by_length(seq, seq.num_placeholder_tokens):
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            placeholders = seq.num_placeholder_tokens
+            if placeholders and self._finishes_by_length(seq, placeholders):
                 i += 1                        # its last token is in flight: nothing left to run
                 continue
-            num_tokens = self._num_to_schedule(seq.num_uncomputed_tokens, budget)
+            num_computed = seq.num_computed_tokens
+            num_tokens = len(seq.token_ids) + placeholders - num_computed
+            if num_tokens == 1 and num_computed < len(seq.block_table) * bs:
+                self._add_cached(output, seq, 1, num_computed, False)   # the decode fast path
+                budget -= 1
+                i += 1
+                continue
+            num_tokens = self._num_to_schedule(num_tokens, budget)
             if self._reserve_slots(seq, num_tokens):
-                self._add_to_output(output, seq, num_tokens)
+                self._add_cached(output, seq, num_tokens, num_computed, True)
                 budget -= num_tokens
                 i += 1
         return budget
@@ -235,24 +282,46 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.num_admissions += 1
             self.running.append(seq)
-            self._add_to_output(output, seq, num_tokens)
+            self._add_new(output, seq, num_tokens)
             budget -= num_tokens
 
-    def _add_to_output(self, output: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
-        num_computed = seq.num_computed_tokens
-        samples = num_tokens == seq.num_uncomputed_tokens
-        output.scheduled.append(ScheduledSequence(seq, num_tokens, num_computed, samples, seq.num_admissions))
-        if seq.on_worker:
-            output.cached_requests.append(CachedRequestData(
-                seq.seq_id, num_tokens, seq.block_table[seq.num_blocks_on_worker:]))
-        else:
-            output.new_requests.append(NewRequestData(
-                seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
-                num_tokens, list(seq.block_table), seq.sampling))
-            seq.on_worker = True
+    def _add_cached(self, output: SchedulerOutput, seq: Sequence, num_tokens: int, num_computed: int,
+                    may_have_new_blocks: bool) -> None:
+        """Appends a sequence the worker holds: its columns, and the blocks it gained since the
+        worker last heard of it (none on the decode fast path, which stays inside its block)."""
+        index = len(output.cached_seq_ids)
+        output.cached_seq_ids.append(seq.seq_id)
+        if num_tokens != 1:
+            output.multi_token_indices.append(index)
+            output.multi_token_counts.append(num_tokens)
+        if may_have_new_blocks and len(seq.block_table) > seq.num_blocks_on_worker:
+            new_blocks = seq.block_table[seq.num_blocks_on_worker:]
+            output.new_block_indices.append(index)
+            output.new_block_counts.append(len(new_blocks))
+            output.new_block_ids += new_blocks
+            seq.num_blocks_on_worker = len(seq.block_table)
+        self._add_scheduled(output, seq, num_tokens, num_computed)
+
+    def _add_new(self, output: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
+        output.new_requests.append(NewRequestData(
+            seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
+            num_tokens, list(seq.block_table), seq.sampling))
+        seq.on_worker = True
         seq.num_blocks_on_worker = len(seq.block_table)
+        self._add_scheduled(output, seq, num_tokens, seq.num_computed_tokens)
+
+    @staticmethod
+    def _add_scheduled(output: SchedulerOutput, seq: Sequence, num_tokens: int, num_computed: int) -> None:
+        output.seqs.append(seq)
+        output.num_scheduled.append(num_tokens)
+        output.num_computed.append(num_computed)
+        output.admissions.append(seq.num_admissions)
+        output.num_scheduled_tokens += num_tokens
         seq.num_computed_tokens = num_computed + num_tokens
-        seq.num_placeholder_tokens += samples
+        if num_computed + num_tokens == len(seq.token_ids) + seq.num_placeholder_tokens:
+            output.sampling_seqs.append(seq)
+            output.sampling_admissions.append(seq.num_admissions)
+            seq.num_placeholder_tokens += 1
 
     def _free(self, seq: Sequence) -> None:
         """Gives back seq's blocks; what steps in flight compute or sample for it is dropped."""
@@ -282,51 +351,52 @@ class Scheduler:
             seq.on_worker = False
 
     # -- results -----------------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Applies the result of the oldest step in flight: registers the blocks it filled,
+    def update(self, output: SchedulerOutput, token_ids: Sequence_[int]) -> list[Sequence]:
+        """Applies the result of the oldest step in flight: `token_ids` holds one token per
+        entry of output.sampling_seqs, in that order. Registers the blocks the step filled,
         appends each sampled token and checks the stop conditions, freeing finished sequences
         at once. Returns the sequences that received a token (finished ones included, with
-        finish_reason set). An output no longer in flight (applied already, or dropped by a
-        reset) is ignored."""
+        finish_reason set), in batch order. An output no longer in flight (applied already, or
+        dropped by a reset) is ignored."""
         if not any(o is output for o in self._in_flight):
             return []
         if output is not self._in_flight[0]:
             raise RuntimeError("step results must be applied in the order the steps were scheduled")
-        live = [s for s in output.scheduled
-                if s.seq.status is SequenceStatus.RUNNING and s.seq.num_admissions == s.num_admissions]
         # Check before changing anything, so a bad reply leaves every sequence as it was.
-        missing = [s.seq.seq_id for s in live if s.samples and s.seq.seq_id not in sampled]
-        if missing:
-            raise ValueError(f"the step returned no token for seq_ids {missing}")
+        if len(token_ids) != len(output.sampling_seqs):
+            raise ValueError(f"the step returned {len(token_ids)} tokens for "
+                             f"{len(output.sampling_seqs)} sampling requests")
         self._in_flight.popleft()
+        bs = self.block_manager.block_size
+        running = SequenceStatus.RUNNING
+        # Blocks first: a block the step filled is registered once its KV exists. Most entries
+        # stay inside their block and cost one comparison.
+        for seq, n, start, admission in zip(output.seqs, output.num_scheduled, output.num_computed,
+                                            output.admissions):
+            if (start + n) // bs != start // bs and seq.status is running and seq.num_admissions == admission:
+                self.block_manager.cache_computed_blocks(seq, start, start + n)
         received: list[Sequence] = []
-        for s in live:
-            seq = s.seq
-            self.block_manager.cache_computed_blocks(
-                seq, s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
-            if not s.samples:
-                continue                      # a prefill chunk: no token to sample yet
-            seq.token_ids.append(sampled[seq.seq_id])
+        finished = False
+        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
+        for seq, admission, token in zip(output.sampling_seqs, output.sampling_admissions, token_ids):
+            if seq.status is not running or seq.num_admissions != admission:
+                continue                      # finished, preempted or reset meanwhile: stale
+            tokens = seq.token_ids
+            tokens.append(token)
             seq.num_placeholder_tokens -= 1
-            reason = self._stop_reason(seq)
-            if reason is not None:
-                self._release(seq, reason)
             received.append(seq)
-        if any(seq.is_finished for seq in received):
-            self.running = [seq for seq in self.running if not seq.is_finished]
+            params = seq.sampling
+            num_output = len(tokens) - seq.num_prompt_tokens
+            if num_output >= params.min_tokens and (
+                    (token in eos and not params.ignore_eos) or token in params.stop_token_ids):
+                self._release(seq, FinishReason.STOP)      # the model stopped: wins over length
+                finished = True
+            elif num_output >= params.max_tokens or len(tokens) >= max_model_len:
+                self._release(seq, FinishReason.LENGTH)
+                finished = True
+        if finished:
+            self.running = [seq for seq in self.running if seq.status is running]
         return received
-
-    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
-        """EOS and stop tokens win over length when both apply (the model did stop)."""
-        params = seq.sampling
-        token = seq.last_token_id
-        if seq.num_output_tokens >= params.min_tokens and (
-                (token in self.eos_token_ids and not params.ignore_eos)
-                or token in params.stop_token_ids):
-            return FinishReason.STOP
-        if self._finishes_by_length(seq, 0):
-            return FinishReason.LENGTH
-        return None
 
     def _finishes_by_length(self, seq: Sequence, num_more_tokens: int) -> bool:
         """Whether seq reaches max_tokens or max_model_len once num_more_tokens are appended."""

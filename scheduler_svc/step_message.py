@@ -1,10 +1,13 @@
-"""Encodes a SchedulerOutput as the worker's StepRequest.
+"""The scheduler's side of the step wire: a SchedulerOutput becomes the worker's StepRequest, and
+a StepResponse becomes plain lists. worker_svc/step_message.py is the mirror image.
 
-The size of a step is O(batch + new blocks): a request's tokens travel only in its
-NewRequest (once per admission); a request the worker mirrors costs a few bytes per step,
-whatever its context length.
+The size of a step is O(batch + new blocks): a request's tokens travel only in its NewRequest
+(once per admission); a request the worker holds costs its seq_id in a packed column, plus an
+entry in the sparse columns when it computes more than one token or gains blocks.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from common.pb.llm.worker.v1 import worker_pb2
 from scheduler_svc.scheduler import SchedulerOutput
@@ -13,8 +16,8 @@ from scheduler_svc.scheduler import SchedulerOutput
 def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.StepRequest:
     return worker_pb2.StepRequest(
         step_id=step_id,
-        # The worker drops these mirrors before running the step, so a request preempted
-        # earlier and re-admitted now (as a NewRequest) starts from a clean mirror.
+        # The worker drops these before running the step, so a request preempted earlier and
+        # re-admitted now (as a NewRequest) starts from a clean row.
         finished_seq_ids=output.finished_seq_ids + output.preempted_seq_ids,
         new_requests=[
             worker_pb2.NewRequest(
@@ -28,12 +31,27 @@ def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.Step
             )
             for r in output.new_requests
         ],
-        cached_requests=[
-            worker_pb2.CachedRequest(
-                seq_id=r.seq_id,
-                num_scheduled_tokens=r.num_scheduled_tokens,
-                new_block_ids=r.new_block_ids,
-            )
-            for r in output.cached_requests
-        ],
+        cached=worker_pb2.CachedRequests(
+            seq_ids=output.cached_seq_ids,
+            multi_token_indices=output.multi_token_indices,
+            multi_token_counts=output.multi_token_counts,
+            new_block_indices=output.new_block_indices,
+            new_block_counts=output.new_block_counts,
+            new_block_ids=output.new_block_ids,
+        ),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """A worker's answer to one step: a token (and, when asked, a logprob) per sampling
+    sequence of the step, in its order."""
+    token_ids: list[int]
+    logprobs: list[float] | None     # None when no request of the step asked
+    forward_ms: float                # the worker's host time launching the forward
+    device_ms: float                 # the step's device time (0 on the CPU)
+
+
+def parse_step_response(response: worker_pb2.StepResponse) -> StepResult:
+    t = response.timings
+    return StepResult(list(response.token_ids), list(response.logprobs) or None, t.forward_ms, t.device_ms)

@@ -24,10 +24,16 @@ class Tokenizer:
         self._backend.no_truncation()
         self._backend.no_padding()
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def backend(self):
+        """The Rust `tokenizers.Tokenizer` (what DecodeStream steps with)."""
+        return self._backend
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of raw text: only what the tokenizer's own post-processor adds (none for Qwen3),
-        no chat template."""
-        return self._backend.encode(text, add_special_tokens=True).ids
+        no chat template. A rendered chat template passes add_special_tokens=False: it already
+        holds every special token the model expects."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `token_ids`; ids the vocabulary lacks (the model's padded rows) decode to nothing."""

@@ -130,14 +130,14 @@ def _stop_strings(stops: Sequence[str], limits: Limits) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> frozenset[int]:
     bad = _first_out_of_vocab(ids, vocab_size)
     if bad is not None:
         raise InvalidRequest(
             "sampling.stop_token_ids",
             f"sampling.stop_token_ids[{bad}] = {ids[bad]} is out of range: vocab_size is {vocab_size}",
         )
-    return tuple(ids)
+    return frozenset(ids)
 
 
 def _prompt_token_ids(

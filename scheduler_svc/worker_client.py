@@ -1,4 +1,4 @@
-"""How the scheduler reaches its workers: over gRPC, or in-process for the offline engine.
+"""How the scheduler reaches its workers: over gRPC (tools/offline.py has an in-process client).
 
 A worker group is one tensor-parallel set of ranks; every step goes to every rank and rank 0's
 sampled tokens are the answer (the ranks keep their mirrors in step among themselves).
@@ -6,7 +6,6 @@ sampled tokens are the answer (the ranks keep their mirrors in step among themse
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from typing import Protocol, Sequence
 
 import grpc
@@ -69,31 +68,6 @@ class GrpcWorkerClient:
 
     async def close(self) -> None:
         await self._channel.close()
-
-
-class LocalWorkerClient:
-    """A ModelRunner in this process. Steps run on one thread of their own, so the event loop
-    keeps streaming meanwhile and pipelined steps still run one at a time, in the order sent."""
-
-    def __init__(self, runner) -> None:
-        self.address = "local"
-        self._runner = runner
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
-
-    async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
-        return self._runner.describe()
-
-    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, self._runner.step, request)
-        except ValueError as e:
-            raise WorkerError(f"local worker refused the step: {e}") from e
-
-    async def reset(self, timeout: float) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._runner.reset)
-
-    async def close(self) -> None:
-        self._thread.shutdown(wait=True)
 
 
 class WorkerGroupClient:

@@ -40,20 +40,27 @@ class FakeWorker:
         for p in range(mirror.num_computed_tokens):
             assert self.slot(mirror.block_ids, p) == tuple(mirror.token_ids[:p + 1]), p
 
-    def step(self, request: worker_pb2.StepRequest, sample: Callable[[list[int]], int]) -> dict[int, int]:
-        """Runs a step as the real worker does; sample(tokens) picks the next token."""
+    def step(self, request: worker_pb2.StepRequest, sample: Callable[[list[int]], int]) -> list[int]:
+        """Runs a step as the real worker does; sample(tokens) picks the next token. Returns one
+        token per request that samples, in batch order (cached requests, then new ones)."""
         for seq_id in request.finished_seq_ids:
             del self.mirrors[seq_id]
+        cached = request.cached
+        counts = dict(zip(cached.multi_token_indices, cached.multi_token_counts))
+        new_blocks, offset = {}, 0
+        for index, count in zip(cached.new_block_indices, cached.new_block_counts):
+            new_blocks[index] = list(cached.new_block_ids[offset:offset + count])
+            offset += count
         scheduled = []
+        for i, seq_id in enumerate(cached.seq_ids):
+            self.mirrors[seq_id].block_ids.extend(new_blocks.get(i, []))
+            scheduled.append((seq_id, counts.get(i, 1)))
         for new in request.new_requests:
             assert new.seq_id not in self.mirrors
             mirror = Mirror(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
             self.assert_kv(mirror)                       # the prefix-cache hit it relies on
             self.mirrors[new.seq_id] = mirror
             scheduled.append((new.seq_id, new.num_scheduled_tokens))
-        for cached in request.cached_requests:
-            self.mirrors[cached.seq_id].block_ids.extend(cached.new_block_ids)
-            scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
         for seq_id, n in scheduled:                      # write every slot, then read
             mirror = self.mirrors[seq_id]
             start = mirror.num_computed_tokens
@@ -63,13 +70,13 @@ class FakeWorker:
                 self.kv[mirror.block_ids[p // self.block_size]][p % self.block_size] = \
                     tuple(mirror.token_ids[:p + 1])
             mirror.num_computed_tokens += n
-        sampled = {}
+        sampled = []
         for seq_id, _ in scheduled:
             mirror = self.mirrors[seq_id]
             self.assert_kv(mirror)
             if mirror.num_computed_tokens == len(mirror.token_ids):
-                sampled[seq_id] = sample(mirror.token_ids)
-                mirror.token_ids.append(sampled[seq_id])
+                sampled.append(sample(mirror.token_ids))
+                mirror.token_ids.append(sampled[-1])
         return sampled
 
     def reset(self) -> None:

@@ -1,15 +1,23 @@
 """The engine's step loop with a step in flight: it sends step N+1 before step N's reply is back
 and gives every request the tokens, text and finish reason of the synchronous loop, through
-preemptions, stop strings and a worker that dies with a step in flight."""
+preemptions, stop strings and a worker that dies with a step in flight. The engine core and a
+frontend in one process, as with --frontends 0."""
 from __future__ import annotations
 
 import asyncio
 import random
 
-from common.pb.llm.v1 import generation_pb2
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models
+from transformers import PreTrainedTokenizerFast
+
 from common.pb.llm.worker.v1 import worker_pb2
-from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.core import EngineConfig, EngineCore
+from scheduler_svc.core_client import LocalCoreClient
+from scheduler_svc.frontend import Frontend
 from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerError, WorkerGroupClient
 from tests.fake_worker import FakeWorker, prefix_token
 
@@ -18,11 +26,11 @@ VOCAB_SIZE = 6
 NUM_BLOCKS, BLOCK_SIZE = 12, 2
 
 
-class LetterTokenizer:
+def letter_tokenizer() -> Tokenizer:
     """Token i reads as the i-th letter, so stop strings can match across tokens."""
-
-    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(ord("a") + t) for t in token_ids)
+    rust = RustTokenizer(models.WordLevel({chr(ord("a") + i): i for i in range(VOCAB_SIZE)}, unk_token="a"))
+    rust.decoder = decoders.Fuse()
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust))
 
 
 class FakeWorkerClient:
@@ -60,8 +68,7 @@ class FakeWorkerClient:
                 if self.dead:
                     raise WorkerError(f"worker died before step {request.step_id}")
                 sampled = self.worker.step(request, lambda tokens: prefix_token(tokens, VOCAB_SIZE))
-            return worker_pb2.StepResponse(step_id=request.step_id, sampled=[
-                worker_pb2.SampledToken(seq_id=seq_id, token_id=token) for seq_id, token in sampled.items()])
+            return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled)
         finally:
             self.num_in_flight -= 1
 
@@ -86,11 +93,13 @@ def random_requests(seed: int, num: int) -> list[tuple[list[int], SamplingParams
 
 async def generate(requests, client: FakeWorkerClient, async_scheduling: bool):
     """Every request's (token ids, text, finish reason), all submitted at once."""
-    engine = Engine([WorkerGroupClient([client])], tokenizer=LetterTokenizer(), eos_token_ids=[EOS],
-                    vocab_size=VOCAB_SIZE,
-                    config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, reconnect_interval_s=0.001,
-                                        async_scheduling=async_scheduling))
-    await engine.start()
+    core = EngineCore([WorkerGroupClient([client])], eos_token_ids=[EOS],
+                      config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, reconnect_interval_s=0.001,
+                                          async_scheduling=async_scheduling))
+    frontend = Frontend(LocalCoreClient(core), letter_tokenizer())
+    events = asyncio.create_task(frontend.run())
+    await core.start()
+    assert await core.wait_ready(timeout_s=10)
 
     async def collect(stream):
         tokens, text = [], ""
@@ -100,10 +109,11 @@ async def generate(requests, client: FakeWorkerClient, async_scheduling: bool):
         return tokens, text, out.finish_reason
 
     try:
-        streams = [engine.add_request(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(requests)]
+        streams = [await frontend.submit(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(requests)]
         return await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), timeout=60)
     finally:
-        await engine.shutdown(grace_s=0)
+        await core.shutdown(grace_s=0)
+        events.cancel()
 
 
 def test_a_step_in_flight_gives_the_synchronous_outputs():
@@ -113,7 +123,7 @@ def test_a_step_in_flight_gives_the_synchronous_outputs():
     assert asyncio.run(generate(requests, async_client, async_scheduling=True)) == expected
     assert (sync_client.max_in_flight, async_client.max_in_flight) == (1, 2)
     reasons = {reason for _, _, reason in expected}
-    assert {generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH} <= reasons
+    assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
 
 
 def test_a_worker_that_dies_with_a_step_in_flight_is_reset_and_the_outputs_hold():

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from scheduler_svc.offline import LLM
+from tools.offline import LLM
 from scheduler_svc.sampling_params import SamplingParams
 from tests.client import generate, generate_many, model_info
 

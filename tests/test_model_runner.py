@@ -10,6 +10,7 @@ from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.hf_reference import hf_greedy, hf_model
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
+from worker_svc.step_message import parse_step_request
 
 BLOCK_SIZE = 16
 GREEDY = pb.SamplingOptions(temperature=0.0)
@@ -42,18 +43,23 @@ class Driver:
                              num_computed_tokens=self.computed[seq_id], num_scheduled_tokens=num_scheduled,
                              block_ids=self.blocks[seq_id], sampling=sampling)
 
-    def cached(self, seq_id: int, num_scheduled: int = 1) -> pb.CachedRequest:
-        fresh = self._grow(seq_id, self.computed[seq_id] + num_scheduled)
-        return pb.CachedRequest(seq_id=seq_id, num_scheduled_tokens=num_scheduled, new_block_ids=fresh)
+    def cached(self, seq_id: int, num_scheduled: int = 1) -> tuple[int, int, list[int]]:
+        return seq_id, num_scheduled, self._grow(seq_id, self.computed[seq_id] + num_scheduled)
 
     def step(self, new=(), cached=(), finished=()) -> dict[int, int]:
         self.step_id += 1
-        response = self.runner.step(pb.StepRequest(step_id=self.step_id, new_requests=new,
-                                                   cached_requests=cached, finished_seq_ids=finished))
-        assert response.step_id == self.step_id
-        for request in [*new, *cached]:
-            self.computed[request.seq_id] += request.num_scheduled_tokens
-        sampled = {s.seq_id: s.token_id for s in response.sampled}
+        output = self.runner.step(parse_step_request(step_request(self.step_id, new, cached, finished)))
+        assert output.step_id == self.step_id
+        order = [seq_id for seq_id, _, _ in cached] + [r.seq_id for r in new]
+        counts = [n for _, n, _ in cached] + [r.num_scheduled_tokens for r in new]
+        sampling = []
+        for seq_id, n in zip(order, counts):
+            self.computed[seq_id] += n
+            if self.computed[seq_id] == len(self.tokens[seq_id]):
+                sampling.append(seq_id)
+        assert len(output.token_ids) == len(sampling)
+        self.logprobs = dict(zip(sampling, output.logprobs or []))
+        sampled = dict(zip(sampling, output.token_ids))
         for seq_id, token in sampled.items():
             self.tokens[seq_id].append(token)
         return sampled
@@ -61,6 +67,20 @@ class Driver:
     def forget(self, seq_id: int) -> None:
         self.free_blocks += self.blocks.pop(seq_id)
         del self.tokens[seq_id], self.computed[seq_id]
+
+
+def step_request(step_id: int, new=(), cached=(), finished=()) -> pb.StepRequest:
+    """A StepRequest with cached requests given as (seq_id, num_scheduled, new_block_ids)."""
+    columns = pb.CachedRequests(seq_ids=[seq_id for seq_id, _, _ in cached])
+    for i, (_, n, blocks) in enumerate(cached):
+        if n != 1:
+            columns.multi_token_indices.append(i)
+            columns.multi_token_counts.append(n)
+        if blocks:
+            columns.new_block_indices.append(i)
+            columns.new_block_counts.append(len(blocks))
+            columns.new_block_ids.extend(blocks)
+    return pb.StepRequest(step_id=step_id, new_requests=new, cached=columns, finished_seq_ids=finished)
 
 
 def make_runner(model_dir, **overrides) -> ModelRunner:
@@ -125,7 +145,7 @@ def test_seeded_sampling_survives_preemption_and_batch_changes(tiny_model_dir):
     so_far = d.tokens[7]
     d.forget(7)
     d.step(cached=[d.cached(8)], finished=[7])
-    assert 7 not in d.runner.mirror
+    assert 7 not in d.runner.batch
     d.step(new=[d.new(7, so_far, 16, options, num_prompt=21)], cached=[d.cached(8)])
     d.step(cached=[d.cached(7, len(so_far) - 16), d.cached(8)])
     while len(d.tokens[7]) < 31:
@@ -138,13 +158,12 @@ def test_logprobs_are_returned_when_asked(tiny_model_dir):
     d = Driver(runner)
     p = prompt(8, 12)
     d.step(new=[d.new(1, p, 12, pb.SamplingOptions(temperature=0.0, logprobs=True))])
-    response = runner.step(pb.StepRequest(step_id=99, cached_requests=[d.cached(1)]))
+    output = runner.step(parse_step_request(step_request(99, cached=[d.cached(1)])))
     with torch.inference_mode():
         logits = hf_model(tiny_model_dir)(torch.tensor([d.tokens[1]])).logits[0, -1]
-    [s] = response.sampled
-    assert s.token_id == int(logits.argmax())
-    assert s.logprob == pytest.approx(float(logits.log_softmax(-1).max()), abs=1e-4)
-    assert response.timings.total_ms >= response.timings.forward_ms > 0
+    assert output.token_ids == [int(logits.argmax())]
+    assert output.logprobs == pytest.approx([float(logits.log_softmax(-1).max())], abs=1e-4)
+    assert output.total_ms >= output.forward_ms > 0
 
 
 def test_bad_steps_are_refused_and_change_nothing(tiny_model_dir):
@@ -152,28 +171,58 @@ def test_bad_steps_are_refused_and_change_nothing(tiny_model_dir):
     d = Driver(runner)
     p = prompt(9, 10)
     d.step(new=[d.new(1, p, 10)])
-    before = (list(runner.mirror[1].token_ids), runner.mirror[1].num_computed_tokens, runner.mirror[1].num_blocks)
+    d.step(cached=[d.cached(1)])           # one sampled token, known only on the device
+    row = runner.batch.row_of[1]
 
-    def refused(error, match, **step):
+    def state():
+        b = runner.batch
+        return (b.num_tokens[row], b.num_host_tokens[row], b.num_computed[row], b.num_blocks[row],
+                list(b.block_tables[row]), len(b))
+
+    before = state()
+
+    def refused(error, match, new=(), cached=(), finished=()):
         with pytest.raises(error, match=match):
-            runner.step(pb.StepRequest(step_id=50, **step))
+            runner.step(parse_step_request(step_request(50, new, cached, finished)))
 
     fresh = pb.NewRequest(seq_id=2, token_ids=[5, 6, 7], num_prompt_tokens=3, num_scheduled_tokens=3,
                           block_ids=[60], sampling=GREEDY)
-    refused(StaleMirrorError, "not running", new_requests=[fresh], cached_requests=[pb.CachedRequest(seq_id=42, num_scheduled_tokens=1)])
-    refused(StaleMirrorError, "already running", new_requests=[pb.NewRequest(seq_id=1, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[61])])
-    refused(InvalidStepError, "past the known tokens", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=2)])
-    refused(InvalidStepError, "out of range", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1, new_block_ids=[64])])
-    refused(InvalidStepError, "cannot hold", new_requests=[pb.NewRequest(seq_id=3, token_ids=list(range(20)), num_prompt_tokens=20, num_scheduled_tokens=20, block_ids=[62])])
-    refused(InvalidStepError, "vocab_size", new_requests=[pb.NewRequest(seq_id=3, token_ids=[512], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62])])
-    refused(InvalidStepError, "top_p", new_requests=[pb.NewRequest(seq_id=3, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62], sampling=pb.SamplingOptions(top_p=2))])
-    refused(InvalidStepError, "listed twice", cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1)] * 2)
-    refused(InvalidStepError, "num_scheduled_tokens is 0", cached_requests=[pb.CachedRequest(seq_id=1)])
-    assert 2 not in runner.mirror and 3 not in runner.mirror
-    after = (list(runner.mirror[1].token_ids), runner.mirror[1].num_computed_tokens, runner.mirror[1].num_blocks)
-    assert after == before
+    refused(StaleMirrorError, "not running", new=[fresh], cached=[(42, 1, [])])
+    refused(StaleMirrorError, "already running", new=[pb.NewRequest(seq_id=1, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[61])])
+    refused(StaleMirrorError, "finished in the same step", cached=[(1, 1, [])], finished=[1])
+    refused(InvalidStepError, "past the known tokens", cached=[(1, 2, [])])
+    refused(InvalidStepError, "out of range", cached=[(1, 1, [64])])
+    refused(InvalidStepError, "cannot hold", new=[pb.NewRequest(seq_id=3, token_ids=list(range(20)), num_prompt_tokens=20, num_scheduled_tokens=20, block_ids=[62])])
+    refused(InvalidStepError, "vocab_size", new=[pb.NewRequest(seq_id=3, token_ids=[512], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62])])
+    refused(InvalidStepError, "top_p", new=[pb.NewRequest(seq_id=3, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62], sampling=pb.SamplingOptions(top_p=2))])
+    refused(InvalidStepError, "listed twice", cached=[(1, 1, [])] * 2)
+    refused(InvalidStepError, "num_scheduled_tokens is 0", new=[pb.NewRequest(seq_id=3, token_ids=[5], num_prompt_tokens=1, block_ids=[62])])
+    with pytest.raises(InvalidStepError, match="at least 2"):
+        parse_step_request(pb.StepRequest(step_id=51, cached=pb.CachedRequests(
+            seq_ids=[1], multi_token_indices=[0], multi_token_counts=[1])))
+    with pytest.raises(InvalidStepError, match="ascend"):
+        parse_step_request(pb.StepRequest(step_id=51, cached=pb.CachedRequests(
+            seq_ids=[1], new_block_indices=[3], new_block_counts=[1], new_block_ids=[5])))
+    with pytest.raises(InvalidStepError, match="add up"):
+        parse_step_request(pb.StepRequest(step_id=51, cached=pb.CachedRequests(
+            seq_ids=[1], new_block_indices=[0], new_block_counts=[2], new_block_ids=[5])))
+    assert 2 not in runner.batch and 3 not in runner.batch
+    assert state() == before
     d.step(cached=[d.cached(1)])     # and the request carries on
-    assert d.tokens[1][10:] == hf_greedy(tiny_model_dir, p, 2)
+    assert d.tokens[1][10:] == hf_greedy(tiny_model_dir, p, 3)
+
+
+def test_only_the_newest_sampled_token_can_be_computed(tiny_model_dir):
+    """Sampled tokens live on the device, the newest per request: a step that would compute an
+    older one (which only a NewRequest with every token can supply) is refused."""
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    d.step(new=[d.new(1, prompt(12, 5), 5)])
+    d.step(cached=[d.cached(1)])
+    d.step(cached=[d.cached(1)])                     # 7 tokens known, 7 computed, 2 only on the device
+    runner.batch.num_computed[runner.batch.row_of[1]] = 5   # as if the scheduler had lost two steps
+    with pytest.raises(InvalidStepError, match="older than the newest"):
+        runner.step(parse_step_request(step_request(60, cached=[(1, 2, [])])))
 
 
 def test_describe_reset_and_cache_sizing(tiny_model_dir):
@@ -190,6 +239,6 @@ def test_describe_reset_and_cache_sizing(tiny_model_dir):
     d = Driver(runner)
     d.step(new=[d.new(1, prompt(10, 5), 5), d.new(2, prompt(11, 7), 7)])
     runner.reset()
-    assert len(runner.mirror) == 0
+    assert len(runner.batch) == 0
     with pytest.raises(StaleMirrorError):
-        runner.step(pb.StepRequest(step_id=1, cached_requests=[pb.CachedRequest(seq_id=1, num_scheduled_tokens=1)]))
+        runner.step(parse_step_request(step_request(1, cached=[(1, 1, [])])))

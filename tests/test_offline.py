@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from scheduler_svc.offline import LLM
+from tools.offline import LLM
 from scheduler_svc.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy
 

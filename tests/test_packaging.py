@@ -50,6 +50,23 @@ def test_pyproject_pins_equal_the_requirements_files():
         assert "-r requirements.txt" in (REPO / name).read_text().splitlines()
 
 
+def test_pyproject_lists_every_package_and_data_file():
+    """A new subpackage or data file left out of pyproject.toml would be missing from the wheel."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {".".join(init.parent.relative_to(REPO).parts)
+               for top in ("common", "scheduler_svc", "worker_svc", "tools") for init in (REPO / top).rglob("__init__.py")}
+    assert set(setuptools["packages"]) - {"common.protos"} == on_disk
+    patterns = {package: globs for package, globs in setuptools["package-data"].items()}
+    data = [path for top in ("common", "scheduler_svc", "worker_svc", "tools") for path in (REPO / top).rglob("*")
+            if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts]
+    for path in data:
+        package = ".".join(path.parent.relative_to(REPO).parts)
+        owner = max((p for p in patterns if package == p or package.startswith(p + ".")), key=len)
+        relative = path.relative_to(REPO.joinpath(*owner.split("."))).as_posix()
+        assert any(pathlib.PurePosixPath(relative).match(glob) or (glob.startswith("**/") and
+                   pathlib.PurePosixPath(relative).match(glob[3:])) for glob in patterns[owner]), path
+
+
 def readme_client_snippet() -> str:
     text = (REPO / "README.md").read_text()
     assert SNIPPET_MARKER in text, f"README.md lost the marker {SNIPPET_MARKER!r}"

@@ -11,6 +11,7 @@ import torch
 
 from common.pb.llm.worker.v1 import worker_pb2
 from worker_svc.layers.sampler import Sampler, SamplingOptions
+from worker_svc.step_message import sampling_options_from_proto
 
 VOCAB = 16
 
@@ -36,7 +37,7 @@ def crafted_logits(probs: list[float], rows: int) -> torch.Tensor:
 def test_greedy_is_argmax_with_raw_logprob():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
     rows = [Row(SamplingOptions(temperature=0.0, top_k=2, top_p=0.5, logprobs=True)) for _ in range(6)]
-    tokens, logprobs = sampler().sample(logits, rows)
+    tokens, logprobs = sampler().sample_rows(logits, rows)
     assert tokens == logits.argmax(-1).tolist()
     expected = logits.log_softmax(-1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
     assert logprobs == pytest.approx(expected.tolist(), abs=1e-6)
@@ -52,7 +53,7 @@ def test_greedy_is_argmax_with_raw_logprob():
 def test_truncation_never_picks_excluded_tokens(options, allowed):
     probs = [0.5, 0.3, 0.15, 0.05]
     rows = [Row(options) for _ in range(400)]
-    tokens, _ = sampler().sample(crafted_logits(probs, len(rows)), rows)
+    tokens, _ = sampler().sample_rows(crafted_logits(probs, len(rows)), rows)
     assert set(tokens) == allowed   # every allowed token turns up in 400 draws, nothing else
 
 
@@ -64,7 +65,7 @@ def test_truncation_is_per_row_within_a_batch(with_plain_row):
     if with_plain_row:
         kinds.append((SamplingOptions(top_p=0.9), {0, 1, 2}))
     rows = [Row(options) for options, _ in kinds for _ in range(300)]
-    tokens, _ = sampler().sample(crafted_logits(probs, len(rows)), rows)
+    tokens, _ = sampler().sample_rows(crafted_logits(probs, len(rows)), rows)
     for i, (_, allowed) in enumerate(kinds):
         assert set(tokens[300 * i:300 * (i + 1)]) == allowed
 
@@ -72,7 +73,7 @@ def test_truncation_is_per_row_within_a_batch(with_plain_row):
 def test_sampled_logprob_is_of_the_processed_distribution():
     rows = [Row(SamplingOptions(temperature=0.5, top_k=2, logprobs=True)) for _ in range(50)]
     probs = [0.5, 0.3, 0.15, 0.05]
-    tokens, logprobs = sampler().sample(crafted_logits(probs, len(rows)), rows)
+    tokens, logprobs = sampler().sample_rows(crafted_logits(probs, len(rows)), rows)
     tempered = torch.tensor(probs[:2]).log() / 0.5
     expected = tempered.log_softmax(-1)
     for token, logprob in zip(tokens, logprobs):
@@ -85,9 +86,9 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
     a = Row(SamplingOptions(temperature=1.0, seed=42), num_output_tokens=5)
     c = Row(SamplingOptions(temperature=0.8, top_p=0.9, seed=7), num_output_tokens=0)
     unseeded = Row(SamplingOptions(temperature=1.0))
-    first, _ = sampler(seed=1).sample(torch.stack([logits_a, torch.randn(VOCAB, generator=g), logits_c]),
+    first, _ = sampler(seed=1).sample_rows(torch.stack([logits_a, torch.randn(VOCAB, generator=g), logits_c]),
                                       [a, unseeded, c])
-    second, _ = sampler(seed=2).sample(
+    second, _ = sampler(seed=2).sample_rows(
         torch.stack([torch.randn(VOCAB, generator=g), logits_c, torch.randn(VOCAB, generator=g), logits_a]),
         [unseeded, c, Row(SamplingOptions(temperature=0.0)), a],
     )
@@ -96,7 +97,7 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
 
 def test_seeded_draws_vary_with_the_output_index():
     logits = torch.zeros(1, VOCAB)   # uniform: a repeated token would show the noise repeats
-    tokens = [sampler().sample(logits, [Row(SamplingOptions(seed=9), num_output_tokens=i)])[0][0] for i in range(64)]
+    tokens = [sampler().sample_rows(logits, [Row(SamplingOptions(seed=9), num_output_tokens=i)])[0][0] for i in range(64)]
     assert len(set(tokens)) > VOCAB // 2
 
 
@@ -116,11 +117,11 @@ def test_temperature_sampling_follows_the_softmax():
     n = 4000
     padded = torch.full((n, VOCAB), -math.inf)
     padded[:, :8] = logits
-    unseeded, _ = sampler(seed=123).sample(padded, [Row(SamplingOptions(temperature=0.7))] * n)
+    unseeded, _ = sampler(seed=123).sample_rows(padded, [Row(SamplingOptions(temperature=0.7))] * n)
     assert chi_square(unseeded, probs) < CHI2_7DF_999
     # A seeded request's draws over its output indices follow the same distribution.
     s = sampler()
-    seeded = [s.sample(padded[:1], [Row(SamplingOptions(temperature=0.7, seed=5), i)])[0][0] for i in range(1500)]
+    seeded = [s.sample_rows(padded[:1], [Row(SamplingOptions(temperature=0.7, seed=5), i)])[0][0] for i in range(1500)]
     assert chi_square(seeded, probs) < CHI2_7DF_999
 
 
@@ -147,7 +148,7 @@ def test_penalties_match_their_formulas_and_follow_sampled_tokens():
     for _ in range(4):
         logits = torch.randn(2, VOCAB, generator=g) * 3
         expected = expected_penalized(logits[0], prompt, output, 1.7, 0.4, 0.3)
-        tokens, _ = s.sample(logits, [row, plain])
+        tokens, _ = s.sample_rows(logits, [row, plain])
         assert tokens == [int(expected.argmax()), int(logits[1].argmax())]
         output.append(tokens[0])   # the sampler counted it; the next step must penalise it
         row.num_output_tokens += 1
@@ -174,10 +175,10 @@ def test_released_penalty_rows_are_reused_clean():
 
 
 def test_options_from_proto_treat_proto3_zeros_as_off_and_reject_nonsense():
-    options = SamplingOptions.from_proto(worker_pb2.SamplingOptions(temperature=0.5, seed=0))
+    options = sampling_options_from_proto(worker_pb2.SamplingOptions(temperature=0.5, seed=0))
     assert (options.top_p, options.repetition_penalty, options.seed) == (1.0, 1.0, 0)
-    assert SamplingOptions.from_proto(worker_pb2.SamplingOptions()).seed is None
+    assert sampling_options_from_proto(worker_pb2.SamplingOptions()).seed is None
     with pytest.raises(ValueError, match="top_p"):
-        SamplingOptions.from_proto(worker_pb2.SamplingOptions(top_p=1.5))
+        sampling_options_from_proto(worker_pb2.SamplingOptions(top_p=1.5))
     with pytest.raises(ValueError, match="temperature"):
-        SamplingOptions.from_proto(worker_pb2.SamplingOptions(temperature=-1))
+        sampling_options_from_proto(worker_pb2.SamplingOptions(temperature=-1))

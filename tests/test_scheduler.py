@@ -37,10 +37,14 @@ def step(sched: Scheduler, token: int | Callable[[Sequence], int] = 7) -> tuple[
     return output, sched.update(output, sample(output, token))
 
 
-def sample(output: SchedulerOutput, token: int | Callable[[Sequence], int] = 7) -> dict[int, int]:
+def sample(output: SchedulerOutput, token: int | Callable[[Sequence], int] = 7) -> list[int]:
     """What a worker returns for the step: `token` for every request whose step samples."""
-    return {s.seq.seq_id: token(s.seq) if callable(token) else token
-            for s in output.scheduled if s.samples}
+    return [token(seq) if callable(token) else token for seq in output.sampling_seqs]
+
+
+def by_seq(output: SchedulerOutput, tokens: dict[int, int]) -> list[int]:
+    """A reply built from {seq_id: token}, in the order the worker answers."""
+    return [tokens[seq.seq_id] for seq in output.sampling_seqs]
 
 
 def scheduled_tokens(output: SchedulerOutput) -> dict[int, int]:
@@ -266,12 +270,12 @@ def test_update_skips_stale_results_and_rejects_missing_tokens():
     a, b = add(sched, [1, 2]), add(sched, [3, 4])
     out = sched.schedule()
     with pytest.raises(ValueError):
-        sched.update(out, {a.seq_id: 7})                 # b's token is missing
+        sched.update(out, [7])                           # b's token is missing
     assert a.num_tokens == 2 and a.num_placeholder_tokens == 1
     sched.abort(b.seq_id)                                # aborted while the step ran
-    assert sched.update(out, {a.seq_id: 7, b.seq_id: 7}) == [a]
+    assert sched.update(out, by_seq(out, {a.seq_id: 7, b.seq_id: 7})) == [a]
     assert b.num_tokens == 2
-    assert sched.update(out, {a.seq_id: 7}) == []        # the same output twice: ignored
+    assert sched.update(out, [7, 7]) == []               # the same output twice: ignored
     assert a.num_tokens == 3
 
 
@@ -302,15 +306,15 @@ def test_the_next_step_names_the_decode_of_a_token_still_in_flight():
     assert seq.token_ids == [1, 2, 3] and seq.num_placeholder_tokens == 3
     assert seq.num_computed_tokens == 5
     with pytest.raises(RuntimeError):
-        sched.update(second, {seq.seq_id: 8})            # results come back in step order
-    assert sched.update(first, {seq.seq_id: 7}) == [seq]
+        sched.update(second, by_seq(second, {seq.seq_id: 8}))            # results come back in step order
+    assert sched.update(first, by_seq(first, {seq.seq_id: 7})) == [seq]
     assert not sched.block_manager.hash_to_block_id      # positions 0..2 computed: no full block
-    assert sched.update(second, {seq.seq_id: 8}) == [seq]
+    assert sched.update(second, by_seq(second, {seq.seq_id: 8})) == [seq]
     assert sched.block_manager.hash_to_block_id == {
         sched.block_manager.blocks[seq.block_table[0]].hash: seq.block_table[0]}
-    assert sched.update(third, {seq.seq_id: 9}) == [seq]
+    assert sched.update(third, by_seq(third, {seq.seq_id: 9})) == [seq]
     assert seq.token_ids == [1, 2, 3, 7, 8, 9] and seq.num_placeholder_tokens == 0
-    assert seq.num_computed_tokens == 5 and sched.update(third, {seq.seq_id: 9}) == []  # applied
+    assert seq.num_computed_tokens == 5 and sched.update(third, by_seq(third, {seq.seq_id: 9})) == []  # applied
 
 
 def test_a_request_that_stops_with_its_next_step_in_flight_loses_that_token():
@@ -320,13 +324,13 @@ def test_a_request_that_stops_with_its_next_step_in_flight_loses_that_token():
     in_flight = sched.schedule()
     ahead = sched.schedule()
     assert set(scheduled_tokens(ahead)) == {eos.seq_id, stop_string.seq_id, aborted.seq_id, other.seq_id}
-    assert sched.update(in_flight, {s.seq.seq_id: 5 for s in in_flight.scheduled} | {eos.seq_id: EOS}) == \
+    assert sched.update(in_flight, by_seq(in_flight, {s.seq_id: 5 for s in in_flight.sampling_seqs} | {eos.seq_id: EOS})) == \
         [eos, stop_string, aborted, other]
     assert eos.finish_reason is FinishReason.STOP and eos.token_ids == [1, 1, 7, EOS]
     sched.finish(stop_string.seq_id)                     # the detokenizer found a stop string
     sched.abort(aborted.seq_id)
     assert sched.block_manager.num_used_blocks == 1      # only other's block is left
-    assert sched.update(ahead, {s.seq.seq_id: 6 for s in ahead.scheduled}) == [other]
+    assert sched.update(ahead, by_seq(ahead, {s.seq_id: 6 for s in ahead.sampling_seqs})) == [other]
     assert eos.token_ids == [1, 1, 7, EOS] and stop_string.token_ids == [2, 2, 7, 5]
     out, _ = step(sched)
     assert out.finished_seq_ids == [eos.seq_id, stop_string.seq_id, aborted.seq_id]
@@ -360,9 +364,9 @@ def test_preempted_with_its_step_in_flight_the_token_is_sampled_again():
     assert (new.seq_id, new.token_ids, new.num_computed_tokens, new.num_scheduled_tokens) == \
         (b.seq_id, [5, 6, 7, 7], 0, 4)
     assert scheduled_tokens(ahead) == {a.seq_id: 1, b.seq_id: 4}
-    assert sched.update(in_flight, {a.seq_id: 10, b.seq_id: 11}) == [a]   # b's 11 is stale
+    assert sched.update(in_flight, by_seq(in_flight, {a.seq_id: 10, b.seq_id: 11})) == [a]   # b's 11 is stale
     assert b.token_ids == [5, 6, 7, 7]
-    assert sched.update(ahead, {a.seq_id: 12, b.seq_id: 11}) == [a, b]    # sampled again
+    assert sched.update(ahead, by_seq(ahead, {a.seq_id: 12, b.seq_id: 11})) == [a, b]    # sampled again
     assert a.token_ids == [1, 2, 3, 4, 7, 10, 12] and a.finish_reason is FinishReason.LENGTH
     assert b.token_ids == [5, 6, 7, 7, 11] and b.num_placeholder_tokens == 0
 
@@ -374,12 +378,12 @@ def test_reset_drops_the_steps_in_flight():
     ahead = sched.schedule()
     sched.reset_all_worker_state()
     assert seq.num_placeholder_tokens == 0
-    assert sched.update(first, {seq.seq_id: 7}) == [] and sched.update(ahead, {seq.seq_id: 8}) == []
+    assert sched.update(first, by_seq(first, {seq.seq_id: 7})) == [] and sched.update(ahead, by_seq(ahead, {seq.seq_id: 8})) == []
     assert seq.token_ids == [1, 2, 3]
     again = sched.schedule()
     (new,) = again.new_requests
     assert (new.token_ids, new.num_computed_tokens, new.num_scheduled_tokens) == ([1, 2, 3], 0, 3)
-    assert sched.update(again, {seq.seq_id: 7}) == [seq] and seq.token_ids == [1, 2, 3, 7]
+    assert sched.update(again, by_seq(again, {seq.seq_id: 7})) == [seq] and seq.token_ids == [1, 2, 3, 7]
 
 
 def test_hand_over_to_another_group_keeps_tokens_and_resends_in_full():

@@ -39,7 +39,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched = Scheduler(config, self.bm, eos_token_ids=[EOS])
         self.worker = FakeWorker(num_blocks, block_size)
         # Steps the worker has run (it runs each when it is sent) whose results are not applied.
-        self.in_flight: list[tuple[SchedulerOutput, dict[int, int]]] = []
+        self.in_flight: list[tuple[SchedulerOutput, list[int]]] = []
         self.running_since_sent: set[int] = set()
         self.seqs: list[Sequence] = []
         self.prefix_by_hash: dict[int, tuple[int, ...]] = {}
@@ -91,11 +91,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         output, sampled = self.in_flight.pop(0)
         lengths = {s.seq_id: s.num_tokens for s in self.seqs}
         received = self.sched.update(output, sampled)
+        by_seq = {seq.seq_id: token for seq, token in zip(output.sampling_seqs, sampled)}
         for seq in self.seqs:
             got = seq in received
             assert seq.num_tokens == lengths[seq.seq_id] + got
             if got:
-                assert seq.token_ids[-1] == sampled[seq.seq_id]
+                assert seq.token_ids[-1] == by_seq[seq.seq_id]
         for seq in received:
             self.record_prefixes(seq)
 
@@ -197,7 +198,7 @@ def run_to_completion(requests, arrivals, num_blocks: int, block_size: int, budg
     sched = Scheduler(config, BlockManager(num_blocks, block_size), eos_token_ids=[EOS])
     worker = FakeWorker(num_blocks, block_size)
     seqs = [Sequence(i, f"r{i}", prompt, params) for i, (prompt, params, _) in enumerate(requests)]
-    in_flight: list[tuple[SchedulerOutput, dict[int, int]]] = []
+    in_flight: list[tuple[SchedulerOutput, list[int]]] = []
     for step_index in range(10_000):
         for seq, arrival in zip(seqs, arrivals):
             if arrival == step_index:

@@ -21,7 +21,7 @@ def run_step(sched: Scheduler, step_id: int = 1) -> worker_pb2.StepRequest:
     """Schedules and encodes one step, then applies a sampled token where one is due."""
     output = sched.schedule()
     request = build_step_request(step_id, output)
-    sched.update(output, {s.seq.seq_id: random.randrange(150_000) for s in output.scheduled if s.samples})
+    sched.update(output, [random.randrange(150_000) for _ in output.sampling_seqs])
     return request
 
 
@@ -34,9 +34,9 @@ def decode_step_size(context: int) -> int:
     while seq.num_output_tokens == 0:
         run_step(sched)                                  # chunked prefill
     request = run_step(sched, step_id=99)
-    (cached,) = request.cached_requests
-    assert not request.new_requests and list(cached.new_block_ids) == []
-    assert cached.num_scheduled_tokens == 1
+    cached = request.cached
+    assert not request.new_requests and list(cached.seq_ids) == [1]
+    assert not cached.multi_token_indices and not cached.new_block_indices
     return request.ByteSize()
 
 
@@ -52,7 +52,7 @@ def test_new_request_is_sent_once_and_again_after_preemption():
     sched.add(a)
     sched.add(b)
     first = run_step(sched)
-    assert [r.seq_id for r in first.new_requests] == [1, 2] and not first.cached_requests
+    assert [r.seq_id for r in first.new_requests] == [1, 2] and not first.cached.seq_ids
     new_a = first.new_requests[0]
     assert list(new_a.token_ids) == [1, 2, 3, 4] and new_a.num_prompt_tokens == 4
     assert (new_a.num_computed_tokens, new_a.num_scheduled_tokens) == (0, 4)
@@ -60,11 +60,13 @@ def test_new_request_is_sent_once_and_again_after_preemption():
     assert new_a.sampling == params.to_worker_options() and new_a.sampling.seed == 1234
     for _ in range(4):                                   # positions 4..7: the cache fills up
         request = run_step(sched)
-        assert not request.new_requests and len(request.cached_requests) == 2
+        assert not request.new_requests and list(request.cached.seq_ids) == [1, 2]
     preempting = run_step(sched)                         # a needs a third block: b goes
     assert list(preempting.finished_seq_ids) == [2]
-    assert [r.seq_id for r in preempting.cached_requests] == [1]
-    assert list(preempting.cached_requests[0].new_block_ids) == a.block_table[2:]
+    assert list(preempting.cached.seq_ids) == [1]
+    assert list(preempting.cached.new_block_indices) == [0]
+    assert list(preempting.cached.new_block_counts) == [len(a.block_table) - 2]
+    assert list(preempting.cached.new_block_ids) == a.block_table[2:]
     while sched.num_waiting:                             # a finishes, then b is re-admitted
         request = run_step(sched)
     assert list(request.finished_seq_ids) == [1]

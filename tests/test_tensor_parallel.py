@@ -1,7 +1,7 @@
 """The parallel layers split across two gloo ranks on the CPU, joined through the worker's own
 rendezvous: greedy generation through ModelRunner equals transformers' (so sharded loading, the
-all-reduces and the LM head's gather agree with one unsplit model); rank 0 alone reports tokens
-and the other rank's mirror follows it, sampled and penalised requests included. Flags and
+all-reduces and the LM head's gather agree with one unsplit model); rank 0 alone samples
+and the other rank's batch follows it, sampled and penalised requests included. Flags and
 settings that cannot form a working group are refused; steps enter the runner in step_id order,
 whatever order their calls arrive in."""
 from __future__ import annotations
@@ -50,8 +50,8 @@ def _rank_main(rank: int, port: int, model_dir: str, results) -> None:
         step(cached=[d.cached(1, 8), d.cached(2), d.cached(3)])     # 1: the rest of its prompt
         for _ in range(NUM_NEW - 1):
             step(cached=[d.cached(s) for s in PROMPTS])
-        mirrored = {s: runner.mirror[s].token_ids[len(p):] for s, p in PROMPTS.items()}
-        results.put((rank, reported, mirrored))
+        newest = {s: int(runner.last_sampled[runner.batch.row_of[s]]) for s in PROMPTS}
+        results.put((rank, reported, newest))
     finally:
         parallel_state.destroy_tensor_parallel()
 
@@ -59,13 +59,14 @@ def _rank_main(rank: int, port: int, model_dir: str, results) -> None:
 def test_two_ranks_generate_like_one_model(tiny_model_dir):
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank_main, args=(free_port(), str(tiny_model_dir), queue), nprocs=WORLD_SIZE)
-    results = {rank: (reported, mirrored) for rank, reported, mirrored in (queue.get() for _ in range(WORLD_SIZE))}
-    (reported, mirror0), (silent, mirror1) = results[0], results[1]
+    results = {rank: (reported, newest) for rank, reported, newest in (queue.get() for _ in range(WORLD_SIZE))}
+    (reported, newest0), (other, newest1) = results[0], results[1]
     greedy = {s: hf_greedy(tiny_model_dir, PROMPTS[s], len(reported[s])) for s in (1, 2)}
     assert {s: reported[s] for s in greedy} == greedy and len(reported[1]) == NUM_NEW
     assert len(reported[3]) == NUM_NEW + 1
-    assert silent == {s: [] for s in PROMPTS}           # rank 1 reports nothing ...
-    assert mirror1 == mirror0 == reported                # ... but holds exactly rank 0's tokens
+    # Rank 1 samples nothing itself: it takes rank 0's tokens, and feeds its next decodes from them.
+    assert other == reported
+    assert newest1 == newest0 == {s: tokens[-1] for s, tokens in reported.items()}
 
 
 def test_flags_that_cannot_form_a_group_are_refused():

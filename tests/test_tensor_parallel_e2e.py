@@ -15,7 +15,7 @@ from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.client import generate_many, model_info
 from tests.hf_reference import hf_greedy
 from tests.test_metrics_e2e import _scrape as scrape_metrics
-from scheduler_svc.offline import LLM
+from tools.offline import LLM
 from scheduler_svc.sampling_params import SamplingParams
 from tests.procs import free_port, tensor_parallel_args, worker_proc
 

@@ -44,7 +44,7 @@ def test_every_field_is_carried_over():
     assert ids == list("héllo".encode())
     assert params == SamplingParams(
         temperature=0.5, top_p=0.25, top_k=40, min_p=0.125, seed=2**64 - 1, max_tokens=10, min_tokens=2,
-        ignore_eos=True, stop=("\n\n", "END"), stop_token_ids=(0, 511), repetition_penalty=1.25,
+        ignore_eos=True, stop=("\n\n", "END"), stop_token_ids=frozenset({0, 511}), repetition_penalty=1.25,
         presence_penalty=-2.0, frequency_penalty=2.0, logprobs=True, skip_special_tokens=True,
     )
 

@@ -52,13 +52,16 @@ def test_describe_and_greedy_steps(stub, tiny_model_dir):
     first = stub.Step(pb.StepRequest(step_id=1, new_requests=[pb.NewRequest(
         seq_id=11, token_ids=prompt, num_prompt_tokens=len(prompt), num_scheduled_tokens=len(prompt),
         block_ids=[4], sampling=pb.SamplingOptions(temperature=0.0))]), timeout=30)
-    tokens = [first.sampled[0].token_id]
+    tokens = list(first.token_ids)
     for step_id in range(2, 6):   # decodes; the 17th token needs a second block
-        new_blocks = [9] if len(prompt) + len(tokens) == 17 else []
-        reply = stub.Step(pb.StepRequest(step_id=step_id, cached_requests=[
-            pb.CachedRequest(seq_id=11, num_scheduled_tokens=1, new_block_ids=new_blocks)]), timeout=30)
+        cached = pb.CachedRequests(seq_ids=[11])
+        if len(prompt) + len(tokens) == 17:
+            cached.new_block_indices.append(0)
+            cached.new_block_counts.append(1)
+            cached.new_block_ids.append(9)
+        reply = stub.Step(pb.StepRequest(step_id=step_id, cached=cached), timeout=30)
         assert reply.step_id == step_id and reply.timings.total_ms > 0
-        tokens.append(reply.sampled[0].token_id)
+        tokens += reply.token_ids
     assert tokens == hf_greedy(tiny_model_dir, prompt, 5)
     stub.Step(pb.StepRequest(step_id=6, finished_seq_ids=[11]), timeout=5)
 
@@ -69,8 +72,7 @@ def test_bad_steps_map_to_status_codes(stub):
             seq_id=12, token_ids=[1, 2], num_prompt_tokens=2, num_scheduled_tokens=2, block_ids=[32])]), timeout=5)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in bad.value.details()
     with pytest.raises(grpc.RpcError) as stale:
-        stub.Step(pb.StepRequest(step_id=8, cached_requests=[pb.CachedRequest(seq_id=404, num_scheduled_tokens=1)]),
-                  timeout=5)
+        stub.Step(pb.StepRequest(step_id=8, cached=pb.CachedRequests(seq_ids=[404])), timeout=5)
     assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     stub.Reset(pb.ResetRequest(), timeout=5)
 

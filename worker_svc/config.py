@@ -14,12 +14,13 @@ class WorkerConfig:
     model: str                                  # Hugging Face model directory
     device: str = "cpu"
     dtype: str = "auto"                         # auto: float32 on CPU, the checkpoint's dtype on CUDA
-    block_size: int | None = None               # None: 16, or 256 for flash_attn
+    block_size: int | None = None               # None: 16
     num_kv_blocks: int | None = None            # explicit KV-cache size, overrides the two below
     kv_cache_memory_gb: float | None = None     # KV-cache size in GiB
     gpu_memory_utilization: float = 0.9         # CUDA: share of device memory the process may use
     max_model_len: int | None = None            # None: the model's max_position_embeddings
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"             # auto: the fastest on this device, measured at start-up
+    kernel_cache_dir: str | None = None         # compiled attention kernels; None: ~/.cache/qwen3-serve/kernels
     load_format: str = "auto"                   # auto/safetensors: the checkpoint; dummy: random
     enforce_eager: bool = False                 # no CUDA graphs
     seed: int = 0                               # unseeded sampling and dummy weights
@@ -37,7 +38,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: float32 on the CPU, the checkpoint's dtype on CUDA")
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (unset: 16, 256 with flash_attn)")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (unset: 16)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks; overrides the two below")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache size in GiB")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -45,7 +46,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "left after the weights and a warm-up forward")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (unset: the model's max_position_embeddings)")
     parser.add_argument("--attention-backend", default="auto", choices=list(BACKEND_NAMES),
-                        help="auto: flash_attn if it imports, else triton on CUDA, else torch")
+                        help="auto: the fastest that runs on this device for the model, measured at start-up")
+    parser.add_argument("--kernel-cache-dir", default=None, metavar="DIR",
+                        help="where compiled attention kernels (FlashAttention-4) are kept across restarts "
+                             "(unset: ~/.cache/qwen3-serve/kernels)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                         help="dummy: random weights for the config (benchmarks without a download)")
     parser.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")

@@ -1,10 +1,19 @@
-"""Runs engine steps: keeps the request mirrors, builds each step's batch, runs the model and
-samples. The scheduler decides everything; this validates what it is told and executes it."""
+"""Runs engine steps: keeps the persistent batch, builds each step's inputs, runs the model and
+samples. The scheduler decides everything; this validates what it is told and executes it.
+
+A step is launched, then awaited (`launch(step).result()`): launching validates and applies the
+step, prepares its inputs with vectorised host work and one host-to-device copy, and enqueues the
+forward and the sampling on the device; the sampled tokens are copied back behind an event.
+`result()` waits for that event. So a caller that launches step N+1 right after N (the gRPC
+server does, from another thread) prepares N+1 while the device still runs N, and N+1's decode
+inputs are N's sampled tokens, gathered on the device from the rows' newest token.
+"""
 from __future__ import annotations
 
 import contextlib
 import logging
 import pathlib
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,37 +25,128 @@ from common.model_dir import read_model_facts
 from common.pb.llm.worker.v1 import worker_pb2
 from worker_svc import kv_cache, parallel_state
 from worker_svc.config import WorkerConfig
-from worker_svc.layers.attention import AttentionMetadata, get_attention_backend
-from worker_svc.layers.sampler import Sampler, SamplingOptions
+from worker_svc.input_batch import InputBatch
+from worker_svc.layers.attention import (AttentionMetadata, AttentionShape, configure_kernel_cache,
+                                         select_attention_backend)
+from worker_svc.layers.sampler import Sampler, SamplingMetadata, SamplingOptions
 from worker_svc.loader import init_dummy_weights, load_safetensors
 from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
-from worker_svc.parallel_state import all_reduce_min, broadcast_token_ids, get_tp_rank, get_tp_size
-from worker_svc.request_state import RequestMirror, RequestState
+from worker_svc.parallel_state import all_reduce_max, all_reduce_min, broadcast_tokens, get_tp_rank, get_tp_size
+from worker_svc.step_message import InvalidStepError, NewRequest, StaleMirrorError, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
-
-class InvalidStepError(ValueError):
-    """The step contradicts itself or the worker's limits; nothing was changed."""
-
-
-class StaleMirrorError(InvalidStepError):
-    """The step names requests this worker does not hold (or already holds): its mirror and the
-    scheduler's view differ, e.g. after a worker restart. The scheduler should re-send them."""
-
+__all__ = ["ModelRunner", "InvalidStepError", "StaleMirrorError", "PendingStep"]
 
 _DEFAULT_BLOCK_SIZE = 16
-_FLASH_ATTN_BLOCK_SIZE = 256    # flash_attn_with_kvcache wants paged blocks of 256 tokens
+# Launched steps whose tokens may not be read yet: the server has at most two (the one whose
+# reply is awaited and the one launched behind it); more slots only add slack.
+_OUTPUT_SLOTS = 4
 
 
 @dataclass
-class InputBatch:
+class StepBatch:
+    """A launched step's device inputs and the host facts the sampling needs."""
     input_ids: torch.Tensor         # int64 [num_tokens]
     positions: torch.Tensor         # int64 [num_tokens]
     meta: AttentionMetadata
     logits_indices: torch.Tensor    # int64 [num_sampling]: the last token of each sampling request
-    sampling: list[RequestState]    # requests whose computed tokens reach their known tokens
+    sampling_rows: np.ndarray       # rows that sample, in batch order (host)
+    sampling_rows_device: torch.Tensor
+    seeded_output_indices: list[int]   # the output index each seeded sampling row draws
+
+
+class PendingStep:
+    """A launched step; result() waits (without the interpreter lock) for its tokens."""
+
+    def __init__(self, step_id: int, started: float, prepare_ms: float, forward_ms: float, num_sampled: int,
+                 tokens: torch.Tensor | None, logprobs: torch.Tensor | None, event, release,
+                 device_start=None) -> None:
+        self.step_id = step_id
+        self._started = started
+        self._prepare_ms, self._forward_ms = prepare_ms, forward_ms
+        self._num_sampled = num_sampled
+        self._tokens, self._logprobs, self._event, self._release = tokens, logprobs, event, release
+        self._device_start = device_start
+
+    def result(self) -> StepOutput:
+        try:
+            if self._event is not None:
+                self._event.synchronize()
+            n = self._num_sampled
+            tokens = self._tokens[:n].tolist() if n else []
+            logprobs = self._logprobs[:n].tolist() if self._logprobs is not None and n else None
+        finally:
+            if self._release is not None:
+                self._release()
+                self._release = None
+        device_ms = self._device_start.elapsed_time(self._event) if self._device_start is not None else 0.0
+        return StepOutput(self.step_id, tokens, logprobs, self._prepare_ms, self._forward_ms,
+                          (time.perf_counter() - self._started) * 1e3, device_ms)
+
+
+class _OutputSlots:
+    """Pinned host buffers the device copies sampled tokens into, one per launched step whose
+    result is not read yet, so step N+1's copy never lands on N's before N's reply reads it."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.tokens = [torch.empty(capacity, dtype=torch.int64, pin_memory=pin) for _ in range(_OUTPUT_SLOTS)]
+        self.logprobs = [torch.empty(capacity, dtype=torch.float32, pin_memory=pin) for _ in range(_OUTPUT_SLOTS)]
+        self._free = list(range(_OUTPUT_SLOTS))
+        self._cond = threading.Condition()
+
+    def acquire(self) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self._free)
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+
+class _Staging:
+    """One host buffer per step holding every integer input, copied to the device in one go.
+    Two pinned buffers alternate; the host waits for a buffer's last copy before refilling it
+    (with at most two steps launched ahead, it never does in practice)."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)]
+        self.events = [None] * len(self.host)
+        self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if self.cuda else None
+        self._next = 0
+
+    def fill(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Copies the parts to the device in one transfer; returns device views of each."""
+        i = self._next
+        self._next = (i + 1) % len(self.host)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        host = self.host[i]
+        view = host.numpy()
+        sizes = [len(p) for p in parts]
+        offset = 0
+        for part, size in zip(parts, sizes):
+            view[offset:offset + size] = part
+            offset += size
+        if self.cuda:
+            self.on_device[:offset].copy_(host[:offset], non_blocking=True)
+            event = self.events[i] or torch.cuda.Event()
+            event.record()
+            self.events[i] = event
+            flat = self.on_device
+        else:
+            flat = host[:offset].clone()
+        views, offset = [], 0
+        for size in sizes:
+            views.append(flat[offset:offset + size])
+            offset += size
+        return views
 
 
 @contextlib.contextmanager
@@ -84,16 +184,14 @@ class ModelRunner:
         self.model_name = read_model_facts(model_dir).name
         self.model_config = model_config = load_model_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.block_size = config.block_size or (
-            _FLASH_ATTN_BLOCK_SIZE if self.backend.name == "flash_attn" else _DEFAULT_BLOCK_SIZE
-        )
+        self.block_size = config.block_size or _DEFAULT_BLOCK_SIZE
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.vocab_size = model_config.vocab_size
         self.num_kv_heads = model_config.num_key_value_heads // self.tp_size
         self.head_dim = head_dim_of(model_config)
+        self.backend = self._select_attention_backend()
 
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = Qwen3ForCausalLM(model_config, self.backend, self.max_model_len).eval()
@@ -104,7 +202,16 @@ class ModelRunner:
         parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens.
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp_rank == 0 else None
-        self.mirror = RequestMirror(self.max_blocks_per_seq)
+        self.batch = InputBatch(self.max_model_len, self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
+        self._sampling_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
+        max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
+        # The step's integer inputs: input ids, positions and slots per token; query starts,
+        # lengths and block tables per request; logits indices, sampling rows and the decode
+        # tokens to gather per sampling request.
+        self._staging = _Staging(3 * max_tokens + max_seqs * (self.max_blocks_per_seq + 6) + 1, self.device)
+        self._outputs = _OutputSlots(max_seqs, self.device)
+        # Each row's newest sampled token, on the device: the next decode's input.
+        self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.decode_graphs = None   # captured below, once the KV cache they read exists
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
@@ -136,39 +243,35 @@ class ModelRunner:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 
-    def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        """Raises InvalidStepError (a ValueError), before changing any state, when the step
-        contradicts itself, the worker's limits or its mirror. Every rank of a tensor-parallel
-        group runs the same steps in the same order; only rank 0 reports sampled tokens."""
-        start = time.perf_counter()
+    def step(self, step: StepInput) -> StepOutput:
+        """Runs one step to the end: launch(step).result()."""
+        return self.launch(step).result()
+
+    def launch(self, step: StepInput) -> PendingStep:
+        """Validates and applies the step and enqueues its forward and sampling; returns at once
+        on a device that runs asynchronously. Raises InvalidStepError (a ValueError), before
+        changing any state, when the step contradicts itself, the worker's limits or its batch.
+        Every rank of a tensor-parallel group runs the same steps in the same order; only rank
+        0's tokens are the answer."""
+        started = time.perf_counter()
         if parallel_state.group_broken().is_set():
             raise RuntimeError("the tensor-parallel group is broken; this worker is exiting")
-        scheduled = self._apply(req)
-        response = worker_pb2.StepResponse(step_id=req.step_id)
-        if scheduled:
-            batch = self._prepare(scheduled)
-            prepared = time.perf_counter()
-            try:
-                token_ids, logprobs = self._execute(batch)
-            except Exception as exc:
-                if self.tp_size > 1:   # the other ranks are left waiting in a collective
-                    parallel_state.mark_broken(f"step {req.step_id} failed: {exc!r}")
-                raise
-            for state, num_tokens in scheduled:
-                state.num_computed_tokens += num_tokens
-            for state, token_id in zip(batch.sampling, token_ids):
-                state.token_ids.append(token_id)
-            if self.tp_rank == 0:
-                for state, token_id, logprob in zip(batch.sampling, token_ids, logprobs):
-                    response.sampled.add(seq_id=state.seq_id, token_id=token_id, logprob=logprob)
-            done = time.perf_counter()
-            response.timings.prepare_ms = (prepared - start) * 1e3
-            response.timings.forward_ms = (done - prepared) * 1e3
-        response.timings.total_ms = (time.perf_counter() - start) * 1e3
-        return response
+        cached_rows = self._validate(step)
+        rows, counts = self._apply(step, cached_rows)
+        if not len(rows):
+            return PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
+        batch = self._prepare(rows, counts)
+        prepared = time.perf_counter()
+        try:
+            pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
+        except Exception as exc:
+            if self.tp_size > 1:   # the other ranks are left waiting in a collective
+                parallel_state.mark_broken(f"step {step.step_id} failed: {exc!r}")
+            raise
+        return pending
 
     def reset(self) -> None:
-        for seq_id in self.mirror.seq_ids():
+        for seq_id in self.batch.seq_ids():
             self._drop(seq_id)
 
     @torch.inference_mode()
@@ -180,156 +283,242 @@ class ModelRunner:
 
     # --- a step ------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def _execute(self, batch: InputBatch) -> tuple[list[int], list[float]]:
-        """Token ids of the sampling requests (on every rank) and their logprobs (rank 0)."""
-        hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
-        if not batch.sampling:
-            return [], []
-        logits = self.model.compute_logits(hidden, batch.logits_indices)
-        if self.sampler is None:   # not rank 0: its tokens keep this rank's mirror identical
-            return broadcast_token_ids(None, len(batch.sampling), self.device), []
-        token_ids, logprobs = self.sampler.sample(logits, batch.sampling)
-        return broadcast_token_ids(token_ids, len(token_ids), self.device), logprobs
+    def _validate(self, step: StepInput) -> np.ndarray:
+        """Checks the whole step against the batch; returns the cached requests' rows."""
+        sid = step.step_id
+        if step.num_requests > self.config.max_num_seqs:
+            raise InvalidStepError(f"step {sid}: {step.num_requests} requests exceed max_num_seqs "
+                                   f"{self.config.max_num_seqs}")
+        finished = set(step.finished_seq_ids)
+        cached_ids = step.cached_seq_ids
+        try:
+            rows = self.batch.rows_of(cached_ids)
+        except KeyError as exc:
+            raise StaleMirrorError(f"step {sid}, cached request {exc.args[0]}: not running on this worker "
+                                   f"(send it as a NewRequest)") from None
+        if finished and not finished.isdisjoint(cached_ids):
+            seq_id = next(s for s in cached_ids if s in finished)
+            raise StaleMirrorError(f"step {sid}, cached request {seq_id}: listed as finished in the same step")
+        seen = set(cached_ids)
+        if len(seen) != len(cached_ids):
+            raise InvalidStepError(f"step {sid}: a cached request is listed twice in one step")
+        num_tokens = int(step.num_scheduled.sum())
+        for new in step.new_requests:
+            num_tokens += self._check_new(sid, new, seen, finished)
+        if num_tokens > self.config.max_num_batched_tokens:
+            raise InvalidStepError(f"step {sid}: {num_tokens} tokens exceed max_num_batched_tokens "
+                                   f"{self.config.max_num_batched_tokens}")
+        if len(rows):
+            self._check_cached(step, rows)
+        return rows
 
-    def _apply(self, req: worker_pb2.StepRequest) -> list[tuple[RequestState, int]]:
-        """Validates the step, then updates the mirror: drops, admissions, appended blocks.
-        Returns (request, tokens to compute) in batch order: new requests, then cached ones."""
-        options = self._validate(req)
-        for seq_id in req.finished_seq_ids:
-            if seq_id in self.mirror:     # unknown ids were never sent here or already dropped
+    def _check_new(self, sid: int, new: NewRequest, seen: set[int], finished: set[int]) -> int:
+        where = f"step {sid}, new request {new.seq_id}"
+        if new.seq_id in seen:
+            raise InvalidStepError(f"{where}: listed twice in one step")
+        seen.add(new.seq_id)
+        if new.seq_id in self.batch and new.seq_id not in finished:
+            raise StaleMirrorError(f"{where}: already running here; list it in finished_seq_ids to re-send it")
+        known = len(new.token_ids)
+        if not 0 < new.num_prompt_tokens <= known:
+            raise InvalidStepError(f"{where}: num_prompt_tokens {new.num_prompt_tokens} not in 1..{known} (token_ids)")
+        if known > self.max_model_len:
+            raise InvalidStepError(f"{where}: {known} tokens exceed max_model_len {self.max_model_len}")
+        if max(new.token_ids) >= self.vocab_size:
+            raise InvalidStepError(f"{where}: token id {max(new.token_ids)} >= vocab_size {self.vocab_size}")
+        if new.num_scheduled_tokens == 0:
+            raise InvalidStepError(f"{where}: num_scheduled_tokens is 0")
+        end = new.num_computed_tokens + new.num_scheduled_tokens
+        if end > known:
+            raise InvalidStepError(f"{where}: scheduling past the known tokens ({new.num_computed_tokens} computed + "
+                                   f"{new.num_scheduled_tokens} scheduled > {known} known)")
+        blocks = new.block_ids
+        if blocks and max(blocks) >= self.num_kv_blocks:
+            raise InvalidStepError(f"{where}: block id {max(blocks)} out of range (the cache has {self.num_kv_blocks})")
+        if len(blocks) > self.max_blocks_per_seq:
+            raise InvalidStepError(f"{where}: {len(blocks)} blocks exceed {self.max_blocks_per_seq} (max_model_len "
+                                   f"{self.max_model_len} / block_size {self.block_size})")
+        if len(blocks) * self.block_size < end:
+            raise InvalidStepError(f"{where}: {len(blocks)} blocks of {self.block_size} cannot hold {end} tokens")
+        return new.num_scheduled_tokens
+
+    def _check_cached(self, step: StepInput, rows: np.ndarray) -> None:
+        """The cached columns against the rows, vectorised; the message names the first offender."""
+        sid, b = step.step_id, self.batch
+
+        def refuse(bad: np.ndarray, why) -> None:
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidStepError(f"step {sid}, cached request {step.cached_seq_ids[i]}: {why(i)}")
+
+        counts = step.num_scheduled
+        start = b.num_computed[rows]
+        end = start + counts
+        num_tokens = b.num_tokens[rows]
+        if np.any(end > num_tokens):
+            refuse(end > num_tokens, lambda i: f"scheduling past the known tokens ({start[i]} computed + "
+                                               f"{counts[i]} scheduled > {num_tokens[i]} known)")
+        # Sampled tokens are known on the device only as each row's newest: a step may compute
+        # the newest, never an older one the host does not have.
+        num_host = b.num_host_tokens[rows]
+        unknown = np.maximum(start, num_host) < np.minimum(end, num_tokens - 1)
+        if np.any(unknown):
+            refuse(unknown, lambda i: f"positions {max(start[i], num_host[i])}..{end[i] - 1} include sampled tokens "
+                                      f"older than the newest (re-send it as a NewRequest)")
+        num_blocks = b.num_blocks[rows].copy()
+        if len(step.new_block_indices):
+            ids = step.new_block_ids
+            if ids.max() >= self.num_kv_blocks:
+                raise InvalidStepError(f"step {sid}: block id {int(ids.max())} out of range (the cache has "
+                                       f"{self.num_kv_blocks})")
+            num_blocks[step.new_block_indices] += step.new_block_counts
+        too_many = num_blocks > self.max_blocks_per_seq
+        if np.any(too_many):
+            refuse(too_many, lambda i: f"{num_blocks[i]} blocks exceed {self.max_blocks_per_seq} (max_model_len "
+                                       f"{self.max_model_len} / block_size {self.block_size})")
+        short = num_blocks * self.block_size < end
+        if np.any(short):
+            refuse(short, lambda i: f"{num_blocks[i]} blocks of {self.block_size} cannot hold {end[i]} tokens")
+
+    def _apply(self, step: StepInput, cached_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Drops finished requests, admits new ones, appends blocks. Returns the step's rows and
+        token counts in batch order: the cached requests, then the new ones."""
+        for seq_id in step.finished_seq_ids:
+            if seq_id in self.batch:     # unknown ids were never sent here or already dropped
                 self._drop(seq_id)
-        scheduled = []
-        for new in req.new_requests:
-            token_ids = list(new.token_ids)
-            sampling = options[new.seq_id]
-            penalty_row = (self.sampler.add_request(token_ids, new.num_prompt_tokens, sampling)
+        new_rows = []
+        for new in step.new_requests:
+            penalty_row = (self.sampler.add_request(new.token_ids, new.num_prompt_tokens, new.sampling)
                            if self.sampler is not None else None)
-            state = self.mirror.add(new.seq_id, token_ids, new.num_prompt_tokens, new.num_computed_tokens,
-                                    list(new.block_ids), sampling, penalty_row)
-            scheduled.append((state, new.num_scheduled_tokens))
-        for cached in req.cached_requests:
-            state = self.mirror[cached.seq_id]
-            self.mirror.append_blocks(state, list(cached.new_block_ids))
-            scheduled.append((state, cached.num_scheduled_tokens))
-        return scheduled
+            new_rows.append(self.batch.add(new, penalty_row))
+        if len(step.new_block_indices):
+            self.batch.append_blocks(cached_rows, step.new_block_indices, step.new_block_counts, step.new_block_ids)
+        if self.batch.capacity > len(self.last_sampled):   # the batch grew past max_num_seqs rows
+            grown = self.last_sampled.new_zeros(self.batch.capacity)
+            grown[:len(self.last_sampled)] = self.last_sampled
+            self.last_sampled = grown
+        if not new_rows:
+            return cached_rows, step.num_scheduled
+        new_counts = [new.num_scheduled_tokens for new in step.new_requests]
+        return (np.concatenate([cached_rows, np.array(new_rows, dtype=np.int64)]),
+                np.concatenate([step.num_scheduled, np.array(new_counts, dtype=np.int64)]))
 
     def _drop(self, seq_id: int) -> None:
-        state = self.mirror.remove(seq_id)
+        penalty_row = self.batch.remove(seq_id)
         if self.sampler is not None:
-            self.sampler.remove_request(state.penalty_row)
+            self.sampler.remove_request(penalty_row)
 
-    def _validate(self, req: worker_pb2.StepRequest) -> dict[int, SamplingOptions]:
-        """Checks the whole step against the mirror; returns the new requests' parsed options."""
-        finished = set(req.finished_seq_ids)
-        batch_size = len(req.new_requests) + len(req.cached_requests)
-        if batch_size > self.config.max_num_seqs:
-            raise InvalidStepError(f"step {req.step_id}: {batch_size} requests exceed max_num_seqs {self.config.max_num_seqs}")
-        seen: set[int] = set()
-        options: dict[int, SamplingOptions] = {}
-        num_tokens = 0
-        for new in req.new_requests:
-            where = f"step {req.step_id}, new request {new.seq_id}"
-            self._check_unique(new.seq_id, seen, where)
-            if new.seq_id in self.mirror and new.seq_id not in finished:
-                raise StaleMirrorError(f"{where}: already running here; list it in finished_seq_ids to re-send it")
-            known = len(new.token_ids)
-            if not 0 < new.num_prompt_tokens <= known:
-                raise InvalidStepError(f"{where}: num_prompt_tokens {new.num_prompt_tokens} not in 1..{known} (token_ids)")
-            if known > self.max_model_len:
-                raise InvalidStepError(f"{where}: {known} tokens exceed max_model_len {self.max_model_len}")
-            if max(new.token_ids) >= self.vocab_size:
-                raise InvalidStepError(f"{where}: token id {max(new.token_ids)} >= vocab_size {self.vocab_size}")
-            self._check_schedule(where, new.num_computed_tokens, new.num_scheduled_tokens, known)
-            self._check_blocks(where, new.block_ids, 0, new.num_computed_tokens + new.num_scheduled_tokens)
-            try:
-                options[new.seq_id] = SamplingOptions.from_proto(new.sampling)
-            except ValueError as exc:
-                raise InvalidStepError(f"{where}: {exc}") from None
-            num_tokens += new.num_scheduled_tokens
-        for cached in req.cached_requests:
-            where = f"step {req.step_id}, cached request {cached.seq_id}"
-            self._check_unique(cached.seq_id, seen, where)
-            if cached.seq_id not in self.mirror or cached.seq_id in finished:
-                raise StaleMirrorError(f"{where}: not running on this worker (send it as a NewRequest)")
-            state = self.mirror[cached.seq_id]
-            self._check_schedule(where, state.num_computed_tokens, cached.num_scheduled_tokens, len(state.token_ids))
-            self._check_blocks(where, cached.new_block_ids, state.num_blocks,
-                               state.num_computed_tokens + cached.num_scheduled_tokens)
-            num_tokens += cached.num_scheduled_tokens
-        if num_tokens > self.config.max_num_batched_tokens:
-            raise InvalidStepError(f"step {req.step_id}: {num_tokens} tokens exceed max_num_batched_tokens "
-                             f"{self.config.max_num_batched_tokens}")
-        return options
-
-    @staticmethod
-    def _check_unique(seq_id: int, seen: set[int], where: str) -> None:
-        if seq_id in seen:
-            raise InvalidStepError(f"{where}: listed twice in one step")
-        seen.add(seq_id)
-
-    @staticmethod
-    def _check_schedule(where: str, num_computed: int, num_scheduled: int, num_known: int) -> None:
-        if num_scheduled == 0:
-            raise InvalidStepError(f"{where}: num_scheduled_tokens is 0")
-        if num_computed + num_scheduled > num_known:
-            raise InvalidStepError(f"{where}: scheduling past the known tokens ({num_computed} computed + "
-                             f"{num_scheduled} scheduled > {num_known} known)")
-
-    def _check_blocks(self, where: str, block_ids, num_blocks_before: int, num_tokens: int) -> None:
-        if block_ids and max(block_ids) >= self.num_kv_blocks:
-            raise InvalidStepError(f"{where}: block id {max(block_ids)} out of range (the cache has {self.num_kv_blocks})")
-        num_blocks = num_blocks_before + len(block_ids)
-        if num_blocks > self.max_blocks_per_seq:
-            raise InvalidStepError(f"{where}: {num_blocks} blocks exceed {self.max_blocks_per_seq} (max_model_len "
-                             f"{self.max_model_len} / block_size {self.block_size})")
-        if num_blocks * self.block_size < num_tokens:
-            raise InvalidStepError(f"{where}: {num_blocks} blocks of {self.block_size} cannot hold {num_tokens} tokens")
-
-    def _prepare(self, scheduled: list[tuple[RequestState, int]]) -> InputBatch:
-        """The step's flat batch. Python loops touch each request once and each scheduled token
-        once; the rest is vectorised over those, never over a request's whole context."""
-        num_computed = np.fromiter((s.num_computed_tokens for s, _ in scheduled), np.int64, len(scheduled))
-        query_lens = np.fromiter((n for _, n in scheduled), np.int64, len(scheduled))
-        rows = np.fromiter((s.row for s, _ in scheduled), np.int64, len(scheduled))
-        seq_lens = num_computed + query_lens
-        query_start = np.zeros(len(scheduled) + 1, np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
-        positions = np.arange(query_start[-1]) + np.repeat(num_computed - query_start[:-1], query_lens)
-        token_blocks = self.mirror.block_tables[np.repeat(rows, query_lens), positions // self.block_size]
-        slot_mapping = token_blocks.astype(np.int64) * self.block_size + positions % self.block_size
+    def _prepare(self, rows: np.ndarray, counts: np.ndarray) -> StepBatch:
+        """The step's flat inputs, vectorised over rows and scheduled tokens (never over a
+        request's whole context), in one host-to-device copy. Advances the rows' counts: the
+        computed tokens, and the token each sampling row is about to get."""
+        b, bs = self.batch, self.block_size
+        start = b.num_computed[rows]
+        seq_lens = start + counts
+        query_start = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        positions = np.arange(num_tokens) + np.repeat(start - query_start[:-1], counts)
+        token_rows = np.repeat(rows, counts)
+        # A position the host knows reads its token here; the one past them (a decode of the
+        # newest sampled token) is gathered on the device from the row's last sample.
+        on_host = positions < b.num_host_tokens[token_rows]
+        input_ids = np.where(on_host, b.token_ids[token_rows, np.minimum(positions, self.max_model_len - 1)], 0)
+        gather_at = np.flatnonzero(~on_host)
+        gather_rows = token_rows[gather_at]
+        slot_mapping = b.block_tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_seq_len = int(seq_lens.max())
-        block_tables = self.mirror.block_tables[rows, :-(-max_seq_len // self.block_size)]
-        input_ids: list[int] = []
-        sampling_indices, sampling = [], []
-        for i, (state, num_tokens) in enumerate(scheduled):
-            input_ids += state.token_ids[state.num_computed_tokens:state.num_computed_tokens + num_tokens]
-            if seq_lens[i] == len(state.token_ids):    # a chunk ending mid-prompt samples nothing
-                sampling_indices.append(query_start[i + 1] - 1)
-                sampling.append(state)
+        width = -(-max_seq_len // bs)
+        block_tables = b.block_tables[rows, :width]
+        samples = seq_lens == b.num_tokens[rows]     # a chunk ending mid-prompt samples nothing
+        logits_indices = query_start[1:][samples] - 1
+        sampling_rows = rows[samples]
+        seeded = []
+        if self.sampler is not None:
+            meta = self._sampling_metadata(sampling_rows)
+            if meta.seeded:
+                drawing_rows = sampling_rows[meta.drawing]
+                seeded = [int(b.num_tokens[drawing_rows[j]] - b.num_prompt[drawing_rows[j]]) for j, _ in meta.seeded]
+        (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
+         tables_d) = self._staging.fill([input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices,
+                                         sampling_rows, gather_at, gather_rows, block_tables.reshape(-1)])
+        if len(gather_at):
+            ids_d.index_copy_(0, gather_at_d, self.last_sampled.index_select(0, gather_rows_d))
+        b.num_computed[rows] = seq_lens
+        b.num_tokens[sampling_rows] += 1
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping, torch.int64),
-            query_start_loc=self._to_device(query_start, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(block_tables, torch.int32),
-            max_query_len=int(query_lens.max()),
+            slot_mapping=slots_d,
+            query_start_loc=query_start_d.to(torch.int32),
+            seq_lens=seq_lens_d.to(torch.int32),
+            block_tables=tables_d.view(len(rows), width).to(torch.int32),
+            max_query_len=int(counts.max()),
             max_seq_len=max_seq_len,
-            query_lens_cpu=query_lens.tolist(),
+            query_lens_cpu=counts.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        return InputBatch(
-            input_ids=self._to_device(np.array(input_ids, np.int64), torch.int64),
-            positions=self._to_device(positions, torch.int64),
-            meta=meta,
-            logits_indices=self._to_device(np.array(sampling_indices, np.int64), torch.int64),
-            sampling=sampling,
-        )
+        return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, seeded)
 
-    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    def _sampling_metadata(self, sampling_rows: np.ndarray) -> SamplingMetadata:
+        """The sampler's per-row facts, rebuilt only when the sampling rows or the batch change."""
+        key = (self.batch.version, sampling_rows.tobytes())
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            options = [self.batch.options[r] for r in sampling_rows.tolist()]
+            penalty_rows = [self.batch.penalty_rows[r] for r in sampling_rows.tolist()]
+            self._sampling_cache = (key, self.sampler.metadata(options, penalty_rows))
+        return self._sampling_cache[1]
+
+    @torch.inference_mode()
+    def _execute(self, step_id: int, batch: StepBatch, started: float, prepare_ms: float) -> PendingStep:
+        """Enqueues the forward and the sampling; the tokens land in a pinned slot behind an event."""
+        launched = time.perf_counter()
+        device_start = None
         if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+            device_start = torch.cuda.Event(enable_timing=True)
+            device_start.record()
+        hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
+        num_sampled = len(batch.sampling_rows)
+        if not num_sampled:
+            return PendingStep(step_id, started, prepare_ms, (time.perf_counter() - launched) * 1e3, 0,
+                               None, None, None, None)
+        logits = self.model.compute_logits(hidden, batch.logits_indices)
+        logprobs = None
+        if self.sampler is not None:
+            meta = self._sampling_metadata(batch.sampling_rows)
+            tokens, logprobs = self.sampler.sample(logits, meta, batch.seeded_output_indices)
+        else:                    # not rank 0: rank 0's tokens keep this rank's rows identical
+            tokens = None
+        tokens = broadcast_tokens(tokens, num_sampled, self.device)
+        self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
+        slot = self._outputs.acquire()
+        host_tokens = self._outputs.tokens[slot]
+        host_tokens[:num_sampled].copy_(tokens, non_blocking=True)
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = self._outputs.logprobs[slot]
+            host_logprobs[:num_sampled].copy_(logprobs, non_blocking=True)
+        event = None
+        if device_start is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        forward_ms = (time.perf_counter() - launched) * 1e3
+        return PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
+                           event, lambda: self._outputs.release(slot), device_start)
+
+    def _select_attention_backend(self):
+        """The configured backend, or the fastest on this device for this model's attention
+        (every rank of a group agrees on one), warmed up before the memory profile and capture."""
+        configure_kernel_cache(self.config.kernel_cache_dir)
+        shape = AttentionShape(
+            num_heads=self.model_config.num_attention_heads // self.tp_size, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, dtype=self.dtype, block_size=self.block_size,
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len)
+
+        def agree(totals: list[float]) -> list[float]:
+            parallel_state.barrier("attention measured")   # first compiles take uneven time
+            return all_reduce_max(totals, self.device)
+
+        return select_attention_backend(self.config.attention_backend, self.device, shape,
+                                        reduce_across_ranks=agree if self.tp_size > 1 else None)
 
     def _capture_decode_graphs(self):
         """CUDA graphs of the decode forward, where the device and the backend allow them."""
@@ -377,19 +566,28 @@ class ModelRunner:
         num_seqs = max(min(config.max_num_batched_tokens // seq_len, config.max_num_seqs), 1)
         blocks_per_seq = -(-seq_len // self.block_size)
         kv_cache.allocate_kv_cache(self.model, num_seqs * blocks_per_seq, self.block_size,
-                                             self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                                   self.num_kv_heads, self.head_dim, self.dtype, self.device)
         warm_options = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)
-        scheduled = []
-        for i in range(num_seqs):
-            blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            state = self.mirror.add(-1 - i, [0] * seq_len, seq_len, 0, blocks, warm_options, None)
-            scheduled.append((state, seq_len))
+        new_requests = [NewRequest(-1 - i, [0] * seq_len, seq_len, 0, seq_len,
+                                   list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), warm_options)
+                        for i in range(num_seqs)]
+        warm = StepInput(0, [], new_requests, [], np.zeros(0, np.int64), np.zeros(0, np.int64),
+                         np.zeros(0, np.int64), np.zeros(0, np.int64))
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._execute(self._prepare(scheduled))
+        rows, counts = self._apply(warm, np.zeros(0, np.int64))
+        self._execute(0, self._prepare(rows, counts), time.perf_counter(), 0.0).result()
         if self.sampler is not None:
-            sampling_rows = [scheduled[0][0]] * config.max_num_seqs
-            self.sampler.sample(torch.zeros(config.max_num_seqs, self.vocab_size, device=self.device), sampling_rows)
+            row = _WarmRow(warm_options)
+            self.sampler.sample_rows(torch.zeros(config.max_num_seqs, self.vocab_size, device=self.device),
+                                     [row] * config.max_num_seqs)
         self.reset()
         kv_cache.unbind_kv_cache(self.model)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+
+
+@dataclass
+class _WarmRow:
+    sampling: SamplingOptions
+    penalty_row: int | None = None
+    num_output_tokens: int = 0

@@ -163,16 +163,24 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def broadcast_token_ids(token_ids: list[int] | None, count: int, device: torch.device) -> list[int]:
-    """Rank 0's sampled token ids, on every rank (others pass None and the count they expect)."""
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum of every rank's values (the values themselves on a single rank)."""
+    if get_tp_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def broadcast_tokens(token_ids: torch.Tensor | None, count: int, device: torch.device) -> torch.Tensor:
+    """Rank 0's sampled token ids (int64, on the device), on every rank; the others pass None
+    and the count they expect. On CUDA the broadcast is enqueued, not waited for."""
     if get_tp_size() == 1:
         return token_ids
-    if get_tp_rank() == 0:
-        tensor = torch.tensor(token_ids, dtype=torch.int64, device=device)
-    else:
-        tensor = torch.empty(count, dtype=torch.int64, device=device)
-    dist.broadcast(tensor, src=0)
-    return tensor.tolist()
+    if get_tp_rank() != 0:
+        token_ids = torch.empty(count, dtype=torch.int64, device=device)
+    dist.broadcast(token_ids, src=0)
+    return token_ids
 
 
 def destroy_tensor_parallel() -> None:

@@ -18,7 +18,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.reflection import enable_server_reflection
 from common.security import TokenAuthInterceptor
-from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
+from worker_svc.model_runner import ModelRunner
+from worker_svc.step_message import (InvalidStepError, StaleMirrorError, build_step_response,
+                                     parse_step_request)
 from worker_svc.step_order import StepOrder
 
 logger = logging.getLogger(__name__)
@@ -45,21 +47,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._ready_runner(context).describe()
 
     def Step(self, request, context):
+        """Launches the step in its turn, then waits for its tokens outside the turn: the next
+        step's thread launches meanwhile, so its preparation overlaps this one's device work."""
         runner = self._ready_runner(context)
-        with self._order.step(request.step_id):
-            try:
-                return runner.step(request)
-            except StaleMirrorError as exc:
-                code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-            except InvalidStepError as exc:
-                code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-            except Exception as exc:   # mid-step, e.g. the device ran out of memory
-                logger.exception("step %d failed", request.step_id)
-                code = grpc.StatusCode.INTERNAL
-                message = f"step failed: {exc!r}; the request mirrors may be inconsistent: Reset and re-send them"
+        code = message = None
+        try:
+            step = parse_step_request(request)
+        except InvalidStepError as exc:
+            step, code, message = None, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        with self._order.step(request.step_id):   # taken even by a bad step: its id is used up
+            if step is not None:
+                code, message, pending = self._guarded(request.step_id, runner.launch, step)
+        if code is None:
+            code, message, output = self._guarded(request.step_id, pending.result)
+            if code is None:
+                return build_step_response(output)
         if code != grpc.StatusCode.INTERNAL:
             logger.warning("rejected step %d: %s", request.step_id, message)
         context.abort(code, message)
+
+    @staticmethod
+    def _guarded(step_id: int, call, *args):
+        """(None, None, result), or the status code and message a failure maps to."""
+        try:
+            return None, None, call(*args)
+        except StaleMirrorError as exc:
+            return grpc.StatusCode.FAILED_PRECONDITION, str(exc), None
+        except InvalidStepError as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc), None
+        except Exception as exc:   # mid-step, e.g. the device ran out of memory
+            logger.exception("step %d failed", step_id)
+            return (grpc.StatusCode.INTERNAL,
+                    f"step failed: {exc!r}; the worker's batch may be inconsistent: Reset and re-send it", None)
 
     def Reset(self, request, context):
         runner = self._ready_runner(context)

@@ -34,24 +34,6 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     logprobs: bool = False
 
-    @classmethod
-    def from_proto(cls, pb) -> "SamplingOptions":
-        """From worker_pb2.SamplingOptions. proto3 cannot tell an unset float from 0, and 0 is
-        meaningless for top_p and repetition_penalty, so 0 there means off."""
-        options = cls(
-            temperature=pb.temperature,
-            top_p=pb.top_p or 1.0,
-            top_k=pb.top_k,
-            min_p=pb.min_p,
-            seed=pb.seed if pb.HasField("seed") else None,
-            repetition_penalty=pb.repetition_penalty or 1.0,
-            presence_penalty=pb.presence_penalty,
-            frequency_penalty=pb.frequency_penalty,
-            logprobs=pb.logprobs,
-        )
-        options.validate()
-        return options
-
     def validate(self) -> None:
         problems = [
             f"temperature {self.temperature} < 0" if not self.temperature >= 0 else "",
@@ -87,8 +69,88 @@ def seeded_noise_seed(seed: int, output_index: int) -> int:
     return xxhash.xxh64_intdigest(struct.pack("<QQ", seed & 0xFFFF_FFFF_FFFF_FFFF, output_index))
 
 
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True).unsqueeze(1)
+
+
+@dataclass(eq=False)
+class SamplingMetadata:
+    """What a step's sampling needs about its rows (the requests that sample, in batch order),
+    derived once from their options and kept while the same rows sample step after step: a
+    decode-heavy batch changes only when a request joins or leaves, so most steps reuse it and
+    do no per-row Python work at all. Index tensors are on the sampler's device; a part that
+    no row needs is None, and the sampler skips it."""
+    num_rows: int
+    greedy: bool                               # every row is greedy: one argmax, nothing else
+    drawing: list[int]                         # rows that draw (not greedy)
+    drawing_index: torch.Tensor | None         # the same, when some rows are greedy
+    temperature: torch.Tensor | None           # [drawing, 1] float32, when any is not 1
+    top_k: list[int] | None                    # per drawing row (vocab = off), when any row truncates
+    top_k_tensor: torch.Tensor | None
+    top_p: torch.Tensor | None                 # [drawing] float32 (inf = off)
+    min_p: torch.Tensor | None                 # [drawing] float32, when any row asks
+    seeded: list[tuple[int, int]]              # (position among drawing rows, seed)
+    all_seeded: bool
+    penalized_index: torch.Tensor | None       # batch rows with penalties
+    penalty_rows: torch.Tensor | None          # their rows in the penalty table
+    repetition: torch.Tensor | None
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    greedy_asked: torch.Tensor | None          # greedy rows that want logprobs
+    drawn_asked: torch.Tensor | None           # drawing rows that want logprobs (batch rows)
+    drawn_asked_in_drawing: torch.Tensor | None  # the same, as positions among drawing rows
+    logprobs: bool                             # any row asked
+
+    @classmethod
+    def build(cls, options: list[SamplingOptions], penalty_rows: list[int | None], vocab_size: int,
+              device: torch.device) -> "SamplingMetadata":
+        n = len(options)
+        drawing = [i for i, o in enumerate(options) if not o.greedy]
+        drawn = [options[i] for i in drawing]
+        temperature = top_k = top_k_tensor = top_p = min_p = None
+        if drawn:
+            if any(o.temperature != 1.0 for o in drawn):
+                temperature = _column([o.temperature for o in drawn], device)
+            ks = [o.top_k if 0 < o.top_k < vocab_size else vocab_size for o in drawn]
+            # p = 1 keeps everything: inf, so rounding in the cumulative sum never drops the tail.
+            ps = [o.top_p if o.top_p < 1 else float("inf") for o in drawn]
+            if any(k < vocab_size for k in ks) or any(p < 1 for p in ps):
+                top_k, top_k_tensor = ks, _index(ks, device)
+                top_p = _column(ps, device).squeeze(1)
+            if any(o.min_p > 0 for o in drawn):
+                min_p = _column([o.min_p for o in drawn], device).squeeze(1)
+        seeded = [(j, o.seed) for j, o in enumerate(drawn) if o.seed is not None]
+        penalized = [i for i, row in enumerate(penalty_rows) if row is not None]
+        greedy_asked = [i for i, o in enumerate(options) if o.logprobs and o.greedy]
+        drawn_asked = [i for i in drawing if options[i].logprobs]
+        position = {i: j for j, i in enumerate(drawing)}
+        return cls(
+            num_rows=n,
+            greedy=not drawing,
+            drawing=drawing,
+            drawing_index=_index(drawing, device) if drawing and len(drawing) < n else None,
+            temperature=temperature, top_k=top_k, top_k_tensor=top_k_tensor, top_p=top_p, min_p=min_p,
+            seeded=seeded,
+            all_seeded=bool(drawing) and len(seeded) == len(drawing),
+            penalized_index=_index(penalized, device) if penalized else None,
+            penalty_rows=_index([penalty_rows[i] for i in penalized], device) if penalized else None,
+            repetition=_column([options[i].repetition_penalty for i in penalized], device) if penalized else None,
+            presence=_column([options[i].presence_penalty for i in penalized], device) if penalized else None,
+            frequency=_column([options[i].frequency_penalty for i in penalized], device) if penalized else None,
+            greedy_asked=_index(greedy_asked, device) if greedy_asked else None,
+            drawn_asked=_index(drawn_asked, device) if drawn_asked else None,
+            drawn_asked_in_drawing=_index([position[i] for i in drawn_asked], device) if drawn_asked else None,
+            logprobs=bool(greedy_asked or drawn_asked),
+        )
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
         self._row_generator = torch.Generator(device)   # reseeded for every seeded row
@@ -104,89 +166,71 @@ class Sampler:
         if penalty_row is not None:
             self.penalties.release(penalty_row)
 
+    def metadata(self, options: list[SamplingOptions], penalty_rows: list[int | None]) -> SamplingMetadata:
+        return SamplingMetadata.build(options, penalty_rows, self.vocab_size, self.device)
+
+    def sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[float]]:
+        """sample() for callers holding row objects: (token ids, logprobs; 0.0 where not asked)."""
+        meta = self.metadata([r.sampling for r in rows], [r.penalty_row for r in rows])
+        output_indices = [rows[meta.drawing[j]].num_output_tokens for j, _ in meta.seeded]
+        token_ids, logprobs = self.sample(logits, meta, output_indices)
+        return token_ids.tolist(), logprobs.tolist() if logprobs is not None else [0.0] * len(rows)
+
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[float]]:
-        """logits [len(rows), vocab] (any float dtype) -> (token ids, logprobs; 0.0 where not
-        asked). Counts the sampled tokens into the rows' penalty state. Greedy rows cost one
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
+               seeded_output_indices: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [meta.num_rows, vocab] (any float dtype) -> (token ids int64, logprobs float32
+        with 0 where not asked, or None when no row asked), both on the device: nothing here
+        waits for the device. seeded_output_indices: the output index each of meta.seeded is
+        sampling. Counts the sampled tokens into the rows' penalty state. Greedy rows cost one
         argmax (over the logits as given: the same token as in float32); only the rows that draw
         go through temperature, truncation and the race."""
-        options = [row.sampling for row in rows]
         raw = logits   # greedy logprobs are those of the raw model distribution
-        penalized = [i for i, row in enumerate(rows) if row.penalty_row is not None]
-        if penalized:
+        if meta.penalized_index is not None:
             logits = logits.to(torch.float32, copy=True)
-            self._apply_penalties(logits, rows, penalized)
-        drawing = [i for i, o in enumerate(options) if not o.greedy]
-        token_ids = logits.argmax(-1) if len(drawing) < len(rows) else None
+            self.penalties.apply(logits, meta.penalized_index, meta.penalty_rows,
+                                 meta.repetition, meta.presence, meta.frequency)
+        token_ids = logits.argmax(-1) if len(meta.drawing) < meta.num_rows else None
         processed = None
-        if drawing:
-            index = None if token_ids is None else self._tensor(drawing, torch.long)
-            processed = self._process(logits if index is None else logits[index], [options[i] for i in drawing])
-            drawn = self._race(processed.softmax(-1, dtype=torch.float32), [rows[i] for i in drawing])
+        if meta.drawing:
+            index = meta.drawing_index
+            processed = self._process(logits if index is None else logits[index], meta)
+            drawn = self._race(processed.softmax(-1, dtype=torch.float32), meta, seeded_output_indices)
             token_ids = drawn if index is None else token_ids.index_copy_(0, index, drawn)
-        if penalized:
-            index = self._tensor(penalized, torch.long)
-            table_rows = self._tensor([rows[i].penalty_row for i in penalized], torch.long)
-            self.penalties.record(table_rows, token_ids[index])
-        logprobs = [0.0] * len(rows)
-        greedy_asked = [i for i, o in enumerate(options) if o.logprobs and o.greedy]
-        drawn_asked = [i for i, o in enumerate(options) if o.logprobs and not o.greedy]
-        if greedy_asked:
-            values = self._chosen_logprobs(raw, greedy_asked, greedy_asked, token_ids)
-            for i, value in zip(greedy_asked, values):
-                logprobs[i] = value
-        if drawn_asked:
-            processed_row = {i: j for j, i in enumerate(drawing)}
-            values = self._chosen_logprobs(processed, [processed_row[i] for i in drawn_asked], drawn_asked, token_ids)
-            for i, value in zip(drawn_asked, values):
-                logprobs[i] = value
-        return token_ids.tolist(), logprobs
+        if meta.penalized_index is not None:
+            self.penalties.record(meta.penalty_rows, token_ids[meta.penalized_index])
+        if not meta.logprobs:
+            return token_ids, None
+        logprobs = torch.zeros(meta.num_rows, dtype=torch.float32, device=logits.device)
+        if meta.greedy_asked is not None:
+            chosen = token_ids[meta.greedy_asked].unsqueeze(1)
+            values = raw[meta.greedy_asked].float().log_softmax(-1).gather(1, chosen).squeeze(1)
+            logprobs.index_copy_(0, meta.greedy_asked, values)
+        if meta.drawn_asked is not None:
+            chosen = token_ids[meta.drawn_asked].unsqueeze(1)
+            values = processed[meta.drawn_asked_in_drawing].float().log_softmax(-1).gather(1, chosen).squeeze(1)
+            logprobs.index_copy_(0, meta.drawn_asked, values)
+        return token_ids, logprobs
 
-    def _chosen_logprobs(self, scores: torch.Tensor, score_rows: list[int], batch_rows: list[int],
-                         token_ids: torch.Tensor) -> list[float]:
-        """log_softmax(scores[score_rows[j]]) at the token chosen for batch row batch_rows[j]."""
-        chosen = token_ids[self._tensor(batch_rows, torch.long)].unsqueeze(1)
-        picked = scores[self._tensor(score_rows, torch.long)].float()
-        return picked.log_softmax(-1).gather(1, chosen).squeeze(1).tolist()
-
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-    def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingRow], penalized: list[int]) -> None:
-        def column(attr: str) -> torch.Tensor:
-            return self._tensor([getattr(rows[i].sampling, attr) for i in penalized], torch.float32).unsqueeze(1)
-
-        self.penalties.apply(
-            logits,
-            batch_rows=self._tensor(penalized, torch.long),
-            table_rows=self._tensor([rows[i].penalty_row for i in penalized], torch.long),
-            repetition=column("repetition_penalty"),
-            presence=column("presence_penalty"),
-            frequency=column("frequency_penalty"),
-        )
-
-    def _process(self, logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p of rows that draw (no greedy rows); excluded
         tokens get -inf. Each step is skipped when no row asks for it, so plain sampling never
         sorts the vocabulary; the result is float32 unless no step applied (then it is `logits`,
         whose softmax the caller takes in float32)."""
-        vocab = logits.shape[-1]
-        if any(o.temperature != 1.0 for o in options):   # float32 / float32 of the upcast logits
-            logits = logits / self._tensor([o.temperature for o in options], torch.float32).unsqueeze(1)
-        top_k = [o.top_k if 0 < o.top_k < vocab else vocab for o in options]
-        # p = 1 keeps everything: inf, so rounding in the cumulative sum never drops the tail.
-        top_p = [o.top_p if o.top_p < 1 else float("inf") for o in options]
-        if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
-            logits = self._top_k_top_p(logits.float(), top_k, self._tensor(top_p, torch.float32))
-        if any(o.min_p > 0 for o in options):
-            min_p = self._tensor([o.min_p for o in options], torch.float32)
+        if meta.temperature is not None:   # float32 / float32 of the upcast logits
+            logits = logits / meta.temperature
+        if meta.top_k is not None:
+            logits = self._top_k_top_p(logits.float(), meta.top_k, meta.top_k_tensor, meta.top_p)
+        if meta.min_p is not None:
             logits = logits.float()
             probs = logits.softmax(-1)
-            threshold = min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+            threshold = meta.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
-    def _top_k_top_p(self, logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_k_tensor: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
         """One descending sort serves both. Top-k keeps ties with the k-th logit; top-p keeps
         the smallest prefix whose probability reaches p (always at least the top token). When
         every row has a top-k, only the largest max(k) candidates are sorted, not the vocabulary
@@ -196,22 +240,21 @@ class Sampler:
             sorted_logits, order = logits.topk(candidates, dim=-1)
         else:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-        kth = sorted_logits.gather(1, (self._tensor(top_k, torch.long) - 1).unsqueeze(1))
+        kth = sorted_logits.gather(1, (top_k_tensor - 1).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
-    def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _race(self, probs: torch.Tensor, meta: SamplingMetadata, output_indices: Sequence[int]) -> torch.Tensor:
         """argmax(p / E), E ~ Exp(1) per token: a draw from p without a cumulative sum."""
         noise = torch.empty_like(probs)
-        seeded = [(i, row.sampling.seed) for i, row in enumerate(rows) if row.sampling.seed is not None]
-        if len(seeded) < len(rows):
+        if not meta.all_seeded:
             noise.exponential_(generator=self.generator)
-        for i, seed in seeded:
-            self._row_generator.manual_seed(seeded_noise_seed(seed, rows[i].num_output_tokens))
-            noise[i].exponential_(generator=self._row_generator)
+        for (j, seed), output_index in zip(meta.seeded, output_indices, strict=True):
+            self._row_generator.manual_seed(seeded_noise_seed(seed, output_index))
+            noise[j].exponential_(generator=self._row_generator)
         # A zero draw would turn an excluded token (p = 0) into 0/0; the floor keeps it at 0.
         # probs is the caller's scratch: dividing in place saves a vocabulary-sized buffer.
         return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)

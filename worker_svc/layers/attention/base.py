@@ -6,7 +6,10 @@ query token i of a request (position seq_len - query_len + i) attends keys at po
 0..that position. Before attending, the backend writes the step's new keys/values into the
 cache at `slot_mapping` (slot = block_id * block_size + offset_in_block).
 
-Cache layout (flash-attn's paged layout): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout (FlashAttention's paged layout): k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+head_dim], each contiguous. Any block size. The cache holds finite values everywhere (kv_cache.py
+zeroes it; later a slot holds old K/V): a backend may load the rows of a request's last block
+past its length, and must mask them (FlashAttention-4 does, when it loads whole pages by TMA).
 """
 from __future__ import annotations
 

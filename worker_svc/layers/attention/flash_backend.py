@@ -1,45 +1,69 @@
-"""Attention through flash-attn 2 (the production path on NVIDIA GPUs where it is installed).
+"""Attention through FlashAttention-4 (`flash_attn.cute`, PyPI flash-attn-4): CuTe DSL kernels,
+compiled at run time (no build step), for Hopper (sm90) and Blackwell (sm100) GPUs.
 
-Mixed prefill/decode batches: flash_attn_varlen_func over the paged cache (block_table), whose
-causal mask is aligned to the bottom right, i.e. query i of a request sees its keys 0..
-seq_len - query_len + i, as base.py requires. Pure decode: flash_attn_with_kvcache, which reads
-lengths from device tensors only and so can be captured in a CUDA graph.
-flash-attn 2 needs the cache's block size to be a multiple of 256. New K/V are written with this
-project's Triton store kernel (flash-attn has no standalone one; triton ships wherever it runs).
+Every step, mixed or pure decode, is one `flash_attn_varlen_func` call over the worker's paged
+cache, which is already FlashAttention's paged layout ([num_blocks, block_size, kv_heads,
+head_dim], see base.py): page_table = block_tables, seqused_k = seq_lens (context after this
+step), cu_seqlens_q = query_start_loc, causal. FlashAttention aligns the causal mask to the bottom
+right, so query i of a request sees keys 0..seq_len - query_len + i, as base.py requires.
+New K/V are written first by the project's Triton store kernel (FlashAttention-4 has none; Triton
+ships with every CUDA build of torch).
+
+Any block size works. A block of exactly the kernel's key tile (128 for head_dim 128 on sm90)
+lets it load pages by TMA; other sizes take its cp.async path. With TMA pages the kernel loads a
+request's whole last page and masks the rows past its length: the cache must hold finite values
+there, which it does (kv_cache.py zeroes it; later contents are old K/V).
+
+CUDA graphs: the call reads lengths only from device tensors; its host-side inputs (tensor
+shapes, max_query_len, which is 1 for every decode) are the same at every replay of a captured
+batch size. What differs between compiled variants (pure decode or not, batches over 256 rows)
+is compiled during the worker's warm-up, before any capture (selection.warm_up_backend).
+
+Compiled kernels are cached on disk by FlashAttention-4 itself (one folder per source
+fingerprint, so an upgrade never loads a stale kernel), in the folder kernel_cache.py names
+(the worker's --kernel-cache-dir; by default ~/.cache/qwen3-serve/kernels/flash_attn_cute). It
+reads that setting when flash_attn.cute is first imported, so the import comes after it.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from worker_svc.layers.attention.base import AttentionMetadata
-from worker_svc.layers.attention.triton_kernels import store_kv_cache
+from worker_svc.layers.attention.kernel_cache import apply_default_kernel_cache
 
-PAGE_MULTIPLE = 256
+apply_default_kernel_cache()
+from flash_attn.cute import flash_attn_varlen_func  # noqa: E402  (reads the cache setting)
+
+from worker_svc.layers.attention.triton_kernels import store_kv_cache  # noqa: E402
+
+# Compute capability majors whose FlashAttention-4 forward takes a page table (sm80 and sm120
+# kernels assert page_table is None in 4.0.0b36).
+PAGED_KV_ARCHS = (9, 10, 11)
 
 
 class FlashAttentionBackend:
     name = "flash_attn"
     supports_cuda_graphs = True
 
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("flash_attn needs a CUDA device")
+        major, minor = torch.cuda.get_device_capability()
+        if major not in PAGED_KV_ARCHS:
+            raise RuntimeError(f"flash_attn (FlashAttention-4) has paged KV on sm90 and sm100 only, "
+                               f"not on this sm{major}{minor} GPU")
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        block_size = k_cache.shape[1]
-        if block_size % PAGE_MULTIPLE:
-            raise ValueError(f"flash_attn needs a KV block size that is a multiple of {PAGE_MULTIPLE}, not {block_size}")
+        # A strided cache view would make the wrapper copy the whole cache on every call.
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("flash_attn needs contiguous per-layer K/V caches")
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_pure_decode:
-            out = flash_attn_with_kvcache(
-                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                block_table=meta.block_tables, softmax_scale=scale, causal=True,
-            )
-            return out.squeeze(1)
-        cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return flash_attn_varlen_func(
+        out, _lse = flash_attn_varlen_func(
             q, k_cache, v_cache,
-            cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
-            softmax_scale=scale, causal=True, block_table=meta.block_tables,
+            cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
+            seqused_k=meta.seq_lens, page_table=meta.block_tables,
+            softmax_scale=scale, causal=True,
         )
+        return out

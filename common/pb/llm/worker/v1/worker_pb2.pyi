@@ -80,57 +80,57 @@ class NewRequest(_message.Message):
     sampling: SamplingOptions
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ...) -> None: ...
 
-class CachedRequest(_message.Message):
-    __slots__ = ("seq_id", "num_scheduled_tokens", "new_block_ids")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+class CachedRequests(_message.Message):
+    __slots__ = ("seq_ids", "multi_token_indices", "multi_token_counts", "new_block_indices", "new_block_counts", "new_block_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    MULTI_TOKEN_INDICES_FIELD_NUMBER: _ClassVar[int]
+    MULTI_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    num_scheduled_tokens: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    multi_token_indices: _containers.RepeatedScalarFieldContainer[int]
+    multi_token_counts: _containers.RepeatedScalarFieldContainer[int]
+    new_block_indices: _containers.RepeatedScalarFieldContainer[int]
+    new_block_counts: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., multi_token_indices: _Optional[_Iterable[int]] = ..., multi_token_counts: _Optional[_Iterable[int]] = ..., new_block_indices: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "cached_requests")
+    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "cached")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
-    cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
-    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ...) -> None: ...
-
-class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    token_id: int
-    logprob: float
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    cached: CachedRequests
+    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("prepare_ms", "forward_ms", "total_ms")
+    __slots__ = ("prepare_ms", "forward_ms", "total_ms", "device_ms")
     PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MS_FIELD_NUMBER: _ClassVar[int]
     prepare_ms: float
     forward_ms: float
     total_ms: float
-    def __init__(self, prepare_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    device_ms: float
+    def __init__(self, prepare_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., device_ms: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "timings")
+    __slots__ = ("step_id", "token_ids", "logprobs", "timings")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
     timings: StepTimings
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,155 @@
+"""Structured-output constraints: what a request may ask its output to match, and the grammar of each.
+
+A `Constraint` is a kind and its text: a JSON schema, a regex (the whole output fullmatches it),
+an EBNF grammar as xgrammar reads it (GBNF: `root ::= ...`), json_object (any JSON object), or an
+xgrammar structural tag (the frontend builds one from a chat request's tools, see
+scheduler_svc/chat.py). `to_grammar` turns it into an xgrammar `Grammar` without a tokenizer:
+cheap (no token masks), so the frontend calls it to refuse a bad constraint with INVALID_ARGUMENT
+before the request is scheduled, and the worker's compiler (worker_svc/layers/grammar.py) calls it
+before computing the masks. A bad constraint raises `GrammarError` (a ValueError) naming the kind
+and the problem, never anything else.
+
+Guarantees of the grammars built here, for JSON (json_schema, json_object, tool-call arguments):
+  - compact: no whitespace between JSON tokens (separators "," and ":"), as vLLM's
+    disable-any-whitespace. A grammar that allows whitespace lets a weak or random model emit
+    newlines until max_tokens; xgrammar's default allows unbounded whitespace. Tool-call
+    arguments allow at most one whitespace character between tokens (Qwen3 writes `", "`).
+  - RFC 8259 strings: `json.loads` (strict) parses every output. xgrammar 0.2.9 emits, for strings
+    with minLength/maxLength, a character class `[^"\\\r\n]` that lets raw control characters
+    (U+0000..U+001F) through and forbids escapes; `to_grammar` replaces it with JSON's own string
+    character (any unescaped character but controls, `"` and `\\`, or one escape).
+  - strict objects: properties the schema does not declare are not generated (xgrammar's
+    strict_mode, vLLM's default), so an object ends once its declared properties are written.
+For every kind, the text is valid UTF-8: xgrammar 0.2.9 lets a negated character class (JSON's
+string character, `[^a]`, ...) and its expansion of the regex `.` match the 3-byte encoding of a
+UTF-16 surrogate (ED A0..BF xx), which is no character; the detokenizer renders it as three
+U+FFFD, which also breaks maxLength. `_exclude_surrogates` takes U+D800..U+DFFF out of those
+classes. Not covered: character classes inside a JSON schema's "pattern" (xgrammar keeps the
+pattern as a regex it matches itself).
+Why xgrammar rather than llguidance: docs/STRUCTURED_OUTPUT.md (measured by
+bench/structured_output_choice.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import xgrammar
+
+KINDS = ("json_schema", "regex", "grammar", "json_object", "structural_tag")
+# Whitespace characters allowed between the JSON tokens of tool-call arguments.
+TOOL_ARGUMENTS_MAX_WHITESPACE = 1
+
+# xgrammar's character of a length-bounded JSON string (see the module docstring) and JSON's own:
+# an unescaped character other than controls, quote and backslash, or one escape sequence. A
+# \u escape of a UTF-16 surrogate is left out: a pair of them decodes to one character, so a
+# grammar counting escapes would let a string shorter than minLength through.
+_XGRAMMAR_COUNTED_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = (
+    r'([^\0-\x1f\"\\] | "\\" ([\"\\/bfnrt] | "u" ([0-9A-Ca-cE-Fe-f] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f]'
+    r' | [Dd] [0-7] [0-9A-Fa-f] [0-9A-Fa-f])))'
+)
+# xgrammar's expansion of the regex `.`, and the same without surrogates.
+_ANY_CHAR = r"[\0-\U0010ffff]"
+_ANY_SCALAR = r"[\0-\ud7ff\ue000-\U0010ffff]"
+_SURROGATES = r"\ud800-\udfff"
+# xgrammar prefixes its C++ errors with "[time] /path/file.cc:line: " (and some with a failed
+# check's text); the caller wants the problem.
+_NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled. `kind` names the constraint field (json_schema, regex,
+    ...) so the frontend can name it in its INVALID_ARGUMENT."""
+
+    def __init__(self, kind: str, problem: str) -> None:
+        super().__init__(f"invalid {kind}: {problem}")
+        self.kind, self.problem = kind, problem
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    kind: str
+    text: str = ""   # empty for json_object
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError("constraint", f"unknown kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+        if self.kind != "json_object" and not self.text.strip():
+            raise GrammarError(self.kind, "empty")
+
+
+def to_grammar(constraint: Constraint) -> "xgrammar.Grammar":
+    """The xgrammar Grammar of `constraint` (no tokenizer needed). Raises GrammarError."""
+    import xgrammar as xgr
+
+    kind, text = constraint.kind, constraint.text
+    try:
+        if kind == "json_schema":
+            _parse_json(kind, text)
+            grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=True)
+        elif kind == "json_object":
+            # Non-strict: `{"type": "object"}` in strict mode would admit only {}.
+            grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
+                                                   separators=(",", ":"), strict_mode=False)
+        elif kind == "regex":
+            grammar = xgr.Grammar.from_regex(text)
+        elif kind == "grammar":
+            grammar = xgr.Grammar.from_ebnf(text)
+        else:
+            _parse_json(kind, text)
+            grammar = xgr.Grammar.from_structural_tag(text)
+        ebnf = str(grammar)
+        if kind not in ("regex", "grammar"):   # a user's own grammar means what it says
+            ebnf = ebnf.replace(_XGRAMMAR_COUNTED_CHAR, _JSON_STRING_CHAR)
+        ebnf = _exclude_surrogates(ebnf)
+        return grammar if ebnf == str(grammar) else xgr.Grammar.from_ebnf(ebnf)
+    except GrammarError:
+        raise
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise GrammarError(kind, _native_message(exc)) from None
+
+
+def _parse_json(kind: str, text: str) -> None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(kind, f"not valid JSON: {exc}") from None
+
+
+def _exclude_surrogates(ebnf: str) -> str:
+    """`ebnf` with U+D800..U+DFFF removed from every negated character class and from the
+    any-character class, outside string literals (and so outside Regex("...") patterns)."""
+    out, i, n = [], 0, len(ebnf)
+    while i < n:
+        ch = ebnf[i]
+        if ch == '"':                        # a string literal: copy through its closing quote
+            j = i + 1
+            while j < n and ebnf[j] != '"':
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(ebnf[i:j + 1])
+            i = j + 1
+        elif ch == "[":                      # a character class: find its closing bracket
+            j = i + 1
+            while j < n and ebnf[j] != "]":
+                j += 2 if ebnf[j] == "\\" else 1
+            cls = ebnf[i:j + 1]
+            if cls == _ANY_CHAR:
+                cls = _ANY_SCALAR
+            elif cls.startswith("[^"):
+                cls = "[^" + _SURROGATES + cls[2:]
+            out.append(cls)
+            i = j + 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+def _native_message(exc: Exception) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    message = _NATIVE_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
+    return message.removeprefix("Invalid structural tag error: ")

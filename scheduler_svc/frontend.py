@@ -1,0 +1,190 @@
+"""A frontend: the request side of the scheduler service. It admits requests into the engine core,
+turns the core's packed per-step outputs into each request's messages (detokenized, cut at stop
+strings, gathered `stream_interval` tokens at a time), and keeps one queue per client stream.
+
+Several frontends run in processes of their own beside the core (or one runs inside the core's
+process), so the per-token work of many client streams spreads over cores while the engine core
+only schedules. A frontend learns the core's status (up, draining, the context limit) from the
+first event of its stream and keeps it current from later ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from scheduler_svc.core_client import CoreClient, CoreUnreachable
+from scheduler_svc.core_types import AddCode, CoreInfo, CoreRequest, CoreStatus, StepOutputs, make_seq_id
+from scheduler_svc.output_stream import OutputStream, RequestOutput
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.tokenizer import Tokenizer
+
+log = logging.getLogger("scheduler.frontend")
+
+
+class Refused(Exception):
+    """The core did not admit the request; `code` says why (AddCode)."""
+
+    def __init__(self, code: AddCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    seq_id: int
+    stream: OutputStream
+    queue: asyncio.Queue
+    done: bool = False
+
+
+class Frontend:
+    def __init__(self, core: CoreClient, tokenizer: Tokenizer, *, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
+        self.core = core
+        self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.status = CoreStatus(False, "not connected to the engine core yet", 0)
+        self.status_changed = asyncio.Event()
+        self._requests: dict[int, _Request] = {}      # seq_id -> request in flight
+        self._counter = itertools.count(1)
+        self._rejected: Counter[str] = Counter()
+        self._draining = False
+
+    # -- the event stream ---------------------------------------------------------------------
+    async def run(self) -> None:
+        """Applies the core's events until the core goes away (then raises CoreUnreachable)."""
+        reporter = asyncio.create_task(self._report_rejections())
+        try:
+            async for event in self.core.events():
+                if event.status is not None:
+                    self._set_status(event.status)
+                if event.outputs is not None:
+                    self._apply(event.outputs)
+        finally:
+            reporter.cancel()
+            self._set_status(CoreStatus(False, "lost the engine core", 0))
+            for req in list(self._requests.values()):
+                self._deliver_end(req, req.stream.finish(FinishReason.ABORT, 0))
+
+    def _set_status(self, status: CoreStatus) -> None:
+        if status != self.status:
+            log.info("core status: %s", "accepting" if status.accepting else f"not accepting ({status.reason})")
+            self.status = status
+            self._notify()
+
+    def _notify(self) -> None:
+        """Wakes whoever waits on status_changed (taken before reading the state it watches)."""
+        self.status_changed.set()
+        self.status_changed = asyncio.Event()
+
+    def _apply(self, out: StepOutputs) -> None:
+        """One step's tokens and endings for this frontend's requests."""
+        requests = self._requests
+        logprobs = out.logprobs
+        touched: list[_Request] = []
+        stopped: list[int] = []
+        for i, seq_id in enumerate(out.seq_ids):
+            req = requests.get(seq_id)
+            if req is None or req.stream.stopped:
+                continue
+            req.stream.add_token(out.token_ids[i], logprobs[i] if logprobs is not None else None)
+            if req.stream.stopped:
+                stopped.append(seq_id)
+            else:
+                touched.append(req)
+        for finished in out.finished:
+            req = requests.get(finished.seq_id)
+            if req is not None:
+                self._deliver_end(req, req.stream.finish(finished.reason, finished.num_cached_prompt_tokens))
+        for req in touched:
+            if not req.done:
+                message = req.stream.ready()
+                if message is not None:
+                    req.queue.put_nowait(message)
+        if stopped:
+            # The request ends once the core confirms (with its usage); meanwhile its tokens are
+            # dropped here.
+            asyncio.ensure_future(self._abort(stopped, FinishReason.STOP, notify=True))
+
+    def _deliver_end(self, req: _Request, message: RequestOutput) -> None:
+        self._requests.pop(req.seq_id, None)
+        req.done = True
+        req.queue.put_nowait(message)
+
+    # -- requests -------------------------------------------------------------------------------
+    @property
+    def num_active(self) -> int:
+        return len(self._requests)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def start_draining(self) -> None:
+        self._draining = True
+        self._notify()
+
+    def count_rejection(self, code: str) -> None:
+        self._rejected[code] += 1
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                     ) -> AsyncIterator[RequestOutput]:
+        """Admits a validated request; returns its stream of messages. Raises Refused."""
+        if self._draining:
+            raise Refused(AddCode.UNAVAILABLE, "the server is shutting down")
+        seq_id = make_seq_id(self.core.frontend_id, next(self._counter))
+        stream = OutputStream.create(self.tokenizer, prompt_token_ids, stop=params.stop,
+                                     skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
+                                     stream_interval=self.stream_interval)
+        # Filed before the add: the core may send its first token before the add's answer arrives.
+        req = _Request(request_id, seq_id, stream, asyncio.Queue())
+        self._requests[seq_id] = req
+        result = await self.core.add(CoreRequest(seq_id, request_id, prompt_token_ids, params))
+        if result.code != AddCode.OK:
+            self._requests.pop(seq_id, None)
+            raise Refused(result.code, result.message)
+        return self._stream(req)
+
+    async def _stream(self, req: _Request) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                message = await req.queue.get()
+                yield message
+                if message.finished:
+                    return
+        finally:
+            # The consumer went away (cancelled stream, deadline): free the request at once.
+            if not req.done:
+                self._requests.pop(req.seq_id, None)
+                req.done = True
+                asyncio.ensure_future(self._abort([req.seq_id], FinishReason.ABORT, notify=False))
+
+    async def abort(self, request_id: str) -> bool:
+        """The public Abort: any frontend's request, by its id."""
+        return await self.core.abort_request_id(request_id)
+
+    async def info(self) -> CoreInfo:
+        return await self.core.info()
+
+    async def _abort(self, seq_ids: list[int], reason: FinishReason, notify: bool) -> None:
+        try:
+            await self.core.abort(seq_ids, reason, notify)
+        except CoreUnreachable as e:
+            log.warning("could not abort %d requests: %s", len(seq_ids), e)
+
+    async def _report_rejections(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._rejected:
+                rejected, self._rejected = dict(self._rejected), Counter()
+                try:
+                    await self.core.report(rejected)
+                except CoreUnreachable:
+                    pass

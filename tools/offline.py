@@ -1,0 +1,115 @@
+"""The same engine in one process, without gRPC: the engine core drives a ModelRunner directly.
+
+For offline batch jobs and for measuring what the process split costs. No tokenizer, no
+streams: it returns each prompt's output token ids.
+
+    from tools.offline import LLM
+    from scheduler_svc.sampling_params import SamplingParams
+    llm = LLM("models/tiny-qwen3", device="cpu")
+    outputs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8))
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+
+from common.model_dir import read_model_facts
+from common.pb.llm.worker.v1 import worker_pb2
+from scheduler_svc.core import EngineConfig, EngineCore
+from scheduler_svc.core_types import AddCode, CoreRequest, make_seq_id
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.worker_client import WorkerError, WorkerGroupClient
+from worker_svc.config import WorkerConfig
+from worker_svc.model_runner import ModelRunner
+from worker_svc.step_message import build_step_response, parse_step_request
+
+_WORKER_FIELDS = {f.name for f in dataclasses.fields(WorkerConfig)} - {"model"}
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class LocalWorkerClient:
+    """A ModelRunner in this process. Steps are launched on one thread of their own, in the order
+    sent, and their tokens awaited on others, so step N+1 is prepared and launched while the
+    device still runs step N (as the gRPC worker does) and the event loop keeps going meanwhile."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.address = "local"
+        self._runner = runner
+        self._launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+        self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="step-wait")
+
+    async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
+        return self._runner.describe()
+
+    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            pending = await loop.run_in_executor(self._launcher, self._launch, request)
+            return build_step_response(await loop.run_in_executor(self._waiters, pending.result))
+        except ValueError as e:
+            raise WorkerError(f"local worker refused the step: {e}") from e
+
+    def _launch(self, request: worker_pb2.StepRequest):
+        return self._runner.launch(parse_step_request(request))
+
+    async def reset(self, timeout: float) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._launcher, self._runner.reset)
+
+    async def close(self) -> None:
+        self._launcher.shutdown(wait=True)
+        self._waiters.shutdown(wait=True)
+
+
+class LLM:
+    def __init__(self, model: str, **options) -> None:
+        unknown = set(options) - _WORKER_FIELDS - _ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"unknown options: {sorted(unknown)}")
+        worker = {k: v for k, v in options.items() if k in _WORKER_FIELDS}
+        engine = {k: v for k, v in options.items() if k in _ENGINE_FIELDS}
+        # Shared knobs mean the same on both sides (the worker sizes warm-up and graphs by them).
+        for shared in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if shared in options:
+                worker[shared] = engine[shared] = options[shared]
+        self.runner = ModelRunner(WorkerConfig(model=model, **worker))
+        self._eos_token_ids = read_model_facts(model).eos_token_ids
+        self._engine_config = EngineConfig(**engine)
+        self._counter = itertools.count(1)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Runs every prompt (token ids) to completion, all submitted at once; returns the
+        output token ids of each, in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        return asyncio.run(self._generate(prompts, params))
+
+    async def _generate(self, prompts, params) -> list[list[int]]:
+        core = EngineCore([WorkerGroupClient([LocalWorkerClient(self.runner)])], eos_token_ids=self._eos_token_ids,
+                          config=self._engine_config)
+        events = core.attach(0)
+        await core.start()
+        try:
+            if not await core.wait_ready(timeout_s=60):
+                raise RuntimeError(f"the local worker did not come up: {core.status.reason}")
+            seq_ids = [make_seq_id(0, next(self._counter)) for _ in prompts]
+            requests = [CoreRequest(seq_id, f"offline-{seq_id}", list(p), sp)
+                        for seq_id, p, sp in zip(seq_ids, prompts, params)]
+            for request, result in zip(requests, core.add_requests(requests)):
+                if result.code != AddCode.OK:
+                    raise ValueError(f"request {request.request_id} refused: {result.message}")
+            outputs: dict[int, list[int]] = {seq_id: [] for seq_id in seq_ids}
+            pending = set(seq_ids)
+            while pending:
+                event = await events.get()
+                if event.outputs is None:
+                    continue
+                for seq_id, token in zip(event.outputs.seq_ids, event.outputs.token_ids):
+                    outputs[seq_id].append(token)
+                pending.difference_update(f.seq_id for f in event.outputs.finished)
+            return [outputs[seq_id] for seq_id in seq_ids]
+        finally:
+            await core.shutdown(grace_s=0)

@@ -1,0 +1,116 @@
+"""The persistent batch: one row per request the worker holds, kept across steps.
+
+Per-row facts live in host arrays indexed by row (vLLM V1's InputBatch): known token ids, how
+many tokens are known and computed, the block table, sampling options. A step names its
+requests by seq_id; `rows_of` turns those into row indices once, and everything after that is
+vectorised over rows: validation, positions, slot mapping, sequence lengths, the block-table
+gather. Python work per step is O(batch), and only new requests and block appends touch rows
+one by one.
+
+Tokens the worker samples are not written back here: their values stay on the device (the
+runner keeps each row's newest sampled token there), so step N+1 can be prepared and launched
+before step N's tokens reach the host. A row therefore knows its tokens on the host up to
+`num_host_tokens` (what the scheduler sent) and counts, in `num_tokens`, the sampled ones too;
+a decode's input is always the newest sampled token, gathered on the device.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from worker_svc.layers.sampler import SamplingOptions
+from worker_svc.row_pool import grown_capacity
+from worker_svc.step_message import NewRequest
+
+
+class InputBatch:
+    def __init__(self, max_model_len: int, max_blocks_per_seq: int, initial_rows: int = 64) -> None:
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.row_of: dict[int, int] = {}         # seq_id -> row
+        self._free_rows: list[int] = []
+        self._num_rows = 0                       # rows ever handed out
+        self.token_ids = np.zeros((initial_rows, max_model_len), dtype=np.int32)
+        self.block_tables = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int32)
+        self.num_host_tokens = np.zeros(initial_rows, dtype=np.int64)   # token values known here
+        self.num_tokens = np.zeros(initial_rows, dtype=np.int64)        # known + sampled since
+        self.num_computed = np.zeros(initial_rows, dtype=np.int64)      # K/V in the cache
+        self.num_prompt = np.zeros(initial_rows, dtype=np.int64)
+        self.num_blocks = np.zeros(initial_rows, dtype=np.int64)
+        self.options: list[SamplingOptions | None] = [None] * initial_rows
+        self.penalty_rows: list[int | None] = [None] * initial_rows
+        # Bumped whenever a row changes hands, so cached per-row-set data (the sampler's
+        # metadata) is rebuilt exactly when the batch changes.
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.row_of
+
+    @property
+    def capacity(self) -> int:
+        return len(self.num_tokens)
+
+    def seq_ids(self) -> list[int]:
+        return list(self.row_of)
+
+    def rows_of(self, seq_ids: list[int]) -> np.ndarray:
+        """Row indices of the given requests; KeyError names the first one not held."""
+        row_of = self.row_of
+        return np.fromiter((row_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+
+    def add(self, new: NewRequest, penalty_row: int | None) -> int:
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = self._num_rows
+            self._num_rows += 1
+            if row >= self.capacity:
+                self._grow(grown_capacity(self.capacity, row + 1))
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_host_tokens[row] = self.num_tokens[row] = n
+        self.num_computed[row] = new.num_computed_tokens
+        self.num_prompt[row] = new.num_prompt_tokens
+        self.block_tables[row, :len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+        self.options[row] = new.sampling
+        self.penalty_rows[row] = penalty_row
+        self.row_of[new.seq_id] = row
+        self.version += 1
+        return row
+
+    def remove(self, seq_id: int) -> int | None:
+        """Frees the request's row; returns its penalty row (for the sampler to release)."""
+        row = self.row_of.pop(seq_id)
+        # The attention contract pads block tables with 0 past their end.
+        self.block_tables[row, :self.num_blocks[row]] = 0
+        penalty_row = self.penalty_rows[row]
+        self.options[row] = self.penalty_rows[row] = None
+        self._free_rows.append(row)
+        self.version += 1
+        return penalty_row
+
+    def append_blocks(self, rows: np.ndarray, indices: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+        """Appends counts[i] ids of block_ids (concatenated) to row rows[indices[i]]."""
+        offset = 0
+        for index, count in zip(indices.tolist(), counts.tolist()):
+            row = rows[index]
+            start = self.num_blocks[row]
+            self.block_tables[row, start:start + count] = block_ids[offset:offset + count]
+            self.num_blocks[row] = start + count
+            offset += count
+
+    def _grow(self, capacity: int) -> None:
+        def grown(array: np.ndarray) -> np.ndarray:
+            out = np.zeros((capacity, *array.shape[1:]), dtype=array.dtype)
+            out[:len(array)] = array
+            return out
+
+        for name in ("token_ids", "block_tables", "num_host_tokens", "num_tokens", "num_computed", "num_prompt",
+                     "num_blocks"):
+            setattr(self, name, grown(getattr(self, name)))
+        extra = capacity - len(self.options)
+        self.options += [None] * extra
+        self.penalty_rows += [None] * extra

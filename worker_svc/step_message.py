@@ -1,0 +1,131 @@
+"""The worker's side of the step wire: a StepRequest becomes a plain StepInput, and a step's
+result becomes a StepResponse. scheduler_svc/step_message.py is the mirror image; ModelRunner
+and the sampler never see protobuf.
+
+Parsing checks what the message says about itself (well-formed columns, sane sampling
+options); what it says against the worker's state is checked by the runner. Either failure is
+an InvalidStepError, raised before anything changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.pb.llm.worker.v1 import worker_pb2
+from worker_svc.layers.sampler import SamplingOptions
+
+
+class InvalidStepError(ValueError):
+    """The step contradicts itself or the worker's limits; nothing was changed."""
+
+
+class StaleMirrorError(InvalidStepError):
+    """The step names requests this worker does not hold (or already holds): its state and the
+    scheduler's view differ, e.g. after a worker restart. The scheduler should re-send them."""
+
+
+@dataclass(slots=True)
+class NewRequest:
+    seq_id: int
+    token_ids: list[int]            # every token known: prompt, then output so far
+    num_prompt_tokens: int
+    num_computed_tokens: int        # KV already in the cache (prefix-cache hit)
+    num_scheduled_tokens: int
+    block_ids: list[int]
+    sampling: SamplingOptions
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One step. Batch order: the cached requests (columns), then the new ones."""
+    step_id: int
+    finished_seq_ids: list[int]
+    new_requests: list[NewRequest]
+    cached_seq_ids: list[int]
+    num_scheduled: np.ndarray       # int64 [len(cached_seq_ids)]: tokens each cached request computes
+    new_block_indices: np.ndarray   # int64: cached entries whose block table grows, ascending
+    new_block_counts: np.ndarray    # int64: how many ids each of those gets
+    new_block_ids: np.ndarray       # int64: the ids, concatenated
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.cached_seq_ids) + len(self.new_requests)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """A step's sampled tokens, in batch order (one per request that samples), on the host."""
+    step_id: int
+    token_ids: list[int]
+    logprobs: list[float] | None    # None when no request asked
+    prepare_ms: float
+    forward_ms: float
+    total_ms: float
+    device_ms: float = 0.0
+
+
+def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptions:
+    """proto3 cannot tell an unset float from 0, and 0 is meaningless for top_p and
+    repetition_penalty, so 0 there means off. Raises ValueError for nonsense values."""
+    options = SamplingOptions(
+        temperature=pb.temperature,
+        top_p=pb.top_p or 1.0,
+        top_k=pb.top_k,
+        min_p=pb.min_p,
+        seed=pb.seed if pb.HasField("seed") else None,
+        repetition_penalty=pb.repetition_penalty or 1.0,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        logprobs=pb.logprobs,
+    )
+    options.validate()
+    return options
+
+
+def _sparse_indices(name: str, indices, counts, size: int, step_id: int) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.array(indices, dtype=np.int64)
+    cnt = np.array(counts, dtype=np.int64)
+    if len(idx) != len(cnt):
+        raise InvalidStepError(f"step {step_id}: {len(idx)} {name}_indices but {len(cnt)} {name}_counts")
+    if len(idx) and (idx[0] < 0 or idx[-1] >= size or np.any(np.diff(idx) <= 0)):
+        raise InvalidStepError(f"step {step_id}: {name}_indices must ascend within 0..{size - 1}")
+    return idx, cnt
+
+
+def parse_step_request(req: worker_pb2.StepRequest) -> StepInput:
+    step_id = req.step_id
+    new_requests = []
+    for new in req.new_requests:
+        try:
+            options = sampling_options_from_proto(new.sampling)
+        except ValueError as exc:
+            raise InvalidStepError(f"step {step_id}, new request {new.seq_id}: {exc}") from None
+        new_requests.append(NewRequest(new.seq_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+                                       new.num_scheduled_tokens, list(new.block_ids), options))
+    cached = req.cached
+    seq_ids = list(cached.seq_ids)
+    multi_idx, multi_cnt = _sparse_indices("multi_token", cached.multi_token_indices, cached.multi_token_counts,
+                                           len(seq_ids), step_id)
+    if np.any(multi_cnt < 2):
+        raise InvalidStepError(f"step {step_id}: multi_token_counts must be at least 2 (one is the default)")
+    num_scheduled = np.ones(len(seq_ids), dtype=np.int64)
+    num_scheduled[multi_idx] = multi_cnt
+    block_idx, block_cnt = _sparse_indices("new_block", cached.new_block_indices, cached.new_block_counts,
+                                           len(seq_ids), step_id)
+    block_ids = np.array(cached.new_block_ids, dtype=np.int64)
+    if np.any(block_cnt < 1) or int(block_cnt.sum()) != len(block_ids):
+        raise InvalidStepError(f"step {step_id}: new_block_counts (sum {int(block_cnt.sum())}) must be positive "
+                               f"and add up to the {len(block_ids)} new_block_ids")
+    return StepInput(step_id, list(req.finished_seq_ids), new_requests, seq_ids, num_scheduled,
+                     block_idx, block_cnt, block_ids)
+
+
+def build_step_response(output: StepOutput) -> worker_pb2.StepResponse:
+    return worker_pb2.StepResponse(
+        step_id=output.step_id,
+        token_ids=output.token_ids,
+        logprobs=output.logprobs or (),
+        timings=worker_pb2.StepTimings(prepare_ms=output.prepare_ms, forward_ms=output.forward_ms,
+                                       total_ms=output.total_ms, device_ms=output.device_ms),
+    )
