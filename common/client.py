@@ -303,7 +303,7 @@ class Client:
         channel_options: extra gRPC channel arguments, e.g. [("grpc.keepalive_time_ms", 30000)].
     """
 
-    def __init__(self, target: str | None = None, *, timeout: float | None = 60.0, tls: bool = False,
+    def __init__(self, target: str | None = None, *, timeout: float | None = 600.0, tls: bool = False,
                  ca_file: str | pathlib.Path | None = None, client_cert: str | pathlib.Path | None = None,
                  client_key: str | pathlib.Path | None = None, token: str | None = None,
                  token_file: str | pathlib.Path | None = None,
@@ -396,7 +396,7 @@ class AsyncClient:
     inside a running event loop; close it with `await close()` or an `async with` block. Takes
     the same arguments as Client."""
 
-    def __init__(self, target: str | None = None, *, timeout: float | None = 60.0, tls: bool = False,
+    def __init__(self, target: str | None = None, *, timeout: float | None = 600.0, tls: bool = False,
                  ca_file: str | pathlib.Path | None = None, client_cert: str | pathlib.Path | None = None,
                  client_key: str | pathlib.Path | None = None, token: str | None = None,
                  token_file: str | pathlib.Path | None = None,
