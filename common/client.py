@@ -65,16 +65,16 @@ Prompt = str | Sequence[int]
 class SamplingParams:
     """How to sample; None (or False, or empty) leaves an option to the server's default."""
     max_tokens: int | None = None            # unset: up to the model's context limit
-    temperature: float | None = None         # 0 is greedy; unset means 1.0
+    temperature: float | None = None         # [0, 100]; 0 is greedy; unset means 1.0
     top_p: float | None = None               # (0, 1]; unset means 1.0
     top_k: int | None = None                 # unset or 0: no top-k
     min_p: float | None = None               # [0, 1]; unset means 0
     seed: int | None = None                  # same seed and prompt: same tokens, whatever the batch
     min_tokens: int | None = None            # EOS and stop tokens are ignored before this many tokens
     ignore_eos: bool = False
-    stop: Sequence[str] = ()                 # stop strings, left out of the text
+    stop: Sequence[str] = ()                 # up to 16 stop strings, left out of the text
     stop_token_ids: Sequence[int] = ()
-    repetition_penalty: float | None = None  # > 0; 1 means none
+    repetition_penalty: float | None = None  # [0.01, 10]; 1 means none
     presence_penalty: float | None = None    # [-2, 2]
     frequency_penalty: float | None = None   # [-2, 2]
     logprobs: bool = False                   # return each sampled token's log-probability

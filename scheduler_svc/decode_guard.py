@@ -2,9 +2,17 @@
 
 grpcio answers an undecodable request with a bare INTERNAL error; a client that sent invalid
 UTF-8 in a string field, or a corrupt message, deserves to be told so. This interceptor wraps
-each method's deserializer so a failure reaches the handler as a value, which then aborts.
+each unary-request method's deserializer so a failure reaches the handler as a value, which
+then aborts.
+
+grpc.aio runs a handler by its kind: an async generator function's items are sent as the
+stream, a coroutine function writes through context.write (the health servicer's Watch does),
+and a plain function runs in the server's thread pool. So each wrapper here is of the same kind
+as the handler it wraps; one kind wrapped as another fails every call.
 """
 from __future__ import annotations
+
+import inspect
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,8 +34,37 @@ def _lenient(deserializer):
     return deserialize
 
 
-async def _reject(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+def _guarded(behavior, response_streaming: bool):
+    """`behavior`, refusing an undecodable request first; of the same kind as `behavior`."""
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            async for response in behavior(request, context):
+                yield response
+        return stream
+    if inspect.iscoroutinefunction(behavior):
+        async def call(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            return await behavior(request, context)
+        return call
+
+    if response_streaming:
+        # In the thread pool, with a synchronous context. A generator even when `behavior` is a
+        # plain function returning an iterator: grpc.aio hangs the call when such a function
+        # aborts before it returns.
+        def sync_stream(request, context):
+            if isinstance(request, _Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            yield from behavior(request, context)
+        return sync_stream
+
+    def sync_call(request, context):
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return behavior(request, context)
+    return sync_call
 
 
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
@@ -35,25 +72,8 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        if handler.response_streaming:
-            inner = handler.unary_stream
-
-            async def unary_stream(request, context):
-                if isinstance(request, _Undecodable):
-                    await _reject(request, context)
-                async for response in inner(request, context):
-                    yield response
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=_lenient(handler.request_deserializer),
-                response_serializer=handler.response_serializer)
-        inner = handler.unary_unary
-
-        async def unary_unary(request, context):
-            if isinstance(request, _Undecodable):
-                await _reject(request, context)
-            return await inner(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=_lenient(handler.request_deserializer),
-            response_serializer=handler.response_serializer)
+        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        return make(_guarded(behavior, handler.response_streaming),
+                    request_deserializer=_lenient(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)

@@ -17,12 +17,16 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()   # a set: checked for every sampled token
+    stop_token_ids: frozenset[int] = frozenset()   # a set: the scheduler tests every sampled token
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool = False
     skip_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        # Any iterable of ids is accepted (frozenset() of a frozenset returns it as is).
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     def to_worker_options(self) -> worker_pb2.SamplingOptions:
         """What the worker's sampler needs; stop conditions stay with the scheduler."""

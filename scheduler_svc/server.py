@@ -81,7 +81,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             prompt_ids, params = await asyncio.to_thread(
                 validate_request, request, vocab_size=self.vocab_size, max_model_len=status.max_model_len,
-                tokenize=self.frontend.tokenizer.encode, limits=self.limits)
+                tokenize=self.frontend.tokenizer.encode, limits=self.limits,
+                max_input_bytes_per_token=self.frontend.tokenizer.max_input_bytes_per_token)
         except InvalidRequest as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id or uuid.uuid4().hex
@@ -119,17 +120,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 async def keep_health_current(frontend: Frontend, servicer: health.aio.HealthServicer) -> None:
     """SERVING while the core admits requests and some worker group is up; NOT_SERVING while
-    draining. Wakes on every change of the frontend's view (no polling)."""
+    draining, and for good once cancelled (at shutdown), so a watcher hears it even when the
+    drain is short. Wakes on every change of the frontend's view (no polling)."""
     last = None
-    while True:
-        changed = frontend.status_changed
-        status = (health_pb2.HealthCheckResponse.SERVING if frontend.status.accepting and not frontend.draining
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        if status != last:
-            for name in ("", SERVICE_NAME):
-                await servicer.set(name, status)
-            last = status
-        await changed.wait()
+    try:
+        while True:
+            changed = frontend.status_changed
+            status = (health_pb2.HealthCheckResponse.SERVING if frontend.status.accepting and not frontend.draining
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            if status != last:
+                for name in ("", SERVICE_NAME):
+                    await servicer.set(name, status)
+                last = status
+            await changed.wait()
+    finally:
+        await servicer.enter_graceful_shutdown()
 
 
 def build_server(service: GenerationService, *, options: list | None = None,

@@ -4,13 +4,24 @@ Calls go straight to the Rust `tokenizers` backend: the incremental detokenizer 
 window per sampled token, and transformers' Python wrapper around the same call costs ~3x as much.
 Decoding never applies `clean_up_tokenization_spaces`: that rewrite looks across token boundaries,
 so text streamed piece by piece could not reproduce it.
+
+`max_input_bytes_per_token` bounds how many UTF-8 bytes of input text one token can stand for, so
+admission can refuse a text that could never fit the context without tokenizing it
+(max_input_bytes_per_token says when such a bound exists).
 """
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Sequence
 
+from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# The most UTF-8 bytes a Unicode normalization turns into one byte (computed over every code
+# point; sequences do no worse): NFC/NFD map U+1FEF (3 bytes) to "`" and compose a Hangul
+# syllable (3 bytes) from three jamo (9); NFKC/NFKD map U+107A5 (4 bytes) to one ASCII letter.
+_NORMALIZER_SHRINK = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4}
 
 
 class Tokenizer:
@@ -23,6 +34,7 @@ class Tokenizer:
         # prompts here; transformers resets them on each of its own calls, so clearing them is safe.
         self._backend.no_truncation()
         self._backend.no_padding()
+        self.max_input_bytes_per_token = max_input_bytes_per_token(json.loads(self._backend.to_str()))
 
     @property
     def backend(self):
@@ -42,6 +54,58 @@ class Tokenizer:
     def __len__(self) -> int:
         """Ids the tokenizer knows, added tokens included; may be below the model's vocab_size."""
         return len(self.hf)
+
+
+def max_input_bytes_per_token(spec: dict) -> int | None:
+    """The most UTF-8 bytes of raw input text that one token of this tokenizer (a parsed
+    tokenizer.json) can cover, or None where no such bound follows from the vocabulary.
+
+    Derived for byte-level BPE (Qwen, GPT-2, Llama 3): there every input byte becomes one
+    character of the byte alphabet, so a vocabulary token of n characters covers n bytes of
+    normalized text, and an added token covers its own content. A normalizer in
+    _NORMALIZER_SHRINK may have shrunk the input by its factor first. None for anything else: a
+    normalizer or added token that can drop text (Strip, Replace, lstrip/rstrip), an unknown-token
+    model that may fuse any run of text into one token, or a byte alphabet the vocabulary lacks
+    (BPE silently drops what it cannot spell)."""
+    model, added = spec.get("model") or {}, spec.get("added_tokens") or []
+    if model.get("type") != "BPE" or not _has_byte_level(spec.get("pre_tokenizer")):
+        return None
+    if any(token.get("lstrip") or token.get("rstrip") for token in added):
+        return None
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    vocab = model.get("vocab") or {}
+    alphabet = ByteLevel.alphabet()
+    if shrink is None or not all(char in vocab for char in alphabet):
+        return None
+    alphabet = set(alphabet)
+    # A character outside the byte alphabet (none in a proper byte-level vocabulary) counts its
+    # UTF-8 length, which can only overstate the bound.
+    longest_vocab = max((sum(1 if c in alphabet else len(c.encode()) for c in token) for token in vocab), default=0)
+    longest_added = max((len(token["content"].encode()) for token in added), default=0)
+    return max(longest_vocab, longest_added) * shrink
+
+
+def _has_byte_level(pre_tokenizer: dict | None) -> bool:
+    if not pre_tokenizer:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in pre_tokenizer.get("pretokenizers", []))
+    return pre_tokenizer.get("type") == "ByteLevel"
+
+
+def _normalizer_shrink(normalizer: dict | None) -> int | None:
+    """How many input bytes the normalizer may turn into one; None: unbounded (it may drop text)."""
+    if not normalizer:
+        return 1
+    if normalizer.get("type") == "Sequence":
+        factor = 1
+        for step in normalizer.get("normalizers", []):
+            step_factor = _normalizer_shrink(step)
+            if step_factor is None:
+                return None
+            factor *= step_factor
+        return factor
+    return _NORMALIZER_SHRINK.get(normalizer.get("type"))
 
 
 def load_tokenizer(model_dir: str | pathlib.Path) -> Tokenizer:

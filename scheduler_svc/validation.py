@@ -1,11 +1,17 @@
 """Admission checks of a GenerateRequest: reject what the engine or a worker could not serve, with a
 message naming the field, and resolve the defaults the proto leaves unset.
 
-Cheap checks come first, so a bad request is refused before its text is tokenized.
+Cheap checks come first, so a bad request is refused before its text is tokenized: a text longer
+in bytes than max_model_len tokens can cover never reaches the tokenizer.
+
+Every float has a closed range in which the sampler's arithmetic stays finite for finite logits
+(a repetition penalty near 0 would divide logits by it); the proto documents the ranges. A refused
+float is printed as the client wrote it: the shortest decimal that is the same float32.
 """
 from __future__ import annotations
 
 import math
+import struct
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ class Limits:
     max_prompt_bytes: int = 1 << 20          # UTF-8 bytes of a text prompt, checked before tokenizing
     max_stop_strings: int = 16
     max_stop_string_len: int = 256           # characters; the matcher holds back up to this many
+    max_stop_token_ids: int = 256            # a chat template ends on a handful; each is a set lookup
     max_request_id_len: int = 256            # characters
 
 
@@ -38,17 +45,17 @@ def validate_request(
     max_model_len: int,
     tokenize: Callable[[str], list[int]],
     limits: Limits = Limits(),
+    max_input_bytes_per_token: int | None = None,
 ) -> tuple[list[int], SamplingParams]:
-    """Returns the prompt's token ids and the resolved sampling parameters, or raises InvalidRequest."""
+    """Returns the prompt's token ids and the resolved sampling parameters, or raises InvalidRequest.
+
+    `max_input_bytes_per_token` (Tokenizer.max_input_bytes_per_token; None: unknown) is the most
+    UTF-8 bytes of text one token covers: a longer text than max_model_len - 1 such tokens is refused
+    without tokenizing it."""
     _check_request_id(req.request_id, limits)
     sampling = _resolve_sampling(req.sampling, vocab_size, limits)
-    prompt = _prompt_token_ids(req, vocab_size, tokenize, limits)
+    prompt = _prompt_token_ids(req, vocab_size, max_model_len, tokenize, limits, max_input_bytes_per_token)
     room = max_model_len - len(prompt)
-    if room <= 0:
-        raise InvalidRequest(
-            "prompt",
-            f"prompt has {len(prompt)} tokens; max_model_len {max_model_len} leaves no room for a generated token",
-        )
     requested = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else room
     return prompt, SamplingParams(max_tokens=min(requested, room), **sampling)
 
@@ -89,8 +96,8 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
         min_tokens=min_tokens,
         ignore_eos=msg.ignore_eos,
         stop=_stop_strings(msg.stop, limits),
-        stop_token_ids=_stop_token_ids(msg.stop_token_ids, vocab_size),
-        repetition_penalty=_bounded_float(msg, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+        stop_token_ids=_stop_token_ids(msg.stop_token_ids, vocab_size, limits),
+        repetition_penalty=_bounded_float(msg, "repetition_penalty", 1.0, 0.01, 10.0),
         presence_penalty=_bounded_float(msg, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_bounded_float(msg, "frequency_penalty", 0.0, -2.0, 2.0),
         logprobs=msg.logprobs,
@@ -108,10 +115,30 @@ def _bounded_float(
     field = f"sampling.{name}"
     if not math.isfinite(value):
         raise InvalidRequest(field, f"{field} must be a finite number, got {value}")
-    if value > high or value < low or (low_open and value == low):
+    # Compared as float32, the field's type: a client's 0.01 arrives as 0.0099999998.
+    if value > _float32(high) or value < _float32(low) or (low_open and value == _float32(low)):
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise InvalidRequest(field, f"{field} must be in {interval}, got {value:g}")
+        raise InvalidRequest(field, f"{field} must be in {interval}, got {float32_text(value)}")
     return value
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to float32, as a proto float field stores it."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:   # past the float32 range (a decimal rounded up beyond its largest value)
+        return math.copysign(math.inf, value)
+
+
+def float32_text(value: float) -> str:
+    """The shortest decimal that reads back as the float32 `value` (a proto float field): what the
+    client most likely wrote, e.g. 1.0000001, where Python's repr of the widened double prints
+    1.0000001192092896 and `:g` prints 1."""
+    for digits in range(1, 10):   # 9 significant digits identify any float32
+        text = f"{value:.{digits}g}"
+        if _float32(float(text)) == value:
+            return text
+    return repr(value)            # not a float32 after all: print it whole
 
 
 def _stop_strings(stops: Sequence[str], limits: Limits) -> tuple[str, ...]:
@@ -130,7 +157,12 @@ def _stop_strings(stops: Sequence[str], limits: Limits) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> frozenset[int]:
+def _stop_token_ids(ids: Sequence[int], vocab_size: int, limits: Limits) -> frozenset[int]:
+    if len(ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(
+            "sampling.stop_token_ids",
+            f"sampling.stop_token_ids has {len(ids)} ids, more than the limit of {limits.max_stop_token_ids}",
+        )
     bad = _first_out_of_vocab(ids, vocab_size)
     if bad is not None:
         raise InvalidRequest(
@@ -141,15 +173,17 @@ def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> frozenset[int]:
 
 
 def _prompt_token_ids(
-    req: generation_pb2.GenerateRequest, vocab_size: int, tokenize: Callable[[str], list[int]], limits: Limits
+    req: generation_pb2.GenerateRequest, vocab_size: int, max_model_len: int, tokenize: Callable[[str], list[int]],
+    limits: Limits, max_input_bytes_per_token: int | None,
 ) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("prompt", "prompt is missing: set text or token_ids")
     if kind == "token_ids":
-        ids = list(req.token_ids.ids)
-        if not ids:
+        if not req.token_ids.ids:
             raise InvalidRequest("token_ids", "token_ids is empty")
+        _check_prompt_fits(len(req.token_ids.ids), max_model_len)   # before copying millions of ids
+        ids = list(req.token_ids.ids)
         bad = _first_out_of_vocab(ids, vocab_size)
         if bad is not None:
             raise InvalidRequest(
@@ -161,9 +195,17 @@ def _prompt_token_ids(
     size = len(req.text.encode("utf-8"))
     if size > limits.max_prompt_bytes:
         raise InvalidRequest("text", f"text is {size} bytes, more than the limit of {limits.max_prompt_bytes}")
+    if max_input_bytes_per_token is not None and size > (max_model_len - 1) * max_input_bytes_per_token:
+        raise InvalidRequest(
+            "text",
+            f"text is {size} bytes, more than max_model_len {max_model_len} tokens can hold: a token of this "
+            f"tokenizer covers at most {max_input_bytes_per_token} bytes, and {max_model_len - 1} prompt tokens "
+            f"at most {(max_model_len - 1) * max_input_bytes_per_token} bytes",
+        )
     ids = tokenize(req.text)
     if not ids:
         raise InvalidRequest("text", "text encodes to no tokens")
+    _check_prompt_fits(len(ids), max_model_len)
     bad = _first_out_of_vocab(ids, vocab_size)
     if bad is not None:
         # Only a tokenizer larger than the model's embedding gets here; a worker would crash on it.
@@ -171,6 +213,14 @@ def _prompt_token_ids(
             "text", f"text encodes to token id {ids[bad]} at index {bad}, out of range: vocab_size is {vocab_size}"
         )
     return ids
+
+
+def _check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise InvalidRequest(
+            "prompt",
+            f"prompt has {num_tokens} tokens; max_model_len {max_model_len} leaves no room for a generated token",
+        )
 
 
 def _first_out_of_vocab(ids: Sequence[int], vocab_size: int) -> int | None:

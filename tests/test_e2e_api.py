@@ -164,6 +164,10 @@ def test_max_model_len_finishes_with_length(tiny_model_dir, launch_services):
     (dict(text="hi", presence_penalty=3.0), "presence_penalty"),
     (dict(text="hi", frequency_penalty=-9.0), "frequency_penalty"),
     (dict(text="hi", stop_token_ids=[100000]), "stop_token_ids"),
+    (dict(text="hi", stop_token_ids=list(range(257))), "stop_token_ids has 257 ids, more than the limit of 256"),
+    (dict(text="hi", repetition_penalty=1e-45), "repetition_penalty must be in [0.01, 10], got 1e-45"),
+    # 4095 prompt tokens of at most 13 bytes (the tiny tokenizer's longest token) hold 53235 bytes.
+    (dict(text="x" * 60_000), "text is 60000 bytes, more than max_model_len 4096 tokens can hold"),
 ])
 def test_bad_input_is_invalid_argument(services, request_kwargs, field):
     with services.channel() as ch:
@@ -173,6 +177,18 @@ def test_bad_input_is_invalid_argument(services, request_kwargs, field):
         assert field in err.value.details()
         # ... and the service keeps serving everyone else.
         assert generate(ch, text="Hello", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("field, value, printed", [
+    ("top_p", 1.0000001, "1.0000001"), ("presence_penalty", -2.0000002, "-2.0000002"),
+    ("temperature", 100.00001, "100.00001"),
+])
+def test_a_refused_float_is_printed_as_sent(services, field, value, printed):
+    with services.channel() as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(ch, text="hi", **{field: value})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().endswith(f"got {printed}")
 
 
 def test_duplicate_request_id_is_refused(services):

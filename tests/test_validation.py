@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 
+import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from common.pb.llm.v1 import generation_pb2 as pb
 from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.validation import InvalidRequest, Limits, validate_request
+from scheduler_svc.validation import InvalidRequest, Limits, float32_text, validate_request
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 128
-LIMITS = Limits(max_prompt_bytes=100, max_stop_strings=2, max_stop_string_len=5, max_request_id_len=8)
+LIMITS = Limits(max_prompt_bytes=100, max_stop_strings=2, max_stop_string_len=5, max_request_id_len=8,
+                max_stop_token_ids=3)
 
 
 def utf8_tokenize(text: str) -> list[int]:
@@ -66,13 +70,26 @@ def test_prompt_one_short_of_the_limit_may_generate_one_token():
 
 @pytest.mark.parametrize("sampling", [
     dict(temperature=0.0), dict(temperature=100.0), dict(top_p=1.0), dict(min_p=0.0), dict(min_p=1.0),
-    dict(repetition_penalty=10.0), dict(presence_penalty=-2.0), dict(frequency_penalty=2.0),
-    dict(max_tokens=4, min_tokens=4), dict(stop=["12345", "x"]),
+    dict(repetition_penalty=10.0), dict(repetition_penalty=0.01), dict(presence_penalty=-2.0),
+    dict(frequency_penalty=2.0), dict(max_tokens=4, min_tokens=4), dict(stop=["12345", "x"]),
+    dict(stop_token_ids=[0, 511, 511]),
 ])
 def test_boundary_values_are_accepted(sampling):
     params = validate(request(**sampling))[1]
     for name, value in sampling.items():
-        assert getattr(params, name) == (tuple(value) if isinstance(value, list) else value)
+        if name == "stop_token_ids":
+            value = frozenset(value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        elif isinstance(value, float):
+            value = float(np.float32(value))    # what a proto float field carries
+        assert getattr(params, name) == value
+
+
+def test_stop_token_ids_are_a_set_for_constant_time_checks():
+    params = validate(request(stop_token_ids=[5, 9, 5]))[1]
+    assert isinstance(params.stop_token_ids, frozenset) and params.stop_token_ids == {5, 9}
+    assert isinstance(SamplingParams(stop_token_ids=(1, 2)).stop_token_ids, frozenset)
 
 
 def test_limits_are_inclusive():
@@ -107,11 +124,24 @@ REFUSALS = [
     (request(max_tokens=5, min_tokens=6), "sampling.min_tokens",
      "sampling.min_tokens must be <= sampling.max_tokens (5), got 6"),
     (request(repetition_penalty=0.0), "sampling.repetition_penalty",
-     "sampling.repetition_penalty must be in (0, 10], got 0"),
+     "sampling.repetition_penalty must be in [0.01, 10], got 0"),
     (request(repetition_penalty=-1.0), "sampling.repetition_penalty",
-     "sampling.repetition_penalty must be in (0, 10], got -1"),
+     "sampling.repetition_penalty must be in [0.01, 10], got -1"),
     (request(repetition_penalty=10.5), "sampling.repetition_penalty",
-     "sampling.repetition_penalty must be in (0, 10], got 10.5"),
+     "sampling.repetition_penalty must be in [0.01, 10], got 10.5"),
+    (request(repetition_penalty=1e-45), "sampling.repetition_penalty",   # would divide logits to inf
+     "sampling.repetition_penalty must be in [0.01, 10], got 1e-45"),
+    (request(repetition_penalty=0.00999), "sampling.repetition_penalty",
+     "sampling.repetition_penalty must be in [0.01, 10], got 0.00999"),
+    # Values just past a bound print as the client wrote them, not rounded onto the bound.
+    (request(top_p=1.0000001), "sampling.top_p", "sampling.top_p must be in (0, 1], got 1.0000001"),
+    (request(presence_penalty=-2.0000002), "sampling.presence_penalty",
+     "sampling.presence_penalty must be in [-2, 2], got -2.0000002"),
+    (request(temperature=100.00001), "sampling.temperature",
+     "sampling.temperature must be in [0, 100], got 100.00001"),
+    (request(min_p=-1e-38), "sampling.min_p", "sampling.min_p must be in [0, 1], got -1e-38"),
+    (request(frequency_penalty=3e38), "sampling.frequency_penalty",
+     "sampling.frequency_penalty must be in [-2, 2], got 3e+38"),
     (request(repetition_penalty=NAN), "sampling.repetition_penalty",
      "sampling.repetition_penalty must be a finite number, got nan"),
     (request(presence_penalty=2.5), "sampling.presence_penalty", "sampling.presence_penalty must be in [-2, 2], got 2.5"),
@@ -126,6 +156,8 @@ REFUSALS = [
     (request(stop=[""]), "sampling.stop", "sampling.stop[0] is empty; it would match at once"),
     (request(stop_token_ids=[5, 512, 7]), "sampling.stop_token_ids",
      "sampling.stop_token_ids[1] = 512 is out of range: vocab_size is 512"),
+    (request(stop_token_ids=[5, 6, 7, 8]), "sampling.stop_token_ids",
+     "sampling.stop_token_ids has 4 ids, more than the limit of 3"),
     (request(request_id="123456789"), "request_id", "request_id is 9 characters, more than the limit of 8"),
     (request(request_id="ab\ncd"), "request_id", "request_id has a control character (U+000A) at index 2"),
     (request(request_id="\x7f"), "request_id", "request_id has a control character (U+007F) at index 0"),
@@ -170,3 +202,52 @@ def test_default_limits_apply_when_none_are_given():
     stops = ["s"] * (Limits().max_stop_strings + 1)
     with pytest.raises(InvalidRequest, match=f"more than the limit of {Limits().max_stop_strings}"):
         validate_request(request(stop=stops), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, tokenize=utf8_tokenize)
+
+
+def test_default_stop_token_id_limit():
+    ids = list(range(Limits().max_stop_token_ids + 1))
+    with pytest.raises(InvalidRequest, match=f"has {len(ids)} ids, more than the limit of {len(ids) - 1}"):
+        validate_request(request(stop_token_ids=ids), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN,
+                         tokenize=utf8_tokenize)
+    assert len(validate_request(request(stop_token_ids=ids[:-1]), vocab_size=VOCAB_SIZE,
+                                max_model_len=MAX_MODEL_LEN, tokenize=utf8_tokenize)[1].stop_token_ids) == len(ids) - 1
+
+
+def test_overlong_token_ids_are_refused_by_their_count_first():
+    # Counting is free; copying and range-checking millions of ids is not.
+    req = request({"token_ids": pb.TokenIds(ids=[1] * 999 + [9000])})
+    with pytest.raises(InvalidRequest, match="prompt has 1000 tokens; max_model_len 128"):
+        validate(req)
+
+
+def no_tokenizing(text):
+    raise AssertionError("tokenized a text too long for the context")
+
+
+def test_text_longer_than_the_context_can_hold_is_refused_before_tokenizing():
+    # 127 prompt tokens of at most 2 bytes hold 254 bytes: 255 cannot fit, whatever the tokenizer does.
+    limits = Limits(max_prompt_bytes=1000)
+    long_text = "ab" * 127 + "c"
+    with pytest.raises(InvalidRequest, match=re.escape(
+            "text is 255 bytes, more than max_model_len 128 tokens can hold: a token of this tokenizer covers "
+            "at most 2 bytes, and 127 prompt tokens at most 254 bytes")) as info:
+        validate_request(request({"text": long_text}), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN,
+                         tokenize=no_tokenizing, limits=limits, max_input_bytes_per_token=2)
+    assert info.value.field == "text"
+    pairs = lambda text: [1] * ((len(text) + 1) // 2)   # noqa: E731  a tokenizer of two bytes a token
+    ids, _ = validate_request(request({"text": long_text[:-1]}), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN,
+                              tokenize=pairs, limits=limits, max_input_bytes_per_token=2)
+    assert len(ids) == 127
+    # Without a bound (a tokenizer that can drop text) only the byte limit applies.
+    with pytest.raises(InvalidRequest, match="prompt has 128 tokens"):
+        validate_request(request({"text": long_text}), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN,
+                         tokenize=pairs, limits=limits, max_input_bytes_per_token=None)
+
+
+@given(st.floats(width=32, allow_nan=False, allow_infinity=False))
+def test_float32_text_is_the_shortest_decimal_of_the_same_float32(value):
+    text = float32_text(value)
+    assert struct.unpack("<f", struct.pack("<f", float(text)))[0] == value
+    # numpy's float32 repr is the shortest round-tripping decimal (Dragon4): the same digits.
+    digits = lambda t: len(t.lower().split("e")[0].lstrip("-").replace(".", "").strip("0"))  # noqa: E731
+    assert digits(text) == digits(np.format_float_scientific(np.float32(value), unique=True)) or value == 0

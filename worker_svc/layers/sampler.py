@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 import torch
 import xxhash
 
+from worker_svc.layers.logits_guard import drawable_rows, with_unusable_rows_raw
 from worker_svc.layers.penalties import PenaltyTable
 
 # Temperatures below this are greedy: dividing by them would overflow the logits.
@@ -190,12 +191,17 @@ class Sampler:
             logits = logits.to(torch.float32, copy=True)
             self.penalties.apply(logits, meta.penalized_index, meta.penalty_rows,
                                  meta.repetition, meta.presence, meta.frequency)
+            logits = with_unusable_rows_raw(logits, raw)   # a penalty made a row non-finite: skip it
         token_ids = logits.argmax(-1) if len(meta.drawing) < meta.num_rows else None
         processed = None
         if meta.drawing:
             index = meta.drawing_index
             processed = self._process(logits if index is None else logits[index], meta)
-            drawn = self._race(processed.softmax(-1, dtype=torch.float32), meta, seeded_output_indices)
+            probs = processed.softmax(-1, dtype=torch.float32)
+            drawable = drawable_rows(probs)   # before the race overwrites probs
+            drawn = self._race(probs, meta, seeded_output_indices)
+            raw_drawing = raw if index is None else raw[index]
+            drawn = torch.where(drawable, drawn, raw_drawing.argmax(-1))
             token_ids = drawn if index is None else token_ids.index_copy_(0, index, drawn)
         if meta.penalized_index is not None:
             self.penalties.record(meta.penalty_rows, token_ids[meta.penalized_index])
@@ -207,6 +213,7 @@ class Sampler:
             values = raw[meta.greedy_asked].float().log_softmax(-1).gather(1, chosen).squeeze(1)
             logprobs.index_copy_(0, meta.greedy_asked, values)
         if meta.drawn_asked is not None:
+            processed = with_unusable_rows_raw(processed, raw_drawing)
             chosen = token_ids[meta.drawn_asked].unsqueeze(1)
             values = processed[meta.drawn_asked_in_drawing].float().log_softmax(-1).gather(1, chosen).squeeze(1)
             logprobs.index_copy_(0, meta.drawn_asked, values)

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One GPU session's calls, so each device command is short: `bash bench/gpu_session.sh CALL`.
+# Runs on the GPU machine (its python3 holds a CUDA torch); packages it lacks travel as wheels under
+# .whl/ (bench/README-style notes in docs/PERF_NOTES.md). Results: JSON and logs under $OUT.
+#   base      install the pinned gRPC/protobuf wheels (.whl/base) into /tmp/base
+#   tests     GPU tests (kernels, attention backends, CUDA graphs, the pipelined runner, MoE/FP8)
+#   smoke     a short gpu_bench run that exercises the service end to end
+#   fa4       install FlashAttention-4 (.whl/fa4a + .whl/fa4b) and run its tests and the attention bench
+#   bench     the full gpu_bench stages given in STAGES (default: the headline set)
+set -uo pipefail
+PY=${PY:-$(command -v python3)}
+[[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
+OUT=${OUT:-/tmp/out}
+BENCH=${BENCH:-/tmp/bench}
+mkdir -p "$OUT" "$BENCH"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PY
+export PYTHONPATH=/tmp/base${PYTHONPATH:+:$PYTHONPATH}
+[[ -f /tmp/site/fa4_env.sh ]] && source /tmp/site/fa4_env.sh
+
+base() {
+    if [[ ! -d /tmp/base/grpc ]]; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/base .whl/base/*.whl || exit 1
+        [[ -d .whl/xg ]] && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/base .whl/xg/*.whl
+    fi
+    $PY -c "import grpc, google.protobuf, torch; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+}
+
+copy_logs() {   # the JSON results, and the logs as one archive, under $OUT (8 files come back at most)
+    tar czf "$OUT/$1-results.tgz" -C "$BENCH/$1" --exclude model . 2>/dev/null
+    true
+}
+
+with_floor() {  # the bandwidth measured by `checkpoint`, for the floor in the tables
+    mkdir -p "$BENCH/$1" && cp "$BENCH/bandwidth.json" "$BENCH/$1/" 2>/dev/null
+    true
+}
+
+case ${1:-} in
+    base) base ;;
+    tests)
+        base
+        timeout ${TIMEOUT:-300} $PY -m pytest -q -x --tb=short -rfs -p no:cacheprovider ${TESTS:-tests/test_gpu_pipelined_runner.py \
+            tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_attention_backends.py} 2>&1 | tail -${LINES_OUT:-40}
+        ;;
+    smoke)
+        base
+        with_floor smoke
+        timeout ${TIMEOUT:-420} $PY -m bench.gpu_bench --out "$BENCH/smoke" --model "$BENCH/model" \
+            --stages ${STAGES:-service,decode} --num-requests ${NUM:-64} --stream-intervals 1 \
+            --decode-cases ${CASES:-1x1024,256x1024} ${EXTRA:-} 2>&1 | tail -45
+        copy_logs smoke
+        ;;
+    checkpoint)
+        base
+        timeout ${TIMEOUT:-300} $PY -m bench.gpu_bench --out "$BENCH" --stages checkpoint,bandwidth 2>&1 | tail -5
+        cp "$BENCH"/bandwidth.json "$OUT/" 2>/dev/null; true
+        ;;
+    fa4)
+        base
+        mkdir -p /tmp/fa4whl && cp .whl/fa4*/* /tmp/fa4whl/ 2>/dev/null
+        if [[ ! -f /tmp/site/fa4_env.sh ]]; then
+            bash scripts/fa4_install.sh --python "$PY" /tmp/fa4whl || exit 1
+            source /tmp/site/fa4_env.sh
+        fi
+        timeout ${TIMEOUT:-330} $PY -m pytest -q --tb=short -rfs -p no:cacheprovider tests/test_attention_backends.py \
+            tests/test_cuda_graphs.py tests/test_attention_selection.py 2>&1 | tail -25
+        timeout 240 $PY -m bench.attention_backends_bench --out "$OUT/attention.json" 2>&1 | grep -v '^{' | tail -60
+        ;;
+    stash)   # the FA4 wheels of one call, kept on the machine for the next
+        mkdir -p /tmp/fa4whl && cp .whl/fa4*/* /tmp/fa4whl/ && ls /tmp/fa4whl | wc -l
+        ;;
+    bench)
+        base
+        with_floor full
+        timeout ${TIMEOUT:-560} $PY -m bench.gpu_bench --out "$BENCH/full" --model "$BENCH/model" \
+            --stages ${STAGES:-service,offline} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-60}
+        copy_logs full
+        ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench" >&2; exit 2 ;;
+esac
