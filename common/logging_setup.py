@@ -1,7 +1,9 @@
 """One log format for every process, and request ids on the lines a request causes.
 
 Text (the default) is for people reading a terminal; json writes one object a line (ts, level,
-logger, msg, and request_id / exc when there are any) for log collectors. A request id lives in
+logger, msg, and request_id / exc when there are any) for log collectors. Python warnings and
+uncaught exceptions (in the main thread or any other) go through the same handler, so a json
+process writes nothing to stderr that is not a JSON line, save what C libraries print themselves. A request id lives in
 a ContextVar, so it follows the code that handles the request, across awaits, and never leaks
 into other asyncio tasks or threads: each task starts with a copy of its creator's context.
 """
@@ -12,6 +14,7 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -85,3 +88,21 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
     handler.addFilter(_RequestIdFilter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.captureWarnings(True)
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
+
+
+def _log_uncaught(exc_type, exc, tb) -> None:
+    if issubclass(exc_type, KeyboardInterrupt):   # Ctrl-C stays the usual one-line exit
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    logging.getLogger("uncaught").critical("uncaught exception: %s", exc_type.__name__, exc_info=(exc_type, exc, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread else "?"
+    logging.getLogger("uncaught").critical("uncaught exception in thread %s: %s", name, args.exc_type.__name__,
+                                           exc_info=(args.exc_type, args.exc_value, args.exc_traceback))

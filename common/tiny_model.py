@@ -1,22 +1,23 @@
 """Writes a small Qwen3 checkpoint with seeded random weights, in Hugging Face format.
 
-No machine here reaches a model hub, so this is the embedded default model for the demo and
-the tests: config.json, generation_config.json, model.safetensors and a byte-level BPE
-tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja) that transformers'
-AutoTokenizer loads. The tokenizer is shaped like Qwen3's: the same special and added tokens (chat
-turns, <think> reasoning, <tool_call> blocks), Qwen3's own chat template (tools and the
-enable_thinking switch), and fewer ids than the model's vocab_size, so the padded embedding rows
-that real Qwen3 checkpoints have (151669 tokens, 151936 rows) exist here too.
+It is the embedded default model of the demo and the tests, so neither needs a download:
+config.json, generation_config.json, model.safetensors and a byte-level BPE tokenizer
+(tokenizer.json, tokenizer_config.json, chat_template.jinja) that transformers' AutoTokenizer
+loads. The tokenizer is shaped like Qwen3's: the same special and added tokens (chat turns,
+<think> reasoning, <tool_call> blocks), Qwen3's own chat template (tools and the enable_thinking
+switch), and fewer ids than the model's vocab_size, so the padded embedding rows that real Qwen3
+checkpoints have (151669 tokens, 151936 rows) exist here too.
 Same arguments => byte-identical weights and tokenizer.
 
     python -m common.tiny_model --out models/tiny-qwen3
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
+
+from common.cli import ArgumentParser
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added after the BPE vocabulary, as in Qwen3, and like Qwen3 not special: they mark structure
@@ -134,8 +135,9 @@ def write_tiny_qwen3(
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m common.tiny_model", description=__doc__,
+                            env_prefix="QWEN3_SERVE_TINY_MODEL_")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("models/tiny-qwen3"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=2)
@@ -144,7 +146,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     write_tiny_qwen3(
         args.out,
         seed=args.seed,

@@ -15,7 +15,8 @@ import multiprocessing
 import os
 import tempfile
 
-from common.logging_setup import LOG_FORMATS, setup_logging
+from common.cli import ArgumentParser, add_logging_arguments, warn_if_exposed
+from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import (add_server_security_arguments, channel_credentials, read_secret,
                              server_security_from_args)
@@ -41,43 +42,42 @@ def default_num_frontends(cpu_count: int | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description="The scheduler service: public llm.v1.Generation API.")
+    p = ArgumentParser(prog="python -m scheduler_svc", description="The scheduler service: public llm.v1.Generation API.")
     p.add_argument("--model", required=True, help="Hugging Face model directory (tokenizer and config are read from it)")
-    p.add_argument("--served-model-name", default=None, help="name reported in ModelInfo (default: the directory's name)")
+    p.add_argument("--served-model-name", default=None, help="name reported in ModelInfo (unset: the model directory's name)")
     p.add_argument("--workers", required=True,
                    help="worker addresses, comma-separated (host:port, unix:PATH, or dns:///NAME:PORT for every "
                         "address NAME resolves to); with --tensor-parallel-size N, each N consecutive addresses form "
                         "one group, rank 0 first; several groups serve in data parallel")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per worker group")
+    p.add_argument("--host", default="127.0.0.1", help="address of the public API (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=50051, help="port of the public API")
     p.add_argument("--frontends", type=int, default=None,
-                   help="frontend processes serving the public port (0: one, inside the core's process; default: "
+                   help="frontend processes serving the public port (0: one, inside the core's process; unset: "
                         f"one per 4 cores, up to 8, so {default_num_frontends()} here)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed message (the first comes at once; the last carries the rest): "
                         "larger values trade inter-token latency for CPU")
     p.add_argument("--core-address", default=None,
-                   help="where the engine core listens for its frontends (default: a unix socket in a private "
+                   help="where the engine core listens for its frontends (unset: a unix socket in a private "
                         "temporary directory)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (chunked prefill beyond it)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the workers' limit)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (unset: the workers' limit)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="wait for each step's reply before scheduling the next (default: one step ahead)")
+                   help="wait for each step's reply before scheduling the next (without it: one step ahead)")
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting-queue bound; past it requests get RESOURCE_EXHAUSTED")
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a silent worker is declared down")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics over HTTP on this port (0: off)")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="json: one JSON object a line")
+    add_logging_arguments(p)
     add_server_security_arguments(p, "clients of the public API")
     sec = p.add_argument_group("worker security", "how this scheduler proves itself to its workers")
     sec.add_argument("--worker-auth-token", default=None, help="bearer token the workers require")
-    sec.add_argument("--worker-auth-token-file", default=None)
+    sec.add_argument("--worker-auth-token-file", default=None, help="file holding --worker-auth-token")
     sec.add_argument("--worker-tls-ca", default=None, help="reach workers over TLS, trusting this CA")
     sec.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
-    sec.add_argument("--worker-tls-key", default=None)
+    sec.add_argument("--worker-tls-key", default=None, help="private key of --worker-tls-cert")
     args = p.parse_args(argv)
     if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
         p.error("--worker-tls-cert and --worker-tls-key go together")
@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
         security = server_security_from_args(args, log)
     except (ValueError, OSError) as e:   # reported like a usage error, before anything starts
         raise SystemExit(f"python -m scheduler_svc: error: {e}") from e
+    token, credentials = security
+    warn_if_exposed(args.host, args.port, has_token=bool(token), has_tls=credentials is not None, log=log,
+                    what="the scheduler's public API")
     asyncio.run(serve(args, security))
 
 

@@ -9,10 +9,10 @@ import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.logging_setup import bind_request_id
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
+from common.reflection import enable_server_reflection
 from scheduler_svc.core_client import CoreUnreachable
 from scheduler_svc.core_types import AddCode, CoreInfo
 from scheduler_svc.frontend import Frontend, Refused
@@ -143,6 +143,5 @@ def build_server(service: GenerationService, *, options: list | None = None,
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    enable_server_reflection([SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
     return server, health_servicer

@@ -166,8 +166,8 @@ def test_max_model_len_finishes_with_length(tiny_model_dir, launch_services):
     (dict(text="hi", stop_token_ids=[100000]), "stop_token_ids"),
     (dict(text="hi", stop_token_ids=list(range(257))), "stop_token_ids has 257 ids, more than the limit of 256"),
     (dict(text="hi", repetition_penalty=1e-45), "repetition_penalty must be in [0.01, 10], got 1e-45"),
-    # 4095 prompt tokens of at most 13 bytes (the tiny tokenizer's longest token) hold 53235 bytes.
-    (dict(text="x" * 60_000), "text is 60000 bytes, more than max_model_len 4096 tokens can hold"),
+    # The tiny tokenizer's longest token covers 16 bytes: 4095 tokens hold at most 65520.
+    (dict(text="x" * 70_000), "text is 70000 bytes, more than max_model_len 4096 tokens can hold"),
 ])
 def test_bad_input_is_invalid_argument(services, request_kwargs, field):
     with services.channel() as ch:

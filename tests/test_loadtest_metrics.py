@@ -17,6 +17,7 @@ from tools.loadtest.metrics import (
     output_throughput_over_time,
     parse_slos,
     requests_in_flight,
+    slo_attainment,
     summarize,
 )
 
@@ -119,6 +120,16 @@ def test_summarize_counts_failures_and_computes_throughput_goodput_and_hit_rate(
     assert s.e2el.median_ms == pytest.approx(300.0)
 
 
+def test_slo_attainment_counts_each_slo_and_all_of_them_over_every_request():
+    fast = make_record([(0.1, 1), (0.2, 1), (0.3, 1)], e2e_s=0.3)          # ttft 100, tpot 100
+    slow_start = make_record([(0.9, 2), (1.0, 2)], e2e_s=1.1)            # ttft 900, tpot 66.7
+    slow_tokens = make_record([(0.1, 1), (0.5, 1)], e2e_s=0.5)           # ttft 100, tpot 400
+    failed = make_record([], e2e_s=0.5, status="UNAVAILABLE")
+    shares = slo_attainment([fast, slow_start, slow_tokens, failed], {"ttft": 500.0, "tpot": 150.0})
+    assert shares == {"ttft": 0.5, "tpot": 0.5, "all": 0.25}
+    assert slo_attainment([], {"ttft": 1.0}) == {}
+
+
 def test_summarize_without_slos_or_completions():
     result = RunResult(request_rate=math.inf, duration_s=1.0, records=[make_record([], 0.1, status="UNAVAILABLE")])
     s = summarize(result, {})
@@ -206,3 +217,22 @@ def test_requests_in_flight_is_a_step_function_over_every_ended_request():
     # the one with no end is left out. An end sorts before a start at the same instant.
     assert times.tolist() == [0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.5]
     assert counts.tolist() == [0, 1, 2, 1, 0, 1, 0]
+
+
+def test_plots_keep_their_axes_on_the_data_whatever_the_slo():
+    """An SLO far beyond the data is named at the edge instead of stretching the axis; one inside
+    is drawn as a line; count axes tick at whole numbers."""
+    from tools.loadtest import report
+
+    plt = report._pyplot()
+    fig, (far, near) = plt.subplots(1, 2)
+    samples = [0.010 + 0.001 * i for i in range(50)]         # 10..59 ms
+    stats = LatencyStats.of(samples)
+    report._latency_histogram(far, "TTFT", samples, stats, slo_ms=5000.0)
+    report._latency_histogram(near, "TTFT", samples, stats, slo_ms=40.0)
+    fig.canvas.draw()
+    assert far.get_xlim()[1] < 100
+    assert "SLO 5000 ms (beyond the axis)" in [t.get_text() for t in far.get_legend().get_texts()]
+    assert any(list(line.get_xdata()) == [40.0, 40.0] for line in near.get_lines())
+    assert all(float(tick).is_integer() for tick in far.get_yticks())
+    plt.close(fig)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import threading
+import warnings
 
 import pytest
 
@@ -17,9 +19,12 @@ log = logging.getLogger("tests.logging_setup")
 def restore_root_logger():
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    hooks = sys.excepthook, threading.excepthook
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    sys.excepthook, threading.excepthook = hooks
+    logging.captureWarnings(False)
 
 
 def json_lines(capsys) -> list[dict]:
@@ -97,3 +102,19 @@ def test_ids_stay_in_their_own_task_and_thread(capsys):
     for line in lines[:6]:
         assert line["msg"].startswith(line["request_id"] + " ")
     assert [line.get("request_id") for line in lines[6:]] == [None, None]
+
+
+def test_warnings_and_uncaught_exceptions_in_threads_become_json_lines(capsys):
+    setup_logging("INFO", "json")
+    warnings.warn("deprecated thing", DeprecationWarning, stacklevel=1)
+
+    def fail() -> None:
+        raise RuntimeError("thread broke")
+
+    thread = threading.Thread(target=fail, name="loader")
+    thread.start()
+    thread.join()
+    warning, crash = json_lines(capsys)
+    assert warning["logger"] == "py.warnings" and "deprecated thing" in warning["msg"]
+    assert crash["level"] == "CRITICAL" and "thread loader" in crash["msg"]
+    assert "RuntimeError: thread broke" in crash["exc"]

@@ -7,14 +7,14 @@ a collective timed out (--dist-timeout).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import sys
 import threading
 
-from common.logging_setup import LOG_FORMATS, setup_logging
+from common.cli import ArgumentParser, add_logging_arguments, warn_if_exposed
+from common.logging_setup import setup_logging
 from common.security import add_server_security_arguments, server_security_from_args
 from worker_svc.config import DEFAULT_PORT, add_worker_arguments, worker_config_from_args
 
@@ -23,14 +23,18 @@ logger = logging.getLogger("worker_svc")
 EXIT_GROUP_BROKEN = 3   # a peer rank died or a collective timed out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker_svc", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="json: one JSON object a line")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m worker_svc", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port of the llm.worker.v1 API")
+    add_logging_arguments(parser)
     add_server_security_arguments(parser, "the scheduler")
     add_worker_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         auth_token, credentials = server_security_from_args(args, logger)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    warn_if_exposed(args.host, args.port, has_token=bool(auth_token), has_tls=credentials is not None, log=logger,
+                    what="this worker (it runs any step the caller sends)")
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

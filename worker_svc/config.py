@@ -38,29 +38,34 @@ class WorkerConfig:
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face Qwen3 model directory")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: float32 on the CPU, the checkpoint's dtype on CUDA")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (unset: 16)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache size in blocks; overrides the two below")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache size in GiB")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: share of device memory this process may use; the KV cache gets what is "
+                             "left after the weights and a warm-up forward")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context limit (unset: the model's max_position_embeddings)")
     parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
                         help="auto: the fastest that runs on this device for the model, measured at start-up")
     parser.add_argument("--kernel-cache-dir", default=None, metavar="DIR",
                         help="where compiled attention kernels (FlashAttention-4) are kept across restarts "
-                             "(default: ~/.cache/qwen3-serve/kernels)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+                             "(unset: ~/.cache/qwen3-serve/kernels)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                        help="dummy: random weights for the config (benchmarks without a download)")
     parser.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--seed", type=int, default=0, help="seeds unseeded sampling and dummy weights")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step (sizes the CUDA graphs)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="most tokens in one step (sizes the warm-up)")
     tp = parser.add_argument_group("tensor parallelism", "one worker process per rank; the scheduler "
                                    "lists the group's addresses, rank 0 first, with --tensor-parallel-size")
-    tp.add_argument("--tensor-parallel-size", type=int, default=1)
-    tp.add_argument("--rank", type=int, default=0)
+    tp.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks in this worker's group")
+    tp.add_argument("--rank", type=int, default=0, help="this process's rank in its group, 0..size-1")
     tp.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
                     help="rendezvous address: rank 0 listens there, the other ranks connect to it")
-    tp.add_argument("--dist-backend", default="auto", choices=["auto", "gloo", "nccl"])
+    tp.add_argument("--dist-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                    help="auto: nccl on CUDA, gloo on the CPU")
     tp.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="a collective (or a silent peer) past this breaks the group: the worker exits, "
                          "so that every rank restarts and the group forms again")

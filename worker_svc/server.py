@@ -14,9 +14,9 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
+from common.reflection import enable_server_reflection
 from common.security import TokenAuthInterceptor
 from worker_svc.model_runner import ModelRunner
 from worker_svc.step_message import (InvalidStepError, StaleMirrorError, build_step_response,
@@ -105,9 +105,7 @@ class WorkerServer:
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        enable_server_reflection((WORKER_SERVICE, health.SERVICE_NAME), self.server)
         self.address = f"{host}:{port}"
         bound = (self.server.add_secure_port(self.address, credentials) if credentials
                  else self.server.add_insecure_port(self.address))

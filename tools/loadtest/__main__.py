@@ -11,6 +11,7 @@ import uuid
 import grpc
 import numpy as np
 
+from common.cli import ArgumentParser
 from common.pb.llm.v1 import generation_pb2 as pb
 from tools.loadtest import datasets, report
 from tools.loadtest.client import LoadClient
@@ -39,12 +40,12 @@ def _positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m tools.loadtest", description=__doc__)
+    ap = ArgumentParser(prog="python -m tools.loadtest", description=__doc__, env_prefix="QWEN3_SERVE_LOADTEST_")
     conn = ap.add_argument_group("connection")
     conn.add_argument("--target", default="127.0.0.1:50051", help="scheduler HOST:PORT")
     conn.add_argument("--token", help="sent as `authorization: Bearer TOKEN` metadata")
     conn.add_argument("--tls-ca", type=pathlib.Path, help="PEM root certificates: connect with TLS and verify the server")
-    conn.add_argument("--timeout", type=float, help="per-request deadline in seconds (default: none)")
+    conn.add_argument("--timeout", type=float, help="per-request deadline in seconds (unset: none)")
     data = ap.add_argument_group("dataset")
     data.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random")
     data.add_argument("--dataset-path", type=pathlib.Path, help='jsonl: lines of {"prompt": str, "max_tokens": int?}')

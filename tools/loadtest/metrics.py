@@ -129,11 +129,28 @@ def parse_slos(items: list[str]) -> dict[str, float]:
     return slos
 
 
-def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
+def _observed_ms(record: RequestRecord) -> dict[str, float] | None:
+    """A completed request's value of each SLO metric (None when it did not complete)."""
     if not record.ok or record.ttft_s is None or record.e2e_s is None:
-        return False
-    observed_s = {"ttft": record.ttft_s, "tpot": record.tpot_s or 0.0, "e2el": record.e2e_s}
-    return all(observed_s[name] * 1000.0 <= limit for name, limit in slos_ms.items())
+        return None
+    return {"ttft": record.ttft_s * 1000.0, "tpot": (record.tpot_s or 0.0) * 1000.0, "e2el": record.e2e_s * 1000.0}
+
+
+def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
+    observed = _observed_ms(record)
+    return observed is not None and all(observed[name] <= limit for name, limit in slos_ms.items())
+
+
+def slo_attainment(records: list[RequestRecord], slos_ms: dict[str, float]) -> dict[str, float]:
+    """The share of all requests (failed ones count as misses) that met each SLO, and under "all"
+    the share that met every one (goodput's numerator over the request count)."""
+    if not records:
+        return {}
+    observed = [_observed_ms(r) for r in records]
+    shares = {name: sum(o is not None and o[name] <= limit for o in observed) / len(records)
+              for name, limit in slos_ms.items()}
+    shares["all"] = sum(meets_slos(r, slos_ms) for r in records) / len(records)
+    return shares
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from tools.loadtest.metrics import (
     RunSummary,
     output_throughput_over_time,
     requests_in_flight,
+    slo_attainment,
 )
 
 _LATENCIES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2el"))
@@ -106,9 +107,70 @@ def _pyplot():
     return plt
 
 
+def _integer_ticks(axis) -> None:
+    """Counts (requests, samples) get whole-number ticks only."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+_SLO_COLOR = "tab:green"
+_SLO_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2E", "all": "all SLOs"}
+
+
+def _mark_slo(ax, limit: float, *, vertical: bool) -> None:
+    """Draws the SLO as a line when it lies within half again of the axis the data set (the axis
+    grows to show it); one far beyond the data would squeeze the data into a corner, so it only
+    gets a legend entry saying so. Call before the legend."""
+    high = (ax.get_xlim() if vertical else ax.get_ylim())[1]
+    if limit <= 1.5 * high:
+        (ax.axvline if vertical else ax.axhline)(limit, color=_SLO_COLOR, linewidth=2, label=f"SLO {limit:g}")
+        if limit >= high:   # set limits stop autoscaling: make room for the line by hand
+            (ax.set_xlim(right=1.05 * limit) if vertical else ax.set_ylim(top=1.05 * limit))
+    else:
+        ax.plot([], [], color=_SLO_COLOR, linewidth=2, label=f"SLO {limit:g} ms (beyond the axis)")
+
+
+def _latency_histogram(ax, label: str, samples_s: list[float], stats: LatencyStats | None,
+                       slo_ms: float | None) -> None:
+    title = f"{label} ({len(samples_s)} samples)"
+    if stats is not None:
+        ms = np.asarray(samples_s) * 1000
+        # A few stalls far out (a pause of the host, say) would squeeze the bulk into one or two
+        # bins: the axis stops at twice the p99 and the title counts what lies beyond.
+        upper = min(float(ms.max()), 2 * stats.p99_ms)
+        beyond = int((ms > upper).sum())
+        if beyond:
+            title += f", {beyond} above {upper:.0f} ms not shown"
+        # Explicit edges: numpy cannot split a range of float noise (all samples equal) into bins.
+        edges = np.linspace(ms.min(), max(upper, ms.min() + 1e-3), 41)
+        ax.hist(ms[ms <= upper], bins=edges, color="tab:blue", alpha=0.8)
+        ax.axvline(stats.median_ms, color="black", linestyle="--", label=f"median {stats.median_ms:.1f}")
+        ax.axvline(stats.p99_ms, color="tab:red", linestyle=":", label=f"p99 {stats.p99_ms:.1f}")
+        if slo_ms is not None:   # the --goodput limit, so the picture shows who met it
+            _mark_slo(ax, slo_ms, vertical=True)
+        ax.legend(loc="best")
+    _integer_ticks(ax.yaxis)
+    ax.set(title=title, xlabel="ms", ylabel="requests" if label != "ITL" else "gaps")
+
+
+def _slo_attainment_panel(ax, result: RunResult, summary: RunSummary) -> None:
+    """One bar per SLO: the share of requests that met it, and of those that met all (goodput)."""
+    shares = slo_attainment(result.records, summary.slos_ms)
+    names = list(shares)
+    bars = ax.barh([_SLO_LABELS[n] + (f" \u2264 {summary.slos_ms[n]:g} ms" if n in summary.slos_ms else "")
+                    for n in names], [100 * shares[n] for n in names],
+                   color=[_SLO_COLOR if n != "all" else "tab:purple" for n in names])
+    ax.bar_label(bars, labels=[f"{100 * shares[n]:.0f}%" for n in names], padding=3)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 110)
+    ax.set(title=f"SLO attainment over {len(result.records)} requests (failed ones miss): "
+                 f"goodput {_opt(summary.goodput, '.2f')} req/s", xlabel="% of requests")
+
+
 def plot_run(path: pathlib.Path, result: RunResult, summary: RunSummary) -> None:
-    """Histograms of TTFT, TPOT, ITL and E2E (with their --goodput SLOs), and output throughput
-    and requests in flight over the run."""
+    """Histograms of TTFT, TPOT, ITL and E2E (each --goodput SLO on its own), SLO attainment when
+    there are SLOs, and output throughput and requests in flight over the run."""
     plt = _pyplot()
     done = [r for r in result.records if r.ok]
     samples = {
@@ -117,37 +179,22 @@ def plot_run(path: pathlib.Path, result: RunResult, summary: RunSummary) -> None
         "itl": [gap for r in done for gap in r.itls_s],
         "e2el": [r.e2e_s for r in done if r.e2e_s is not None],
     }
-    fig = plt.figure(figsize=(12, 10), layout="constrained")
-    grid = fig.add_gridspec(3, 2)
+    rows = 4 if summary.slos_ms else 3
+    fig = plt.figure(figsize=(12, 3.4 * rows), layout="constrained")
+    grid = fig.add_gridspec(rows, 2, height_ratios=[1, 1, 0.6, 1] if summary.slos_ms else [1, 1, 1])
     for i, (label, name) in enumerate(_LATENCIES):
-        ax = fig.add_subplot(grid[i // 2, i % 2])
-        stats: LatencyStats | None = getattr(summary, name)
-        title = f"{label} ({len(samples[name])} samples)"
-        if stats is not None:
-            ms = np.asarray(samples[name]) * 1000
-            # A few stalls far out (a pause of the host, say) would squeeze the bulk into one or two
-            # bins: the axis stops at twice the p99 and the title counts what lies beyond.
-            upper = min(float(ms.max()), 2 * stats.p99_ms)
-            beyond = int((ms > upper).sum())
-            if beyond:
-                title += f", {beyond} above {upper:.0f} ms not shown"
-            # Explicit edges: numpy cannot split a range of float noise (all samples equal) into bins.
-            edges = np.linspace(ms.min(), max(upper, ms.min() + 1e-3), 41)
-            ax.hist(ms[ms <= upper], bins=edges, color="tab:blue", alpha=0.8)
-            ax.axvline(stats.median_ms, color="black", linestyle="--", label=f"median {stats.median_ms:.1f}")
-            ax.axvline(stats.p99_ms, color="tab:red", linestyle=":", label=f"p99 {stats.p99_ms:.1f}")
-            if name in summary.slos_ms:  # the --goodput limit, so the picture shows who met it
-                limit = summary.slos_ms[name]
-                ax.axvline(limit, color="tab:green", linewidth=2, label=f"SLO {limit:g}")
-            ax.legend()
-        ax.set(title=title, xlabel="ms", ylabel="count")
-    ax = fig.add_subplot(grid[2, :])
+        _latency_histogram(fig.add_subplot(grid[i // 2, i % 2]), label, samples[name], getattr(summary, name),
+                           summary.slos_ms.get(name))
+    if summary.slos_ms:
+        _slo_attainment_panel(fig.add_subplot(grid[2, :]), result, summary)
+    ax = fig.add_subplot(grid[rows - 1, :])
     # About 30 bins: batched decoding emits a token for every running request at once, so bins
     # only a step or two wide would show the step rhythm rather than the run's shape.
     bin_s = max(result.duration_s, 1e-3) / 30
     edges, tokens_per_s = output_throughput_over_time(result.records, bin_s)
     ax.stairs(tokens_per_s, edges, color="tab:blue", linewidth=1.5)
     ax.set_xlim(0.0, max(result.duration_s, edges[-1]))
+    ax.set_ylim(bottom=0)
     ax.set_title(f"Output throughput ({bin_s:.2g} s bins) and requests in flight")
     ax.set_xlabel("s since start")
     # In flight on a second axis: it tells a server keeping up (flat) from a queue growing (rising).
@@ -156,6 +203,7 @@ def plot_run(path: pathlib.Path, result: RunResult, summary: RunSummary) -> None
     times, in_flight = requests_in_flight(result.records)
     in_flight_ax.step(times, in_flight, where="post", color="tab:orange")
     in_flight_ax.set_ylim(bottom=0)
+    _integer_ticks(in_flight_ax.yaxis)
     for axis, color, label in ((ax, "tab:blue", "output tokens/s"), (in_flight_ax, "tab:orange", "requests in flight")):
         axis.set_ylabel(label, color=color)
         axis.tick_params(axis="y", colors=color)
@@ -167,26 +215,58 @@ def plot_run(path: pathlib.Path, result: RunResult, summary: RunSummary) -> None
     plt.close(fig)
 
 
+def _percentile_lines(ax, x, stats: list[LatencyStats | None]) -> None:
+    keep = [(xi, s) for xi, s in zip(x, stats) if s is not None]
+    ax.plot([k[0] for k in keep], [k[1].median_ms for k in keep], marker="o", label="p50")
+    ax.plot([k[0] for k in keep], [k[1].p99_ms for k in keep], marker="s", linestyle="--", label="p99")
+
+
 def plot_sweep(path: pathlib.Path, summaries: list[RunSummary]) -> None:
-    """Median and p99 of each latency (and its --goodput SLO) against output throughput, one point
-    per request rate."""
+    """One point per request rate of the sweep: throughput (and goodput) against the rate, p50 and
+    p99 TTFT and TPOT against the rate, and the same latencies against the throughput reached.
+    Rates sit evenly spaced in the order run, so `inf` has a place of its own."""
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9), layout="constrained")
-    for ax, (label, name) in zip(axes.flat, _LATENCIES):
-        points = [(s.output_throughput, getattr(s, name), s.request_rate) for s in summaries if getattr(s, name)]
-        x = [p[0] for p in points]
-        ax.plot(x, [p[1].median_ms for p in points], marker="o", label="median")
-        ax.plot(x, [p[1].p99_ms for p in points], marker="s", linestyle="--", label="p99")
-        for throughput, stats, rate in points:
-            ax.annotate(_rate(rate), (throughput, stats.median_ms), textcoords="offset points", xytext=(4, 4))
-        if name in summaries[0].slos_ms:
-            ax.axhline(summaries[0].slos_ms[name], color="tab:green", linewidth=2, label="SLO")
-        ax.set(title=f"{label} vs throughput (labels: req/s)", xlabel="output tokens/s", ylabel="ms")
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12), layout="constrained")
+    positions = list(range(len(summaries)))
+    labels = [_rate(s.request_rate) for s in summaries]
+    slos = summaries[0].slos_ms
+
+    def rate_axis(ax, title: str, ylabel: str) -> None:
+        ax.set_xticks(positions, labels)
+        ax.set(title=title, xlabel="request rate (req/s)", ylabel=ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+
+    ax = axes[0, 0]
+    ax.plot(positions, [s.output_throughput for s in summaries], marker="o", color="tab:blue")
+    rate_axis(ax, "Output token throughput", "output tokens/s")
+    ax = axes[0, 1]
+    ax.plot(positions, [s.request_throughput for s in summaries], marker="o", label="completed")
+    if slos:   # goodput shares the unit of request throughput: its own line on the same axis
+        ax.plot(positions, [s.goodput or 0.0 for s in summaries], marker="D", color="tab:purple",
+                label="goodput (" + " ".join(f"{_SLO_LABELS[n]}\u2264{v:g}" for n, v in slos.items()) + " ms)")
+    rate_axis(ax, "Request throughput", "requests/s")
+    ax.legend()
+    for column, (label, name) in enumerate((("TTFT", "ttft"), ("TPOT", "tpot"))):
+        ax = axes[1, column]
+        _percentile_lines(ax, positions, [getattr(s, name) for s in summaries])
+        rate_axis(ax, f"{label} against the request rate", "ms")
+        if name in slos:
+            _mark_slo(ax, slos[name], vertical=False)
+        ax.legend(loc="upper left")
+        ax = axes[2, column]
+        throughput = [s.output_throughput for s in summaries]
+        _percentile_lines(ax, throughput, [getattr(s, name) for s in summaries])
+        for x, s in zip(throughput, summaries):
+            if getattr(s, name) is not None:
+                ax.annotate(_rate(s.request_rate), (x, getattr(s, name).median_ms), textcoords="offset points",
+                            xytext=(4, 4))
+        ax.set(title=f"{label} against throughput (labels: req/s)", xlabel="output tokens/s", ylabel="ms")
         ax.set_ylim(bottom=0)
         ax.margins(x=0.08)  # room for the last point's label
-        ax.legend()
-    goodputs = ", ".join(f"{_rate(s.request_rate)}: {_opt(s.goodput, '.2f')}" for s in summaries)
-    fig.suptitle(f"Request-rate sweep, {summaries[0].completed + summaries[0].failed} requests per rate"
-                 + (f"; goodput (req/s) {goodputs}" if summaries[0].slos_ms else ""))
+        if name in slos:
+            _mark_slo(ax, slos[name], vertical=False)
+        ax.legend(loc="upper left")
+    fig.suptitle(f"Request-rate sweep, {summaries[0].completed + summaries[0].failed} requests per rate")
     fig.savefig(path, dpi=100)
     plt.close(fig)
