@@ -21,6 +21,7 @@ class WorkerConfig:
     max_model_len: int | None = None            # None: the model's max_position_embeddings
     attention_backend: str = "auto"
     load_format: str = "auto"                   # auto/safetensors: the checkpoint; dummy: random
+    quantization: str | None = None             # fp8: quantize the linear layers at load (FP8 checkpoints are FP8 without it)
     enforce_eager: bool = False                 # no CUDA graphs
     seed: int = 0                               # unseeded sampling and dummy weights
     max_num_seqs: int = 256                     # requests per step
@@ -43,6 +44,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto", choices=list(BACKEND_NAMES))
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: quantize the linear layers of a bf16 checkpoint at load time into block FP8 "
+                             "(128x128 blocks, as the official -FP8 checkpoints); an FP8 checkpoint needs no flag")
     parser.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
