@@ -38,14 +38,24 @@ def gpu_faithful():
     original_cast = interpreter.InterpreterBuilder.cast_impl
     original_patch = interpreter._patch_lang_tensor
     original_dot = interpreter.InterpreterBuilder.create_dot
+    original_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def torch_rounded(src, dst_type):
+        """float32 -> bfloat16 / float8_e4m3fn rounded by torch, or None for other casts."""
+        target = rounding_casts.get(dst_type.scalar)
+        if src.dtype.scalar != tl.float32 or target is None:
+            return None
+        dtype, bits, np_bits = target
+        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(dtype)
+        return interpreter.TensorHandle(rounded.view(bits).numpy().view(np_bits), dst_type.scalar)
 
     def rounding_cast(self, src, dst_type):
-        target = rounding_casts.get(dst_type.scalar)
-        if src.dtype.scalar == tl.float32 and target is not None:
-            dtype, bits, np_bits = target
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(dtype)
-            return interpreter.TensorHandle(rounded.view(bits).numpy().view(np_bits), dst_type.scalar)
-        return original_cast(self, src, dst_type)
+        rounded = torch_rounded(src, dst_type)
+        return original_cast(self, src, dst_type) if rounded is None else rounded
+
+    def rounding_fp_to_fp(self, src, dst_type, rounding_mode):
+        rounded = torch_rounded(src, dst_type)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode) if rounded is None else rounded
 
     def bf16_as_float32(handle):
         if handle.dtype.scalar != tl.bfloat16:
@@ -62,6 +72,7 @@ def gpu_faithful():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(interpreter.InterpreterBuilder, "cast_impl", rounding_cast)
+        patch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", rounding_fp_to_fp)
         patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
         patch.setattr(interpreter.InterpreterBuilder, "create_dot", float_dot)
         yield
