@@ -162,6 +162,13 @@ def test_formats_the_worker_cannot_run_are_refused(tmp_path, fp8_checkpoint):
     (tmp_path / "config.json").write_text((fp8_dir / "config.json").read_text())
     with pytest.raises(ValueError, match="'model.layers.0.mlp.down_proj.weight' has no 'model.layers.0.mlp"):
         build_worker_model(tmp_path)
+    # Scales of another block size than config.json names.
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(load_file(fp8_dir / "model.safetensors"), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"64x64 blocks of a \(\d+, \d+\) weight need"):
+        build_worker_model(tmp_path)
     # A tensor-parallel shard that would split a block of scales.
     values, scales = quantize_blocks(torch.randn(96, 64), (32, 32))
     with pytest.raises(ValueError, match="split its 32-wide scale blocks"):

@@ -97,7 +97,12 @@ class _Checkpoint:
         if block is None:
             raise ValueError(f"{self.file_of[name].name}: weight {name!r} is FP8 but config.json has no "
                              "quantization_config naming its weight_block_size")
-        return BlockFp8Tensor(tensor, self.tensor(scale_name).float(), block)
+        scale = self.tensor(scale_name).float()
+        expected = (*tensor.shape[:-2], -(-tensor.shape[-2] // block[0]), -(-tensor.shape[-1] // block[1]))
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"{self.file_of[scale_name].name}: {scale_name!r} has shape {tuple(scale.shape)}, but "
+                             f"{block[0]}x{block[1]} blocks of a {tuple(tensor.shape)} weight need {expected}")
+        return BlockFp8Tensor(tensor, scale, block)
 
 
 def load_safetensors(model: nn.Module, model_dir: pathlib.Path) -> None:

@@ -29,7 +29,7 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)   # 448
 DEFAULT_BLOCK = (128, 128)
 QUANTIZATION_METHODS = ("fp8",)
 # A block of zeros gets this scale instead of 0, so that dividing by it stays finite.
-_MIN_AMAX = 1e-12
+MIN_AMAX = 1e-12
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     weight [..., rows, cols]: each block scaled so its largest magnitude becomes FP8_MAX."""
     rows, cols = weight.shape[-2:]
     blocks = _blocked(weight.float(), block)
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_MIN_AMAX) / FP8_MAX
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(MIN_AMAX) / FP8_MAX
     values = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     values = values.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols]
     return values.contiguous(), scale
