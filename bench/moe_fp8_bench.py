@@ -6,6 +6,8 @@ each writes OUT/<stage>.json, and the tables are printed from whatever JSON OUT 
   moe_kernel   one Qwen3-30B-A3B MoE layer (128 experts, top-8, hidden 2048, width 768, bf16):
                the fused Triton path vs the reference expert loop at batch 1, 64, 256 (median
                time, largest difference), and the floor of reading the experts the batch touches
+  fp8_gemm     Qwen3-8B's four projections at the decode batch: bf16 F.linear vs the FP8 path
+               (token-group quantization + block-scaled GEMM), and a few tile shapes for the GEMM
   moe_e2e      Qwen3-30B-A3B's config with random bf16 weights (load_format dummy) through the
                in-process engine (scheduler_svc.offline.LLM) on nano-vllm's bench.py workload:
                output tok/s against its floor
@@ -39,7 +41,7 @@ import traceback
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = {"moe": "qwen3-30b-a3b.json", "0.6b": "qwen3-0.6b.json", "8b": "qwen3-8b.json"}
 DECODE_STAGES = {f"decode_{size}_{q}": (size, q) for size in ("0.6b", "8b") for q in ("bf16", "fp8")}
-STAGES = ("bandwidth", "moe_kernel", "moe_e2e", *DECODE_STAGES)
+STAGES = ("bandwidth", "moe_kernel", "fp8_gemm", "moe_e2e", *DECODE_STAGES)
 FP8_BLOCK = (128, 128)
 
 
@@ -259,6 +261,63 @@ def _moe_kernel_rows(args: argparse.Namespace) -> dict:
     return {"rows": rows, "experts": experts, "top_k": top_k, "hidden": hidden, "width": width}
 
 
+# Tile shapes tried for the FP8 GEMM besides fp8_kernels' own choice (the best is reported).
+FP8_GEMM_CONFIGS = [dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
+                    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+                    dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=4),
+                    dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=3)]
+
+
+def stage_fp8_gemm(args: argparse.Namespace) -> dict:
+    import contextlib
+
+    if args.device == "cpu":
+        from tests.triton_interpreter import gpu_faithful
+    else:
+        gpu_faithful = contextlib.nullcontext
+    with gpu_faithful():
+        return _fp8_gemm_rows(args)
+
+
+def _fp8_gemm_rows(args: argparse.Namespace) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from worker_svc.layers import fp8_kernels
+    from worker_svc.layers.fp8 import quantize_blocks
+
+    config = load_config(args, "8b")
+    h, i = config["hidden_size"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * config.get("head_dim", 128), config["num_key_value_heads"] * config.get("head_dim", 128)
+    rows_count = 8 if args.tiny else args.decode_batch
+    block = (32, 32) if args.tiny else FP8_BLOCK
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    timed = _timer(args.device)
+    g = torch.Generator(device=args.device).manual_seed(0)
+    rows = []
+    for name, (cols, width) in {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i)}.items():
+        weight = torch.randn(cols, width, generator=g, device=args.device).to(dtype) * 0.02
+        w8, scale = quantize_blocks(weight, block)
+        x = torch.randn(rows_count, width, generator=g, device=args.device).to(dtype)
+        x8, x_scale = fp8_kernels.per_token_group_quant(x, block[1])
+        bf16_s = timed(lambda: F.linear(x, weight))
+        fp8_s = timed(lambda: fp8_kernels.fp8_linear(x, w8, scale, block))
+        quant_s = timed(lambda: fp8_kernels.per_token_group_quant(x, block[1]))
+        sweep = []
+        for candidate in FP8_GEMM_CONFIGS[:1] if args.tiny else FP8_GEMM_CONFIGS:   # interpreted: one is enough
+            try:
+                sweep.append((timed(lambda: fp8_kernels.block_fp8_matmul(x8, x_scale, w8, scale, block, dtype,
+                                                                         config=candidate)), candidate))
+            except Exception as exc:   # e.g. out of shared memory: that shape is simply not a candidate
+                print(f"{name}: {candidate} failed: {exc}", file=sys.stderr)
+        best_s, best = min(sweep, key=lambda c: c[0]) if sweep else (None, None)
+        rows.append({"name": name, "rows": rows_count, "cols": cols, "width": width, "bf16_s": bf16_s, "fp8_s": fp8_s,
+                     "quant_s": quant_s, "default_config": fp8_kernels._matmul_config(rows_count),
+                     "best_gemm_s": best_s, "best_config": best,
+                     "bf16_bytes": cols * width * 2, "fp8_bytes": cols * width})
+    return {"rows": rows}
+
+
 def _llm(args: argparse.Namespace, name: str, **options):
     from scheduler_svc.offline import LLM
 
@@ -329,7 +388,8 @@ def stage_decode(args: argparse.Namespace, name: str, quantization: str) -> dict
             "prefill_s": prefill_s, "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
 
 
-STAGE_FUNCTIONS = {"bandwidth": stage_bandwidth, "moe_kernel": stage_moe_kernel, "moe_e2e": stage_moe_e2e,
+STAGE_FUNCTIONS = {"bandwidth": stage_bandwidth, "moe_kernel": stage_moe_kernel, "fp8_gemm": stage_fp8_gemm,
+                   "moe_e2e": stage_moe_e2e,
                    **{stage: (lambda a, _s=size, _q=q: stage_decode(a, _s, _q)) for stage, (size, q) in DECODE_STAGES.items()}}
 
 
@@ -379,6 +439,8 @@ def summarize(args: argparse.Namespace) -> dict:
         summary["moe_kernel"] = ok["moe_kernel"]
         for row in ok["moe_kernel"]["rows"]:   # reading the touched experts once is the floor
             row["floor_s"] = row["touched_bytes"] / rates["copy_bytes_per_s"] if rates else float("nan")
+    if "fp8_gemm" in ok:
+        summary["fp8_gemm"] = ok["fp8_gemm"]
     if "moe_e2e" in ok:
         e2e = dict(ok["moe_e2e"])
         e2e["tok_per_s"] = e2e["output_tokens"] / e2e["seconds"]
@@ -424,6 +486,15 @@ def print_tables(args: argparse.Namespace, summary: dict) -> None:
             print(f"{r['batch']:5d} {r['fused_s'] * 1e3:9.3f} {r['reference_s'] * 1e3:9.3f} "
                   f"{r['reference_s'] / r['fused_s']:7.1f}x {r['touched_experts']:8d} {r['floor_s'] * 1e3:9.3f} "
                   f"{r['floor_s'] / r['fused_s']:8.1%} {r['max_abs_error']:9.2e}")
+    if "fp8_gemm" in summary:
+        model = "tiny 8b" if args.tiny else "Qwen3-8B"
+        print(f"\n{model} projections at the decode batch: bf16 F.linear vs FP8 (quantize + GEMM), ms")
+        print(f"{'proj':8s} {'rows':>5s} {'N x K':>13s} {'bf16':>8s} {'fp8':>8s} {'speedup':>8s} {'quant':>7s} "
+              f"{'best gemm':>9s}  best tiles")
+        for r in summary["fp8_gemm"]["rows"]:
+            best = f"{r['best_gemm_s'] * 1e3:9.3f}  {r['best_config']}" if r["best_gemm_s"] else f"{'-':>9s}"
+            print(f"{r['name']:8s} {r['rows']:5d} {r['cols']:>6d}x{r['width']:<6d} {r['bf16_s'] * 1e3:8.3f} "
+                  f"{r['fp8_s'] * 1e3:8.3f} {r['bf16_s'] / r['fp8_s']:7.2f}x {r['quant_s'] * 1e3:7.3f} {best}")
     if "moe_e2e" in summary:
         e = summary["moe_e2e"]
         model = "tiny Qwen3-MoE" if args.tiny else "Qwen3-30B-A3B"
