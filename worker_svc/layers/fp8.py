@@ -7,10 +7,11 @@ ceil(in / bk)]: each bn x bk block of W equals its FP8 values times that block's
 are kept in float32 here, whatever dtype the checkpoint stored them in.
 
 Where the model runs:
-- `kernel=True` (CUDA): weights stay FP8 and the GEMMs are worker_svc.layers.fp8_kernels, which
-  quantize activations on the fly per token and group of bk columns (dynamic).
-- `kernel=False` (the CPU): weights are dequantized at load into the model dtype; the model
-  then computes with exactly the FP8 values, in full precision.
+- `kernel=True` (CUDA GPUs with FP8 tensor cores, compute capability 8.9 and up): weights stay
+  FP8 and the GEMMs are worker_svc.layers.fp8_kernels, which quantize activations on the fly per
+  token and group of bk columns (dynamic).
+- `kernel=False` (the CPU, older GPUs): weights are dequantized at load into the model dtype; the
+  model then computes with exactly the FP8 values, in full precision.
 `--quantization fp8` quantizes a bf16 checkpoint at load time into the same format (on the CPU:
 quantized, then dequantized). Quantized: every linear layer of the decoder layers (attention,
 MLP, experts). Never the embeddings, the LM head, the norms or the MoE router, nor any module
@@ -21,8 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)   # 448
@@ -55,8 +60,10 @@ def resolve_quantization(model_config, requested: str | None, device: torch.devi
     quantize a full-precision checkpoint at load), or None."""
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization {requested!r} is not supported (choose from {', '.join(QUANTIZATION_METHODS)})")
-    kernel = device.type == "cuda"
+    kernel = has_fp8_tensor_cores(device)
     spec = getattr(model_config, "quantization_config", None)
+    if (spec or requested) and device.type == "cuda" and not kernel:
+        logger.warning("%s has no FP8 tensor cores: FP8 weights are dequantized at load", device)
     if not spec:
         return Fp8Config(kernel=kernel) if requested == "fp8" else None
     method = spec.get("quant_method")
@@ -73,6 +80,11 @@ def resolve_quantization(model_config, requested: str | None, device: torch.devi
                          "(per-tensor FP8 checkpoints are not supported)")
     return Fp8Config(block=(int(block[0]), int(block[1])), kernel=kernel,
                      skip=tuple(spec.get("modules_to_not_convert") or ()))
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Ada and Hopper (compute capability 8.9+) multiply float8_e4m3fn natively."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

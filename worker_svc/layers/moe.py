@@ -153,6 +153,9 @@ class SparseMoeBlock(nn.Module):
                 block=experts.quant.block if experts.is_fp8 else None,
             )
         else:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the reference expert loop reads the routing on the host and cannot be captured "
+                                   "in a CUDA graph: with WORKER_FUSED_MOE=0, run with --enforce-eager")
             weights, ids = route(router_logits, self.top_k, self.renormalize)
             out = moe_reference(x, experts.w13_weight, experts.w2_weight, weights, ids)
         if self.tp_size > 1:
