@@ -153,7 +153,7 @@ class SparseMoeBlock(nn.Module):
                 block=experts.quant.block if experts.is_fp8 else None,
             )
         else:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if x.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the reference expert loop reads the routing on the host and cannot be captured "
                                    "in a CUDA graph: with WORKER_FUSED_MOE=0, run with --enforce-eager")
             weights, ids = route(router_logits, self.top_k, self.renormalize)
