@@ -4,7 +4,8 @@ whole tiny FP8 model run through it. Without CUDA the kernels run under Triton's
 
 Tolerances: the per-token-group quantization is torch's rounding, bit for bit. The GEMM equals
 its emulation (activations quantized and dequantized, weights dequantized, product in float64)
-to float32 rounding (1e-5 of the output's scale), or one bfloat16 step (2^-7) for bf16 output.
+to float32 rounding (1e-5 of the output's scale; 2^-10 on a GPU, whose FP8 tensor cores keep
+about 14 bits while they sum a 128-wide block), or one bfloat16 step (2^-7) for bf16 output.
 A whole model differs from transformers on the dequantized weights by its activations'
 quantization only: on the tiny random models logits stay within 15% (norm of the difference
 over the norm; measured 8-10%), 25% for MoE, where the quantization also moves some tokens to
@@ -20,7 +21,7 @@ import pathlib
 import pytest
 import torch
 
-from tests.triton_interpreter import DEVICE, gpu_faithful
+from tests.triton_interpreter import DEVICE, INTERPRETED, gpu_faithful
 from common.tiny_model import write_tiny_qwen3_fp8
 from tests.hf_reference import write_dequantized_checkpoint
 from tests.test_fp8 import fp8_layers_model
@@ -31,6 +32,7 @@ from worker_svc.layers.fp8 import dequantize_blocks, quantize_blocks
 from worker_svc.model_config import load_model_config
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FLOAT32_VS_EMULATION = 1e-5 if INTERPRETED else 2 ** -10
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_block_fp8_matmul_matches_its_emulation(fp8_kernels, out_dtype, rows, co
     actual = fp8_kernels.fp8_linear(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), block,
                                     None if b is None else b.to(DEVICE))
     assert actual.dtype == out_dtype and actual.shape == (rows, cols)
-    assert relative_error(actual, expected) <= (1e-5 if out_dtype == torch.float32 else 2 ** -7)
+    assert relative_error(actual, expected) <= (FLOAT32_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])

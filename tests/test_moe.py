@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 from common.tiny_model import write_tiny_qwen3_moe
 from tests.test_qwen3_model import reference_logits, run_chunks
@@ -51,6 +50,8 @@ def build_worker_model(model_dir: pathlib.Path, quantization: str | None = None,
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routing_is_transformers_router(renormalize):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
     g = torch.Generator().manual_seed(1)
     router = Qwen3MoeTopKRouter(SimpleNamespace(num_experts_per_tok=3, num_experts=16, norm_topk_prob=renormalize,
                                                 hidden_size=32))
@@ -63,6 +64,8 @@ def test_routing_is_transformers_router(renormalize):
 
 
 def test_sparse_layers_are_the_ones_transformers_builds(moe_checkpoint):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
     ours = build_worker_model(moe_checkpoint)
     theirs = AutoModelForCausalLM.from_pretrained(moe_checkpoint, dtype=torch.float32)
     want = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in theirs.model.layers]

@@ -7,7 +7,8 @@ Qwen3-30B-A3B-shaped one run on a GPU only.
 Tolerances: float32 matches to 1e-5 (only the order of sums differs). bfloat16 differs from the
 loop by the rounding of a token's k expert outputs (summed in float32 and rounded once, where
 the loop rounds after each add): within 2^-7 of the output's scale. FP8 matches its own
-emulation (activations quantized per token group, then the same float32 products) to 1e-5, and
+emulation (activations quantized per token group, then the same float32 products) to 1e-5
+(2^-10 on a GPU, whose FP8 tensor cores keep about 14 bits while they sum a 128-wide block), and
 the dequantized weights' result to 10% of the output's scale: two activation quantizations with
 3 mantissa bits each put random data that far from full precision (measured: 4-6%).
 """
@@ -19,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.triton_interpreter import DEVICE, gpu_faithful
+from tests.triton_interpreter import DEVICE, INTERPRETED, gpu_faithful
 from tests.worker_batches import paged_metadata, positions_of, random_block_tables
 from common.tiny_model import write_tiny_qwen3_moe
 from worker_svc import kv_cache
@@ -31,6 +32,7 @@ from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3_moe import Qwen3MoeForCausalLM
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FP8_VS_EMULATION = 1e-5 if INTERPRETED else 2 ** -10
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,9 @@ def test_routing_matches_the_reference(kernels, dtype, renormalize):
     probs = torch.softmax(logits.float(), -1)
     assert torch.equal(probs.gather(1, ids), probs.gather(1, want_ids))
     assert all(len(set(row)) == 5 for row in ids.tolist())
-    torch.testing.assert_close(weights.cpu(), want_weights, atol=1e-6, rtol=1e-6)
+    # float32 up to the exp's last bits; bfloat16 up to one rounding step flipped by them
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(weights.cpu(), want_weights, atol=0, rtol=tolerance)
 
 
 def test_sort_by_expert_lists_every_assignment_once_in_its_experts_blocks(kernels):
@@ -140,7 +144,7 @@ def test_fp8_experts_match_their_emulation_and_stay_near_full_precision(kernels,
     weights, ids = moe.route(torch.randn(9, 8, generator=g), 2, False)
     actual = moe_kernels.fused_experts(*(t.to(DEVICE) for t in (x, q13, q2, weights, ids)),
                                        w13_scale=s13.to(DEVICE), w2_scale=s2.to(DEVICE), block=block)
-    assert relative_error(actual, _w8a8_reference(x, d13, d2, weights, ids, block[1])) <= 1e-5
+    assert relative_error(actual, _w8a8_reference(x, d13, d2, weights, ids, block[1])) <= FP8_VS_EMULATION
     assert relative_error(actual, moe.moe_reference(x, d13, d2, weights, ids)) <= 0.1
 
 
