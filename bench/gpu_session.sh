@@ -39,7 +39,7 @@ case ${1:-} in
     base) base ;;
     tests)
         base
-        timeout ${TIMEOUT:-300} $PY -m pytest -q -x --tb=short -rfs -p no:cacheprovider ${TESTS:-tests/test_gpu_pipelined_runner.py \
+        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider ${TESTS:-tests/test_gpu_pipelined_runner.py \
             tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_attention_backends.py tests/test_moe_kernels.py \
             tests/test_fp8_kernels.py} 2>&1 | tail -${LINES_OUT:-40}
         ;;
