@@ -82,6 +82,9 @@ class GroupRunner:
         self.last_step_ms = 0.0
         self._last_reply_at = 0.0
         self._down_reason: str | None = "not connected yet"
+        # The requests the worker was computing when the group went down: its restart loses
+        # their KV and mirrors, so they are the ones re-sent in full.
+        self._lost_seq_ids: set[int] = set()
 
     # -- connection -----------------------------------------------------------------------
     async def connect(self) -> None:
@@ -96,8 +99,8 @@ class GroupRunner:
             self.scheduler = Scheduler(self.scheduler_config(first), BlockManager(first.num_kv_blocks, first.block_size),
                                        eos_token_ids=self.eos_token_ids)
         elif instance_ids != self._instance_ids:
-            log.warning("group %d: worker restarted; re-sending %d requests in full", self.index,
-                        self.scheduler.num_running + self.scheduler.num_waiting)
+            self._log_restart()
+        self._lost_seq_ids = set()
         # Whatever the worker holds now is not what our block tables describe: start both clean.
         self.scheduler.reset_all_worker_state()
         await self.client.reset(timeout=10.0)
@@ -194,8 +197,17 @@ class GroupRunner:
             for _, reply, _ in in_flight:
                 reply.cancel()
 
+    def _log_restart(self) -> None:
+        """Says what a worker restart costs: the requests it was computing (those still queued
+        here; a healthy group may have taken the others) are re-sent in full and recomputed."""
+        waiting = self.scheduler.waiting
+        resent = sum(1 for seq in waiting if seq.seq_id in self._lost_seq_ids)
+        log.warning("group %d: worker restarted; re-sending in full the %d requests it was computing "
+                    "(%d more waiting were not on it yet)", self.index, resent, len(waiting) - resent)
+
     def _mark_down(self, why: str) -> None:
         log.error("group %d: %s; marking it down", self.index, why)
+        self._lost_seq_ids = {seq.seq_id for seq in self.scheduler.running}
         self.healthy = False
         self._down_reason = why
         self.metrics.observe_worker_failure(self.index)

@@ -4,11 +4,13 @@ token prefix that produced it, so wrong KV (a stale prefix-cache hit, a shared b
 a mirror out of step with the scheduler) shows up as a wrong slot."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Callable
 
 from common.pb.llm.worker.v1 import worker_pb2
 from scheduler_svc.block_manager import hash_block
+from scheduler_svc.worker_client import WorkerError
 
 LOST = "lost"             # what a slot holds after the worker restarted
 
@@ -83,3 +85,54 @@ class FakeWorker:
         self.mirrors.clear()
         for block in self.kv:
             block[:] = [LOST] * self.block_size
+
+
+class FakeWorkerClient:
+    """A worker rank over FakeWorker: steps take a moment and run in the order they were sent,
+    as the gRPC worker runs them in step_id order. The steps named in die_at (counted over the
+    client's whole life: step ids restart after a reset) fail as a crashing worker's do: it
+    loses its state and refuses every step until it is reset."""
+
+    address = "fake"
+
+    def __init__(self, die_at: set[int] = frozenset(), *, num_blocks: int = 12, block_size: int = 2,
+                 vocab_size: int = 6, step_s: float = 0.002) -> None:
+        self.worker = FakeWorker(num_blocks, block_size)
+        self.vocab_size = vocab_size
+        self.step_s = step_s
+        self.die_at = die_at
+        self.dead = False
+        self.restarts = 0
+        self.num_steps = 0
+        self._turn = asyncio.Lock()        # FIFO: the first step sent runs first
+        self.num_in_flight = self.max_in_flight = 0
+
+    async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(max_model_len=len(self.worker.kv) * self.worker.block_size,
+                                     block_size=self.worker.block_size, num_kv_blocks=len(self.worker.kv),
+                                     instance_id=str(self.restarts))
+
+    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        try:
+            async with self._turn:
+                await asyncio.sleep(self.step_s)     # the forward pass
+                self.num_steps += 1
+                if self.num_steps in self.die_at:
+                    self.dead = True
+                    self.restarts += 1
+                    self.worker.reset()
+                if self.dead:
+                    raise WorkerError(f"worker died before step {request.step_id}")
+                sampled = self.worker.step(request, lambda tokens: prefix_token(tokens, self.vocab_size))
+            return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled)
+        finally:
+            self.num_in_flight -= 1
+
+    async def reset(self, timeout: float) -> None:
+        self.worker.reset()
+        self.dead = False
+
+    async def close(self) -> None:
+        pass

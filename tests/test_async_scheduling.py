@@ -11,19 +11,17 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from common.pb.llm.worker.v1 import worker_pb2
 from scheduler_svc.core import EngineConfig, EngineCore
 from scheduler_svc.core_client import LocalCoreClient
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_client import WorkerError, WorkerGroupClient
-from tests.fake_worker import FakeWorker, prefix_token
+from scheduler_svc.worker_client import WorkerGroupClient
+from tests.fake_worker import FakeWorkerClient
 
 EOS = 0
 VOCAB_SIZE = 6
-NUM_BLOCKS, BLOCK_SIZE = 12, 2
 
 
 def letter_tokenizer() -> Tokenizer:
@@ -31,53 +29,6 @@ def letter_tokenizer() -> Tokenizer:
     rust = RustTokenizer(models.WordLevel({chr(ord("a") + i): i for i in range(VOCAB_SIZE)}, unk_token="a"))
     rust.decoder = decoders.Fuse()
     return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust))
-
-
-class FakeWorkerClient:
-    """A worker rank over FakeWorker: steps take a moment and run in the order they were sent,
-    as the gRPC worker runs them in step_id order. The steps named in die_at (counted over the
-    client's whole life: step ids restart after a reset) fail as a crashing worker's do: it
-    loses its state and refuses every step until it is reset."""
-
-    address = "fake"
-
-    def __init__(self, die_at: set[int] = frozenset()) -> None:
-        self.worker = FakeWorker(NUM_BLOCKS, BLOCK_SIZE)
-        self.die_at = die_at
-        self.dead = False
-        self.restarts = 0
-        self.num_steps = 0
-        self._turn = asyncio.Lock()        # FIFO: the first step sent runs first
-        self.num_in_flight = self.max_in_flight = 0
-
-    async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(max_model_len=NUM_BLOCKS * BLOCK_SIZE, block_size=BLOCK_SIZE,
-                                     num_kv_blocks=NUM_BLOCKS, instance_id=str(self.restarts))
-
-    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
-        self.num_in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
-        try:
-            async with self._turn:
-                await asyncio.sleep(0.002)     # the forward pass
-                self.num_steps += 1
-                if self.num_steps in self.die_at:
-                    self.dead = True
-                    self.restarts += 1
-                    self.worker.reset()
-                if self.dead:
-                    raise WorkerError(f"worker died before step {request.step_id}")
-                sampled = self.worker.step(request, lambda tokens: prefix_token(tokens, VOCAB_SIZE))
-            return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled)
-        finally:
-            self.num_in_flight -= 1
-
-    async def reset(self, timeout: float) -> None:
-        self.worker.reset()
-        self.dead = False
-
-    async def close(self) -> None:
-        pass
 
 
 def random_requests(seed: int, num: int) -> list[tuple[list[int], SamplingParams]]:

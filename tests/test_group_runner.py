@@ -1,0 +1,59 @@
+"""A worker group's step loop around what goes wrong with its workers: what it logs when one
+restarts, and how it claims, renews and loses a worker's lease. The engine core runs in this
+process over fake worker clients (tests/fake_worker.py)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from scheduler_svc.core import EngineConfig, EngineCore
+from scheduler_svc.core_types import CoreRequest, make_seq_id
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.worker_client import WorkerGroupClient
+from tests.fake_worker import FakeWorkerClient
+
+
+async def _run_to_completion(core: EngineCore, requests: list[CoreRequest], timeout_s: float = 30.0) -> dict:
+    """Adds the requests through frontend 0 and returns {seq_id: (num tokens, finish reason)}."""
+    queue = core.attach(0)
+    assert all(r.code == 0 for r in core.add_requests(requests))
+    tokens: dict[int, int] = {r.seq_id: 0 for r in requests}
+    finished: dict[int, tuple[int, FinishReason]] = {}
+
+    async def drain() -> None:
+        while len(finished) < len(requests):
+            event = await queue.get()
+            if event.outputs is None:
+                continue
+            for seq_id in event.outputs.seq_ids:
+                tokens[seq_id] += 1
+            for f in event.outputs.finished:
+                finished[f.seq_id] = (tokens[f.seq_id], f.reason)
+
+    await asyncio.wait_for(drain(), timeout_s)
+    return finished
+
+
+def test_a_worker_restart_logs_the_requests_it_was_computing(caplog):
+    """Three requests run on the worker when it dies, two more wait for a slot: the restart
+    re-sends the three in full, and the log says three (not five, not zero)."""
+    async def scenario() -> dict:
+        client = FakeWorkerClient(die_at={4}, num_blocks=64, block_size=4, vocab_size=50)
+        core = EngineCore([WorkerGroupClient([client])], eos_token_ids=[0],
+                          config=EngineConfig(max_num_seqs=3, reconnect_interval_s=0.001))
+        await core.start()
+        assert await core.wait_ready(timeout_s=10)
+        requests = [CoreRequest(make_seq_id(0, i + 1), f"r{i}", [i + 1, 2, 3],
+                                SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(5)]
+        try:
+            return await _run_to_completion(core, requests)
+        finally:
+            await core.shutdown(grace_s=0)
+
+    with caplog.at_level(logging.INFO, logger="scheduler.group"):
+        finished = asyncio.run(scenario())
+    assert sorted(finished.values()) == [(12, FinishReason.LENGTH)] * 5
+    restarts = [r.getMessage() for r in caplog.records if "worker restarted" in r.getMessage()]
+    assert restarts == ["group 0: worker restarted; re-sending in full the 3 requests it was computing "
+                        "(2 more waiting were not on it yet)"]
