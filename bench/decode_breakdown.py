@@ -29,6 +29,7 @@ from scheduler_svc.sequence import Sequence
 from scheduler_svc.step_message import build_step_request, parse_step_response
 
 MAX_MESSAGE_BYTES = 64 << 20
+LEASE_EPOCH = time.time_ns()     # this run's lease of the worker (worker_svc/lease.py)
 
 
 def _median(values: list[float]) -> float:
@@ -37,7 +38,7 @@ def _median(values: list[float]) -> float:
 
 async def _measure_one(stub, info, batch: int, context: int, rng: random.Random, warmup_steps: int,
                        measured_steps: int, max_num_batched_tokens: int, max_token_id: int, seq_ids, step_ids) -> dict:
-    await stub.Reset(worker_pb2.ResetRequest(), timeout=60)
+    await stub.Reset(worker_pb2.ResetRequest(lease_epoch=LEASE_EPOCH), timeout=60)
     step_ids = itertools.count(1)     # a reset worker expects step 1 next
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max_num_batched_tokens,
                                           max_model_len=info.max_model_len, block_size=info.block_size),
@@ -55,6 +56,7 @@ async def _measure_one(stub, info, batch: int, context: int, rng: random.Random,
             if output.is_empty:
                 break
             request = build_step_request(next(step_ids), output)
+            request.lease_epoch = LEASE_EPOCH
             host_ms = (time.perf_counter() - t0) * 1e3
             pure = not output.new_requests and len(output.seqs) == batch and not output.multi_token_indices
             in_flight.append((output, pure, host_ms, asyncio.ensure_future(stub.Step(request, timeout=600))))
@@ -92,6 +94,8 @@ def measure_decode_breakdown(worker_addr: str, model_dir, *, cases: list[tuple[i
         async with grpc.aio.insecure_channel(worker_addr, options=options) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=30)
+            await stub.Claim(worker_pb2.ClaimRequest(owner="bench.decode_breakdown", epoch=LEASE_EPOCH,
+                                                     lease_ms=3_600_000), timeout=30)
             rows = []
             for batch, context in cases:
                 if batch * (context + warmup_steps + measured_steps + 2) > info.num_kv_blocks * info.block_size:
@@ -99,7 +103,7 @@ def measure_decode_breakdown(worker_addr: str, model_dir, *, cases: list[tuple[i
                     continue
                 rows.append(await _measure_one(stub, info, batch, context, rng, warmup_steps, measured_steps,
                                                max_num_batched_tokens, max_token_id, seq_ids, None))
-            await stub.Reset(worker_pb2.ResetRequest(), timeout=60)
+            await stub.Reset(worker_pb2.ResetRequest(lease_epoch=LEASE_EPOCH), timeout=60)
             return rows
 
     return asyncio.run(run())

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import socket
 import tempfile
 
 from common.cli import ArgumentParser, add_logging_arguments, warn_if_exposed
@@ -68,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="wait for each step's reply before scheduling the next (without it: one step ahead)")
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting-queue bound; past it requests get RESOURCE_EXHAUSTED")
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a silent worker is declared down")
+    p.add_argument("--instance-id", default=None,
+                   help="this scheduler's identity, under which it leases its workers (unset: HOSTNAME:PORT, stable "
+                        "across restarts, so a restarted scheduler re-claims its workers at once)")
+    p.add_argument("--worker-lease", type=float, default=EngineConfig.worker_lease_s,
+                   help="seconds a worker stays leased to this scheduler without a step or renewal; another "
+                        "scheduler can take it over only after that")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics over HTTP on this port (0: off)")
     add_logging_arguments(p)
@@ -87,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--frontends must be 0 or more")
     if args.stream_interval < 1:
         p.error("--stream-interval must be at least 1")
+    if not args.worker_lease > 0:
+        p.error("--worker-lease must be positive")
+    if args.instance_id is None:
+        args.instance_id = f"{socket.gethostname()}:{args.port}"
+    if not args.instance_id:
+        p.error("--instance-id must not be empty")
     return args
 
 
@@ -150,7 +163,8 @@ async def serve(args: argparse.Namespace, security) -> None:
         worker_groups(args), eos_token_ids=facts.eos_token_ids, metrics=metrics,
         config=EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                            step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling))
+                            step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling,
+                            instance_id=args.instance_id, worker_lease_s=args.worker_lease))
     stop = Stop()
     stop.install()
     if args.metrics_port:

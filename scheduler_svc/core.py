@@ -42,7 +42,8 @@ class EngineCore:
         self.config = config or EngineConfig()
         self.eos_token_ids = list(eos_token_ids)
         self.metrics = metrics or SchedulerMetrics()
-        hooks = GroupHooks(on_connected=self._on_connected, on_step=self._on_step, on_down=self._on_down)
+        hooks = GroupHooks(on_connected=self._on_connected, on_step=self._on_step, on_down=self._on_down,
+                           on_waiting=lambda group: self._publish_status())
         self.groups = [GroupRunner(i, g, self.config, self.eos_token_ids, self.metrics, hooks)
                        for i, g in enumerate(groups)]
         self._active: dict[int, _Active] = {}                  # seq_id -> request in flight
@@ -95,6 +96,8 @@ class EngineCore:
                 reason = "every worker group is down; requests wait for one to come back"
             else:
                 reason = "no worker group is ready yet (workers still starting or unreachable)"
+            # Why each waits, e.g. a worker leased to another scheduler (which one says who).
+            reason += "".join(f"; group {g.index}: {g.down_reason}" for g in self.groups if g.down_reason)
             known = min((g.max_model_len for g in self.groups if g.scheduler), default=0)
             return CoreStatus(False, reason, known)
         return CoreStatus(True, "", max_model_len)

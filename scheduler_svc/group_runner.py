@@ -7,15 +7,22 @@ trip nor the scheduler's Python sits between two steps on the device. Results ar
 order. What a step produced goes to the owner through `on_step`; a failed step or a dead worker
 takes the group down (`on_down`), and the loop reconnects, resets the worker and starts over from
 the scheduler's tokens (the source of truth).
+
+A group's workers belong to this scheduler alone while it holds their lease (worker_svc/lease.py):
+connecting claims them under the scheduler's identity and a fresh epoch, every step and reset
+carries that epoch (which renews the lease), and an idle group renews it with each liveness
+probe. A worker leased to another scheduler keeps the group waiting until that lease lapses.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import os
+import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from scheduler_svc.block_manager import BlockManager
@@ -53,6 +60,17 @@ class EngineConfig:
     # round trip and the scheduler's per-step work (vLLM's async scheduling). Needs workers
     # that run steps in the order sent, as the gRPC worker and LocalWorkerClient do.
     async_scheduling: bool = True
+    # Whose workers these are: the identity this scheduler leases them under. Stable across
+    # restarts (the service defaults it to host:port), so a restarted scheduler re-claims its
+    # workers at once; another identity waits until worker_lease_s pass without a step or renewal.
+    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    worker_lease_s: float = 10.0
+
+
+def new_lease_epoch() -> int:
+    """A fresh epoch for a claim: nanoseconds since 1970, so a restarted scheduler's epoch differs
+    from (and follows) its previous life's."""
+    return time.time_ns()
 
 
 @dataclass
@@ -61,6 +79,7 @@ class GroupHooks:
     on_connected: Callable[["GroupRunner"], None]
     on_step: Callable[["GroupRunner", SchedulerOutput, list[Sequence], StepResult], None]
     on_down: Callable[["GroupRunner"], None]
+    on_waiting: Callable[["GroupRunner"], None] = lambda group: None   # down_reason changed
 
 
 class GroupRunner:
@@ -76,6 +95,7 @@ class GroupRunner:
         self.healthy = False
         self.info = None                           # rank 0's WorkerInfo
         self._instance_ids: list[str] = []
+        self._lease_epoch = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._step_ids = itertools.count(1)
@@ -88,13 +108,17 @@ class GroupRunner:
 
     # -- connection -----------------------------------------------------------------------
     async def connect(self) -> None:
-        """Describes every rank, checks they agree, and (re)builds state after a restart."""
+        """Describes every rank, checks they agree, claims them, and (re)builds state after a
+        restart."""
         infos = await self.client.describe(timeout=10.0)
         first = infos[0]
         for info in infos[1:]:
             if (info.num_kv_blocks, info.block_size) != (first.num_kv_blocks, first.block_size):
                 raise WorkerError(f"ranks of group {self.index} disagree on KV cache shape")
-        instance_ids = [i.instance_id for i in infos]
+        # A fresh epoch: whatever an earlier life of this scheduler still sends is refused.
+        epoch = new_lease_epoch()
+        instance_ids = await self.client.claim(self.config.instance_id, epoch, self.config.worker_lease_s,
+                                               timeout=10.0)
         if self.scheduler is None:
             self.scheduler = Scheduler(self.scheduler_config(first), BlockManager(first.num_kv_blocks, first.block_size),
                                        eos_token_ids=self.eos_token_ids)
@@ -103,9 +127,10 @@ class GroupRunner:
         self._lost_seq_ids = set()
         # Whatever the worker holds now is not what our block tables describe: start both clean.
         self.scheduler.reset_all_worker_state()
-        await self.client.reset(timeout=10.0)
+        await self.client.reset(epoch, timeout=10.0)
         # A reset worker expects step 1 next (it runs steps in step_id order).
         self._step_ids = itertools.count(1)
+        self._lease_epoch = epoch
         self._instance_ids = instance_ids
         self.info = first
         self.healthy = True
@@ -124,6 +149,7 @@ class GroupRunner:
                 if str(e) != self._down_reason:
                     log.info("group %d: waiting for its workers: %s", self.index, e)
                     self._down_reason = str(e)
+                    self.hooks.on_waiting(self)
                 await asyncio.sleep(self.config.reconnect_interval_s)
 
     def scheduler_config(self, info) -> SchedulerConfig:
@@ -144,6 +170,11 @@ class GroupRunner:
         if self.config.max_model_len:
             limits.append(self.config.max_model_len)
         return min(limits)
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the group is not serving (None while it is)."""
+        return self._down_reason
 
     @property
     def max_model_len(self) -> int:
@@ -215,19 +246,21 @@ class GroupRunner:
         self.hooks.on_down(self)
 
     async def _probe(self) -> None:
-        """An idle group's liveness check: a rank that does not answer, or answers as a new
-        process (it restarted between steps, its state gone), takes the group down; the
-        reconnect then rebuilds it."""
+        """An idle group's liveness check, which renews its lease: a rank that does not answer,
+        refuses (another scheduler took it over), or answers as a new process (it restarted
+        between steps, its state gone) takes the group down; the reconnect then rebuilds it."""
         try:
-            infos = await self.client.describe(timeout=self.config.idle_probe_timeout_s)
+            instance_ids = await self.client.claim(self.config.instance_id, self._lease_epoch,
+                                                   self.config.worker_lease_s, timeout=self.config.idle_probe_timeout_s)
         except WorkerError as e:
             self._mark_down(f"idle probe failed ({e})")
             return
-        if [i.instance_id for i in infos] != self._instance_ids:
+        if instance_ids != self._instance_ids:
             self._mark_down("a worker restarted while idle")
 
     def _send(self, output: SchedulerOutput) -> tuple[SchedulerOutput, asyncio.Task, float]:
         request = build_step_request(next(self._step_ids), output)
+        request.lease_epoch = self._lease_epoch
         reply = asyncio.create_task(self.client.step(request, timeout=self.config.step_timeout_s))
         return output, reply, time.perf_counter()
 

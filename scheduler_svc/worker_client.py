@@ -25,7 +25,9 @@ class WorkerClient(Protocol):
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo: ...
     async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse: ...
-    async def reset(self, timeout: float) -> None: ...
+    async def reset(self, lease_epoch: int, timeout: float) -> None: ...
+    async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
+        """Takes or renews the worker's lease (worker_svc/lease.py); returns its instance id."""
     async def close(self) -> None: ...
 
 
@@ -63,8 +65,13 @@ class GrpcWorkerClient:
     async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
         return await self._call(self._stub.Step, request, timeout)
 
-    async def reset(self, timeout: float) -> None:
-        await self._call(self._stub.Reset, worker_pb2.ResetRequest(), timeout)
+    async def reset(self, lease_epoch: int, timeout: float) -> None:
+        await self._call(self._stub.Reset, worker_pb2.ResetRequest(lease_epoch=lease_epoch), timeout)
+
+    async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
+        reply = await self._call(self._stub.Claim, worker_pb2.ClaimRequest(
+            owner=owner, epoch=epoch, lease_ms=max(1, round(lease_s * 1000))), timeout)
+        return reply.instance_id
 
     async def close(self) -> None:
         await self._channel.close()
@@ -89,8 +96,12 @@ class WorkerGroupClient:
         replies = await asyncio.gather(*(r.step(request, timeout) for r in self.ranks))
         return replies[0]
 
-    async def reset(self, timeout: float) -> None:
-        await asyncio.gather(*(r.reset(timeout) for r in self.ranks))
+    async def reset(self, lease_epoch: int, timeout: float) -> None:
+        await asyncio.gather(*(r.reset(lease_epoch, timeout) for r in self.ranks))
+
+    async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> list[str]:
+        """Claims (or renews) every rank under one epoch; returns their instance ids."""
+        return list(await asyncio.gather(*(r.claim(owner, epoch, lease_s, timeout) for r in self.ranks)))
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.ranks), return_exceptions=True)

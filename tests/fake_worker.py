@@ -11,6 +11,7 @@ from typing import Callable
 from common.pb.llm.worker.v1 import worker_pb2
 from scheduler_svc.block_manager import hash_block
 from scheduler_svc.worker_client import WorkerError
+from worker_svc.lease import LeaseError, WorkerLease
 
 LOST = "lost"             # what a slot holds after the worker restarted
 
@@ -91,7 +92,8 @@ class FakeWorkerClient:
     """A worker rank over FakeWorker: steps take a moment and run in the order they were sent,
     as the gRPC worker runs them in step_id order. The steps named in die_at (counted over the
     client's whole life: step ids restart after a reset) fail as a crashing worker's do: it
-    loses its state and refuses every step until it is reset."""
+    loses its state (and its lease) and refuses every step until it is reset. Steps and resets
+    need the lease, as on the real worker; several engines may share one such client."""
 
     address = "fake"
 
@@ -106,6 +108,20 @@ class FakeWorkerClient:
         self.num_steps = 0
         self._turn = asyncio.Lock()        # FIFO: the first step sent runs first
         self.num_in_flight = self.max_in_flight = 0
+        self.lease = WorkerLease()
+
+    async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
+        try:
+            self.lease.claim(owner, epoch, lease_s)
+        except LeaseError as e:
+            raise WorkerError(f"worker {self.address}: FAILED_PRECONDITION: {e}") from e
+        return str(self.restarts)
+
+    def _check_lease(self, epoch: int, what: str) -> None:
+        try:
+            self.lease.check(epoch, what)
+        except LeaseError as e:
+            raise WorkerError(f"worker {self.address}: FAILED_PRECONDITION: {e}") from e
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(max_model_len=len(self.worker.kv) * self.worker.block_size,
@@ -123,14 +139,17 @@ class FakeWorkerClient:
                     self.dead = True
                     self.restarts += 1
                     self.worker.reset()
+                    self.lease = WorkerLease()
                 if self.dead:
                     raise WorkerError(f"worker died before step {request.step_id}")
+                self._check_lease(request.lease_epoch, f"step {request.step_id}")
                 sampled = self.worker.step(request, lambda tokens: prefix_token(tokens, self.vocab_size))
             return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled)
         finally:
             self.num_in_flight -= 1
 
-    async def reset(self, timeout: float) -> None:
+    async def reset(self, lease_epoch: int, timeout: float) -> None:
+        self._check_lease(lease_epoch, "reset")
         self.worker.reset()
         self.dead = False
 

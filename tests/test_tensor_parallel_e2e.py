@@ -67,9 +67,9 @@ def test_two_ranks_serve_like_one_worker_and_transformers(tiny_model_dir, launch
         assert got.token_ids == single == want, f"request {i} ({len(req['token_ids'])} prompt tokens)"
 
 
-def _one_token_step(step_id: int) -> worker_pb2.StepRequest:
+def _one_token_step(step_id: int, lease_epoch: int) -> worker_pb2.StepRequest:
     prompt = [11, 12, 13, 14]
-    return worker_pb2.StepRequest(step_id=step_id, new_requests=[worker_pb2.NewRequest(
+    return worker_pb2.StepRequest(step_id=step_id, lease_epoch=lease_epoch, new_requests=[worker_pb2.NewRequest(
         seq_id=1, token_ids=prompt, num_prompt_tokens=len(prompt), num_scheduled_tokens=len(prompt),
         block_ids=[0], sampling=worker_pb2.SamplingOptions(temperature=0.0))])
 
@@ -90,10 +90,11 @@ def test_a_dead_peer_fails_the_step_and_breaks_the_group(tiny_model_dir, tmp_pat
             rank.wait_serving()
         with grpc.insecure_channel(ranks[0].addr) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
+            stub.Claim(worker_pb2.ClaimRequest(owner="tests", epoch=1, lease_ms=60_000), timeout=10)
             ranks[1].kill()
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as failure:
-                stub.Step(_one_token_step(1), timeout=30)
+                stub.Step(_one_token_step(1, lease_epoch=1), timeout=30)
         # gloo notices the closed connection at once; the collective timeout is the backstop.
         assert failure.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
         assert time.monotonic() - started < 10

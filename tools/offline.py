@@ -54,8 +54,12 @@ class LocalWorkerClient:
     def _launch(self, request: worker_pb2.StepRequest):
         return self._runner.launch(parse_step_request(request))
 
-    async def reset(self, timeout: float) -> None:
+    async def reset(self, lease_epoch: int, timeout: float) -> None:
         await asyncio.get_running_loop().run_in_executor(self._launcher, self._runner.reset)
+
+    async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
+        """The runner lives in this engine's process: nobody else can drive it, so no lease."""
+        return self._runner.instance_id
 
     async def close(self) -> None:
         self._launcher.shutdown(wait=True)

@@ -3,7 +3,8 @@
 The port opens before the model loads (health NOT_SERVING, Worker calls UNAVAILABLE), so an
 orchestrator can tell "starting" from "dead"; health turns SERVING once the runner is ready.
 Steps are serial by nature: one call at a time enters the runner, steps in step_id order
-(worker_svc.step_order says why).
+(worker_svc.step_order says why). A worker serves one scheduler at a time: Step and Reset carry
+the epoch of that scheduler's lease (worker_svc.lease), taken and renewed with Claim.
 With a token every call but health needs `authorization: Bearer <token>`; with credentials the
 port speaks only TLS (mutual TLS when they name a client CA).
 """
@@ -18,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.reflection import enable_server_reflection
 from common.security import TokenAuthInterceptor
+from worker_svc.lease import LeaseHeld, StaleLease, WorkerLease
 from worker_svc.model_runner import ModelRunner
 from worker_svc.step_message import (InvalidStepError, StaleMirrorError, build_step_response,
                                      parse_step_request)
@@ -34,6 +36,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self) -> None:
         self._runner: ModelRunner | None = None
         self._order = StepOrder()
+        self.lease = WorkerLease()
 
     def attach(self, runner: ModelRunner) -> None:
         self._runner = runner
@@ -50,21 +53,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Launches the step in its turn, then waits for its tokens outside the turn: the next
         step's thread launches meanwhile, so its preparation overlaps this one's device work."""
         runner = self._ready_runner(context)
+        what = f"step {request.step_id}"
+        self._check_lease(request.lease_epoch, what, context)   # early: no wait for a turn it would not get
         code = message = None
         try:
             step = parse_step_request(request)
         except InvalidStepError as exc:
             step, code, message = None, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        with self._order.step(request.step_id):   # taken even by a bad step: its id is used up
+        with self._order.step(request.step_id) as turn:   # taken even by a bad step: its id is used up
+            try:
+                # Again in the turn: another scheduler may have claimed the worker meanwhile.
+                self.lease.check(request.lease_epoch, what)
+            except StaleLease as exc:
+                turn.skip()
+                step, code, message = None, grpc.StatusCode.FAILED_PRECONDITION, str(exc)
             if step is not None:
                 code, message, pending = self._guarded(request.step_id, runner.launch, step)
         if code is None:
             code, message, output = self._guarded(request.step_id, pending.result)
             if code is None:
+                self.lease.touch(request.lease_epoch)
                 return build_step_response(output)
         if code != grpc.StatusCode.INTERNAL:
             logger.warning("rejected step %d: %s", request.step_id, message)
         context.abort(code, message)
+
+    def _check_lease(self, epoch: int, what: str, context: grpc.ServicerContext) -> None:
+        try:
+            self.lease.check(epoch, what)
+        except StaleLease as exc:
+            logger.warning("%s", exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     @staticmethod
     def _guarded(step_id: int, call, *args):
@@ -82,10 +101,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Reset(self, request, context):
         runner = self._ready_runner(context)
-        with self._order.exclusive():
-            runner.reset()
+        self._check_lease(request.lease_epoch, "reset", context)
+        refused = None
+        with self._order.exclusive() as turn:
+            try:
+                self.lease.check(request.lease_epoch, "reset")
+                runner.reset()
+            except StaleLease as exc:
+                turn.skip()
+                refused = exc
+        if refused is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(refused))
         logger.info("reset: every request mirror dropped")
         return worker_pb2.ResetResponse()
+
+    def Claim(self, request, context):
+        runner = self._ready_runner(context)
+        try:
+            self.lease.claim(request.owner, request.epoch, request.lease_ms / 1000)
+        except LeaseHeld as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return worker_pb2.ClaimResponse(instance_id=runner.instance_id)
 
 
 class WorkerServer:

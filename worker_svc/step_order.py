@@ -10,7 +10,9 @@ steps that arrived within `wait_s` of each other still run in order. A lower id 
 (a new scheduler's count) runs at once.
 
 At start and after a Reset the next step is 1. A scheduler that keeps counting across a
-Reset is still served in order, after one `wait_s` on the first step that follows it.
+Reset is still served in order, after one `wait_s` on the first step that follows it. A call
+refused in its turn (a step or reset of a scheduler that lost the worker's lease) leaves the
+count as it was: its ids belong to another scheduler's sequence.
 """
 from __future__ import annotations
 
@@ -18,6 +20,17 @@ import contextlib
 import threading
 import time
 from typing import Iterator
+
+
+class Turn:
+    """One call's turn; skip() when the call was refused, so its id does not count."""
+    __slots__ = ("skipped",)
+
+    def __init__(self) -> None:
+        self.skipped = False
+
+    def skip(self) -> None:
+        self.skipped = True
 
 
 class StepOrder:
@@ -29,7 +42,7 @@ class StepOrder:
         self._waiting: set[int] = set()
 
     @contextlib.contextmanager
-    def step(self, step_id: int) -> Iterator[None]:
+    def step(self, step_id: int) -> Iterator[Turn]:
         """Exclusive, in its turn."""
         deadline = time.monotonic() + self._wait_s
         with self._cond:
@@ -39,21 +52,23 @@ class StepOrder:
                 self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0) if early else None)
             self._waiting.discard(step_id)
             self._busy = True
+        turn = Turn()
         try:
-            yield
+            yield turn
         finally:
-            self._release(step_id + 1)
+            self._release(None if turn.skipped else step_id + 1)
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self) -> Iterator[Turn]:
         """Exclusive, in no order; afterwards step 1 is next (for Reset)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._busy)
             self._busy = True
+        turn = Turn()
         try:
-            yield
+            yield turn
         finally:
-            self._release(1)
+            self._release(None if turn.skipped else 1)
 
     def _may_run(self, step_id: int, deadline: float) -> bool:
         if self._busy:
@@ -62,8 +77,9 @@ class StepOrder:
             return True
         return time.monotonic() >= deadline and step_id == min(self._waiting)
 
-    def _release(self, next_step_id: int) -> None:
+    def _release(self, next_step_id: int | None) -> None:
         with self._cond:
             self._busy = False
-            self._next_step_id = next_step_id
+            if next_step_id is not None:
+                self._next_step_id = next_step_id
             self._cond.notify_all()

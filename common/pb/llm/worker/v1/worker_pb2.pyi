@@ -97,16 +97,18 @@ class CachedRequests(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., multi_token_indices: _Optional[_Iterable[int]] = ..., multi_token_counts: _Optional[_Iterable[int]] = ..., new_block_indices: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "cached")
+    __slots__ = ("step_id", "finished_seq_ids", "new_requests", "cached", "lease_epoch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached: CachedRequests
-    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ...) -> None: ...
+    lease_epoch: int
+    def __init__(self, step_id: _Optional[int] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached: _Optional[_Union[CachedRequests, _Mapping]] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("prepare_ms", "forward_ms", "total_ms", "device_ms")
@@ -133,9 +135,27 @@ class StepResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("lease_epoch",)
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    lease_epoch: int
+    def __init__(self, lease_epoch: _Optional[int] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("owner", "epoch", "lease_ms")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    epoch: int
+    lease_ms: int
+    def __init__(self, owner: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...

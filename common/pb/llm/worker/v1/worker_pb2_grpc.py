@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
                 response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/llm.worker.v1.Worker/Claim',
+                request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -75,6 +80,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Takes this worker for one scheduler (a lease), or renews the lease the caller holds. Step and
+        Reset are refused (FAILED_PRECONDITION) unless they carry the live lease's epoch, and each one
+        renews it. While the lease lives, a claim under another owner is refused (FAILED_PRECONDITION,
+        naming the owner); once the owner has been silent for lease_ms, anyone may claim it. So two
+        schedulers pointed at one worker cannot both drive it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +108,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.FromString,
                     response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.FromString,
+                    response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +196,33 @@ class Worker:
             '/llm.worker.v1.Worker/Reset',
             common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
             common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llm.worker.v1.Worker/Claim',
+            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.SerializeToString,
+            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,
