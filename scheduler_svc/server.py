@@ -3,7 +3,7 @@ requests are validated and frontend outputs become GenerateResponses (the only p
 proto types appear)."""
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import uuid
 
@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.logging_setup import bind_request_id
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from common.reflection import enable_server_reflection
+from scheduler_svc.admission_pool import AdmissionPool, admits_inline
 from scheduler_svc.core_client import CoreUnreachable
 from scheduler_svc.core_types import AddCode, CoreInfo
 from scheduler_svc.frontend import Frontend, Refused
@@ -73,16 +74,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.limits = limits
+        self.admission = AdmissionPool()
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         status = self.frontend.status
         if not status.max_model_len:     # no worker group has ever been up: nothing to validate against
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, status.reason or "no worker group is ready")
+        tokenizer = self.frontend.tokenizer
+        # Off the event loop unless it is small (admission_pool says why); a text of more tokens
+        # than the context holds is refused by its count, its ids never listed.
+        admit = functools.partial(
+            validate_request, request, vocab_size=self.vocab_size, max_model_len=status.max_model_len,
+            tokenize=functools.partial(tokenizer.encode, max_tokens=status.max_model_len - 1), limits=self.limits,
+            max_input_bytes_per_token=tokenizer.max_input_bytes_per_token)
         try:
-            prompt_ids, params = await asyncio.to_thread(
-                validate_request, request, vocab_size=self.vocab_size, max_model_len=status.max_model_len,
-                tokenize=self.frontend.tokenizer.encode, limits=self.limits,
-                max_input_bytes_per_token=self.frontend.tokenizer.max_input_bytes_per_token)
+            prompt_ids, params = await self.admission.run(admits_inline(request), admit)
         except InvalidRequest as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id or uuid.uuid4().hex

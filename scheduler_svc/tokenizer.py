@@ -8,6 +8,11 @@ so text streamed piece by piece could not reproduce it.
 `max_input_bytes_per_token` bounds how many UTF-8 bytes of input text one token can stand for, so
 admission can refuse a text that could never fit the context without tokenizing it
 (max_input_bytes_per_token says when such a bound exists).
+
+Encoding a long text must not stop the other threads of the process (the frontend's event loop
+writes every client's stream): the backend's `encode` holds the GIL throughout (~1 s per MiB), its
+`encode_batch` releases it, so texts past GIL_FREE_CHARS take that path, and a text longer than
+the caller's token bound is refused by its count, without building a list of its ids.
 """
 from __future__ import annotations
 
@@ -22,6 +27,19 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 # point; sequences do no worse): NFC/NFD map U+1FEF (3 bytes) to "`" and compose a Hangul
 # syllable (3 bytes) from three jamo (9); NFKC/NFKD map U+107A5 (4 bytes) to one ASCII letter.
 _NORMALIZER_SHRINK = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4}
+
+# Texts longer than this (characters) are encoded with the GIL released. Below it, encode's GIL
+# hold (~1 us per byte) costs less than the batch path's extra work.
+GIL_FREE_CHARS = 512
+
+
+class TooManyTokens(ValueError):
+    """The text encodes to more tokens than the caller allows (its ids were never listed)."""
+
+    def __init__(self, num_tokens: int, max_tokens: int) -> None:
+        super().__init__(f"the text encodes to {num_tokens} tokens, more than {max_tokens}")
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
 
 
 class Tokenizer:
@@ -41,11 +59,18 @@ class Tokenizer:
         """The Rust `tokenizers.Tokenizer` (what DecodeStream steps with)."""
         return self._backend
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Token ids of raw text: only what the tokenizer's own post-processor adds (none for Qwen3),
         no chat template. A rendered chat template passes add_special_tokens=False: it already
-        holds every special token the model expects."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        holds every special token the model expects. With max_tokens, a longer encoding raises
+        TooManyTokens. A long text releases the GIL while it is encoded (see the module's doc)."""
+        if len(text) <= GIL_FREE_CHARS:
+            encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise TooManyTokens(len(encoding), max_tokens)
+        return encoding.ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `token_ids`; ids the vocabulary lacks (the model's padded rows) decode to nothing."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from common.pb.llm.v1 import generation_pb2
 from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.tokenizer import TooManyTokens
 
 
 class InvalidRequest(ValueError):
@@ -202,7 +203,11 @@ def _prompt_token_ids(
             f"tokenizer covers at most {max_input_bytes_per_token} bytes, and {max_model_len - 1} prompt tokens "
             f"at most {(max_model_len - 1) * max_input_bytes_per_token} bytes",
         )
-    ids = tokenize(req.text)
+    try:
+        ids = tokenize(req.text)
+    except TooManyTokens as e:   # a tokenizer bounded by the caller counted them without listing them
+        _check_prompt_fits(e.num_tokens, max_model_len)
+        raise InvalidRequest("text", f"text is too long: {e}") from None
     if not ids:
         raise InvalidRequest("text", "text encodes to no tokens")
     _check_prompt_fits(len(ids), max_model_len)

@@ -1,0 +1,69 @@
+"""Where a request's admission (validation and tokenization) runs, so that no request's prompt
+pauses the streams of the others, which the same event loop writes.
+
+A small request is admitted inline on the event loop: tokenizing a short text takes less time
+than a hop to a thread and back. A large one (a long text, many token ids) goes to a small pool
+of threads of lower OS priority (nice +10, on Linux): the tokenizer releases the GIL while it
+encodes a long text (Tokenizer.encode), so the event loop runs on meanwhile, and at the lower
+priority that work yields the CPU to the event loop and to the workers on a busy machine instead
+of competing with them. Pure-Python work on a pool thread (copying token ids) still holds the GIL,
+but only for one switch interval (5 ms) at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+from common.pb.llm.v1 import generation_pb2
+
+log = logging.getLogger("scheduler.admission")
+
+T = TypeVar("T")
+
+# At most this much is admitted inline: ~1 ms of tokenizing, or copying and checking the ids.
+INLINE_TEXT_CHARS = 1024
+INLINE_TOKEN_IDS = 8192
+POOL_THREADS = 2
+POOL_NICENESS = 10
+
+
+def admits_inline(request: generation_pb2.GenerateRequest) -> bool:
+    """Whether admitting the request costs less than a thread hop (by its prompt's size)."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return len(request.text) <= INLINE_TEXT_CHARS
+    if kind == "token_ids":
+        return len(request.token_ids.ids) <= INLINE_TOKEN_IDS
+    return True
+
+
+def _lower_priority(niceness: int) -> None:
+    """Lowers the calling thread's priority. Linux only, where a thread has a nice value of its
+    own (elsewhere setpriority on a thread id would renice the whole process)."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+    except OSError as e:      # e.g. a sandbox that forbids it: the work runs, at normal priority
+        log.debug("could not lower the admission thread's priority: %s", e)
+
+
+class AdmissionPool:
+    def __init__(self, max_workers: int = POOL_THREADS, niceness: int = POOL_NICENESS) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="admission",
+                                            initializer=_lower_priority, initargs=(niceness,))
+
+    async def run(self, inline: bool, admit: Callable[[], T]) -> T:
+        """admit() inline, or on the pool, whose threads wait for nothing else."""
+        if inline:
+            return admit()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, admit)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
