@@ -11,6 +11,12 @@ update() of step N, since the worker runs steps in order and appends the tokens 
 request that samples in a step in flight counts one placeholder token, so the next step names its
 decode; update() turns placeholders into real tokens. A request that stops at step N although
 step N+1 computes it gets that step's token discarded; preempted or aborted ones likewise.
+
+A request whose client reads slower than it is generated is paused (backpressure): it leaves the
+batch but keeps its blocks and its worker mirror, so it resumes where it stopped; the tokens of
+steps in flight still reach it. Its blocks are the first taken back when a running or waiting
+request needs blocks (before any running request is preempted); it is then recomputed when it
+resumes, like a preempted one. Paused requests take no slot of max_num_seqs.
 """
 from __future__ import annotations
 
@@ -139,6 +145,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # in admission order: preempt from the end
+        self.paused: dict[int, Sequence] = {}   # out of the batch, oldest pause first
         self._unfinished: dict[int, Sequence] = {}
         # Worker mirrors to drop, collected until the next step that is sent.
         self._finished_ids: list[int] = []
@@ -163,11 +170,12 @@ class Scheduler:
         self._unfinished[seq.seq_id] = seq
 
     def hand_over(self) -> list[Sequence]:
-        """Gives up every unfinished request, in queue order, for other groups to adopt (this
-        group's workers are gone): they hold no blocks and keep all their tokens."""
+        """Gives up every unfinished request, in queue order (paused ones last), for other groups
+        to adopt (this group's workers are gone): they hold no blocks and keep all their tokens."""
         self.reset_all_worker_state()
-        seqs = list(self.waiting)
+        seqs = list(self.waiting) + list(self.paused.values())
         self.waiting.clear()
+        self.paused.clear()
         self._unfinished.clear()
         return seqs
 
@@ -180,7 +188,10 @@ class Scheduler:
             raise ValueError(f"{seq} was not handed over")
         if seq.num_tokens > self.config.max_model_len:
             raise ValueError(f"{seq} is longer than this group's max_model_len {self.config.max_model_len}")
-        self.waiting.append(seq)
+        if seq.paused:
+            self.paused[seq.seq_id] = seq
+        else:
+            self.waiting.append(seq)
         self._unfinished[seq.seq_id] = seq
 
     def abort(self, seq_id: int) -> Sequence | None:
@@ -192,12 +203,63 @@ class Scheduler:
         seq = self._unfinished.get(seq_id)
         if seq is None:
             return None
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.paused:
+            pass                              # _release takes it out of self.paused
+        elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
         self._release(seq, reason)
         return seq
+
+    # -- backpressure ----------------------------------------------------------------------
+    def pause(self, seq_id: int) -> bool:
+        """Takes a request out of the batch until resume(): it keeps its blocks and worker
+        mirror, unless another request needs the blocks first. False when there is no such
+        unfinished request or it is paused already."""
+        seq = self._unfinished.get(seq_id)
+        if seq is None or seq.paused:
+            return False
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.paused = True
+        self.paused[seq_id] = seq
+        return True
+
+    def resume(self, seq_id: int) -> bool:
+        """Puts a paused request back: into the batch when it still holds its blocks and a slot
+        is free, else at the head of the queue (recomputed, mostly from the prefix cache)."""
+        seq = self.paused.pop(seq_id, None)
+        if seq is None:
+            return False
+        seq.paused = False
+        if seq.status is SequenceStatus.RUNNING:
+            if len(self.running) < self.config.max_num_seqs:
+                self.running.append(seq)
+                return True
+            self._preempt(seq)                # its slot went to another request meanwhile
+            return True
+        self.waiting.appendleft(seq)
+        return True
+
+    @property
+    def num_paused(self) -> int:
+        return len(self.paused)
+
+    def _reclaim_paused(self) -> bool:
+        """Frees the blocks of the longest-paused request that holds any; False if none does."""
+        for seq in self.paused.values():
+            if seq.status is SequenceStatus.RUNNING:
+                self._free(seq)
+                seq.status = SequenceStatus.PREEMPTED
+                self.num_preemptions += 1
+                if seq.on_worker:
+                    self._preempted_ids.append(seq.seq_id)
+                    seq.on_worker = False
+                return True
+        return False
 
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
@@ -260,6 +322,8 @@ class Scheduler:
         """Preempts the most recently admitted requests until seq's new tokens have slots;
         False when seq itself (then the last one) had to go."""
         while not self.block_manager.append_slots(seq, num_tokens):
+            if self._reclaim_paused():
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             if victim is seq:
@@ -275,6 +339,8 @@ class Scheduler:
             num_tokens = self._num_to_schedule(seq.num_tokens - num_cached, budget)
             # FCFS: when the head does not fit, nobody behind it jumps the queue.
             if not bm.allocate(seq, cached, num_cached + num_tokens):
+                if self._reclaim_paused():
+                    continue
                 break
             self.waiting.popleft()
             if seq.status is SequenceStatus.WAITING:
@@ -342,6 +408,9 @@ class Scheduler:
             seq.on_worker = False
 
     def _release(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.paused:
+            del self.paused[seq.seq_id]
+            seq.paused = False
         self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -412,6 +481,11 @@ class Scheduler:
             self._requeue(seq)
             seq.on_worker = False
         self.running = []
+        for seq in self.paused.values():      # they stay paused, now without blocks
+            if seq.status is SequenceStatus.RUNNING:
+                self._free(seq)
+                seq.status = SequenceStatus.PREEMPTED
+            seq.on_worker = False
         self._in_flight.clear()
         self._finished_ids.clear()
         self._preempted_ids.clear()

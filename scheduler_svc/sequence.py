@@ -28,7 +28,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_prompt_tokens", "block_table", "block_hashes", "status", "finish_reason",
         "sampling", "arrival_time", "num_admissions", "on_worker", "num_blocks_on_worker",
-        "num_placeholder_tokens",
+        "num_placeholder_tokens", "paused",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -64,6 +64,9 @@ class Sequence:
         # many of block_table's ids it already has.
         self.on_worker = False
         self.num_blocks_on_worker = 0
+        # Its client reads slower than it is generated (backpressure): out of the batch until
+        # resumed, keeping its blocks unless someone needs them (Scheduler.pause says how).
+        self.paused = False
 
     @property
     def num_tokens(self) -> int:

@@ -68,11 +68,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Schedules and sends one step; applies the oldest result once `depth` steps are in
         flight, or when nothing more could be scheduled."""
         # A step that schedules nothing sends nothing: its preemptions go with the next one.
-        self.running_since_sent |= {s.seq_id for s in self.sched.running}
+        self.note_on_worker()
         output = self.sched.schedule()
         if output.is_empty:
             if not self.in_flight:
-                assert not self.sched.has_unfinished()
+                assert all(s.paused for s in self.unfinished)     # paused ones wait for resume()
                 return
         else:
             assert output.num_scheduled_tokens <= self.sched.config.max_num_batched_tokens
@@ -86,6 +86,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.abort(self.sched.running[abort_in_flight % self.sched.num_running].seq_id)
         if output.is_empty or len(self.in_flight) == self.depth:
             self.apply_oldest()
+
+    def note_on_worker(self) -> None:
+        """Remembers which requests the worker holds now: only those can be named as preempted
+        in the next step sent (a resume may preempt a paused one before it is sent)."""
+        self.running_since_sent |= {s.seq_id for s in self.unfinished if s.on_worker}
 
     def apply_oldest(self) -> None:
         output, sampled = self.in_flight.pop(0)
@@ -115,7 +120,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # One rule for the rarer events, so that steps and arrivals make up most of a run.
     @precondition(lambda self: self.unfinished)
-    @rule(kind=st.sampled_from(["abort", "stop_string", "worker_restart"]), index=st.integers(0, 100))
+    @rule(kind=st.sampled_from(["abort", "stop_string", "worker_restart", "pause", "resume"]),
+          index=st.integers(0, 100))
     def disrupt(self, kind, index):
         if kind == "abort":
             seq = self.unfinished[index % len(self.unfinished)]
@@ -127,10 +133,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.reset_all_worker_state()
             self.worker.reset()
             self.in_flight.clear()
+        elif kind == "pause":                      # its client stopped reading (backpressure)
+            seq = self.unfinished[index % len(self.unfinished)]
+            assert self.sched.pause(seq.seq_id) != seq.paused or seq.paused
+            assert seq.paused and seq not in self.sched.running and seq not in self.sched.waiting
+        elif kind == "resume" and self.sched.paused:
+            seq = list(self.sched.paused.values())[index % self.sched.num_paused]
+            self.note_on_worker()
+            assert self.sched.resume(seq.seq_id) and not seq.paused
+            assert (seq in self.sched.running) != (seq in self.sched.waiting)
 
     @rule(seed=st.integers(0, 2**32))
     def drain(self, seed):
-        """Everything admitted finishes: nothing deadlocks, however full the cache is."""
+        """Everything admitted finishes: nothing deadlocks, however full the cache is (once the
+        paused requests are resumed: until then they wait by design)."""
+        self.note_on_worker()
+        for seq_id in list(self.sched.paused):
+            self.sched.resume(seq_id)
         for i in range(1000):
             if not self.sched.has_unfinished() and not self.in_flight:
                 break
@@ -140,7 +159,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def blocks_are_accounted(self):
         bm = self.bm
-        refs = Counter(b for s in self.sched.running for b in s.block_table)
+        refs = Counter(b for s in self.sched.running + list(self.sched.paused.values()) for b in s.block_table)
         free = set(bm.free_block_ids)
         for block in bm.blocks:
             assert block.ref_count == refs[block.block_id]
@@ -163,7 +182,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def worker_mirrors_match(self):
         """The worker is ahead by the steps in flight: their tokens are placeholders here."""
-        for seq in self.sched.running:
+        holding = self.sched.running + [s for s in self.sched.paused.values() if s.status is SequenceStatus.RUNNING]
+        for seq in holding:
             mirror = self.worker.mirrors[seq.seq_id]
             assert mirror.token_ids[:seq.num_tokens] == seq.token_ids
             assert len(mirror.token_ids) == seq.num_tokens + seq.num_placeholder_tokens
@@ -172,9 +192,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.num_placeholder_tokens == sum(
                 1 for output, _ in self.in_flight for s in output.scheduled
                 if s.seq is seq and s.num_admissions == seq.num_admissions and s.samples)
-        for seq in self.sched.waiting:
+        released = [s for s in self.sched.paused.values() if s.status is not SequenceStatus.RUNNING]
+        for seq in list(self.sched.waiting) + released:
             assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
             assert seq.block_table == [] and seq.num_computed_tokens == seq.num_placeholder_tokens == 0
+        for seq in self.sched.paused.values():
+            assert seq.paused and not seq.is_finished
 
 
 class AsyncSchedulerMachine(SchedulerMachine):
