@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed message (the first comes at once; the last carries the rest): "
                         "larger values trade inter-token latency for CPU")
+    p.add_argument("--stream-window", type=int, default=256,
+                   help="tokens a request may be generated ahead of what its client has read (tokens the client's "
+                        "HTTP/2 stream window holds count as read); past it the request leaves the batch until the "
+                        "client reads again (0: no bound; else at least twice --stream-interval)")
     p.add_argument("--core-address", default=None,
                    help="where the engine core listens for its frontends (unset: a unix socket in a private "
                         "temporary directory)")
@@ -94,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--frontends must be 0 or more")
     if args.stream_interval < 1:
         p.error("--stream-interval must be at least 1")
+    if args.stream_window < 0 or 0 < args.stream_window < 2 * args.stream_interval:
+        p.error(f"--stream-window must be 0 or at least twice --stream-interval ({2 * args.stream_interval})")
     if not args.worker_lease > 0:
         p.error("--worker-lease must be positive")
     if args.instance_id is None:

@@ -173,6 +173,19 @@ class EngineCore:
         self._end(seq_id, FinishReason.ABORT, notify=True)
         return True
 
+    def set_paused(self, pause: list[int], resume: list[int]) -> None:
+        """Backpressure from a frontend: its clients of `pause` fell a window behind (their
+        requests leave the batch), those of `resume` caught up. Ids no longer in flight are
+        ignored (the request ended meanwhile)."""
+        for seq_id in pause:
+            entry = self._active.get(seq_id)
+            if entry is not None:
+                entry.group.scheduler.pause(seq_id)
+        for seq_id in resume:
+            entry = self._active.get(seq_id)
+            if entry is not None and entry.group.scheduler.resume(seq_id):
+                entry.group.wake()
+
     def info(self) -> CoreInfo:
         groups = []
         for g in self.groups:
@@ -187,6 +200,7 @@ class EngineCore:
                 prefix_cache_queried_tokens=bm.prefix_cache_queried_tokens if bm else 0,
                 prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens if bm else 0,
                 block_size=info.block_size if info else 0, max_model_len=g.max_model_len,
+                num_paused=s.num_paused if s else 0,
             ))
         return CoreInfo(self._status, groups)
 
@@ -235,6 +249,7 @@ class EngineCore:
         """Packs the tokens a step brought into one StepOutputs per frontend."""
         if not received:
             return
+        self.metrics.observe_sampled(len(received))
         now = time.monotonic()
         per_frontend: dict[int, StepOutputs] = {}
         logprob_of = (dict(zip((s.seq_id for s in output.sampling_seqs), result.logprobs))

@@ -30,6 +30,7 @@ class CoreClient(Protocol):
     async def add(self, request: CoreRequest) -> AddResult: ...
     async def abort(self, seq_ids: list[int], reason: FinishReason, notify: bool) -> None: ...
     async def abort_request_id(self, request_id: str) -> bool: ...
+    async def set_paused(self, pause: list[int], resume: list[int]) -> None: ...
     async def info(self) -> CoreInfo: ...
     async def report(self, rejected: dict[str, int]) -> None: ...
     async def close(self) -> None: ...
@@ -58,6 +59,9 @@ class LocalCoreClient:
 
     async def abort_request_id(self, request_id: str) -> bool:
         return self.core.abort_request_id(request_id)
+
+    async def set_paused(self, pause: list[int], resume: list[int]) -> None:
+        self.core.set_paused(pause, resume)
 
     async def info(self) -> CoreInfo:
         return self.core.info()
@@ -119,6 +123,10 @@ class GrpcCoreClient:
     async def abort_request_id(self, request_id: str) -> bool:
         reply = await self._call(self._stub.AbortRequests, engine_pb2.AbortRequestsRequest(request_id=request_id))
         return reply.found
+
+    async def set_paused(self, pause: list[int], resume: list[int]) -> None:
+        await self._call(self._stub.PauseRequests,
+                         engine_pb2.PauseRequestsRequest(pause_seq_ids=pause, resume_seq_ids=resume))
 
     async def info(self) -> CoreInfo:
         return core_wire.info_from_pb(await self._call(self._stub.GetInfo, engine_pb2.GetInfoRequest()))

@@ -43,6 +43,10 @@ class EngineCoreService(engine_pb2_grpc.EngineCoreServicer):
         found = self.core.abort_request_id(request.request_id) if request.request_id else False
         return engine_pb2.AbortRequestsResponse(found=found)
 
+    async def PauseRequests(self, request, context):
+        self.core.set_paused(list(request.pause_seq_ids), list(request.resume_seq_ids))
+        return engine_pb2.PauseRequestsResponse()
+
     async def GetInfo(self, request, context):
         return core_wire.info_to_pb(self.core.info())
 

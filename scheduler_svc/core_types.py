@@ -96,6 +96,7 @@ class GroupState:
     prefix_cache_hit_tokens: int
     block_size: int
     max_model_len: int
+    num_paused: int = 0        # out of the batch until their clients read again
 
 
 @dataclass(frozen=True, slots=True)

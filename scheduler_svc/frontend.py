@@ -6,6 +6,12 @@ Several frontends run in processes of their own beside the core (or one runs ins
 process), so the per-token work of many client streams spreads over cores while the engine core
 only schedules. A frontend learns the core's status (up, draining, the context limit) from the
 first event of its stream and keeps it current from later ones.
+
+Backpressure: a request may be generated at most `stream_window` tokens ahead of what its client
+has read, counted as tokens whose message the gRPC stream accepted (its `yield` returns only as
+the transport's flow control lets it, so tokens the client's own HTTP/2 stream window holds count
+as read). Past the window the frontend asks the core to pause the request; once the client has
+read all but half a window, to resume it. A client that goes away aborts the request, paused or not.
 """
 from __future__ import annotations
 
@@ -41,15 +47,27 @@ class _Request:
     stream: OutputStream
     queue: asyncio.Queue
     done: bool = False
+    generated: int = 0            # tokens the core sent for it
+    delivered: int = 0            # tokens in messages its gRPC stream accepted
+    paused: bool = False          # as last asked of the core
 
 
 class Frontend:
-    def __init__(self, core: CoreClient, tokenizer: Tokenizer, *, stream_interval: int = 1) -> None:
+    def __init__(self, core: CoreClient, tokenizer: Tokenizer, *, stream_interval: int = 1,
+                 stream_window: int = 0) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
+        if stream_window and stream_window < 2 * stream_interval:
+            # Tokens still gathering for a message are not readable yet: a window that small
+            # could pause a request before its client had anything to read.
+            raise ValueError(f"stream_window must be 0 (off) or at least twice stream_interval "
+                             f"({2 * stream_interval}), got {stream_window}")
         self.core = core
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
+        self.stream_window = stream_window
+        self._pause_changes: dict[int, bool] = {}     # seq_id -> paused, not yet sent to the core
+        self._pause_wakeup = asyncio.Event()
         self.status = CoreStatus(False, "not connected to the engine core yet", 0)
         self.status_changed = asyncio.Event()
         self._requests: dict[int, _Request] = {}      # seq_id -> request in flight
@@ -60,7 +78,8 @@ class Frontend:
     # -- the event stream ---------------------------------------------------------------------
     async def run(self) -> None:
         """Applies the core's events until the core goes away (then raises CoreUnreachable)."""
-        reporter = asyncio.create_task(self._report_rejections())
+        background = [asyncio.create_task(self._report_rejections()),
+                      asyncio.create_task(self._send_pause_changes())]
         try:
             async for event in self.core.events():
                 if event.status is not None:
@@ -68,7 +87,8 @@ class Frontend:
                 if event.outputs is not None:
                     self._apply(event.outputs)
         finally:
-            reporter.cancel()
+            for task in background:
+                task.cancel()
             self._set_status(CoreStatus(False, "lost the engine core", 0))
             for req in list(self._requests.values()):
                 self._deliver_end(req, req.stream.finish(FinishReason.ABORT, 0))
@@ -90,6 +110,7 @@ class Frontend:
         logprobs = out.logprobs
         touched: list[_Request] = []
         stopped: list[int] = []
+        window = self.stream_window
         for i, seq_id in enumerate(out.seq_ids):
             req = requests.get(seq_id)
             if req is None or req.stream.stopped:
@@ -99,6 +120,9 @@ class Frontend:
                 stopped.append(seq_id)
             else:
                 touched.append(req)
+                req.generated += 1
+                if window and not req.paused and req.generated - req.delivered >= window:
+                    self._set_paused(req, True)
         for finished in out.finished:
             req = requests.get(finished.seq_id)
             if req is not None:
@@ -159,12 +183,36 @@ class Frontend:
                 yield message
                 if message.finished:
                     return
+                # The consumer asks for the next message once gRPC accepted this one.
+                req.delivered += len(message.token_ids)
+                if req.paused and req.generated - req.delivered <= self.stream_window // 2:
+                    self._set_paused(req, False)
         finally:
             # The consumer went away (cancelled stream, deadline): free the request at once.
             if not req.done:
                 self._requests.pop(req.seq_id, None)
                 req.done = True
                 asyncio.ensure_future(self._abort([req.seq_id], FinishReason.ABORT, notify=False))
+
+    # -- backpressure ---------------------------------------------------------------------------
+    def _set_paused(self, req: _Request, paused: bool) -> None:
+        req.paused = paused
+        self._pause_changes[req.seq_id] = paused
+        self._pause_wakeup.set()
+
+    async def _send_pause_changes(self) -> None:
+        """Sends pauses and resumes to the core, one call at a time so they arrive in order; what
+        changed meanwhile goes in the next call, only each request's latest state."""
+        while True:
+            await self._pause_wakeup.wait()
+            self._pause_wakeup.clear()
+            changes, self._pause_changes = self._pause_changes, {}
+            pause = [seq_id for seq_id, paused in changes.items() if paused]
+            resume = [seq_id for seq_id, paused in changes.items() if not paused]
+            try:
+                await self.core.set_paused(pause, resume)
+            except CoreUnreachable as e:
+                log.warning("could not pause %d and resume %d requests: %s", len(pause), len(resume), e)
 
     async def abort(self, request_id: str) -> bool:
         """The public Abort: any frontend's request, by its id."""

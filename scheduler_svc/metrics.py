@@ -24,6 +24,8 @@ class _EngineStateCollector:
     def collect(self):
         running = GaugeMetricFamily("llm_requests_running", "Requests being computed", labels=["group"])
         waiting = GaugeMetricFamily("llm_requests_waiting", "Requests queued (incl. preempted)", labels=["group"])
+        paused = GaugeMetricFamily("llm_requests_paused", "Requests out of the batch until their clients read "
+                                   "again (backpressure)", labels=["group"])
         used = GaugeMetricFamily("llm_kv_blocks_used", "KV-cache blocks in use", labels=["group"])
         free = GaugeMetricFamily("llm_kv_blocks_free", "KV-cache blocks free", labels=["group"])
         healthy = GaugeMetricFamily("llm_worker_group_healthy", "1 when the group answers steps", labels=["group", "addresses"])
@@ -37,11 +39,12 @@ class _EngineStateCollector:
                 continue
             running.add_metric([label], g.num_running)
             waiting.add_metric([label], g.num_waiting)
+            paused.add_metric([label], g.num_paused)
             free.add_metric([label], g.num_free_kv_blocks)
             used.add_metric([label], g.num_kv_blocks - g.num_free_kv_blocks)
             queried, hits = g.prefix_cache_queried_tokens, g.prefix_cache_hit_tokens
             hit_rate.add_metric([label], hits / queried if queried else 0.0)
-        yield from (running, waiting, used, free, healthy, hit_rate, tp_size)
+        yield from (running, waiting, paused, used, free, healthy, hit_rate, tp_size)
 
 
 class SchedulerMetrics:
@@ -64,6 +67,8 @@ class SchedulerMetrics:
         self.rejected = Counter("llm_requests_rejected", "Requests refused before admission", ["code"], registry=r)
         self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("llm_generated_tokens", "Output tokens of finished requests", registry=r)
+        self.sampled_tokens = Counter("llm_sampled_tokens", "Output tokens as each step brings them (requests in "
+                                      "flight included; a recomputed request's tokens count once)", registry=r)
         self.worker_failures = Counter("llm_worker_failures", "Steps that failed because a worker was down", ["group"], registry=r)
 
     def watch(self, snapshot) -> None:
@@ -90,6 +95,9 @@ class SchedulerMetrics:
             self.ttft_seconds.observe(first_token_at - arrival)
             if num_output_tokens > 1:
                 self.tpot_seconds.observe((now - first_token_at) / (num_output_tokens - 1))
+
+    def observe_sampled(self, num_tokens: int) -> None:
+        self.sampled_tokens.inc(num_tokens)
 
     def observe_rejection(self, code: str, count: int = 1) -> None:
         self.rejected.labels(code).inc(count)

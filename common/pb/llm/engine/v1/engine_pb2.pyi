@@ -158,12 +158,24 @@ class AbortRequestsResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class PauseRequestsRequest(_message.Message):
+    __slots__ = ("pause_seq_ids", "resume_seq_ids")
+    PAUSE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    pause_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pause_seq_ids: _Optional[_Iterable[int]] = ..., resume_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PauseRequestsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerGroupState(_message.Message):
-    __slots__ = ("addresses", "healthy", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "device", "attention_backend", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "block_size", "max_model_len")
+    __slots__ = ("addresses", "healthy", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "device", "attention_backend", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "block_size", "max_model_len", "num_paused")
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +189,7 @@ class WorkerGroupState(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAUSED_FIELD_NUMBER: _ClassVar[int]
     addresses: _containers.RepeatedScalarFieldContainer[str]
     healthy: bool
     num_kv_blocks: int
@@ -190,7 +203,8 @@ class WorkerGroupState(_message.Message):
     prefix_cache_hit_tokens: int
     block_size: int
     max_model_len: int
-    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., healthy: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    num_paused: int
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., healthy: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_paused: _Optional[int] = ...) -> None: ...
 
 class CoreInfo(_message.Message):
     __slots__ = ("status", "groups")

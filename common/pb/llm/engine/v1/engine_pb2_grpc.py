@@ -59,6 +59,11 @@ class EngineCoreStub:
                 request_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.SerializeToString,
                 response_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.PauseRequests = channel.unary_unary(
+                '/llm.engine.v1.EngineCore/PauseRequests',
+                request_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.SerializeToString,
+                response_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.FromString,
+                _registered_method=True)
 
 
 class EngineCoreServicer:
@@ -102,6 +107,15 @@ class EngineCoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseRequests(self, request, context):
+        """Backpressure: pauses requests whose clients have fallen a window of tokens behind (a paused
+        request leaves the batch until resumed), and resumes them once the clients caught up. A
+        frontend sends its changes in order, one call at a time; an id not in flight is ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineCoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_EngineCoreServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.FromString,
                     response_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.SerializeToString,
+            ),
+            'PauseRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseRequests,
+                    request_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.FromString,
+                    response_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +285,33 @@ class EngineCore:
             '/llm.engine.v1.EngineCore/Report',
             common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.SerializeToString,
             common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llm.engine.v1.EngineCore/PauseRequests',
+            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.SerializeToString,
+            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
