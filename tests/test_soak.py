@@ -1,0 +1,54 @@
+"""The soak (tools/loadtest/soak.py) in CI: 30 s of load above capacity through a frontend process,
+with client cancels, slow readers and one worker SIGKILL + restart; nothing lost, nothing leaked,
+metrics agreeing with the clients. QWEN3_SERVE_SOAK_S=600 runs it longer (or run the tool itself:
+python -m tools.loadtest.soak --duration 600)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from tools.loadtest.soak import SoakSettings, format_figures, soak
+
+DURATION_S = float(os.environ.get("QWEN3_SERVE_SOAK_S", "30"))
+
+pytestmark = pytest.mark.timeout(180 + 2 * DURATION_S)
+
+
+def test_soak_above_capacity_with_cancels_slow_readers_and_a_worker_restart(tiny_model_dir, tmp_path):
+    settings = SoakSettings(duration_s=DURATION_S, frontends=1)
+    figures, failures = asyncio.run(soak(settings, tiny_model_dir, tmp_path / "logs"))
+    print(format_figures(figures, failures))
+    assert failures == []
+    # What makes it a soak and not a stroll: each disturbance really happened.
+    assert figures["worker_restarts"] == 1 and figures["worker_failures_seen"] >= 1
+    assert figures["refused"] > 0 or figures["peak_waiting"] >= settings.max_waiting, "never above capacity"
+    assert figures["cancelled"] > 0 and figures["slow_readers_completed"] > 0
+    assert figures["peak_paused"] > 0, "no slow reader was ever paused"
+    assert figures["blocks_leaked"] == 0 and figures["errors"] == 0
+
+
+def test_the_soak_s_checks_catch_what_they_are_for():
+    """check() on made-up outcomes: each kind of damage is reported, a clean run is not."""
+    from common.pb.llm.v1 import generation_pb2 as pb
+    from tools.loadtest.soak import CANCELLED, COMPLETED, ERROR, REFUSED, Outcome, check
+
+    refs = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    clean = [Outcome(0, 0, "normal", COMPLETED, [1, 2, 3, 4]), Outcome(1, 1, "cancel", CANCELLED, [5, 6]),
+             Outcome(2, 1, "normal", REFUSED, [], "RESOURCE_EXHAUSTED: full")]
+    group = pb.WorkerGroupInfo(num_kv_blocks=8, num_free_kv_blocks=8)
+    metrics = {'llm_requests_finished_total{reason="length"}': 3, 'llm_requests_finished_total{reason="abort"}': 1,
+               'llm_requests_rejected_total{code="RESOURCE_EXHAUSTED"}': 1, "llm_sampled_tokens_total": 16,
+               "llm_generated_tokens_total": 16, 'llm_worker_failures_total{group="0"}': 1}
+    figures, failures = check(clean, refs, group, metrics, num_reference_requests=2)
+    assert failures == [] and (figures["completed"], figures["cancelled"], figures["refused"]) == (1, 1, 1)
+
+    damaged = [Outcome(0, 0, "normal", COMPLETED, [1, 2, 9, 4]), Outcome(1, 1, "cancel", CANCELLED, [6]),
+               Outcome(2, 1, "slow", ERROR, [5], "UNKNOWN: boom")]
+    leaky = pb.WorkerGroupInfo(num_kv_blocks=8, num_free_kv_blocks=6)
+    _, failures = check(damaged, refs, leaky, {**metrics, "llm_sampled_tokens_total": 15}, num_reference_requests=2)
+    text = "\n".join(failures)
+    for problem in ("other tokens than its reference", "not its reference's prefix", "without a clear status",
+                    "2 KV blocks", "rejected", "sampled tokens"):
+        assert problem in text, problem

@@ -1,0 +1,409 @@
+"""Soak test: runs a worker and a scheduler, drives them above capacity with random client
+cancels, slow readers and one worker SIGKILL + restart, then checks that nothing was lost.
+
+    python -m tools.loadtest.soak [--model DIR] [--duration 60] [--rate 12] [--out FILE]
+
+Every request is greedy and ignores EOS, drawn from a pool of specs whose undisturbed outputs are
+generated first (the references). Afterwards:
+  - every admitted request either completed with exactly its reference's tokens, or was cancelled
+    by its client after a prefix of them; every other request was refused with a clear status
+    (RESOURCE_EXHAUSTED past the waiting bound); nothing ended UNKNOWN, INTERNAL or UNAVAILABLE;
+  - every KV block is free, and nothing runs, waits or stays paused;
+  - the metrics (--metrics-port) agree with the client: finished by length = completed, aborted =
+    cancelled, rejected = refused, and the tokens counted as sampled = the tokens of finished ones.
+It prints the figures (requests, completions, cancels, refusals, slow readers, restarts, blocks
+leaked) and exits 1 when a check fails. Without --model it writes the tiny seeded checkpoint.
+
+Cancelling and slow clients read through a channel whose HTTP/2 stream window is small
+(--lookahead-bytes): the server counts what a client's transport holds as read, so with a small
+window a slow reader's request is paused by backpressure (--stream-window) rather than buffered,
+and a cancel reaches the server before the request can have finished.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import numpy as np
+
+from common.pb.llm.v1 import generation_pb2 as pb
+from common.pb.llm.v1.generation_pb2_grpc import GenerationStub
+from tools.loadtest.arrivals import arrival_offsets
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# Outcomes of one request, as the client saw it.
+COMPLETED, CANCELLED, REFUSED, DEADLINE, ERROR = "completed", "cancelled", "refused", "deadline", "error"
+
+
+@dataclass(frozen=True)
+class Spec:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    index: int
+    spec: int
+    kind: str                      # normal, cancel, slow
+    status: str = ""
+    tokens: list[int] = field(default_factory=list)
+    detail: str = ""
+
+
+# -- the service's processes ---------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """One worker and one scheduler, as `python -m` subprocesses writing logs into a directory."""
+
+    def __init__(self, model: pathlib.Path, logs: pathlib.Path, worker_args: list[str], scheduler_args: list[str]):
+        self.model, self.logs = model, logs
+        self.worker_args, self.scheduler_args = worker_args, scheduler_args
+        self.worker_port, self.scheduler_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.worker: subprocess.Popen | None = None
+        self.scheduler: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with (self.logs / f"{name}.log").open("ab") as log:
+            return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT)
+
+    def start_worker(self) -> None:
+        self.worker = self._spawn("worker", ["worker_svc", "--model", str(self.model), "--host", "127.0.0.1",
+                                             "--port", str(self.worker_port), *self.worker_args])
+
+    def start(self) -> None:
+        self.start_worker()
+        self.scheduler = self._spawn("scheduler", [
+            "scheduler_svc", "--model", str(self.model), "--workers", f"127.0.0.1:{self.worker_port}",
+            "--host", "127.0.0.1", "--port", str(self.scheduler_port), "--metrics-port", str(self.metrics_port),
+            *self.scheduler_args])
+
+    def kill_worker(self) -> None:
+        self.worker.send_signal(signal.SIGKILL)
+        self.worker.wait()
+
+    def restart_worker(self) -> None:
+        self.start_worker()
+        self.restarts += 1
+
+    def stop(self) -> None:
+        for proc in (self.scheduler, self.worker):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (self.scheduler, self.worker):
+            if proc is not None:
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        return {name: float(value) for name, _, value in
+                (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+async def _wait_ready(stub: GenerationStub, procs: Processes, timeout_s: float) -> pb.ModelInfo:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for proc in (procs.worker, procs.scheduler):
+            if proc.poll() is not None:
+                raise RuntimeError(f"a service process exited with {proc.returncode}; see {procs.logs}")
+        try:
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+            if info.worker_groups and all(g.healthy for g in info.worker_groups):
+                return info
+        except grpc.aio.AioRpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the service was not ready within {timeout_s}s; see {procs.logs}")
+        await asyncio.sleep(0.2)
+
+
+# -- the load --------------------------------------------------------------------------------------
+
+@dataclass
+class SoakSettings:
+    duration_s: float = 60.0
+    rate: float = 12.0                 # requests/s, above what the tiny model serves on 2 cores
+    seed: int = 0
+    num_specs: int = 24
+    cancel_fraction: float = 0.2
+    slow_fraction: float = 0.15
+    slow_read_delay_s: float = 0.03    # between two messages of a slow reader
+    kill_at: float = 0.4               # of the duration
+    restart_after_s: float = 1.0
+    stream_window: int = 16
+    lookahead_bytes: int = 1024
+    max_waiting: int = 24
+    max_num_seqs: int = 16
+    num_kv_blocks: int = 160
+    frontends: int = 0
+    device: str = "cpu"
+    request_timeout_s: float = 300.0
+
+
+def _specs(settings: SoakSettings, vocab_size: int) -> list[Spec]:
+    rng = random.Random(settings.seed)
+    # A cancel lands after at most 10 tokens; the window, the transport and two steps in flight
+    # add < 50 more, so a request of 80+ tokens cannot have finished before its cancel arrives.
+    return [Spec([rng.randrange(3, vocab_size) for _ in range(rng.randint(4, 80))], rng.randint(80, 160))
+            for _ in range(settings.num_specs)]
+
+
+async def _one(stub: GenerationStub, out: Outcome, spec: Spec, cancel_after: int, delay_s: float,
+               timeout_s: float) -> None:
+    call = stub.Generate(pb.GenerateRequest(
+        request_id=f"soak-{out.index}", token_ids=pb.TokenIds(ids=spec.prompt),
+        sampling=pb.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, temperature=0.0)), timeout=timeout_s)
+    finish = pb.FINISH_REASON_UNSPECIFIED
+    try:
+        async for message in call:
+            out.tokens += message.token_ids
+            finish = message.finish_reason or finish
+            if cancel_after and len(out.tokens) >= cancel_after and not finish:
+                call.cancel()
+                out.status = CANCELLED
+                return
+            if delay_s:
+                await asyncio.sleep(delay_s)
+    except grpc.aio.AioRpcError as e:
+        code = e.code()
+        out.status = {grpc.StatusCode.RESOURCE_EXHAUSTED: REFUSED,
+                      grpc.StatusCode.DEADLINE_EXCEEDED: DEADLINE}.get(code, ERROR)
+        out.detail = f"{code.name}: {e.details()}"
+        return
+    if finish == pb.FINISH_REASON_LENGTH:
+        out.status = COMPLETED
+    else:
+        out.status, out.detail = ERROR, f"stream ended with finish reason {pb.FinishReason.Name(finish)}"
+
+
+async def _monitor(procs: Processes, peaks: Counter, stop: asyncio.Event) -> None:
+    """Records the peaks of running, waiting and paused requests (the load was above capacity,
+    slow readers were paused)."""
+    while not stop.is_set():
+        try:
+            m = await asyncio.to_thread(procs.metrics)
+        except OSError:
+            m = {}
+        for what in ("running", "waiting", "paused"):
+            peaks[what] = max(peaks[what], int(m.get(f'llm_requests_{what}{{group="0"}}', 0)))
+        await asyncio.sleep(0.25)
+
+
+async def _drive(settings: SoakSettings, procs: Processes, specs: list[Spec], figures: dict) -> list[Outcome]:
+    """Sends the disturbed load, kills the worker and restarts it midway, returns every outcome."""
+    rng = random.Random(settings.seed + 1)
+    count = max(1, round(settings.rate * settings.duration_s))
+    offsets = arrival_offsets(count, settings.rate, 1.0, np.random.default_rng(settings.seed))
+    small_window = [("grpc.http2.lookahead_bytes", settings.lookahead_bytes), ("grpc.http2.bdp_probe", 0),
+                    ("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(procs.address) as fast, \
+            grpc.aio.insecure_channel(procs.address, options=small_window) as slow:
+        stubs = {"normal": GenerationStub(fast), "cancel": GenerationStub(slow), "slow": GenerationStub(slow)}
+        start = time.monotonic()
+
+        async def disturb() -> None:
+            await asyncio.sleep(settings.kill_at * settings.duration_s)
+            procs.kill_worker()
+            figures["worker_killed_at_s"] = round(time.monotonic() - start, 2)
+            await asyncio.sleep(settings.restart_after_s)
+            procs.restart_worker()
+
+        async def paced(i: int) -> Outcome:
+            await asyncio.sleep(max(0.0, start + offsets[i] - time.monotonic()))
+            draw = rng.random()
+            kind = ("cancel" if draw < settings.cancel_fraction
+                    else "slow" if draw < settings.cancel_fraction + settings.slow_fraction else "normal")
+            spec_index = rng.randrange(len(specs))
+            out = Outcome(i, spec_index, kind)
+            await _one(stubs[kind], out, specs[spec_index], rng.randint(1, 10) if kind == "cancel" else 0,
+                       settings.slow_read_delay_s if kind == "slow" else 0.0, settings.request_timeout_s)
+            return out
+
+        peaks: Counter = Counter()
+        stop = asyncio.Event()
+        background = [asyncio.create_task(disturb()), asyncio.create_task(_monitor(procs, peaks, stop))]
+        outcomes = await asyncio.gather(*(paced(i) for i in range(count)))
+        stop.set()
+        await asyncio.gather(*background)
+        figures["load_s"] = round(time.monotonic() - start, 2)
+        figures.update({f"peak_{what}": peaks[what] for what in ("running", "waiting", "paused")})
+    return list(outcomes)
+
+
+# -- the checks ------------------------------------------------------------------------------------
+
+async def _settle(stub: GenerationStub, procs: Processes, timeout_s: float = 120.0) -> pb.WorkerGroupInfo:
+    """Waits until nothing runs, waits or is paused, and returns the group's state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        g = info.worker_groups[0]
+        m = procs.metrics()
+        idle = (g.healthy and not g.num_running and not m.get('llm_requests_waiting{group="0"}')
+                and not m.get('llm_requests_paused{group="0"}') and g.num_free_kv_blocks == g.num_kv_blocks)
+        if idle or time.monotonic() > deadline:
+            return g
+        await asyncio.sleep(0.2)
+
+
+def check(outcomes: list[Outcome], references: list[list[int]], group: pb.WorkerGroupInfo,
+          metrics: dict[str, float], num_reference_requests: int) -> tuple[dict, list[str]]:
+    """The figures of a run and what is wrong with it (empty when nothing is)."""
+    failures: list[str] = []
+    status = Counter(o.status for o in outcomes)
+    for o in outcomes:
+        ref = references[o.spec]
+        if o.status == COMPLETED and o.tokens != ref:
+            failures.append(f"request {o.index} ({o.kind}) completed with other tokens than its reference")
+        elif o.status == CANCELLED and o.tokens != ref[:len(o.tokens)]:
+            failures.append(f"request {o.index} was cancelled after tokens that are not its reference's prefix")
+        elif o.status == ERROR:
+            failures.append(f"request {o.index} ({o.kind}) ended without a clear status: {o.detail}")
+        elif o.status == REFUSED and o.tokens:
+            failures.append(f"request {o.index} was refused after {len(o.tokens)} tokens: {o.detail}")
+    leaked = group.num_kv_blocks - group.num_free_kv_blocks
+    if leaked or group.num_running:
+        failures.append(f"{leaked} KV blocks and {group.num_running} running requests left after the soak")
+
+    def metric(name: str) -> float:
+        return metrics.get(name, 0.0)
+
+    agreements = {
+        "finished by length": (metric('llm_requests_finished_total{reason="length"}'),
+                               status[COMPLETED] + num_reference_requests),
+        "finished by abort": (metric('llm_requests_finished_total{reason="abort"}'), status[CANCELLED]),
+        "rejected (RESOURCE_EXHAUSTED)": (metric('llm_requests_rejected_total{code="RESOURCE_EXHAUSTED"}'),
+                                          status[REFUSED]),
+        "sampled tokens = generated tokens": (metric("llm_sampled_tokens_total"),
+                                              metric("llm_generated_tokens_total")),
+    }
+    for what, (server, client) in agreements.items():
+        if server != client:
+            failures.append(f"metrics disagree: {what}: server {server:g}, client {client:g}")
+    completed_tokens = sum(len(o.tokens) for o in outcomes if o.status == COMPLETED)
+    cancelled_tokens = sum(len(o.tokens) for o in outcomes if o.status == CANCELLED)
+    reference_tokens = sum(len(r) for r in references)
+    # A cancelled request was generated for at least as far as its client read.
+    if metric("llm_generated_tokens_total") < completed_tokens + cancelled_tokens + reference_tokens:
+        failures.append("the server counts fewer generated tokens than the clients received")
+    if metric('llm_worker_failures_total{group="0"}') < 1:
+        failures.append("the scheduler never noticed the killed worker")
+    figures = {
+        "requests": len(outcomes), "completed": status[COMPLETED], "cancelled": status[CANCELLED],
+        "refused": status[REFUSED], "deadline_exceeded": status[DEADLINE], "errors": status[ERROR],
+        "slow_readers": sum(o.kind == "slow" for o in outcomes),
+        "slow_readers_completed": sum(o.kind == "slow" and o.status == COMPLETED for o in outcomes),
+        "tokens_received": completed_tokens + cancelled_tokens, "blocks_leaked": leaked,
+        "worker_failures_seen": int(metric('llm_worker_failures_total{group="0"}')),
+        "preemptions": group.num_preemptions,
+    }
+    return figures, failures
+
+
+async def soak(settings: SoakSettings, model: pathlib.Path, logs: pathlib.Path) -> tuple[dict, list[str]]:
+    procs = Processes(
+        model, logs,
+        worker_args=["--device", settings.device, "--num-kv-blocks", str(settings.num_kv_blocks)],
+        scheduler_args=["--max-waiting", str(settings.max_waiting), "--max-num-seqs", str(settings.max_num_seqs),
+                        "--stream-window", str(settings.stream_window), "--frontends", str(settings.frontends)])
+    figures: dict = {}
+    try:
+        procs.start()
+        async with grpc.aio.insecure_channel(procs.address) as channel:
+            stub = GenerationStub(channel)
+            info = await _wait_ready(stub, procs, timeout_s=180)
+            specs = _specs(settings, info.vocab_size)
+            references = await asyncio.gather(*(_reference(stub, s) for s in specs))
+            outcomes = await _drive(settings, procs, specs, figures)
+            figures["worker_restarts"] = procs.restarts
+            group = await _settle(stub, procs)
+            await asyncio.sleep(1.5)        # frontends report rejections once a second
+            run_figures, failures = check(outcomes, references, group, procs.metrics(), len(specs))
+            figures.update(run_figures)
+    finally:
+        procs.stop()
+    return figures, failures
+
+
+async def _reference(stub: GenerationStub, spec: Spec) -> list[int]:
+    tokens = []
+    async for message in stub.Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=spec.prompt),
+            sampling=pb.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, temperature=0.0)), timeout=600):
+        tokens += message.token_ids
+    if len(tokens) != spec.max_tokens:
+        raise RuntimeError(f"a reference run gave {len(tokens)} tokens, not {spec.max_tokens}")
+    return tokens
+
+
+def format_figures(figures: dict, failures: list[str]) -> str:
+    lines = ["soak: " + ("PASSED" if not failures else f"FAILED ({len(failures)} problems)")]
+    lines += [f"  {name:<24} {value}" for name, value in figures.items()]
+    lines += [f"  ! {f}" for f in failures[:20]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> tuple[SoakSettings, argparse.Namespace]:
+    defaults = SoakSettings()
+    ap = argparse.ArgumentParser(prog="python -m tools.loadtest.soak", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=pathlib.Path, help="model directory (unset: write the tiny seeded checkpoint)")
+    ap.add_argument("--logs", type=pathlib.Path, help="where the services' logs go (unset: a temporary directory)")
+    ap.add_argument("--out", type=pathlib.Path, help="write the figures and problems as JSON")
+    for name, value in asdict(defaults).items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = ap.parse_args(argv)
+    settings = SoakSettings(**{name: getattr(args, name) for name in asdict(defaults)})
+    return settings, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="soak-") as scratch:
+        model = args.model
+        if model is None:
+            from common.tiny_model import write_tiny_qwen3
+            model = write_tiny_qwen3(pathlib.Path(scratch) / "tiny-qwen3")
+        logs = args.logs or pathlib.Path(scratch) / "logs"
+        figures, failures = asyncio.run(soak(settings, model, logs))
+        print(format_figures(figures, failures))
+        if args.out:
+            args.out.write_text(json.dumps({"settings": asdict(settings), "figures": figures, "failures": failures},
+                                           indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
