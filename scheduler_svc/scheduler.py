@@ -2,9 +2,10 @@
 
 One unified step in the style of vLLM V1: every request simply has some tokens left to
 compute. Running requests go first (a decode takes one token, an unfinished prefill the
-next chunk), preempting the most recently admitted ones when KV blocks run out; then waiting
-requests are admitted first come, first served with the remaining token budget, chunked when
-their prompt does not fit. So one step can mix a long prompt's chunk with many decodes.
+next chunk), preempting the lowest-priority, most recently admitted ones when KV blocks run out;
+then waiting requests are admitted by priority, then first come, first served, with the remaining
+token budget, chunked when their prompt does not fit. So one step can mix a long prompt's chunk
+with many decodes. With one priority (the default) this is plain FCFS.
 
 Steps may be scheduled ahead (vLLM's async scheduling): schedule() for step N+1 may run before
 update() of step N, since the worker runs steps in order and appends the tokens it samples. A
@@ -14,6 +15,7 @@ step N+1 computes it gets that step's token discarded; preempted or aborted ones
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Sequence_
@@ -21,6 +23,7 @@ from typing import Iterable, Sequence as Sequence_
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.waiting_queue import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -137,8 +140,10 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []       # in admission order: preempt from the end
+        self.waiting = WaitingQueue()
+        # By priority (highest first), then admission order: the end is preempted first, and
+        # _schedule_running, going front to back, never preempts a sequence it already scheduled.
+        self.running: list[Sequence] = []
         self._unfinished: dict[int, Sequence] = {}
         # Worker mirrors to drop, collected until the next step that is sent.
         self._finished_ids: list[int] = []
@@ -159,7 +164,7 @@ class Scheduler:
                              f"{self.config.max_model_len}")
         if seq.sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        self.waiting.append(seq)
+        self.waiting.push(seq)
         self._unfinished[seq.seq_id] = seq
 
     def hand_over(self) -> list[Sequence]:
@@ -180,7 +185,7 @@ class Scheduler:
             raise ValueError(f"{seq} was not handed over")
         if seq.num_tokens > self.config.max_model_len:
             raise ValueError(f"{seq} is longer than this group's max_model_len {self.config.max_model_len}")
-        self.waiting.append(seq)
+        self.waiting.push(seq)
         self._unfinished[seq.seq_id] = seq
 
     def abort(self, seq_id: int) -> Sequence | None:
@@ -257,8 +262,8 @@ class Scheduler:
         return budget
 
     def _reserve_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Preempts the most recently admitted requests until seq's new tokens have slots;
-        False when seq itself (then the last one) had to go."""
+        """Preempts from the end of the running list (the lowest priority, most recently admitted)
+        until seq's new tokens have slots; False when seq itself (then the last one) had to go."""
         while not self.block_manager.append_slots(seq, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
@@ -269,21 +274,30 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            cached = bm.match_prefix(seq)
+            seq = self.waiting.head()
+            # A prompt whose logprobs are asked is computed in full the first time: the cache
+            # holds KV, not the logits that score each token.
+            cached = [] if seq.sampling.prompt_logprobs and not seq.num_output_tokens else bm.match_prefix(seq)
             num_cached = len(cached) * bm.block_size
             num_tokens = self._num_to_schedule(seq.num_tokens - num_cached, budget)
             # FCFS: when the head does not fit, nobody behind it jumps the queue.
             if not bm.allocate(seq, cached, num_cached + num_tokens):
                 break
-            self.waiting.popleft()
+            self.waiting.pop_head()
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_prompt_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             seq.num_admissions += 1
-            self.running.append(seq)
+            self._add_running(seq)
             self._add_new(output, seq, num_tokens)
             budget -= num_tokens
+
+    def _add_running(self, seq: Sequence) -> None:
+        running = self.running
+        if not running or running[-1].priority <= seq.priority:
+            running.append(seq)          # the common case: one priority
+        else:
+            bisect.insort_right(running, seq, key=_priority)
 
     def _add_cached(self, output: SchedulerOutput, seq: Sequence, num_tokens: int, num_computed: int,
                     may_have_new_blocks: bool) -> None:
@@ -332,7 +346,7 @@ class Scheduler:
         """Recompute-style preemption: free everything, wait at the front of the queue."""
         self._free(seq)
         seq.status = SequenceStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._requeue(seq)
@@ -406,8 +420,8 @@ class Scheduler:
     # -- worker restart ----------------------------------------------------------------------
     def reset_all_worker_state(self) -> None:
         """The worker lost its KV cache and mirrors (and the results of steps in flight): every
-        running request goes back to the front of the queue, in order, to be re-sent in full,
-        and the prefix cache is emptied."""
+        running request goes back to the queue (by priority and arrival, so ahead of those that
+        arrived after it), to be re-sent in full, and the prefix cache is emptied."""
         for seq in reversed(self.running):
             self._requeue(seq)
             seq.on_worker = False
@@ -416,3 +430,7 @@ class Scheduler:
         self._finished_ids.clear()
         self._preempted_ids.clear()
         self.block_manager.reset_prefix_cache()
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.priority
