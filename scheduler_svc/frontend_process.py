@@ -54,7 +54,8 @@ async def start_frontend(args: argparse.Namespace, core: CoreClient, security) -
     """The frontend and its public server, started; returns them and its background tasks."""
     token, credentials = security
     facts = read_model_facts(args.model)
-    frontend = Frontend(core, load_tokenizer(args.model), stream_interval=args.stream_interval)
+    frontend = Frontend(core, load_tokenizer(args.model), stream_interval=args.stream_interval,
+                        eos_token_ids=facts.eos_token_ids)
     service = GenerationService(frontend, model_name=args.served_model_name or facts.name, vocab_size=facts.vocab_size,
                                 eos_token_ids=facts.eos_token_ids, limits=Limits())
     interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
