@@ -291,23 +291,21 @@ class EngineCore:
         top_of = (dict(zip(sampled_ids, result.top_logprobs.entries()))
                   if sampled_ids is not None and result.top_logprobs is not None else None)
 
-        def outputs_of(seq_id: int) -> StepOutputs:
-            outputs = per_frontend.get(frontend_of(seq_id))
-            if outputs is None:
-                outputs = per_frontend[frontend_of(seq_id)] = StepOutputs(
-                    logprobs=[] if logprob_of is not None else None,
-                    top_logprobs=TopLogprobColumns() if top_of is not None else None)
-            return outputs
+        def new_outputs() -> StepOutputs:
+            return StepOutputs(logprobs=[] if logprob_of is not None else None,
+                               top_logprobs=TopLogprobColumns() if top_of is not None else None)
 
         active = self._active
         if result.prompt_logprobs is not None:
-            self._add_prompt_logprobs(result.prompt_logprobs, outputs_of)
+            self._add_prompt_logprobs(result.prompt_logprobs, per_frontend, new_outputs)
         for seq in received:
             seq_id = seq.seq_id
             entry = active.get(seq_id)
             if entry is None:
                 continue
-            outputs = outputs_of(seq_id)
+            outputs = per_frontend.get(frontend_of(seq_id))
+            if outputs is None:
+                outputs = per_frontend[frontend_of(seq_id)] = new_outputs()
             outputs.seq_ids.append(seq_id)
             outputs.token_ids.append(seq.token_ids[-1])
             if logprob_of is not None:
@@ -325,7 +323,8 @@ class EngineCore:
             if queue is not None:
                 queue.put_nowait(CoreEvent(outputs=outputs))
 
-    def _add_prompt_logprobs(self, scored: StepPromptLogprobs, outputs_of) -> None:
+    def _add_prompt_logprobs(self, scored: StepPromptLogprobs, per_frontend: dict[int, StepOutputs],
+                             new_outputs) -> None:
         """Forwards the prompt logprobs a step computed, each token once: a prompt recomputed
         after a preemption is scored again from its start, and what was sent is skipped."""
         tops = scored.top.entries() if scored.top is not None else None
@@ -342,7 +341,9 @@ class EngineCore:
                 continue
             if skip >= count:
                 continue
-            outputs = outputs_of(seq_id)
+            outputs = per_frontend.get(frontend_of(seq_id))
+            if outputs is None:
+                outputs = per_frontend[frontend_of(seq_id)] = new_outputs()
             if outputs.prompt_logprobs is None:
                 outputs.prompt_logprobs = PromptLogprobs(top=TopLogprobColumns() if tops is not None else None)
             prompt = outputs.prompt_logprobs

@@ -58,7 +58,7 @@ def test_the_scheduler_lists_and_describes_its_services(services, version):
         assert listed == {"llm.v1.Generation", "grpc.health.v1.Health", V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME}
         generation = _files(_ask(channel, version, file_containing_symbol="llm.v1.Generation"))["llm.v1"]
         [service] = generation.service
-        assert [m.name for m in service.method] == ["Generate", "Abort", "GetModelInfo"]
+        assert [m.name for m in service.method] == ["Generate", "Chat", "Tokenize", "Detokenize", "Abort", "GetModelInfo"]
         assert generation.options.go_package and generation.options.java_package
         # A client that describes every listed service needs the reflection services too.
         for name in (V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME):

@@ -532,10 +532,15 @@ class ModelRunner:
                     top_ks = None
         score_at, score_targets, scored = (self._prompt_scoring(rows, start, seq_lens, query_start) if b.num_scoring
                                            else (_NONE, _NONE, None))
+        parts = [input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices, sampling_rows, gather_at,
+                 gather_rows, block_tables.reshape(-1)]
+        # What only some requests ask for travels only when asked (a plain step copies nothing more).
+        extras = (constrained_at, top_at, score_at, score_targets)
+        asked = any(len(part) for part in extras)
+        views = self._staging.fill(parts + list(extras) if asked else parts)
         (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
-         tables_d, constrained_d, top_d, score_at_d, score_targets_d) = self._staging.fill(
-            [input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices, sampling_rows, gather_at,
-             gather_rows, block_tables.reshape(-1), constrained_at, top_at, score_at, score_targets])
+         tables_d) = views[:10]
+        constrained_d, top_d, score_at_d, score_targets_d = views[10:] if asked else (None,) * 4
         if len(gather_at):
             ids_d.index_copy_(0, gather_at_d, self.last_sampled.index_select(0, gather_rows_d))
         b.num_computed[rows] = seq_lens

@@ -91,6 +91,11 @@ class StructuredOutput:
                     self.num_refused += 1
                     logger.error("a grammar refused token %d that was sampled under its mask", token)
 
+    @property
+    def loaded(self) -> bool:
+        """Whether a constrained request has come (the compiler exists)."""
+        return self._compiler is not None
+
     def clear(self) -> None:
         """Forgets tokens not accepted yet (the batch was reset: their matchers are gone)."""
         self._pending.clear()
