@@ -14,7 +14,6 @@ Exits 0 when the request finished, 1 when the server refused or failed it (the s
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--stop", nargs="+", default=[], help="stop strings")
     p.add_argument("--n", type=int, default=None, help="independent samples of the prompt (1..16)")
     p.add_argument("--logprobs", action="store_true", help="print each sampled token's log-probability")
     p.add_argument("--top-logprobs", type=int, default=None, help="print the K most likely tokens at each position")
@@ -57,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     chat = p.add_argument_group("chat", "send the prompt as a user message to the Chat RPC")
     chat.add_argument("--chat", action="store_true")
     chat.add_argument("--system", default=None, help="a system message before it")
-    chat.add_argument("--tool", action="append", default=[], metavar="JSON|@FILE",
-                      help='a tool: {"name", "description", "parameters": JSON schema} (repeatable)')
+    chat.add_argument("--tool", nargs="+", default=[], metavar="JSON|@FILE",
+                      help='tools, each {"name", "description", "parameters": JSON schema}')
     chat.add_argument("--tool-choice", default="auto", help="auto, none, required or a tool's name")
-    chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+    chat.add_argument("--thinking", choices=("on", "off"), default=None,
                       help="the chat template's enable_thinking (unset: the template's default)")
     p.add_argument("--tokenize", action="store_true", help="print the prompt's token ids and exit")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole request, in seconds")
@@ -121,7 +120,8 @@ def _print_completion(out) -> None:
 def _chat(client: Client, messages: list, tools: list, args, options: dict) -> None:
     reasoning = False
     for chunk in client.stream_chat(messages, tools=tools, tool_choice=args.tool_choice,
-                                    enable_thinking=args.thinking, **options):
+                                    enable_thinking=None if args.thinking is None else args.thinking == "on",
+                                    **options):
         if chunk.reasoning:
             sys.stdout.write(("<think>" if not reasoning else "") + chunk.reasoning)
             reasoning = True

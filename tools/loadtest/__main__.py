@@ -68,8 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="share of the requests (seeded) whose output is constrained by --json-schema")
     shape.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE",
                        help="the JSON schema of constrained requests (default: a list of bounded records)")
-    shape.add_argument("--tool", action="append", default=[], metavar="JSON|@FILE",
-                       help='chat: a tool {"name", "description", "parameters"} (repeatable)')
+    shape.add_argument("--tool", nargs="+", default=[], metavar="JSON|@FILE",
+                       help='chat: tools, each {"name", "description", "parameters"}')
     shape.add_argument("--tool-choice", default="auto", help="chat: auto, none, required or a tool's name")
     load = ap.add_argument_group("load")
     load.add_argument("--request-rate", type=_rate, default=float("inf"), help="requests/s (inf: all at once)")
