@@ -19,7 +19,9 @@ Stages, in order:
                schema (tools/loadtest/datasets.py's bounded records: the grammar stays open for the
                whole output), no constraints again (the two unconstrained runs bound the noise);
                with the first constrained request's extra latency (xgrammar's start and the
-               grammar's compile on the worker) and the TPOT of constrained vs free requests
+               grammar's compile on the worker) and the TPOT of constrained vs free requests.
+               The written checkpoint carries the tiny 504-token tokenizer: masks span the full
+               vocabulary, but compile and fill times are a real Qwen3 tokenizer's only with --model
   offline      the same engine in one process, no gRPC (tools.offline.LLM)
   hf_default   transformers ContinuousBatchingManager at its defaults
   hf_tuned     the same with its CUDA graphs and a 16k-token batch budget
