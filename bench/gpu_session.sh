@@ -39,8 +39,9 @@ case ${1:-} in
     base) base ;;
     tests)
         base
-        timeout ${TIMEOUT:-300} $PY -m pytest -q -x --tb=short -rfs -p no:cacheprovider ${TESTS:-tests/test_gpu_pipelined_runner.py \
-            tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_attention_backends.py} 2>&1 | tail -${LINES_OUT:-40}
+        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider ${TESTS:-tests/test_gpu_pipelined_runner.py \
+            tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_attention_backends.py tests/test_moe_kernels.py \
+            tests/test_fp8_kernels.py} 2>&1 | tail -${LINES_OUT:-40}
         ;;
     smoke)
         base
@@ -76,5 +77,11 @@ case ${1:-} in
             --stages ${STAGES:-service,offline} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-60}
         copy_logs full
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench" >&2; exit 2 ;;
+    moe)
+        base
+        timeout ${TIMEOUT:-420} $PY -m bench.moe_fp8_bench --out "$BENCH/moe" \
+            --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
+        copy_logs moe
+        ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|moe" >&2; exit 2 ;;
 esac

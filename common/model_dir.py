@@ -1,4 +1,4 @@
-"""Facts about a Hugging Face Qwen3 model directory, read from its JSON files without loading weights.
+"""Facts about a Hugging Face Qwen3 (dense or MoE) model directory, read from its JSON files without loading weights.
 
 The scheduler needs these before (or without) any worker: the vocabulary size to validate token ids,
 the context limit, and the EOS ids that end generation.
@@ -10,7 +10,8 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPE = "qwen3"
+# Dense Qwen3 and Qwen3-MoE share the tokenizer, the attention and the checkpoint conventions.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 class ModelDirError(ValueError):
@@ -36,9 +37,10 @@ def read_model_facts(model_dir: str | pathlib.Path) -> ModelFacts:
     generation_config = _read_json(path / "generation_config.json", required=False)
 
     model_type = config.get("model_type")
-    if model_type != SUPPORTED_MODEL_TYPE:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        expected = " or ".join(repr(t) for t in SUPPORTED_MODEL_TYPES)
         raise ModelDirError(
-            f"{path / 'config.json'}: model_type is {model_type!r}, expected {SUPPORTED_MODEL_TYPE!r} (a Qwen3 checkpoint)"
+            f"{path / 'config.json'}: model_type is {model_type!r}, expected {expected} (a Qwen3 or Qwen3-MoE checkpoint)"
         )
     # generation_config.json is what transformers' generate() honours, and it often lists more
     # EOS ids than config.json (Qwen3: <|im_end|> and <|endoftext|>), so it wins when it has any.

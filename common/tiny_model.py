@@ -9,7 +9,7 @@ switch), and fewer ids than the model's vocab_size, so the padded embedding rows
 checkpoints have (151669 tokens, 151936 rows) exist here too.
 Same arguments => byte-identical weights and tokenizer.
 
-    python -m common.tiny_model --out models/tiny-qwen3
+    python -m common.tiny_model --out models/tiny-qwen3 [--kind moe|fp8|moe-fp8]
 """
 from __future__ import annotations
 
@@ -146,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
+    parser.add_argument("--kind", choices=["dense", "moe", "fp8", "moe-fp8"], default="dense",
+                        help="dense Qwen3, Qwen3-MoE, or either in the block-FP8 checkpoint format")
     args = parser.parse_args(argv)
-    write_tiny_qwen3(
+    TINY_KINDS[args.kind](
         args.out,
         seed=args.seed,
         num_layers=args.num_layers,
@@ -157,8 +159,127 @@ def main(argv: list[str] | None = None) -> int:
         hidden_size=args.hidden_size,
         tie_word_embeddings=not args.untied,
     )
-    print(f"wrote tiny Qwen3 checkpoint to {args.out}")
+    print(f"wrote tiny Qwen3 checkpoint ({args.kind}) to {args.out}")
     return 0
+
+
+# --- Qwen3-MoE and block-FP8 variants (for the MoE and FP8 paths' tests and the demo) ---------
+
+def write_tiny_qwen3_moe(
+    out: pathlib.Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    moe_intermediate_size: int = 32,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    num_layers: int = 4,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: tuple[int, ...] = (0,),
+    norm_topk_prob: bool = True,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = True,
+    init_std: float = 0.25,
+) -> pathlib.Path:
+    """A tiny Qwen3MoeForCausalLM checkpoint in `out` (transformers writes the per-expert
+    layout, mlp.experts.{i}.gate_proj/up_proj/down_proj and mlp.gate, as the released models
+    have it). The defaults mix a dense layer (mlp_only_layers) with sparse ones; same arguments
+    => identical weights."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = save_tiny_tokenizer(out, vocab_size)
+    eos_ids = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        num_hidden_layers=num_layers,
+        decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=list(mlp_only_layers),
+        norm_topk_prob=norm_topk_prob,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std,
+        bos_token_id=None,
+        eos_token_id=eos_ids[0],
+        pad_token_id=eos_ids[1],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos_ids, "pad_token_id": eos_ids[1], "do_sample": False}, indent=2) + "\n"
+    )
+    return out
+
+
+# The linear layers the official -FP8 checkpoints quantize: attention, dense MLP and expert
+# projections. Embeddings, the LM head, norms and the MoE router stay in full precision.
+_FP8_WEIGHT = r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight"
+FP8_MAX = 448.0   # largest float8_e4m3fn
+
+
+def quantize_fp8_blocks(weight, block: tuple[int, int]):
+    """(float8_e4m3fn values, float32 weight_scale_inv) of a 2-D weight: each block of
+    block[0] rows x block[1] columns is divided by its largest magnitude / 448. Written block by
+    block, plainly, as the format's reference (the worker has its own vectorised quantizer)."""
+    import torch
+
+    rows, cols = weight.shape
+    bn, bk = block
+    values = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(-(-rows // bn), -(-cols // bk), dtype=torch.float32)
+    for i in range(0, rows, bn):
+        for j in range(0, cols, bk):
+            piece = weight[i:i + bn, j:j + bk].float()
+            scale = piece.abs().max().clamp_min(1e-12) / FP8_MAX
+            values[i:i + bn, j:j + bk] = (piece / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            scales[i // bn, j // bk] = scale
+    return values, scales
+
+
+def write_tiny_qwen3_fp8(out: pathlib.Path, *, moe: bool = False, weight_block_size: tuple[int, int] = (32, 32),
+                         **model_args) -> pathlib.Path:
+    """A tiny checkpoint in the official -FP8 layout: the dense (or, with `moe`, the MoE) tiny
+    model's linear layers as float8_e4m3fn `weight` + float32 `weight_scale_inv` per block, and
+    config.json's quantization_config. The blocks are smaller than the released [128, 128] so
+    that a tiny model's weights hold several of them (and its shards stay whole blocks)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    (write_tiny_qwen3_moe if moe else write_tiny_qwen3)(out, **model_args)
+    tensors = load_file(out / "model.safetensors")
+    quantized = {}
+    for name, tensor in tensors.items():
+        if re.fullmatch(_FP8_WEIGHT, name):
+            quantized[name], quantized[name + "_scale_inv"] = quantize_fp8_blocks(tensor, weight_block_size)
+        else:
+            quantized[name] = tensor
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(weight_block_size)}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+TINY_KINDS = {"dense": write_tiny_qwen3, "moe": write_tiny_qwen3_moe,
+              "fp8": write_tiny_qwen3_fp8, "moe-fp8": lambda out, **kw: write_tiny_qwen3_fp8(out, moe=True, **kw)}
 
 
 if __name__ == "__main__":

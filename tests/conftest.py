@@ -6,11 +6,14 @@ import pathlib
 
 import pytest
 
-from common.tiny_model import write_tiny_qwen3
-from tests.procs import running_services
-
 # Two cores: one torch thread per process keeps the worker, scheduler and test from fighting.
+# (Set before anything imports torch, whose OpenMP runtime reads it once.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Next: without CUDA it sets TRITON_INTERPRET, which triton reads once, when it is first imported
+# (importing transformers' MoE model imports it), so the Triton kernels' tests run interpreted.
+from tests import triton_interpreter  # noqa: E402,F401,I001
+from common.tiny_model import write_tiny_qwen3  # noqa: E402
+from tests.procs import running_services  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ class WorkerConfig:
     attention_backend: str = "auto"             # auto: the fastest on this device, measured at start-up
     kernel_cache_dir: str | None = None         # compiled attention kernels; None: ~/.cache/qwen3-serve/kernels
     load_format: str = "auto"                   # auto/safetensors: the checkpoint; dummy: random
+    quantization: str | None = None             # fp8: quantize the linear layers at load (FP8 checkpoints are FP8 without it)
     enforce_eager: bool = False                 # no CUDA graphs
     seed: int = 0                               # unseeded sampling and dummy weights
     max_num_seqs: int = 256                     # requests per step
@@ -54,6 +55,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "(unset: ~/.cache/qwen3-serve/kernels)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                         help="dummy: random weights for the config (benchmarks without a download)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: quantize the linear layers of a bf16 checkpoint at load time into block FP8 "
+                             "(128x128 blocks, as the official -FP8 checkpoints); an FP8 checkpoint needs no flag")
     parser.add_argument("--enforce-eager", action="store_true", help="run decode eagerly, without CUDA graphs")
     parser.add_argument("--seed", type=int, default=0, help="seeds unseeded sampling and dummy weights")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step (sizes the CUDA graphs)")

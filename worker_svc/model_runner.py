@@ -36,7 +36,8 @@ from worker_svc.layers.logprobs import score_tokens, top_logprobs
 from worker_svc.layers.sampler import Sampler, SamplingMetadata, SamplingOptions
 from worker_svc.loader import init_dummy_weights, load_safetensors
 from worker_svc.model_config import load_model_config
-from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
+from worker_svc.models import build_model
+from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, broadcast_tokens, get_tp_rank, get_tp_size
 from worker_svc.step_message import (InvalidStepError, NewRequest, PromptLogprobs, StaleMirrorError, StepInput,
                                      StepOutput, TopLogprobs)
@@ -261,7 +262,8 @@ class ModelRunner:
         self.backend = self._select_attention_backend()
 
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = Qwen3ForCausalLM(model_config, self.backend, self.max_model_len).eval()
+            self.model = build_model(model_config, self.backend, self.max_model_len, config.quantization,
+                                     self.device).eval()
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed, std=model_config.initializer_range)
         else:

@@ -1,9 +1,16 @@
-"""Linear layers split across tensor-parallel ranks (Megatron style).
+"""Linear layers split across tensor-parallel ranks (Megatron style), optionally in block FP8.
 
 Column-parallel layers split the output features, row-parallel layers the input features
 (their partial outputs are summed across ranks). Packed layers (QKV, gate+up) hold several
 checkpoint tensors side by side; `shard_ids` names them so the loader can check every part
 of every parameter was filled.
+
+With an Fp8Config (worker_svc/layers/fp8.py) a layer's weight is FP8 with a `weight_scale_inv`
+per block, filled together from the checkpoint's FP8 tensor (or quantized at load from a
+full-precision one), and its matmul is the block-scaled FP8 GEMM; with `kernel=False` it keeps
+the dequantized weight and computes like an unquantized layer. Every shard boundary (tensor
+parallelism, packing) of an FP8 weight must fall on a block boundary: the layer checks that
+when it is built.
 """
 from __future__ import annotations
 
@@ -12,50 +19,104 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.layers.fp8 import FP8_DTYPE, BlockFp8Tensor, Fp8Config, as_dense, as_fp8, fill_random_fp8_
 from worker_svc.parallel_state import divide, get_tp_rank, get_tp_size
 
 
 class _ParallelLinear(nn.Module):
     shard_ids: tuple = (None,)   # a plain layer is filled by one checkpoint tensor
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_dim = get_tp_rank(), get_tp_size(), tp_dim
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.quant = quant
+        fp8 = quant is not None and quant.kernel
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE if fp8 else None),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        if fp8:
+            bn, bk = quant.block
+            self._check_fp8_shape(output_size, input_size)
+            self.weight_scale_inv = nn.Parameter(
+                torch.empty(-(-output_size // bn), input_size // bk, dtype=torch.float32), requires_grad=False)
+            self.weight_scale_inv.shard_ids = ()   # filled with the weight, never on its own
+            self.weight.init_dummy = self._init_dummy_fp8
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
-    def _rank_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+    def _init_dummy_fp8(self, generator: torch.Generator, std: float) -> None:
+        fill_random_fp8_(self.weight.data, self.weight_scale_inv.data, self.quant.block, generator, std)
+
+    def _check_fp8_shape(self, output_size: int, input_size: int) -> None:
+        """The FP8 GEMM quantizes activations in groups of whole blocks, and a shard must start
+        on a block boundary."""
+        bn, bk = self.quant.block
+        if input_size % bk:
+            raise ValueError(f"an FP8 layer's input width per rank ({input_size}) must be a multiple of its "
+                             f"{bk}-column blocks")
+        if self.tp_size > 1 and self.tp_dim == 0 and output_size % bn:
+            raise ValueError(f"an FP8 layer's output rows per rank ({output_size}) must be a multiple of its "
+                             f"{bn}-row blocks to be split over {self.tp_size} ranks")
+
+    def _rank_slice(self, loaded, dim: int):
         return loaded.chunk(self.tp_size, dim)[self.tp_rank]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(self._rank_slice(loaded, self.tp_dim))
+    def _row_offset(self, shard_id) -> int:
+        """Where this checkpoint part's rows start in the (packed) weight."""
+        return 0
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockFp8Tensor, shard_id=None) -> None:
+        offset = self._row_offset(shard_id)
+        if param is self.bias:   # the bias is not split by row-parallel layers: rank 0 alone adds it
+            part = loaded if self.tp_dim == 1 else self._rank_slice(loaded, 0)
+            param.data.narrow(0, offset, part.shape[0]).copy_(part)
+        elif param.dtype == FP8_DTYPE:
+            if isinstance(loaded, torch.Tensor):   # quantized where the layer lives (fast on a GPU)
+                loaded = loaded.to(param.device)
+            part = self._rank_slice(as_fp8(loaded, self.quant.block), self.tp_dim)
+            param.data.narrow(0, offset, part.shape[0]).copy_(part.values)
+            bn = self.quant.block[0]
+            if offset % bn:
+                raise ValueError(f"a packed part starting at row {offset} splits the FP8 weight's {bn}-row blocks")
+            self.weight_scale_inv.data.narrow(0, offset // bn, part.scale_inv.shape[0]).copy_(part.scale_inv)
+        else:
+            # Dequantized (or quantized and back) before the split: no block alignment needed.
+            part = self._rank_slice(as_dense(loaded, param.dtype, self.quant), self.tp_dim)
+            param.data.narrow(0, offset, part.shape[0]).copy_(part)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight.dtype == FP8_DTYPE:
+            from worker_svc.layers import fp8_kernels   # imports Triton
+
+            return fp8_kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.quant.block, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, divide(output_size, get_tp_size()), bias, tp_dim=0)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant: Fp8Config | None = None) -> None:
+        super().__init__(input_size, divide(output_size, get_tp_size()), bias, tp_dim=0, quant=quant)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate and up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant: Fp8Config | None = None) -> None:
         self.output_sizes = output_sizes
         self.shard_ids = tuple(range(len(output_sizes)))
-        super().__init__(input_size, sum(output_sizes), bias)
+        if quant is not None and quant.kernel:
+            _check_parts_whole_blocks([divide(s, get_tp_size()) for s in output_sizes], quant)
+        super().__init__(input_size, sum(output_sizes), bias, quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        param.data.narrow(0, offset, size).copy_(self._rank_slice(loaded, 0))
+    def _row_offset(self, shard_id) -> int:
+        return sum(self.output_sizes[:shard_id]) // self.tp_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -63,33 +124,32 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     shard_ids = ("q", "k", "v")
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 quant: Fp8Config | None = None) -> None:
         tp_size = get_tp_size()
         self.q_size = divide(num_heads, tp_size) * head_dim
         self.kv_size = divide(num_kv_heads, tp_size) * head_dim
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        if quant is not None and quant.kernel:
+            _check_parts_whole_blocks([self.q_size, self.kv_size], quant)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        offset, size = {
-            "q": (0, self.q_size),
-            "k": (self.q_size, self.kv_size),
-            "v": (self.q_size + self.kv_size, self.kv_size),
-        }[shard_id]
-        param.data.narrow(0, offset, size).copy_(self._rank_slice(loaded, 0))
+    def _row_offset(self, shard_id) -> int:
+        return {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
 
 
 class RowParallelLinear(_ParallelLinear):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.ndim == 1:   # the bias is not split: rank 0 alone adds it
-            param.data.copy_(loaded)
-        else:
-            super().weight_loader(param, loaded)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant: Fp8Config | None = None) -> None:
+        super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
+
+
+def _check_parts_whole_blocks(part_rows: list[int], quant: Fp8Config) -> None:
+    bn = quant.block[0]
+    if any(rows % bn for rows in part_rows):
+        raise ValueError(f"packed FP8 projections of {part_rows} rows per rank do not fall on the {bn}-row "
+                         "blocks of their scales")

@@ -2,9 +2,14 @@
 
 Tokens of all requests in a step are concatenated ([num_tokens, hidden]); which request each
 token belongs to, and where its K/V live, is in the AttentionMetadata. Projections are
-tensor-parallel (heads split across ranks) with q/k/v and gate/up packed into one matmul each.
+tensor-parallel (heads split across ranks) with q/k/v and gate/up packed into one matmul each,
+and block FP8 when the model is built with an Fp8Config (each layer is told its checkpoint
+names, so that `modules_to_not_convert` can exempt it). Qwen3-MoE (models/qwen3_moe.py) is this
+model with a sparse MLP in some layers: `_mlp` is where the two differ.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -13,6 +18,7 @@ from worker_svc.layers.activation import SiluAndMul
 from worker_svc.layers.attention import AttentionBackend, AttentionMetadata
 from worker_svc.layers.attention.layer import PagedAttention
 from worker_svc.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from worker_svc.layers.fp8 import Fp8Config
 from worker_svc.layers.layernorm import RMSNorm
 from worker_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker_svc.layers.rotary import RotaryEmbedding, inverse_frequencies, norm_and_rotate_qkv
@@ -25,7 +31,7 @@ def head_dim_of(config) -> int:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config, backend: AttentionBackend) -> None:
+    def __init__(self, config, backend: AttentionBackend, prefix: str = "", quant: Fp8Config | None = None) -> None:
         super().__init__()
         tp_size = get_tp_size()
         self.head_dim = head_dim_of(config)
@@ -33,9 +39,11 @@ class Qwen3Attention(nn.Module):
         self.num_kv_heads = divide(config.num_key_value_heads, tp_size)
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=bias
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=bias,
+            quant=_layer_quant(quant, prefix, "q_proj", "k_proj", "v_proj"),
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
+                                        quant=_layer_quant(quant, prefix, "o_proj"))
         # Qwen3 normalises each head's q and k before RoPE.
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -48,25 +56,28 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, prefix: str = "", quant: Fp8Config | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"Qwen3 uses silu, this checkpoint asks for {config.hidden_act!r}")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       quant=_layer_quant(quant, prefix, "gate_proj", "up_proj"))
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           quant=_layer_quant(quant, prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, backend: AttentionBackend) -> None:
+    def __init__(self, config, backend: AttentionBackend, mlp: nn.Module, prefix: str = "",
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Qwen3Attention(config, backend)
+        self.self_attn = Qwen3Attention(config, backend, f"{prefix}.self_attn", quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = mlp
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +93,15 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, max_position: int) -> None:
+    def __init__(self, config, backend: AttentionBackend, max_position: int, quant: Fp8Config | None,
+                 make_mlp: Callable[[int, str], nn.Module]) -> None:
+        """make_mlp(layer index, module prefix): that layer's MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, backend, make_mlp(i, f"model.layers.{i}.mlp"), f"model.layers.{i}", quant)
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(*inverse_frequencies(config, head_dim_of(config)), max_position)
 
@@ -107,12 +123,15 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, backend: AttentionBackend, max_position: int | None = None) -> None:
+    def __init__(self, config, backend: AttentionBackend, max_position: int | None = None,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
         if getattr(config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported (no released Qwen3 model uses it)")
         self.config = config
-        self.model = Qwen3Model(config, backend, max_position or config.max_position_embeddings)
+        self.quant_config = quant   # the loader reads FP8 checkpoints' block size from here
+        self.model = Qwen3Model(config, backend, max_position or config.max_position_embeddings, quant,
+                                lambda i, prefix: self._mlp(config, i, prefix, quant))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -128,3 +147,12 @@ class Qwen3ForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    @staticmethod
+    def _mlp(config, layer_idx: int, prefix: str, quant: Fp8Config | None) -> nn.Module:
+        return Qwen3MLP(config, prefix, quant)
+
+
+def _layer_quant(quant: Fp8Config | None, prefix: str, *projections: str) -> Fp8Config | None:
+    """The quantization of the layer that packs these checkpoint projections under `prefix`."""
+    return quant.for_modules(*(f"{prefix}.{p}" for p in projections)) if quant is not None else None

@@ -1,0 +1,141 @@
+"""Block-scaled FP8 GEMM (Triton) for the -FP8 checkpoints' weights (worker_svc/layers/fp8.py).
+
+y = x @ W^T + bias, W in float8_e4m3fn with one float32 scale per bn x bk block. x is quantized
+on the fly per token and group of bk columns (`per_token_group_quant`: each group scaled so its
+largest magnitude is 448, the scale kept in float32). The GEMM then walks K one group at a
+time, so each step's FP8 tile product is scaled by one activation scale per row and one weight
+scale per output column, accumulated in float32 and rounded once to x's dtype:
+    acc += (A_q[:, k-group] @ W_q[:, k-group]^T) * a_scale[:, k] * w_scale[n // bn, k]
+Shapes depend only on the token count, and nothing is read back to the host, so the layers
+that call this are capturable in CUDA graphs. Under TRITON_INTERPRET=1 the kernels run on the
+CPU (slowly) for the tests.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _token_group_quant_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, num_groups,
+    GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (groups < num_groups)[:, None]
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    # Correctly rounded divisions (Triton's `/` is the GPU's approximate one): the scales and
+    # values are then exactly torch's, bit for bit.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
+
+
+def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values [M, K], float32 scales [M, K / group]) of x [M, K]: x ~ values * scale per group."""
+    num_rows, width = x.shape
+    assert width % group == 0 and group & (group - 1) == 0, (width, group)
+    assert x.stride(-1) == 1
+    num_groups = width // group
+    values = torch.empty(num_rows, width, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if num_rows:
+        per_program = min(triton.next_power_of_2(num_groups), max(1, 2048 // group))
+        _token_group_quant_kernel[(num_rows, triton.cdiv(num_groups, per_program))](
+            x, values, scales, x.stride(0), values.stride(0), scales.stride(0), num_groups,
+            GROUP=group, GROUPS_PER_PROGRAM=per_program, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4,
+        )
+    return values, scales
+
+
+@triton.jit
+def _block_fp8_matmul_kernel(
+    a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr,
+    M, N, K, stride_am, stride_as, stride_bn, stride_bs, stride_cm,
+    GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
+    # by several row tiles in a row.
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    a_s_ptrs = a_s_ptr + offs_m * stride_as
+    b_s_ptrs = b_s_ptr + (offs_n // GROUP_N) * stride_bs
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):   # K is whole groups: no mask along it
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        a_s = tl.load(a_s_ptrs + k // BLOCK_K, mask=m_mask, other=0.0)
+        b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _matmul_config(num_rows: int) -> dict:
+    """Tile sizes by the number of rows: decode batches are thin (read-bound: many narrow
+    column tiles keep every SM busy); prefill is compute-bound (square tiles)."""
+    if num_rows <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+    if num_rows <= 64:
+        return dict(BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+    if num_rows <= 512:
+        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                     config: dict | None = None) -> torch.Tensor:
+    """a [M, K] FP8 with a_scale [M, K / bk]; weight [N, K] FP8 with weight_scale
+    [ceil(N / bn), K / bk]: (a @ weight^T) dequantized, plus bias, as out_dtype [M, N]."""
+    num_rows, width = a.shape
+    num_cols = weight.shape[0]
+    bn, bk = block
+    assert weight.shape[1] == width and width % bk == 0, (a.shape, weight.shape, block)
+    assert a_scale.shape == (num_rows, width // bk) and weight_scale.shape == (-(-num_cols // bn), width // bk)
+    assert weight.stride(-1) == 1 and weight_scale.stride(-1) == 1 and a.stride(-1) == 1
+    out = torch.empty(num_rows, num_cols, dtype=out_dtype, device=a.device)
+    if num_rows == 0:
+        return out
+    config = config or _matmul_config(num_rows)
+    grid = (triton.cdiv(num_rows, config["BLOCK_M"]) * triton.cdiv(num_cols, config["BLOCK_N"]),)
+    _block_fp8_matmul_kernel[grid](
+        a, a_scale, weight, weight_scale, out, bias if bias is not None else out,
+        num_rows, num_cols, width, a.stride(0), a_scale.stride(0), weight.stride(0), weight_scale.stride(0),
+        out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, BLOCK_K=bk, **config,
+    )
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, dequantized weight, bias) with x quantized per token group of bk on the fly."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    values, scales = per_token_group_quant(rows, block[1])
+    out = block_fp8_matmul(values, scales, weight, weight_scale, block, x.dtype, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
