@@ -273,6 +273,8 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp_rank == 0 else None
         self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device)
                            if self.tp_rank == 0 else None)
+        if self.structured is not None and self.device.type == "cuda":
+            self.structured.load_in_background()
         self.batch = InputBatch(self.max_model_len, self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self._sampling_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs

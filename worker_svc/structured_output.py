@@ -9,8 +9,11 @@ accepts, fills the bitmask and applies it to the logits. The runner enqueues tha
 first, so the wait and the CPU work of filling the mask overlap the forward on the device. Steps
 without constrained rows never come here: no wait, no mask, no tensor.
 
-The grammar compiler (and xgrammar with it) is made at the first constrained request, so a worker
-that never sees one never loads it. Compiled grammars are cached by constraint
+The grammar compiler (and xgrammar with it) is made at the first constrained request on the CPU, so
+a worker that never sees one never loads it. On CUDA it is made in the background from start-up:
+for a real vocabulary (Qwen3's 151,936 tokens) that takes seconds (8.6 s measured on an H200
+machine), which a first constrained request would otherwise spend inside a step, pausing every
+other request of the batch. Compiled grammars are cached by constraint
 (worker_svc/layers/grammar.py). Matchers belong to the persistent batch's rows; a request re-sent
 in full (after a preemption or a restart) gets a matcher rebuilt from its output tokens, which the
 scheduler holds: the scheduler's tokens are the source of truth.
@@ -52,9 +55,15 @@ class StructuredOutput:
         self.device = device
         self._compiler = None
         self._bitmask = None
+        self._threads = max(1, min(_MAX_THREADS, (os.cpu_count() or 1) // 2))
         self._lock = threading.Lock()
         self._pending: deque[_PendingTokens] = deque()
         self.num_refused = 0      # sampled tokens a matcher refused (a bug if ever non-zero)
+
+    def load_in_background(self) -> None:
+        """Starts making the compiler now, on a thread of its own (a first constrained request
+        then waits only for what is left of it)."""
+        threading.Thread(target=self._compiler_or_load, name="structured-output-load", daemon=True).start()
 
     def matcher(self, constraint: Constraint, output_token_ids: Sequence[int]):
         """A matcher for a request, advanced over the output tokens it already has. Raises
@@ -65,8 +74,10 @@ class StructuredOutput:
         """Sets every token that matchers[i] does not allow next to -inf in logits[positions[i]],
         after the tokens of earlier steps are accepted (waiting for them)."""
         self.accept_pending()
-        apply_bitmask = _grammar().apply_bitmask
-        apply_bitmask(logits, positions, self._bitmask.fill(matchers))
+        grammar = _grammar()
+        if self._bitmask is None:   # made here, in the step's thread: it allocates pinned memory
+            self._bitmask = grammar.GrammarBitmask(self.vocab_size, self.device, max_threads=self._threads)
+        grammar.apply_bitmask(logits, positions, self._bitmask.fill(matchers))
 
     def record(self, matchers: list, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """Queues the tokens a step sampled at `positions` (device) for matchers (in order)."""
@@ -105,12 +116,12 @@ class StructuredOutput:
             if self._compiler is None:
                 started = time.perf_counter()
                 grammar = _grammar()
-                threads = max(1, min(_MAX_THREADS, (os.cpu_count() or 1) // 2))
+                # CPU work only (tokenizer tables, grammar compiles): safe beside a CUDA-graph
+                # capture in another thread, unlike a device or pinned allocation.
                 self._compiler = grammar.GrammarCompiler.from_model_dir(
-                    self.model_dir, self.vocab_size, self.stop_token_ids, max_threads=threads)
-                self._bitmask = grammar.GrammarBitmask(self.vocab_size, self.device, max_threads=threads)
+                    self.model_dir, self.vocab_size, self.stop_token_ids, max_threads=self._threads)
                 logger.info("structured output ready in %.2f s (xgrammar, %d threads)",
-                            time.perf_counter() - started, threads)
+                            time.perf_counter() - started, self._threads)
             return self._compiler
 
 
