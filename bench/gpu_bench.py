@@ -14,6 +14,14 @@ Stages, in order:
                all requests at once through the public Generate API from --client-processes
                processes, once per --stream-intervals value, with every process's CPU sampled;
                then greedy prompts for the correctness stage
+  structured   the service's workload three times, each on a fresh scheduler (an empty prefix
+               cache): no constraints, --json-schema-ratio of the requests (seeded) under a JSON
+               schema (tools/loadtest/datasets.py's bounded records: the grammar stays open for the
+               whole output), no constraints again (the two unconstrained runs bound the noise);
+               with the first constrained request's extra latency (xgrammar's start and the
+               grammar's compile on the worker) and the TPOT of constrained vs free requests.
+               The written checkpoint carries the tiny 504-token tokenizer: masks span the full
+               vocabulary, but compile and fill times are a real Qwen3 tokenizer's only with --model
   offline      the same engine in one process, no gRPC (tools.offline.LLM)
   hf_default   transformers ContinuousBatchingManager at its defaults
   hf_tuned     the same with its CUDA graphs and a 16k-token batch budget
@@ -41,8 +49,8 @@ import time
 import traceback
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ("checkpoint", "bandwidth", "service", "offline", "hf_default", "hf_tuned", "decode", "profile",
-          "correctness")
+STAGES = ("checkpoint", "bandwidth", "service", "structured", "offline", "hf_default", "hf_tuned", "decode",
+          "profile", "correctness")
 MAX_MESSAGE_BYTES = 64 << 20
 CORRECTNESS_PROMPTS = 4
 CORRECTNESS_TOKENS = 32
@@ -65,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frontends", type=int, default=4, help="frontend processes of the service stage")
     p.add_argument("--stream-intervals", default="1,8", help="the service stage runs once per stream interval")
     p.add_argument("--client-processes", type=int, default=4, help="processes the service stage's client spreads over")
+    p.add_argument("--json-schema-ratio", type=float, default=0.1,
+                   help="share of the structured stage's requests constrained by a JSON schema")
     p.add_argument("--decode-cases", default="1x1024,64x1024,256x1024,512x1024,256x4096",
                    help="BATCHxCONTEXT decode cases of the decode stage")
     p.add_argument("--decode-context", type=int, default=1024, help="context of the profile stage")
@@ -196,6 +206,69 @@ def stage_service(args: argparse.Namespace) -> dict:
     return dict(variants[0], variants=variants, greedy=greedy)
 
 
+def stage_structured(args: argparse.Namespace) -> dict:
+    """Throughput with a share of JSON-schema requests against none, on one worker; each run gets
+    a fresh scheduler (so no run finds the previous one's prompts in the prefix cache)."""
+    import statistics
+
+    import numpy as np
+
+    from bench.multiproc_client import send_from_processes
+    from tests.client import generate
+    from tests.procs import scheduler_proc, worker_proc
+    from tools.loadtest.datasets import DEFAULT_JSON_SCHEMA, Prompt, with_json_schema
+
+    load = workload(args)
+    plain = [Prompt(max_tokens=n, token_ids=tuple(p), ignore_eos=True) for p, n in zip(load.prompts, load.max_tokens)]
+    mixed = with_json_schema(np.random.default_rng(0), plain, args.json_schema_ratio, DEFAULT_JSON_SCHEMA)
+    constrained_ids = {i for i, p in enumerate(mixed) if p.json_schema is not None}
+    logs = args.out / "logs"
+    worker = worker_proc(model_dir(args), logs, *worker_args(args)).start()
+    runs, first_compile_s = [], None
+    try:
+        worker.wait_serving(timeout=900)
+        for name, prompts in (("none", plain), ("json", mixed), ("none again", plain)):
+            scheduler = scheduler_proc(model_dir(args), logs, [worker.addr], *engine_args(args),
+                                       "--frontends", str(args.frontends), "--log-level", "WARNING").start()
+            try:
+                scheduler.wait_serving(timeout=300)
+                with scheduler_channel(scheduler) as channel:   # warm-up; the first grammar is compiled here
+                    started = time.perf_counter()
+                    generate(channel, token_ids=[1, 2, 3], max_tokens=8, ignore_eos=True)
+                    plain_s = time.perf_counter() - started
+                    if name == "json":
+                        started = time.perf_counter()
+                        generate(channel, token_ids=[1, 2, 3], max_tokens=8, ignore_eos=True,
+                                 json_schema=DEFAULT_JSON_SCHEMA)
+                        first_compile_s = time.perf_counter() - started - plain_s
+                records, seconds, _ = send_from_processes(scheduler.addr, prompts, processes=args.client_processes)
+            finally:
+                scheduler.stop()
+            failed = [r for r in records if r["status"] != "OK"]
+            if failed:
+                raise RuntimeError(f"{name}: {len(failed)} requests failed, first: {failed[0]['status']} "
+                                   f"{failed[0]['error']}")
+            if sorted(r["output_tokens"] for r in records) != sorted(load.max_tokens):
+                raise RuntimeError(f"{name}: some requests returned a wrong number of tokens")
+
+            def index(record) -> int:   # "bench{process}-{j}": prompt j * processes + process
+                process, j = record["request_id"].removeprefix("bench").split("-")
+                return int(j) * args.client_processes + int(process)
+
+            def tpot(selected) -> float | None:
+                values = [r["tpot_s"] for r in selected if r["tpot_s"] is not None]
+                return statistics.median(values) if values else None
+
+            constrained = [r for r in records if name == "json" and index(r) in constrained_ids]
+            free = [r for r in records if not (name == "json" and index(r) in constrained_ids)]
+            runs.append({"name": name, "output_tokens": sum(r["output_tokens"] for r in records), "seconds": seconds,
+                         "constrained_requests": len(constrained), "tpot_median_free_s": tpot(free),
+                         "tpot_median_constrained_s": tpot(constrained)})
+    finally:
+        worker.stop()
+    return {"runs": runs, "json_schema_ratio": args.json_schema_ratio, "first_constrained_extra_s": first_compile_s}
+
+
 def scheduler_channel(proc):
     import grpc
 
@@ -316,7 +389,8 @@ def logits_agreement(ours: list, reference: list) -> dict:
 
 
 STAGE_FUNCTIONS = {
-    "checkpoint": stage_checkpoint, "bandwidth": stage_bandwidth, "service": stage_service, "offline": stage_offline,
+    "checkpoint": stage_checkpoint, "bandwidth": stage_bandwidth, "service": stage_service,
+    "structured": stage_structured, "offline": stage_offline,
     "hf_default": lambda a: stage_hf(a, tuned=False), "hf_tuned": lambda a: stage_hf(a, tuned=True),
     "decode": stage_decode, "profile": stage_profile, "correctness": stage_correctness,
 }
@@ -405,6 +479,22 @@ def print_tables(args: argparse.Namespace) -> None:
             cpu = v.get("cpu", {})
             if cpu:
                 print("    cpu: " + ", ".join(f"{name} {c['median']:.2f} (max {c['max']:.2f})" for name, c in cpu.items()))
+    if "structured" in ok:
+        st = ok["structured"]
+        none = [r for r in st["runs"] if r["name"].startswith("none")]
+        base = statistics_mean([r["output_tokens"] / r["seconds"] for r in none])
+        print(f"\nstructured output: {st['json_schema_ratio']:.0%} of the requests under a JSON schema vs none "
+              f"(fresh scheduler per run); first constrained request +{(st['first_constrained_extra_s'] or 0):.2f} s "
+              "(xgrammar start and compile on the worker)")
+        print(f"  {'run':12s} {'tok/s':>9s} {'seconds':>8s} {'vs none':>8s} {'TPOT free':>10s} {'TPOT json':>10s}")
+        for r in st["runs"]:
+            tps = r["output_tokens"] / r["seconds"]
+            json_tpot = f"{r['tpot_median_constrained_s'] * 1e3:8.2f}ms" if r["tpot_median_constrained_s"] else f"{'-':>10s}"
+            print(f"  {r['name']:12s} {tps:9.0f} {r['seconds']:8.2f} {tps / base:8.3f} "
+                  f"{(r['tpot_median_free_s'] or 0) * 1e3:8.2f}ms {json_tpot}")
+        if len(none) == 2:
+            spread = abs(none[0]["output_tokens"] / none[0]["seconds"] - none[1]["output_tokens"] / none[1]["seconds"])
+            print(f"  noise: the two unconstrained runs differ by {spread / base:.1%}")
     if "decode" in ok:
         fused = "on" if ok["decode"].get("fused_kernels", True) else "off"
         print(f"\npipelined decode steps (two in flight; medians, ms; fused kernels {fused})")
@@ -439,6 +529,10 @@ def print_tables(args: argparse.Namespace) -> None:
     for stage, r in results.items():
         if not r.get("ok"):
             print(f"# {stage} failed: {r.get('error', '')[:300]}")
+
+
+def statistics_mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def main(argv: list[str] | None = None) -> int:

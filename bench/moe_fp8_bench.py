@@ -319,7 +319,7 @@ def _fp8_gemm_rows(args: argparse.Namespace) -> dict:
 
 
 def _llm(args: argparse.Namespace, name: str, **options):
-    from scheduler_svc.offline import LLM
+    from tools.offline import LLM
 
     return LLM(str(model_dir(args, name)), device=args.device, load_format="dummy", **options)
 

@@ -8,11 +8,15 @@
         print(out.text, out.finish_reason, out.usage.completion_tokens)
 
 - `generate(prompt, ...)` runs one request to its end and returns a `Completion` (text, token ids,
-  finish reason, usage, and per-token logprobs when asked for);
-- `stream(prompt, ...)` yields `CompletionChunk`s as the server sends them (the last one carries
-  `finish_reason` and `usage`); leaving the loop early cancels the call, which aborts the request on
-  the server and frees its KV-cache blocks;
-- `model_info()`, `abort(request_id)` and `wait_ready(timeout)` (polls grpc.health.v1).
+  finish reason, usage, and per-token logprobs when asked for); with `n=` samples, the Completion
+  is sample 0's and `samples` lists every sample's;
+- `stream(prompt, ...)` yields `CompletionChunk`s as the server sends them (the last one of each
+  sample carries `finish_reason` and `usage`; `index` names the sample); leaving the loop early
+  cancels the call, which aborts the request on the server and frees its KV-cache blocks;
+- `chat(messages, tools=..., tool_choice=...)` and `stream_chat(...)`: a chat turn rendered by the
+  model's chat template, its output split into `text`, `reasoning` and `tool_calls`;
+- `tokenize(text)`, `detokenize(token_ids)`, `model_info()`, `abort(request_id)` and
+  `wait_ready(timeout)` (polls grpc.health.v1).
 
 A prompt is a string (tokenized by the server) or a sequence of token ids. Sampling options are
 keyword arguments named as `SamplingParams`' fields, or a `SamplingParams` given as `sampling=`
@@ -25,21 +29,24 @@ over TLS; `client_cert=`/`client_key=` add a client certificate for mutual TLS; 
 whose `code` is the gRPC status name (INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE, ...) and
 whose message is the server's.
 
+Structured output: `json_schema=` (a dict or its JSON text), `regex=`, `grammar=` (EBNF) or
+`json_object=True`; the server samples every token under the constraint.
+
 Adding an RPC: build its request in a module-level function (as `_generate_request`), turn its
 replies into dataclasses in another (as `_chunk_from_proto`), and add a thin method to both
-clients. A `chat()` method (messages rendered by the server's chat template) comes this way once
-the API has a Chat RPC.
+clients.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import pathlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypedDict, Unpack
+from typing import Any, Literal, TypedDict, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,10 +60,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_TARGET = "127.0.0.1:50051"
 TARGET_ENV = "QWEN3_SERVE_TARGET"     # where Client() connects when given no target
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 _FINISH_REASONS: dict[int, FinishReason] = {
     pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
+_CONSTRAINTS = ("json_schema", "regex", "grammar", "json_object")
 
 Prompt = str | Sequence[int]
 
@@ -79,9 +88,24 @@ class SamplingParams:
     frequency_penalty: float | None = None   # [-2, 2]
     logprobs: bool = False                   # return each sampled token's log-probability
     skip_special_tokens: bool = False        # leave special tokens out of the text
+    n: int | None = None                     # samples of the prompt, 1..16
+    top_logprobs: int | None = None          # 0..20 most likely tokens per sampled token (implies logprobs)
+    prompt_logprobs: bool = False            # each prompt token's log-probability given the ones before it
+    json_schema: dict[str, Any] | str | None = None   # structured output: one of these four
+    regex: str | None = None
+    grammar: str | None = None               # EBNF as xgrammar reads it (root ::= ...)
+    json_object: bool = False
+    priority: int | None = None              # lower is served first; unset means 0
 
     def to_proto(self) -> pb.SamplingParams:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        given = [name for name in _CONSTRAINTS if values[name] not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"give one constraint, not {' and '.join(given)}")
+        if isinstance(values["json_schema"], dict):
+            values["json_schema"] = json.dumps(values["json_schema"])
+        if not values["json_object"]:
+            del values["json_object"]   # a oneof member: set only when asked
         return pb.SamplingParams(**{name: value for name, value in values.items() if value is not None})
 
 
@@ -102,6 +126,14 @@ class SamplingOptions(TypedDict, total=False):
     frequency_penalty: float
     logprobs: bool
     skip_special_tokens: bool
+    n: int
+    top_logprobs: int
+    prompt_logprobs: bool
+    json_schema: dict[str, Any] | str
+    regex: str
+    grammar: str
+    json_object: bool
+    priority: int
 
 
 @dataclass(frozen=True)
@@ -111,26 +143,84 @@ class Usage:
     cached_prompt_tokens: int    # prompt tokens served from the prefix cache
 
 
+# The most likely tokens at one position, most likely first: (token ids, logprobs).
+TopLogprobs = tuple[list[int], list[float]]
+
+
 @dataclass(frozen=True)
 class CompletionChunk:
-    """One message of a stream: what is new since the previous one."""
+    """One message of a stream: what is new since the previous one of its sample."""
     request_id: str
     text: str
     token_ids: list[int]
     logprobs: list[float] | None          # one per token id, when requested
-    finish_reason: FinishReason | None    # set on the last chunk only
-    usage: Usage | None                   # set on the last chunk only
+    finish_reason: FinishReason | None    # set on the sample's last chunk only
+    usage: Usage | None                   # set on the sample's last chunk only
+    index: int = 0                        # the sample (n)
+    top_logprobs: list[TopLogprobs] | None = None   # one per token id, when requested
+    matched_stop: str | None = None       # on the last chunk: the stop string or stop token that ended it
+    prompt_logprobs: list[float] | None = None      # in sample 0's first chunk, when requested
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole request's output."""
+    """A whole request's output (sample 0's, when it asked for n > 1: `samples` has all of them)."""
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
     usage: Usage
     logprobs: list[float] | None = None   # one per token id, when requested
+    top_logprobs: list[TopLogprobs] | None = None
+    matched_stop: str | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
+    index: int = 0
+    samples: list["Completion"] = field(default_factory=list)   # every sample, by index, when n > 1
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]             # the call's arguments, parsed
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call; `parameters` is the JSON schema of its arguments object."""
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ChatChunk:
+    """One message of a chat stream: content, reasoning and complete tool calls new in it."""
+    request_id: str
+    text: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    token_ids: list[int]
+    finish_reason: FinishReason | None    # "tool_calls" when the turn stopped after calls
+    usage: Usage | None
+    index: int = 0
+    matched_stop: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatCompletion:
+    """A whole chat turn (sample 0's, when n > 1: `samples` has all of them)."""
+    request_id: str
+    text: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    index: int = 0
+    samples: list["ChatCompletion"] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -199,43 +289,143 @@ def _usage_from_proto(usage: pb.Usage) -> Usage:
     return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
 
 
-def _chunk_from_proto(message: pb.GenerateResponse, want_logprobs: bool) -> CompletionChunk:
+def _tops(tops) -> list[TopLogprobs]:
+    return [(list(t.token_ids), list(t.logprobs)) for t in tops]
+
+
+def _chunk_from_proto(message: pb.GenerateResponse, params: SamplingParams) -> CompletionChunk:
     finished = message.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    want_top = bool(params.top_logprobs)
+    prompt = params.prompt_logprobs and len(message.prompt_logprobs) > 0   # in sample 0's first message
     return CompletionChunk(
         request_id=message.request_id,
         text=message.text,
         token_ids=list(message.token_ids),
-        logprobs=list(message.logprobs) if want_logprobs else None,
+        logprobs=list(message.logprobs) if params.logprobs or want_top else None,
         finish_reason=_FINISH_REASONS.get(message.finish_reason) if finished else None,
         usage=_usage_from_proto(message.usage) if message.HasField("usage") else None,
+        index=message.index,
+        top_logprobs=_tops(message.top_logprobs) if want_top else None,
+        matched_stop=message.matched_stop or None if finished else None,
+        prompt_logprobs=list(message.prompt_logprobs) if prompt else None,
+        prompt_top_logprobs=_tops(message.prompt_top_logprobs) if prompt and want_top else None,
     )
 
 
-class _Accumulator:
-    """Folds a stream's chunks into one Completion."""
+class _Sample:
+    """One sample's chunks, folded."""
 
-    def __init__(self, want_logprobs: bool) -> None:
-        self.want_logprobs = want_logprobs
+    def __init__(self) -> None:
         self.request_id = ""
         self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[ToolCall] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[TopLogprobs] = []
+        self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list[TopLogprobs] | None = None
         self.finish_reason: FinishReason | None = None
         self.usage: Usage | None = None
+        self.matched_stop: str | None = None
 
-    def add(self, chunk: CompletionChunk) -> None:
+    def add(self, chunk: CompletionChunk | ChatChunk) -> None:
         self.request_id = chunk.request_id or self.request_id
         self.text.append(chunk.text)
         self.token_ids += chunk.token_ids
-        self.logprobs += chunk.logprobs or ()
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
+        self.matched_stop = chunk.matched_stop or self.matched_stop
+        if isinstance(chunk, ChatChunk):
+            self.reasoning.append(chunk.reasoning)
+            self.tool_calls += chunk.tool_calls
+            return
+        self.logprobs += chunk.logprobs or ()
+        self.top_logprobs += chunk.top_logprobs or ()
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_top_logprobs = chunk.prompt_logprobs, chunk.prompt_top_logprobs
 
-    def completion(self) -> Completion:
+    def check(self) -> tuple[FinishReason, Usage]:
         if self.finish_reason is None or self.usage is None:
             raise RequestError("INTERNAL", "the stream ended without a finish reason")
-        return Completion(self.request_id, "".join(self.text), self.token_ids, self.finish_reason, self.usage,
-                          self.logprobs if self.want_logprobs else None)
+        return self.finish_reason, self.usage
+
+
+class _Accumulator:
+    """Folds a stream's chunks into one Completion (or ChatCompletion) per sample."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.samples: dict[int, _Sample] = {}
+
+    def add(self, chunk: CompletionChunk | ChatChunk) -> None:
+        self.samples.setdefault(chunk.index, _Sample()).add(chunk)
+
+    def completion(self) -> Completion:
+        p = self.params
+        done = []
+        for index in sorted(self.samples):
+            s = self.samples[index]
+            reason, usage = s.check()
+            done.append(Completion(s.request_id, "".join(s.text), s.token_ids, reason, usage,
+                                   s.logprobs if p.logprobs or p.top_logprobs else None,
+                                   s.top_logprobs if p.top_logprobs else None, s.matched_stop,
+                                   s.prompt_logprobs, s.prompt_top_logprobs, index))
+        if not done:
+            raise RequestError("INTERNAL", "the stream ended without a message")
+        return dataclasses.replace(done[0], samples=done) if len(done) > 1 else done[0]
+
+    def chat_completion(self) -> ChatCompletion:
+        done = []
+        for index in sorted(self.samples):
+            s = self.samples[index]
+            reason, usage = s.check()
+            done.append(ChatCompletion(s.request_id, "".join(s.text), "".join(s.reasoning), s.tool_calls, s.token_ids,
+                                       reason, usage, index))
+        if not done:
+            raise RequestError("INTERNAL", "the stream ended without a message")
+        return dataclasses.replace(done[0], samples=done) if len(done) > 1 else done[0]
+
+
+ChatMessage = dict[str, Any]   # {"role": ..., "content": ..., "tool_calls": [...], "tool_call_id": ...}
+
+
+def _chat_request(messages: Sequence[ChatMessage], tools: Sequence[Tool | dict[str, Any]], tool_choice: str,
+                  enable_thinking: bool | None, sampling: SamplingParams, request_id: str) -> pb.ChatRequest:
+    """A ChatRequest from OpenAI-style messages (tool calls as {"id", "name", "arguments"} or
+    {"id", "function": {"name", "arguments"}}, arguments a dict or its JSON text) and tools
+    (Tool, or {"name", "description", "parameters"} dicts, optionally under "function")."""
+    request = pb.ChatRequest(request_id=request_id, tool_choice=tool_choice, sampling=sampling.to_proto())
+    for message in messages:
+        msg = request.messages.add(role=message["role"], content=message.get("content") or "",
+                                   tool_call_id=message.get("tool_call_id", ""))
+        if message.get("reasoning_content") is not None:
+            msg.reasoning_content = message["reasoning_content"]
+        for call in message.get("tool_calls") or ():
+            function = call.get("function", call)
+            arguments = function.get("arguments", {})
+            msg.tool_calls.add(id=call.get("id", ""), name=function["name"],
+                               arguments_json=arguments if isinstance(arguments, str) else json.dumps(arguments))
+    for tool in tools:
+        if isinstance(tool, dict):
+            tool = tool.get("function", tool)
+            tool = Tool(tool["name"], tool.get("description", ""), tool.get("parameters"))
+        request.tools.add(name=tool.name, description=tool.description,
+                          parameters_json=json.dumps(tool.parameters) if tool.parameters is not None else "")
+    if enable_thinking is not None:
+        request.enable_thinking = enable_thinking
+    return request
+
+
+def _chat_chunk_from_proto(message: pb.ChatResponse) -> ChatChunk:
+    finished = message.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    return ChatChunk(
+        request_id=message.request_id, text=message.text, reasoning=message.reasoning_text,
+        tool_calls=[ToolCall(c.id, c.name, json.loads(c.arguments_json)) for c in message.tool_calls],
+        token_ids=list(message.token_ids),
+        finish_reason=_FINISH_REASONS.get(message.finish_reason) if finished else None,
+        usage=_usage_from_proto(message.usage) if message.HasField("usage") else None,
+        index=message.index, matched_stop=message.matched_stop or None if finished else None)
 
 
 def _model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
@@ -333,7 +523,7 @@ class Client:
                  timeout: float | None = _UNSET, **options: Unpack[SamplingOptions]) -> Completion:
         """Runs one request to its end. Raises RequestError when the server refuses or fails it."""
         params = _sampling(sampling, options)
-        acc = _Accumulator(params.logprobs)
+        acc = _Accumulator(params)
         for chunk in self._stream(prompt, params, request_id, timeout):
             acc.add(chunk)
         return acc.completion()
@@ -348,11 +538,57 @@ class Client:
         call = self._stub.Generate(request, timeout=self._timeout(timeout), metadata=self._settings.metadata)
         try:
             for message in call:
-                yield _chunk_from_proto(message, params.logprobs)
+                yield _chunk_from_proto(message, params)
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
         finally:
             call.cancel()   # no-op after the end; aborts the request when the caller stopped early
+
+    def chat(self, messages: Sequence[ChatMessage], sampling: SamplingParams | None = None, *,
+             tools: Sequence[Tool | dict[str, Any]] = (), tool_choice: str = "auto",
+             enable_thinking: bool | None = None, request_id: str = "", timeout: float | None = _UNSET,
+             **options: Unpack[SamplingOptions]) -> ChatCompletion:
+        """Runs one chat turn to its end. tool_choice: "auto", "none", "required" or a tool's name."""
+        acc = _Accumulator(_sampling(sampling, options))
+        for chunk in self.stream_chat(messages, sampling, tools=tools, tool_choice=tool_choice,
+                                      enable_thinking=enable_thinking, request_id=request_id, timeout=timeout,
+                                      **options):
+            acc.add(chunk)
+        return acc.chat_completion()
+
+    def stream_chat(self, messages: Sequence[ChatMessage], sampling: SamplingParams | None = None, *,
+                    tools: Sequence[Tool | dict[str, Any]] = (), tool_choice: str = "auto",
+                    enable_thinking: bool | None = None, request_id: str = "", timeout: float | None = _UNSET,
+                    **options: Unpack[SamplingOptions]) -> Iterator[ChatChunk]:
+        """Yields a chat turn's chunks as they come; stop iterating to cancel it."""
+        request = _chat_request(messages, tools, tool_choice, enable_thinking, _sampling(sampling, options), request_id)
+        call = self._stub.Chat(request, timeout=self._timeout(timeout), metadata=self._settings.metadata)
+        try:
+            for message in call:
+                yield _chat_chunk_from_proto(message)
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        finally:
+            call.cancel()
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = False, timeout: float | None = _UNSET) -> list[int]:
+        """The token ids the server's tokenizer gives `text` (as a text prompt is tokenized)."""
+        try:
+            reply = self._stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
+                                        timeout=self._timeout(timeout), metadata=self._settings.metadata)
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        return list(reply.token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
+                   timeout: float | None = _UNSET) -> str:
+        try:
+            reply = self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids,
+                                                               skip_special_tokens=skip_special_tokens),
+                                          timeout=self._timeout(timeout), metadata=self._settings.metadata)
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        return reply.text
 
     def abort(self, request_id: str, *, timeout: float | None = _UNSET) -> bool:
         """Ends a waiting or running request (its stream finishes with "abort"); False when the
@@ -426,7 +662,7 @@ class AsyncClient:
                        timeout: float | None = _UNSET, **options: Unpack[SamplingOptions]) -> Completion:
         """Runs one request to its end. Raises RequestError when the server refuses or fails it."""
         params = _sampling(sampling, options)
-        acc = _Accumulator(params.logprobs)
+        acc = _Accumulator(params)
         async for chunk in self._stream(prompt, params, request_id, timeout):
             acc.add(chunk)
         return acc.completion()
@@ -443,11 +679,57 @@ class AsyncClient:
         call = self._stub.Generate(request, timeout=self._timeout(timeout), metadata=self._settings.metadata)
         try:
             async for message in call:
-                yield _chunk_from_proto(message, params.logprobs)
+                yield _chunk_from_proto(message, params)
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
         finally:
             call.cancel()
+
+    async def chat(self, messages: Sequence[ChatMessage], sampling: SamplingParams | None = None, *,
+                   tools: Sequence[Tool | dict[str, Any]] = (), tool_choice: str = "auto",
+                   enable_thinking: bool | None = None, request_id: str = "", timeout: float | None = _UNSET,
+                   **options: Unpack[SamplingOptions]) -> ChatCompletion:
+        """Runs one chat turn to its end."""
+        acc = _Accumulator(_sampling(sampling, options))
+        async for chunk in self.stream_chat(messages, sampling, tools=tools, tool_choice=tool_choice,
+                                            enable_thinking=enable_thinking, request_id=request_id,
+                                            timeout=timeout, **options):
+            acc.add(chunk)
+        return acc.chat_completion()
+
+    async def stream_chat(self, messages: Sequence[ChatMessage], sampling: SamplingParams | None = None, *,
+                          tools: Sequence[Tool | dict[str, Any]] = (), tool_choice: str = "auto",
+                          enable_thinking: bool | None = None, request_id: str = "", timeout: float | None = _UNSET,
+                          **options: Unpack[SamplingOptions]) -> AsyncIterator[ChatChunk]:
+        """Yields a chat turn's chunks as they come; leave the `async for` to cancel it."""
+        request = _chat_request(messages, tools, tool_choice, enable_thinking, _sampling(sampling, options), request_id)
+        call = self._stub.Chat(request, timeout=self._timeout(timeout), metadata=self._settings.metadata)
+        try:
+            async for message in call:
+                yield _chat_chunk_from_proto(message)
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        finally:
+            call.cancel()
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = False,
+                       timeout: float | None = _UNSET) -> list[int]:
+        try:
+            reply = await self._stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
+                                              timeout=self._timeout(timeout), metadata=self._settings.metadata)
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        return list(reply.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
+                         timeout: float | None = _UNSET) -> str:
+        try:
+            reply = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids,
+                                                                     skip_special_tokens=skip_special_tokens),
+                                                timeout=self._timeout(timeout), metadata=self._settings.metadata)
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        return reply.text
 
     async def abort(self, request_id: str, *, timeout: float | None = _UNSET) -> bool:
         """Ends a waiting or running request; False when the server knows no such request."""

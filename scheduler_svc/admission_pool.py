@@ -33,13 +33,23 @@ POOL_NICENESS = 10
 
 
 def admits_inline(request: generation_pb2.GenerateRequest) -> bool:
-    """Whether admitting the request costs less than a thread hop (by its prompt's size)."""
+    """Whether admitting the request costs less than a thread hop (by its prompt's size). A
+    constrained one never is: its grammar may have to be built first."""
+    if request.sampling.WhichOneof("constraint") is not None:
+        return False
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return len(request.text) <= INLINE_TEXT_CHARS
     if kind == "token_ids":
         return len(request.token_ids.ids) <= INLINE_TOKEN_IDS
     return True
+
+
+def chat_admits_inline(request: generation_pb2.ChatRequest) -> bool:
+    """Whether rendering and tokenizing the chat costs less than a thread hop (by its content)."""
+    if request.tools or request.sampling.WhichOneof("constraint") is not None:
+        return False              # tools and constraints may need a grammar built
+    return sum(len(m.content) for m in request.messages) <= INLINE_TEXT_CHARS
 
 
 def _lower_priority(niceness: int) -> None:

@@ -5,21 +5,27 @@ The core holds no tokenizer and writes no client stream: that per-token work bel
 frontends (scheduler_svc/frontend.py), in processes of their own, so the core's Python per step
 is the scheduling and O(batch) list building. Everything runs on one event loop: request state
 needs no locks.
+
+The samples of one request (n > 1) arrive as sequences sharing its request_id. Samples 1.. added
+while sample 0's prompt is still being computed are deferred: they join sample 0's group once it
+has its first token, when the prompt's full blocks are in the prefix cache, so the prompt is
+computed once and its blocks shared (their usage shows the cached tokens).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_svc.core_types import (ADDED, AddCode, AddResult, CoreEvent, CoreInfo, CoreRequest, CoreStatus,
-                                      FinishedRequest, GroupState, StepOutputs, frontend_of)
+                                      FinishedRequest, GroupState, PromptLogprobs, StepOutputs, TopLogprobColumns,
+                                      frontend_of)
 from scheduler_svc.group_runner import EngineConfig, GroupHooks, GroupRunner
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.scheduler import SchedulerOutput
 from scheduler_svc.sequence import FinishReason, Sequence
-from scheduler_svc.step_message import StepResult
+from scheduler_svc.step_message import StepPromptLogprobs, StepResult
 from scheduler_svc.worker_client import WorkerGroupClient
 
 log = logging.getLogger("scheduler.core")
@@ -31,7 +37,13 @@ __all__ = ["EngineCore", "EngineConfig"]
 class _Active:
     seq: Sequence
     group: GroupRunner
+    sample_index: int = 0
     first_token_at: float | None = None
+    # Samples of the same request waiting for this one's prompt to be computed (see the module
+    # docstring), and, for such a sample, the seq_id of the one it waits for.
+    deferred: list[Sequence] = field(default_factory=list)
+    waits_for: int | None = None
+    prompt_scored: int = 0       # prompt tokens whose logprobs were sent (prompt_logprobs)
 
 
 class EngineCore:
@@ -47,7 +59,7 @@ class EngineCore:
         self.groups = [GroupRunner(i, g, self.config, self.eos_token_ids, self.metrics, hooks)
                        for i, g in enumerate(groups)]
         self._active: dict[int, _Active] = {}                  # seq_id -> request in flight
-        self._by_request_id: dict[str, int] = {}
+        self._by_request_id: dict[str, list[int]] = {}         # the samples in flight
         self._subscribers: dict[int, asyncio.Queue[CoreEvent]] = {}
         self._draining = False
         self._started = False
@@ -139,25 +151,61 @@ class EngineCore:
     def _add(self, request: CoreRequest) -> AddResult:
         if self._draining:
             return AddResult(AddCode.UNAVAILABLE, "the server is shutting down")
-        if request.request_id in self._by_request_id:
+        samples = self._by_request_id.get(request.request_id, ())
+        if samples and (request.sample_index == 0 or
+                        any(self._active[s].sample_index == request.sample_index for s in samples)):
             return AddResult(AddCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight")
         if request.seq_id in self._active:
             return AddResult(AddCode.ALREADY_EXISTS, f"seq_id {request.seq_id} is already in flight")
-        group = self._route(request.prompt_token_ids)
+        leader = self._computing_prompt_of(request, samples)
+        group = leader.group if leader is not None else self._route(request.prompt_token_ids)
         if group is None:
             return AddResult(AddCode.UNAVAILABLE, self._status.reason or "no worker group is ready")
         if self.num_waiting() >= self.config.max_waiting:
             return AddResult(AddCode.RESOURCE_EXHAUSTED,
                              f"{self.config.max_waiting} requests are already waiting; retry later")
         seq = Sequence(request.seq_id, request.request_id, request.prompt_token_ids, request.sampling)
-        try:
-            group.scheduler.add(seq)
-        except ValueError as e:          # longer than this group's context limit
-            return AddResult(AddCode.INVALID_ARGUMENT, str(e))
-        self._active[seq.seq_id] = _Active(seq, group)
-        self._by_request_id[seq.request_id] = seq.seq_id
-        group.wake()
+        entry = _Active(seq, group, request.sample_index)
+        if leader is not None:           # the same prompt as the leader's: it fits where that did
+            leader.deferred.append(seq)
+            entry.waits_for = leader.seq.seq_id
+        else:
+            try:
+                group.scheduler.add(seq)
+            except ValueError as e:      # longer than this group's context limit
+                return AddResult(AddCode.INVALID_ARGUMENT, str(e))
+            group.wake()
+        self._active[seq.seq_id] = entry
+        self._by_request_id.setdefault(seq.request_id, []).append(seq.seq_id)
         return ADDED
+
+    def _computing_prompt_of(self, request: CoreRequest, samples) -> _Active | None:
+        """Sample 0 of the request, when `request` is a later sample of it (same frontend, same
+        prompt) and sample 0 has no token yet: its prompt is still being computed."""
+        if request.sample_index == 0:
+            return None
+        for seq_id in samples:
+            entry = self._active[seq_id]
+            if (entry.sample_index == 0 and frontend_of(seq_id) == frontend_of(request.seq_id)
+                    and not entry.seq.num_output_tokens and entry.seq.token_ids == request.prompt_token_ids):
+                return entry
+        return None
+
+    def _release_deferred(self, entry: _Active) -> None:
+        """The samples that waited for entry's prompt join its group's queue."""
+        group = entry.group
+        for seq in entry.deferred:
+            sample = self._active[seq.seq_id]
+            sample.waits_for = None
+            sample.group = group
+            try:
+                group.scheduler.add(seq)
+            except ValueError as e:      # the group changed its context limit meanwhile
+                log.warning("sample %d could not follow sample 0: %s", sample.sample_index, e,
+                            extra={"request_id": seq.request_id})
+                self._end(seq.seq_id, FinishReason.ABORT, notify=True)
+        entry.deferred = []
+        group.wake()
 
     def abort(self, seq_ids: list[int], reason: FinishReason = FinishReason.ABORT, notify: bool = False) -> None:
         """Ends a frontend's own requests; with notify, each ending comes back as an event."""
@@ -166,11 +214,14 @@ class EngineCore:
                 self._end(seq_id, reason, notify=notify)
 
     def abort_request_id(self, request_id: str) -> bool:
-        """Ends a request by its public id, from whichever frontend; its own frontend hears of it."""
-        seq_id = self._by_request_id.get(request_id)
-        if seq_id is None:
+        """Ends a request (every sample of it) by its public id, from whichever frontend; its own
+        frontend hears of it."""
+        seq_ids = self._by_request_id.get(request_id)
+        if not seq_ids:
             return False
-        self._end(seq_id, FinishReason.ABORT, notify=True)
+        for seq_id in reversed(list(seq_ids)):   # later samples first: none is released for nothing
+            if seq_id in self._active:
+                self._end(seq_id, FinishReason.ABORT, notify=True)
         return True
 
     def set_paused(self, pause: list[int], resume: list[int]) -> None:
@@ -246,15 +297,25 @@ class EngineCore:
 
     def _on_step(self, group: GroupRunner, output: SchedulerOutput, received: list[Sequence],
                  result: StepResult) -> None:
-        """Packs the tokens a step brought into one StepOutputs per frontend."""
-        if not received:
+        """Packs what a step brought (prompt tokens scored, sampled tokens, endings) into one
+        StepOutputs per frontend."""
+        if not received and result.prompt_logprobs is None:
             return
         self.metrics.observe_sampled(len(received))
         now = time.monotonic()
         per_frontend: dict[int, StepOutputs] = {}
-        logprob_of = (dict(zip((s.seq_id for s in output.sampling_seqs), result.logprobs))
-                      if result.logprobs is not None else None)
+        sampled_ids = [s.seq_id for s in output.sampling_seqs] if result.logprobs is not None else None
+        logprob_of = dict(zip(sampled_ids, result.logprobs)) if sampled_ids is not None else None
+        top_of = (dict(zip(sampled_ids, result.top_logprobs.entries()))
+                  if sampled_ids is not None and result.top_logprobs is not None else None)
+
+        def new_outputs() -> StepOutputs:
+            return StepOutputs(logprobs=[] if logprob_of is not None else None,
+                               top_logprobs=TopLogprobColumns() if top_of is not None else None)
+
         active = self._active
+        if result.prompt_logprobs is not None:
+            self._add_prompt_logprobs(result.prompt_logprobs, per_frontend, new_outputs)
         for seq in received:
             seq_id = seq.seq_id
             entry = active.get(seq_id)
@@ -262,14 +323,17 @@ class EngineCore:
                 continue
             outputs = per_frontend.get(frontend_of(seq_id))
             if outputs is None:
-                outputs = per_frontend[frontend_of(seq_id)] = StepOutputs(
-                    logprobs=[] if logprob_of is not None else None)
+                outputs = per_frontend[frontend_of(seq_id)] = new_outputs()
             outputs.seq_ids.append(seq_id)
             outputs.token_ids.append(seq.token_ids[-1])
             if logprob_of is not None:
                 outputs.logprobs.append(logprob_of[seq_id])
+            if top_of is not None:
+                outputs.top_logprobs.append(*top_of[seq_id])
             if entry.first_token_at is None:
                 entry.first_token_at = now
+                if entry.deferred:       # its prompt's blocks are cached now
+                    self._release_deferred(entry)
             if seq.finish_reason is not None:
                 outputs.finished.append(self._forget(seq_id))
         for frontend_id, outputs in per_frontend.items():
@@ -277,11 +341,46 @@ class EngineCore:
             if queue is not None:
                 queue.put_nowait(CoreEvent(outputs=outputs))
 
+    def _add_prompt_logprobs(self, scored: StepPromptLogprobs, per_frontend: dict[int, StepOutputs],
+                             new_outputs) -> None:
+        """Forwards the prompt logprobs a step computed, each token once: a prompt recomputed
+        after a preemption is scored again from its start, and what was sent is skipped."""
+        tops = scored.top.entries() if scored.top is not None else None
+        offset = 0
+        for seq_id, first, count in zip(scored.seq_ids, scored.first_positions, scored.counts):
+            start, offset = offset, offset + count
+            entry = self._active.get(seq_id)
+            if entry is None:
+                continue
+            skip = entry.prompt_scored + 1 - first      # position 0 is never scored
+            if skip < 0:
+                log.error("prompt logprobs from position %d, but %d were sent: dropped", first,
+                          entry.prompt_scored, extra={"request_id": entry.seq.request_id})
+                continue
+            if skip >= count:
+                continue
+            outputs = per_frontend.get(frontend_of(seq_id))
+            if outputs is None:
+                outputs = per_frontend[frontend_of(seq_id)] = new_outputs()
+            if outputs.prompt_logprobs is None:
+                outputs.prompt_logprobs = PromptLogprobs(top=TopLogprobColumns() if tops is not None else None)
+            prompt = outputs.prompt_logprobs
+            prompt.seq_ids.append(seq_id)
+            prompt.counts.append(count - skip)
+            prompt.logprobs += scored.logprobs[start + skip:offset]
+            if tops is not None:
+                for token_ids, logprobs in tops[start + skip:offset]:
+                    prompt.top.append(token_ids, logprobs)
+            entry.prompt_scored += count - skip
+
     # -- endings ----------------------------------------------------------------------------
     def _end(self, seq_id: int, reason: FinishReason, *, notify: bool) -> None:
-        """Ends a request the scheduler still runs (abort, stop string, shutdown)."""
+        """Ends a request the scheduler still runs, or one deferred (abort, stop string, shutdown)."""
         entry = self._active[seq_id]
-        entry.group.scheduler.finish(seq_id, reason)
+        if entry.waits_for is None:
+            entry.group.scheduler.finish(seq_id, reason)
+        else:
+            entry.seq.finish_reason = reason
         entry.group.wake()
         finished = self._forget(seq_id)
         if notify:
@@ -292,7 +391,17 @@ class EngineCore:
     def _forget(self, seq_id: int) -> FinishedRequest:
         entry = self._active.pop(seq_id)
         seq = entry.seq
-        self._by_request_id.pop(seq.request_id, None)
+        samples = self._by_request_id.get(seq.request_id)
+        if samples is not None:
+            samples.remove(seq_id)
+            if not samples:
+                del self._by_request_id[seq.request_id]
+        if entry.waits_for is not None:          # never ran: its leader stops waiting for it
+            leader = self._active.get(entry.waits_for)
+            if leader is not None:
+                leader.deferred.remove(seq)
+        if entry.deferred:                       # ended before its prompt was computed
+            self._release_deferred(entry)
         reason = seq.finish_reason or FinishReason.ABORT
         self.metrics.observe_request(reason.value, seq.arrival_time, entry.first_token_at,
                                      seq.num_prompt_tokens, seq.num_output_tokens)

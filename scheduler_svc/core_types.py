@@ -28,9 +28,10 @@ def frontend_of(seq_id: int) -> int:
 @dataclass(slots=True)
 class CoreRequest:
     seq_id: int
-    request_id: str
+    request_id: str            # shared by the samples of one request (n > 1)
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: SamplingParams   # of this sample (SamplingParams.for_sample)
+    sample_index: int = 0
 
 
 class AddCode(enum.IntEnum):
@@ -59,13 +60,47 @@ class FinishedRequest:
 
 
 @dataclass(slots=True)
+class TopLogprobColumns:
+    """The most likely tokens at several positions, packed: entry i is the next counts[i] values
+    of token_ids and logprobs, most likely first (0 for a position whose request did not ask)."""
+    counts: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def entries(self) -> list[tuple[list[int], list[float]]]:
+        """(token ids, logprobs) of each position."""
+        out, offset = [], 0
+        for count in self.counts:
+            out.append((self.token_ids[offset:offset + count], self.logprobs[offset:offset + count]))
+            offset += count
+        return out
+
+    def append(self, token_ids: list[int], logprobs: list[float]) -> None:
+        self.counts.append(len(token_ids))
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Prompt tokens scored in one step: request seq_ids[i] has its next counts[i] tokens'
+    logprobs (each continuing where the last step left off, from the prompt's second token)."""
+    seq_ids: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: TopLogprobColumns | None = None         # one entry per scored token, when any asked
+
+
+@dataclass(slots=True)
 class StepOutputs:
-    """One step's news for one frontend: a token per entry (a request at most once), then the
-    requests that ended in the step."""
+    """One step's news for one frontend: prompt tokens scored, a token per entry (a request at
+    most once), then the requests that ended in the step."""
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None          # parallel to token_ids when any request asked
     finished: list[FinishedRequest] = field(default_factory=list)
+    top_logprobs: TopLogprobColumns | None = None   # parallel to token_ids when any request asked
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,10 @@
 wire, used by the core's server and the frontends' client alike."""
 from __future__ import annotations
 
+from common.constraint import Constraint
 from common.pb.llm.engine.v1 import engine_pb2 as pb
 from scheduler_svc.core_types import (AddCode, AddResult, CoreEvent, CoreInfo, CoreRequest, CoreStatus,
-                                      FinishedRequest, GroupState, StepOutputs)
+                                      FinishedRequest, GroupState, PromptLogprobs, StepOutputs, TopLogprobColumns)
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.sequence import FinishReason
 
@@ -26,9 +27,12 @@ def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
     msg = pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                       max_tokens=s.max_tokens, min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
                       stop_token_ids=sorted(s.stop_token_ids), repetition_penalty=s.repetition_penalty,
-                      presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, logprobs=s.logprobs)
+                      presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, logprobs=s.logprobs,
+                      top_logprobs=s.top_logprobs, prompt_logprobs=s.prompt_logprobs, priority=s.priority)
     if s.seed is not None:
         msg.seed = s.seed
+    if s.constraint is not None:
+        msg.constraint.kind, msg.constraint.text = s.constraint.kind, s.constraint.text
     return msg
 
 
@@ -38,18 +42,22 @@ def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
                           min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos,
                           stop_token_ids=frozenset(msg.stop_token_ids), repetition_penalty=msg.repetition_penalty,
                           presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                          logprobs=msg.logprobs)
+                          logprobs=msg.logprobs, top_logprobs=msg.top_logprobs, prompt_logprobs=msg.prompt_logprobs,
+                          priority=msg.priority,
+                          constraint=Constraint(msg.constraint.kind, msg.constraint.text)
+                          if msg.HasField("constraint") else None)
 
 
 def add_requests_to_pb(requests: list[CoreRequest]) -> pb.AddRequestsRequest:
     return pb.AddRequestsRequest(requests=[
         pb.NewRequest(seq_id=r.seq_id, request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                      sampling=sampling_to_pb(r.sampling))
+                      sampling=sampling_to_pb(r.sampling), sample_index=r.sample_index)
         for r in requests])
 
 
 def add_requests_from_pb(msg: pb.AddRequestsRequest) -> list[CoreRequest]:
-    return [CoreRequest(r.seq_id, r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling))
+    return [CoreRequest(r.seq_id, r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling),
+                        r.sample_index)
             for r in msg.requests]
 
 
@@ -84,7 +92,29 @@ def event_to_pb(event: CoreEvent) -> pb.CoreEvent:
             msg.outputs.finished.add(seq_id=f.seq_id, reason=_REASON_TO_PB[f.reason],
                                      num_output_tokens=f.num_output_tokens,
                                      num_cached_prompt_tokens=f.num_cached_prompt_tokens)
+        if out.top_logprobs is not None:
+            _top_to_pb(out.top_logprobs, msg.outputs.top_logprobs)
+        prompt = out.prompt_logprobs
+        if prompt is not None:
+            target = msg.outputs.prompt_logprobs
+            target.seq_ids.extend(prompt.seq_ids)
+            target.counts.extend(prompt.counts)
+            target.logprobs.extend(prompt.logprobs)
+            if prompt.top is not None:
+                _top_to_pb(prompt.top, target.top)
     return msg
+
+
+def _top_to_pb(top: TopLogprobColumns, msg: pb.TopLogprobColumns) -> None:
+    msg.counts.extend(top.counts)
+    msg.token_ids.extend(top.token_ids)
+    msg.logprobs.extend(top.logprobs)
+
+
+def _top_from_pb(msg: pb.TopLogprobColumns) -> TopLogprobColumns | None:
+    if not len(msg.counts):
+        return None
+    return TopLogprobColumns(list(msg.counts), list(msg.token_ids), list(msg.logprobs))
 
 
 def event_from_pb(msg: pb.CoreEvent) -> CoreEvent:
@@ -97,7 +127,12 @@ def event_from_pb(msg: pb.CoreEvent) -> CoreEvent:
             seq_ids=list(out.seq_ids), token_ids=list(out.token_ids),
             logprobs=list(out.logprobs) if len(out.logprobs) else None,
             finished=[FinishedRequest(f.seq_id, reason_from_pb(f.reason), f.num_output_tokens,
-                                      f.num_cached_prompt_tokens) for f in out.finished])
+                                      f.num_cached_prompt_tokens) for f in out.finished],
+            top_logprobs=_top_from_pb(out.top_logprobs))
+        if len(out.prompt_logprobs.seq_ids):
+            p = out.prompt_logprobs
+            event.outputs.prompt_logprobs = PromptLogprobs(list(p.seq_ids), list(p.counts), list(p.logprobs),
+                                                           _top_from_pb(p.top))
     return event
 
 

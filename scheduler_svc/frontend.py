@@ -4,7 +4,8 @@ strings, gathered `stream_interval` tokens at a time), and keeps one queue per c
 
 Several frontends run in processes of their own beside the core (or one runs inside the core's
 process), so the per-token work of many client streams spreads over cores while the engine core
-only schedules. A frontend learns the core's status (up, draining, the context limit) from the
+only schedules. A request for n samples is n sequences in the core (one per sample, sharing the
+request id; the core computes their prompt once), whose messages share the request's stream. A frontend learns the core's status (up, draining, the context limit) from the
 first event of its stream and keeps it current from later ones.
 
 Backpressure: a request may be generated at most `stream_window` tokens ahead of what its client
@@ -19,6 +20,7 @@ import asyncio
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -42,6 +44,8 @@ class Refused(Exception):
 
 @dataclass(slots=True)
 class _Request:
+    """One sample of a request: its sequence in the core and its output; the request's samples
+    share one queue of messages."""
     request_id: str
     seq_id: int
     stream: OutputStream
@@ -54,7 +58,9 @@ class _Request:
 
 class Frontend:
     def __init__(self, core: CoreClient, tokenizer: Tokenizer, *, stream_interval: int = 1,
-                 stream_window: int = 0) -> None:
+                 eos_token_ids: Sequence[int] = (), stream_window: int = 0) -> None:
+        """`eos_token_ids`: the model's, which end a sample unless it ignores EOS (named in
+        matched_stop when one does). `stream_window`: the backpressure window in tokens (0: off)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         if stream_window and stream_window < 2 * stream_interval:
@@ -65,6 +71,7 @@ class Frontend:
         self.core = core
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
+        self.eos_token_ids = tuple(eos_token_ids)
         self.stream_window = stream_window
         self._pause_changes: dict[int, bool] = {}     # seq_id -> paused, not yet sent to the core
         self._pause_wakeup = asyncio.Event()
@@ -105,9 +112,12 @@ class Frontend:
         self.status_changed = asyncio.Event()
 
     def _apply(self, out: StepOutputs) -> None:
-        """One step's tokens and endings for this frontend's requests."""
+        """One step's prompt scores, tokens and endings for this frontend's requests."""
         requests = self._requests
         logprobs = out.logprobs
+        if out.prompt_logprobs is not None:
+            self._apply_prompt_logprobs(out)
+        top = out.top_logprobs.entries() if out.top_logprobs is not None else None
         touched: list[_Request] = []
         stopped: list[int] = []
         window = self.stream_window
@@ -115,7 +125,8 @@ class Frontend:
             req = requests.get(seq_id)
             if req is None or req.stream.stopped:
                 continue
-            req.stream.add_token(out.token_ids[i], logprobs[i] if logprobs is not None else None)
+            req.stream.add_token(out.token_ids[i], logprobs[i] if logprobs is not None else None,
+                                 top[i] if top is not None else None)
             if req.stream.stopped:
                 stopped.append(seq_id)
             else:
@@ -136,6 +147,17 @@ class Frontend:
             # The request ends once the core confirms (with its usage); meanwhile its tokens are
             # dropped here.
             asyncio.ensure_future(self._abort(stopped, FinishReason.STOP, notify=True))
+
+    def _apply_prompt_logprobs(self, out: StepOutputs) -> None:
+        prompt = out.prompt_logprobs
+        tops = prompt.top.entries() if prompt.top is not None else None
+        offset = 0
+        for seq_id, count in zip(prompt.seq_ids, prompt.counts):
+            req = self._requests.get(seq_id)
+            if req is not None:
+                req.stream.add_prompt_logprobs(prompt.logprobs[offset:offset + count],
+                                               tops[offset:offset + count] if tops is not None else None)
+            offset += count
 
     def _deliver_end(self, req: _Request, message: RequestOutput) -> None:
         self._requests.pop(req.seq_id, None)
@@ -160,41 +182,60 @@ class Frontend:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                      ) -> AsyncIterator[RequestOutput]:
-        """Admits a validated request; returns its stream of messages. Raises Refused."""
+        """Admits a validated request (all of its params.n samples, or none); returns the stream
+        of its messages, each naming its sample, until every sample has ended. Raises Refused."""
         if self._draining:
             raise Refused(AddCode.UNAVAILABLE, "the server is shutting down")
-        seq_id = make_seq_id(self.core.frontend_id, next(self._counter))
-        stream = OutputStream.create(self.tokenizer, prompt_token_ids, stop=params.stop,
-                                     skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
-                                     stream_interval=self.stream_interval)
-        # Filed before the add: the core may send its first token before the add's answer arrives.
-        req = _Request(request_id, seq_id, stream, asyncio.Queue())
-        self._requests[seq_id] = req
-        result = await self.core.add(CoreRequest(seq_id, request_id, prompt_token_ids, params))
-        if result.code != AddCode.OK:
-            self._requests.pop(seq_id, None)
-            raise Refused(result.code, result.message)
-        return self._stream(req)
-
-    async def _stream(self, req: _Request) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                message = await req.queue.get()
-                yield message
-                if message.finished:
-                    return
-                # The consumer asks for the next message once gRPC accepted this one.
-                req.delivered += len(message.token_ids)
-                if req.paused and req.generated - req.delivered <= self.stream_window // 2:
-                    self._set_paused(req, False)
-        finally:
-            # The consumer went away (cancelled stream, deadline): free the request at once.
-            if not req.done:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        samples, adds = [], []
+        for index in range(params.n):
+            sample = params.for_sample(index)
+            seq_id = make_seq_id(self.core.frontend_id, next(self._counter))
+            stream = OutputStream.create(self.tokenizer, prompt_token_ids, sample, stream_interval=self.stream_interval,
+                                         index=index, eos_token_ids=self.eos_token_ids)
+            # Filed before the add: the core may send a first token before the add's answer arrives.
+            req = _Request(request_id, seq_id, stream, queue)
+            self._requests[seq_id] = req
+            samples.append(req)
+            adds.append(self.core.add(CoreRequest(seq_id, request_id, prompt_token_ids, sample, index)))
+        # Issued in one turn of the event loop: a core client sends them as one batch, in order.
+        results = await asyncio.gather(*adds)
+        refused = [r for r in results if r.code != AddCode.OK]
+        if refused:
+            for req in samples:
                 self._requests.pop(req.seq_id, None)
                 req.done = True
-                asyncio.ensure_future(self._abort([req.seq_id], FinishReason.ABORT, notify=False))
+            admitted = [req.seq_id for req, r in zip(samples, results) if r.code == AddCode.OK]
+            if admitted:
+                await self._abort(admitted, FinishReason.ABORT, notify=False)
+            raise Refused(refused[0].code, refused[0].message)
+        return self._stream(samples, queue)
+
+    async def _stream(self, samples: list[_Request], queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        remaining = len(samples)
+        try:
+            while remaining:
+                message = await queue.get()
+                yield message
+                remaining -= message.finished
+                if not message.finished and self.stream_window:
+                    # The consumer asks for the next message once gRPC accepted this one.
+                    self._delivered(samples[message.index], len(message.token_ids))
+        finally:
+            # The consumer went away (cancelled stream, deadline): free its samples at once.
+            unfinished = [req for req in samples if not req.done]
+            for req in unfinished:
+                self._requests.pop(req.seq_id, None)
+                req.done = True
+            if unfinished:
+                asyncio.ensure_future(self._abort([r.seq_id for r in unfinished], FinishReason.ABORT, notify=False))
 
     # -- backpressure ---------------------------------------------------------------------------
+    def _delivered(self, req: _Request, num_tokens: int) -> None:
+        req.delivered += num_tokens
+        if req.paused and req.generated - req.delivered <= self.stream_window // 2:
+            self._set_paused(req, False)
+
     def _set_paused(self, req: _Request, paused: bool) -> None:
         req.paused = paused
         self._pause_changes[req.seq_id] = paused

@@ -55,7 +55,7 @@ async def start_frontend(args: argparse.Namespace, core: CoreClient, security) -
     token, credentials = security
     facts = read_model_facts(args.model)
     frontend = Frontend(core, load_tokenizer(args.model), stream_interval=args.stream_interval,
-                        stream_window=args.stream_window)
+                        stream_window=args.stream_window, eos_token_ids=facts.eos_token_ids)
     service = GenerationService(frontend, model_name=args.served_model_name or facts.name, vocab_size=facts.vocab_size,
                                 eos_token_ids=facts.eos_token_ids, limits=Limits())
     interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]

@@ -2,9 +2,10 @@
 
 One unified step in the style of vLLM V1: every request simply has some tokens left to
 compute. Running requests go first (a decode takes one token, an unfinished prefill the
-next chunk), preempting the most recently admitted ones when KV blocks run out; then waiting
-requests are admitted first come, first served with the remaining token budget, chunked when
-their prompt does not fit. So one step can mix a long prompt's chunk with many decodes.
+next chunk), preempting the lowest-priority, most recently admitted ones when KV blocks run out;
+then waiting requests are admitted by priority, then first come, first served, with the remaining
+token budget, chunked when their prompt does not fit. So one step can mix a long prompt's chunk
+with many decodes. With one priority (the default) this is plain FCFS.
 
 Steps may be scheduled ahead (vLLM's async scheduling): schedule() for step N+1 may run before
 update() of step N, since the worker runs steps in order and appends the tokens it samples. A
@@ -20,6 +21,7 @@ resumes, like a preempted one. Paused requests take no slot of max_num_seqs.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Sequence_
@@ -27,6 +29,7 @@ from typing import Iterable, Sequence as Sequence_
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.waiting_queue import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,10 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []       # in admission order: preempt from the end
+        self.waiting = WaitingQueue()
+        # By priority (highest first), then admission order: the end is preempted first, and
+        # _schedule_running, going front to back, never preempts a sequence it already scheduled.
+        self.running: list[Sequence] = []
         self.paused: dict[int, Sequence] = {}   # out of the batch, oldest pause first
         self._unfinished: dict[int, Sequence] = {}
         # Worker mirrors to drop, collected until the next step that is sent.
@@ -166,7 +171,7 @@ class Scheduler:
                              f"{self.config.max_model_len}")
         if seq.sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        self.waiting.append(seq)
+        self.waiting.push(seq)
         self._unfinished[seq.seq_id] = seq
 
     def hand_over(self) -> list[Sequence]:
@@ -191,7 +196,7 @@ class Scheduler:
         if seq.paused:
             self.paused[seq.seq_id] = seq
         else:
-            self.waiting.append(seq)
+            self.waiting.push(seq)
         self._unfinished[seq.seq_id] = seq
 
     def abort(self, seq_id: int) -> Sequence | None:
@@ -230,18 +235,19 @@ class Scheduler:
 
     def resume(self, seq_id: int) -> bool:
         """Puts a paused request back: into the batch when it still holds its blocks and a slot
-        is free, else at the head of the queue (recomputed, mostly from the prefix cache)."""
+        is free, else into the queue where a preempted one goes (recomputed, mostly from the
+        prefix cache)."""
         seq = self.paused.pop(seq_id, None)
         if seq is None:
             return False
         seq.paused = False
         if seq.status is SequenceStatus.RUNNING:
             if len(self.running) < self.config.max_num_seqs:
-                self.running.append(seq)
+                self._add_running(seq)
                 return True
             self._preempt(seq)                # its slot went to another request meanwhile
             return True
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)                # by its priority and arrival, as a preempted one
         return True
 
     @property
@@ -319,8 +325,8 @@ class Scheduler:
         return budget
 
     def _reserve_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Preempts the most recently admitted requests until seq's new tokens have slots;
-        False when seq itself (then the last one) had to go."""
+        """Preempts from the end of the running list (the lowest priority, most recently admitted)
+        until seq's new tokens have slots; False when seq itself (then the last one) had to go."""
         while not self.block_manager.append_slots(seq, num_tokens):
             if self._reclaim_paused():
                 continue
@@ -333,8 +339,10 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            cached = bm.match_prefix(seq)
+            seq = self.waiting.head()
+            # A prompt whose logprobs are asked is computed in full the first time: the cache
+            # holds KV, not the logits that score each token.
+            cached = [] if seq.sampling.prompt_logprobs and not seq.num_output_tokens else bm.match_prefix(seq)
             num_cached = len(cached) * bm.block_size
             num_tokens = self._num_to_schedule(seq.num_tokens - num_cached, budget)
             # FCFS: when the head does not fit, nobody behind it jumps the queue.
@@ -342,14 +350,21 @@ class Scheduler:
                 if self._reclaim_paused():
                     continue
                 break
-            self.waiting.popleft()
+            self.waiting.pop_head()
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_prompt_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             seq.num_admissions += 1
-            self.running.append(seq)
+            self._add_running(seq)
             self._add_new(output, seq, num_tokens)
             budget -= num_tokens
+
+    def _add_running(self, seq: Sequence) -> None:
+        running = self.running
+        if not running or running[-1].priority <= seq.priority:
+            running.append(seq)          # the common case: one priority
+        else:
+            bisect.insort_right(running, seq, key=_priority)
 
     def _add_cached(self, output: SchedulerOutput, seq: Sequence, num_tokens: int, num_computed: int,
                     may_have_new_blocks: bool) -> None:
@@ -398,7 +413,7 @@ class Scheduler:
         """Recompute-style preemption: free everything, wait at the front of the queue."""
         self._free(seq)
         seq.status = SequenceStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._requeue(seq)
@@ -475,8 +490,8 @@ class Scheduler:
     # -- worker restart ----------------------------------------------------------------------
     def reset_all_worker_state(self) -> None:
         """The worker lost its KV cache and mirrors (and the results of steps in flight): every
-        running request goes back to the front of the queue, in order, to be re-sent in full,
-        and the prefix cache is emptied."""
+        running request goes back to the queue (by priority and arrival, so ahead of those that
+        arrived after it), to be re-sent in full, and the prefix cache is emptied."""
         for seq in reversed(self.running):
             self._requeue(seq)
             seq.on_worker = False
@@ -490,3 +505,7 @@ class Scheduler:
         self._finished_ids.clear()
         self._preempted_ids.clear()
         self.block_manager.reset_prefix_cache()
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.priority

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 from scheduler_svc.sampling_params import SamplingParams
@@ -20,6 +21,11 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+# Orders requests of equal priority by arrival, across the whole process (a request may move
+# between worker groups' schedulers and keeps its place).
+_arrivals = itertools.count()
+
+
 class Sequence:
     """The scheduler's source of truth for one request: it always holds every token, so a
     worker's copy can be rebuilt from it (after preemption or a worker restart)."""
@@ -28,7 +34,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_prompt_tokens", "block_table", "block_hashes", "status", "finish_reason",
         "sampling", "arrival_time", "num_admissions", "on_worker", "num_blocks_on_worker",
-        "num_placeholder_tokens", "paused",
+        "num_placeholder_tokens", "arrival_order", "paused",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -57,6 +63,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.sampling = sampling
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = next(_arrivals)
         # Bumped on every admission, so a step result that belongs to an earlier admission
         # (the sequence was preempted or reset meanwhile) is recognised as stale.
         self.num_admissions = 0
@@ -67,6 +74,11 @@ class Sequence:
         # Its client reads slower than it is generated (backpressure): out of the batch until
         # resumed, keeping its blocks unless someone needs them (Scheduler.pause says how).
         self.paused = False
+
+    @property
+    def priority(self) -> int:
+        """Lower is served first."""
+        return self.sampling.priority
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,15 @@
 """The public gRPC API (llm.v1.Generation) of one frontend, plus health and reflection: where
-requests are validated and frontend outputs become GenerateResponses (the only place the public
-proto types appear)."""
+requests are validated and frontend outputs become GenerateResponses and ChatResponses (the only
+place the public proto types appear).
+
+A Chat request is rendered by the model's chat template (scheduler_svc/chat.py) and then served
+as a Generate of the rendered tokens; its output text goes through one ChatOutputParser per sample
+(scheduler_svc/chat_parser.py), which splits it into reasoning, content and tool calls.
+"""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import logging
 import uuid
@@ -13,13 +20,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.logging_setup import bind_request_id
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from common.reflection import enable_server_reflection
-from scheduler_svc.admission_pool import AdmissionPool, admits_inline
+from common.constraint import GrammarError
+from scheduler_svc.admission_pool import AdmissionPool, admits_inline, chat_admits_inline
+from scheduler_svc.chat import ChatMessage, ChatPrompt, Tool, ToolCall, render_chat
+from scheduler_svc.chat_parser import ChatDelta, ChatOutputParser
 from scheduler_svc.core_client import CoreUnreachable
 from scheduler_svc.core_types import AddCode, CoreInfo
 from scheduler_svc.frontend import Frontend, Refused
-from scheduler_svc.output_stream import RequestOutput
+from scheduler_svc.output_stream import RequestOutput, TopLogprobs
+from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.sequence import FinishReason
-from scheduler_svc.validation import InvalidRequest, Limits, validate_request
+from scheduler_svc.validation import (InvalidRequest, Limits, check_constraint, validate_chat_sampling,
+                                      validate_request)
 
 log = logging.getLogger("scheduler.server")
 
@@ -38,15 +50,57 @@ _REFUSAL_CODES = {
 }
 
 
-def to_response(request_id: str, out: RequestOutput) -> generation_pb2.GenerateResponse:
-    msg = generation_pb2.GenerateResponse(request_id=request_id, token_ids=out.token_ids, text=out.text,
-                                          logprobs=out.logprobs)
+def _top_logprobs(tops: list[TopLogprobs]) -> list[generation_pb2.TopLogprobs]:
+    return [generation_pb2.TopLogprobs(token_ids=ids, logprobs=values) for ids, values in tops]
+
+
+def _fill_common(msg, out: RequestOutput) -> None:
+    """What GenerateResponse and ChatResponse share: tokens, logprobs, the sample's ending."""
+    msg.token_ids.extend(out.token_ids)
+    msg.logprobs.extend(out.logprobs)
+    msg.index = out.index
+    if out.top_logprobs:
+        msg.top_logprobs.extend(_top_logprobs(out.top_logprobs))
+    if out.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(out.prompt_logprobs)
+        if out.prompt_top_logprobs is not None:
+            msg.prompt_top_logprobs.extend(_top_logprobs(out.prompt_top_logprobs))
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH_TO_PROTO[out.finish_reason]
         u = out.usage
         msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                                 cached_prompt_tokens=u.cached_prompt_tokens))
+        if out.matched_stop is not None:
+            msg.matched_stop = out.matched_stop
+
+
+def to_response(request_id: str, out: RequestOutput) -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateResponse(request_id=request_id, text=out.text)
+    _fill_common(msg, out)
     return msg
+
+
+def to_chat_response(request_id: str, out: RequestOutput, delta: ChatDelta, num_tool_calls: int
+                     ) -> generation_pb2.ChatResponse:
+    """A chat message: `delta` is the parsed text of `out`; a turn that stopped after tool calls
+    (num_tool_calls of them) ends with TOOL_CALLS, as vLLM reports it."""
+    msg = generation_pb2.ChatResponse(
+        request_id=request_id, text=delta.text, reasoning_text=delta.reasoning,
+        tool_calls=[generation_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments_json)
+                    for c in delta.tool_calls])
+    _fill_common(msg, out)
+    if out.finish_reason is FinishReason.STOP and num_tool_calls:
+        msg.finish_reason = generation_pb2.FINISH_REASON_TOOL_CALLS
+    return msg
+
+
+def chat_from_proto(request: generation_pb2.ChatRequest) -> tuple[list[ChatMessage], list[Tool]]:
+    messages = [ChatMessage(role=m.role, content=m.content,
+                            tool_calls=tuple(ToolCall(c.id, c.name, c.arguments_json) for c in m.tool_calls),
+                            tool_call_id=m.tool_call_id,
+                            reasoning_content=m.reasoning_content if m.HasField("reasoning_content") else None)
+                for m in request.messages]
+    return messages, [Tool(t.name, t.description, t.parameters_json) for t in request.tools]
 
 
 def to_model_info(info: CoreInfo, *, model_name: str, vocab_size: int, eos_token_ids: list[int]) -> generation_pb2.ModelInfo:
@@ -99,9 +153,85 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stream = await self.frontend.submit(request_id, prompt_ids, params)
         except Refused as e:
             await self._refuse(context, _REFUSAL_CODES[e.code], str(e))
-        log.info("admitted: %d prompt tokens, max_tokens %d", len(prompt_ids), params.max_tokens)
+        log.info("admitted: %d prompt tokens, max_tokens %d, n %d", len(prompt_ids), params.max_tokens, params.n)
         async for out in stream:
             yield to_response(request_id, out)
+
+    async def Chat(self, request: generation_pb2.ChatRequest, context: grpc.aio.ServicerContext):
+        status = self.frontend.status
+        if not status.max_model_len:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, status.reason or "no worker group is ready")
+        try:
+            prompt, params = await self.admission.run(
+                chat_admits_inline(request), functools.partial(self._prepare_chat, request, status.max_model_len))
+        except InvalidRequest as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        request_id = request.request_id or uuid.uuid4().hex
+        bind_request_id(request_id)
+        await context.send_initial_metadata((("frontend-id", str(self.frontend.core.frontend_id)),))
+        try:
+            stream = await self.frontend.submit(request_id, prompt.token_ids, params)
+        except Refused as e:
+            await self._refuse(context, _REFUSAL_CODES[e.code], str(e))
+        log.info("admitted chat: %d prompt tokens, max_tokens %d, n %d, tools %d (%s)", len(prompt.token_ids),
+                 params.max_tokens, params.n, len(request.tools), request.tool_choice or "auto")
+        parsers: dict[int, ChatOutputParser] = {}
+        async for out in stream:
+            parser = parsers.get(out.index)
+            if parser is None:
+                parser = parsers[out.index] = ChatOutputParser(reasoning_open=prompt.reasoning_open,
+                                                               parse_tool_calls=prompt.parse_tool_calls)
+            delta = parser.feed(out.text)
+            if out.finished:
+                tail = parser.finish()
+                delta = ChatDelta(delta.reasoning + tail.reasoning, delta.text + tail.text,
+                                  delta.tool_calls + tail.tool_calls)
+            yield to_chat_response(request_id, out, delta, parser.num_tool_calls)
+
+    def _prepare_chat(self, request: generation_pb2.ChatRequest, max_model_len: int
+                      ) -> tuple[ChatPrompt, SamplingParams]:
+        """The rendered prompt and the resolved sampling (with the tool_choice's constraint), or
+        InvalidRequest. Runs in a thread: rendering and tokenizing a long chat take a while."""
+        size = sum(len(m.content.encode("utf-8")) for m in request.messages)
+        if size > self.limits.max_prompt_bytes:
+            raise InvalidRequest("messages", f"messages hold {size} bytes of content, more than the limit of "
+                                             f"{self.limits.max_prompt_bytes}")
+        messages, tools = chat_from_proto(request)
+        prompt = render_chat(self.frontend.tokenizer, messages, tools, request.tool_choice,
+                             request.enable_thinking if request.HasField("enable_thinking") else None)
+        params = validate_chat_sampling(request.request_id, request.sampling, len(prompt.token_ids),
+                                        vocab_size=self.vocab_size, max_model_len=max_model_len, limits=self.limits)
+        if prompt.constraint is not None:
+            if params.constraint is not None:
+                raise InvalidRequest("sampling", f"sampling.{params.constraint.kind} cannot go with tool_choice "
+                                                 f"{request.tool_choice!r}, which constrains the output to tool calls")
+            try:
+                check_constraint(prompt.constraint)
+            except GrammarError as e:   # a tool's parameters schema that cannot be compiled
+                raise InvalidRequest("tools", f"the tools' parameters cannot constrain a call: {e.problem}") from None
+            params = dataclasses.replace(params, constraint=prompt.constraint)
+        return prompt, params
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest, context) -> generation_pb2.TokenizeResponse:
+        size = len(request.text.encode("utf-8"))
+        if size > self.limits.max_prompt_bytes:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"text is {size} bytes, more than the limit of {self.limits.max_prompt_bytes}")
+        ids = await asyncio.to_thread(self.frontend.tokenizer.encode, request.text,
+                                      add_special_tokens=request.add_special_tokens)
+        return generation_pb2.TokenizeResponse(token_ids=ids, count=len(ids),
+                                               max_model_len=self.frontend.status.max_model_len)
+
+    async def Detokenize(self, request: generation_pb2.DetokenizeRequest, context
+                         ) -> generation_pb2.DetokenizeResponse:
+        ids = list(request.token_ids)
+        if ids and max(ids) >= self.vocab_size:
+            index = next(i for i, token_id in enumerate(ids) if token_id >= self.vocab_size)
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"token_ids[{index}] = {ids[index]} is out of range: vocab_size is {self.vocab_size}")
+        text = await asyncio.to_thread(self.frontend.tokenizer.decode, ids,
+                                       skip_special_tokens=request.skip_special_tokens)
+        return generation_pb2.DetokenizeResponse(text=text)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.frontend.count_rejection(code.name)

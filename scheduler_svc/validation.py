@@ -7,17 +7,23 @@ in bytes than max_model_len tokens can cover never reaches the tokenizer.
 Every float has a closed range in which the sampler's arithmetic stays finite for finite logits
 (a repetition penalty near 0 would divide logits by it); the proto documents the ranges. A refused
 float is printed as the client wrote it: the shortest decimal that is the same float32.
+
+A constraint (json_schema, regex, grammar, json_object) is turned into its grammar here, without
+the tokenizer (cheap, and cached by its text), so a bad one is refused naming the problem before
+the request is scheduled; the worker compiles its token masks.
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from common.constraint import Constraint, GrammarError, to_grammar
 from common.pb.llm.v1 import generation_pb2
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from scheduler_svc.tokenizer import TooManyTokens
 
 
@@ -37,6 +43,7 @@ class Limits:
     max_stop_string_len: int = 256           # characters; the matcher holds back up to this many
     max_stop_token_ids: int = 256            # a chat template ends on a handful; each is a set lookup
     max_request_id_len: int = 256            # characters
+    max_constraint_bytes: int = 128 << 10    # UTF-8 bytes of a json_schema, regex or grammar
 
 
 def validate_request(
@@ -56,9 +63,25 @@ def validate_request(
     _check_request_id(req.request_id, limits)
     sampling = _resolve_sampling(req.sampling, vocab_size, limits)
     prompt = _prompt_token_ids(req, vocab_size, max_model_len, tokenize, limits, max_input_bytes_per_token)
-    room = max_model_len - len(prompt)
-    requested = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else room
-    return prompt, SamplingParams(max_tokens=min(requested, room), **sampling)
+    return prompt, _with_max_tokens(req.sampling, sampling, len(prompt), max_model_len)
+
+
+def validate_chat_sampling(request_id: str, msg: generation_pb2.SamplingParams, num_prompt_tokens: int, *,
+                           vocab_size: int, max_model_len: int, limits: Limits = Limits()) -> SamplingParams:
+    """The resolved sampling parameters of a chat request whose prompt (rendered by the chat
+    template) has num_prompt_tokens tokens, or InvalidRequest. Special tokens are always left out
+    of a chat's text (the template's turn markers are not content)."""
+    _check_request_id(request_id, limits)
+    sampling = _resolve_sampling(msg, vocab_size, limits) | {"skip_special_tokens": True}
+    _check_prompt_fits(num_prompt_tokens, max_model_len)
+    return _with_max_tokens(msg, sampling, num_prompt_tokens, max_model_len)
+
+
+def _with_max_tokens(msg: generation_pb2.SamplingParams, sampling: dict, num_prompt_tokens: int,
+                     max_model_len: int) -> SamplingParams:
+    room = max_model_len - num_prompt_tokens
+    requested = msg.max_tokens if msg.HasField("max_tokens") else room
+    return SamplingParams(max_tokens=min(requested, room), **sampling)
 
 
 def _check_request_id(request_id: str, limits: Limits) -> None:
@@ -103,7 +126,42 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
         frequency_penalty=_bounded_float(msg, "frequency_penalty", 0.0, -2.0, 2.0),
         logprobs=msg.logprobs,
         skip_special_tokens=msg.skip_special_tokens,
+        n=_bounded_int(msg.n or 1, "n", 1, MAX_N),
+        top_logprobs=_bounded_int(msg.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS),
+        prompt_logprobs=msg.prompt_logprobs,
+        constraint=_constraint(msg, limits),
+        priority=msg.priority,
     )
+
+
+def _bounded_int(value: int, name: str, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidRequest(f"sampling.{name}", f"sampling.{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _constraint(msg: generation_pb2.SamplingParams, limits: Limits) -> Constraint | None:
+    kind = msg.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    field = f"sampling.{kind}"
+    text = "" if kind == "json_object" else getattr(msg, kind)
+    size = len(text.encode("utf-8"))
+    if size > limits.max_constraint_bytes:
+        raise InvalidRequest(field, f"{field} is {size} bytes, more than the limit of {limits.max_constraint_bytes}")
+    try:
+        constraint = Constraint(kind, text)
+        check_constraint(constraint)
+    except GrammarError as e:
+        raise InvalidRequest(field, f"{field} is invalid: {e.problem}") from None
+    return constraint
+
+
+@functools.lru_cache(maxsize=1024)
+def check_constraint(constraint: Constraint) -> None:
+    """Builds the constraint's grammar (no tokenizer: no token masks), or raises GrammarError.
+    Repeated constraints (one schema for many requests) are checked once."""
+    to_grammar(constraint)
 
 
 def _bounded_float(

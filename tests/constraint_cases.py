@@ -1,5 +1,5 @@
 """Structured-output cases shared by the tests and the grammar-backend comparison (bench/):
-random JSON schemas, 20 regexes, and a compactness measure.
+random JSON schemas, 20 regexes, an EBNF grammar, and a compactness measure.
 
 Each schema mixes what real response formats use: objects with required and optional
 properties, nested objects, arrays with item bounds, enums (strings with quotes, backslashes and
@@ -76,6 +76,15 @@ REGEXES = [
     r"#[0-9A-F]{6}", r"\(\d{2}\)", r"[^ \n]{1,10}", r"x*y+z?", r"(\w{1,6} ){1,3}end",
     r"\d{4}-\d{2}-\d{2}", r"[ACGT]{5,10}", r"(north|south)(east|west)?", r"[a-c]{2}[x-z]{2}", r"yes|no|maybe",
 ]
+
+# Arithmetic expressions: an EBNF grammar whose outputs Python parses.
+ARITHMETIC = r"""
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= number | "(" expr ")"
+number ::= [1-9] [0-9]? [0-9]?
+"""
 
 
 def whitespace_run(text: str) -> int:

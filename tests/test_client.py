@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -182,3 +183,36 @@ def test_the_generate_command_streams_a_completion_and_reports_refusals(services
     assert re.search(r"\n\[(length|stop): \d+ prompt tokens, [1-5] generated, \d+ cached\]$", ok.stdout), ok.stdout
     refused = run("hi", "--top-p", "2")
     assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "top_p" in refused.stderr
+
+
+def test_samples_logprobs_constraints_and_matched_stop(client):
+    out = client.generate([7, 8, 9, 10], n=3, temperature=1.0, seed=2, max_tokens=4, ignore_eos=True, top_logprobs=2,
+                          prompt_logprobs=True)
+    assert [s.index for s in out.samples] == [0, 1, 2] and out.samples[0] is not out and out.index == 0
+    assert out.token_ids == out.samples[0].token_ids and len(out.top_logprobs) == 4 == len(out.logprobs)
+    assert all(len(ids) == 2 == len(values) for ids, values in out.top_logprobs)
+    assert len(out.prompt_logprobs) == 3 and len(out.prompt_top_logprobs) == 3
+    assert out.samples[1].prompt_logprobs is None
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    constrained = client.generate("Answer:", json_schema=schema, temperature=0, max_tokens=40)
+    assert constrained.finish_reason == "stop" and constrained.matched_stop in ("<|im_end|>", "<|endoftext|>")
+    assert json.loads(constrained.text.removesuffix(constrained.matched_stop)) in ({"ok": True}, {"ok": False})
+    with pytest.raises(ValueError, match="give one constraint"):
+        client.generate("x", regex="a", grammar='root ::= "a"')
+
+
+def test_chat_tokenize_and_detokenize(client):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}}}]
+    turn = client.chat([{"role": "user", "content": "1 + 1?"}], tools=tools, tool_choice="add", temperature=0,
+                       max_tokens=100)
+    assert turn.finish_reason == "tool_calls" and [c.name for c in turn.tool_calls] == ["add"]
+    assert 0 <= turn.tool_calls[0].arguments["a"] <= 9
+    again = client.chat([{"role": "user", "content": "1 + 1?"},
+                         {"role": "assistant", "tool_calls": [{"id": turn.tool_calls[0].id, "function": {
+                             "name": "add", "arguments": turn.tool_calls[0].arguments}}]},
+                         {"role": "tool", "tool_call_id": turn.tool_calls[0].id, "content": "2"}],
+                        tools=tools, max_tokens=5, enable_thinking=False)
+    assert again.usage.prompt_tokens > turn.usage.prompt_tokens
+    ids = client.tokenize("Hello world")
+    assert ids and client.detokenize(ids) == "Hello world"

@@ -16,7 +16,7 @@ import torch
 
 from common.constraint import Constraint, GrammarError, to_grammar
 from scheduler_svc.tokenizer import load_tokenizer
-from tests.constraint_cases import REGEXES, random_schemas, whitespace_run
+from tests.constraint_cases import ARITHMETIC, REGEXES, random_schemas, whitespace_run
 from worker_svc.layers.grammar import GrammarBitmask, GrammarCompiler, apply_bitmask
 
 VOCAB_SIZE = 512
@@ -106,15 +106,6 @@ def test_twenty_regexes_fullmatch(compiler, tokenizer):
         for regex, (ids, stopped) in zip(REGEXES, results):
             text = tokenizer.decode(ids)
             assert stopped and re.fullmatch(regex, text, flags=re.ASCII), (regex, text)
-
-
-ARITHMETIC = r"""
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= factor (("*" | "/") factor)*
-factor ::= number | "(" expr ")"
-number ::= [1-9] [0-9]? [0-9]?
-"""
 
 
 def test_ebnf_grammar_gives_arithmetic_expressions(compiler, tokenizer):

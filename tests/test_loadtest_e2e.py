@@ -49,3 +49,19 @@ def test_shared_prefix_dataset_hits_the_prefix_cache(tmp_path, scheduler_addr):
     assert (summary["completed"], summary["failed"]) == (6, 0)
     assert all(r["output_tokens"] == 3 for r in saved["runs"][0]["requests"])
     assert summary["prefix_cache_hit_rate"] > 0
+
+
+def test_json_schema_and_chat_workloads(tmp_path, scheduler_addr):
+    saved = run_json(tmp_path, scheduler_addr, "--num-prompts", "8", "--input-len", "8", "--output-len", "40",
+                     "--json-schema-ratio", "0.5")
+    summary = saved["runs"][0]["summary"]
+    assert (summary["completed"], summary["failed"]) == (8, 0)
+    assert saved["settings"]["json_schema_ratio"] == 0.5 and json.loads(saved["settings"]["json_schema"])
+    tool = json.dumps({"name": "lookup", "parameters": {"type": "object", "properties": {
+        "key": {"type": "string", "maxLength": 8}}, "required": ["key"]}})
+    chat = run_json(tmp_path, scheduler_addr, "--api", "chat", "--num-prompts", "4", "--input-len", "8",
+                    "--output-len", "30", "--tool", tool, "--tool-choice", "required")
+    summary = chat["runs"][0]["summary"]
+    assert (summary["completed"], summary["failed"]) == (4, 0)
+    # The chat template wraps each 8-token prompt (and the tool's description) in its turn markers.
+    assert all(r["prompt_tokens"] > 30 and r["output_tokens"] == 30 for r in chat["runs"][0]["requests"])

@@ -3,10 +3,13 @@ transformers' generate token for token through chunked prefill, prefix-cache hit
 growing block tables; seeded sampling survives preemption; bad steps are refused untouched."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
+from scheduler_svc.tokenizer import load_tokenizer
 from tests.hf_reference import hf_greedy, hf_model
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
@@ -26,6 +29,7 @@ class Driver:
         self.blocks: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
         self.step_id = 0
+        self.outputs = []
 
     def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
         needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
@@ -34,14 +38,15 @@ class Driver:
         return fresh
 
     def new(self, seq_id: int, token_ids: list[int], num_scheduled: int, sampling=GREEDY, *,
-            num_prompt: int | None = None, cached_prefix_blocks: list[int] = ()) -> pb.NewRequest:
+            num_prompt: int | None = None, cached_prefix_blocks: list[int] = (),
+            constraint: pb.Constraint | None = None) -> pb.NewRequest:
         self.tokens[seq_id] = list(token_ids)
         self.blocks[seq_id] = list(cached_prefix_blocks)
         self.computed[seq_id] = len(cached_prefix_blocks) * BLOCK_SIZE
         self._grow(seq_id, self.computed[seq_id] + num_scheduled)
         return pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=num_prompt or len(token_ids),
                              num_computed_tokens=self.computed[seq_id], num_scheduled_tokens=num_scheduled,
-                             block_ids=self.blocks[seq_id], sampling=sampling)
+                             block_ids=self.blocks[seq_id], sampling=sampling, constraint=constraint)
 
     def cached(self, seq_id: int, num_scheduled: int = 1) -> tuple[int, int, list[int]]:
         return seq_id, num_scheduled, self._grow(seq_id, self.computed[seq_id] + num_scheduled)
@@ -50,6 +55,7 @@ class Driver:
         self.step_id += 1
         output = self.runner.step(parse_step_request(step_request(self.step_id, new, cached, finished)))
         assert output.step_id == self.step_id
+        self.outputs.append(output)
         order = [seq_id for seq_id, _, _ in cached] + [r.seq_id for r in new]
         counts = [n for _, n, _ in cached] + [r.num_scheduled_tokens for r in new]
         sampling = []
@@ -110,6 +116,9 @@ def test_greedy_generation_equals_transformers(tiny_model_dir):
     for seq_id, p in [(1, a), (2, b), (3, c)]:
         assert d.tokens[seq_id][len(p):][:num_new] == hf_greedy(tiny_model_dir, p, num_new), f"sequence {seq_id}"
     assert len(d.blocks[2]) == 2   # b grew into a second block while decoding
+    # Nothing here asked for a grammar or extra logprobs: none of that machinery ran.
+    assert not d.runner.structured.loaded
+    assert all(o.top_logprobs is None and o.prompt_logprobs is None and o.logprobs is None for o in d.outputs)
 
 
 def test_repetition_penalty_equals_transformers(tiny_model_dir):
@@ -242,3 +251,114 @@ def test_describe_reset_and_cache_sizing(tiny_model_dir):
     assert len(runner.batch) == 0
     with pytest.raises(StaleMirrorError):
         runner.step(parse_step_request(step_request(1, cached=[(1, 1, [])])))
+
+
+@torch.inference_mode()
+def hf_logprobs(model_dir, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' float32 logits at every position of token_ids."""
+    return hf_model(model_dir)(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+def test_top_and_prompt_logprobs_equal_transformers_through_chunked_prefill(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    p = prompt(10, 40)
+    options = pb.SamplingOptions(temperature=0.8, seed=3, top_logprobs=5, prompt_logprobs=True)
+    d.step(new=[d.new(1, p, 17, options), d.new(2, prompt(11, 5), 5)])   # a neighbour that asks nothing
+    d.step(cached=[d.cached(1, 23), d.cached(2)])
+    for _ in range(4):
+        d.step(cached=[d.cached(1), d.cached(2)])
+    reference = hf_logprobs(tiny_model_dir, d.tokens[1])
+
+    scores, tops, firsts = [], [], []
+    for output in d.outputs:
+        if output.prompt_logprobs is not None:
+            scored = output.prompt_logprobs
+            assert scored.seq_ids == [1]
+            firsts += scored.first_positions
+            scores += scored.logprobs
+            tops += split_top(scored.top)
+    assert firsts == [1, 18] and len(scores) == len(p) - 1    # chunks of 17 and 23 positions
+    expected = reference[:len(p) - 1].gather(1, torch.tensor(p[1:]).unsqueeze(1)).squeeze(1)
+    assert scores == pytest.approx(expected.tolist(), abs=1e-4)
+    check_top(tops, reference[:len(p) - 1], 5)
+
+    sampled_tops = []
+    for output in d.outputs[1:]:
+        top = split_top(output.top_logprobs)
+        assert [len(ids) for ids, _ in top] == [5, 0] if len(top) == 2 else [5]   # the neighbour asked none
+        sampled_tops.append(top[0])
+    check_top(sampled_tops, reference[len(p) - 1:-1], 5)
+    outputs = d.tokens[1][len(p):]
+    lp = [d.outputs[i + 1].logprobs[0] for i in range(len(outputs))]
+    assert lp == pytest.approx([reference[len(p) - 1 + i, t].item() for i, t in enumerate(outputs)], abs=1e-4)
+
+
+def split_top(top) -> list[tuple[list[int], list[float]]]:
+    out, offset = [], 0
+    for count in top.counts:
+        out.append((top.token_ids[offset:offset + count], top.logprobs[offset:offset + count]))
+        offset += count
+    return out
+
+
+def check_top(tops, reference: torch.Tensor, k: int) -> None:
+    assert len(tops) == len(reference)
+    values, ids = reference.topk(k, dim=-1)
+    for (got_ids, got_values), want_ids, want_values in zip(tops, ids.tolist(), values.tolist()):
+        assert got_ids == want_ids
+        assert got_values == pytest.approx(want_values, abs=1e-4)
+
+
+def test_constrained_rows_follow_their_grammar_and_leave_free_neighbours_untouched(tiny_model_dir):
+    import re
+
+    free = pb.SamplingOptions(temperature=1.0, seed=5)
+    constrained = pb.Constraint(kind="regex", text=r"(ab|[0-9]{2,4}-)+x")
+    alone, mixed = Driver(make_runner(tiny_model_dir)), Driver(make_runner(tiny_model_dir))
+    alone.step(new=[alone.new(1, prompt(12, 9), 9, free)])
+    mixed.step(new=[mixed.new(1, prompt(12, 9), 9, free),
+                    mixed.new(2, prompt(13, 7), 7, pb.SamplingOptions(temperature=1.0, seed=6), constraint=constrained),
+                    mixed.new(3, prompt(14, 7), 7, GREEDY, constraint=constrained)])
+    for _ in range(24):
+        alone.step(cached=[alone.cached(1)])
+        mixed.step(cached=[mixed.cached(s) for s in (1, 2, 3)])
+    assert mixed.tokens[1] == alone.tokens[1]
+    tokenizer = load_tokenizer(tiny_model_dir)
+    for seq_id, length in ((2, 7), (3, 7)):
+        output = mixed.tokens[seq_id][length:]
+        stop = [i for i, t in enumerate(output) if t in (0, 2)]   # the checkpoint's EOS ids
+        text = tokenizer.decode(output[:stop[0]] if stop else output)
+        assert re.fullmatch(r"(ab|[0-9]{2,4}-)+x", text) if stop else re.fullmatch(r"(ab|[0-9]{2,4}-)*[0-9a-x-]*", text)
+    assert mixed.runner.structured.num_refused == 0
+
+
+def test_a_re_sent_constrained_request_continues_its_grammar(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
+    constraint = pb.Constraint(kind="json_schema", text=json.dumps(schema))
+    options = pb.SamplingOptions(temperature=1.0, seed=9)
+    p = prompt(15, 6)
+    d.step(new=[d.new(1, p, 6, options, constraint=constraint)])
+    for _ in range(3):
+        d.step(cached=[d.cached(1)])
+    so_far = list(d.tokens[1])                # the scheduler's truth: prompt and 4 outputs
+    d.forget(1)
+    d.step(new=[d.new(1, so_far, len(so_far), options, num_prompt=6, constraint=constraint)], finished=[1])
+    for _ in range(30):
+        if d.tokens[1][-1] in (0, 2):
+            break
+        d.step(cached=[d.cached(1)])
+    assert d.tokens[1][-1] in (0, 2), "the grammar ends after 99 at most: EOS is all it allows then"
+    text = load_tokenizer(tiny_model_dir).decode(d.tokens[1][6:-1])
+    assert d.tokens[1][:len(so_far)] == so_far and 0 <= json.loads(text)["n"] <= 99
+
+
+def test_a_bad_constraint_is_refused_before_anything_changes(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    bad = pb.Constraint(kind="json_schema", text='{"type": "object", "properties": 3}')
+    with pytest.raises(InvalidStepError, match="json_schema"):
+        runner.step(parse_step_request(step_request(1, new=[d.new(1, prompt(16, 4), 4, constraint=bad)])))
+    assert len(runner.batch) == 0

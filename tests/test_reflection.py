@@ -58,7 +58,7 @@ def test_the_scheduler_lists_and_describes_its_services(services, version):
         assert listed == {"llm.v1.Generation", "grpc.health.v1.Health", V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME}
         generation = _files(_ask(channel, version, file_containing_symbol="llm.v1.Generation"))["llm.v1"]
         [service] = generation.service
-        assert [m.name for m in service.method] == ["Generate", "Abort", "GetModelInfo"]
+        assert [m.name for m in service.method] == ["Generate", "Chat", "Tokenize", "Detokenize", "Abort", "GetModelInfo"]
         assert generation.options.go_package and generation.options.java_package
         # A client that describes every listed service needs the reflection services too.
         for name in (V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME):
@@ -73,6 +73,6 @@ def test_the_worker_lists_and_describes_its_services(worker_addr, version):
         listed = {s.name for s in _ask(channel, version, list_services="").list_services_response.service}
         assert listed == {"llm.worker.v1.Worker", "grpc.health.v1.Health", V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME}
         worker = _files(_ask(channel, version, file_containing_symbol="llm.worker.v1.Worker"))["llm.worker.v1"]
-        assert [m.name for m in worker.service[0].method] == ["Describe", "Step", "Reset"]
+        assert [m.name for m in worker.service[0].method] == ["Describe", "Step", "Reset", "Claim"]
         unknown = _ask(channel, version, file_containing_symbol="no.such.Service")
         assert unknown.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]

@@ -403,3 +403,43 @@ def test_hand_over_to_another_group_keeps_tokens_and_resends_in_full():
     assert sent == {a.seq_id: [1, 2, 3, 4, 5, 7, 7], waiting.seq_id: [6, 7]}
     with pytest.raises(ValueError, match="already queued"):
         healthy.adopt(a)
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    sched = make_scheduler(max_num_seqs=1)
+    running = add(sched, [1], max_tokens=2)
+    step(sched)
+    low = [add(sched, [10 + i], priority=5) for i in range(3)]
+    high = add(sched, [20], priority=-1)                 # arrives last, with the lowest value
+    same = add(sched, [30], priority=5)
+    assert list(sched.waiting) == [high, *low, same]
+    order = []
+    while sched.has_unfinished():
+        out, _ = step(sched)
+        order += [s.seq for s in out.scheduled if s.seq is not running and s.seq not in order]
+    assert order == [high, *low, same]
+
+
+def test_the_lowest_priority_request_is_preempted_first():
+    sched = make_scheduler(num_blocks=5, block_size=4)
+    background = add(sched, [5, 6, 7], priority=3)       # admitted first, alone
+    step(sched)
+    urgent, normal = add(sched, [1, 2, 3], priority=-5), add(sched, [9, 10, 11])
+    step(sched)
+    assert sched.running == [urgent, normal, background]  # the end is preempted first
+    preempted = []
+    while not preempted:
+        out, _ = step(sched)
+        preempted = out.preempted_seq_ids
+    assert preempted == [background.seq_id] and normal.status is SequenceStatus.RUNNING
+
+
+def test_a_prompt_whose_logprobs_are_asked_skips_the_prefix_cache_until_it_has_been_scored():
+    sched = make_scheduler(block_size=4)
+    first = add(sched, list(range(1, 11)), max_tokens=1)
+    step(sched)                                          # computed, cached, finished
+    plain = add(sched, list(range(1, 11)), max_tokens=1)
+    scored = add(sched, list(range(1, 11)), max_tokens=1, prompt_logprobs=True)
+    out, _ = step(sched)
+    assert {r.seq_id: r.num_computed_tokens for r in out.new_requests} == {plain.seq_id: 8, scored.seq_id: 0}
+    assert first.is_finished and scored.num_cached_prompt_tokens == 0

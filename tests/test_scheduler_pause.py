@@ -75,7 +75,7 @@ def test_resuming_into_a_full_batch_requeues_instead_of_overfilling_it():
     b = add(sched, [4, 5, 6])
     step(sched)                                # b took the one slot
     sched.resume(a.seq_id)
-    assert sched.num_running == 1 and sched.waiting[0] is a and a.status is SequenceStatus.PREEMPTED
+    assert sched.num_running == 1 and sched.waiting.head() is a and a.status is SequenceStatus.PREEMPTED
     out, _ = step(sched)
     assert out.preempted_seq_ids == [a.seq_id] and scheduled_tokens(out) == {b.seq_id: 1}
 

@@ -1,7 +1,8 @@
 """The parallel layers split across two gloo ranks on the CPU, joined through the worker's own
 rendezvous: greedy generation through ModelRunner equals transformers' (so sharded loading, the
 all-reduces and the LM head's gather agree with one unsplit model); rank 0 alone samples
-and the other rank's batch follows it, sampled and penalised requests included. Flags and
+and the other rank's batch follows it, sampled, penalised and constrained requests included, and
+every rank takes part in scoring a prompt (the LM head's gather is a collective). Flags and
 settings that cannot form a working group are refused; steps enter the runner in step_id order,
 whatever order their calls arrive in."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
+from scheduler_svc.tokenizer import load_tokenizer
 from tests.hf_reference import hf_greedy
 from tests.procs import free_port
 from worker_svc.config import WorkerConfig, add_worker_arguments, worker_config_from_args
@@ -27,6 +29,8 @@ WORLD_SIZE, NUM_NEW = 2, 6
 PROMPTS = {1: [5, 17, 33, 2, 99, 140, 7, 8, 250, 31, 12, 44, 61, 3, 9, 77, 301, 5], 2: [400, 3, 3, 18],
            3: [7, 7, 7, 100, 200]}
 SAMPLED = pb.SamplingOptions(temperature=1.0, top_k=20, seed=1234, repetition_penalty=1.3)
+SCORED = pb.SamplingOptions(temperature=0.0, prompt_logprobs=True, top_logprobs=3)
+LETTERS = pb.Constraint(kind="regex", text="[a-z]{3,40}")
 
 
 def _rank_main(rank: int, port: int, model_dir: str, results) -> None:
@@ -46,12 +50,14 @@ def _rank_main(rank: int, port: int, model_dir: str, results) -> None:
             for seq_id, token in d.step(**work).items():
                 reported[seq_id].append(token)
 
-        step(new=[d.new(1, PROMPTS[1], 10), d.new(2, PROMPTS[2], 4), d.new(3, PROMPTS[3], 5, SAMPLED)])
+        step(new=[d.new(1, PROMPTS[1], 10, SCORED), d.new(2, PROMPTS[2], 4),
+                  d.new(3, PROMPTS[3], 5, SAMPLED, constraint=LETTERS)])
         step(cached=[d.cached(1, 8), d.cached(2), d.cached(3)])     # 1: the rest of its prompt
         for _ in range(NUM_NEW - 1):
             step(cached=[d.cached(s) for s in PROMPTS])
         newest = {s: int(runner.last_sampled[runner.batch.row_of[s]]) for s in PROMPTS}
-        results.put((rank, reported, newest))
+        scored = [len(o.prompt_logprobs.logprobs) for o in d.outputs if o.prompt_logprobs is not None]
+        results.put((rank, reported, newest, scored))
     finally:
         parallel_state.destroy_tensor_parallel()
 
@@ -59,14 +65,18 @@ def _rank_main(rank: int, port: int, model_dir: str, results) -> None:
 def test_two_ranks_generate_like_one_model(tiny_model_dir):
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank_main, args=(free_port(), str(tiny_model_dir), queue), nprocs=WORLD_SIZE)
-    results = {rank: (reported, newest) for rank, reported, newest in (queue.get() for _ in range(WORLD_SIZE))}
-    (reported, newest0), (other, newest1) = results[0], results[1]
+    results = {rank: rest for rank, *rest in (queue.get() for _ in range(WORLD_SIZE))}
+    (reported, newest0, scored0), (other, newest1, scored1) = results[0], results[1]
     greedy = {s: hf_greedy(tiny_model_dir, PROMPTS[s], len(reported[s])) for s in (1, 2)}
     assert {s: reported[s] for s in greedy} == greedy and len(reported[1]) == NUM_NEW
     assert len(reported[3]) == NUM_NEW + 1
     # Rank 1 samples nothing itself: it takes rank 0's tokens, and feeds its next decodes from them.
     assert other == reported
     assert newest1 == newest0 == {s: tokens[-1] for s, tokens in reported.items()}
+    assert scored0 == [10, 7] and scored1 == []   # 17 prompt tokens scored over two chunks, on rank 0
+    letters = [t for t in reported[3] if t not in (0, 2)]   # the checkpoint's EOS ids end the grammar
+    text = load_tokenizer(tiny_model_dir).decode(letters)
+    assert text.isascii() and text.isalpha() and text.islower(), text
 
 
 def test_flags_that_cannot_form_a_group_are_refused():

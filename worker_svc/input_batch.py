@@ -12,6 +12,9 @@ runner keeps each row's newest sampled token there), so step N+1 can be prepared
 before step N's tokens reach the host. A row therefore knows its tokens on the host up to
 `num_host_tokens` (what the scheduler sent) and counts, in `num_tokens`, the sampled ones too;
 a decode's input is always the newest sampled token, gathered on the device.
+
+What only some requests ask for (a grammar matcher, top logprobs, prompt scoring) is counted over
+the rows, so a step whose batch asks for none of it learns so in O(1) and does no work for it.
 """
 from __future__ import annotations
 
@@ -38,6 +41,12 @@ class InputBatch:
         self.num_blocks = np.zeros(initial_rows, dtype=np.int64)
         self.options: list[SamplingOptions | None] = [None] * initial_rows
         self.penalty_rows: list[int | None] = [None] * initial_rows
+        self.seq_id_of = np.zeros(initial_rows, dtype=np.int64)
+        self.matchers: list = [None] * initial_rows                       # GrammarMatcher, rank 0 only
+        self.constrained = np.zeros(initial_rows, dtype=bool)             # has a matcher
+        self.top_logprobs = np.zeros(initial_rows, dtype=np.int64)        # 0: none asked
+        self.scores_prompt = np.zeros(initial_rows, dtype=bool)           # prompt tokens still to score
+        self.num_constrained = self.num_top_logprobs = self.num_scoring = 0
         # Bumped whenever a row changes hands, so cached per-row-set data (the sampler's
         # metadata) is rebuilt exactly when the batch changes.
         self.version = 0
@@ -60,7 +69,7 @@ class InputBatch:
         row_of = self.row_of
         return np.fromiter((row_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
 
-    def add(self, new: NewRequest, penalty_row: int | None) -> int:
+    def add(self, new: NewRequest, penalty_row: int | None, matcher=None) -> int:
         if self._free_rows:
             row = self._free_rows.pop()
         else:
@@ -78,8 +87,24 @@ class InputBatch:
         self.options[row] = new.sampling
         self.penalty_rows[row] = penalty_row
         self.row_of[new.seq_id] = row
+        self.seq_id_of[row] = new.seq_id
+        self.matchers[row] = matcher
+        self.constrained[row] = matcher is not None
+        self.num_constrained += int(matcher is not None)
+        self.top_logprobs[row] = new.sampling.top_logprobs
+        self.num_top_logprobs += int(new.sampling.top_logprobs > 0)
+        # Scored while chunks compute positions before the last prompt token.
+        scores = new.sampling.prompt_logprobs and new.num_computed_tokens < new.num_prompt_tokens - 1
+        self.scores_prompt[row] = scores
+        self.num_scoring += int(scores)
         self.version += 1
         return row
+
+    def prompt_scored(self, row: int) -> None:
+        """The row's prompt is scored to its end."""
+        if self.scores_prompt[row]:
+            self.scores_prompt[row] = False
+            self.num_scoring -= 1
 
     def remove(self, seq_id: int) -> int | None:
         """Frees the request's row; returns its penalty row (for the sampler to release)."""
@@ -88,6 +113,12 @@ class InputBatch:
         self.block_tables[row, :self.num_blocks[row]] = 0
         penalty_row = self.penalty_rows[row]
         self.options[row] = self.penalty_rows[row] = None
+        self.num_constrained -= int(self.matchers[row] is not None)
+        self.matchers[row] = None
+        self.constrained[row] = False
+        self.num_top_logprobs -= int(self.top_logprobs[row] > 0)
+        self.top_logprobs[row] = 0
+        self.prompt_scored(row)
         self._free_rows.append(row)
         self.version += 1
         return penalty_row
@@ -109,8 +140,9 @@ class InputBatch:
             return out
 
         for name in ("token_ids", "block_tables", "num_host_tokens", "num_tokens", "num_computed", "num_prompt",
-                     "num_blocks"):
+                     "num_blocks", "seq_id_of", "constrained", "top_logprobs", "scores_prompt"):
             setattr(self, name, grown(getattr(self, name)))
         extra = capacity - len(self.options)
         self.options += [None] * extra
         self.penalty_rows += [None] * extra
+        self.matchers += [None] * extra

@@ -7,6 +7,10 @@ forward and the sampling on the device; the sampled tokens are copied back behin
 `result()` waits for that event. So a caller that launches step N+1 right after N (the gRPC
 server does, from another thread) prepares N+1 while the device still runs N, and N+1's decode
 inputs are N's sampled tokens, gathered on the device from the rows' newest token.
+
+What only some requests ask for costs only the steps that hold such requests: a grammar's token
+mask (worker_svc/structured_output.py: the one place a step waits for the step before it), the
+top logprobs of sampled tokens and the scores of prompt tokens (worker_svc/layers/logprobs.py).
 """
 from __future__ import annotations
 
@@ -28,19 +32,23 @@ from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
 from worker_svc.layers.attention import (AttentionMetadata, AttentionShape, configure_kernel_cache,
                                          select_attention_backend)
+from worker_svc.layers.logprobs import score_tokens, top_logprobs
 from worker_svc.layers.sampler import Sampler, SamplingMetadata, SamplingOptions
 from worker_svc.loader import init_dummy_weights, load_safetensors
 from worker_svc.model_config import load_model_config
 from worker_svc.models import build_model
 from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, broadcast_tokens, get_tp_rank, get_tp_size
-from worker_svc.step_message import InvalidStepError, NewRequest, StaleMirrorError, StepInput, StepOutput
+from worker_svc.step_message import (InvalidStepError, NewRequest, PromptLogprobs, StaleMirrorError, StepInput,
+                                     StepOutput, TopLogprobs)
+from worker_svc.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "InvalidStepError", "StaleMirrorError", "PendingStep"]
 
 _DEFAULT_BLOCK_SIZE = 16
+_NONE = np.zeros(0, np.int64)   # an empty staging part
 # Launched steps whose tokens may not be read yet: the server has at most two (the one whose
 # reply is awaited and the one launched behind it); more slots only add slack.
 _OUTPUT_SLOTS = 4
@@ -56,6 +64,60 @@ class StepBatch:
     sampling_rows: np.ndarray       # rows that sample, in batch order (host)
     sampling_rows_device: torch.Tensor
     seeded_output_indices: list[int]   # the output index each seeded sampling row draws
+    # Sampling positions whose rows have a grammar matcher, the matchers, and the positions on the device.
+    constrained: tuple[list[int], list, torch.Tensor] | None = None
+    # Top logprobs: each sampling position's k (0: not asked), and the positions that asked (device).
+    top_ks: np.ndarray | None = None
+    top_positions: torch.Tensor | None = None
+    # Prompt scoring: flat token indices and the prompt tokens they predict (device), and per
+    # scored request (seq_id, first position scored, count, k).
+    score_indices: torch.Tensor | None = None
+    score_targets: torch.Tensor | None = None
+    scored: list[tuple[int, int, int, int]] | None = None
+
+
+def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """Starts the copy of a device tensor to the host (finished by the step's event)."""
+    if tensor is None or tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu", non_blocking=True)
+
+
+@dataclass
+class _Logprobs:
+    """A step's top and prompt logprobs on their way to the host, and what their rows asked."""
+    top_ks: np.ndarray | None = None                 # per sampled token
+    top_ids: torch.Tensor | None = None              # [asked, max k]
+    top_values: torch.Tensor | None = None
+    scored: list[tuple[int, int, int, int]] | None = None
+    scores: torch.Tensor | None = None               # [scored tokens]
+    score_top_ids: torch.Tensor | None = None        # [scored tokens, max k]
+    score_top_values: torch.Tensor | None = None
+
+    def top(self) -> TopLogprobs | None:
+        if self.top_ks is None:
+            return None
+        ks = self.top_ks.tolist()
+        return _columns(ks, [k for k in ks if k], self.top_ids.tolist(), self.top_values.tolist())
+
+    def prompt(self) -> PromptLogprobs | None:
+        if self.scored is None or self.scores is None:
+            return None
+        seq_ids, firsts, counts, ks = (list(column) for column in zip(*self.scored))
+        top = None
+        if self.score_top_ids is not None:
+            token_ks = [k for k, count in zip(ks, counts) for _ in range(count)]
+            top = _columns(token_ks, token_ks, self.score_top_ids.tolist(), self.score_top_values.tolist())
+        return PromptLogprobs(seq_ids, firsts, counts, self.scores.tolist(), top)
+
+
+def _columns(counts: list[int], row_ks: list[int], ids: list[list[int]], values: list[list[float]]) -> TopLogprobs:
+    """Packs rows of the max k (row i keeping its first row_ks[i]) into columns with `counts`."""
+    flat_ids, flat_values = [], []
+    for k, row_ids, row_values in zip(row_ks, ids, values):
+        flat_ids += row_ids[:k]
+        flat_values += row_values[:k]
+    return TopLogprobs(counts, flat_ids, flat_values)
 
 
 class PendingStep:
@@ -63,13 +125,14 @@ class PendingStep:
 
     def __init__(self, step_id: int, started: float, prepare_ms: float, forward_ms: float, num_sampled: int,
                  tokens: torch.Tensor | None, logprobs: torch.Tensor | None, event, release,
-                 device_start=None) -> None:
+                 device_start=None, extra: _Logprobs | None = None) -> None:
         self.step_id = step_id
         self._started = started
         self._prepare_ms, self._forward_ms = prepare_ms, forward_ms
         self._num_sampled = num_sampled
         self._tokens, self._logprobs, self._event, self._release = tokens, logprobs, event, release
         self._device_start = device_start
+        self._extra = extra
 
     def result(self) -> StepOutput:
         try:
@@ -78,13 +141,16 @@ class PendingStep:
             n = self._num_sampled
             tokens = self._tokens[:n].tolist() if n else []
             logprobs = self._logprobs[:n].tolist() if self._logprobs is not None and n else None
+            extra = self._extra
+            top = extra.top() if extra is not None else None
+            prompt = extra.prompt() if extra is not None else None
         finally:
             if self._release is not None:
                 self._release()
                 self._release = None
         device_ms = self._device_start.elapsed_time(self._event) if self._device_start is not None else 0.0
         return StepOutput(self.step_id, tokens, logprobs, self._prepare_ms, self._forward_ms,
-                          (time.perf_counter() - self._started) * 1e3, device_ms)
+                          (time.perf_counter() - self._started) * 1e3, device_ms, top, prompt)
 
 
 class _OutputSlots:
@@ -182,7 +248,8 @@ class ModelRunner:
             raise ValueError(f"configured as rank {config.rank} of {config.tensor_parallel_size}, but the process "
                              f"group makes this rank {self.tp_rank} of {self.tp_size}")
         model_dir = pathlib.Path(config.model)
-        self.model_name = read_model_facts(model_dir).name
+        facts = read_model_facts(model_dir)
+        self.model_name = facts.name
         self.model_config = model_config = load_model_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.block_size = config.block_size or _DEFAULT_BLOCK_SIZE
@@ -204,13 +271,18 @@ class ModelRunner:
         parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens.
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp_rank == 0 else None
+        self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device)
+                           if self.tp_rank == 0 else None)
+        if self.structured is not None and self.device.type == "cuda":
+            self.structured.load_in_background()
         self.batch = InputBatch(self.max_model_len, self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self._sampling_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
         # The step's integer inputs: input ids, positions and slots per token; query starts,
         # lengths and block tables per request; logits indices, sampling rows and the decode
-        # tokens to gather per sampling request.
-        self._staging = _Staging(3 * max_tokens + max_seqs * (self.max_blocks_per_seq + 6) + 1, self.device)
+        # tokens to gather per sampling request; constrained and top-logprob positions among
+        # them; prompt tokens to score and their targets.
+        self._staging = _Staging(5 * max_tokens + max_seqs * (self.max_blocks_per_seq + 8) + 1, self.device)
         self._outputs = _OutputSlots(max_seqs, self.device)
         # Each row's newest sampled token, on the device: the next decode's input.
         self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -258,8 +330,8 @@ class ModelRunner:
         started = time.perf_counter()
         if parallel_state.group_broken().is_set():
             raise RuntimeError("the tensor-parallel group is broken; this worker is exiting")
-        cached_rows = self._validate(step)
-        rows, counts = self._apply(step, cached_rows)
+        cached_rows, matchers = self._validate(step)
+        rows, counts = self._apply(step, cached_rows, matchers)
         if not len(rows):
             return PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
         batch = self._prepare(rows, counts)
@@ -275,6 +347,8 @@ class ModelRunner:
     def reset(self) -> None:
         for seq_id in self.batch.seq_ids():
             self._drop(seq_id)
+        if self.structured is not None:
+            self.structured.clear()
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -285,8 +359,9 @@ class ModelRunner:
 
     # --- a step ------------------------------------------------------------------------------
 
-    def _validate(self, step: StepInput) -> np.ndarray:
-        """Checks the whole step against the batch; returns the cached requests' rows."""
+    def _validate(self, step: StepInput) -> tuple[np.ndarray, dict]:
+        """Checks the whole step against the batch; returns the cached requests' rows and the
+        new requests' grammar matchers (by seq_id), made here so a bad constraint changes nothing."""
         sid = step.step_id
         if step.num_requests > self.config.max_num_seqs:
             raise InvalidStepError(f"step {sid}: {step.num_requests} requests exceed max_num_seqs "
@@ -312,7 +387,15 @@ class ModelRunner:
                                    f"{self.config.max_num_batched_tokens}")
         if len(rows):
             self._check_cached(step, rows)
-        return rows
+        matchers = {}
+        if self.structured is not None:
+            for new in step.new_requests:
+                if new.constraint is not None:
+                    try:
+                        matchers[new.seq_id] = self.structured.matcher(new.constraint, new.output_token_ids)
+                    except ValueError as exc:   # GrammarError: a bad constraint, or tokens not following it
+                        raise InvalidStepError(f"step {sid}, new request {new.seq_id}: {exc}") from None
+        return rows, matchers
 
     def _check_new(self, sid: int, new: NewRequest, seen: set[int], finished: set[int]) -> int:
         where = f"step {sid}, new request {new.seq_id}"
@@ -381,7 +464,7 @@ class ModelRunner:
         if np.any(short):
             refuse(short, lambda i: f"{num_blocks[i]} blocks of {self.block_size} cannot hold {end[i]} tokens")
 
-    def _apply(self, step: StepInput, cached_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _apply(self, step: StepInput, cached_rows: np.ndarray, matchers: dict) -> tuple[np.ndarray, np.ndarray]:
         """Drops finished requests, admits new ones, appends blocks. Returns the step's rows and
         token counts in batch order: the cached requests, then the new ones."""
         for seq_id in step.finished_seq_ids:
@@ -391,7 +474,7 @@ class ModelRunner:
         for new in step.new_requests:
             penalty_row = (self.sampler.add_request(new.token_ids, new.num_prompt_tokens, new.sampling)
                            if self.sampler is not None else None)
-            new_rows.append(self.batch.add(new, penalty_row))
+            new_rows.append(self.batch.add(new, penalty_row, matchers.get(new.seq_id)))
         if len(step.new_block_indices):
             self.batch.append_blocks(cached_rows, step.new_block_indices, step.new_block_counts, step.new_block_ids)
         if self.batch.capacity > len(self.last_sampled):   # the batch grew past max_num_seqs rows
@@ -435,14 +518,33 @@ class ModelRunner:
         logits_indices = query_start[1:][samples] - 1
         sampling_rows = rows[samples]
         seeded = []
+        constrained = top_ks = None
+        constrained_at = top_at = _NONE
         if self.sampler is not None:
             meta = self._sampling_metadata(sampling_rows)
             if meta.seeded:
                 drawing_rows = sampling_rows[meta.drawing]
                 seeded = [int(b.num_tokens[drawing_rows[j]] - b.num_prompt[drawing_rows[j]]) for j, _ in meta.seeded]
+            if b.num_constrained:
+                constrained_at = np.flatnonzero(b.constrained[sampling_rows])
+                if len(constrained_at):
+                    constrained = [b.matchers[r] for r in sampling_rows[constrained_at].tolist()]
+            if b.num_top_logprobs:
+                top_ks = b.top_logprobs[sampling_rows]
+                top_at = np.flatnonzero(top_ks)
+                if not len(top_at):
+                    top_ks = None
+        score_at, score_targets, scored = (self._prompt_scoring(rows, start, seq_lens, query_start) if b.num_scoring
+                                           else (_NONE, _NONE, None))
+        parts = [input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices, sampling_rows, gather_at,
+                 gather_rows, block_tables.reshape(-1)]
+        # What only some requests ask for travels only when asked (a plain step copies nothing more).
+        extras = (constrained_at, top_at, score_at, score_targets)
+        asked = any(len(part) for part in extras)
+        views = self._staging.fill(parts + list(extras) if asked else parts)
         (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
-         tables_d) = self._staging.fill([input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices,
-                                         sampling_rows, gather_at, gather_rows, block_tables.reshape(-1)])
+         tables_d) = views[:10]
+        constrained_d, top_d, score_at_d, score_targets_d = views[10:] if asked else (None,) * 4
         if len(gather_at):
             ids_d.index_copy_(0, gather_at_d, self.last_sampled.index_select(0, gather_rows_d))
         b.num_computed[rows] = seq_lens
@@ -457,7 +559,35 @@ class ModelRunner:
             query_lens_cpu=counts.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, seeded)
+        return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, seeded,
+                         constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
+                         top_ks=top_ks, top_positions=top_d if top_ks is not None else None,
+                         score_indices=score_at_d if scored else None,
+                         score_targets=score_targets_d if scored else None, scored=scored or None)
+
+    def _prompt_scoring(self, rows: np.ndarray, start: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]]]:
+        """The step's prompt tokens to score: the logits at position p score the token at p + 1,
+        so a chunk computing positions start..end-1 scores the prompt tokens start+1..end, up to
+        the last prompt token (whose logits sample the first output token instead). Returns the
+        flat indices of the positions, the tokens they score, and per request (seq_id, first
+        position scored, count, top_logprobs). A row whose prompt is scored to its end stops
+        being a scoring row."""
+        b = self.batch
+        indices, targets, scored = [], [], []
+        for i in np.flatnonzero(b.scores_prompt[rows]).tolist():
+            row = int(rows[i])
+            first, last = int(start[i]), int(b.num_prompt[row]) - 1
+            end = min(int(seq_lens[i]), last)
+            if end > first:
+                indices.append(query_start[i] + np.arange(end - first))
+                targets.append(b.token_ids[row, first + 1:end + 1])
+                scored.append((int(b.seq_id_of[row]), first + 1, end - first, int(b.top_logprobs[row])))
+            if end == last:
+                b.prompt_scored(row)
+        if not scored:
+            return _NONE, _NONE, []
+        return np.concatenate(indices), np.concatenate(targets), scored
 
     def _sampling_metadata(self, sampling_rows: np.ndarray) -> SamplingMetadata:
         """The sampler's per-row facts, rebuilt only when the sampling rows or the batch change."""
@@ -477,33 +607,57 @@ class ModelRunner:
             device_start = torch.cuda.Event(enable_timing=True)
             device_start.record()
         hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
+        extra = self._score_prompt(hidden, batch) if batch.scored is not None else None
         num_sampled = len(batch.sampling_rows)
-        if not num_sampled:
+        host_tokens = host_logprobs = release = None
+        if num_sampled:
+            logits = self.model.compute_logits(hidden, batch.logits_indices)
+            logprobs = None
+            if self.sampler is not None:
+                if batch.constrained is not None:   # waits for the previous step's tokens
+                    self.structured.mask(logits, batch.constrained[0], batch.constrained[1])
+                meta = self._sampling_metadata(batch.sampling_rows)
+                tokens, logprobs = self.sampler.sample(logits, meta, batch.seeded_output_indices)
+                if batch.constrained is not None:
+                    self.structured.record(batch.constrained[1], tokens, batch.constrained[2])
+                if batch.top_ks is not None:
+                    extra = extra or _Logprobs()
+                    ids, values = top_logprobs(logits.index_select(0, batch.top_positions), int(batch.top_ks.max()))
+                    extra.top_ks, extra.top_ids, extra.top_values = batch.top_ks, _to_host(ids), _to_host(values)
+            else:                    # not rank 0: rank 0's tokens keep this rank's rows identical
+                tokens = None
+            tokens = broadcast_tokens(tokens, num_sampled, self.device)
+            self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
+            slot = self._outputs.acquire()
+            release = lambda: self._outputs.release(slot)  # noqa: E731
+            host_tokens = self._outputs.tokens[slot]
+            host_tokens[:num_sampled].copy_(tokens, non_blocking=True)
+            if logprobs is not None:
+                host_logprobs = self._outputs.logprobs[slot]
+                host_logprobs[:num_sampled].copy_(logprobs, non_blocking=True)
+        elif extra is None:
             return PendingStep(step_id, started, prepare_ms, (time.perf_counter() - launched) * 1e3, 0,
                                None, None, None, None)
-        logits = self.model.compute_logits(hidden, batch.logits_indices)
-        logprobs = None
-        if self.sampler is not None:
-            meta = self._sampling_metadata(batch.sampling_rows)
-            tokens, logprobs = self.sampler.sample(logits, meta, batch.seeded_output_indices)
-        else:                    # not rank 0: rank 0's tokens keep this rank's rows identical
-            tokens = None
-        tokens = broadcast_tokens(tokens, num_sampled, self.device)
-        self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
-        slot = self._outputs.acquire()
-        host_tokens = self._outputs.tokens[slot]
-        host_tokens[:num_sampled].copy_(tokens, non_blocking=True)
-        host_logprobs = None
-        if logprobs is not None:
-            host_logprobs = self._outputs.logprobs[slot]
-            host_logprobs[:num_sampled].copy_(logprobs, non_blocking=True)
         event = None
         if device_start is not None:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         forward_ms = (time.perf_counter() - launched) * 1e3
         return PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
-                           event, lambda: self._outputs.release(slot), device_start)
+                           event, release, device_start, extra)
+
+    def _score_prompt(self, hidden: torch.Tensor, batch: StepBatch) -> _Logprobs | None:
+        """Scores the step's prompt tokens (on every rank: the LM head is a collective; rank 0
+        gets the values). Slices of max_num_seqs positions: the sampling of as many rows is what
+        the start-up memory profile measured."""
+        k = max(k for _, _, _, k in batch.scored)
+        scored = score_tokens(self.model.compute_logits, hidden, batch.score_indices, batch.score_targets, k,
+                              self.config.max_num_seqs)
+        if scored is None:       # not rank 0
+            return None
+        scores, top_ids, top_values = scored
+        return _Logprobs(scored=batch.scored, scores=_to_host(scores), score_top_ids=_to_host(top_ids),
+                         score_top_values=_to_host(top_values))
 
     def _select_attention_backend(self):
         """The configured backend, or the fastest on this device for this model's attention
@@ -576,7 +730,7 @@ class ModelRunner:
         warm = StepInput(0, [], new_requests, [], np.zeros(0, np.int64), np.zeros(0, np.int64),
                          np.zeros(0, np.int64), np.zeros(0, np.int64))
         torch.cuda.reset_peak_memory_stats(self.device)
-        rows, counts = self._apply(warm, np.zeros(0, np.int64))
+        rows, counts = self._apply(warm, np.zeros(0, np.int64), {})
         self._execute(0, self._prepare(rows, counts), time.perf_counter(), 0.0).result()
         if self.sampler is not None:
             row = _WarmRow(warm_options)

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.constraint import KINDS, Constraint
 from common.pb.llm.worker.v1 import worker_pb2
 from worker_svc.layers.sampler import SamplingOptions
+
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidStepError(ValueError):
@@ -34,6 +37,11 @@ class NewRequest:
     num_scheduled_tokens: int
     block_ids: list[int]
     sampling: SamplingOptions
+    constraint: Constraint | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass(slots=True)
@@ -54,6 +62,25 @@ class StepInput:
 
 
 @dataclass(slots=True)
+class TopLogprobs:
+    """The most likely tokens at several positions: entry i is counts[i] values of token_ids and
+    logprobs (concatenated), most likely first; 0 for a position whose request did not ask."""
+    counts: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Prompt tokens a step scored: request seq_ids[i], counts[i] tokens from first_positions[i]."""
+    seq_ids: list[int]
+    first_positions: list[int]
+    counts: list[int]
+    logprobs: list[float]
+    top: TopLogprobs | None         # one entry per scored token, when any of them asked
+
+
+@dataclass(slots=True)
 class StepOutput:
     """A step's sampled tokens, in batch order (one per request that samples), on the host."""
     step_id: int
@@ -63,6 +90,8 @@ class StepOutput:
     forward_ms: float
     total_ms: float
     device_ms: float = 0.0
+    top_logprobs: TopLogprobs | None = None       # parallel to token_ids, when any request asked
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptions:
@@ -77,10 +106,23 @@ def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptio
         repetition_penalty=pb.repetition_penalty or 1.0,
         presence_penalty=pb.presence_penalty,
         frequency_penalty=pb.frequency_penalty,
-        logprobs=pb.logprobs,
+        logprobs=pb.logprobs or pb.top_logprobs > 0,
+        top_logprobs=pb.top_logprobs,
+        prompt_logprobs=pb.prompt_logprobs,
     )
     options.validate()
+    if options.top_logprobs > MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs {options.top_logprobs} > {MAX_TOP_LOGPROBS}")
     return options
+
+
+def constraint_from_proto(new: worker_pb2.NewRequest) -> Constraint | None:
+    """The request's constraint (its grammar is compiled by the runner). Raises ValueError."""
+    if not new.HasField("constraint"):
+        return None
+    if new.constraint.kind not in KINDS:
+        raise ValueError(f"unknown constraint kind {new.constraint.kind!r}; expected one of {', '.join(KINDS)}")
+    return Constraint(new.constraint.kind, new.constraint.text)
 
 
 def _sparse_indices(name: str, indices, counts, size: int, step_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,10 +141,11 @@ def parse_step_request(req: worker_pb2.StepRequest) -> StepInput:
     for new in req.new_requests:
         try:
             options = sampling_options_from_proto(new.sampling)
+            constraint = constraint_from_proto(new)
         except ValueError as exc:
             raise InvalidStepError(f"step {step_id}, new request {new.seq_id}: {exc}") from None
         new_requests.append(NewRequest(new.seq_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                                       new.num_scheduled_tokens, list(new.block_ids), options))
+                                       new.num_scheduled_tokens, list(new.block_ids), options, constraint))
     cached = req.cached
     seq_ids = list(cached.seq_ids)
     multi_idx, multi_cnt = _sparse_indices("multi_token", cached.multi_token_indices, cached.multi_token_counts,
@@ -121,11 +164,29 @@ def parse_step_request(req: worker_pb2.StepRequest) -> StepInput:
                      block_idx, block_cnt, block_ids)
 
 
+def _top_to_proto(top: TopLogprobs, msg: worker_pb2.TopLogprobColumns) -> None:
+    msg.counts.extend(top.counts)
+    msg.token_ids.extend(top.token_ids)
+    msg.logprobs.extend(top.logprobs)
+
+
 def build_step_response(output: StepOutput) -> worker_pb2.StepResponse:
-    return worker_pb2.StepResponse(
+    msg = worker_pb2.StepResponse(
         step_id=output.step_id,
         token_ids=output.token_ids,
         logprobs=output.logprobs or (),
         timings=worker_pb2.StepTimings(prepare_ms=output.prepare_ms, forward_ms=output.forward_ms,
                                        total_ms=output.total_ms, device_ms=output.device_ms),
     )
+    if output.top_logprobs is not None:
+        _top_to_proto(output.top_logprobs, msg.top_logprobs)
+    prompt = output.prompt_logprobs
+    if prompt is not None:
+        target = msg.prompt_logprobs
+        target.seq_ids.extend(prompt.seq_ids)
+        target.first_positions.extend(prompt.first_positions)
+        target.counts.extend(prompt.counts)
+        target.logprobs.extend(prompt.logprobs)
+        if prompt.top is not None:
+            _top_to_proto(prompt.top, target.top)
+    return msg

@@ -1,9 +1,14 @@
 """Load-tests the Generation service: sends a dataset of prompts at a chosen arrival rate through
-the public Generate stream and reports throughput, TTFT, TPOT, ITL and end-to-end latency."""
+the public Generate (or Chat) stream and reports throughput, TTFT, TPOT, ITL and end-to-end latency.
+
+Workloads beyond plain prompts: --json-schema-ratio constrains a seeded share of the requests with
+a JSON schema (structured output); --api chat sends each prompt as a user message through the
+model's chat template, with --tool definitions and --tool-choice."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import pathlib
 import sys
 import uuid
@@ -18,7 +23,7 @@ from tools.loadtest.client import LoadClient
 from tools.loadtest.metrics import RunResult, RunSummary, parse_slos, summarize
 
 # Independent seeded streams, so e.g. changing --num-warmups never changes the measured prompts.
-_WARMUP_STREAM, _PROMPT_STREAM, _ARRIVAL_STREAM = 0, 1, 2
+_WARMUP_STREAM, _PROMPT_STREAM, _ARRIVAL_STREAM, _SCHEMA_STREAM = 0, 1, 2, 3
 
 
 def _rate(text: str) -> float:
@@ -56,6 +61,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     data.add_argument("--prefix-groups", type=_positive_int, default=4, help="shared-prefix: number of prefixes")
     data.add_argument("--prefix-len", type=_positive_int, default=256, help="shared-prefix: tokens per prefix")
     data.add_argument("--ignore-eos", action="store_true", help="jsonl: keep generating past EOS")
+    shape = ap.add_argument_group("workload", "what the requests ask besides their prompt")
+    shape.add_argument("--api", choices=("generate", "chat"), default="generate",
+                       help="chat: each prompt is a user message rendered by the model's chat template")
+    shape.add_argument("--json-schema-ratio", type=float, default=0.0, metavar="R",
+                       help="share of the requests (seeded) whose output is constrained by --json-schema")
+    shape.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE",
+                       help="the JSON schema of constrained requests (default: a list of bounded records)")
+    shape.add_argument("--tool", nargs="+", default=[], metavar="JSON|@FILE",
+                       help='chat: tools, each {"name", "description", "parameters"}')
+    shape.add_argument("--tool-choice", default="auto", help="chat: auto, none, required or a tool's name")
     load = ap.add_argument_group("load")
     load.add_argument("--request-rate", type=_rate, default=float("inf"), help="requests/s (inf: all at once)")
     load.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape of arrival gaps; 1 is Poisson")
@@ -75,6 +90,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--range-ratio must be in [0, 1)")
     if args.seed < 0 or args.num_warmups < 0:
         ap.error("--seed and --num-warmups must not be negative")
+    if not 0.0 <= args.json_schema_ratio <= 1.0:
+        ap.error("--json-schema-ratio must be in [0, 1]")
+    if args.tool and args.api != "chat":
+        ap.error("--tool needs --api chat")
+    try:
+        args.json_schema = _text_or_file(args.json_schema) or datasets.DEFAULT_JSON_SCHEMA
+        json.loads(args.json_schema)
+        args.tools = [_tool(t) for t in args.tool]
+    except (OSError, ValueError, KeyError) as exc:
+        ap.error(f"--json-schema or --tool: {exc}")
     try:
         args.slos = parse_slos(args.goodput)
     except ValueError as exc:
@@ -82,7 +107,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build_prompts(args: argparse.Namespace, info: pb.ModelInfo, rng: np.random.Generator, count: int) -> list[datasets.Prompt]:
+def _text_or_file(value: str | None) -> str | None:
+    return pathlib.Path(value[1:]).read_text() if value and value.startswith("@") else value
+
+
+def _tool(value: str) -> pb.Tool:
+    spec = json.loads(_text_or_file(value))
+    spec = spec.get("function", spec)
+    return pb.Tool(name=spec["name"], description=spec.get("description", ""),
+                   parameters_json=json.dumps(spec["parameters"]) if "parameters" in spec else "")
+
+
+def build_prompts(args: argparse.Namespace, info: pb.ModelInfo, rng: np.random.Generator, count: int,
+                  schema_rng: np.random.Generator | None = None) -> list[datasets.Prompt]:
+    prompts = _dataset(args, info, rng, count)
+    if args.json_schema_ratio:
+        prompts = datasets.with_json_schema(schema_rng or rng, prompts, args.json_schema_ratio, args.json_schema)
+    return prompts
+
+
+def _dataset(args: argparse.Namespace, info: pb.ModelInfo, rng: np.random.Generator, count: int) -> list[datasets.Prompt]:
     if args.dataset == "jsonl":
         return datasets.jsonl_prompts(
             rng, count, args.dataset_path, default_max_tokens=args.output_len, ignore_eos=args.ignore_eos
@@ -103,7 +147,9 @@ def build_prompts(args: argparse.Namespace, info: pb.ModelInfo, rng: np.random.G
 
 
 def _settings(args: argparse.Namespace, info: pb.ModelInfo) -> dict:
-    given = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items() if k != "token"}
+    given = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()
+             if k not in ("token", "tools")}
+    given["tools"] = [t.name for t in args.tools]
     model = {"model": info.model, "vocab_size": info.vocab_size, "max_model_len": info.max_model_len,
              "block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks}
     return {**given, "server": model}
@@ -120,7 +166,8 @@ async def run_load_test(args: argparse.Namespace) -> int:
     session = uuid.uuid4().hex[:8]  # request ids stay unique when several load tests share a server
     show_progress = not args.disable_tqdm
     async with open_channel(args.target, args.tls_ca) as channel:
-        client = LoadClient(channel, timeout_s=args.timeout, token=args.token)
+        client = LoadClient(channel, timeout_s=args.timeout, token=args.token, api=args.api, tools=args.tools,
+                            tool_choice=args.tool_choice)
         try:
             info = await client.model_info()
         except grpc.aio.AioRpcError as exc:
@@ -130,10 +177,17 @@ async def run_load_test(args: argparse.Namespace) -> int:
             warmups = build_prompts(args, info, np.random.default_rng([args.seed, _WARMUP_STREAM]), args.num_warmups)
             # Each rate of a sweep gets fresh prompts from the same distribution: reusing them would
             # let later rates hit the prefix cache the earlier ones filled.
-            runs = [build_prompts(args, info, np.random.default_rng([args.seed, _PROMPT_STREAM, i]), args.num_prompts)
+            runs = [build_prompts(args, info, np.random.default_rng([args.seed, _PROMPT_STREAM, i]), args.num_prompts,
+                                  np.random.default_rng([args.seed, _SCHEMA_STREAM, i]))
                     for i in range(len(rates))]
+            if args.api == "chat":
+                warmups = await client.as_text(warmups)
+                runs = [await client.as_text(prompts) for prompts in runs]
         except ValueError as exc:
             print(f"cannot build the dataset: {exc}", file=sys.stderr)
+            return 2
+        except grpc.aio.AioRpcError as exc:
+            print(f"Detokenize on {args.target} failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 2
         if warmups:
             failed = sum(not r.ok for r in await client.send_all_at_once(warmups, f"lt-{session}-warmup"))

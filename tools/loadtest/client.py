@@ -1,8 +1,12 @@
-"""Sends prompts through the public Generate stream over grpc.aio and times every message."""
+"""Sends prompts through the public Generate (or Chat) stream over grpc.aio and times every message.
+
+With the chat API each prompt is one user message (token-id prompts are turned into text with the
+server's Detokenize first), rendered by the model's chat template, with the load test's tools."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import grpc
@@ -20,22 +24,51 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def build_request(prompt: Prompt, request_id: str) -> pb.GenerateRequest:
+def _sampling(prompt: Prompt) -> pb.SamplingParams:
     sampling = pb.SamplingParams(ignore_eos=prompt.ignore_eos)
     if prompt.max_tokens is not None:
         sampling.max_tokens = prompt.max_tokens
+    if prompt.json_schema is not None:
+        sampling.json_schema = prompt.json_schema
+    return sampling
+
+
+def build_request(prompt: Prompt, request_id: str) -> pb.GenerateRequest:
+    sampling = _sampling(prompt)
     if prompt.token_ids is not None:
         return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt.token_ids), sampling=sampling)
     return pb.GenerateRequest(request_id=request_id, text=prompt.text, sampling=sampling)
 
 
-class LoadClient:
-    """Sends requests on one channel; every call carries the same auth metadata and deadline."""
+def build_chat_request(prompt: Prompt, request_id: str, tools: list[pb.Tool], tool_choice: str) -> pb.ChatRequest:
+    if prompt.text is None:
+        raise ValueError("a chat request needs a text prompt (LoadClient.as_text turns token ids into text)")
+    return pb.ChatRequest(request_id=request_id, messages=[pb.ChatMessage(role="user", content=prompt.text)],
+                          tools=tools, tool_choice=tool_choice, sampling=_sampling(prompt))
 
-    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float | None, token: str | None):
+
+class LoadClient:
+    """Sends requests on one channel; every call carries the same auth metadata and deadline.
+    `api` is "generate" or "chat" (then with `tools` and `tool_choice`)."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float | None, token: str | None,
+                 api: str = "generate", tools: list[pb.Tool] = (), tool_choice: str = "auto"):
+        if api not in ("generate", "chat"):
+            raise ValueError(f"api must be generate or chat, got {api!r}")
         self._stub = GenerationStub(channel)
         self._timeout_s = timeout_s
         self._metadata = auth_metadata(token)
+        self.api, self._tools, self._tool_choice = api, list(tools), tool_choice
+
+    async def as_text(self, prompts: list[Prompt]) -> list[Prompt]:
+        """Token-id prompts turned into their text by the server's Detokenize (for the chat API)."""
+        async def one(prompt: Prompt) -> Prompt:
+            if prompt.text is not None:
+                return prompt
+            reply = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=prompt.token_ids, skip_special_tokens=True),
+                                                metadata=self._metadata, timeout=self._timeout_s or 30.0)
+            return dataclasses.replace(prompt, token_ids=None, text=reply.text)
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
 
     async def model_info(self) -> pb.ModelInfo:
         # A deadline even without --timeout, so a wrong --target fails fast instead of hanging.
@@ -49,7 +82,12 @@ class LoadClient:
         record = RequestRecord(request_id, start_s=sent - run_start, requested_tokens=prompt.max_tokens)
         finish_reason = pb.FINISH_REASON_UNSPECIFIED
         try:
-            call = self._stub.Generate(build_request(prompt, request_id), metadata=self._metadata, timeout=self._timeout_s)
+            if self.api == "chat":
+                call = self._stub.Chat(build_chat_request(prompt, request_id, self._tools, self._tool_choice),
+                                       metadata=self._metadata, timeout=self._timeout_s)
+            else:
+                call = self._stub.Generate(build_request(prompt, request_id), metadata=self._metadata,
+                                           timeout=self._timeout_s)
             async for message in call:
                 record.observe_message(time.perf_counter() - sent, len(message.token_ids))
                 if message.HasField("usage"):

@@ -1,6 +1,8 @@
-"""The prompts a load test sends: random token ids, shared-prefix groups, or a user's JSONL file."""
+"""The prompts a load test sends: random token ids, shared-prefix groups, or a user's JSONL file,
+and what shapes their outputs (a JSON schema on a seeded share of them)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -18,11 +20,27 @@ class Prompt:
     text: str | None = None
     # Synthetic datasets set it so the requested output length always holds.
     ignore_eos: bool = False
+    json_schema: str | None = None   # structured output: the text must validate against it
 
     @property
     def num_prompt_tokens(self) -> int | None:
         """Known locally for token-id prompts; text prompts are counted by the server."""
         return None if self.token_ids is None else len(self.token_ids)
+
+
+# What a load test constrains by default (--json-schema-ratio): records whose strings and item
+# counts are bounded, so the grammar stays open for hundreds of tokens and every output token is
+# sampled under its mask (with ignore_eos, the tokens past a completed document are EOS).
+DEFAULT_JSON_SCHEMA = json.dumps({
+    "type": "array", "minItems": 1, "maxItems": 256,
+    "items": {"type": "object", "required": ["id", "name", "tags", "score", "ok"], "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "name": {"type": "string", "maxLength": 24},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue", "naïve", "東京"]}, "maxItems": 4},
+        "score": {"type": "number", "minimum": -100, "maximum": 100},
+        "ok": {"type": "boolean"},
+    }},
+})
 
 
 def sample_lengths(rng: np.random.Generator, mean_len: int, range_ratio: float, count: int) -> np.ndarray:
@@ -97,3 +115,11 @@ def jsonl_prompts(
         raise ValueError(f"{path} holds no prompts")
     order = rng.permutation(len(entries))
     return [entries[order[i % len(entries)]] for i in range(count)]
+
+
+def with_json_schema(rng: np.random.Generator, prompts: list[Prompt], ratio: float, schema: str) -> list[Prompt]:
+    """The prompts, a seeded share `ratio` of them constrained by `schema`."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"the JSON schema ratio must be in [0, 1], got {ratio}")
+    chosen = rng.random(len(prompts)) < ratio
+    return [dataclasses.replace(p, json_schema=schema) if c else p for p, c in zip(prompts, chosen)]

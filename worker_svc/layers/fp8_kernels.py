@@ -29,8 +29,10 @@ def _token_group_quant_kernel(
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (groups < num_groups)[:, None]
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    # Correctly rounded divisions (Triton's `/` is the GPU's approximate one): the scales and
+    # values are then exactly torch's, bit for bit.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
 

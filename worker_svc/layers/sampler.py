@@ -1,7 +1,9 @@
 """Turns each sampling request's logits row into one token (and its logprob).
 
 Order of processing, as transformers applies it: penalties, temperature, top-k, top-p, min-p,
-then a draw. Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which needs only
+then a draw. A sampled token's logprob is of the logits as given, before any of that processing
+(vLLM's default, raw logprobs), so it agrees with the top logprobs (worker_svc/layers/logprobs.py)
+and does not depend on how the token was drawn. Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which needs only
 one vector of noise per row: for a seeded request that vector comes from a generator seeded by
 (seed, index of the output token being sampled), so its tokens depend on nothing else — not on
 the batch it shares, nor on preemption and re-admission. Unseeded requests share the worker's
@@ -34,6 +36,8 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool = False
+    top_logprobs: int = 0             # the runner computes these (layers/logprobs.py)
+    prompt_logprobs: bool = False     # the runner scores the prompt
 
     def validate(self) -> None:
         problems = [
@@ -101,9 +105,7 @@ class SamplingMetadata:
     repetition: torch.Tensor | None
     presence: torch.Tensor | None
     frequency: torch.Tensor | None
-    greedy_asked: torch.Tensor | None          # greedy rows that want logprobs
-    drawn_asked: torch.Tensor | None           # drawing rows that want logprobs (batch rows)
-    drawn_asked_in_drawing: torch.Tensor | None  # the same, as positions among drawing rows
+    logprob_rows: torch.Tensor | None          # rows that want their token's logprob
     logprobs: bool                             # any row asked
 
     @classmethod
@@ -126,9 +128,7 @@ class SamplingMetadata:
                 min_p = _column([o.min_p for o in drawn], device).squeeze(1)
         seeded = [(j, o.seed) for j, o in enumerate(drawn) if o.seed is not None]
         penalized = [i for i, row in enumerate(penalty_rows) if row is not None]
-        greedy_asked = [i for i, o in enumerate(options) if o.logprobs and o.greedy]
-        drawn_asked = [i for i in drawing if options[i].logprobs]
-        position = {i: j for j, i in enumerate(drawing)}
+        asked = [i for i, o in enumerate(options) if o.logprobs]
         return cls(
             num_rows=n,
             greedy=not drawing,
@@ -142,10 +142,8 @@ class SamplingMetadata:
             repetition=_column([options[i].repetition_penalty for i in penalized], device) if penalized else None,
             presence=_column([options[i].presence_penalty for i in penalized], device) if penalized else None,
             frequency=_column([options[i].frequency_penalty for i in penalized], device) if penalized else None,
-            greedy_asked=_index(greedy_asked, device) if greedy_asked else None,
-            drawn_asked=_index(drawn_asked, device) if drawn_asked else None,
-            drawn_asked_in_drawing=_index([position[i] for i in drawn_asked], device) if drawn_asked else None,
-            logprobs=bool(greedy_asked or drawn_asked),
+            logprob_rows=_index(asked, device) if asked else None,
+            logprobs=bool(asked),
         )
 
 
@@ -180,20 +178,19 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
                seeded_output_indices: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [meta.num_rows, vocab] (any float dtype) -> (token ids int64, logprobs float32
-        with 0 where not asked, or None when no row asked), both on the device: nothing here
-        waits for the device. seeded_output_indices: the output index each of meta.seeded is
+        """logits [meta.num_rows, vocab] (any float dtype; not modified) -> (token ids int64,
+        logprobs float32 of the logits as given, 0 where not asked, or None when no row asked),
+        both on the device: nothing here waits for the device. seeded_output_indices: the output index each of meta.seeded is
         sampling. Counts the sampled tokens into the rows' penalty state. Greedy rows cost one
         argmax (over the logits as given: the same token as in float32); only the rows that draw
         go through temperature, truncation and the race."""
-        raw = logits   # greedy logprobs are those of the raw model distribution
+        raw = logits   # logprobs are those of the raw model distribution
         if meta.penalized_index is not None:
             logits = logits.to(torch.float32, copy=True)
             self.penalties.apply(logits, meta.penalized_index, meta.penalty_rows,
                                  meta.repetition, meta.presence, meta.frequency)
             logits = with_unusable_rows_raw(logits, raw)   # a penalty made a row non-finite: skip it
         token_ids = logits.argmax(-1) if len(meta.drawing) < meta.num_rows else None
-        processed = None
         if meta.drawing:
             index = meta.drawing_index
             processed = self._process(logits if index is None else logits[index], meta)
@@ -208,15 +205,9 @@ class Sampler:
         if not meta.logprobs:
             return token_ids, None
         logprobs = torch.zeros(meta.num_rows, dtype=torch.float32, device=logits.device)
-        if meta.greedy_asked is not None:
-            chosen = token_ids[meta.greedy_asked].unsqueeze(1)
-            values = raw[meta.greedy_asked].float().log_softmax(-1).gather(1, chosen).squeeze(1)
-            logprobs.index_copy_(0, meta.greedy_asked, values)
-        if meta.drawn_asked is not None:
-            processed = with_unusable_rows_raw(processed, raw_drawing)
-            chosen = token_ids[meta.drawn_asked].unsqueeze(1)
-            values = processed[meta.drawn_asked_in_drawing].float().log_softmax(-1).gather(1, chosen).squeeze(1)
-            logprobs.index_copy_(0, meta.drawn_asked, values)
+        rows = meta.logprob_rows
+        chosen = token_ids[rows].unsqueeze(1)
+        logprobs.index_copy_(0, rows, raw[rows].float().log_softmax(-1).gather(1, chosen).squeeze(1))
         return token_ids, logprobs
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

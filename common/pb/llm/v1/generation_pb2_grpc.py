@@ -39,6 +39,21 @@ class GenerationStub:
                 request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/llm.v1.Generation/Chat',
+                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
+                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/llm.v1.Generation/Tokenize',
+                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/llm.v1.Generation/Detokenize',
+                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/llm.v1.Generation/Abort',
                 request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
@@ -58,6 +73,27 @@ class GenerationServicer:
         """Streams the generated tokens of one request. The first message comes as soon as the
         first token is sampled; the last message carries finish_reason and usage.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """A chat turn: the messages (and tools) rendered by the model's own chat template, the output
+        split into reasoning, text and tool calls. Streams like Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """The model's tokenizer, as Generate applies it to a text prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -82,6 +118,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatRequest.FromString,
+                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -121,6 +172,87 @@ class Generation:
             '/llm.v1.Generation/Generate',
             common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llm.v1.Generation/Chat',
+            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
+            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llm.v1.Generation/Tokenize',
+            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llm.v1.Generation/Detokenize',
+            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
