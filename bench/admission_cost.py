@@ -34,7 +34,8 @@ def _text(num_bytes: int) -> str:
 
 
 async def _measure(tokenizer, num_bytes: int, repeats: int, pool: AdmissionPool) -> dict:
-    request = generation_pb2.GenerateRequest(text=_text(num_bytes), sampling=generation_pb2.SamplingParams(max_tokens=8))
+    request = generation_pb2.GenerateRequest(text=_text(num_bytes),
+                                             sampling=generation_pb2.SamplingParams(max_tokens=8))
     admit = functools.partial(validate_request, request, vocab_size=1 << 20, max_model_len=1 << 22,
                               tokenize=functools.partial(tokenizer.encode, max_tokens=(1 << 22) - 1))
     row = {"bytes": num_bytes}
