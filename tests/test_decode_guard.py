@@ -63,8 +63,8 @@ for _name, _handler in HANDLERS.items():
 
 async def _serve(test):
     """Runs `test(channel, health_servicer)` against a guarded server holding HANDLERS and grpc.health.v1."""
-    server = grpc.aio.server(interceptors=[DecodeGuardInterceptor()],
-                             migration_thread_pool=ThreadPoolExecutor(2))   # runs the plain functions
+    pool = ThreadPoolExecutor(2, thread_name_prefix="guard-test")   # runs the plain functions
+    server = grpc.aio.server(interceptors=[DecodeGuardInterceptor()], migration_thread_pool=pool)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Guarded", HANDLERS)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -75,6 +75,10 @@ async def _serve(test):
             await test(channel, health_servicer)
     finally:
         await server.stop(None)
+        # A plain function's thread hands its writes to this loop and waits for them; the pool
+        # drains while the loop still runs, else a thread waits forever on a closed loop and
+        # the interpreter's exit, which joins it, never ends.
+        await asyncio.wait_for(asyncio.to_thread(pool.shutdown, wait=True), timeout=10)
 
 
 def _call(channel, method: str):
