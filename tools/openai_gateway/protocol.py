@@ -35,6 +35,15 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: one constraint beyond response_format's JSON."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")   # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None          # the output is exactly one of these strings
+    grammar: str | None = None               # EBNF as xgrammar reads it (root ::= ...)
+    json_object: bool | None = None
+
+
 class _Sampling(_Strict):
     """What both endpoints share."""
     model: str | None = None                 # unset: the served model
@@ -61,6 +70,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None              # lower is served first
+    structured_outputs: StructuredOutputs | None = None
     request_id: str | None = None            # the id the scheduler logs it under (unset: a fresh one)
 
 

@@ -10,12 +10,13 @@ left out of the text.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from common.client import SamplingParams
 from tools.openai_gateway.errors import bad_param, unsupported
-from tools.openai_gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from tools.openai_gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
 MAX_SEED = 2 ** 64                   # llm.v1 seeds are uint64
@@ -47,6 +48,10 @@ def _common_options(req: _Sampling) -> dict[str, Any]:
 
 def _response_format(req: _Sampling) -> dict[str, Any]:
     fmt = req.response_format
+    if req.structured_outputs is not None:
+        if fmt is not None and fmt.type != "text":
+            raise bad_param("structured_outputs", "set response_format or structured_outputs, not both")
+        return _structured_outputs(req.structured_outputs)
     if fmt is None or fmt.type == "text":
         if fmt is not None and fmt.json_schema is not None:
             raise bad_param("response_format.json_schema", 'response_format.json_schema needs type "json_schema"')
@@ -57,6 +62,25 @@ def _response_format(req: _Sampling) -> dict[str, Any]:
         raise bad_param("response_format.json_schema.schema",
                         'response_format of type "json_schema" needs json_schema.schema (a JSON schema object)')
     return {"json_schema": fmt.json_schema.schema_}
+
+
+# The characters with a meaning in a regex outside a class (xgrammar reads ECMAScript's syntax);
+# re.escape also escapes spaces and "-", which need not be escaped there.
+_REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}/]")
+
+
+def _structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
+    given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                               ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None}
+    if len(given) != 1:
+        raise bad_param("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                                              f"json_object; got {sorted(given) or 'none'}")
+    (kind, value), = given.items()
+    if kind == "choice":
+        if not value:
+            raise bad_param("structured_outputs.choice", "structured_outputs.choice is empty")
+        return {"regex": "(" + "|".join(_REGEX_SPECIAL.sub(r"\\\g<0>", c) for c in value) + ")"}
+    return {"json_schema" if kind == "json" else kind: value}
 
 
 def _max_tokens(value: int | None, param: str) -> int | None:
