@@ -263,22 +263,34 @@ def test_errors_have_their_http_status_and_a_refused_stream_is_refused_before_it
     assert caught.value.code == "invalid_argument"
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_the_request(gateway, model, direct):
+def _running(direct) -> int:
+    return sum(g.num_running for g in direct.model_info().worker_groups)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_the_request(gateway, model, direct, stream):
     base, _ = gateway
     host, port = base.removeprefix("http://").split(":")
-    body = json.dumps({"model": model, "prompt": "Count:", "max_tokens": 3000, "ignore_eos": True, "stream": True,
-                       "request_id": "gateway-disconnect"}).encode()
+    request_id = f"gateway-disconnect-{stream}"
+    body = json.dumps({"model": model, "prompt": "Count:", "max_tokens": 3000, "ignore_eos": True, "stream": stream,
+                       "request_id": request_id}).encode()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        received = b""
-        while received.count(b"data: ") < 3:   # the stream is running
-            received += sock.recv(65536)
-        assert received.startswith(b"HTTP/1.1 200")
+        if stream:
+            received = b""
+            while received.count(b"data: ") < 3:   # the stream is running
+                received += sock.recv(65536)
+            assert received.startswith(b"HTTP/1.1 200")
+        else:
+            deadline = time.monotonic() + 10
+            while _running(direct) == 0:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.05)
     # 3000 tokens take the tiny model far longer than this: the request is gone because it was cancelled.
     deadline = time.monotonic() + 10
-    while sum(g.num_running for g in direct.model_info().worker_groups) > 0:
+    while _running(direct) > 0:
         assert time.monotonic() < deadline, "the request still runs after its client left"
         time.sleep(0.1)
-    assert not direct.abort("gateway-disconnect")   # the scheduler no longer knows it
+    assert not direct.abort(request_id)   # the scheduler no longer knows it

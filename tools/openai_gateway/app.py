@@ -149,7 +149,7 @@ def _stream_failure(exc: Exception) -> str:
 
 # ---- /v1/completions ----------------------------------------------------------------------------
 
-async def completions(gateway: Gateway, req: CompletionRequest):
+async def completions(gateway: Gateway, req: CompletionRequest, request: Request):
     sampling = completion_sampling(req)
     prompts = completion_prompts(req)
     model = await gateway.check_model(req.model)
@@ -163,8 +163,8 @@ async def completions(gateway: Gateway, req: CompletionRequest):
             items = await _opened(outputs.merge(streams))
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(_completion_events(gateway, items, base, n, bool(sampling.logprobs), include_usage))
-        results: list[Completion] = await _gather(
-            [gateway.client.generate(p, sampling, request_id=r) for p, r in zip(prompts, rids)])
+        results: list[Completion] = await _unless_disconnected(request, _gather(
+            [gateway.client.generate(p, sampling, request_id=r) for p, r in zip(prompts, rids)]))
     usage = outputs.UsageTotal()
     choices = []
     for p, result in enumerate(results):
@@ -211,7 +211,7 @@ async def _completion_events(gateway: Gateway, items: AsyncIterator[tuple[int, C
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
 
-async def chat_completions(gateway: Gateway, req: ChatCompletionRequest):
+async def chat_completions(gateway: Gateway, req: ChatCompletionRequest, request: Request):
     call = chat_call(req)
     model = await gateway.check_model(req.model)
     rid = req.request_id or uuid.uuid4().hex
@@ -225,7 +225,8 @@ async def chat_completions(gateway: Gateway, req: ChatCompletionRequest):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(_chat_events(gateway, items, {**base, "object": "chat.completion.chunk"},
                                             logprobs, include_usage))
-        result: ChatCompletion = await gateway.client.chat(call.messages, call.sampling, **kwargs)
+        result: ChatCompletion = await _unless_disconnected(
+            request, gateway.client.chat(call.messages, call.sampling, **kwargs))
     usage = outputs.UsageTotal()
     choices = []
     for sample in result.samples or [result]:
@@ -285,6 +286,34 @@ async def _chat_events(gateway: Gateway, items: AsyncIterator[tuple[int, ChatChu
     yield outputs.DONE
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its (unstreamed) answer was ready."""
+
+
+async def _unless_disconnected(request: Request, call):
+    """Awaits `call` (a coroutine) unless the client disconnects first, which cancels it (and so
+    its gRPC calls: a client that gave up on a long unstreamed completion frees its KV blocks).
+    The body has been read, so the next ASGI message can only be http.disconnect."""
+    task = asyncio.ensure_future(call)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
 async def _gather(calls: list) -> list:
     """Runs the calls concurrently; the first failure cancels the others (and their gRPC calls)."""
     if len(calls) == 1:
@@ -298,6 +327,28 @@ async def _gather(calls: list) -> list:
 
 
 # ---- the application ----------------------------------------------------------------------------
+
+class ApiKeyCheck:
+    """Refuses /v1/* without `Authorization: Bearer KEY` of a configured key (401, OpenAI's body).
+    A plain ASGI middleware: Starlette's BaseHTTPMiddleware would stand between the routes and
+    the client's disconnect, which cancels the gRPC calls."""
+
+    def __init__(self, app, keys: Sequence[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, _, key = header.partition(b" ")
+            # compare_digest against every key: the time taken says nothing about any of them.
+            matches = [hmac.compare_digest(key.strip(), k) for k in self.keys]
+            if scheme.lower() != b"bearer" or not any(matches):
+                body = error_body(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
 
 def _validation_error(exc: RequestValidationError) -> GatewayError:
     """pydantic's complaint about a request body as one 400 naming the first field at fault."""
@@ -336,17 +387,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await state.pop("gateway").close()
 
     app = FastAPI(title="qwen3-serve OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    keys = [k.encode() for k in config.api_keys]
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if keys and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            scheme, _, key = header.partition(" ")
-            if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip().encode(), k) for k in keys):
-                body = error_body(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
-                return JSONResponse(body, status_code=401)
-        return await call_next(request)
+    if config.api_keys:
+        app.add_middleware(ApiKeyCheck, keys=config.api_keys)
 
     @app.exception_handler(GatewayError)
     async def on_gateway_error(_request: Request, exc: GatewayError):
@@ -369,6 +411,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(_request: Request, _exc: ClientGone):
+        return JSONResponse(error_body(499, "the client closed the request", code="cancelled"), status_code=499)
+
     @app.exception_handler(Exception)
     async def on_unexpected(_request: Request, exc: Exception):
         log.exception("request failed")
@@ -376,12 +422,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
                             status_code=500)
 
     @app.post("/v1/completions")
-    async def post_completions(req: CompletionRequest):
-        return await completions(state["gateway"], req)
+    async def post_completions(req: CompletionRequest, request: Request):
+        return await completions(state["gateway"], req, request)
 
     @app.post("/v1/chat/completions")
-    async def post_chat_completions(req: ChatCompletionRequest):
-        return await chat_completions(state["gateway"], req)
+    async def post_chat_completions(req: ChatCompletionRequest, request: Request):
+        return await chat_completions(state["gateway"], req, request)
 
     async def model_card() -> dict[str, Any]:
         gateway = state["gateway"]
