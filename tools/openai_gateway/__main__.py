@@ -27,7 +27,7 @@ def _read_keys(args) -> list[str]:
     return [k.strip() for k in keys]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="qwen3-serve gateway", description=__doc__, env_prefix="QWEN3_SERVE_GATEWAY_")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--scheduler-tls-cert", default=None, help="client certificate, for a scheduler that requires mTLS")
     up.add_argument("--scheduler-tls-key", default=None, help="private key of --scheduler-tls-cert")
     add_logging_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
