@@ -105,7 +105,7 @@ def test_completions_n_samples_with_logprobs_equal_the_llm_v1_answer(client, mod
     assert [c.text for c in reply.choices] == [s.text for s in want.samples]
     assert all(c.finish_reason == "length" for c in reply.choices)
     for choice, sample in zip(reply.choices, want.samples):
-        assert choice.logprobs.token_logprobs == pytest.approx(sample.logprobs)
+        assert choice.logprobs.token_logprobs == pytest.approx(sample.logprobs, abs=1e-4)
         assert len(choice.logprobs.tokens) == len(choice.logprobs.top_logprobs) == 6
         assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
         assert choice.logprobs.text_offset[0] == 0
