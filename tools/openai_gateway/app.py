@@ -356,8 +356,8 @@ def _validation_error(exc: RequestValidationError) -> GatewayError:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
-        return GatewayError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
-                            None, "invalid_json")
+        why = first.get("ctx", {}).get("error", "")
+        return GatewayError(400, f"the request body is not valid JSON: {why}".rstrip(": "), None, "invalid_json")
     # Unions report every alternative's path (messages.0.content.str); keep the field's own path.
     param = ""
     for part in loc:
