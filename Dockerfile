@@ -1,5 +1,5 @@
-# The CPU image of the service: one image runs the scheduler, a worker, the model writer and
-# the load test (docker/entrypoint.sh picks by its first argument). See docs/DOCKER.md.
+# The CPU image of the service: one image runs the scheduler, a worker, the model writer, the
+# OpenAI-compatible gateway and the load test (docker/entrypoint.sh picks by its first argument). See docs/DOCKER.md.
 #
 # Two stages, so that what only the build needs (extra CA certificates, a local wheelhouse,
 # pip's work files) never reaches the image the services run in.
@@ -44,6 +44,6 @@ COPY docker/entrypoint.sh docker/entrypoint.sh
 # The code is read-only for the service user, so compile it once here instead of at each start.
 RUN python -m compileall -q common worker_svc scheduler_svc tools
 USER llm
-EXPOSE 50051 50061
+EXPOSE 50051 50061 8000
 ENTRYPOINT ["/app/docker/entrypoint.sh"]
 CMD ["scheduler"]

@@ -15,8 +15,8 @@
   cancels the call, which aborts the request on the server and frees its KV-cache blocks;
 - `chat(messages, tools=..., tool_choice=...)` and `stream_chat(...)`: a chat turn rendered by the
   model's chat template, its output split into `text`, `reasoning` and `tool_calls`;
-- `tokenize(text)`, `detokenize(token_ids)`, `model_info()`, `abort(request_id)` and
-  `wait_ready(timeout)` (polls grpc.health.v1).
+- `tokenize(text)`, `detokenize(token_ids)`, `model_info()`, `abort(request_id)`, `health()`
+  (one grpc.health.v1 check) and `wait_ready(timeout)` (polls grpc.health.v1).
 
 A prompt is a string (tokenized by the server) or a sequence of token ids. Sampling options are
 keyword arguments named as `SamplingParams`' fields, or a `SamplingParams` given as `sampling=`
@@ -207,6 +207,8 @@ class ChatChunk:
     usage: Usage | None
     index: int = 0
     matched_stop: str | None = None
+    logprobs: list[float] | None = None   # one per token id (reasoning and tool-call tokens too), when requested
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,8 @@ class ChatCompletion:
     usage: Usage
     index: int = 0
     samples: list["ChatCompletion"] = field(default_factory=list)
+    logprobs: list[float] | None = None   # one per token id, when requested
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -336,12 +340,12 @@ class _Sample:
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
         self.matched_stop = chunk.matched_stop or self.matched_stop
+        self.logprobs += chunk.logprobs or ()
+        self.top_logprobs += chunk.top_logprobs or ()
         if isinstance(chunk, ChatChunk):
             self.reasoning.append(chunk.reasoning)
             self.tool_calls += chunk.tool_calls
             return
-        self.logprobs += chunk.logprobs or ()
-        self.top_logprobs += chunk.top_logprobs or ()
         if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs, self.prompt_top_logprobs = chunk.prompt_logprobs, chunk.prompt_top_logprobs
 
@@ -376,12 +380,14 @@ class _Accumulator:
         return dataclasses.replace(done[0], samples=done) if len(done) > 1 else done[0]
 
     def chat_completion(self) -> ChatCompletion:
+        p = self.params
         done = []
         for index in sorted(self.samples):
             s = self.samples[index]
             reason, usage = s.check()
             done.append(ChatCompletion(s.request_id, "".join(s.text), "".join(s.reasoning), s.tool_calls, s.token_ids,
-                                       reason, usage, index))
+                                       reason, usage, index, logprobs=s.logprobs if p.logprobs or p.top_logprobs else None,
+                                       top_logprobs=s.top_logprobs if p.top_logprobs else None))
         if not done:
             raise RequestError("INTERNAL", "the stream ended without a message")
         return dataclasses.replace(done[0], samples=done) if len(done) > 1 else done[0]
@@ -417,15 +423,18 @@ def _chat_request(messages: Sequence[ChatMessage], tools: Sequence[Tool | dict[s
     return request
 
 
-def _chat_chunk_from_proto(message: pb.ChatResponse) -> ChatChunk:
+def _chat_chunk_from_proto(message: pb.ChatResponse, params: SamplingParams) -> ChatChunk:
     finished = message.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    want_top = bool(params.top_logprobs)
     return ChatChunk(
         request_id=message.request_id, text=message.text, reasoning=message.reasoning_text,
         tool_calls=[ToolCall(c.id, c.name, json.loads(c.arguments_json)) for c in message.tool_calls],
         token_ids=list(message.token_ids),
         finish_reason=_FINISH_REASONS.get(message.finish_reason) if finished else None,
         usage=_usage_from_proto(message.usage) if message.HasField("usage") else None,
-        index=message.index, matched_stop=message.matched_stop or None if finished else None)
+        index=message.index, matched_stop=message.matched_stop or None if finished else None,
+        logprobs=list(message.logprobs) if params.logprobs or want_top else None,
+        top_logprobs=_tops(message.top_logprobs) if want_top else None)
 
 
 def _model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
@@ -561,11 +570,12 @@ class Client:
                     enable_thinking: bool | None = None, request_id: str = "", timeout: float | None = _UNSET,
                     **options: Unpack[SamplingOptions]) -> Iterator[ChatChunk]:
         """Yields a chat turn's chunks as they come; stop iterating to cancel it."""
-        request = _chat_request(messages, tools, tool_choice, enable_thinking, _sampling(sampling, options), request_id)
+        params = _sampling(sampling, options)
+        request = _chat_request(messages, tools, tool_choice, enable_thinking, params, request_id)
         call = self._stub.Chat(request, timeout=self._timeout(timeout), metadata=self._settings.metadata)
         try:
             for message in call:
-                yield _chat_chunk_from_proto(message)
+                yield _chat_chunk_from_proto(message, params)
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
         finally:
@@ -607,6 +617,16 @@ class Client:
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
         return _model_info_from_proto(reply)
+
+    def health(self, service: str = "", *, timeout: float | None = _UNSET) -> str:
+        """The server's grpc.health.v1 answer for `service` ("" is the whole server): SERVING,
+        NOT_SERVING or SERVICE_UNKNOWN. Raises RequestError when it cannot be asked."""
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout))
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Returns once the server reports SERVING on grpc.health.v1; raises RequestError
@@ -702,11 +722,12 @@ class AsyncClient:
                           enable_thinking: bool | None = None, request_id: str = "", timeout: float | None = _UNSET,
                           **options: Unpack[SamplingOptions]) -> AsyncIterator[ChatChunk]:
         """Yields a chat turn's chunks as they come; leave the `async for` to cancel it."""
-        request = _chat_request(messages, tools, tool_choice, enable_thinking, _sampling(sampling, options), request_id)
+        params = _sampling(sampling, options)
+        request = _chat_request(messages, tools, tool_choice, enable_thinking, params, request_id)
         call = self._stub.Chat(request, timeout=self._timeout(timeout), metadata=self._settings.metadata)
         try:
             async for message in call:
-                yield _chat_chunk_from_proto(message)
+                yield _chat_chunk_from_proto(message, params)
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
         finally:
@@ -747,6 +768,15 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
         return _model_info_from_proto(reply)
+
+    async def health(self, service: str = "", *, timeout: float | None = _UNSET) -> str:
+        """The server's grpc.health.v1 answer for `service`: SERVING, NOT_SERVING or SERVICE_UNKNOWN."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout))
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
         """Returns once the server reports SERVING on grpc.health.v1; raises RequestError after

@@ -4,6 +4,7 @@
 #   init-model   write the embedded tiny checkpoint into $MODEL_DIR unless a model is there
 #   worker       python -m worker_svc on :50061
 #   scheduler    python -m scheduler_svc on :50051, workers from $WORKERS
+#   gateway      python -m tools.openai_gateway (OpenAI-compatible HTTP) on :8000, to $SCHEDULER_TARGET
 #   anything     run as given (e.g. python -m tools.loadtest ...)
 # Arguments after the role are appended to its command line. Empty variables add no flag, so
 # the services' own defaults apply.
@@ -52,6 +53,12 @@ scheduler)
     flag max-num-batched-tokens "${MAX_NUM_BATCHED_TOKENS:-}"
     exec python -m scheduler_svc --model "$MODEL_DIR" --host 0.0.0.0 --port 50051 \
         --workers "${WORKERS:-dns:///worker:50061}" "${args[@]}" "$@"
+    ;;
+gateway)
+    # API keys: QWEN3_SERVE_GATEWAY_API_KEY (comma-separated) or a file of them, one a line.
+    flag api-key-file "${GATEWAY_API_KEY_FILE:-}"
+    exec python -m tools.openai_gateway --host 0.0.0.0 --port 8000 \
+        --target "${SCHEDULER_TARGET:-scheduler:50051}" "${args[@]}" "$@"
     ;;
 *)
     exec "$role" "$@"

@@ -216,3 +216,17 @@ def test_chat_tokenize_and_detokenize(client):
     assert again.usage.prompt_tokens > turn.usage.prompt_tokens
     ids = client.tokenize("Hello world")
     assert ids and client.detokenize(ids) == "Hello world"
+
+
+def test_chat_logprobs_cover_every_token_and_health_answers(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    turn = client.chat(messages, temperature=0, max_tokens=6, top_logprobs=2)
+    assert len(turn.logprobs) == len(turn.top_logprobs) == len(turn.token_ids) == turn.usage.completion_tokens
+    for logprob, (ids, values) in zip(turn.logprobs, turn.top_logprobs):
+        assert len(ids) == len(values) == 2 and logprob == pytest.approx(values[0])   # greedy: the top token
+    chunks = list(client.stream_chat(messages, temperature=0, max_tokens=6, logprobs=True))
+    # abs: the second turn finds the prompt in the prefix cache, a different sum order
+    assert [lp for c in chunks for lp in c.logprobs] == pytest.approx(turn.logprobs, abs=1e-4)
+    assert all(c.top_logprobs is None for c in chunks)
+    assert client.chat(messages, temperature=0, max_tokens=2).logprobs is None   # not asked for
+    assert client.health() == "SERVING"

@@ -324,3 +324,30 @@ def test_the_tls_scheduler_differs_from_the_plain_one_only_in_tls():
         container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "tls"]
         spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "tls"]
     assert plain == tls
+
+
+def test_the_optional_gateway_is_valid_and_its_command_line_accepted():
+    from tools.openai_gateway.__main__ import build_parser as gateway_parser
+
+    docs = build(K8S / "gateway")
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    secrets = {s["metadata"]["name"]: s for s in load(K8S / "secrets.example.yaml")}
+    [(_, pod, container, _)] = list(_containers(docs))
+    env = container_env(container, docs, {})
+    command = [expand(part, env) for part in container["command"] + container.get("args", [])]
+    assert command[:3] == ["python", "-m", "tools.openai_gateway"], command
+    args = parse_in_env(gateway_parser().parse_args, command[3:], env)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == args.port and args.host == "0.0.0.0"
+    assert args.api_key_file, "the gateway must require API keys"
+    for path in (args.api_key_file, args.scheduler_auth_token_file):
+        mounted_file(pod, container, path, docs, secrets)
+    [scheduler_service] = find(build(K8S), "Service", "qwen3-serve")
+    grpc_port = next(p["port"] for p in scheduler_service["spec"]["ports"] if p["name"] == "grpc")
+    assert args.target == f"{scheduler_service['metadata']['name']}:{grpc_port}"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["tcpSocket"]["port"] == "http"
+    [service] = find(docs, "Service")
+    assert selects(service["spec"]["selector"], pod["metadata"]["labels"])
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]

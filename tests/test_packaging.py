@@ -152,7 +152,7 @@ def test_the_wheel_holds_the_stubs_the_protos_and_the_command(installed):
         (REPO / "protos/llm/v1/generation.proto").read_text()
     listing = subprocess.run(["qwen3-serve", "--help"], cwd=run_dir, env=env, check=True, capture_output=True,
                              text=True).stdout
-    assert all(name in listing for name in ("scheduler", "worker", "generate", "loadtest", "write-tiny-model"))
+    assert all(name in listing for name in ("scheduler", "worker", "gateway", "generate", "loadtest", "write-tiny-model"))
 
 
 def test_services_from_the_console_script_answer_the_readme_snippet(installed, tmp_path):

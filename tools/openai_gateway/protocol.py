@@ -1,0 +1,146 @@
+"""The request bodies the gateway accepts: OpenAI's /v1/completions and /v1/chat/completions,
+plus the sampling extensions vLLM and SGLang users send (top_k, min_p, repetition_penalty, ...).
+
+Every model forbids fields it does not declare: an unknown parameter is a 400 naming it, never
+a silent drop. A declared field that the service cannot honour with a given value (logit_bias,
+echo, a non-text content part, ...) is refused in translate.py, which also names it. Value ranges
+that the scheduler checks itself (temperature, top_p, penalties, n, ...) are left to it, so there
+is one place that knows them; its refusal comes back as a 400 naming the parameter.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None        # one more chunk before [DONE], with the request's usage
+    continuous_usage_stats: bool | None = None   # vLLM's; refused when true
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None               # the output always validates: constrained decoding
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: one constraint beyond response_format's JSON."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")   # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None          # the output is exactly one of these strings
+    grammar: str | None = None               # EBNF as xgrammar reads it (root ::= ...)
+    json_object: bool | None = None
+
+
+class _Sampling(_Strict):
+    """What both endpoints share."""
+    model: str | None = None                 # unset: the served model
+    n: int | None = None                     # 1..16
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None   # refused unless empty
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # An end-user id for the caller's own abuse tracking (OpenAI's meaning): logged, not used.
+    user: str | None = None
+    # Extensions, named as vLLM and SGLang name them.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None              # lower is served first
+    structured_outputs: StructuredOutputs | None = None
+    request_id: str | None = None            # the id the scheduler logs it under (unset: a fresh one)
+
+
+class CompletionRequest(_Sampling):
+    # A text, a list of texts (a batch: choice index = prompt index * n + sample), token ids, or
+    # a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None              # 0..20: the sampled token's logprob and this many top ones
+    echo: bool | None = None                 # refused when true
+    best_of: int | None = None               # accepted when equal to n
+    suffix: str | None = None                # refused unless empty
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str                           # a JSON object, as text
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessageIn(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None   # a text or text parts
+    name: str | None = None                  # refused: the chat template has no place for it
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None     # an earlier assistant turn's reasoning (vLLM's name)
+    reasoning: str | None = None             # the same, under the newer name
+    # What an assistant message of a previous response carries, so that clients can send it back
+    # as they got it; refused when set to anything but null.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None   # OpenAI's newer name of max_tokens; wins when both are set
+    logprobs: bool | None = None
+    top_logprobs: int | None = None          # 0..20, with logprobs
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # The template's switches (vLLM and SGLang): {"enable_thinking": false} turns Qwen3's
+    # reasoning off. Other keys are refused.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None      # refused: Qwen3's switch is chat_template_kwargs.enable_thinking
