@@ -2,9 +2,9 @@
 # End-to-end check of `docker compose up` (issue 3), on a machine that reaches no container
 # registry: installs a Docker engine and the Compose v2 plugin from Debian's and PyPI's
 # packages, starts a private dockerd, builds the base image locally and the service image,
-# brings the compose project up, checks its answers against the same model served without
-# Docker, kills and restarts the worker during a request, scales to two workers, and tears
-# everything down.
+# brings the compose project up (with the optional gateway profile), checks its answers against
+# the same model served without Docker, kills and restarts the worker during a request, scales to
+# two workers, checks the OpenAI gateway, and tears everything down.
 # Everything it starts it stops; the last line says PASS or FAIL.
 #
 #   bash .ci/docker_e2e.sh
@@ -169,9 +169,10 @@ build_images
 
 step "start the reference services without Docker"
 start_reference
-step "docker compose up -d --wait"
+step "docker compose up -d --wait (with the optional OpenAI gateway)"
 SCHEDULER_PORT=$(free_port)
-export SCHEDULER_PORT
+GATEWAY_PORT=$(free_port)
+export SCHEDULER_PORT GATEWAY_PORT COMPOSE_PROFILES=gateway
 PROJECT_UP=1
 compose up -d --wait --no-build --pull never
 TARGET=127.0.0.1:$SCHEDULER_PORT
@@ -188,6 +189,9 @@ step "scale to two workers; the recreated scheduler finds both through DNS"
 compose up -d --wait --no-build --pull never --scale worker=2
 compose up -d --wait --no-build --pull never --no-deps --force-recreate scheduler
 "$PYTHON" -m tools.docker_smoke compare --target "$TARGET" --reference "$REFERENCE" --expect-groups 2
+
+step "the OpenAI gateway answers like the reference (after the scheduler's recreation)"
+"$PYTHON" -m tools.docker_smoke gateway --url "http://127.0.0.1:$GATEWAY_PORT" --reference "$REFERENCE"
 
 step "docker compose down -v"
 compose down -v --remove-orphans --timeout 20

@@ -14,6 +14,7 @@ to the reference's. Exits 0 when every check passes; prints one line per check.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shlex
 import subprocess
@@ -177,6 +178,53 @@ def failover(target: Service, reference: Service, kill_cmd: str, start_cmd: str,
     print(f"ok   serves again after recovery, identical to the reference ({got.summary()})")
 
 
+def _http(url: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def gateway(url: str, reference: Service, seed: int) -> None:
+    """The OpenAI-compatible gateway in front of the target: healthy, naming the model, and its
+    greedy completions (plain and streamed) equal to the reference's Generate text."""
+    info = reference.model_info()
+    wait_until(f"{url}/health to answer 200", lambda: _http(f"{url}/health", timeout_s=5)[0] == 200, 120)
+    status, body = _http(f"{url}/v1/models")
+    models = [m["id"] for m in json.loads(body)["data"]] if status == 200 else body
+    if models != [info.model]:
+        raise CheckFailed(f"/v1/models: {status} {models}, expected [{info.model!r}]")
+    print(f"ok   gateway healthy, /v1/models lists {info.model}")
+    rng = random.Random(seed)
+    prompts = ["Hello world! Once upon a time", " ".join(str(rng.randrange(1000)) for _ in range(rng.randint(3, 30)))]
+    for prompt in prompts:
+        want = reference.generate(pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, skip_special_tokens=True)))
+        request = {"model": info.model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        status, body = _http(f"{url}/v1/completions", request)
+        if status != 200:
+            raise CheckFailed(f"/v1/completions answered {status}: {body[:300]!r}")
+        text = json.loads(body)["choices"][0]["text"]
+        status, body = _http(f"{url}/v1/completions", {**request, "stream": True})
+        events = [line[len(b"data: "):] for line in body.split(b"\n") if line.startswith(b"data: ")]
+        if status != 200 or not events or events[-1] != b"[DONE]":
+            raise CheckFailed(f"streamed /v1/completions answered {status}: {body[:300]!r}")
+        streamed = "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+        if not (text == streamed == want.text):
+            raise CheckFailed(f"completion of {prompt!r} differs:\n  gateway   {text!r}\n  streamed  {streamed!r}\n"
+                              f"  reference {want.text!r}")
+        print(f"ok   gateway completion identical, plain and streamed ({len(text)} characters)")
+    status, body = _http(f"{url}/v1/completions", {"model": info.model, "prompt": "x", "temperature": -1})
+    if status != 400 or "temperature" not in body.decode():
+        raise CheckFailed(f"a negative temperature got {status} {body[:300]!r}, expected a 400 naming it")
+    print("ok   gateway refuses a bad parameter with a 400 naming it")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.docker_smoke", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,7 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     fo.add_argument("--start-cmd", required=True, help="starts it again, e.g. 'docker compose start worker'")
     fo.add_argument("--long-tokens", type=int, default=600, help="length of the request in flight during the kill")
     fo.add_argument("--recovery-timeout", type=float, default=180.0)
+    gw = sub.add_parser("gateway", help="checks the OpenAI-compatible gateway against the reference")
+    gw.add_argument("--url", required=True, help="the gateway's base URL, http://HOST:PORT")
+    gw.add_argument("--reference", required=True, help="the same model served without Docker, HOST:PORT")
+    gw.add_argument("--seed", type=int, default=None, help="prompt seed (default: fresh)")
     args = parser.parse_args(argv)
+    if args.command == "gateway":
+        try:
+            gateway(args.url.rstrip("/"), Service(args.reference),
+                    args.seed if args.seed is not None else random.randrange(2**31))
+        except CheckFailed as err:
+            print(f"FAIL {err}")
+            return 1
+        return 0
 
     target, reference = Service(args.target), Service(args.reference)
     try:
