@@ -21,6 +21,8 @@ base() {
     if [[ ! -d /tmp/base/grpc ]]; then
         $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/base .whl/base/*.whl || exit 1
         [[ -d .whl/xg ]] && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/base .whl/xg/*.whl
+        # xgrammar's runtime (apache-tvm-ffi), for the structured stage
+        [[ -d .whl/tvm ]] && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/base .whl/tvm/*.whl
     fi
     $PY -c "import grpc, google.protobuf, torch; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 }
