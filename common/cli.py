@@ -147,6 +147,26 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
                        help="json: one JSON object a line (ts, level, logger, msg, request_id, exc)")
 
 
+def add_client_security_arguments(parser: argparse.ArgumentParser, prefix: str, peer: str, title: str,
+                                  description: str) -> None:
+    """The flags by which a process proves itself to the servers it calls (`peer` names them in the
+    help): --{prefix}auth-token(-file) and --{prefix}tls-ca/-cert/-key. Check them after parsing
+    with check_client_security_arguments."""
+    group = parser.add_argument_group(title, description)
+    group.add_argument(f"--{prefix}auth-token", default=None, help=f"bearer token to send to {peer}")
+    group.add_argument(f"--{prefix}auth-token-file", default=None, help=f"file holding --{prefix}auth-token")
+    group.add_argument(f"--{prefix}tls-ca", default=None, help=f"reach {peer} over TLS, trusting this CA")
+    group.add_argument(f"--{prefix}tls-cert", default=None, help=f"client certificate, for {peer} requiring mTLS")
+    group.add_argument(f"--{prefix}tls-key", default=None, help=f"private key of --{prefix}tls-cert")
+
+
+def check_client_security_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> None:
+    """Refuses (parser.error) a client certificate without its key or the reverse."""
+    attr = prefix.replace("-", "_")
+    if bool(getattr(args, f"{attr}tls_cert")) != bool(getattr(args, f"{attr}tls_key")):
+        parser.error(f"--{prefix}tls-cert and --{prefix}tls-key go together")
+
+
 def is_loopback(host: str) -> bool:
     """Whether a server bound to `host` is reachable only from this machine. A name counts as
     loopback only when every address it resolves to is; one that does not resolve does not."""

@@ -16,7 +16,8 @@ import os
 import socket
 import tempfile
 
-from common.cli import ArgumentParser, add_logging_arguments, warn_if_exposed
+from common.cli import (ArgumentParser, add_client_security_arguments, add_logging_arguments,
+                        check_client_security_arguments, warn_if_exposed)
 from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import (add_server_security_arguments, channel_credentials, read_secret,
@@ -83,15 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics over HTTP on this port (0: off)")
     add_logging_arguments(p)
     add_server_security_arguments(p, "clients of the public API")
-    sec = p.add_argument_group("worker security", "how this scheduler proves itself to its workers")
-    sec.add_argument("--worker-auth-token", default=None, help="bearer token the workers require")
-    sec.add_argument("--worker-auth-token-file", default=None, help="file holding --worker-auth-token")
-    sec.add_argument("--worker-tls-ca", default=None, help="reach workers over TLS, trusting this CA")
-    sec.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
-    sec.add_argument("--worker-tls-key", default=None, help="private key of --worker-tls-cert")
+    add_client_security_arguments(p, "worker-", "the workers", "worker security",
+                                  "how this scheduler proves itself to its workers")
     args = p.parse_args(argv)
-    if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
-        p.error("--worker-tls-cert and --worker-tls-key go together")
+    check_client_security_arguments(p, args, "worker-")
     if args.frontends is None:
         args.frontends = default_num_frontends()
     if args.frontends < 0:

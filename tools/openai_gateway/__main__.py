@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import pathlib
 
-from common.cli import ArgumentParser, add_logging_arguments, warn_if_exposed
+from common.cli import (ArgumentParser, add_client_security_arguments, add_logging_arguments,
+                        check_client_security_arguments, warn_if_exposed)
 from common.logging_setup import setup_logging
 
 log = logging.getLogger("openai_gateway")
@@ -43,12 +44,8 @@ def build_parser() -> ArgumentParser:
     auth.add_argument("--api-key-file", default=None, help="file of API keys, one a line (with or instead of --api-key)")
     auth.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
     auth.add_argument("--tls-key", default=None, help="private key of --tls-cert")
-    up = p.add_argument_group("scheduler", "how the gateway reaches the scheduler")
-    up.add_argument("--scheduler-auth-token", default=None, help="bearer token the scheduler requires")
-    up.add_argument("--scheduler-auth-token-file", default=None, help="file holding --scheduler-auth-token")
-    up.add_argument("--scheduler-tls-ca", default=None, help="reach the scheduler over TLS, trusting this CA")
-    up.add_argument("--scheduler-tls-cert", default=None, help="client certificate, for a scheduler that requires mTLS")
-    up.add_argument("--scheduler-tls-key", default=None, help="private key of --scheduler-tls-cert")
+    add_client_security_arguments(p, "scheduler-", "the scheduler", "scheduler",
+                                  "how the gateway reaches the scheduler")
     add_logging_arguments(p)
     return p
 
@@ -58,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
+    check_client_security_arguments(p, args, "scheduler-")
     setup_logging(args.log_level, args.log_format)
 
     import uvicorn   # imported here: `qwen3-serve gateway --help` needs neither it nor grpc
