@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,8 +161,8 @@ async def completions(gateway: Gateway, req: CompletionRequest, request: Request
         if req.stream:
             streams = [gateway.client.stream(p, sampling, request_id=r) for p, r in zip(prompts, rids)]
             items = await _opened(outputs.merge(streams))
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(_completion_events(gateway, items, base, n, bool(sampling.logprobs), include_usage))
+            return EventStream(_event_stream(
+                lambda usage: _completion_choices(gateway, items, n, bool(sampling.logprobs), usage), base, req))
         results: list[Completion] = await _unless_disconnected(request, _gather(
             [gateway.client.generate(p, sampling, request_id=r) for p, r in zip(prompts, rids)]))
     usage = outputs.UsageTotal()
@@ -180,33 +180,43 @@ async def completions(gateway: Gateway, req: CompletionRequest, request: Request
     return {**base, "choices": choices, "usage": usage.to_json()}
 
 
-async def _completion_events(gateway: Gateway, items: AsyncIterator[tuple[int, CompletionChunk]],
-                             base: dict[str, Any], n: int, logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _event_stream(choices: Callable[[outputs.UsageTotal], AsyncIterator[dict[str, Any]]],
+                        base: dict[str, Any], req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
+    """What every stream sends around its choices (`choices(usage)` yields one choice per event and
+    adds each finished sample's usage): with stream_options.include_usage, `"usage": null` on every
+    chunk and a last chunk of the total; a failure after the headers as one error event; then [DONE]."""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     usage = outputs.UsageTotal()
-    offsets: dict[int, int] = {}   # choice index -> length of its text so far (logprobs' text_offset)
     extra = {"usage": None} if include_usage else {}
     try:
-        async for p, chunk in items:
-            index = p * n + chunk.index
-            choice: dict[str, Any] = {"index": index, "text": chunk.text, "logprobs": None,
-                                      "finish_reason": chunk.finish_reason}
-            if chunk.finish_reason is not None:
-                choice["stop_reason"] = chunk.matched_stop
-            if logprobs and chunk.token_ids:
-                texts = await gateway.token_texts.texts(outputs.token_ids_of(chunk.token_ids, chunk.top_logprobs))
-                choice["logprobs"] = outputs.completion_logprobs(chunk.token_ids, chunk.logprobs or [],
-                                                                 chunk.top_logprobs, texts, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(chunk.text)
-            if chunk.usage is not None:
-                usage.add(chunk.usage, first_sample=chunk.index == 0)
-            # A chunk whose tokens end inside a UTF-8 character has no text yet: nothing to send.
-            if chunk.text or chunk.finish_reason is not None or choice["logprobs"] is not None:
-                yield outputs.sse({**base, "choices": [choice], **extra})
+        async for choice in choices(usage):
+            yield outputs.sse({**base, "choices": [choice], **extra})
         if include_usage:
             yield outputs.sse({**base, "choices": [], "usage": usage.to_json()})
     except Exception as exc:  # noqa: BLE001 - the headers are sent: the stream's last event says what failed
         yield _stream_failure(exc)
     yield outputs.DONE
+
+
+async def _completion_choices(gateway: Gateway, items: AsyncIterator[tuple[int, CompletionChunk]], n: int,
+                              logprobs: bool, usage: outputs.UsageTotal) -> AsyncIterator[dict[str, Any]]:
+    offsets: dict[int, int] = {}   # choice index -> length of its text so far (logprobs' text_offset)
+    async for p, chunk in items:
+        index = p * n + chunk.index
+        choice: dict[str, Any] = {"index": index, "text": chunk.text, "logprobs": None,
+                                  "finish_reason": chunk.finish_reason}
+        if chunk.finish_reason is not None:
+            choice["stop_reason"] = chunk.matched_stop
+        if logprobs and chunk.token_ids:
+            texts = await gateway.token_texts.texts(outputs.token_ids_of(chunk.token_ids, chunk.top_logprobs))
+            choice["logprobs"] = outputs.completion_logprobs(chunk.token_ids, chunk.logprobs or [],
+                                                             chunk.top_logprobs, texts, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(chunk.text)
+        if chunk.usage is not None:
+            usage.add(chunk.usage, first_sample=chunk.index == 0)
+        # A chunk whose tokens end inside a UTF-8 character has no text yet: nothing to send.
+        if chunk.text or chunk.finish_reason is not None or choice["logprobs"] is not None:
+            yield choice
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
@@ -222,9 +232,8 @@ async def chat_completions(gateway: Gateway, req: ChatCompletionRequest, request
         if req.stream:
             stream = gateway.client.stream_chat(call.messages, call.sampling, **kwargs)
             items = await _opened(outputs.merge([stream]))
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(_chat_events(gateway, items, {**base, "object": "chat.completion.chunk"},
-                                            logprobs, include_usage))
+            return EventStream(_event_stream(lambda usage: _chat_choices(gateway, items, logprobs, usage),
+                                             {**base, "object": "chat.completion.chunk"}, req))
         result: ChatCompletion = await _unless_disconnected(
             request, gateway.client.chat(call.messages, call.sampling, **kwargs))
     usage = outputs.UsageTotal()
@@ -248,42 +257,30 @@ async def _chat_logprobs(gateway: Gateway, token_ids, logprobs, top_logprobs) ->
     return outputs.chat_logprobs(token_ids, logprobs or [], top_logprobs, texts)
 
 
-async def _chat_events(gateway: Gateway, items: AsyncIterator[tuple[int, ChatChunk]], base: dict[str, Any],
-                       logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
-    usage = outputs.UsageTotal()
+async def _chat_choices(gateway: Gateway, items: AsyncIterator[tuple[int, ChatChunk]], logprobs: bool,
+                        usage: outputs.UsageTotal) -> AsyncIterator[dict[str, Any]]:
     calls_so_far: dict[int, int] = {}   # choice index -> tool calls sent (each delta's tool_calls[].index)
-    extra = {"usage": None} if include_usage else {}
-    try:
-        async for _, chunk in items:
-            i = chunk.index
-            if i not in calls_so_far:   # a choice's first chunk names the role, as OpenAI's do
-                calls_so_far[i] = 0
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-                yield outputs.sse({**base, "choices": [first], **extra})
-            delta: dict[str, Any] = {}
-            if chunk.text:
-                delta["content"] = chunk.text
-            if chunk.reasoning:
-                delta["reasoning_content"] = chunk.reasoning
-            if chunk.tool_calls:
-                delta["tool_calls"] = [{"index": calls_so_far[i] + k, **_tool_call_json(c)}
-                                       for k, c in enumerate(chunk.tool_calls)]
-                calls_so_far[i] += len(chunk.tool_calls)
-            choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None,
-                                      "finish_reason": chunk.finish_reason}
-            if logprobs and chunk.token_ids:
-                choice["logprobs"] = await _chat_logprobs(gateway, chunk.token_ids, chunk.logprobs,
-                                                          chunk.top_logprobs)
-            if chunk.usage is not None:
-                usage.add(chunk.usage, first_sample=i == 0)
-            if delta or chunk.finish_reason is not None or choice["logprobs"] is not None:
-                yield outputs.sse({**base, "choices": [choice], **extra})
-        if include_usage:
-            yield outputs.sse({**base, "choices": [], "usage": usage.to_json()})
-    except Exception as exc:  # noqa: BLE001 - the headers are sent: the stream's last event says what failed
-        yield _stream_failure(exc)
-    yield outputs.DONE
+    async for _, chunk in items:
+        i = chunk.index
+        if i not in calls_so_far:   # a choice's first chunk names the role, as OpenAI's do
+            calls_so_far[i] = 0
+            yield {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        delta: dict[str, Any] = {}
+        if chunk.text:
+            delta["content"] = chunk.text
+        if chunk.reasoning:
+            delta["reasoning_content"] = chunk.reasoning
+        if chunk.tool_calls:
+            delta["tool_calls"] = [{"index": calls_so_far[i] + k, **_tool_call_json(c)}
+                                   for k, c in enumerate(chunk.tool_calls)]
+            calls_so_far[i] += len(chunk.tool_calls)
+        choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": chunk.finish_reason}
+        if logprobs and chunk.token_ids:
+            choice["logprobs"] = await _chat_logprobs(gateway, chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+        if chunk.usage is not None:
+            usage.add(chunk.usage, first_sample=i == 0)
+        if delta or chunk.finish_reason is not None or choice["logprobs"] is not None:
+            yield choice
 
 
 class ClientGone(Exception):
