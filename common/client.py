@@ -631,17 +631,14 @@ class Client:
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Returns once the server reports SERVING on grpc.health.v1; raises RequestError
         (DEADLINE_EXCEEDED, with the last answer) after `timeout` seconds."""
-        stub = health_pb2_grpc.HealthStub(self._channel)
         deadline = time.monotonic() + timeout
-        last = "no answer"
         while True:
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=max(0.1, min(2.0, timeout)))
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                last = self.health(timeout=max(0.1, min(2.0, timeout)))
+                if last == "SERVING":
                     return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as exc:
-                last = RequestError.from_rpc_error(exc).code
+            except RequestError as exc:
+                last = exc.code
             if time.monotonic() >= deadline:
                 raise RequestError("DEADLINE_EXCEEDED", f"{self._settings.target} not SERVING after {timeout}s ({last})")
             time.sleep(0.2)
@@ -781,17 +778,14 @@ class AsyncClient:
     async def wait_ready(self, timeout: float = 60.0) -> None:
         """Returns once the server reports SERVING on grpc.health.v1; raises RequestError after
         `timeout` seconds."""
-        stub = health_pb2_grpc.HealthStub(self._channel)
         deadline = time.monotonic() + timeout
-        last = "no answer"
         while True:
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=max(0.1, min(2.0, timeout)))
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                last = await self.health(timeout=max(0.1, min(2.0, timeout)))
+                if last == "SERVING":
                     return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as exc:
-                last = RequestError.from_rpc_error(exc).code
+            except RequestError as exc:
+                last = exc.code
             if time.monotonic() >= deadline:
                 raise RequestError("DEADLINE_EXCEEDED", f"{self._settings.target} not SERVING after {timeout}s ({last})")
             await asyncio.sleep(0.2)
