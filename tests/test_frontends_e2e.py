@@ -36,9 +36,23 @@ def test_two_frontends_share_the_port(tiny_model_dir, launch_services):
     requests = [dict(token_ids=[rng.randrange(3, 512) for _ in range(rng.randint(5, 40))], temperature=0.0,
                      ignore_eos=True, max_tokens=rng.randint(3, 12)) for _ in range(12)]
     with launch_services(scheduler_args=("--frontends", "2")) as svc:
-        # A channel per request: each is its own connection, which the kernel gives to either frontend.
-        channels = [_own_connection(svc.scheduler_addr) for _ in requests]
-        seen: set[str] = set()
+        # The kernel gives each new connection to either frontend once both listen; the service reports
+        # ready as soon as one does, so connections are opened (each its own) until each frontend holds
+        # half the requests' channels. Requests then alternate between the two frontends.
+        by_frontend: dict[str, list[grpc.Channel]] = {"0": [], "1": []}
+        half = len(requests) // 2
+        for _ in range(400):
+            if all(len(chs) >= half for chs in by_frontend.values()):
+                break
+            ch = _own_connection(svc.scheduler_addr)
+            via, _ = _served_by(ch, max_tokens=1)
+            if len(by_frontend[via]) < half:
+                by_frontend[via].append(ch)
+            else:
+                ch.close()
+        else:
+            pytest.fail(f"400 new connections did not reach both frontends: {sorted(by_frontend)}")
+        channels = [by_frontend[str(i % 2)][i // 2] for i in range(len(requests))]
         results = [None] * len(requests)
 
         def run(i: int) -> None:
@@ -49,8 +63,8 @@ def test_two_frontends_share_the_port(tiny_model_dir, launch_services):
             t.start()
         for t in threads:
             t.join()
-        for ch in channels:
-            seen.add(_served_by(ch, max_tokens=1)[0])
+        # Each request ran on the frontend its channel was opened to.
+        assert [_served_by(ch, max_tokens=1)[0] for ch in channels] == [str(i % 2) for i in range(len(requests))]
         # Cancel: a long stream dropped by its client ends in the core and frees its blocks.
         with svc.channel() as ch:
             frontend, call = _served_by(ch, max_tokens=4000, ignore_eos=True)
@@ -66,7 +80,7 @@ def test_two_frontends_share_the_port(tiny_model_dir, launch_services):
         with svc.channel() as streaming:
             owner, call = _served_by(streaming, max_tokens=4000, ignore_eos=True)
             first = next(iter(call))
-            for _ in range(40):
+            for _ in range(200):
                 other = _own_connection(svc.scheduler_addr)
                 stub = generation_pb2_grpc.GenerationStub(other)
                 via, _ = _served_by(other, max_tokens=1)
@@ -80,7 +94,6 @@ def test_two_frontends_share_the_port(tiny_model_dir, launch_services):
             assert last.finish_reason == generation_pb2.FINISH_REASON_ABORT
         for ch in channels:
             ch.close()
-    assert seen == {"0", "1"}, "both frontends served requests"
     for req, got in zip(requests, results):
         assert got.token_ids == hf_greedy(tiny_model_dir, req["token_ids"], req["max_tokens"])
         assert got.usage.completion_tokens == req["max_tokens"]
