@@ -204,3 +204,33 @@ def test_token_texts_asks_once_per_token_even_when_requests_overlap():
         assert await cache.texts([1, 3]) == {1: "<1>", 3: "<3>"}
     asyncio.run(run())
     assert sorted(calls) == [(1,), (2,), (3,)]
+
+
+def test_metrics_route_labels_are_bounded_and_a_handler_that_raised_counts_as_500():
+    from tools.openai_gateway.metrics import GatewayMetrics, HttpMetrics, route_of
+
+    assert route_of("/v1/chat/completions") == "/v1/chat/completions"
+    assert route_of("/v1/models/Qwen/Qwen3-0.6B") == "/v1/models/{model}"
+    assert {route_of(f"/probe/{i}") for i in range(100)} == {"other"}   # a client cannot grow the labels
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom")
+
+    async def answer(scope, receive, send):
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def sent(message):
+        pass
+
+    metrics = GatewayMetrics()
+    with pytest.raises(RuntimeError):
+        asyncio.run(HttpMetrics(broken, metrics)({"type": "http", "path": "/v1/completions", "method": "POST"},
+                                                 None, sent))
+    asyncio.run(HttpMetrics(answer, metrics)({"type": "http", "path": "/x", "method": "GET"}, None, sent))
+    value = metrics.registry.get_sample_value
+    assert value("llm_gateway_http_requests_total", {"route": "/v1/completions", "method": "POST", "status": "500"}) == 1
+    assert value("llm_gateway_http_requests_total", {"route": "other", "method": "GET", "status": "204"}) == 1
+    assert value("llm_gateway_http_requests_in_progress", {"route": "/v1/completions"}) == 0
+    # An empty body is no first byte.
+    assert value("llm_gateway_http_time_to_first_byte_seconds_count", {"route": "other"}) in (None, 0)

@@ -263,6 +263,52 @@ def test_errors_have_their_http_status_and_a_refused_stream_is_refused_before_it
     assert caught.value.code == "invalid_argument"
 
 
+def _scrape(base: str) -> dict[tuple[str, tuple], float]:
+    """The gateway's /metrics (no API key needed) as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
+        assert reply.status == 200 and reply.headers["content-type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_requests_statuses_latency_and_tokens(gateway, client, model):
+    base, _ = gateway
+    before = _scrape(base)
+    whole = client.completions.create(model=model, prompt="Hello there", max_tokens=5, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    streamed = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=4, temperature=0.0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=-1)
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0) as intruder:
+        with pytest.raises(openai.AuthenticationError):
+            intruder.models.list()
+    after = _scrape(base)
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    completions, chat = "/v1/completions", "/v1/chat/completions"
+    assert delta("llm_gateway_http_requests_total", route=completions, method="POST", status="200") == 1
+    assert delta("llm_gateway_http_requests_total", route=completions, method="POST", status="400") == 1
+    assert delta("llm_gateway_http_requests_total", route=chat, method="POST", status="200") == 1
+    assert delta("llm_gateway_http_requests_total", route="/v1/models", method="GET", status="401") == 1
+    # Every answered request was timed to its first and last byte; none is left in progress.
+    assert delta("llm_gateway_http_request_duration_seconds_count", route=completions) == 2
+    assert delta("llm_gateway_http_time_to_first_byte_seconds_count", route=chat) == 1
+    assert after[("llm_gateway_http_requests_in_progress", (("route", chat),))] == 0
+    # Tokens as the responses' usage reported them.
+    chat_usage = streamed[-1].usage
+    assert delta("llm_gateway_completion_tokens_total", route=completions) == whole.usage.completion_tokens == 5
+    assert delta("llm_gateway_prompt_tokens_total", route=completions) == whole.usage.prompt_tokens
+    assert delta("llm_gateway_completion_tokens_total", route=chat) == chat_usage.completion_tokens
+    assert delta("llm_gateway_prompt_tokens_total", route=chat) == chat_usage.prompt_tokens
+
+
 def _running(direct) -> int:
     return sum(g.num_running for g in direct.model_info().worker_groups)
 

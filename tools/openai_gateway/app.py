@@ -11,8 +11,10 @@ Guarantees:
 - streams are server-sent events, `data: {json}\\n\\n` each, ending with `data: [DONE]\\n\\n`;
   with stream_options.include_usage, every chunk has `"usage": null` and one last chunk with no
   choices carries the request's usage, as OpenAI sends it;
-- `/v1/*` requires `Authorization: Bearer KEY` when API keys are configured; /health never does
-  (probes carry no secrets).
+- `/v1/*` requires `Authorization: Bearer KEY` when API keys are configured; /health and /metrics
+  never do (probes and scrapers carry no secrets), as vLLM's server has it;
+- /metrics is Prometheus' text format (metrics.py): requests by route and status, time to first
+  and last byte, requests in progress, tokens.
 
 Choice indexes: a chat turn's choices are its n samples; a completion's choice index is
 prompt index * n + sample index, as OpenAI numbers a batch of prompts.
@@ -33,13 +35,14 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.client import AsyncClient, ChatChunk, ChatCompletion, Completion, CompletionChunk, RequestError, ToolCall
 from common.logging_setup import request_context
 from tools.openai_gateway import outputs
 from tools.openai_gateway.errors import GatewayError, error_body, from_request_error
+from tools.openai_gateway.metrics import GatewayMetrics, HttpMetrics
 from tools.openai_gateway.protocol import ChatCompletionRequest, CompletionRequest
 from tools.openai_gateway.token_text import TokenTexts
 from tools.openai_gateway.translate import chat_call, completion_prompts, completion_sampling
@@ -59,11 +62,12 @@ class GatewayConfig:
 
 
 class Gateway:
-    """The state behind the routes: the scheduler connection, the served model's name and the
-    cache of token texts (for logprobs)."""
+    """The state behind the routes: the scheduler connection, the served model's name, the
+    cache of token texts (for logprobs) and the metrics."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or GatewayMetrics()
         self.client = AsyncClient(config.target, timeout=config.request_timeout, **config.client_options)
         self.token_texts = TokenTexts(self.client)
         self.created = int(time.time())
@@ -162,7 +166,8 @@ async def completions(gateway: Gateway, req: CompletionRequest, request: Request
             streams = [gateway.client.stream(p, sampling, request_id=r) for p, r in zip(prompts, rids)]
             items = await _opened(outputs.merge(streams))
             return EventStream(_event_stream(
-                lambda usage: _completion_choices(gateway, items, n, bool(sampling.logprobs), usage), base, req))
+                lambda usage: _completion_choices(gateway, items, n, bool(sampling.logprobs), usage), base, req,
+                lambda usage: gateway.metrics.count_usage("/v1/completions", usage)))
         results: list[Completion] = await _unless_disconnected(request, _gather(
             [gateway.client.generate(p, sampling, request_id=r) for p, r in zip(prompts, rids)]))
     usage = outputs.UsageTotal()
@@ -177,14 +182,17 @@ async def completions(gateway: Gateway, req: CompletionRequest, request: Request
                                                        texts, 0)
             choices.append({"index": p * n + sample.index, "text": sample.text, "logprobs": logprobs,
                             "finish_reason": sample.finish_reason, "stop_reason": sample.matched_stop})
+    gateway.metrics.count_usage("/v1/completions", usage)
     return {**base, "choices": choices, "usage": usage.to_json()}
 
 
 async def _event_stream(choices: Callable[[outputs.UsageTotal], AsyncIterator[dict[str, Any]]],
-                        base: dict[str, Any], req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
+                        base: dict[str, Any], req: CompletionRequest | ChatCompletionRequest,
+                        on_end: Callable[[outputs.UsageTotal], None]) -> AsyncIterator[str]:
     """What every stream sends around its choices (`choices(usage)` yields one choice per event and
     adds each finished sample's usage): with stream_options.include_usage, `"usage": null` on every
-    chunk and a last chunk of the total; a failure after the headers as one error event; then [DONE]."""
+    chunk and a last chunk of the total; a failure after the headers as one error event; then [DONE].
+    `on_end(usage)` is told what the finished samples used, however the stream ends."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     usage = outputs.UsageTotal()
     extra = {"usage": None} if include_usage else {}
@@ -195,6 +203,8 @@ async def _event_stream(choices: Callable[[outputs.UsageTotal], AsyncIterator[di
             yield outputs.sse({**base, "choices": [], "usage": usage.to_json()})
     except Exception as exc:  # noqa: BLE001 - the headers are sent: the stream's last event says what failed
         yield _stream_failure(exc)
+    finally:
+        on_end(usage)
     yield outputs.DONE
 
 
@@ -233,7 +243,8 @@ async def chat_completions(gateway: Gateway, req: ChatCompletionRequest, request
             stream = gateway.client.stream_chat(call.messages, call.sampling, **kwargs)
             items = await _opened(outputs.merge([stream]))
             return EventStream(_event_stream(lambda usage: _chat_choices(gateway, items, logprobs, usage),
-                                             {**base, "object": "chat.completion.chunk"}, req))
+                                             {**base, "object": "chat.completion.chunk"}, req,
+                                             lambda usage: gateway.metrics.count_usage("/v1/chat/completions", usage)))
         result: ChatCompletion = await _unless_disconnected(
             request, gateway.client.chat(call.messages, call.sampling, **kwargs))
     usage = outputs.UsageTotal()
@@ -249,6 +260,7 @@ async def chat_completions(gateway: Gateway, req: ChatCompletionRequest, request
         if logprobs:
             choice["logprobs"] = await _chat_logprobs(gateway, sample.token_ids, sample.logprobs, sample.top_logprobs)
         choices.append(choice)
+    gateway.metrics.count_usage("/v1/chat/completions", usage)
     return {**base, "choices": choices, "usage": usage.to_json()}
 
 
@@ -374,10 +386,11 @@ def _validation_error(exc: RequestValidationError) -> GatewayError:
 
 def create_app(config: GatewayConfig) -> FastAPI:
     state: dict[str, Gateway] = {}
+    metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state["gateway"] = Gateway(config)   # the gRPC aio channel belongs to the server's event loop
+        state["gateway"] = Gateway(config, metrics)   # the gRPC aio channel belongs to the server's event loop
         try:
             yield
         finally:
@@ -386,6 +399,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="qwen3-serve OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     if config.api_keys:
         app.add_middleware(ApiKeyCheck, keys=config.api_keys)
+    app.add_middleware(HttpMetrics, metrics=metrics)   # added last: outermost, so refusals count too
 
     @app.exception_handler(GatewayError)
     async def on_gateway_error(_request: Request, exc: GatewayError):
@@ -457,5 +471,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return JSONResponse(error_body(503, f"the scheduler reports {status}", code=status.lower()),
                                 status_code=503)
         return {"status": "ok", "scheduler": status}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     return app
