@@ -600,6 +600,17 @@ class Client:
             raise RequestError.from_rpc_error(exc) from exc
         return reply.text
 
+    def token_texts(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
+                    timeout: float | None = _UNSET) -> list[str]:
+        """The text of each token on its own, in one call (a piece of a multi-byte character is U+FFFD)."""
+        try:
+            reply = self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids, each_token=True,
+                                                               skip_special_tokens=skip_special_tokens),
+                                          timeout=self._timeout(timeout), metadata=self._settings.metadata)
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        return list(reply.token_texts)
+
     def abort(self, request_id: str, *, timeout: float | None = _UNSET) -> bool:
         """Ends a waiting or running request (its stream finishes with "abort"); False when the
         server knows no such request (it finished already, or never existed)."""
@@ -748,6 +759,17 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
         return reply.text
+
+    async def token_texts(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
+                          timeout: float | None = _UNSET) -> list[str]:
+        """The text of each token on its own, in one call (a piece of a multi-byte character is U+FFFD)."""
+        try:
+            reply = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids, each_token=True,
+                                                                     skip_special_tokens=skip_special_tokens),
+                                                timeout=self._timeout(timeout), metadata=self._settings.metadata)
+        except grpc.RpcError as exc:
+            raise RequestError.from_rpc_error(exc) from exc
+        return list(reply.token_texts)
 
     async def abort(self, request_id: str, *, timeout: float | None = _UNSET) -> bool:
         """Ends a waiting or running request; False when the server knows no such request."""

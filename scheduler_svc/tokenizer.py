@@ -76,6 +76,10 @@ class Tokenizer:
         """Text of `token_ids`; ids the vocabulary lacks (the model's padded rows) decode to nothing."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_each(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> list[str]:
+        """The text of each token on its own (one batch call, which releases the GIL)."""
+        return self._backend.decode_batch([[t] for t in token_ids], skip_special_tokens=skip_special_tokens)
+
     def __len__(self) -> int:
         """Ids the tokenizer knows, added tokens included; may be below the model's vocab_size."""
         return len(self.hf)

@@ -119,9 +119,16 @@ def test_tokenize_and_detokenize_use_the_models_tokenizer(services, tiny_model_d
         back = stub.Detokenize(pb.DetokenizeRequest(token_ids=tokens.token_ids), timeout=10)
         skipped = stub.Detokenize(pb.DetokenizeRequest(token_ids=tokens.token_ids, skip_special_tokens=True),
                                   timeout=10)
+        each = stub.Detokenize(pb.DetokenizeRequest(token_ids=tokens.token_ids, skip_special_tokens=True,
+                                                    each_token=True), timeout=10)
         with pytest.raises(grpc.RpcError) as caught:
             stub.Detokenize(pb.DetokenizeRequest(token_ids=[5, 512]), timeout=10)
         generated = generate(ch, text=text, max_tokens=1)
+    assert not back.token_texts   # only when asked
+    assert each.text == skipped.text
+    assert list(each.token_texts) == [tokenizer.backend_tokenizer.decode([t], skip_special_tokens=True)
+                                      for t in tokens.token_ids]
+    assert "" in each.token_texts   # <|im_start|>, skipped
     assert list(tokens.token_ids) == tokenizer.encode(text) and tokens.count == len(tokens.token_ids)
     assert tokens.max_model_len == 4096 and generated.usage.prompt_tokens == tokens.count
     assert back.text == text and skipped.text == text.replace("<|im_start|>", "")

@@ -216,6 +216,16 @@ def test_chat_tokenize_and_detokenize(client):
     assert again.usage.prompt_tokens > turn.usage.prompt_tokens
     ids = client.tokenize("Hello world")
     assert ids and client.detokenize(ids) == "Hello world"
+    # Each token's own text in one call; a piece of a multi-byte character alone is U+FFFD.
+    assert client.token_texts(ids) == [client.detokenize([i]) for i in ids]
+    assert "".join(client.token_texts(ids)) == "Hello world"
+    pieces = client.tokenize("ü€😀")
+    each = client.token_texts(pieces)
+    assert each == [client.detokenize([i]) for i in pieces] and "\ufffd" in each
+    assert client.token_texts([]) == []
+    with pytest.raises(RequestError, match=r"token_ids\[1\] = 1000000 is out of range") as caught:
+        client.token_texts([5, 1_000_000])
+    assert caught.value.code == "INVALID_ARGUMENT"
 
 
 def test_chat_logprobs_cover_every_token_and_health_answers(client):

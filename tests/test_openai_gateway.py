@@ -192,18 +192,35 @@ def test_token_texts_asks_once_per_token_even_when_requests_overlap():
     calls = []
 
     class FakeClient:
-        async def detokenize(self, ids, skip_special_tokens):
-            calls.append(tuple(ids))
+        async def token_texts(self, ids, skip_special_tokens):
+            calls.append(sorted(ids))
             await asyncio.sleep(0.01)
-            return f"<{ids[0]}>"
+            if 13 in ids:
+                raise RequestError("UNAVAILABLE", "gone")
+            return [f"<{i}>" for i in ids]
 
     async def run():
         cache = TokenTexts(FakeClient())
-        first, second = await asyncio.gather(cache.texts([1, 2]), cache.texts([2, 3]))
-        assert first == {1: "<1>", 2: "<2>"} and second == {2: "<2>", 3: "<3>"}
-        assert await cache.texts([1, 3]) == {1: "<1>", 3: "<3>"}
+        first, second = await asyncio.gather(cache.texts([1, 2]), cache.texts([2, 3, 4]))
+        assert first == {1: "<1>", 2: "<2>"} and second == {2: "<2>", 3: "<3>", 4: "<4>"}
+        assert await cache.texts([1, 3]) == {1: "<1>", 3: "<3>"}   # known: no call
+        # A failed call fails its request; one that waited on it fetches the ids itself.
+        failing = asyncio.ensure_future(cache.texts([13, 5]))
+        await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(cache.texts([5, 6]))
+        with pytest.raises(RequestError):
+            await failing
+        assert await waiting == {5: "<5>", 6: "<6>"}
+        # A request cancelled while it waits leaves the shared call running for the others.
+        cancelled = asyncio.ensure_future(cache.texts([7, 8]))
+        await asyncio.sleep(0)
+        other = asyncio.ensure_future(cache.texts([8]))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        assert await other == {8: "<8>"}
     asyncio.run(run())
-    assert sorted(calls) == [(1,), (2,), (3,)]
+    # One call per request for what nobody had asked yet (2 is asked once, by the first).
+    assert calls == [[1, 2], [3, 4], [5, 13], [6], [5], [7, 8]]
 
 
 def test_metrics_route_labels_are_bounded_and_a_handler_that_raised_counts_as_500():
