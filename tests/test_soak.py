@@ -23,7 +23,9 @@ def test_soak_above_capacity_with_cancels_slow_readers_and_a_worker_restart(tiny
     assert failures == []
     # What makes it a soak and not a stroll: each disturbance really happened.
     assert figures["worker_restarts"] == 1 and figures["worker_failures_seen"] >= 1
-    assert figures["refused"] > 0 or figures["peak_waiting"] >= settings.max_waiting, "never above capacity"
+    # The opening burst is more than the batch and the waiting queue hold, however fast the machine.
+    assert settings.burst > settings.max_num_seqs + settings.max_waiting
+    assert figures["refused"] > 0, "never above capacity"
     assert figures["cancelled"] > 0 and figures["slow_readers_completed"] > 0
     assert figures["peak_paused"] > 0, "no slow reader was ever paused"
     assert figures["blocks_leaked"] == 0 and figures["errors"] == 0

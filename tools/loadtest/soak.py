@@ -1,5 +1,7 @@
 """Soak test: runs a worker and a scheduler, drives them above capacity with random client
-cancels, slow readers and one worker SIGKILL + restart, then checks that nothing was lost.
+cancels, slow readers and one worker SIGKILL + restart, then checks that nothing was lost. The
+first --burst requests arrive at once (more than the batch and the waiting queue hold, so some are
+refused however fast the machine), the rest at --rate.
 
     python -m tools.loadtest.soak [--model DIR] [--duration 60] [--rate 12] [--out FILE]
 
@@ -156,6 +158,8 @@ async def _wait_ready(stub: GenerationStub, procs: Processes, timeout_s: float) 
 class SoakSettings:
     duration_s: float = 60.0
     rate: float = 12.0                 # requests/s, above what the tiny model serves on 2 cores
+    burst: int = 48                    # of them sent at once at the start: more than --max-num-seqs +
+                                       # --max-waiting, so the load is above capacity on any machine
     seed: int = 0
     num_specs: int = 24
     cancel_fraction: float = 0.2
@@ -227,6 +231,7 @@ async def _drive(settings: SoakSettings, procs: Processes, specs: list[Spec], fi
     rng = random.Random(settings.seed + 1)
     count = max(1, round(settings.rate * settings.duration_s))
     offsets = arrival_offsets(count, settings.rate, 1.0, np.random.default_rng(settings.seed))
+    offsets[:settings.burst] = 0.0
     small_window = [("grpc.http2.lookahead_bytes", settings.lookahead_bytes), ("grpc.http2.bdp_probe", 0),
                     ("grpc.use_local_subchannel_pool", 1)]
     async with grpc.aio.insecure_channel(procs.address) as fast, \
