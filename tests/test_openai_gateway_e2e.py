@@ -41,7 +41,8 @@ def gateway(services, tmp_path_factory):
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "tools.openai_gateway", "--target", services.scheduler_addr,
-                             "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY],
+                             "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
+                             "--max-request-body-mib", "1", "--max-sequences-per-request", "8"],
                             cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -307,6 +308,35 @@ def test_metrics_count_requests_statuses_latency_and_tokens(gateway, client, mod
     assert delta("llm_gateway_prompt_tokens_total", route=completions) == whole.usage.prompt_tokens
     assert delta("llm_gateway_completion_tokens_total", route=chat) == chat_usage.completion_tokens
     assert delta("llm_gateway_prompt_tokens_total", route=chat) == chat_usage.prompt_tokens
+
+
+def test_a_body_over_the_limit_is_413_and_a_batch_over_the_limit_400(gateway, client, model):
+    """--max-request-body-mib 1 and --max-sequences-per-request 8 in this module's gateway."""
+    import http.client
+    base, _ = gateway
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "prompt": "x" * (3 << 19), "max_tokens": 1}).encode()   # 1.5 MiB
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    for chunked in (False, True):   # refused by its Content-Length, or while a chunked body is read
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            if chunked:
+                conn.request("POST", "/v1/completions", body=(body[i:i + 65536] for i in range(0, len(body), 65536)),
+                             headers=headers, encode_chunked=True)
+            else:
+                conn.request("POST", "/v1/completions", body=body, headers=headers)
+            reply = conn.getresponse()
+            error = json.loads(reply.read())["error"]
+        finally:
+            conn.close()
+        assert reply.status == 413 and error["code"] == "request_too_large", (chunked, error)
+        assert "more than the gateway's limit of 1048576" in error["message"]
+    for prompts, n in ((["Hi"] * 9, 1), (["Hi"] * 3, 3)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=model, prompt=prompts, n=n, max_tokens=1)
+        assert caught.value.param == "prompt" and f"{len(prompts)} x {n}" in caught.value.message
+    # Within the limits the gateway serves as before.
+    assert len(client.completions.create(model=model, prompt=["Hi"] * 4, n=2, max_tokens=1).choices) == 8
 
 
 def _running(direct) -> int:

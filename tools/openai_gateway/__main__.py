@@ -38,6 +38,10 @@ def build_parser() -> ArgumentParser:
                    help="deadline of each request on the scheduler, streams included (0: none)")
     p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
+    p.add_argument("--max-request-body-mib", type=float, default=8.0,
+                   help="refuse a request body larger than this with 413 (0: no bound)")
+    p.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="refuse a completion of more prompts x n than this with 400")
     auth = p.add_argument_group("clients", "who may call the gateway")
     auth.add_argument("--api-key", default=None,
                       help="require `Authorization: Bearer KEY` on /v1/* (several: comma-separated)")
@@ -56,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
     check_client_security_arguments(p, args, "scheduler-")
+    if args.max_request_body_mib < 0 or args.max_sequences_per_request < 1:
+        p.error("--max-request-body-mib must be 0 or more and --max-sequences-per-request at least 1")
     setup_logging(args.log_level, args.log_format)
 
     import uvicorn   # imported here: `qwen3-serve gateway --help` needs neither it nor grpc
@@ -68,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                           client_key=args.scheduler_tls_key)
     config = GatewayConfig(target=args.target, api_keys=keys,
                            request_timeout=args.request_timeout_s or None,
-                           client_options={k: v for k, v in client_options.items() if v is not None})
+                           client_options={k: v for k, v in client_options.items() if v is not None},
+                           max_request_bytes=int(args.max_request_body_mib * (1 << 20)),
+                           max_sequences_per_request=args.max_sequences_per_request)
     warn_if_exposed(args.host, args.port, has_token=bool(keys), has_tls=False, log=log, what="the OpenAI gateway")
     # uvicorn's own loggers go through the process's handler (text or json): log_config=None
     # leaves logging as setup_logging made it.

@@ -11,6 +11,10 @@ Guarantees:
 - streams are server-sent events, `data: {json}\\n\\n` each, ending with `data: [DONE]\\n\\n`;
   with stream_options.include_usage, every chunk has `"usage": null` and one last chunk with no
   choices carries the request's usage, as OpenAI sends it;
+- a request body over max_request_bytes is refused with 413 before it is read whole (by its
+  Content-Length, or as soon as a chunked body passes the bound), and a completion of more than
+  max_sequences_per_request prompts x n with 400, so that one client cannot take the gateway's
+  memory or the scheduler's waiting queue;
 - `/v1/*` requires `Authorization: Bearer KEY` when API keys are configured; /health and /metrics
   never do (probes and scrapers carry no secrets), as vLLM's server has it;
 - /metrics is Prometheus' text format (metrics.py): requests by route and status, time to first
@@ -41,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.client import AsyncClient, ChatChunk, ChatCompletion, Completion, CompletionChunk, RequestError, ToolCall
 from common.logging_setup import request_context
 from tools.openai_gateway import outputs
-from tools.openai_gateway.errors import GatewayError, error_body, from_request_error
+from tools.openai_gateway.errors import GatewayError, bad_param, error_body, from_request_error
 from tools.openai_gateway.metrics import GatewayMetrics, HttpMetrics
 from tools.openai_gateway.protocol import ChatCompletionRequest, CompletionRequest
 from tools.openai_gateway.token_text import TokenTexts
@@ -59,6 +63,8 @@ class GatewayConfig:
     api_keys: Sequence[str] = ()                   # empty: /v1/* is open
     request_timeout: float | None = 600.0          # deadline of each gRPC call (None: none)
     client_options: dict[str, Any] = field(default_factory=dict)   # AsyncClient's TLS and token arguments
+    max_request_bytes: int = 8 << 20               # of a request body (0: no bound)
+    max_sequences_per_request: int = 256           # a completion's prompts x n
 
 
 class Gateway:
@@ -156,10 +162,13 @@ def _stream_failure(exc: Exception) -> str:
 async def completions(gateway: Gateway, req: CompletionRequest, request: Request):
     sampling = completion_sampling(req)
     prompts = completion_prompts(req)
+    n = sampling.n or 1
+    if len(prompts) * n > gateway.config.max_sequences_per_request:
+        raise bad_param("prompt", f"a request may ask for at most {gateway.config.max_sequences_per_request} "
+                                  f"sequences (prompts x n); this one asks for {len(prompts)} x {n}")
     model = await gateway.check_model(req.model)
     rid = req.request_id or uuid.uuid4().hex
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    n = sampling.n or 1
     base = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model}
     with request_context(rid):
         if req.stream:
@@ -359,6 +368,42 @@ class ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """Refuses a request body over `max_bytes` with 413: at once by its Content-Length, or while a
+    chunked body is read (FastAPI lets an HTTPException raised while reading the body through)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> StarletteHTTPException:
+        return StarletteHTTPException(413, f"the request body is {size} bytes, more than the gateway's limit of "
+                                           f"{self.max_bytes} (--max-request-body-mib)")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            error = self._too_large(length.decode())
+            await JSONResponse(error_body(413, error.detail, code="request_too_large"), status_code=413,
+                               headers={"connection": "close"})(scope, receive, send)
+            return
+        received = 0
+
+        async def bounded() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large(f"more than {received}")
+            return message
+
+        await self.app(scope, bounded, send)
+
+
 def _validation_error(exc: RequestValidationError) -> GatewayError:
     """pydantic's complaint about a request body as one 400 naming the first field at fault."""
     errors = exc.errors()
@@ -399,6 +444,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="qwen3-serve OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     if config.api_keys:
         app.add_middleware(ApiKeyCheck, keys=config.api_keys)
+    if config.max_request_bytes:
+        app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(HttpMetrics, metrics=metrics)   # added last: outermost, so refusals count too
 
     @app.exception_handler(GatewayError)
@@ -419,7 +466,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+        code = "request_too_large" if exc.status_code == 413 else None
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientGone)
