@@ -44,7 +44,7 @@ import json
 import os
 import pathlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, Unpack
 
@@ -96,6 +96,7 @@ class SamplingParams:
     grammar: str | None = None               # EBNF as xgrammar reads it (root ::= ...)
     json_object: bool = False
     priority: int | None = None              # lower is served first; unset means 0
+    logit_bias: Mapping[int, float] | None = None   # token id -> [-100, 100] added to its logit (<= 1,024)
 
     def to_proto(self) -> pb.SamplingParams:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -134,6 +135,7 @@ class SamplingOptions(TypedDict, total=False):
     grammar: str
     json_object: bool
     priority: int
+    logit_bias: Mapping[int, float]
 
 
 @dataclass(frozen=True)

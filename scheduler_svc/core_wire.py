@@ -28,7 +28,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
                       max_tokens=s.max_tokens, min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
                       stop_token_ids=sorted(s.stop_token_ids), repetition_penalty=s.repetition_penalty,
                       presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, logprobs=s.logprobs,
-                      top_logprobs=s.top_logprobs, prompt_logprobs=s.prompt_logprobs, priority=s.priority)
+                      top_logprobs=s.top_logprobs, prompt_logprobs=s.prompt_logprobs, priority=s.priority,
+                      logit_bias=dict(s.logit_bias))
     if s.seed is not None:
         msg.seed = s.seed
     if s.constraint is not None:
@@ -43,7 +44,7 @@ def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
                           stop_token_ids=frozenset(msg.stop_token_ids), repetition_penalty=msg.repetition_penalty,
                           presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                           logprobs=msg.logprobs, top_logprobs=msg.top_logprobs, prompt_logprobs=msg.prompt_logprobs,
-                          priority=msg.priority,
+                          priority=msg.priority, logit_bias=tuple(sorted(msg.logit_bias.items())),
                           constraint=Constraint(msg.constraint.kind, msg.constraint.text)
                           if msg.HasField("constraint") else None)
 

@@ -48,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: bool = False
     constraint: Constraint | None = None
     priority: int = 0                 # lower first
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids ascending, no zero bias
 
     def __post_init__(self) -> None:
         # Any iterable of ids is accepted (frozenset() of a frozenset returns it as is).
@@ -80,4 +81,7 @@ class SamplingParams:
         )
         if self.seed is not None:
             options.seed = self.seed
+        if self.logit_bias:
+            options.logit_bias_token_ids.extend(t for t, _ in self.logit_bias)
+            options.logit_bias_values.extend(v for _, v in self.logit_bias)
         return options

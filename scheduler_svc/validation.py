@@ -44,6 +44,7 @@ class Limits:
     max_stop_token_ids: int = 256            # a chat template ends on a handful; each is a set lookup
     max_request_id_len: int = 256            # characters
     max_constraint_bytes: int = 128 << 10    # UTF-8 bytes of a json_schema, regex or grammar
+    max_logit_bias: int = 1024               # entries of logit_bias
 
 
 def validate_request(
@@ -131,7 +132,27 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
         prompt_logprobs=msg.prompt_logprobs,
         constraint=_constraint(msg, limits),
         priority=msg.priority,
+        logit_bias=_logit_bias(msg.logit_bias, vocab_size, limits),
     )
+
+
+LOGIT_BIAS_BOUND = 100.0
+
+
+def _logit_bias(bias, vocab_size: int, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs, ids ascending; each id in the vocabulary, each bias in [-100, 100]."""
+    if len(bias) > limits.max_logit_bias:
+        raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias has {len(bias)} entries, more than the "
+                                                    f"limit of {limits.max_logit_bias}")
+    pairs = sorted(bias.items())
+    for token_id, value in pairs:
+        if token_id >= vocab_size:
+            raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias names token {token_id}, out of range: "
+                                                        f"vocab_size is {vocab_size}")
+        if not math.isfinite(value) or abs(value) > LOGIT_BIAS_BOUND:
+            raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias[{token_id}] must be in [-100, 100], "
+                                                        f"got {float32_text(value)}")
+    return tuple((token_id, value) for token_id, value in pairs if value != 0.0)
 
 
 def _bounded_int(value: int, name: str, low: int, high: int) -> int:

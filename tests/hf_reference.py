@@ -15,16 +15,21 @@ def hf_model(model_dir: pathlib.Path):
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: pathlib.Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
+def hf_greedy(model_dir: pathlib.Path, prompt_ids: list[int], num_tokens: int,
+              logit_bias: dict[int, float] | None = None) -> list[int]:
     """Greedy continuation of exactly num_tokens tokens, one request at a time so no padding
     enters the reference. EOS is neither masked nor a stop (the service's ignore_eos), so this
     is transformers' model driven by a plain greedy loop over its own KV cache: generate()
-    would merge in the checkpoint's EOS ids, and min_new_tokens masks EOS logits."""
+    would merge in the checkpoint's EOS ids, and min_new_tokens masks EOS logits. `logit_bias`
+    is added to the logits before each argmax (OpenAI's logit_bias)."""
     model = hf_model(model_dir)
     out = model(torch.tensor([prompt_ids]), use_cache=True)
+    bias = torch.zeros(out.logits.shape[-1])
+    for token_id, value in (logit_bias or {}).items():
+        bias[token_id] = value
     generated = []
     for _ in range(num_tokens):
-        token = int(out.logits[0, -1].argmax())
+        token = int((out.logits[0, -1] + bias).argmax())
         generated.append(token)
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return generated

@@ -16,7 +16,7 @@ import torch
 from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1 import generation_pb2_grpc
 from tests.client import generate, generate_many
-from tests.hf_reference import hf_model
+from tests.hf_reference import hf_greedy, hf_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,6 +87,28 @@ def test_top_and_prompt_logprobs_equal_transformers_through_chunks_and_a_cached_
     assert_top(out.top_logprobs, reference[p - 1:-1], 4)
     sampled = [reference[p - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
     assert out.logprobs == pytest.approx(sampled, abs=1e-4)   # top_logprobs implies logprobs
+
+
+def test_logit_bias_equals_transformers_greedy_with_the_bias_added(services, tiny_model_dir):
+    """Through the real processes, concurrently with unbiased requests: each greedy output equals
+    transformers' greedy loop over logits + bias; banning a request's unbiased greedy tokens
+    changes its output, and the unbiased requests in the same batches are unchanged."""
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(4, 30))] for _ in range(6)]
+    plain = [hf_greedy(tiny_model_dir, p, 10) for p in prompts]
+    biases = [{t: -100.0 for t in set(plain[0])}, {plain[1][0]: -100.0, 77: 6.0}, {5: 100.0}, {}, {300: 3.5}, {}]
+    requests = [dict(token_ids=p, max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True, logit_bias=b)
+                for p, b in zip(prompts, biases)]
+    with services.channel() as ch:
+        outs = generate_many(ch, requests)
+    for prompt, bias, unbiased, out in zip(prompts, biases, plain, outs):
+        assert out.token_ids == hf_greedy(tiny_model_dir, prompt, 10, logit_bias=bias)
+        if not bias:
+            assert out.token_ids == unbiased
+    assert not set(outs[0].token_ids) & set(plain[0]) and outs[0].token_ids != plain[0]
+    assert outs[2].token_ids == [5] * 10
+    # Logprobs stay those of the model's own logits: the forced token is unlikely there.
+    assert all(lp < -1.0 for lp in outs[2].logprobs)
 
 
 def test_matched_stop_names_the_stop_string_or_the_stop_token(services, tiny_model_dir):

@@ -183,6 +183,13 @@ def test_the_generate_command_streams_a_completion_and_reports_refusals(services
     assert re.search(r"\n\[(length|stop): \d+ prompt tokens, [1-5] generated, \d+ cached\]$", ok.stdout), ok.stdout
     refused = run("hi", "--top-p", "2")
     assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "top_p" in refused.stderr
+    biased = run("hi", "--max-tokens", "3", "--logit-bias", "5=100", "9=-100")
+    with Client(services.scheduler_addr) as direct:
+        want = direct.generate("hi", max_tokens=3, temperature=0, logit_bias={5: 100, 9: -100})
+    assert biased.returncode == 0, biased.stderr
+    assert want.token_ids == [5, 5, 5] and biased.stdout.startswith(want.text), (biased.stdout, want.text)
+    bad = run("hi", "--logit-bias", "5:100")
+    assert bad.returncode == 2 and "expected ID=BIAS" in bad.stderr
 
 
 def test_samples_logprobs_constraints_and_matched_stop(client):

@@ -65,7 +65,21 @@ def _sampling(valid: bool):
         "stop_token_ids": _lengthy(token_id, LIMITS.max_stop_token_ids, valid),
         "logprobs": st.booleans(),
         "skip_special_tokens": st.booleans(),
+        "n": st.integers(0, 3) if valid else st.one_of(st.integers(0, 17), st.integers(0, 2**32 - 1)),
+        "top_logprobs": st.integers(0, 20) if valid else st.one_of(st.integers(0, 21), st.integers(0, 2**32 - 1)),
+        "prompt_logprobs": st.booleans(),
+        "priority": st.integers(-(2**31), 2**31 - 1),
+        "logit_bias": _bias(token_id, valid),
     })
+
+
+def _bias(token_id, valid: bool):
+    """logit_bias maps: a few in-range entries; or any ids and float32 values, and sizes around the limit."""
+    short = st.dictionaries(token_id, _floats(-100.0, 100.0, valid), max_size=4)
+    if valid:
+        return short
+    return st.one_of(short, st.integers(LIMITS.max_logit_bias - 1, LIMITS.max_logit_bias + 2).map(
+        lambda n: {t: 1.0 for t in range(n)}))
 
 
 sampling = st.one_of(_sampling(valid=True), _sampling(valid=False))

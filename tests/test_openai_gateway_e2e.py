@@ -116,6 +116,17 @@ def test_completions_n_samples_with_logprobs_equal_the_llm_v1_answer(client, mod
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
 
 
+def test_logit_bias_reaches_the_sampler(client, model, direct):
+    bias = {"5": 100, "9": -100}
+    reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0.0, logit_bias=bias)
+    want = direct.generate("Hello", max_tokens=4, temperature=0.0, logit_bias={5: 100.0, 9: -100.0},
+                           skip_special_tokens=True)
+    assert want.token_ids == [5] * 4 and reply.choices[0].text == want.text
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0.0, logit_bias=bias)
+    assert chat.choices[0].message.content == direct.detokenize([5] * 3, skip_special_tokens=True)
+
+
 def test_streamed_completion_of_a_batch_of_prompts_equals_the_unstreamed_one(client, model):
     request = dict(model=model, prompt=["Hello there", "The sky is"], max_tokens=8, temperature=0.0, stop=["\n\n"])
     whole = client.completions.create(**request)
@@ -235,7 +246,8 @@ def test_tool_call_with_tool_choice_required_and_named(client, model):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(top_p=1.5), "top_p"),                                    # refused by the scheduler
     (dict(presence_penalty=5), "presence_penalty"),
-    (dict(logit_bias={"5": 1.0}), "logit_bias"),                   # the API lacks it
+    (dict(logit_bias={"5": 101.0}), "logit_bias"),                 # out of [-100, 100]
+    (dict(logit_bias={"100000000": 1.0}), "logit_bias"),           # not a token of the model
     (dict(extra_body={"best_of_luck": 1}), "best_of_luck"),        # unknown
     (dict(logprobs=False, top_logprobs=2), "top_logprobs"),
     (dict(reasoning_effort="high"), "reasoning_effort"),

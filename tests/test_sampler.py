@@ -181,3 +181,45 @@ def test_options_from_proto_treat_proto3_zeros_as_off_and_reject_nonsense():
         sampling_options_from_proto(worker_pb2.SamplingOptions(top_p=1.5))
     with pytest.raises(ValueError, match="temperature"):
         sampling_options_from_proto(worker_pb2.SamplingOptions(temperature=-1))
+
+
+def test_logit_bias_is_added_before_penalties_and_truncation_and_logprobs_stay_raw():
+    """A biased row samples as the same row would from logits with the bias added by hand (greedy,
+    seeded draws under top-k/top-p, penalties after the bias); its logprob is of the raw logits;
+    rows without a bias in the same batch are untouched."""
+    g = torch.Generator().manual_seed(11)
+    bias = ((1, 4.0), (5, -100.0), (7, 2.5))
+    dense = torch.zeros(VOCAB)
+    for token_id, value in bias:
+        dense[token_id] = value
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=6, top_p=0.9, seed=3),
+             dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5)]
+    for kind in kinds:
+        s_biased, s_by_hand = sampler(), sampler()
+        biased = SamplingOptions(logit_bias=bias, logprobs=True, **kind)
+        by_hand = SamplingOptions(logprobs=True, **kind)
+        rows = []
+        for s, options in ((s_biased, biased), (s_by_hand, by_hand)):
+            penalty = s.add_request([2, 5, 9, 9], 2, options)
+            rows.append([Row(options, 2, penalty), Row(SamplingOptions(temperature=0.0))])
+        for _ in range(5):
+            logits = torch.randn(2, VOCAB, generator=g) * 3
+            tokens, logprobs = s_biased.sample_rows(logits, rows[0])
+            expected, _ = s_by_hand.sample_rows(logits + torch.stack([dense, torch.zeros(VOCAB)]), rows[1])
+            assert tokens == expected, kind
+            assert tokens[0] != 5   # -100 bans it against these logits
+            assert logprobs[0] == pytest.approx(float(logits[0].log_softmax(-1)[tokens[0]]), abs=1e-5)
+            assert tokens[1] == int(logits[1].argmax())
+            for r in (rows[0][0], rows[1][0]):
+                r.num_output_tokens += 1
+
+
+def test_logit_bias_from_proto_pairs_ids_with_values():
+    pb = worker_pb2.SamplingOptions(logit_bias_token_ids=[2, 9], logit_bias_values=[1.5, -3.0])
+    assert sampling_options_from_proto(pb).logit_bias == ((2, 1.5), (9, -3.0))
+    with pytest.raises(ValueError, match="2 token ids but 1 values"):
+        sampling_options_from_proto(worker_pb2.SamplingOptions(logit_bias_token_ids=[2, 9], logit_bias_values=[1]))
+    with pytest.raises(ValueError, match="ascending"):
+        sampling_options_from_proto(worker_pb2.SamplingOptions(logit_bias_token_ids=[9, 2], logit_bias_values=[1, 1]))
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        sampling_options_from_proto(worker_pb2.SamplingOptions(logit_bias_token_ids=[2], logit_bias_values=[101]))

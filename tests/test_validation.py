@@ -251,3 +251,16 @@ def test_float32_text_is_the_shortest_decimal_of_the_same_float32(value):
     # numpy's float32 repr is the shortest round-tripping decimal (Dragon4): the same digits.
     digits = lambda t: len(t.lower().split("e")[0].lstrip("-").replace(".", "").strip("0"))  # noqa: E731
     assert digits(text) == digits(np.format_float_scientific(np.float32(value), unique=True)) or value == 0
+
+
+def test_logit_bias_is_bounded_sorted_and_drops_zeros():
+    _, params = validate(request(logit_bias={9: 2.0, 3: -100.0, 4: 0.0, 7: 100.0}))
+    assert params.logit_bias == ((3, -100.0), (7, 100.0), (9, 2.0))
+    assert params.to_worker_options().logit_bias_token_ids == [3, 7, 9]
+    for bias, fragment in (({512: 1.0}, "names token 512, out of range: vocab_size is 512"),
+                           ({3: 100.00001}, "sampling.logit_bias[3] must be in [-100, 100], got 100.00001"),
+                           ({3: -1e9}, "got -1e+09"), ({3: math.nan}, "got nan"),
+                           ({t: 1.0 for t in range(Limits().max_logit_bias + 1)}, "1025 entries, more than the limit")):
+        with pytest.raises(InvalidRequest) as caught:
+            validate(request(logit_bias=bias))
+        assert caught.value.field == "sampling.logit_bias" and fragment in str(caught.value), caught.value

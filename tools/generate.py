@@ -14,6 +14,7 @@ Exits 0 when the request finished, 1 when the server refused or failed it (the s
 """
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
@@ -34,6 +35,16 @@ def _tool(value: str) -> Tool:
     return Tool(spec["name"], spec.get("description", ""), spec.get("parameters"))
 
 
+def _bias_entry(text: str) -> tuple[int, float]:
+    token_id, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token_id), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 42=-100), got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m tools.generate", description=__doc__, env_prefix="QWEN3_SERVE_GENERATE_")
     p.add_argument("prompt")
@@ -48,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-logprobs", type=int, default=None, help="print the K most likely tokens at each position")
     p.add_argument("--prompt-logprobs", action="store_true", help="print each prompt token's log-probability")
     p.add_argument("--priority", type=int, default=None, help="lower is served first (default 0)")
+    p.add_argument("--logit-bias", nargs="+", default=[], metavar="ID=BIAS", type=_bias_entry,
+                   help="add BIAS in [-100, 100] to token ID's logit (e.g. 151645=-100 bans <|im_end|>)")
     constraint = p.add_argument_group("structured output", "at most one of these")
     constraint.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE")
     constraint.add_argument("--regex", default=None)
@@ -72,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        stop=args.stop, n=args.n, logprobs=args.logprobs, top_logprobs=args.top_logprobs,
                        prompt_logprobs=args.prompt_logprobs, priority=args.priority,
+                       logit_bias=dict(args.logit_bias) or None,
                        json_schema=_text_or_file(args.json_schema), regex=args.regex,
                        grammar=_text_or_file(args.grammar), json_object=args.json_object)
         tools = [_tool(t) for t in args.tool]

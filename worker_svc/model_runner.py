@@ -411,6 +411,9 @@ class ModelRunner:
             raise InvalidStepError(f"{where}: {known} tokens exceed max_model_len {self.max_model_len}")
         if max(new.token_ids) >= self.vocab_size:
             raise InvalidStepError(f"{where}: token id {max(new.token_ids)} >= vocab_size {self.vocab_size}")
+        if new.sampling.logit_bias and new.sampling.logit_bias[-1][0] >= self.vocab_size:
+            raise InvalidStepError(f"{where}: logit_bias token id {new.sampling.logit_bias[-1][0]} >= vocab_size "
+                                   f"{self.vocab_size}")
         if new.num_scheduled_tokens == 0:
             raise InvalidStepError(f"{where}: num_scheduled_tokens is 0")
         end = new.num_computed_tokens + new.num_scheduled_tokens

@@ -109,11 +109,21 @@ def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptio
         logprobs=pb.logprobs or pb.top_logprobs > 0,
         top_logprobs=pb.top_logprobs,
         prompt_logprobs=pb.prompt_logprobs,
+        logit_bias=_logit_bias(pb),
     )
     options.validate()
     if options.top_logprobs > MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs {options.top_logprobs} > {MAX_TOP_LOGPROBS}")
     return options
+
+
+def _logit_bias(pb: worker_pb2.SamplingOptions) -> tuple[tuple[int, float], ...]:
+    ids, values = pb.logit_bias_token_ids, pb.logit_bias_values
+    if len(ids) != len(values):
+        raise ValueError(f"logit_bias has {len(ids)} token ids but {len(values)} values")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError("logit_bias token ids must be ascending, each once")
+    return tuple(zip(ids, values))
 
 
 def constraint_from_proto(new: worker_pb2.NewRequest) -> Constraint | None:

@@ -2,8 +2,8 @@
 plus the sampling extensions vLLM and SGLang users send (top_k, min_p, repetition_penalty, ...).
 
 Every model forbids fields it does not declare: an unknown parameter is a 400 naming it, never
-a silent drop. A declared field that the service cannot honour with a given value (logit_bias,
-echo, a non-text content part, ...) is refused in translate.py, which also names it. Value ranges
+a silent drop. A declared field that the service cannot honour with a given value (echo, a
+non-text content part, ...) is refused in translate.py, which also names it. Value ranges
 that the scheduler checks itself (temperature, top_p, penalties, n, ...) are left to it, so there
 is one place that knows them; its refusal comes back as a 400 naming the parameter.
 """
@@ -55,7 +55,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None   # refused unless empty
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

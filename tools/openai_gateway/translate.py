@@ -22,9 +22,19 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/compl
 MAX_SEED = 2 ** 64                   # llm.v1 seeds are uint64
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) as llm.v1's map; the scheduler checks the ids and values."""
+    if not bias:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_param("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        parsed[int(key)] = value
+    return parsed
+
+
 def _common_options(req: _Sampling) -> dict[str, Any]:
-    if req.logit_bias:
-        raise unsupported("logit_bias", "the sampler has no per-token bias")
     if req.stream_options is not None:
         if not req.stream:
             raise bad_param("stream_options", "stream_options is only allowed with stream: true")
@@ -41,7 +51,8 @@ def _common_options(req: _Sampling) -> dict[str, Any]:
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, top_k=req.top_k,
         min_p=req.min_p, repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
         ignore_eos=bool(req.ignore_eos), stop_token_ids=list(req.stop_token_ids or ()), priority=req.priority,
-        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens)
+        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias))
     options.update(_response_format(req))
     return options
 

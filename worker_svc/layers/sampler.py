@@ -1,7 +1,7 @@
 """Turns each sampling request's logits row into one token (and its logprob).
 
-Order of processing, as transformers applies it: penalties, temperature, top-k, top-p, min-p,
-then a draw. A sampled token's logprob is of the logits as given, before any of that processing
+Order of processing: the logit bias (as vLLM applies it, before everything else), then as
+transformers applies them: penalties, temperature, top-k, top-p, min-p, then a draw. A sampled token's logprob is of the logits as given, before any of that processing
 (vLLM's default, raw logprobs), so it agrees with the top logprobs (worker_svc/layers/logprobs.py)
 and does not depend on how the token was drawn. Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which needs only
 one vector of noise per row: for a seeded request that vector comes from a generator seeded by
@@ -38,9 +38,12 @@ class SamplingOptions:
     logprobs: bool = False
     top_logprobs: int = 0             # the runner computes these (layers/logprobs.py)
     prompt_logprobs: bool = False     # the runner scores the prompt
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added before penalties, ids ascending
 
     def validate(self) -> None:
         problems = [
+            "logit_bias values must be finite, within [-100, 100]"
+            if not all(abs(v) <= 100 for _, v in self.logit_bias) else "",
             f"temperature {self.temperature} < 0" if not self.temperature >= 0 else "",
             f"top_p {self.top_p} not in (0, 1]" if not 0 < self.top_p <= 1 else "",
             f"top_k {self.top_k} < 0" if self.top_k < 0 else "",
@@ -107,6 +110,9 @@ class SamplingMetadata:
     frequency: torch.Tensor | None
     logprob_rows: torch.Tensor | None          # rows that want their token's logprob
     logprobs: bool                             # any row asked
+    bias_rows: torch.Tensor | None = None      # per logit-bias entry of any row: its row,
+    bias_ids: torch.Tensor | None = None       # its token id
+    bias_values: torch.Tensor | None = None    # and its bias (float32)
 
     @classmethod
     def build(cls, options: list[SamplingOptions], penalty_rows: list[int | None], vocab_size: int,
@@ -129,6 +135,8 @@ class SamplingMetadata:
         seeded = [(j, o.seed) for j, o in enumerate(drawn) if o.seed is not None]
         penalized = [i for i, row in enumerate(penalty_rows) if row is not None]
         asked = [i for i, o in enumerate(options) if o.logprobs]
+        biased = [(i, token_id, value) for i, o in enumerate(options) for token_id, value in o.logit_bias]
+        bias_rows, bias_ids, bias_values = zip(*biased) if biased else ((), (), ())
         return cls(
             num_rows=n,
             greedy=not drawing,
@@ -144,6 +152,9 @@ class SamplingMetadata:
             frequency=_column([options[i].frequency_penalty for i in penalized], device) if penalized else None,
             logprob_rows=_index(asked, device) if asked else None,
             logprobs=bool(asked),
+            bias_rows=_index(list(bias_rows), device) if biased else None,
+            bias_ids=_index(list(bias_ids), device) if biased else None,
+            bias_values=_column(list(bias_values), device).squeeze(1) if biased else None,
         )
 
 
@@ -185,8 +196,12 @@ class Sampler:
         argmax (over the logits as given: the same token as in float32); only the rows that draw
         go through temperature, truncation and the race."""
         raw = logits   # logprobs are those of the raw model distribution
-        if meta.penalized_index is not None:
+        if meta.bias_values is not None:
             logits = logits.to(torch.float32, copy=True)
+            logits.index_put_((meta.bias_rows, meta.bias_ids), meta.bias_values, accumulate=True)
+        if meta.penalized_index is not None:
+            if logits is raw:
+                logits = logits.to(torch.float32, copy=True)
             self.penalties.apply(logits, meta.penalized_index, meta.penalty_rows,
                                  meta.repetition, meta.presence, meta.frequency)
             logits = with_unusable_rows_raw(logits, raw)   # a penalty made a row non-finite: skip it

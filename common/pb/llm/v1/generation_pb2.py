@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!common/pb/llm/v1/generation.proto\x12\x06llm.v1\"\x90\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.llm.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.llm.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdf\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12\t\n\x01n\x18\x10 \x01(\r\x12\x19\n\x0ctop_logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\x12 \x01(\x08\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x15 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x15\n\x08priority\x18\x17 \x01(\x05H\x0c\x88\x01\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x0b\n\t_priority\"\xbf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.llm.v1.FinishReason\x12\x1c\n\x05usage\x18\x05 \x01(\x0b\x32\r.llm.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\r\n\x05index\x18\x07 \x01(\r\x12)\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x13.llm.v1.TopLogprobs\x12\x14\n\x0cmatched_stop\x18\t \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\n \x03(\x02\x12\x30\n\x13prompt_top_logprobs\x18\x0b \x03(\x0b\x32\x13.llm.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd6\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.llm.v1.ChatMessage\x12\x1b\n\x05tools\x18\x03 \x03(\x0b\x32\x0c.llm.v1.Tool\x12\x13\n\x0btool_choice\x18\x04 \x01(\t\x12\x1c\n\x0f\x65nable_thinking\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.llm.v1.SamplingParamsB\x12\n\x10_enable_thinking\"\x9e\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.llm.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\x14\n\x12_reasoning_content\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xf9\x02\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x04 \x01(\t\x12$\n\ntool_calls\x18\x05 \x03(\x0b\x32\x10.llm.v1.ToolCall\x12+\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x14.llm.v1.FinishReason\x12\x1c\n\x05usage\x18\x07 \x01(\x0b\x32\r.llm.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\x12\x11\n\ttoken_ids\x18\t \x03(\r\x12\x10\n\x08logprobs\x18\n \x03(\x02\x12)\n\x0ctop_logprobs\x18\x0b \x03(\x0b\x32\x13.llm.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0c \x03(\x02\x12\x30\n\x13prompt_top_logprobs\x18\r \x03(\x0b\x32\x13.llm.v1.TopLogprobs\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"W\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x12\n\neach_token\x18\x03 \x01(\x08\"7\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xb7\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12.\n\rworker_groups\x18\x07 \x03(\x0b\x32\x17.llm.v1.WorkerGroupInfo\"\xa5\x02\n\x0fWorkerGroupInfo\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\t \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\n \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xfc\x02\n\nGeneration\x12?\n\x08Generate\x12\x17.llm.v1.GenerateRequest\x1a\x18.llm.v1.GenerateResponse0\x01\x12\x33\n\x04\x43hat\x12\x13.llm.v1.ChatRequest\x1a\x14.llm.v1.ChatResponse0\x01\x12=\n\x08Tokenize\x12\x17.llm.v1.TokenizeRequest\x1a\x18.llm.v1.TokenizeResponse\x12\x43\n\nDetokenize\x12\x19.llm.v1.DetokenizeRequest\x1a\x1a.llm.v1.DetokenizeResponse\x12\x34\n\x05\x41\x62ort\x12\x14.llm.v1.AbortRequest\x1a\x15.llm.v1.AbortResponse\x12>\n\x0cGetModelInfo\x12\x1b.llm.v1.GetModelInfoRequest\x1a\x11.llm.v1.ModelInfoB^\n\x14io.qwen3serve.llm.v1B\x0fGenerationProtoP\x01Z\x1fqwen3-serve/gen/go/llm/v1;llmv1\xaa\x02\x11Qwen3Serve.Llm.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!common/pb/llm/v1/generation.proto\x12\x06llm.v1\"\x90\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.llm.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.llm.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcc\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12\t\n\x01n\x18\x10 \x01(\r\x12\x19\n\x0ctop_logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\x12 \x01(\x08\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x15 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x15\n\x08priority\x18\x17 \x01(\x05H\x0c\x88\x01\x01\x12\x39\n\nlogit_bias\x18\x18 \x03(\x0b\x32%.llm.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x0b\n\t_priority\"\xbf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.llm.v1.FinishReason\x12\x1c\n\x05usage\x18\x05 \x01(\x0b\x32\r.llm.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\r\n\x05index\x18\x07 \x01(\r\x12)\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x13.llm.v1.TopLogprobs\x12\x14\n\x0cmatched_stop\x18\t \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\n \x03(\x02\x12\x30\n\x13prompt_top_logprobs\x18\x0b \x03(\x0b\x32\x13.llm.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd6\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.llm.v1.ChatMessage\x12\x1b\n\x05tools\x18\x03 \x03(\x0b\x32\x0c.llm.v1.Tool\x12\x13\n\x0btool_choice\x18\x04 \x01(\t\x12\x1c\n\x0f\x65nable_thinking\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.llm.v1.SamplingParamsB\x12\n\x10_enable_thinking\"\x9e\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.llm.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\x14\n\x12_reasoning_content\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xf9\x02\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x04 \x01(\t\x12$\n\ntool_calls\x18\x05 \x03(\x0b\x32\x10.llm.v1.ToolCall\x12+\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x14.llm.v1.FinishReason\x12\x1c\n\x05usage\x18\x07 \x01(\x0b\x32\r.llm.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\x12\x11\n\ttoken_ids\x18\t \x03(\r\x12\x10\n\x08logprobs\x18\n \x03(\x02\x12)\n\x0ctop_logprobs\x18\x0b \x03(\x0b\x32\x13.llm.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0c \x03(\x02\x12\x30\n\x13prompt_top_logprobs\x18\r \x03(\x0b\x32\x13.llm.v1.TopLogprobs\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"W\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x12\n\neach_token\x18\x03 \x01(\x08\"7\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xb7\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12.\n\rworker_groups\x18\x07 \x03(\x0b\x32\x17.llm.v1.WorkerGroupInfo\"\xa5\x02\n\x0fWorkerGroupInfo\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\t \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\n \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xfc\x02\n\nGeneration\x12?\n\x08Generate\x12\x17.llm.v1.GenerateRequest\x1a\x18.llm.v1.GenerateResponse0\x01\x12\x33\n\x04\x43hat\x12\x13.llm.v1.ChatRequest\x1a\x14.llm.v1.ChatResponse0\x01\x12=\n\x08Tokenize\x12\x17.llm.v1.TokenizeRequest\x1a\x18.llm.v1.TokenizeResponse\x12\x43\n\nDetokenize\x12\x19.llm.v1.DetokenizeRequest\x1a\x1a.llm.v1.DetokenizeResponse\x12\x34\n\x05\x41\x62ort\x12\x14.llm.v1.AbortRequest\x1a\x15.llm.v1.AbortResponse\x12>\n\x0cGetModelInfo\x12\x1b.llm.v1.GetModelInfoRequest\x1a\x11.llm.v1.ModelInfoB^\n\x14io.qwen3serve.llm.v1B\x0fGenerationProtoP\x01Z\x1fqwen3-serve/gen/go/llm/v1;llmv1\xaa\x02\x11Qwen3Serve.Llm.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,48 +32,52 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common.pb.llm.v1.generation
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\024io.qwen3serve.llm.v1B\017GenerationProtoP\001Z\037qwen3-serve/gen/go/llm/v1;llmv1\252\002\021Qwen3Serve.Llm.V1'
-  _globals['_FINISHREASON']._serialized_start=3164
-  _globals['_FINISHREASON']._serialized_end=3314
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3273
+  _globals['_FINISHREASON']._serialized_end=3423
   _globals['_GENERATEREQUEST']._serialized_start=46
   _globals['_GENERATEREQUEST']._serialized_end=190
   _globals['_TOKENIDS']._serialized_start=192
   _globals['_TOKENIDS']._serialized_end=215
   _globals['_SAMPLINGPARAMS']._serialized_start=218
-  _globals['_SAMPLINGPARAMS']._serialized_end=953
-  _globals['_GENERATERESPONSE']._serialized_start=956
-  _globals['_GENERATERESPONSE']._serialized_end=1275
-  _globals['_TOPLOGPROBS']._serialized_start=1277
-  _globals['_TOPLOGPROBS']._serialized_end=1327
-  _globals['_USAGE']._serialized_start=1329
-  _globals['_USAGE']._serialized_end=1416
-  _globals['_CHATREQUEST']._serialized_start=1419
-  _globals['_CHATREQUEST']._serialized_end=1633
-  _globals['_CHATMESSAGE']._serialized_start=1636
-  _globals['_CHATMESSAGE']._serialized_end=1794
-  _globals['_TOOL']._serialized_start=1796
-  _globals['_TOOL']._serialized_end=1862
-  _globals['_TOOLCALL']._serialized_start=1864
-  _globals['_TOOLCALL']._serialized_end=1924
-  _globals['_CHATRESPONSE']._serialized_start=1927
-  _globals['_CHATRESPONSE']._serialized_end=2304
-  _globals['_TOKENIZEREQUEST']._serialized_start=2306
-  _globals['_TOKENIZEREQUEST']._serialized_end=2365
-  _globals['_TOKENIZERESPONSE']._serialized_start=2367
-  _globals['_TOKENIZERESPONSE']._serialized_end=2442
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2444
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2531
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2533
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2588
-  _globals['_ABORTREQUEST']._serialized_start=2590
-  _globals['_ABORTREQUEST']._serialized_end=2624
-  _globals['_ABORTRESPONSE']._serialized_start=2626
-  _globals['_ABORTRESPONSE']._serialized_end=2656
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2658
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2679
-  _globals['_MODELINFO']._serialized_start=2682
-  _globals['_MODELINFO']._serialized_end=2865
-  _globals['_WORKERGROUPINFO']._serialized_start=2868
-  _globals['_WORKERGROUPINFO']._serialized_end=3161
-  _globals['_GENERATION']._serialized_start=3317
-  _globals['_GENERATION']._serialized_end=3697
+  _globals['_SAMPLINGPARAMS']._serialized_end=1062
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=819
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=867
+  _globals['_GENERATERESPONSE']._serialized_start=1065
+  _globals['_GENERATERESPONSE']._serialized_end=1384
+  _globals['_TOPLOGPROBS']._serialized_start=1386
+  _globals['_TOPLOGPROBS']._serialized_end=1436
+  _globals['_USAGE']._serialized_start=1438
+  _globals['_USAGE']._serialized_end=1525
+  _globals['_CHATREQUEST']._serialized_start=1528
+  _globals['_CHATREQUEST']._serialized_end=1742
+  _globals['_CHATMESSAGE']._serialized_start=1745
+  _globals['_CHATMESSAGE']._serialized_end=1903
+  _globals['_TOOL']._serialized_start=1905
+  _globals['_TOOL']._serialized_end=1971
+  _globals['_TOOLCALL']._serialized_start=1973
+  _globals['_TOOLCALL']._serialized_end=2033
+  _globals['_CHATRESPONSE']._serialized_start=2036
+  _globals['_CHATRESPONSE']._serialized_end=2413
+  _globals['_TOKENIZEREQUEST']._serialized_start=2415
+  _globals['_TOKENIZEREQUEST']._serialized_end=2474
+  _globals['_TOKENIZERESPONSE']._serialized_start=2476
+  _globals['_TOKENIZERESPONSE']._serialized_end=2551
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2553
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2640
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2642
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2697
+  _globals['_ABORTREQUEST']._serialized_start=2699
+  _globals['_ABORTREQUEST']._serialized_end=2733
+  _globals['_ABORTRESPONSE']._serialized_start=2735
+  _globals['_ABORTRESPONSE']._serialized_end=2765
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2767
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2788
+  _globals['_MODELINFO']._serialized_start=2791
+  _globals['_MODELINFO']._serialized_end=2974
+  _globals['_WORKERGROUPINFO']._serialized_start=2977
+  _globals['_WORKERGROUPINFO']._serialized_end=3270
+  _globals['_GENERATION']._serialized_start=3426
+  _globals['_GENERATION']._serialized_end=3806
 # @@protoc_insertion_point(module_scope)
