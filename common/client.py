@@ -594,24 +594,21 @@ class Client:
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
                    timeout: float | None = _UNSET) -> str:
-        try:
-            reply = self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids,
-                                                               skip_special_tokens=skip_special_tokens),
-                                          timeout=self._timeout(timeout), metadata=self._settings.metadata)
-        except grpc.RpcError as exc:
-            raise RequestError.from_rpc_error(exc) from exc
-        return reply.text
+        return self._detokenize(token_ids, skip_special_tokens, False, timeout).text
 
     def token_texts(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
                     timeout: float | None = _UNSET) -> list[str]:
         """The text of each token on its own, in one call (a piece of a multi-byte character is U+FFFD)."""
+        return list(self._detokenize(token_ids, skip_special_tokens, True, timeout).token_texts)
+
+    def _detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool, each_token: bool,
+                    timeout: float | None) -> pb.DetokenizeResponse:
         try:
-            reply = self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids, each_token=True,
-                                                               skip_special_tokens=skip_special_tokens),
-                                          timeout=self._timeout(timeout), metadata=self._settings.metadata)
+            return self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids, each_token=each_token,
+                                                              skip_special_tokens=skip_special_tokens),
+                                         timeout=self._timeout(timeout), metadata=self._settings.metadata)
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
-        return list(reply.token_texts)
 
     def abort(self, request_id: str, *, timeout: float | None = _UNSET) -> bool:
         """Ends a waiting or running request (its stream finishes with "abort"); False when the
@@ -754,24 +751,21 @@ class AsyncClient:
 
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
                          timeout: float | None = _UNSET) -> str:
-        try:
-            reply = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids,
-                                                                     skip_special_tokens=skip_special_tokens),
-                                                timeout=self._timeout(timeout), metadata=self._settings.metadata)
-        except grpc.RpcError as exc:
-            raise RequestError.from_rpc_error(exc) from exc
-        return reply.text
+        return (await self._detokenize(token_ids, skip_special_tokens, False, timeout)).text
 
     async def token_texts(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
                           timeout: float | None = _UNSET) -> list[str]:
         """The text of each token on its own, in one call (a piece of a multi-byte character is U+FFFD)."""
+        return list((await self._detokenize(token_ids, skip_special_tokens, True, timeout)).token_texts)
+
+    async def _detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool, each_token: bool,
+                          timeout: float | None) -> pb.DetokenizeResponse:
         try:
-            reply = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids, each_token=True,
-                                                                     skip_special_tokens=skip_special_tokens),
-                                                timeout=self._timeout(timeout), metadata=self._settings.metadata)
+            return await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids, each_token=each_token,
+                                                                    skip_special_tokens=skip_special_tokens),
+                                               timeout=self._timeout(timeout), metadata=self._settings.metadata)
         except grpc.RpcError as exc:
             raise RequestError.from_rpc_error(exc) from exc
-        return list(reply.token_texts)
 
     async def abort(self, request_id: str, *, timeout: float | None = _UNSET) -> bool:
         """Ends a waiting or running request; False when the server knows no such request."""

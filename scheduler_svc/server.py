@@ -229,12 +229,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             index = next(i for i, token_id in enumerate(ids) if token_id >= self.vocab_size)
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"token_ids[{index}] = {ids[index]} is out of range: vocab_size is {self.vocab_size}")
-        tokenizer, skip = self.frontend.tokenizer, request.skip_special_tokens
-        text = await asyncio.to_thread(tokenizer.decode, ids, skip_special_tokens=skip)
-        each = ()
-        if request.each_token:
-            each = await asyncio.to_thread(tokenizer.decode_each, ids, skip_special_tokens=skip)
-        return generation_pb2.DetokenizeResponse(text=text, token_texts=each)
+        tokenizer, skip, each_token = self.frontend.tokenizer, request.skip_special_tokens, request.each_token
+
+        def decode() -> generation_pb2.DetokenizeResponse:   # one trip to a thread for both decodes
+            return generation_pb2.DetokenizeResponse(
+                text=tokenizer.decode(ids, skip_special_tokens=skip),
+                token_texts=tokenizer.decode_each(ids, skip_special_tokens=skip) if each_token else ())
+
+        return await asyncio.to_thread(decode)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.frontend.count_rejection(code.name)

@@ -136,9 +136,6 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
     )
 
 
-LOGIT_BIAS_BOUND = 100.0
-
-
 def _logit_bias(bias, vocab_size: int, limits: Limits) -> tuple[tuple[int, float], ...]:
     """(token id, bias) pairs, ids ascending; each id in the vocabulary, each bias in [-100, 100]."""
     if len(bias) > limits.max_logit_bias:
@@ -149,9 +146,7 @@ def _logit_bias(bias, vocab_size: int, limits: Limits) -> tuple[tuple[int, float
         if token_id >= vocab_size:
             raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias names token {token_id}, out of range: "
                                                         f"vocab_size is {vocab_size}")
-        if not math.isfinite(value) or abs(value) > LOGIT_BIAS_BOUND:
-            raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias[{token_id}] must be in [-100, 100], "
-                                                        f"got {float32_text(value)}")
+        _in_range(value, "sampling.logit_bias", -100.0, 100.0, what=f"sampling.logit_bias[{token_id}]")
     return tuple((token_id, value) for token_id, value in pairs if value != 0.0)
 
 
@@ -191,14 +186,20 @@ def _bounded_float(
     """The field's value, or `default` when unset; it must lie in [low, high] ((low, high] if low_open)."""
     if not msg.HasField(name):
         return default
-    value = getattr(msg, name)
-    field = f"sampling.{name}"
+    return _in_range(getattr(msg, name), f"sampling.{name}", low, high, low_open=low_open)
+
+
+def _in_range(value: float, field: str, low: float, high: float, *, low_open: bool = False,
+              what: str | None = None) -> float:
+    """`value` (a proto float) if it lies in [low, high] ((low, high] if low_open), else
+    InvalidRequest for `field`, whose message names `what` (default: the field)."""
+    what = what or field
     if not math.isfinite(value):
-        raise InvalidRequest(field, f"{field} must be a finite number, got {value}")
+        raise InvalidRequest(field, f"{what} must be a finite number, got {value}")
     # Compared as float32, the field's type: a client's 0.01 arrives as 0.0099999998.
     if value > _float32(high) or value < _float32(low) or (low_open and value == _float32(low)):
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise InvalidRequest(field, f"{field} must be in {interval}, got {float32_text(value)}")
+        raise InvalidRequest(field, f"{what} must be in {interval}, got {float32_text(value)}")
     return value
 
 
