@@ -19,9 +19,9 @@ import tempfile
 import time
 
 from common.pb.llm.v1 import generation_pb2
-from scheduler_svc.admission_pool import AdmissionPool
-from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.validation import validate_request
+from scheduler_svc.frontend.admission_pool import AdmissionPool
+from scheduler_svc.frontend.tokenizer import load_tokenizer
+from scheduler_svc.frontend.validation import validate_request
 
 SIZES = (64, 256, 1024, 4096, 65536, 1 << 20)
 

@@ -23,8 +23,8 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.tiny_model import write_tiny_qwen3
-from tests.client import generate
-from tests.procs import free_port, running_services
+from tests.support.client import generate
+from tests.support.procs import free_port, running_services
 from tools.loadtest.client import LoadClient
 from tools.loadtest.datasets import Prompt
 

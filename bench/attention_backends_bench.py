@@ -101,7 +101,7 @@ def load_backends(names: list[str], device: torch.device) -> dict:
     for name in names:
         try:
             if device.type == "cpu" and name == "triton":   # the interpreter, for the smoke test
-                from tests.test_attention_backends import patch_triton_interpreter
+                from tests.unit.test_attention_backends import patch_triton_interpreter
 
                 found[name] = load_backend(name)
                 patch_triton_interpreter()

@@ -22,11 +22,11 @@ import time
 import grpc
 
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.sequence import Sequence
-from scheduler_svc.step_message import build_step_request, parse_step_response
+from scheduler_svc.engine.block_manager import BlockManager
+from common.sampling import SamplingParams
+from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine.sequence import Sequence
+from scheduler_svc.engine.step_message import build_step_request, parse_step_response
 
 MAX_MESSAGE_BYTES = 64 << 20
 LEASE_EPOCH = time.time_ns()     # this run's lease of the worker (worker_svc/lease.py)

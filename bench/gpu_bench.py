@@ -155,8 +155,8 @@ def stage_service(args: argparse.Namespace) -> dict:
 
     from bench.multiproc_client import send_from_processes
     from bench.proc_cpu import CpuSampler
-    from tests.client import generate
-    from tests.procs import scheduler_proc, worker_proc
+    from tests.support.client import generate
+    from tests.support.procs import scheduler_proc, worker_proc
     from tools.loadtest.datasets import Prompt
 
     load = workload(args)
@@ -214,8 +214,8 @@ def stage_structured(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from bench.multiproc_client import send_from_processes
-    from tests.client import generate
-    from tests.procs import scheduler_proc, worker_proc
+    from tests.support.client import generate
+    from tests.support.procs import scheduler_proc, worker_proc
     from tools.loadtest.datasets import DEFAULT_JSON_SCHEMA, Prompt, with_json_schema
 
     load = workload(args)
@@ -278,7 +278,7 @@ def scheduler_channel(proc):
 
 def stage_offline(args: argparse.Namespace) -> dict:
     from tools.offline import LLM
-    from scheduler_svc.sampling_params import SamplingParams
+    from common.sampling import SamplingParams
 
     load = workload(args)
     llm = LLM(str(model_dir(args)), device=args.device, attention_backend=args.attention_backend,
@@ -305,7 +305,7 @@ def decode_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 def stage_decode(args: argparse.Namespace) -> dict:
     from bench.decode_breakdown import measure_decode_breakdown
-    from tests.procs import worker_proc
+    from tests.support.procs import worker_proc
 
     cases = decode_cases(args)
     log_dir = args.out / "logs"

@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_one(args, model_dir: pathlib.Path, frontends: int, stream_interval: int) -> dict:
     from bench.multiproc_client import send_from_processes
     from bench.proc_cpu import CpuSampler
-    from tests.procs import Proc, free_port, scheduler_proc
+    from tests.support.procs import Proc, free_port, scheduler_proc
     from tools.loadtest.datasets import Prompt
 
     tag = f"f{frontends}-s{stream_interval}"

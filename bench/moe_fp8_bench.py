@@ -216,7 +216,7 @@ def stage_moe_kernel(args: argparse.Namespace) -> dict:
     import torch
 
     if args.device == "cpu":   # the kernels run under Triton's interpreter, patched to behave like a GPU
-        from tests.triton_interpreter import gpu_faithful
+        from tests.support.triton_interpreter import gpu_faithful
     else:
         gpu_faithful = contextlib.nullcontext
     with gpu_faithful():
@@ -272,7 +272,7 @@ def stage_fp8_gemm(args: argparse.Namespace) -> dict:
     import contextlib
 
     if args.device == "cpu":
-        from tests.triton_interpreter import gpu_faithful
+        from tests.support.triton_interpreter import gpu_faithful
     else:
         gpu_faithful = contextlib.nullcontext
     with gpu_faithful():
@@ -326,7 +326,7 @@ def _llm(args: argparse.Namespace, name: str, **options):
 
 def stage_moe_e2e(args: argparse.Namespace) -> dict:
     from bench.workload import nano_vllm_workload
-    from scheduler_svc.sampling_params import SamplingParams
+    from common.sampling import SamplingParams
 
     config = load_config(args, "moe")
     if args.tiny:
@@ -361,7 +361,7 @@ def moe_workload_floor(result: dict, shape: Shape, rates: dict) -> dict:
 
 
 def stage_decode(args: argparse.Namespace, name: str, quantization: str) -> dict:
-    from scheduler_svc.sampling_params import SamplingParams
+    from common.sampling import SamplingParams
 
     config = load_config(args, name)
     batch, prompt_len, steps = args.decode_batch, args.decode_prompt, args.decode_steps

@@ -1,7 +1,7 @@
 """xgrammar against llguidance on what structured output must guarantee, then on speed.
 
 Both libraries build a token bitmask from a grammar; what differs is what their grammars let
-through. For each random JSON schema (tests/constraint_cases.py) and each regex, every backend
+through. For each random JSON schema (tests/support/constraint_cases.py) and each regex, every backend
 samples several outputs from random logits under its mask (the same logits stream for both, so
 only the masks differ) and the script counts:
   - outputs that `json.loads` (strict: no raw control characters in strings) rejects,
@@ -30,7 +30,7 @@ import time
 import torch
 
 from common.tiny_model import write_tiny_qwen3
-from tests.constraint_cases import REGEXES, random_schemas, whitespace_run
+from tests.support.constraint_cases import REGEXES, random_schemas, whitespace_run
 
 class XGrammarBackend:
     name = "xgrammar"

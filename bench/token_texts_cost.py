@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from common.client import AsyncClient  # noqa: E402
 from common.tiny_model import write_tiny_qwen3  # noqa: E402
-from tests.procs import running_services  # noqa: E402
+from tests.support.procs import running_services  # noqa: E402
 
 
 async def _time(client: AsyncClient, ids: list[int], repeats: int) -> tuple[float, float, bool]:

@@ -22,7 +22,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("scheduler_svc.__main__", "the scheduler: public llm.v1 API, batching, KV-cache blocks"),
     "worker": ("worker_svc.__main__", "a worker: the model on one device (or one tensor-parallel rank)"),
-    "gateway": ("tools.openai_gateway.__main__", "OpenAI-compatible HTTP gateway (/v1/chat/completions, ...) to a scheduler"),
+    "gateway": ("gateway.__main__", "OpenAI-compatible HTTP gateway (/v1/chat/completions, ...) to a scheduler"),
     "generate": ("tools.generate", "stream one completion from a running scheduler"),
     "loadtest": ("tools.loadtest.__main__", "serving benchmark: TTFT, TPOT, ITL, throughput, goodput"),
     "write-tiny-model": ("common.tiny_model", "write the small seeded Qwen3 checkpoint the demo and tests use"),

@@ -3,7 +3,7 @@
 A `Constraint` is a kind and its text: a JSON schema, a regex (the whole output fullmatches it),
 an EBNF grammar as xgrammar reads it (GBNF: `root ::= ...`), json_object (any JSON object), or an
 xgrammar structural tag (the frontend builds one from a chat request's tools, see
-scheduler_svc/chat.py). `to_grammar` turns it into an xgrammar `Grammar` without a tokenizer:
+scheduler_svc/frontend/chat.py). `to_grammar` turns it into an xgrammar `Grammar` without a tokenizer:
 cheap (no token masks), so the frontend calls it to refuse a bad constraint with INVALID_ARGUMENT
 before the request is scheduled, and the worker's compiler (worker_svc/layers/grammar.py) calls it
 before computing the masks. A bad constraint raises `GrammarError` (a ValueError) naming the kind

@@ -4,7 +4,7 @@
 #   init-model   write the embedded tiny checkpoint into $MODEL_DIR unless a model is there
 #   worker       python -m worker_svc on :50061
 #   scheduler    python -m scheduler_svc on :50051, workers from $WORKERS
-#   gateway      python -m tools.openai_gateway (OpenAI-compatible HTTP) on :8000, to $SCHEDULER_TARGET
+#   gateway      python -m gateway (OpenAI-compatible HTTP) on :8000, to $SCHEDULER_TARGET
 #   anything     run as given (e.g. python -m tools.loadtest ...)
 # Arguments after the role are appended to its command line. Empty variables add no flag, so
 # the services' own defaults apply.
@@ -57,7 +57,7 @@ scheduler)
 gateway)
     # API keys: QWEN3_SERVE_GATEWAY_API_KEY (comma-separated) or a file of them, one a line.
     flag api-key-file "${GATEWAY_API_KEY_FILE:-}"
-    exec python -m tools.openai_gateway --host 0.0.0.0 --port 8000 \
+    exec python -m gateway --host 0.0.0.0 --port 8000 \
         --target "${SCHEDULER_TARGET:-scheduler:50051}" "${args[@]}" "$@"
     ;;
 *)

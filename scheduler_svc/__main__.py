@@ -23,12 +23,12 @@ from common.model_dir import read_model_facts
 from common.security import (add_server_security_arguments, channel_credentials, read_secret,
                              server_security_from_args)
 from common.worker_discovery import resolve_worker_addresses
-from scheduler_svc.core import EngineConfig, EngineCore
-from scheduler_svc.core_client import LocalCoreClient
-from scheduler_svc.core_server import build_core_server
-from scheduler_svc.frontend_process import Stop, drain_frontend, frontend_process_main, start_frontend
-from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.worker_client import GrpcWorkerClient, WorkerGroupClient
+from scheduler_svc.engine.core import EngineConfig, EngineCore
+from scheduler_svc.frontend.core_client import LocalCoreClient
+from scheduler_svc.engine.server import build_core_server
+from scheduler_svc.frontend.process import Stop, drain_frontend, frontend_process_main, start_frontend
+from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.worker_client import GrpcWorkerClient, WorkerGroupClient
 
 # Seconds a frontend that died waits before it is started again (a crash loop stays slow).
 FRONTEND_RESTART_DELAY_S = 1.0

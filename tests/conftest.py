@@ -11,9 +11,16 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Next: without CUDA it sets TRITON_INTERPRET, which triton reads once, when it is first imported
 # (importing transformers' MoE model imports it), so the Triton kernels' tests run interpreted.
-from tests import triton_interpreter  # noqa: E402,F401,I001
+from tests.support import triton_interpreter  # noqa: E402,F401,I001
 from common.tiny_model import write_tiny_qwen3  # noqa: E402
-from tests.procs import running_services  # noqa: E402
+from tests.support.procs import running_services  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/e2e starts processes: marked e2e, so `-m "not e2e"` runs the fast part."""
+    for item in items:
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

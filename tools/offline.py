@@ -4,7 +4,7 @@ For offline batch jobs and for measuring what the process split costs. No tokeni
 streams: it returns each prompt's output token ids.
 
     from tools.offline import LLM
-    from scheduler_svc.sampling_params import SamplingParams
+    from common.sampling import SamplingParams
     llm = LLM("models/tiny-qwen3", device="cpu")
     outputs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8))
 """
@@ -17,10 +17,10 @@ import itertools
 
 from common.model_dir import read_model_facts
 from common.pb.llm.worker.v1 import worker_pb2
-from scheduler_svc.core import EngineConfig, EngineCore
-from scheduler_svc.core_types import AddCode, CoreRequest, make_seq_id
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.worker_client import WorkerError, WorkerGroupClient
+from scheduler_svc.engine.core import EngineConfig, EngineCore
+from scheduler_svc.engine.api import AddCode, CoreRequest, make_seq_id
+from common.sampling import SamplingParams
+from scheduler_svc.engine.worker_client import WorkerError, WorkerGroupClient
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import ModelRunner
 from worker_svc.step_message import build_step_response, parse_step_request

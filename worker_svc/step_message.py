@@ -1,5 +1,5 @@
 """The worker's side of the step wire: a StepRequest becomes a plain StepInput, and a step's
-result becomes a StepResponse. scheduler_svc/step_message.py is the mirror image; ModelRunner
+result becomes a StepResponse. scheduler_svc/engine/step_message.py is the mirror image; ModelRunner
 and the sampler never see protobuf.
 
 Parsing checks what the message says about itself (well-formed columns, sane sampling

@@ -1,0 +1,94 @@
+"""Serves the OpenAI-compatible gateway (uvicorn) in front of a running scheduler.
+
+    qwen3-serve gateway --target 127.0.0.1:50051 --port 8000
+    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+        -d '{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Every flag also reads a QWEN3_SERVE_GATEWAY_* variable (`--help` names them). The process holds
+no model: it needs only the scheduler's address (and its token / CA when the scheduler asks for
+them). It exits on SIGTERM or SIGINT after the requests in flight finish (up to
+--graceful-shutdown-s, then their streams are cut, which cancels them on the scheduler).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+from common.cli import (ArgumentParser, add_client_security_arguments, add_logging_arguments,
+                        check_client_security_arguments, warn_if_exposed)
+from common.logging_setup import setup_logging
+
+log = logging.getLogger("openai_gateway")
+
+
+def _read_keys(args) -> list[str]:
+    keys = [k for k in (args.api_key or "").split(",") if k.strip()]
+    if args.api_key_file:
+        keys += [line.strip() for line in pathlib.Path(args.api_key_file).read_text().splitlines() if line.strip()]
+    return [k.strip() for k in keys]
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="qwen3-serve gateway", description=__doc__, env_prefix="QWEN3_SERVE_GATEWAY_")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--target", default=None,
+                   help="the scheduler's llm.v1 address (unset: $QWEN3_SERVE_TARGET, else 127.0.0.1:50051)")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="deadline of each request on the scheduler, streams included (0: none)")
+    p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
+                   help="on SIGTERM, how long requests in flight may take to finish")
+    p.add_argument("--max-request-body-mib", type=float, default=8.0,
+                   help="refuse a request body larger than this with 413 (0: no bound)")
+    p.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="refuse a completion of more prompts x n than this with 400")
+    auth = p.add_argument_group("clients", "who may call the gateway")
+    auth.add_argument("--api-key", default=None,
+                      help="require `Authorization: Bearer KEY` on /v1/* (several: comma-separated)")
+    auth.add_argument("--api-key-file", default=None, help="file of API keys, one a line (with or instead of --api-key)")
+    auth.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
+    auth.add_argument("--tls-key", default=None, help="private key of --tls-cert")
+    add_client_security_arguments(p, "scheduler-", "the scheduler", "scheduler",
+                                  "how the gateway reaches the scheduler")
+    add_logging_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    check_client_security_arguments(p, args, "scheduler-")
+    if args.max_request_body_mib < 0 or args.max_sequences_per_request < 1:
+        p.error("--max-request-body-mib must be 0 or more and --max-sequences-per-request at least 1")
+    setup_logging(args.log_level, args.log_format)
+
+    import uvicorn   # imported here: `qwen3-serve gateway --help` needs neither it nor grpc
+
+    from gateway.app import GatewayConfig, create_app
+
+    keys = _read_keys(args)
+    client_options = dict(token=args.scheduler_auth_token, token_file=args.scheduler_auth_token_file,
+                          ca_file=args.scheduler_tls_ca, client_cert=args.scheduler_tls_cert,
+                          client_key=args.scheduler_tls_key)
+    config = GatewayConfig(target=args.target, api_keys=keys,
+                           request_timeout=args.request_timeout_s or None,
+                           client_options={k: v for k, v in client_options.items() if v is not None},
+                           max_request_bytes=int(args.max_request_body_mib * (1 << 20)),
+                           max_sequences_per_request=args.max_sequences_per_request)
+    warn_if_exposed(args.host, args.port, has_token=bool(keys), has_tls=False, log=log, what="the OpenAI gateway")
+    # uvicorn's own loggers go through the process's handler (text or json): log_config=None
+    # leaves logging as setup_logging made it.
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), host=args.host, port=args.port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=args.graceful_shutdown_s, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
+        lifespan="on"))
+    log.info("OpenAI gateway on http%s://%s:%d, scheduler %s", "s" if args.tls_cert else "", args.host, args.port,
+             config.target or "(default)")
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,254 @@
+"""OpenAI request -> llm.v1 call: the sampling options, the prompt(s), and a chat turn's messages,
+tools and switches, as common.client takes them.
+
+Guarantees: what the service cannot honour is a GatewayError (400) naming the parameter, never
+a silent drop; what it can is passed on unchanged, and the scheduler checks the values (its
+refusal becomes a 400 naming the same parameter). Defaults follow vLLM's OpenAI server where
+OpenAI's and the llm.v1 API's differ: a completion's max_tokens is 16, and special tokens are
+left out of the text.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from common.client import SamplingParams
+from gateway.errors import bad_param, unsupported
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
+MAX_SEED = 2 ** 64                   # llm.v1 seeds are uint64
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) as llm.v1's map; the scheduler checks the ids and values."""
+    if not bias:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_param("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        parsed[int(key)] = value
+    return parsed
+
+
+def _common_options(req: _Sampling) -> dict[str, Any]:
+    if req.stream_options is not None:
+        if not req.stream:
+            raise bad_param("stream_options", "stream_options is only allowed with stream: true")
+        if req.stream_options.continuous_usage_stats:
+            raise unsupported("stream_options.continuous_usage_stats",
+                              "usage comes in the last chunk (stream_options.include_usage)")
+    if req.seed is not None and not 0 <= req.seed < MAX_SEED:
+        raise bad_param("seed", f"seed must be in [0, 2**64), got {req.seed}")
+    if req.n is not None and req.n < 1:
+        raise bad_param("n", f"n must be at least 1, got {req.n}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    options: dict[str, Any] = dict(
+        n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=stop,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, top_k=req.top_k,
+        min_p=req.min_p, repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+        ignore_eos=bool(req.ignore_eos), stop_token_ids=list(req.stop_token_ids or ()), priority=req.priority,
+        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias))
+    options.update(_response_format(req))
+    return options
+
+
+def _response_format(req: _Sampling) -> dict[str, Any]:
+    fmt = req.response_format
+    if req.structured_outputs is not None:
+        if fmt is not None and fmt.type != "text":
+            raise bad_param("structured_outputs", "set response_format or structured_outputs, not both")
+        return _structured_outputs(req.structured_outputs)
+    if fmt is None or fmt.type == "text":
+        if fmt is not None and fmt.json_schema is not None:
+            raise bad_param("response_format.json_schema", 'response_format.json_schema needs type "json_schema"')
+        return {}
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise bad_param("response_format.json_schema.schema",
+                        'response_format of type "json_schema" needs json_schema.schema (a JSON schema object)')
+    return {"json_schema": fmt.json_schema.schema_}
+
+
+# The characters with a meaning in a regex outside a class (xgrammar reads ECMAScript's syntax);
+# re.escape also escapes spaces and "-", which need not be escaped there.
+_REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}/]")
+
+
+def _structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
+    given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                               ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None}
+    if len(given) != 1:
+        raise bad_param("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                                              f"json_object; got {sorted(given) or 'none'}")
+    (kind, value), = given.items()
+    if kind == "choice":
+        if not value:
+            raise bad_param("structured_outputs.choice", "structured_outputs.choice is empty")
+        return {"regex": "(" + "|".join(_REGEX_SPECIAL.sub(r"\\\g<0>", c) for c in value) + ")"}
+    return {"json_schema" if kind == "json" else kind: value}
+
+
+def _max_tokens(value: int | None, param: str) -> int | None:
+    if value is not None and value < 1:
+        raise bad_param(param, f"{param} must be at least 1, got {value}")
+    return value
+
+
+def completion_sampling(req: CompletionRequest) -> SamplingParams:
+    options = _common_options(req)
+    if req.echo:
+        raise unsupported("echo", "the response holds the generated text only")
+    if req.suffix:
+        raise unsupported("suffix", "Qwen3 has no fill-in-the-middle format")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise unsupported("best_of", "each sample is returned (use n); best_of must be unset or equal to n")
+    if req.logprobs is not None:
+        if req.logprobs < 0:
+            raise bad_param("logprobs", f"logprobs must be in [0, 20], got {req.logprobs}")
+        options.update(logprobs=True, top_logprobs=req.logprobs or None)
+    max_tokens = _max_tokens(req.max_tokens, "max_tokens")
+    options["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    return SamplingParams(**options)
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a request, one Generate call each."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_param("prompt", "prompt is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if any(isinstance(p, list) and not p for p in prompt):
+        raise bad_param("prompt", "prompt holds an empty list of token ids")
+    return list(prompt)
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """The arguments of one Chat call."""
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    tool_choice: str
+    enable_thinking: bool | None
+    sampling: SamplingParams
+
+
+def chat_call(req: ChatCompletionRequest) -> ChatCall:
+    options = _common_options(req)
+    if req.reasoning_effort is not None:
+        raise unsupported("reasoning_effort", 'Qwen3 reasons or not: set chat_template_kwargs {"enable_thinking": '
+                                              'false} to turn its reasoning off')
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_param("top_logprobs", "top_logprobs needs logprobs: true")
+        if req.top_logprobs < 0:
+            raise bad_param("top_logprobs", f"top_logprobs must be in [0, 20], got {req.top_logprobs}")
+    if req.logprobs:
+        options.update(logprobs=True, top_logprobs=req.top_logprobs or None)
+    if req.max_completion_tokens is not None:
+        options["max_tokens"] = _max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    else:
+        options["max_tokens"] = _max_tokens(req.max_tokens, "max_tokens")
+    if req.skip_special_tokens is False:
+        raise unsupported("skip_special_tokens", "a chat turn's text always leaves special tokens out")
+    tools, tool_choice = _tools(req)
+    return ChatCall(_messages(req), tools, tool_choice, _enable_thinking(req), SamplingParams(**options))
+
+
+def _enable_thinking(req: ChatCompletionRequest) -> bool | None:
+    kwargs = dict(req.chat_template_kwargs or {})
+    thinking = kwargs.pop("enable_thinking", None)
+    if kwargs:
+        raise unsupported(f"chat_template_kwargs.{sorted(kwargs)[0]}", "the only template switch is enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise bad_param("chat_template_kwargs.enable_thinking",
+                        f"chat_template_kwargs.enable_thinking must be true or false, got {thinking!r}")
+    return thinking
+
+
+def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str]:
+    tools = req.tools or []
+    choice = req.tool_choice
+    if choice is None:
+        name = "auto" if tools else "none"
+    elif isinstance(choice, str):
+        name = choice
+    else:
+        name = choice.function.name
+        if name in ("auto", "none", "required"):   # the llm.v1 API would read it as the keyword
+            raise unsupported("tool_choice.function.name", f"a tool named {name!r} cannot be chosen by name")
+        if name not in {t.function.name for t in tools}:
+            raise bad_param("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+    if name == "required" and not tools:
+        raise bad_param("tool_choice", 'tool_choice "required" needs at least one tool')
+    constrained = name not in ("auto", "none")
+    if req.parallel_tool_calls is False and name in ("auto", "required"):
+        raise unsupported("parallel_tool_calls", 'false is only honoured with tool_choice "none" or a named tool '
+                                                 '(one call); with "auto" or "required" the model may call several')
+    for i, tool in enumerate(tools):
+        if tool.function.strict and not constrained and name != "none":
+            raise unsupported(f"tools[{i}].function.strict",
+                              'strict arguments need tool_choice "required" or a named tool, which constrain the '
+                              'output to calls whose arguments validate; with "auto" they are not constrained')
+    specs = [{"name": t.function.name, "description": t.function.description or "",
+              "parameters": t.function.parameters} for t in tools]
+    return specs, name
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    if not req.messages:
+        raise bad_param("messages", "messages is empty")
+    out = []
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
+        if m.name is not None:
+            raise unsupported(f"{where}.name", "the chat template has no place for a participant's name")
+        for field in ("audio", "function_call"):
+            if getattr(m, field) is not None:
+                raise unsupported(f"{where}.{field}", "use content and tool_calls")
+        if m.refusal:
+            raise unsupported(f"{where}.refusal", "the chat template has no place for a refusal")
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": _content(m.content, where)}
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if m.tool_calls:
+            message["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(m.tool_calls)]
+        out.append(message)
+    return out
+
+
+def _tool_call(call, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as exc:
+        raise bad_param(f"{where}.function.arguments", f"{where}.function.arguments is not valid JSON: {exc}") from None
+    if not isinstance(arguments, dict):
+        raise bad_param(f"{where}.function.arguments", f"{where}.function.arguments must be a JSON object")
+    return {"id": call.id, "function": {"name": call.function.name, "arguments": call.function.arguments}}
+
+
+def _content(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    """A message's text: a string, or text parts joined by newlines (as vLLM joins them)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise unsupported(f"{where}.content[{j}].type", f"content parts of type {kind!r}: the model reads text")
+        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            raise bad_param(f"{where}.content[{j}]", f'{where}.content[{j}] must be {{"type": "text", "text": "..."}}')
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -1,0 +1,285 @@
+"""One worker group's step loop: its scheduler (and block manager), the connection to its ranks,
+and the asyncio task that schedules, sends each step message and applies the sampled tokens.
+
+With async scheduling, step N+1 is scheduled and sent as soon as step N is: the worker finds it
+queued when it finishes N (and prepares it while N still runs on the device), so neither the round
+trip nor the scheduler's Python sits between two steps on the device. Results are applied in step
+order. What a step produced goes to the owner through `on_step`; a failed step or a dead worker
+takes the group down (`on_down`), and the loop reconnects, resets the worker and starts over from
+the scheduler's tokens (the source of truth).
+
+A group's workers belong to this scheduler alone while it holds their lease (worker_svc/lease.py):
+connecting claims them under the scheduler's identity and a fresh epoch, every step and reset
+carries that epoch (which renews the lease), and an idle group renews it with each liveness
+probe. A worker leased to another scheduler keeps the group waiting until that lease lapses.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from scheduler_svc.engine.block_manager import BlockManager
+from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.engine.sequence import Sequence
+from scheduler_svc.engine.step_message import StepResult, build_step_request, parse_step_response
+from scheduler_svc.engine.worker_client import WorkerError, WorkerGroupClient
+
+log = logging.getLogger("scheduler.group")
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether `event` was set within timeout_s. Unlike asyncio.wait_for on Python 3.11, a
+    cancellation that coincides with the event is never swallowed (group.stop() relies on it)."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout_s)
+    finally:
+        waiter.cancel()
+    return bool(done)
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None      # None: what the workers support
+    max_waiting: int = 4096               # admission bound: past it, requests are refused
+    step_timeout_s: float = 300.0         # a step slower than this counts as a dead worker
+    reconnect_interval_s: float = 0.5
+    idle_probe_interval_s: float = 1.0    # how often an idle group checks its workers are alive
+    idle_probe_timeout_s: float = 2.0
+    # Schedule and send step N+1 while the worker runs step N, so it never waits for the
+    # round trip and the scheduler's per-step work (vLLM's async scheduling). Needs workers
+    # that run steps in the order sent, as the gRPC worker and LocalWorkerClient do.
+    async_scheduling: bool = True
+    # Whose workers these are: the identity this scheduler leases them under. Stable across
+    # restarts (the service defaults it to host:port), so a restarted scheduler re-claims its
+    # workers at once; another identity waits until worker_lease_s pass without a step or renewal.
+    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    worker_lease_s: float = 10.0
+
+
+def new_lease_epoch() -> int:
+    """A fresh epoch for a claim: nanoseconds since 1970, so a restarted scheduler's epoch differs
+    from (and follows) its previous life's."""
+    return time.time_ns()
+
+
+@dataclass
+class GroupHooks:
+    """What a group tells its owner."""
+    on_connected: Callable[["GroupRunner"], None]
+    on_step: Callable[["GroupRunner", SchedulerOutput, list[Sequence], StepResult], None]
+    on_down: Callable[["GroupRunner"], None]
+    on_waiting: Callable[["GroupRunner"], None] = lambda group: None   # down_reason changed
+
+
+class GroupRunner:
+    def __init__(self, index: int, client: WorkerGroupClient, config: EngineConfig, eos_token_ids: list[int],
+                 metrics: SchedulerMetrics, hooks: GroupHooks) -> None:
+        self.index = index
+        self.client = client
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.metrics = metrics
+        self.hooks = hooks
+        self.scheduler: Scheduler | None = None    # once the group first connected
+        self.healthy = False
+        self.info = None                           # rank 0's WorkerInfo
+        self._instance_ids: list[str] = []
+        self._lease_epoch = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._step_ids = itertools.count(1)
+        self.last_step_ms = 0.0
+        self._last_reply_at = 0.0
+        self._down_reason: str | None = "not connected yet"
+        # The requests the worker was computing when the group went down: its restart loses
+        # their KV and mirrors, so they are the ones re-sent in full.
+        self._lost_seq_ids: set[int] = set()
+
+    # -- connection -----------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Describes every rank, checks they agree, claims them, and (re)builds state after a
+        restart."""
+        infos = await self.client.describe(timeout=10.0)
+        first = infos[0]
+        for info in infos[1:]:
+            if (info.num_kv_blocks, info.block_size) != (first.num_kv_blocks, first.block_size):
+                raise WorkerError(f"ranks of group {self.index} disagree on KV cache shape")
+        # A fresh epoch: whatever an earlier life of this scheduler still sends is refused.
+        epoch = new_lease_epoch()
+        instance_ids = await self.client.claim(self.config.instance_id, epoch, self.config.worker_lease_s,
+                                               timeout=10.0)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.scheduler_config(first), BlockManager(first.num_kv_blocks, first.block_size),
+                                       eos_token_ids=self.eos_token_ids)
+        elif instance_ids != self._instance_ids:
+            self._log_restart()
+        self._lost_seq_ids = set()
+        # Whatever the worker holds now is not what our block tables describe: start both clean.
+        self.scheduler.reset_all_worker_state()
+        await self.client.reset(epoch, timeout=10.0)
+        # A reset worker expects step 1 next (it runs steps in step_id order).
+        self._step_ids = itertools.count(1)
+        self._lease_epoch = epoch
+        self._instance_ids = instance_ids
+        self.info = first
+        self.healthy = True
+        self._down_reason = None
+        log.info("group %d connected: %s, %d KV blocks of %d tokens, %s", self.index,
+                 ",".join(self.client.addresses), first.num_kv_blocks, first.block_size, first.device)
+        self.hooks.on_connected(self)
+
+    async def _reconnect(self) -> None:
+        """Retries until the group answers, logging each change of why it does not (not each try)."""
+        while True:
+            try:
+                await self.connect()
+                return
+            except WorkerError as e:
+                if str(e) != self._down_reason:
+                    log.info("group %d: waiting for its workers: %s", self.index, e)
+                    self._down_reason = str(e)
+                    self.hooks.on_waiting(self)
+                await asyncio.sleep(self.config.reconnect_interval_s)
+
+    def scheduler_config(self, info) -> SchedulerConfig:
+        """The engine's limits, capped by what the group's workers accept in one step (0: a
+        worker that does not say)."""
+        return SchedulerConfig(
+            max_num_seqs=min(self.config.max_num_seqs, info.max_num_seqs or self.config.max_num_seqs),
+            max_num_batched_tokens=min(self.config.max_num_batched_tokens,
+                                       info.max_num_batched_tokens or self.config.max_num_batched_tokens),
+            max_model_len=self.max_model_len_for(info),
+            block_size=info.block_size,
+        )
+
+    def max_model_len_for(self, info) -> int:
+        """The context limit of the group: the configured one, what the model supports, and what
+        its KV cache holds (so a single request can always run to the limit alone)."""
+        limits = [info.max_model_len, info.num_kv_blocks * info.block_size]
+        if self.config.max_model_len:
+            limits.append(self.config.max_model_len)
+        return min(limits)
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the group is not serving (None while it is)."""
+        return self._down_reason
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len if self.scheduler else 0
+
+    # -- step loop ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=f"group-{self.index}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    async def _loop(self) -> None:
+        # Steps sent whose replies are not applied yet, oldest first: with async scheduling one
+        # more is scheduled and sent as soon as the last one is, so the worker (which runs steps
+        # in step_id order) finds it queued when it finishes the current one.
+        depth = 2 if self.config.async_scheduling else 1
+        in_flight: deque[tuple[SchedulerOutput, asyncio.Task, float]] = deque()
+        try:
+            while True:
+                if not self.healthy:
+                    await self._reconnect()
+                if len(in_flight) < depth and self.scheduler.has_unfinished():
+                    output = self.scheduler.schedule()
+                    if not output.is_empty:
+                        in_flight.append(self._send(output))
+                        continue
+                if not in_flight:
+                    # Nothing to do, or nothing fits right now (every request waits for blocks
+                    # held by none): wait for an abort or a new request instead of spinning,
+                    # probing the worker meanwhile so a death is seen before the next request.
+                    self._wakeup.clear()
+                    if not await wait_event(self._wakeup, self.config.idle_probe_interval_s):
+                        await self._probe()
+                    continue
+                output, reply, sent_at = in_flight.popleft()
+                try:
+                    self._apply(output, await reply, sent_at)
+                except WorkerError as e:
+                    # Let the steps sent after it settle first, so none still runs on the
+                    # worker when the reconnect resets it; their results are void.
+                    await asyncio.gather(*(r for _, r, _ in in_flight), return_exceptions=True)
+                    in_flight.clear()
+                    self._mark_down(f"step failed ({e})")
+        finally:
+            for _, reply, _ in in_flight:
+                reply.cancel()
+
+    def _log_restart(self) -> None:
+        """Says what a worker restart costs: the requests it was computing (those still queued
+        here; a healthy group may have taken the others) are re-sent in full and recomputed."""
+        waiting = self.scheduler.waiting
+        resent = sum(1 for seq in waiting if seq.seq_id in self._lost_seq_ids)
+        log.warning("group %d: worker restarted; re-sending in full the %d requests it was computing "
+                    "(%d more waiting were not on it yet)", self.index, resent, len(waiting) - resent)
+
+    def _mark_down(self, why: str) -> None:
+        log.error("group %d: %s; marking it down", self.index, why)
+        self._lost_seq_ids = {seq.seq_id for seq in self.scheduler.running}
+        self.healthy = False
+        self._down_reason = why
+        self.metrics.observe_worker_failure(self.index)
+        self.scheduler.reset_all_worker_state()
+        self.hooks.on_down(self)
+
+    async def _probe(self) -> None:
+        """An idle group's liveness check, which renews its lease: a rank that does not answer,
+        refuses (another scheduler took it over), or answers as a new process (it restarted
+        between steps, its state gone) takes the group down; the reconnect then rebuilds it."""
+        try:
+            instance_ids = await self.client.claim(self.config.instance_id, self._lease_epoch,
+                                                   self.config.worker_lease_s, timeout=self.config.idle_probe_timeout_s)
+        except WorkerError as e:
+            self._mark_down(f"idle probe failed ({e})")
+            return
+        if instance_ids != self._instance_ids:
+            self._mark_down("a worker restarted while idle")
+
+    def _send(self, output: SchedulerOutput) -> tuple[SchedulerOutput, asyncio.Task, float]:
+        request = build_step_request(next(self._step_ids), output)
+        request.lease_epoch = self._lease_epoch
+        reply = asyncio.create_task(self.client.step(request, timeout=self.config.step_timeout_s))
+        return output, reply, time.perf_counter()
+
+    def _apply(self, output: SchedulerOutput, reply, sent_at: float) -> None:
+        """Applies a step's reply and hands what it produced to the owner."""
+        now = time.perf_counter()
+        # A pipelined step queues behind the one before it: time it from when that one replied.
+        self.last_step_ms = (now - max(sent_at, self._last_reply_at)) * 1000
+        self._last_reply_at = now
+        result = parse_step_response(reply)
+        self.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms,
+                                 result.device_ms or result.forward_ms)
+        try:
+            received = self.scheduler.update(output, result.token_ids)
+        except ValueError as e:       # the reply lacks tokens the step had to sample
+            raise WorkerError(f"group {self.index}: {e}") from e
+        self.hooks.on_step(self, output, received, result)
+
+    # -- load -----------------------------------------------------------------------------
+    @property
+    def load(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting if self.scheduler else 0

@@ -1,0 +1,91 @@
+"""The scheduler's side of the step wire: a SchedulerOutput becomes the worker's StepRequest, and
+a StepResponse becomes plain lists. worker_svc/step_message.py is the mirror image.
+
+The size of a step is O(batch + new blocks): a request's tokens travel only in its NewRequest
+(once per admission); a request the worker holds costs its seq_id in a packed column, plus an
+entry in the sparse columns when it computes more than one token or gains blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.pb.llm.worker.v1 import worker_pb2
+from scheduler_svc.engine.api import TopLogprobColumns
+from scheduler_svc.engine.scheduler import NewRequestData, SchedulerOutput
+
+
+def _new_request(r: NewRequestData) -> worker_pb2.NewRequest:
+    # A request re-sent with output tokens had its prompt scored before it was preempted: it is
+    # recomputed without scoring it again.
+    scores_prompt = r.sampling.prompt_logprobs and len(r.token_ids) == r.num_prompt_tokens
+    msg = worker_pb2.NewRequest(
+        seq_id=r.seq_id,
+        token_ids=r.token_ids,
+        num_prompt_tokens=r.num_prompt_tokens,
+        num_computed_tokens=r.num_computed_tokens,
+        num_scheduled_tokens=r.num_scheduled_tokens,
+        block_ids=r.block_ids,
+        sampling=r.sampling.to_worker_options(prompt_logprobs=scores_prompt),
+    )
+    if r.sampling.constraint is not None:
+        msg.constraint.kind = r.sampling.constraint.kind
+        msg.constraint.text = r.sampling.constraint.text
+    return msg
+
+
+def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.StepRequest:
+    return worker_pb2.StepRequest(
+        step_id=step_id,
+        # The worker drops these before running the step, so a request preempted earlier and
+        # re-admitted now (as a NewRequest) starts from a clean row.
+        finished_seq_ids=output.finished_seq_ids + output.preempted_seq_ids,
+        new_requests=[_new_request(r) for r in output.new_requests],
+        cached=worker_pb2.CachedRequests(
+            seq_ids=output.cached_seq_ids,
+            multi_token_indices=output.multi_token_indices,
+            multi_token_counts=output.multi_token_counts,
+            new_block_indices=output.new_block_indices,
+            new_block_counts=output.new_block_counts,
+            new_block_ids=output.new_block_ids,
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepPromptLogprobs:
+    """Prompt tokens scored by one step: request i, counts[i] tokens from first_positions[i] on
+    (a recomputed prompt is scored again: the core keeps what it already had)."""
+    seq_ids: list[int]
+    first_positions: list[int]
+    counts: list[int]
+    logprobs: list[float]
+    top: TopLogprobColumns | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """A worker's answer to one step: a token (and, when asked, a logprob) per sampling
+    sequence of the step, in its order."""
+    token_ids: list[int]
+    logprobs: list[float] | None     # None when no request of the step asked
+    forward_ms: float                # the worker's host time launching the forward
+    device_ms: float                 # the step's device time (0 on the CPU)
+    top_logprobs: TopLogprobColumns | None = None   # parallel to token_ids, when any asked
+    prompt_logprobs: StepPromptLogprobs | None = None
+
+
+def _top_columns(msg: worker_pb2.TopLogprobColumns) -> TopLogprobColumns | None:
+    if not len(msg.counts):
+        return None
+    return TopLogprobColumns(list(msg.counts), list(msg.token_ids), list(msg.logprobs))
+
+
+def parse_step_response(response: worker_pb2.StepResponse) -> StepResult:
+    t = response.timings
+    prompt = None
+    p = response.prompt_logprobs
+    if len(p.seq_ids):
+        prompt = StepPromptLogprobs(list(p.seq_ids), list(p.first_positions), list(p.counts), list(p.logprobs),
+                                _top_columns(p.top))
+    return StepResult(list(response.token_ids), list(response.logprobs) or None, t.forward_ms, t.device_ms,
+                      _top_columns(response.top_logprobs), prompt)

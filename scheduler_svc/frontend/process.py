@@ -1,0 +1,108 @@
+"""Running a frontend: its public server started beside a core client, its draining, and the
+main function of a frontend process (spawned by the engine core's process, scheduler_svc.__main__).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+
+from common.logging_setup import setup_logging
+from common.model_dir import read_model_facts
+from common.security import AsyncTokenAuthInterceptor, server_security_from_args
+from scheduler_svc.frontend.core_client import CoreClient, GrpcCoreClient
+from scheduler_svc.frontend.decode_guard import DecodeGuardInterceptor
+from scheduler_svc.frontend.streams import Frontend
+from scheduler_svc.frontend.server import GenerationService, build_server, keep_health_current
+from scheduler_svc.frontend.tokenizer import load_tokenizer
+from scheduler_svc.frontend.validation import Limits
+
+# The public API takes prompts of up to max_model_len tokens as ids (~5 bytes each) or text
+# (Limits.max_prompt_bytes); anything far larger is refused by gRPC before it is buffered.
+MAX_PUBLIC_MESSAGE_BYTES = 64 * 1024 * 1024
+
+log = logging.getLogger("scheduler.frontend")
+
+
+class Stop:
+    """Signals turned into one event; the second SIGINT (Ctrl-C twice) ends the process at once."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self._interrupts = 0
+
+    def install(self, *, interrupt: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.event.set)
+        if interrupt:
+            loop.add_signal_handler(signal.SIGINT, self._interrupt)
+
+    def _interrupt(self) -> None:
+        self._interrupts += 1
+        if self._interrupts > 1:
+            log.warning("second interrupt: stopping now")
+            os._exit(130)
+        log.info("interrupt: draining (press Ctrl-C again to stop at once)")
+        self.event.set()
+
+
+async def start_frontend(args: argparse.Namespace, core: CoreClient, security) -> tuple[Frontend, grpc.aio.Server, list]:
+    """The frontend and its public server, started; returns them and its background tasks."""
+    token, credentials = security
+    facts = read_model_facts(args.model)
+    frontend = Frontend(core, load_tokenizer(args.model), stream_interval=args.stream_interval,
+                        stream_window=args.stream_window, eos_token_ids=facts.eos_token_ids)
+    service = GenerationService(frontend, model_name=args.served_model_name or facts.name, vocab_size=facts.vocab_size,
+                                eos_token_ids=facts.eos_token_ids, limits=Limits())
+    interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
+    server, health_servicer = build_server(
+        service, interceptors=interceptors,
+        # Every frontend process binds the same public port; the kernel spreads connections.
+        options=[("grpc.max_receive_message_length", MAX_PUBLIC_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_PUBLIC_MESSAGE_BYTES), ("grpc.so_reuseport", 1)])
+    listen = f"{args.host}:{args.port}"
+    bound = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {listen}")
+    await server.start()
+    tasks = [asyncio.create_task(frontend.run(), name="frontend-events"),
+             asyncio.create_task(keep_health_current(frontend, health_servicer), name="health")]
+    return frontend, server, tasks
+
+
+async def drain_frontend(frontend: Frontend, server: grpc.aio.Server, tasks: list, grace_s: float) -> None:
+    """No new requests; the ones in flight get grace_s to finish (the core ends them by then)."""
+    frontend.start_draining()
+    deadline = asyncio.get_running_loop().time() + grace_s + 5.0
+    while frontend.num_active and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def serve_frontend_process(args: argparse.Namespace, frontend_id: int, core_address: str) -> None:
+    security = server_security_from_args(args, log)
+    core = GrpcCoreClient(core_address, frontend_id)
+    frontend, server, tasks = await start_frontend(args, core, security)
+    log.info("frontend %d serving on %s:%d", frontend_id, args.host, args.port)
+    stop = Stop()
+    stop.install(interrupt=False)     # Ctrl-C reaches the whole group: the core decides what happens
+    events = tasks[0]
+    waiter = asyncio.create_task(stop.event.wait())
+    await asyncio.wait([events, waiter], return_when=asyncio.FIRST_COMPLETED)
+    if events.done():
+        log.error("frontend %d lost the engine core (%s); exiting", frontend_id, events.exception())
+    await drain_frontend(frontend, server, tasks, args.shutdown_grace)
+    await core.close()
+
+
+def frontend_process_main(args: argparse.Namespace, frontend_id: int, core_address: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(args.log_level, args.log_format)
+    asyncio.run(serve_frontend_process(args, frontend_id, core_address))

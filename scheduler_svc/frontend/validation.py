@@ -1,0 +1,315 @@
+"""Admission checks of a GenerateRequest: reject what the engine or a worker could not serve, with a
+message naming the field, and resolve the defaults the proto leaves unset.
+
+Cheap checks come first, so a bad request is refused before its text is tokenized: a text longer
+in bytes than max_model_len tokens can cover never reaches the tokenizer.
+
+Every float has a closed range in which the sampler's arithmetic stays finite for finite logits
+(a repetition penalty near 0 would divide logits by it); the proto documents the ranges. A refused
+float is printed as the client wrote it: the shortest decimal that is the same float32.
+
+A constraint (json_schema, regex, grammar, json_object) is turned into its grammar here, without
+the tokenizer (cheap, and cached by its text), so a bad one is refused naming the problem before
+the request is scheduled; the worker compiles its token masks.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import struct
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from common.constraint import Constraint, GrammarError, to_grammar
+from common.pb.llm.v1 import generation_pb2
+from common.sampling import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from scheduler_svc.frontend.tokenizer import TooManyTokens
+
+
+class InvalidRequest(ValueError):
+    """A request the service refuses; str() is the whole message, starting with the field's path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one request may ask for, so that no client can make admission expensive."""
+    max_prompt_bytes: int = 1 << 20          # UTF-8 bytes of a text prompt, checked before tokenizing
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256           # characters; the matcher holds back up to this many
+    max_stop_token_ids: int = 256            # a chat template ends on a handful; each is a set lookup
+    max_request_id_len: int = 256            # characters
+    max_constraint_bytes: int = 128 << 10    # UTF-8 bytes of a json_schema, regex or grammar
+    max_logit_bias: int = 1024               # entries of logit_bias
+
+
+def validate_request(
+    req: generation_pb2.GenerateRequest,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    tokenize: Callable[[str], list[int]],
+    limits: Limits = Limits(),
+    max_input_bytes_per_token: int | None = None,
+) -> tuple[list[int], SamplingParams]:
+    """Returns the prompt's token ids and the resolved sampling parameters, or raises InvalidRequest.
+
+    `max_input_bytes_per_token` (Tokenizer.max_input_bytes_per_token; None: unknown) is the most
+    UTF-8 bytes of text one token covers: a longer text than max_model_len - 1 such tokens is refused
+    without tokenizing it."""
+    _check_request_id(req.request_id, limits)
+    sampling = _resolve_sampling(req.sampling, vocab_size, limits)
+    prompt = _prompt_token_ids(req, vocab_size, max_model_len, tokenize, limits, max_input_bytes_per_token)
+    return prompt, _with_max_tokens(req.sampling, sampling, len(prompt), max_model_len)
+
+
+def validate_chat_sampling(request_id: str, msg: generation_pb2.SamplingParams, num_prompt_tokens: int, *,
+                           vocab_size: int, max_model_len: int, limits: Limits = Limits()) -> SamplingParams:
+    """The resolved sampling parameters of a chat request whose prompt (rendered by the chat
+    template) has num_prompt_tokens tokens, or InvalidRequest. Special tokens are always left out
+    of a chat's text (the template's turn markers are not content)."""
+    _check_request_id(request_id, limits)
+    sampling = _resolve_sampling(msg, vocab_size, limits) | {"skip_special_tokens": True}
+    _check_prompt_fits(num_prompt_tokens, max_model_len)
+    return _with_max_tokens(msg, sampling, num_prompt_tokens, max_model_len)
+
+
+def _with_max_tokens(msg: generation_pb2.SamplingParams, sampling: dict, num_prompt_tokens: int,
+                     max_model_len: int) -> SamplingParams:
+    room = max_model_len - num_prompt_tokens
+    requested = msg.max_tokens if msg.HasField("max_tokens") else room
+    return SamplingParams(max_tokens=min(requested, room), **sampling)
+
+
+def _check_request_id(request_id: str, limits: Limits) -> None:
+    if len(request_id) > limits.max_request_id_len:
+        raise InvalidRequest(
+            "request_id",
+            f"request_id is {len(request_id)} characters, more than the limit of {limits.max_request_id_len}",
+        )
+    for index, char in enumerate(request_id):
+        # Ids end up in logs and metadata, where control characters forge or break lines.
+        if unicodedata.category(char) == "Cc":
+            raise InvalidRequest(
+                "request_id", f"request_id has a control character (U+{ord(char):04X}) at index {index}"
+            )
+
+
+def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limits: Limits) -> dict:
+    """Every SamplingParams field except max_tokens, which depends on the prompt's length."""
+    top_k = msg.top_k if msg.HasField("top_k") else 0
+    if top_k < -1:
+        raise InvalidRequest("sampling.top_k", f"sampling.top_k must be -1 or 0 (off) or positive, got {top_k}")
+    if msg.HasField("max_tokens") and msg.max_tokens == 0:
+        raise InvalidRequest("sampling.max_tokens", "sampling.max_tokens must be positive when set, got 0")
+    min_tokens = msg.min_tokens if msg.HasField("min_tokens") else 0
+    if msg.HasField("max_tokens") and min_tokens > msg.max_tokens:
+        raise InvalidRequest(
+            "sampling.min_tokens",
+            f"sampling.min_tokens must be <= sampling.max_tokens ({msg.max_tokens}), got {min_tokens}",
+        )
+    return dict(
+        temperature=_bounded_float(msg, "temperature", 1.0, 0.0, 100.0),
+        top_p=_bounded_float(msg, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(top_k, 0),  # -1 and 0 both mean off; the sampler knows only 0
+        min_p=_bounded_float(msg, "min_p", 0.0, 0.0, 1.0),
+        seed=msg.seed if msg.HasField("seed") else None,
+        min_tokens=min_tokens,
+        ignore_eos=msg.ignore_eos,
+        stop=_stop_strings(msg.stop, limits),
+        stop_token_ids=_stop_token_ids(msg.stop_token_ids, vocab_size, limits),
+        repetition_penalty=_bounded_float(msg, "repetition_penalty", 1.0, 0.01, 10.0),
+        presence_penalty=_bounded_float(msg, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_bounded_float(msg, "frequency_penalty", 0.0, -2.0, 2.0),
+        logprobs=msg.logprobs,
+        skip_special_tokens=msg.skip_special_tokens,
+        n=_bounded_int(msg.n or 1, "n", 1, MAX_N),
+        top_logprobs=_bounded_int(msg.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS),
+        prompt_logprobs=msg.prompt_logprobs,
+        constraint=_constraint(msg, limits),
+        priority=msg.priority,
+        logit_bias=_logit_bias(msg.logit_bias, vocab_size, limits),
+    )
+
+
+def _logit_bias(bias, vocab_size: int, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs, ids ascending; each id in the vocabulary, each bias in [-100, 100]."""
+    if len(bias) > limits.max_logit_bias:
+        raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias has {len(bias)} entries, more than the "
+                                                    f"limit of {limits.max_logit_bias}")
+    pairs = sorted(bias.items())
+    for token_id, value in pairs:
+        if token_id >= vocab_size:
+            raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias names token {token_id}, out of range: "
+                                                        f"vocab_size is {vocab_size}")
+        _in_range(value, "sampling.logit_bias", -100.0, 100.0, what=f"sampling.logit_bias[{token_id}]")
+    return tuple((token_id, value) for token_id, value in pairs if value != 0.0)
+
+
+def _bounded_int(value: int, name: str, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidRequest(f"sampling.{name}", f"sampling.{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _constraint(msg: generation_pb2.SamplingParams, limits: Limits) -> Constraint | None:
+    kind = msg.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    field = f"sampling.{kind}"
+    text = "" if kind == "json_object" else getattr(msg, kind)
+    size = len(text.encode("utf-8"))
+    if size > limits.max_constraint_bytes:
+        raise InvalidRequest(field, f"{field} is {size} bytes, more than the limit of {limits.max_constraint_bytes}")
+    try:
+        constraint = Constraint(kind, text)
+        check_constraint(constraint)
+    except GrammarError as e:
+        raise InvalidRequest(field, f"{field} is invalid: {e.problem}") from None
+    return constraint
+
+
+@functools.lru_cache(maxsize=1024)
+def check_constraint(constraint: Constraint) -> None:
+    """Builds the constraint's grammar (no tokenizer: no token masks), or raises GrammarError.
+    Repeated constraints (one schema for many requests) are checked once."""
+    to_grammar(constraint)
+
+
+def _bounded_float(
+    msg: generation_pb2.SamplingParams, name: str, default: float, low: float, high: float, *, low_open: bool = False
+) -> float:
+    """The field's value, or `default` when unset; it must lie in [low, high] ((low, high] if low_open)."""
+    if not msg.HasField(name):
+        return default
+    return _in_range(getattr(msg, name), f"sampling.{name}", low, high, low_open=low_open)
+
+
+def _in_range(value: float, field: str, low: float, high: float, *, low_open: bool = False,
+              what: str | None = None) -> float:
+    """`value` (a proto float) if it lies in [low, high] ((low, high] if low_open), else
+    InvalidRequest for `field`, whose message names `what` (default: the field)."""
+    what = what or field
+    if not math.isfinite(value):
+        raise InvalidRequest(field, f"{what} must be a finite number, got {value}")
+    # Compared as float32, the field's type: a client's 0.01 arrives as 0.0099999998.
+    if value > _float32(high) or value < _float32(low) or (low_open and value == _float32(low)):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise InvalidRequest(field, f"{what} must be in {interval}, got {float32_text(value)}")
+    return value
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to float32, as a proto float field stores it."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:   # past the float32 range (a decimal rounded up beyond its largest value)
+        return math.copysign(math.inf, value)
+
+
+def float32_text(value: float) -> str:
+    """The shortest decimal that reads back as the float32 `value` (a proto float field): what the
+    client most likely wrote, e.g. 1.0000001, where Python's repr of the widened double prints
+    1.0000001192092896 and `:g` prints 1."""
+    for digits in range(1, 10):   # 9 significant digits identify any float32
+        text = f"{value:.{digits}g}"
+        if _float32(float(text)) == value:
+            return text
+    return repr(value)            # not a float32 after all: print it whole
+
+
+def _stop_strings(stops: Sequence[str], limits: Limits) -> tuple[str, ...]:
+    if len(stops) > limits.max_stop_strings:
+        raise InvalidRequest(
+            "sampling.stop", f"sampling.stop has {len(stops)} strings, more than the limit of {limits.max_stop_strings}"
+        )
+    for index, stop in enumerate(stops):
+        if not stop:
+            raise InvalidRequest("sampling.stop", f"sampling.stop[{index}] is empty; it would match at once")
+        if len(stop) > limits.max_stop_string_len:
+            raise InvalidRequest(
+                "sampling.stop",
+                f"sampling.stop[{index}] is {len(stop)} characters, more than the limit of {limits.max_stop_string_len}",
+            )
+    return tuple(stops)
+
+
+def _stop_token_ids(ids: Sequence[int], vocab_size: int, limits: Limits) -> frozenset[int]:
+    if len(ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(
+            "sampling.stop_token_ids",
+            f"sampling.stop_token_ids has {len(ids)} ids, more than the limit of {limits.max_stop_token_ids}",
+        )
+    bad = _first_out_of_vocab(ids, vocab_size)
+    if bad is not None:
+        raise InvalidRequest(
+            "sampling.stop_token_ids",
+            f"sampling.stop_token_ids[{bad}] = {ids[bad]} is out of range: vocab_size is {vocab_size}",
+        )
+    return frozenset(ids)
+
+
+def _prompt_token_ids(
+    req: generation_pb2.GenerateRequest, vocab_size: int, max_model_len: int, tokenize: Callable[[str], list[int]],
+    limits: Limits, max_input_bytes_per_token: int | None,
+) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("prompt", "prompt is missing: set text or token_ids")
+    if kind == "token_ids":
+        if not req.token_ids.ids:
+            raise InvalidRequest("token_ids", "token_ids is empty")
+        _check_prompt_fits(len(req.token_ids.ids), max_model_len)   # before copying millions of ids
+        ids = list(req.token_ids.ids)
+        bad = _first_out_of_vocab(ids, vocab_size)
+        if bad is not None:
+            raise InvalidRequest(
+                "token_ids", f"token_ids[{bad}] = {ids[bad]} is out of range: vocab_size is {vocab_size}"
+            )
+        return ids
+    if not req.text:
+        raise InvalidRequest("text", "text is empty")
+    size = len(req.text.encode("utf-8"))
+    if size > limits.max_prompt_bytes:
+        raise InvalidRequest("text", f"text is {size} bytes, more than the limit of {limits.max_prompt_bytes}")
+    if max_input_bytes_per_token is not None and size > (max_model_len - 1) * max_input_bytes_per_token:
+        raise InvalidRequest(
+            "text",
+            f"text is {size} bytes, more than max_model_len {max_model_len} tokens can hold: a token of this "
+            f"tokenizer covers at most {max_input_bytes_per_token} bytes, and {max_model_len - 1} prompt tokens "
+            f"at most {(max_model_len - 1) * max_input_bytes_per_token} bytes",
+        )
+    try:
+        ids = tokenize(req.text)
+    except TooManyTokens as e:   # a tokenizer bounded by the caller counted them without listing them
+        _check_prompt_fits(e.num_tokens, max_model_len)
+        raise InvalidRequest("text", f"text is too long: {e}") from None
+    if not ids:
+        raise InvalidRequest("text", "text encodes to no tokens")
+    _check_prompt_fits(len(ids), max_model_len)
+    bad = _first_out_of_vocab(ids, vocab_size)
+    if bad is not None:
+        # Only a tokenizer larger than the model's embedding gets here; a worker would crash on it.
+        raise InvalidRequest(
+            "text", f"text encodes to token id {ids[bad]} at index {bad}, out of range: vocab_size is {vocab_size}"
+        )
+    return ids
+
+
+def _check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise InvalidRequest(
+            "prompt",
+            f"prompt has {num_tokens} tokens; max_model_len {max_model_len} leaves no room for a generated token",
+        )
+
+
+def _first_out_of_vocab(ids: Sequence[int], vocab_size: int) -> int | None:
+    """Index of the first id >= vocab_size, or None. Ids are uint32 in the proto, so never negative."""
+    if not ids or max(ids) < vocab_size:  # max() runs in C: the common case costs no Python loop
+        return None
+    return next(index for index, token_id in enumerate(ids) if token_id >= vocab_size)

@@ -1,0 +1,384 @@
+"""The OpenAI-compatible gateway as a user meets it: the official `openai` client against a gateway
+process in front of the real scheduler and worker (tiny model). Each answer is checked against
+the same request sent straight to llm.v1 (common.client), so the test shows the gateway passes
+the service's output through unchanged, in both response formats, streamed and not.
+
+One gateway process serves the whole module (it starts in about a second); the scheduler and
+worker are the session's shared ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import jsonschema
+import openai
+import pytest
+
+from common.client import Client
+from tests.support.procs import REPO, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+API_KEY = "test-gateway-key"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
+                                           "parameters": WEATHER}}]
+
+
+@pytest.fixture(scope="module")
+def gateway(services, tmp_path_factory):
+    """(base URL, model name) of a gateway process in front of the session's services."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--target", services.scheduler_addr,
+                             "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
+                             "--max-request-body-mib", "1", "--max-sequences-per-request", "8"],
+                            cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway is not healthy after 60 s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.1)
+        with Client(services.scheduler_addr) as direct:
+            model = direct.model_info().model
+        yield base, model
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    base, _ = gateway
+    with openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(gateway) -> str:
+    return gateway[1]
+
+
+@pytest.fixture(scope="module")
+def direct(services):
+    with Client(services.scheduler_addr) as c:
+        yield c
+
+
+def test_models_and_health(gateway, client, model):
+    base, _ = gateway
+    models = client.models.list().data
+    assert [m.id for m in models] == [model]
+    assert client.models.retrieve(model).id == model
+    with urllib.request.urlopen(f"{base}/health", timeout=5) as reply:   # no API key needed
+        assert reply.status == 200 and json.loads(reply.read())["scheduler"] == "SERVING"
+
+
+def test_completions_n_samples_with_logprobs_equal_the_llm_v1_answer(client, model, direct):
+    request = dict(max_tokens=6, temperature=1.0, seed=7, n=2)
+    reply = client.completions.create(model=model, prompt="Once upon a time", logprobs=2, **request)
+    want = direct.generate("Once upon a time", **request, top_logprobs=2, skip_special_tokens=True)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.text for c in reply.choices] == [s.text for s in want.samples]
+    assert all(c.finish_reason == "length" for c in reply.choices)
+    for choice, sample in zip(reply.choices, want.samples):
+        assert choice.logprobs.token_logprobs == pytest.approx(sample.logprobs, abs=1e-4)
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.top_logprobs) == 6
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+        assert choice.logprobs.text_offset[0] == 0
+    # The prompt counts once; the completion tokens of both samples add up.
+    assert reply.usage.prompt_tokens == want.usage.prompt_tokens
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+def test_logit_bias_reaches_the_sampler(client, model, direct):
+    bias = {"5": 100, "9": -100}
+    reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0.0, logit_bias=bias)
+    want = direct.generate("Hello", max_tokens=4, temperature=0.0, logit_bias={5: 100.0, 9: -100.0},
+                           skip_special_tokens=True)
+    assert want.token_ids == [5] * 4 and reply.choices[0].text == want.text
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0.0, logit_bias=bias)
+    assert chat.choices[0].message.content == direct.detokenize([5] * 3, skip_special_tokens=True)
+
+
+def test_streamed_completion_of_a_batch_of_prompts_equals_the_unstreamed_one(client, model):
+    request = dict(model=model, prompt=["Hello there", "The sky is"], max_tokens=8, temperature=0.0, stop=["\n\n"])
+    whole = client.completions.create(**request)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(**request, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            assert chunk.choices == [] and usage is None   # the last chunk, once
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices} and len(texts) == 2
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert usage.model_dump() == whole.usage.model_dump()
+
+
+def test_chat_streamed_and_not_with_logprobs_equals_the_llm_v1_turn(client, model, direct):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=10,
+                                           temperature=0.0, logprobs=True, top_logprobs=2)
+    want = direct.chat(messages, max_tokens=10, temperature=0.0, skip_special_tokens=True)
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == want.text
+    assert (getattr(choice.message, "reasoning_content", None) or "") == want.reasoning
+    assert choice.finish_reason == want.finish_reason
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens == len(want.token_ids)
+    for entry in content:   # greedy: the sampled token is the most likely one
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.token == entry.top_logprobs[0].token and bytes(entry.bytes) == entry.token.encode()
+
+    streamed, roles, finish = "", [], None
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0.0,
+                                                stream=True):
+        (delta_choice,) = chunk.choices
+        roles += [delta_choice.delta.role] if delta_choice.delta.role else []
+        streamed += delta_choice.delta.content or ""
+        finish = delta_choice.finish_reason or finish
+    assert roles == ["assistant"] and streamed == want.text and finish == want.finish_reason
+
+
+def test_reasoning_content_and_n_samples(client, model, direct):
+    """The regex makes the tiny model think and then answer, so both parts are known."""
+    constraint = {"regex": r"<think>\nhmm [a-z]{1,4}\n</think>\n\nok [a-z]{1,4}"}
+    messages = [{"role": "user", "content": "Think first."}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=40, n=2, temperature=1.0,
+                                           seed=3, extra_body={"structured_outputs": constraint})
+    want = direct.chat(messages, max_tokens=40, n=2, temperature=1.0, seed=3, skip_special_tokens=True,
+                       regex=constraint["regex"])
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice, sample in zip(reply.choices, want.samples):
+        assert choice.message.reasoning_content == sample.reasoning and sample.reasoning.startswith("hmm ")
+        assert choice.message.content == sample.text and sample.text.startswith("ok ")
+    deltas: dict[int, dict[str, str]] = {}
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=40, n=2, temperature=1.0,
+                                                seed=3, stream=True, extra_body={"structured_outputs": constraint}):
+        for c in chunk.choices:
+            got = deltas.setdefault(c.index, {"reasoning": "", "content": ""})
+            got["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            got["content"] += c.delta.content or ""
+    assert deltas == {s.index: {"reasoning": s.reasoning, "content": s.text} for s in want.samples}
+
+
+def test_json_schema_and_json_object_response_formats(client, model):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A person, as JSON."}], max_tokens=60, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    assert reply.choices[0].finish_reason == "stop"
+    reply = client.completions.create(model=model, prompt="JSON:", max_tokens=40, temperature=0.0,
+                                      extra_body={"response_format": {"type": "json_object"}})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].text), dict)
+    else:   # cut by max_tokens: still the start of an object
+        assert reply.choices[0].text.lstrip().startswith("{")
+
+
+def test_tool_call_with_tool_choice_required_and_named(client, model):
+    messages = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
+                                           max_tokens=120, temperature=0.0)
+    (choice,) = reply.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.function.name == "get_weather" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+    # Named, streamed: each call comes whole in one delta, indexed within the choice.
+    calls = []
+    finish = None
+    for chunk in client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS, max_tokens=120, temperature=0.0, stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}):
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert [c.index for c in calls] == [0] and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+    assert finish == "tool_calls"
+
+    # The call goes back as an assistant turn, its result as a tool message: a valid conversation.
+    call = choice.message.tool_calls[0]
+    follow = client.chat.completions.create(model=model, max_tokens=4, temperature=0.0, messages=[
+        *messages, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'}])
+    assert follow.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(top_p=1.5), "top_p"),                                    # refused by the scheduler
+    (dict(presence_penalty=5), "presence_penalty"),
+    (dict(logit_bias={"5": 101.0}), "logit_bias"),                 # out of [-100, 100]
+    (dict(logit_bias={"100000000": 1.0}), "logit_bias"),           # not a token of the model
+    (dict(extra_body={"best_of_luck": 1}), "best_of_luck"),        # unknown
+    (dict(logprobs=False, top_logprobs=2), "top_logprobs"),
+    (dict(reasoning_effort="high"), "reasoning_effort"),
+    (dict(tool_choice="required"), "tool_choice"),                 # without tools
+])
+def test_bad_parameters_are_400_naming_the_parameter(client, model, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       **kwargs)
+    assert caught.value.status_code == 400 and caught.value.param == param, caught.value.body
+
+
+def test_errors_have_their_http_status_and_a_refused_stream_is_refused_before_it_starts(gateway, client, model):
+    with pytest.raises(openai.BadRequestError) as caught:   # not a 200 stream with an error inside
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=-1, stream=True)
+    assert caught.value.param == "temperature" and caught.value.code == "invalid_argument"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    assert caught.value.code == "model_not_found"
+    base, _ = gateway
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0) as intruder:
+        with pytest.raises(openai.AuthenticationError):
+            intruder.models.list()
+    with pytest.raises(openai.BadRequestError) as caught:   # longer than the model's context
+        client.completions.create(model=model, prompt=list(range(3, 5000)), max_tokens=2)
+    assert caught.value.code == "invalid_argument"
+
+
+def _scrape(base: str) -> dict[tuple[str, tuple], float]:
+    """The gateway's /metrics (no API key needed) as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
+        assert reply.status == 200 and reply.headers["content-type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_requests_statuses_latency_and_tokens(gateway, client, model):
+    base, _ = gateway
+    before = _scrape(base)
+    whole = client.completions.create(model=model, prompt="Hello there", max_tokens=5, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    streamed = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=4, temperature=0.0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=-1)
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0) as intruder:
+        with pytest.raises(openai.AuthenticationError):
+            intruder.models.list()
+    after = _scrape(base)
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    completions, chat = "/v1/completions", "/v1/chat/completions"
+    assert delta("llm_gateway_http_requests_total", route=completions, method="POST", status="200") == 1
+    assert delta("llm_gateway_http_requests_total", route=completions, method="POST", status="400") == 1
+    assert delta("llm_gateway_http_requests_total", route=chat, method="POST", status="200") == 1
+    assert delta("llm_gateway_http_requests_total", route="/v1/models", method="GET", status="401") == 1
+    # Every answered request was timed to its first and last byte; none is left in progress.
+    assert delta("llm_gateway_http_request_duration_seconds_count", route=completions) == 2
+    assert delta("llm_gateway_http_time_to_first_byte_seconds_count", route=chat) == 1
+    assert after[("llm_gateway_http_requests_in_progress", (("route", chat),))] == 0
+    # Tokens as the responses' usage reported them.
+    chat_usage = streamed[-1].usage
+    assert delta("llm_gateway_completion_tokens_total", route=completions) == whole.usage.completion_tokens == 5
+    assert delta("llm_gateway_prompt_tokens_total", route=completions) == whole.usage.prompt_tokens
+    assert delta("llm_gateway_completion_tokens_total", route=chat) == chat_usage.completion_tokens
+    assert delta("llm_gateway_prompt_tokens_total", route=chat) == chat_usage.prompt_tokens
+
+
+def test_a_body_over_the_limit_is_413_and_a_batch_over_the_limit_400(gateway, client, model):
+    """--max-request-body-mib 1 and --max-sequences-per-request 8 in this module's gateway."""
+    import http.client
+    base, _ = gateway
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "prompt": "x" * (3 << 19), "max_tokens": 1}).encode()   # 1.5 MiB
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    for chunked in (False, True):   # refused by its Content-Length, or while a chunked body is read
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            if chunked:
+                conn.request("POST", "/v1/completions", body=(body[i:i + 65536] for i in range(0, len(body), 65536)),
+                             headers=headers, encode_chunked=True)
+            else:
+                conn.request("POST", "/v1/completions", body=body, headers=headers)
+            reply = conn.getresponse()
+            error = json.loads(reply.read())["error"]
+        finally:
+            conn.close()
+        assert reply.status == 413 and error["code"] == "request_too_large", (chunked, error)
+        assert "more than the gateway's limit of 1048576" in error["message"]
+    for prompts, n in ((["Hi"] * 9, 1), (["Hi"] * 3, 3)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=model, prompt=prompts, n=n, max_tokens=1)
+        assert caught.value.param == "prompt" and f"{len(prompts)} x {n}" in caught.value.message
+    # Within the limits the gateway serves as before.
+    assert len(client.completions.create(model=model, prompt=["Hi"] * 4, n=2, max_tokens=1).choices) == 8
+
+
+def _running(direct) -> int:
+    return sum(g.num_running for g in direct.model_info().worker_groups)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_the_request(gateway, model, direct, stream):
+    base, _ = gateway
+    host, port = base.removeprefix("http://").split(":")
+    request_id = f"gateway-disconnect-{stream}"
+    body = json.dumps({"model": model, "prompt": "Count:", "max_tokens": 3000, "ignore_eos": True, "stream": stream,
+                       "request_id": request_id}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        if stream:
+            received = b""
+            while received.count(b"data: ") < 3:   # the stream is running
+                received += sock.recv(65536)
+            assert received.startswith(b"HTTP/1.1 200")
+        else:
+            deadline = time.monotonic() + 10
+            while _running(direct) == 0:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.05)
+    # 3000 tokens take the tiny model far longer than this: the request is gone because it was cancelled.
+    deadline = time.monotonic() + 10
+    while _running(direct) > 0:
+        assert time.monotonic() < deadline, "the request still runs after its client left"
+        time.sleep(0.1)
+    assert not direct.abort(request_id)   # the scheduler no longer knows it

@@ -1,0 +1,93 @@
+"""Two schedulers pointed at one worker, as real processes: the worker belongs to the first (its
+lease); the second is refused, says who holds the worker, and the first serves exactly what it
+serves alone. Once the first dies, the second takes the worker over within the lease time, and a
+restart of the second under the same identity re-claims it at once."""
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.client import generate, generate_many
+from tests.support.procs import scheduler_proc, worker_proc
+from tests.e2e.test_operability_e2e import wait_answering
+
+pytestmark = pytest.mark.timeout(240)
+
+LEASE_S = 3.0
+
+
+def _requests() -> list[dict]:
+    rng = random.Random(5)
+    return [dict(token_ids=[rng.randrange(3, 500) for _ in range(rng.randint(5, 30))], temperature=0.0,
+                 ignore_eos=True, max_tokens=24) for _ in range(6)]
+
+
+def _health(addr: str) -> int:
+    with grpc.insecure_channel(addr) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _refusal(addr: str) -> str:
+    with grpc.insecure_channel(addr) as ch, pytest.raises(grpc.RpcError) as refused:
+        generate(ch, text="hi", max_tokens=2, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    return refused.value.details()
+
+
+def test_a_worker_serves_one_scheduler_and_the_other_takes_over_once_its_lease_lapses(tiny_model_dir, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    worker = worker_proc(tiny_model_dir, logs).start()
+    first = scheduler_proc(tiny_model_dir, logs, [worker.addr], "--instance-id", "sched-a",
+                           "--worker-lease", str(LEASE_S))
+    second = scheduler_proc(tiny_model_dir, logs, [worker.addr], "--instance-id", "sched-b", "--worker-lease", "60")
+    procs = [worker, first, second]
+    requests = _requests()
+    try:
+        worker.wait_serving()
+        first.start().wait_serving()
+        with grpc.insecure_channel(first.addr) as ch:
+            alone = [c.token_ids for c in generate_many(ch, requests)]
+
+        second.start()
+        wait_answering(second)
+        deadline = time.monotonic() + 60
+        while "leased to scheduler 'sched-a'" not in (details := _refusal(second.addr)):
+            assert time.monotonic() < deadline, details
+            time.sleep(0.2)
+        assert _health(second.addr) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        # The second keeps trying to claim the worker (every 0.5 s) while the first serves.
+        with grpc.insecure_channel(first.addr) as ch:
+            assert [c.token_ids for c in generate_many(ch, requests)] == alone
+        assert _health(second.addr) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        first.kill()
+        died = time.monotonic()
+        second.wait_serving(timeout=60)
+        took = time.monotonic() - died
+        # Within the lease, plus a reconnect interval and a loaded machine's slack.
+        assert took < LEASE_S + 4.0, f"took the worker over after {took:.1f}s; the lease is {LEASE_S}s"
+        with grpc.insecure_channel(second.addr) as ch:
+            assert [c.token_ids for c in generate_many(ch, requests)] == alone
+        assert "took the worker over" in worker.log.read_text()
+
+        # The second restarts under the same identity: its 60 s lease does not make it wait.
+        second.kill()
+        restarted = time.monotonic()
+        again = scheduler_proc(tiny_model_dir, logs, [worker.addr], "--instance-id", "sched-b",
+                               "--worker-lease", "60")
+        procs.append(again)
+        again.start().wait_serving(timeout=50)
+        assert time.monotonic() - restarted < 50
+        assert "leased to" not in again.log.read_text(), "the restarted scheduler waited for its own lease"
+        with grpc.insecure_channel(again.addr) as ch:
+            assert [c.token_ids for c in generate_many(ch, requests)] == alone
+        assert "claimed the worker again" in worker.log.read_text()
+    finally:
+        for proc in procs:
+            proc.kill()

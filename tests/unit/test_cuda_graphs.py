@@ -1,0 +1,124 @@
+"""Captured decode graphs replay the eager forward: the project's Qwen3 model with each
+graph-capable backend (Triton, FlashAttention-4) on the tiny checkpoint, at block sizes 16 and
+128, random paged decode batches of sizes that hit and miss the captured sizes, against the same
+model run eagerly on a copy of the same KV cache. A backend that cannot run here is skipped."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker_svc.cuda_graphs import MAX_GRAPH_BATCH_SIZE, DecodeGraphs, graph_batch_sizes
+from worker_svc.layers.attention.base import AttentionMetadata
+from tests.support.markers import requires_cuda
+
+MAX_BATCH = 20
+MAX_MODEL_LEN = 512
+
+cuda = requires_cuda
+
+
+def test_graph_batch_sizes_cover_every_batch():
+    assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 32]
+    assert graph_batch_sizes(256)[-1] == 256
+    assert graph_batch_sizes(10) == [1, 2, 4, 8, 10]
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(4096)[-1] == MAX_GRAPH_BATCH_SIZE
+    for cap in (1, 7, 16, 33, 300):
+        sizes = graph_batch_sizes(cap)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == cap
+
+
+def decode_batch(rng: random.Random, n: int, num_blocks: int, block_size: int, vocab: int, device) -> tuple:
+    """n requests with random context lengths, each owning distinct random blocks."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    seq_lens = [rng.randint(1, MAX_MODEL_LEN) for _ in range(n)]
+    width = max(-(-s // block_size) for s in seq_lens)
+    tables = torch.zeros(n, width, dtype=torch.int32)
+    slots = []
+    for r, s in enumerate(seq_lens):
+        blocks = [free.pop() for _ in range(-(-s // block_size))]
+        tables[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots.append(blocks[(s - 1) // block_size] * block_size + (s - 1) % block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), max_query_len=1, max_seq_len=max(seq_lens),
+        query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens)
+    input_ids = torch.tensor([rng.randrange(vocab) for _ in range(n)], device=device)
+    positions = torch.tensor([s - 1 for s in seq_lens], device=device)
+    return input_ids, positions, meta
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# FlashAttention-4 has no float32 kernels.
+GRAPH_CASES = [pytest.param(backend, dtype, tolerance, block_size, id=f"{backend}-{label}-block{block_size}")
+               for backend in ("triton", "flash_attn")
+               for dtype, tolerance, label in ((torch.float32, 1e-5, "fp32"), (torch.bfloat16, 2e-2, "bf16"))
+               for block_size in (16, 128)
+               if not (backend == "flash_attn" and dtype == torch.float32)]
+
+
+@cuda
+@pytest.mark.parametrize("backend_name,dtype,tolerance,block_size", GRAPH_CASES)
+def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dtype, tolerance, block_size):
+    from transformers import AutoConfig
+
+    from worker_svc import kv_cache
+    from worker_svc.layers.attention.registry import describe_error, load_backend
+    from worker_svc.loader import load_safetensors
+    from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
+
+    try:
+        backend = load_backend(backend_name)
+    except Exception as exc:  # not installed, or a GPU it does not support
+        pytest.skip(f"{backend_name} cannot run here: {describe_error(exc)}")
+    device = torch.device("cuda")
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config, backend, MAX_MODEL_LEN).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    load_safetensors(model, tiny_model_dir)
+    num_blocks = MAX_BATCH * MAX_MODEL_LEN // block_size
+    cache = kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads,
+                                       head_dim_of(config), dtype, device)
+    cache.normal_()
+    before_capture = cache.clone()
+    graphs = DecodeGraphs(model, max_batch_size=MAX_BATCH, max_blocks_per_seq=MAX_MODEL_LEN // block_size,
+                          max_model_len=MAX_MODEL_LEN, device=device)
+    assert torch.equal(cache, before_capture), "capture wrote into the KV cache"
+
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    for n in (1, 3, 8, 17, MAX_BATCH, 5):  # captured sizes, padded ones, and shrinking again
+        input_ids, positions, meta = decode_batch(rng, n, num_blocks, block_size, config.vocab_size, device)
+        assert graphs.can_run(meta)
+        snapshot = cache.clone()
+        with torch.inference_mode():
+            eager = model(input_ids, positions, meta)
+        eager_cache = cache.clone()
+        cache.copy_(snapshot)
+        replayed = graphs.run(input_ids, positions, meta).clone()
+        assert replayed.shape == eager.shape
+        err = relative_error(replayed, eager)
+        assert err < tolerance, f"seed {seed}, batch {n}: relative error {err:.2e}"
+        assert relative_error(cache, eager_cache) < tolerance, f"seed {seed}, batch {n}: KV cache differs"
+        changed = (cache != snapshot).flatten(4).any(-1)  # [2, layers, blocks, block_size]
+        written = changed.nonzero()[:, 2:].unique(dim=0).tolist()
+        expected = sorted({(s // block_size, s % block_size) for s in meta.slot_mapping.tolist()})
+        assert sorted(map(tuple, written)) == expected, f"seed {seed}, batch {n}: padding rows wrote K/V"
+
+    mixed = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                              max_query_len=2, max_seq_len=meta.max_seq_len,
+                              query_lens_cpu=meta.query_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
+    assert not graphs.can_run(mixed)

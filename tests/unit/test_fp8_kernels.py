@@ -1,0 +1,158 @@
+"""The block-scaled FP8 GEMM (worker_svc/layers/fp8_kernels.py) on fresh random inputs, and a
+whole tiny FP8 model run through it. Without CUDA the kernels run under Triton's interpreter
+(tests/support/triton_interpreter.py); the CUDA-graph and Qwen3-8B-shaped tests need a GPU.
+
+Tolerances: the per-token-group quantization is torch's rounding, bit for bit. The GEMM equals
+its emulation (activations quantized and dequantized, weights dequantized, product in float64)
+to float32 rounding (1e-5 of the output's scale; 2^-10 on a GPU, whose FP8 tensor cores keep
+about 14 bits while they sum a 128-wide block), or one bfloat16 step (2^-7) for bf16 output.
+A whole model differs from transformers on the dequantized weights by its activations'
+quantization only: on the tiny random models logits stay within 15% (norm of the difference
+over the norm; measured 8-10%), 25% for MoE, where the quantization also moves some tokens to
+other experts (measured 8-19%), and the greedy token agrees on at least 70% of positions
+(measured 77-93%). Random tiny models amplify small changes far more than trained ones.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import pathlib
+
+import pytest
+import torch
+
+from tests.support.triton_interpreter import DEVICE, INTERPRETED, gpu_faithful
+from common.tiny_model import write_tiny_qwen3_fp8
+from tests.support.hf_reference import write_dequantized_checkpoint
+from tests.unit.test_fp8 import fp8_layers_model
+from tests.unit.test_qwen3_model import reference_logits
+from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables
+from worker_svc import kv_cache
+from worker_svc.layers.fp8 import dequantize_blocks, quantize_blocks
+from worker_svc.model_config import load_model_config
+from tests.support.markers import requires_cuda
+
+needs_cuda = requires_cuda
+FLOAT32_VS_EMULATION = 1e-5 if INTERPRETED else 2 ** -10
+
+
+@pytest.fixture(scope="module")
+def fp8_kernels():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from worker_svc.layers import fp8_kernels
+
+    with gpu_faithful():
+        yield fp8_kernels
+
+
+def reference_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = x.float().unflatten(-1, (-1, group))
+    scale = blocks.abs().amax(-1).clamp_min(1e-12) / 448.0
+    values = (blocks / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return values.flatten(-2), scale
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width,group", [(128 * 20, 128), (96, 32)])
+def test_token_group_quant_is_torch_rounding(fp8_kernels, dtype, width, group):
+    """20 groups of 128: two programs per row, the second partly masked."""
+    g = torch.Generator().manual_seed(31)
+    x = (torch.randn(7, width, generator=g) * 3).to(dtype)
+    x[2, :group] = 0.0   # a group of zeros
+    values, scales = fp8_kernels.per_token_group_quant(x.to(DEVICE), group)
+    want_values, want_scales = reference_group_quant(x, group)
+    assert torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales.cpu(), want_scales)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols,width,block,bias", [
+    (1, 200, 256, (128, 128), False),    # decode; a partial last row block of the weight
+    (20, 96, 64, (32, 32), True),        # a tiny model's shapes, with a bias
+    (70, 384, 256, (128, 128), True),    # the prefill tiles, rows not a whole tile
+])
+def test_block_fp8_matmul_matches_its_emulation(fp8_kernels, out_dtype, rows, cols, width, block, bias):
+    g = torch.Generator().manual_seed(32 + rows)
+    weight, scale = quantize_blocks(torch.randn(cols, width, generator=g) * 0.05, block)
+    x = torch.randn(rows, width, generator=g).to(out_dtype)
+    b = torch.randn(cols, generator=g).to(out_dtype) if bias else None
+    x_values, x_scales = reference_group_quant(x, block[1])
+    x_dequantized = (x_values.double().unflatten(-1, (-1, block[1])) * x_scales[..., None].double()).flatten(-2)
+    expected = x_dequantized @ dequantize_blocks(weight, scale, block, torch.float64).T
+    if bias:
+        expected += b.double()
+    actual = fp8_kernels.fp8_linear(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), block,
+                                    None if b is None else b.to(DEVICE))
+    assert actual.dtype == out_dtype and actual.shape == (rows, cols)
+    assert relative_error(actual, expected) <= (FLOAT32_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def fp8_checkpoint(request, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    root = tmp_path_factory.mktemp(f"fp8-kernels-{request.param}")
+    fp8_dir = write_tiny_qwen3_fp8(root / "fp8", moe=request.param == "moe")
+    return fp8_dir, write_dequantized_checkpoint(fp8_dir, root / "dequantized")
+
+
+def test_an_fp8_model_stays_near_its_dequantized_weights(fp8_kernels, fp8_checkpoint):
+    """Every projection runs the FP8 GEMM (or the FP8 experts); logits and greedy tokens stay
+    within the stated tolerance of transformers on the dequantized weights."""
+    fp8_dir, dequantized = fp8_checkpoint
+    config = load_model_config(fp8_dir)
+    with torch.device(DEVICE):
+        model = fp8_layers_model(fp8_dir)
+    kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, torch.float32, DEVICE)
+    g = torch.Generator().manual_seed(33)
+    prompt = torch.randint(0, config.vocab_size, (40,), generator=g).tolist()
+    meta = paged_metadata(random_block_tables([40], 8, 32, g), [40], [40], 8)
+    calls = collections.Counter()
+    linear = fp8_kernels.fp8_linear
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setattr(fp8_kernels, "fp8_linear", lambda *a, **kw: calls.update(["linear"]) or linear(*a, **kw))
+        hidden = model(torch.tensor(prompt, device=DEVICE), positions_of([40], [40]).to(DEVICE),
+                       _on_device(meta))
+        logits = model.compute_logits(hidden, torch.arange(40, device=DEVICE)).cpu()
+    dense_mlps = sum(not hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    assert calls["linear"] == 2 * config.num_hidden_layers + 2 * dense_mlps   # qkv, o (+ gate_up, down)
+    expected = reference_logits(dequantized, prompt)
+    assert ((logits - expected).norm() / expected.norm()).item() <= (0.25 if dense_mlps < len(model.model.layers) else 0.15)
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.7
+
+
+def _on_device(meta):
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(DEVICE) for f in dataclasses.fields(meta)
+                                        if torch.is_tensor(getattr(meta, f.name))})
+
+
+@needs_cuda
+def test_fp8_linear_replays_in_a_cuda_graph(fp8_kernels):
+    g = torch.Generator().manual_seed(34)
+    weight, scale = (t.cuda() for t in quantize_blocks(torch.randn(512, 1024, generator=g) * 0.05, (128, 128)))
+    x = torch.randn(16, 1024, generator=g).to(torch.bfloat16).cuda()
+    fp8_kernels.fp8_linear(x, weight, scale, (128, 128))   # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_kernels.fp8_linear(x, weight, scale, (128, 128))
+    for seed in range(3):
+        x.copy_(torch.randn(16, 1024, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, fp8_kernels.fp8_linear(x, weight, scale, (128, 128)))
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 64, 256, 2048])
+def test_qwen3_8b_shapes(fp8_kernels, rows):
+    """gate_up (24576 x 4096) and down (4096 x 12288) of Qwen3-8B, bf16 activations."""
+    g = torch.Generator(device="cuda").manual_seed(35)
+    for cols, width in [(24576, 4096), (4096, 12288)]:
+        weight, scale = quantize_blocks(torch.randn(cols, width, generator=g, device="cuda") * 0.02, (128, 128))
+        x = torch.randn(rows, width, generator=g, device="cuda").to(torch.bfloat16)
+        x_values, x_scales = reference_group_quant(x, 128)
+        x_dequantized = (x_values.float().unflatten(-1, (-1, 128)) * x_scales[..., None]).flatten(-2)
+        expected = x_dequantized @ dequantize_blocks(weight, scale, (128, 128), torch.float32).T
+        assert relative_error(fp8_kernels.fp8_linear(x, weight, scale, (128, 128)), expected) <= 2 ** -7

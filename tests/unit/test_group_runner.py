@@ -1,0 +1,103 @@
+"""A worker group's step loop around what goes wrong with its workers: what it logs when one
+restarts, and how it claims, renews and loses a worker's lease. The engine core runs in this
+process over fake worker clients (tests/support/fake_worker.py)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from scheduler_svc.engine.core import EngineConfig, EngineCore
+from scheduler_svc.engine.api import CoreRequest, make_seq_id
+from common.sampling import SamplingParams
+from scheduler_svc.engine.sequence import FinishReason
+from scheduler_svc.engine.worker_client import WorkerGroupClient
+from tests.support.fake_worker import FakeWorkerClient
+
+
+async def _run_to_completion(core: EngineCore, requests: list[CoreRequest], timeout_s: float = 30.0) -> dict:
+    """Adds the requests through frontend 0 and returns {seq_id: (token ids, finish reason)}."""
+    queue = core.attach(0)
+    assert all(r.code == 0 for r in core.add_requests(requests))
+    tokens: dict[int, list[int]] = {r.seq_id: [] for r in requests}
+    finished: dict[int, tuple[list[int], FinishReason]] = {}
+
+    async def drain() -> None:
+        while len(finished) < len(requests):
+            event = await queue.get()
+            if event.outputs is None:
+                continue
+            for seq_id, token_id in zip(event.outputs.seq_ids, event.outputs.token_ids):
+                tokens[seq_id].append(token_id)
+            for f in event.outputs.finished:
+                finished[f.seq_id] = (tokens[f.seq_id], f.reason)
+
+    await asyncio.wait_for(drain(), timeout_s)
+    return finished
+
+
+def test_a_worker_restart_logs_the_requests_it_was_computing(caplog):
+    """Three requests run on the worker when it dies, two more wait for a slot: the restart
+    re-sends the three in full, and the log says three (not five, not zero)."""
+    async def scenario() -> dict:
+        client = FakeWorkerClient(die_at={4}, num_blocks=64, block_size=4, vocab_size=50)
+        core = EngineCore([WorkerGroupClient([client])], eos_token_ids=[0],
+                          config=EngineConfig(max_num_seqs=3, reconnect_interval_s=0.001))
+        await core.start()
+        assert await core.wait_ready(timeout_s=10)
+        requests = [CoreRequest(make_seq_id(0, i + 1), f"r{i}", [i + 1, 2, 3],
+                                SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(5)]
+        try:
+            return await _run_to_completion(core, requests)
+        finally:
+            await core.shutdown(grace_s=0)
+
+    with caplog.at_level(logging.INFO, logger="scheduler.group"):
+        finished = asyncio.run(scenario())
+    assert sorted((len(t), reason) for t, reason in finished.values()) == [(12, FinishReason.LENGTH)] * 5
+    restarts = [r.getMessage() for r in caplog.records if "worker restarted" in r.getMessage()]
+    assert restarts == ["group 0: worker restarted; re-sending in full the 3 requests it was computing "
+                        "(2 more waiting were not on it yet)"]
+
+
+def test_two_engines_on_one_worker_take_turns_by_its_lease():
+    """Engine "a" holds the worker; engine "b" waits, saying who holds it, while "a" serves as if
+    alone; once "a" stops (and so stops renewing), "b" takes the worker over within the lease."""
+    lease_s = 0.5
+
+    def engine(name: str, client: FakeWorkerClient) -> EngineCore:
+        return EngineCore([WorkerGroupClient([client])], eos_token_ids=[0], config=EngineConfig(
+            max_num_seqs=4, reconnect_interval_s=0.05, idle_probe_interval_s=0.1, instance_id=name,
+            worker_lease_s=lease_s))
+
+    def requests(tag: str) -> list[CoreRequest]:
+        return [CoreRequest(make_seq_id(0, i + 1), f"{tag}{i}", [i + 1, 7, 3],
+                            SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(6)]
+
+    async def scenario() -> None:
+        alone = await _alone()
+        client = FakeWorkerClient(num_blocks=64, block_size=4, vocab_size=50, step_s=0.01)
+        a, b = engine("a", client), engine("b", client)
+        await a.start()
+        assert await a.wait_ready(timeout_s=10)
+        await b.start()
+        assert not await b.wait_ready(timeout_s=3 * lease_s)
+        assert "leased to scheduler 'a'" in b.status.reason
+        assert await _run_to_completion(a, requests("a")) == alone
+        assert not b.status.accepting
+        await a.shutdown(grace_s=0)
+        stopped = asyncio.get_running_loop().time()
+        assert await b.wait_ready(timeout_s=10)
+        assert asyncio.get_running_loop().time() - stopped < lease_s + 1.0
+        assert await _run_to_completion(b, requests("b")) == alone
+        await b.shutdown(grace_s=0)
+
+    async def _alone() -> dict:
+        core = engine("solo", FakeWorkerClient(num_blocks=64, block_size=4, vocab_size=50, step_s=0.01))
+        await core.start()
+        assert await core.wait_ready(timeout_s=10)
+        try:
+            return await _run_to_completion(core, requests("solo"))
+        finally:
+            await core.shutdown(grace_s=0)
+
+    asyncio.run(scenario())

@@ -1,0 +1,364 @@
+"""ModelRunner driven step by step as the scheduler would: greedy generation equals
+transformers' generate token for token through chunked prefill, prefix-cache hits, decodes and
+growing block tables; seeded sampling survives preemption; bad steps are refused untouched."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.pb.llm.worker.v1 import worker_pb2 as pb
+from scheduler_svc.frontend.tokenizer import load_tokenizer
+from tests.support.hf_reference import hf_greedy, hf_model
+from worker_svc.config import WorkerConfig
+from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
+from worker_svc.step_message import parse_step_request
+
+BLOCK_SIZE = 16
+GREEDY = pb.SamplingOptions(temperature=0.0)
+
+
+class Driver:
+    """A scheduler in miniature: hands out blocks, tracks every sequence, builds the messages."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.free_blocks = list(range(runner.num_kv_blocks))[::-1]   # pop() hands out 0, 1, ...
+        self.tokens: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.step_id = 0
+        self.outputs = []
+
+    def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
+        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
+        fresh = [self.free_blocks.pop() for _ in range(max(needed, 0))]
+        self.blocks[seq_id] += fresh
+        return fresh
+
+    def new(self, seq_id: int, token_ids: list[int], num_scheduled: int, sampling=GREEDY, *,
+            num_prompt: int | None = None, cached_prefix_blocks: list[int] = (),
+            constraint: pb.Constraint | None = None) -> pb.NewRequest:
+        self.tokens[seq_id] = list(token_ids)
+        self.blocks[seq_id] = list(cached_prefix_blocks)
+        self.computed[seq_id] = len(cached_prefix_blocks) * BLOCK_SIZE
+        self._grow(seq_id, self.computed[seq_id] + num_scheduled)
+        return pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=num_prompt or len(token_ids),
+                             num_computed_tokens=self.computed[seq_id], num_scheduled_tokens=num_scheduled,
+                             block_ids=self.blocks[seq_id], sampling=sampling, constraint=constraint)
+
+    def cached(self, seq_id: int, num_scheduled: int = 1) -> tuple[int, int, list[int]]:
+        return seq_id, num_scheduled, self._grow(seq_id, self.computed[seq_id] + num_scheduled)
+
+    def step(self, new=(), cached=(), finished=()) -> dict[int, int]:
+        self.step_id += 1
+        output = self.runner.step(parse_step_request(step_request(self.step_id, new, cached, finished)))
+        assert output.step_id == self.step_id
+        self.outputs.append(output)
+        order = [seq_id for seq_id, _, _ in cached] + [r.seq_id for r in new]
+        counts = [n for _, n, _ in cached] + [r.num_scheduled_tokens for r in new]
+        sampling = []
+        for seq_id, n in zip(order, counts):
+            self.computed[seq_id] += n
+            if self.computed[seq_id] == len(self.tokens[seq_id]):
+                sampling.append(seq_id)
+        assert len(output.token_ids) == len(sampling)
+        self.logprobs = dict(zip(sampling, output.logprobs or []))
+        sampled = dict(zip(sampling, output.token_ids))
+        for seq_id, token in sampled.items():
+            self.tokens[seq_id].append(token)
+        return sampled
+
+    def forget(self, seq_id: int) -> None:
+        self.free_blocks += self.blocks.pop(seq_id)
+        del self.tokens[seq_id], self.computed[seq_id]
+
+
+def step_request(step_id: int, new=(), cached=(), finished=()) -> pb.StepRequest:
+    """A StepRequest with cached requests given as (seq_id, num_scheduled, new_block_ids)."""
+    columns = pb.CachedRequests(seq_ids=[seq_id for seq_id, _, _ in cached])
+    for i, (_, n, blocks) in enumerate(cached):
+        if n != 1:
+            columns.multi_token_indices.append(i)
+            columns.multi_token_counts.append(n)
+        if blocks:
+            columns.new_block_indices.append(i)
+            columns.new_block_counts.append(len(blocks))
+            columns.new_block_ids.extend(blocks)
+    return pb.StepRequest(step_id=step_id, new_requests=new, cached=columns, finished_seq_ids=finished)
+
+
+def make_runner(model_dir, **overrides) -> ModelRunner:
+    settings = {"num_kv_blocks": 64, "block_size": BLOCK_SIZE} | overrides
+    return ModelRunner(WorkerConfig(model=str(model_dir), **settings))
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_greedy_generation_equals_transformers(tiny_model_dir):
+    d = Driver(make_runner(tiny_model_dir))
+    a, b = prompt(1, 37), prompt(2, 11)
+    c = a[:32] + prompt(3, 6)       # shares a's first two full blocks: a prefix-cache hit
+    num_new = 10
+
+    # Step 1: a's first chunk (mid-prompt: samples nothing) with b's whole prompt.
+    assert set(d.step(new=[d.new(1, a, 20), d.new(2, b, 11)])) == {2}
+    # Step 2: the rest of a's prompt over its cached chunk, b decodes.
+    assert set(d.step(cached=[d.cached(1, 17), d.cached(2)])) == {1, 2}
+    # Step 3: c arrives with 32 tokens already cached (a's blocks), a and b decode.
+    sampled = d.step(new=[d.new(3, c, 6, cached_prefix_blocks=d.blocks[1][:2])], cached=[d.cached(1), d.cached(2)])
+    assert set(sampled) == {1, 2, 3}
+    for _ in range(num_new - 1):
+        d.step(cached=[d.cached(s) for s in (1, 2, 3)])
+    for seq_id, p in [(1, a), (2, b), (3, c)]:
+        assert d.tokens[seq_id][len(p):][:num_new] == hf_greedy(tiny_model_dir, p, num_new), f"sequence {seq_id}"
+    assert len(d.blocks[2]) == 2   # b grew into a second block while decoding
+    # Nothing here asked for a grammar or extra logprobs: none of that machinery ran.
+    assert not d.runner.structured.loaded
+    assert all(o.top_logprobs is None and o.prompt_logprobs is None and o.logprobs is None for o in d.outputs)
+
+
+def test_repetition_penalty_equals_transformers(tiny_model_dir):
+    d = Driver(make_runner(tiny_model_dir))
+    p = prompt(4, 9)
+    options = pb.SamplingOptions(temperature=0.0, repetition_penalty=1.8)
+    d.step(new=[d.new(1, p, 9, options)])
+    for _ in range(11):
+        d.step(cached=[d.cached(1)])
+    ids = torch.tensor([p])
+    with torch.inference_mode():
+        expected = hf_model(tiny_model_dir).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, repetition_penalty=1.8,
+            max_new_tokens=12, min_new_tokens=12, pad_token_id=0)[0, 9:].tolist()
+    assert d.tokens[1][9:] == expected
+
+
+def test_seeded_sampling_survives_preemption_and_batch_changes(tiny_model_dir):
+    options = pb.SamplingOptions(temperature=1.0, top_k=40, seed=1234, frequency_penalty=0.5, logprobs=True)
+    p = prompt(5, 21)
+
+    alone = Driver(make_runner(tiny_model_dir, seed=1))
+    alone.step(new=[alone.new(7, p, 21, options)])
+    for _ in range(9):
+        alone.step(cached=[alone.cached(7)])
+    reference = alone.tokens[7][21:]
+
+    d = Driver(make_runner(tiny_model_dir, seed=2))
+    d.step(new=[d.new(7, p, 21, options), d.new(8, prompt(6, 5), 5, pb.SamplingOptions(temperature=1.0))])
+    for _ in range(3):
+        d.step(cached=[d.cached(7), d.cached(8)])
+    # Preempted: the worker drops it; later it comes back with its outputs, recomputed in two chunks.
+    so_far = d.tokens[7]
+    d.forget(7)
+    d.step(cached=[d.cached(8)], finished=[7])
+    assert 7 not in d.runner.batch
+    d.step(new=[d.new(7, so_far, 16, options, num_prompt=21)], cached=[d.cached(8)])
+    d.step(cached=[d.cached(7, len(so_far) - 16), d.cached(8)])
+    while len(d.tokens[7]) < 31:
+        d.step(cached=[d.cached(7)])
+    assert d.tokens[7][21:] == reference
+
+
+def test_logprobs_are_returned_when_asked(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    p = prompt(8, 12)
+    d.step(new=[d.new(1, p, 12, pb.SamplingOptions(temperature=0.0, logprobs=True))])
+    output = runner.step(parse_step_request(step_request(99, cached=[d.cached(1)])))
+    with torch.inference_mode():
+        logits = hf_model(tiny_model_dir)(torch.tensor([d.tokens[1]])).logits[0, -1]
+    assert output.token_ids == [int(logits.argmax())]
+    assert output.logprobs == pytest.approx([float(logits.log_softmax(-1).max())], abs=1e-4)
+    assert output.total_ms >= output.forward_ms > 0
+
+
+def test_bad_steps_are_refused_and_change_nothing(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    p = prompt(9, 10)
+    d.step(new=[d.new(1, p, 10)])
+    d.step(cached=[d.cached(1)])           # one sampled token, known only on the device
+    row = runner.batch.row_of[1]
+
+    def state():
+        b = runner.batch
+        return (b.num_tokens[row], b.num_host_tokens[row], b.num_computed[row], b.num_blocks[row],
+                list(b.block_tables[row]), len(b))
+
+    before = state()
+
+    def refused(error, match, new=(), cached=(), finished=()):
+        with pytest.raises(error, match=match):
+            runner.step(parse_step_request(step_request(50, new, cached, finished)))
+
+    fresh = pb.NewRequest(seq_id=2, token_ids=[5, 6, 7], num_prompt_tokens=3, num_scheduled_tokens=3,
+                          block_ids=[60], sampling=GREEDY)
+    refused(StaleMirrorError, "not running", new=[fresh], cached=[(42, 1, [])])
+    refused(StaleMirrorError, "already running", new=[pb.NewRequest(seq_id=1, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[61])])
+    refused(StaleMirrorError, "finished in the same step", cached=[(1, 1, [])], finished=[1])
+    refused(InvalidStepError, "past the known tokens", cached=[(1, 2, [])])
+    refused(InvalidStepError, "out of range", cached=[(1, 1, [64])])
+    refused(InvalidStepError, "cannot hold", new=[pb.NewRequest(seq_id=3, token_ids=list(range(20)), num_prompt_tokens=20, num_scheduled_tokens=20, block_ids=[62])])
+    refused(InvalidStepError, "vocab_size", new=[pb.NewRequest(seq_id=3, token_ids=[512], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62])])
+    refused(InvalidStepError, "top_p", new=[pb.NewRequest(seq_id=3, token_ids=[5], num_prompt_tokens=1, num_scheduled_tokens=1, block_ids=[62], sampling=pb.SamplingOptions(top_p=2))])
+    refused(InvalidStepError, "listed twice", cached=[(1, 1, [])] * 2)
+    refused(InvalidStepError, "num_scheduled_tokens is 0", new=[pb.NewRequest(seq_id=3, token_ids=[5], num_prompt_tokens=1, block_ids=[62])])
+    with pytest.raises(InvalidStepError, match="at least 2"):
+        parse_step_request(pb.StepRequest(step_id=51, cached=pb.CachedRequests(
+            seq_ids=[1], multi_token_indices=[0], multi_token_counts=[1])))
+    with pytest.raises(InvalidStepError, match="ascend"):
+        parse_step_request(pb.StepRequest(step_id=51, cached=pb.CachedRequests(
+            seq_ids=[1], new_block_indices=[3], new_block_counts=[1], new_block_ids=[5])))
+    with pytest.raises(InvalidStepError, match="add up"):
+        parse_step_request(pb.StepRequest(step_id=51, cached=pb.CachedRequests(
+            seq_ids=[1], new_block_indices=[0], new_block_counts=[2], new_block_ids=[5])))
+    assert 2 not in runner.batch and 3 not in runner.batch
+    assert state() == before
+    d.step(cached=[d.cached(1)])     # and the request carries on
+    assert d.tokens[1][10:] == hf_greedy(tiny_model_dir, p, 3)
+
+
+def test_only_the_newest_sampled_token_can_be_computed(tiny_model_dir):
+    """Sampled tokens live on the device, the newest per request: a step that would compute an
+    older one (which only a NewRequest with every token can supply) is refused."""
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    d.step(new=[d.new(1, prompt(12, 5), 5)])
+    d.step(cached=[d.cached(1)])
+    d.step(cached=[d.cached(1)])                     # 7 tokens known, 7 computed, 2 only on the device
+    runner.batch.num_computed[runner.batch.row_of[1]] = 5   # as if the scheduler had lost two steps
+    with pytest.raises(InvalidStepError, match="older than the newest"):
+        runner.step(parse_step_request(step_request(60, cached=[(1, 2, [])])))
+
+
+def test_describe_reset_and_cache_sizing(tiny_model_dir):
+    runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), max_model_len=100_000))
+    info = runner.describe()
+    assert (info.model, info.vocab_size, info.max_model_len, info.block_size) == ("tiny-qwen3", 512, 4096, 16)
+    assert (info.device, info.attention_backend, info.dtype, info.world_size) == ("cpu", "torch", "float32", 1)
+    assert info.num_kv_blocks == 4096   # the capped CPU default: 1 GiB would be 65536 tiny blocks
+    assert info.instance_id and info.instance_id != make_runner(tiny_model_dir).describe().instance_id
+    sized = make_runner(tiny_model_dir, num_kv_blocks=None, kv_cache_memory_gb=1 / 1024, max_model_len=256)
+    # 1 MiB / (2 * 2 layers * 16 tokens * 2 kv heads * 32 dims * 4 bytes)
+    assert (sized.num_kv_blocks, sized.max_model_len) == (64, 256)
+
+    d = Driver(runner)
+    d.step(new=[d.new(1, prompt(10, 5), 5), d.new(2, prompt(11, 7), 7)])
+    runner.reset()
+    assert len(runner.batch) == 0
+    with pytest.raises(StaleMirrorError):
+        runner.step(parse_step_request(step_request(1, cached=[(1, 1, [])])))
+
+
+@torch.inference_mode()
+def hf_logprobs(model_dir, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' float32 logits at every position of token_ids."""
+    return hf_model(model_dir)(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+def test_top_and_prompt_logprobs_equal_transformers_through_chunked_prefill(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    p = prompt(10, 40)
+    options = pb.SamplingOptions(temperature=0.8, seed=3, top_logprobs=5, prompt_logprobs=True)
+    d.step(new=[d.new(1, p, 17, options), d.new(2, prompt(11, 5), 5)])   # a neighbour that asks nothing
+    d.step(cached=[d.cached(1, 23), d.cached(2)])
+    for _ in range(4):
+        d.step(cached=[d.cached(1), d.cached(2)])
+    reference = hf_logprobs(tiny_model_dir, d.tokens[1])
+
+    scores, tops, firsts = [], [], []
+    for output in d.outputs:
+        if output.prompt_logprobs is not None:
+            scored = output.prompt_logprobs
+            assert scored.seq_ids == [1]
+            firsts += scored.first_positions
+            scores += scored.logprobs
+            tops += split_top(scored.top)
+    assert firsts == [1, 18] and len(scores) == len(p) - 1    # chunks of 17 and 23 positions
+    expected = reference[:len(p) - 1].gather(1, torch.tensor(p[1:]).unsqueeze(1)).squeeze(1)
+    assert scores == pytest.approx(expected.tolist(), abs=1e-4)
+    check_top(tops, reference[:len(p) - 1], 5)
+
+    sampled_tops = []
+    for output in d.outputs[1:]:
+        top = split_top(output.top_logprobs)
+        assert [len(ids) for ids, _ in top] == [5, 0] if len(top) == 2 else [5]   # the neighbour asked none
+        sampled_tops.append(top[0])
+    check_top(sampled_tops, reference[len(p) - 1:-1], 5)
+    outputs = d.tokens[1][len(p):]
+    lp = [d.outputs[i + 1].logprobs[0] for i in range(len(outputs))]
+    assert lp == pytest.approx([reference[len(p) - 1 + i, t].item() for i, t in enumerate(outputs)], abs=1e-4)
+
+
+def split_top(top) -> list[tuple[list[int], list[float]]]:
+    out, offset = [], 0
+    for count in top.counts:
+        out.append((top.token_ids[offset:offset + count], top.logprobs[offset:offset + count]))
+        offset += count
+    return out
+
+
+def check_top(tops, reference: torch.Tensor, k: int) -> None:
+    assert len(tops) == len(reference)
+    values, ids = reference.topk(k, dim=-1)
+    for (got_ids, got_values), want_ids, want_values in zip(tops, ids.tolist(), values.tolist()):
+        assert got_ids == want_ids
+        assert got_values == pytest.approx(want_values, abs=1e-4)
+
+
+def test_constrained_rows_follow_their_grammar_and_leave_free_neighbours_untouched(tiny_model_dir):
+    import re
+
+    free = pb.SamplingOptions(temperature=1.0, seed=5)
+    constrained = pb.Constraint(kind="regex", text=r"(ab|[0-9]{2,4}-)+x")
+    alone, mixed = Driver(make_runner(tiny_model_dir)), Driver(make_runner(tiny_model_dir))
+    alone.step(new=[alone.new(1, prompt(12, 9), 9, free)])
+    mixed.step(new=[mixed.new(1, prompt(12, 9), 9, free),
+                    mixed.new(2, prompt(13, 7), 7, pb.SamplingOptions(temperature=1.0, seed=6), constraint=constrained),
+                    mixed.new(3, prompt(14, 7), 7, GREEDY, constraint=constrained)])
+    for _ in range(24):
+        alone.step(cached=[alone.cached(1)])
+        mixed.step(cached=[mixed.cached(s) for s in (1, 2, 3)])
+    assert mixed.tokens[1] == alone.tokens[1]
+    tokenizer = load_tokenizer(tiny_model_dir)
+    for seq_id, length in ((2, 7), (3, 7)):
+        output = mixed.tokens[seq_id][length:]
+        stop = [i for i, t in enumerate(output) if t in (0, 2)]   # the checkpoint's EOS ids
+        text = tokenizer.decode(output[:stop[0]] if stop else output)
+        assert re.fullmatch(r"(ab|[0-9]{2,4}-)+x", text) if stop else re.fullmatch(r"(ab|[0-9]{2,4}-)*[0-9a-x-]*", text)
+    assert mixed.runner.structured.num_refused == 0
+
+
+def test_a_re_sent_constrained_request_continues_its_grammar(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
+    constraint = pb.Constraint(kind="json_schema", text=json.dumps(schema))
+    options = pb.SamplingOptions(temperature=1.0, seed=9)
+    p = prompt(15, 6)
+    d.step(new=[d.new(1, p, 6, options, constraint=constraint)])
+    for _ in range(3):
+        d.step(cached=[d.cached(1)])
+    so_far = list(d.tokens[1])                # the scheduler's truth: prompt and 4 outputs
+    d.forget(1)
+    d.step(new=[d.new(1, so_far, len(so_far), options, num_prompt=6, constraint=constraint)], finished=[1])
+    for _ in range(30):
+        if d.tokens[1][-1] in (0, 2):
+            break
+        d.step(cached=[d.cached(1)])
+    assert d.tokens[1][-1] in (0, 2), "the grammar ends after 99 at most: EOS is all it allows then"
+    text = load_tokenizer(tiny_model_dir).decode(d.tokens[1][6:-1])
+    assert d.tokens[1][:len(so_far)] == so_far and 0 <= json.loads(text)["n"] <= 99
+
+
+def test_a_bad_constraint_is_refused_before_anything_changes(tiny_model_dir):
+    runner = make_runner(tiny_model_dir)
+    d = Driver(runner)
+    bad = pb.Constraint(kind="json_schema", text='{"type": "object", "properties": 3}')
+    with pytest.raises(InvalidStepError, match="json_schema"):
+        runner.step(parse_step_request(step_request(1, new=[d.new(1, prompt(16, 4), 4, constraint=bad)])))
+    assert len(runner.batch) == 0

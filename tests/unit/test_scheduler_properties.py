@@ -1,0 +1,262 @@
+"""A hypothesis state machine drives the scheduler with a fake worker (tests/support/fake_worker.py)
+whose model KV cache records, in every slot, the token prefix that produced it: a block served
+from a stale hash entry, a shared block overwritten, or a worker mirror out of step with the
+scheduler shows up as a wrong slot. Block accounting is checked after every rule. The machine runs synchronously (each step's result applied before the next is
+scheduled) and with a step in flight (the next one scheduled first, as the engine's async
+scheduling does); a last property checks that both give every request the same tokens."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from scheduler_svc.engine.block_manager import BlockManager, hash_block
+from common.sampling import SamplingParams
+from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.engine.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.engine.step_message import build_step_request
+from tests.support.fake_worker import FakeWorker, prefix_token
+
+EOS = 0
+VOCAB = range(6)          # few token ids: prompts share prefixes often
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    # Steps scheduled before the oldest result is applied: 1 is synchronous.
+    depth = 1
+
+    @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 4),
+                budget=st.integers(1, 12), max_num_seqs=st.integers(1, 6),
+                threshold=st.integers(0, 3))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, threshold):
+        self.block_size = block_size
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                 max_model_len=num_blocks * block_size, block_size=block_size,
+                                 long_prefill_token_threshold=threshold)
+        self.bm = BlockManager(num_blocks, block_size)
+        self.sched = Scheduler(config, self.bm, eos_token_ids=[EOS])
+        self.worker = FakeWorker(num_blocks, block_size)
+        # Steps the worker has run (it runs each when it is sent) whose results are not applied.
+        self.in_flight: list[tuple[SchedulerOutput, list[int]]] = []
+        self.running_since_sent: set[int] = set()
+        self.seqs: list[Sequence] = []
+        self.prefix_by_hash: dict[int, tuple[int, ...]] = {}
+        self.next_id = 1
+
+    @property
+    def unfinished(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @rule(base=st.integers(0, 100), suffix=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=9),
+          max_tokens=st.integers(1, 12), min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
+          stop_token_ids=st.lists(st.sampled_from(VOCAB), max_size=1))
+    def add(self, base, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids):
+        # Often continue a known sequence (prompt and output), so prefix hits are common.
+        prefix = self.seqs[base % len(self.seqs)].token_ids if self.seqs and base % 2 else []
+        prompt = (prefix + suffix)[:self.sched.config.max_model_len]
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                                stop_token_ids=tuple(stop_token_ids))
+        seq = Sequence(self.next_id, f"r{self.next_id}", prompt, params)
+        self.next_id += 1
+        self.sched.add(seq)
+        self.seqs.append(seq)
+        self.record_prefixes(seq)
+
+    def run_step(self, seed: int, abort_in_flight: int | None = None) -> None:
+        """Schedules and sends one step; applies the oldest result once `depth` steps are in
+        flight, or when nothing more could be scheduled."""
+        # A step that schedules nothing sends nothing: its preemptions go with the next one.
+        self.note_on_worker()
+        output = self.sched.schedule()
+        if output.is_empty:
+            if not self.in_flight:
+                assert all(s.paused for s in self.unfinished)     # paused ones wait for resume()
+                return
+        else:
+            assert output.num_scheduled_tokens <= self.sched.config.max_num_batched_tokens
+            assert self.sched.num_running <= self.sched.config.max_num_seqs
+            assert set(output.preempted_seq_ids) <= self.running_since_sent
+            self.running_since_sent = set()
+            rng = random.Random(seed)
+            sampled = self.worker.step(build_step_request(1, output), lambda _: rng.choice(VOCAB))
+            self.in_flight.append((output, sampled))
+        if abort_in_flight is not None and self.sched.running:
+            self.sched.abort(self.sched.running[abort_in_flight % self.sched.num_running].seq_id)
+        if output.is_empty or len(self.in_flight) == self.depth:
+            self.apply_oldest()
+
+    def note_on_worker(self) -> None:
+        """Remembers which requests the worker holds now: only those can be named as preempted
+        in the next step sent (a resume may preempt a paused one before it is sent)."""
+        self.running_since_sent |= {s.seq_id for s in self.unfinished if s.on_worker}
+
+    def apply_oldest(self) -> None:
+        output, sampled = self.in_flight.pop(0)
+        lengths = {s.seq_id: s.num_tokens for s in self.seqs}
+        received = self.sched.update(output, sampled)
+        by_seq = {seq.seq_id: token for seq, token in zip(output.sampling_seqs, sampled)}
+        for seq in self.seqs:
+            got = seq in received
+            assert seq.num_tokens == lengths[seq.seq_id] + got
+            if got:
+                assert seq.token_ids[-1] == by_seq[seq.seq_id]
+        for seq in received:
+            self.record_prefixes(seq)
+
+    def record_prefixes(self, seq: Sequence) -> None:
+        """The test's own map from block hash to the whole token prefix it stands for."""
+        bs, h = self.block_size, None
+        for end in range(bs, seq.num_tokens + 1, bs):
+            h = hash_block(h, seq.token_ids[end - bs:end])
+            self.prefix_by_hash[h] = tuple(seq.token_ids[:end])
+
+    @rule(seed=st.integers(0, 2**32), num_steps=st.integers(1, 4),
+          abort_in_flight=st.none() | st.integers(0, 10))
+    def step(self, seed, num_steps, abort_in_flight):
+        for i in range(num_steps):
+            self.run_step(seed + i, abort_in_flight if i == 0 else None)
+
+    # One rule for the rarer events, so that steps and arrivals make up most of a run.
+    @precondition(lambda self: self.unfinished)
+    @rule(kind=st.sampled_from(["abort", "stop_string", "worker_restart", "pause", "resume"]),
+          index=st.integers(0, 100))
+    def disrupt(self, kind, index):
+        if kind == "abort":
+            seq = self.unfinished[index % len(self.unfinished)]
+            assert self.sched.abort(seq.seq_id) is seq and seq.is_finished
+        elif kind == "stop_string" and self.sched.running:
+            seq = self.sched.running[index % self.sched.num_running]
+            assert self.sched.finish(seq.seq_id) is seq
+        elif kind == "worker_restart":             # the results in flight are lost with it
+            self.sched.reset_all_worker_state()
+            self.worker.reset()
+            self.in_flight.clear()
+        elif kind == "pause":                      # its client stopped reading (backpressure)
+            seq = self.unfinished[index % len(self.unfinished)]
+            assert self.sched.pause(seq.seq_id) != seq.paused or seq.paused
+            assert seq.paused and seq not in self.sched.running and seq not in self.sched.waiting
+        elif kind == "resume" and self.sched.paused:
+            seq = list(self.sched.paused.values())[index % self.sched.num_paused]
+            self.note_on_worker()
+            assert self.sched.resume(seq.seq_id) and not seq.paused
+            assert (seq in self.sched.running) != (seq in self.sched.waiting)
+
+    @rule(seed=st.integers(0, 2**32))
+    def drain(self, seed):
+        """Everything admitted finishes: nothing deadlocks, however full the cache is (once the
+        paused requests are resumed: until then they wait by design)."""
+        self.note_on_worker()
+        for seq_id in list(self.sched.paused):
+            self.sched.resume(seq_id)
+        for i in range(1000):
+            if not self.sched.has_unfinished() and not self.in_flight:
+                break
+            self.run_step(seed + i)
+        assert not self.sched.has_unfinished() and not self.in_flight
+
+    @invariant()
+    def blocks_are_accounted(self):
+        bm = self.bm
+        refs = Counter(b for s in self.sched.running + list(self.sched.paused.values()) for b in s.block_table)
+        free = set(bm.free_block_ids)
+        for block in bm.blocks:
+            assert block.ref_count == refs[block.block_id]
+            assert (block.ref_count == 0) == (block.block_id in free)
+        assert len(free) == bm.num_free_blocks and bm.num_free_blocks + len(refs) == bm.num_blocks
+        if not self.sched.has_unfinished():
+            assert bm.num_free_blocks == bm.num_blocks
+
+    @invariant()
+    def hash_entries_serve_the_right_kv(self):
+        bs = self.block_size
+        for h, block_id in self.bm.hash_to_block_id.items():
+            block = self.bm.blocks[block_id]
+            prefix = self.prefix_by_hash[h]
+            assert block.hash == h and list(prefix[-bs:]) == block.token_ids
+            start = len(prefix) - bs
+            assert [self.worker.kv[block_id][j] for j in range(bs)] == \
+                [prefix[:start + j + 1] for j in range(bs)]
+
+    @invariant()
+    def worker_mirrors_match(self):
+        """The worker is ahead by the steps in flight: their tokens are placeholders here."""
+        holding = self.sched.running + [s for s in self.sched.paused.values() if s.status is SequenceStatus.RUNNING]
+        for seq in holding:
+            mirror = self.worker.mirrors[seq.seq_id]
+            assert mirror.token_ids[:seq.num_tokens] == seq.token_ids
+            assert len(mirror.token_ids) == seq.num_tokens + seq.num_placeholder_tokens
+            assert mirror.block_ids == seq.block_table
+            assert mirror.num_computed_tokens == seq.num_computed_tokens < len(mirror.token_ids)
+            assert seq.num_placeholder_tokens == sum(
+                1 for output, _ in self.in_flight for s in output.scheduled
+                if s.seq is seq and s.num_admissions == seq.num_admissions and s.samples)
+        released = [s for s in self.sched.paused.values() if s.status is not SequenceStatus.RUNNING]
+        for seq in list(self.sched.waiting) + released:
+            assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+            assert seq.block_table == [] and seq.num_computed_tokens == seq.num_placeholder_tokens == 0
+        for seq in self.sched.paused.values():
+            assert seq.paused and not seq.is_finished
+
+
+class AsyncSchedulerMachine(SchedulerMachine):
+    depth = 2
+
+
+_machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+SchedulerMachine.TestCase.settings = _machine_settings
+AsyncSchedulerMachine.TestCase.settings = _machine_settings
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestAsyncSchedulerMachine = AsyncSchedulerMachine.TestCase
+
+
+def run_to_completion(requests, arrivals, num_blocks: int, block_size: int, budget: int,
+                      depth: int) -> list[tuple[list[int], FinishReason]]:
+    """Runs the requests (prompt, params, stop_after) through a scheduler and a fake worker,
+    each arriving before the step numbered in arrivals, with `depth` steps in flight at most.
+    stop_after finishes a request as a stop string would, once it has that many tokens."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                             max_model_len=num_blocks * block_size, block_size=block_size)
+    sched = Scheduler(config, BlockManager(num_blocks, block_size), eos_token_ids=[EOS])
+    worker = FakeWorker(num_blocks, block_size)
+    seqs = [Sequence(i, f"r{i}", prompt, params) for i, (prompt, params, _) in enumerate(requests)]
+    in_flight: list[tuple[SchedulerOutput, list[int]]] = []
+    for step_index in range(10_000):
+        for seq, arrival in zip(seqs, arrivals):
+            if arrival == step_index:
+                sched.add(seq)
+        if not sched.has_unfinished() and not in_flight and step_index > max(arrivals):
+            break
+        output = sched.schedule()
+        if not output.is_empty:
+            in_flight.append((output, worker.step(build_step_request(step_index, output), lambda tokens: prefix_token(tokens, len(VOCAB)))))
+        if in_flight and (output.is_empty or len(in_flight) == depth):
+            output, sampled = in_flight.pop(0)
+            for seq in sched.update(output, sampled):
+                stop_after = requests[seq.seq_id][2]
+                if not seq.is_finished and seq.num_output_tokens == stop_after:
+                    sched.finish(seq.seq_id)
+    assert all(seq.is_finished for seq in seqs)
+    return [(seq.output_token_ids, seq.finish_reason) for seq in seqs]
+
+
+_request = st.tuples(
+    st.lists(st.sampled_from(VOCAB), min_size=1, max_size=10),
+    st.builds(SamplingParams, max_tokens=st.integers(1, 10), min_tokens=st.integers(0, 2),
+              ignore_eos=st.booleans()),
+    st.none() | st.integers(1, 6),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(_request, min_size=1, max_size=8), data=st.data(),
+       num_blocks=st.integers(5, 10), block_size=st.integers(1, 4), budget=st.integers(1, 12))
+def test_a_step_in_flight_changes_no_request_s_tokens(requests, data, num_blocks, block_size, budget):
+    """Scheduled ahead or not, with preemptions and early stops, each request gets the same
+    tokens and the same finish reason."""
+    max_len = num_blocks * block_size
+    requests = [(prompt[:max_len], params, stop_after) for prompt, params, stop_after in requests]
+    arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
+    sync = run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth=1)
+    assert run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth=2) == sync
