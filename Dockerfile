@@ -40,9 +40,10 @@ COPY common/ common/
 COPY worker_svc/ worker_svc/
 COPY scheduler_svc/ scheduler_svc/
 COPY tools/ tools/
+COPY gateway/ gateway/
 COPY docker/entrypoint.sh docker/entrypoint.sh
 # The code is read-only for the service user, so compile it once here instead of at each start.
-RUN python -m compileall -q common worker_svc scheduler_svc tools
+RUN python -m compileall -q common worker_svc scheduler_svc tools gateway
 USER llm
 EXPOSE 50051 50061 8000
 ENTRYPOINT ["/app/docker/entrypoint.sh"]
