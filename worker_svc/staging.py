@@ -129,7 +129,8 @@ class Staging:
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)]
+        self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda)
+                     for _ in range(2 if self.cuda else 1)]
         self.events = [None] * len(self.host)
         self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if self.cuda else None
         self._next = 0
