@@ -4,7 +4,7 @@ runner_io.py). scheduler_svc/engine/step_message.py is the mirror image; ModelRu
 sampler never see protobuf.
 
 Parsing checks what the message says about itself (well-formed columns, sane sampling
-options); what it says against the worker's state is checked by the runner. Either failure is
+options); what it says against the worker's state is checked by step_checks.py. Either failure is
 an InvalidStepError, raised before anything changes.
 """
 from __future__ import annotations
