@@ -18,8 +18,9 @@ import time
 
 import numpy as np
 
-from worker_svc.model_runner import ModelRunner, PendingStep, StepBatch
-from worker_svc.step_message import StepOutput
+from worker_svc.model_runner import ModelRunner, StepBatch
+from worker_svc.runner_io import StepOutput
+from worker_svc.staging import PendingStep
 
 
 class _SleepingStep(PendingStep):

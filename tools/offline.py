@@ -23,7 +23,7 @@ from common.sampling import SamplingParams
 from scheduler_svc.engine.worker_client import WorkerError, WorkerGroupClient
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import ModelRunner
-from worker_svc.step_message import build_step_response, parse_step_request
+from worker_svc.step_message import build_step_response, build_worker_info, parse_step_request
 
 _WORKER_FIELDS = {f.name for f in dataclasses.fields(WorkerConfig)} - {"model"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -41,7 +41,7 @@ class LocalWorkerClient:
         self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="step-wait")
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
-        return self._runner.describe()
+        return build_worker_info(self._runner.describe())
 
     async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
         loop = asyncio.get_running_loop()

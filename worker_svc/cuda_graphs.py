@@ -6,9 +6,9 @@ batch size (1, 2, 4, 8, then every multiple of 16) and a decode step replays the
 that fits: its inputs are copied into static buffers, the padding rows are made inert (slot -1:
 their K/V are not stored; seq_len 0: they attend to nothing), and the graph runs.
 
-Only backends whose pure-decode path reads lengths from device tensors can be captured (they say
-so with `supports_cuda_graphs = True`); a backend that reads AttentionMetadata's host lists
-would replay the lengths it saw at capture time.
+Only backends whose pure-decode path reads lengths from device tensors can be captured (their
+`supports_cuda_graphs`, an attribute of the backend protocol in layers/attention/base.py); a
+backend that reads AttentionMetadata's host lists would replay the lengths it saw at capture time.
 """
 from __future__ import annotations
 

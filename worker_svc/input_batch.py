@@ -22,7 +22,7 @@ import numpy as np
 
 from worker_svc.layers.sampler import SamplingOptions
 from worker_svc.row_pool import grown_capacity
-from worker_svc.step_message import NewRequest
+from worker_svc.runner_io import NewRequest
 
 
 class InputBatch:

@@ -21,8 +21,8 @@ from common.reflection import enable_server_reflection
 from common.security import TokenAuthInterceptor
 from worker_svc.lease import LeaseHeld, StaleLease, WorkerLease
 from worker_svc.model_runner import ModelRunner
-from worker_svc.step_message import (InvalidStepError, StaleMirrorError, build_step_response,
-                                     parse_step_request)
+from worker_svc.runner_io import InvalidStepError, StaleMirrorError
+from worker_svc.step_message import build_step_response, build_worker_info, parse_step_request
 from worker_svc.step_order import StepOrder
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._runner
 
     def Describe(self, request, context):
-        return self._ready_runner(context).describe()
+        return build_worker_info(self._ready_runner(context).describe())
 
     def Step(self, request, context):
         """Launches the step in its turn, then waits for its tokens outside the turn: the next

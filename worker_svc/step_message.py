@@ -1,97 +1,24 @@
-"""The worker's side of the step wire: a StepRequest becomes a plain StepInput, and a step's
-result becomes a StepResponse. scheduler_svc/engine/step_message.py is the mirror image; ModelRunner
-and the sampler never see protobuf.
+"""The worker's wire: a StepRequest becomes a plain StepInput, a step's result becomes a
+StepResponse, and the runner's WorkerInfo becomes the Describe answer (the plain types are in
+runner_io.py). scheduler_svc/engine/step_message.py is the mirror image; ModelRunner and the
+sampler never see protobuf.
 
 Parsing checks what the message says about itself (well-formed columns, sane sampling
-options); what it says against the worker's state is checked by the runner. Either failure is
+options); what it says against the worker's state is checked by step_checks.py. Either failure is
 an InvalidStepError, raised before anything changes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import numpy as np
 
 from common.constraint import KINDS, Constraint
 from common.pb.llm.worker.v1 import worker_pb2
 from worker_svc.layers.sampler import SamplingOptions
+from worker_svc.runner_io import InvalidStepError, NewRequest, StepInput, StepOutput, TopLogprobs, WorkerInfo
 
 MAX_TOP_LOGPROBS = 20
-
-
-class InvalidStepError(ValueError):
-    """The step contradicts itself or the worker's limits; nothing was changed."""
-
-
-class StaleMirrorError(InvalidStepError):
-    """The step names requests this worker does not hold (or already holds): its state and the
-    scheduler's view differ, e.g. after a worker restart. The scheduler should re-send them."""
-
-
-@dataclass(slots=True)
-class NewRequest:
-    seq_id: int
-    token_ids: list[int]            # every token known: prompt, then output so far
-    num_prompt_tokens: int
-    num_computed_tokens: int        # KV already in the cache (prefix-cache hit)
-    num_scheduled_tokens: int
-    block_ids: list[int]
-    sampling: SamplingOptions
-    constraint: Constraint | None = None
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-
-@dataclass(slots=True)
-class StepInput:
-    """One step. Batch order: the cached requests (columns), then the new ones."""
-    step_id: int
-    finished_seq_ids: list[int]
-    new_requests: list[NewRequest]
-    cached_seq_ids: list[int]
-    num_scheduled: np.ndarray       # int64 [len(cached_seq_ids)]: tokens each cached request computes
-    new_block_indices: np.ndarray   # int64: cached entries whose block table grows, ascending
-    new_block_counts: np.ndarray    # int64: how many ids each of those gets
-    new_block_ids: np.ndarray       # int64: the ids, concatenated
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.cached_seq_ids) + len(self.new_requests)
-
-
-@dataclass(slots=True)
-class TopLogprobs:
-    """The most likely tokens at several positions: entry i is counts[i] values of token_ids and
-    logprobs (concatenated), most likely first; 0 for a position whose request did not ask."""
-    counts: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-
-
-@dataclass(slots=True)
-class PromptLogprobs:
-    """Prompt tokens a step scored: request seq_ids[i], counts[i] tokens from first_positions[i]."""
-    seq_ids: list[int]
-    first_positions: list[int]
-    counts: list[int]
-    logprobs: list[float]
-    top: TopLogprobs | None         # one entry per scored token, when any of them asked
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """A step's sampled tokens, in batch order (one per request that samples), on the host."""
-    step_id: int
-    token_ids: list[int]
-    logprobs: list[float] | None    # None when no request asked
-    prepare_ms: float
-    forward_ms: float
-    total_ms: float
-    device_ms: float = 0.0
-    top_logprobs: TopLogprobs | None = None       # parallel to token_ids, when any request asked
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptions:
@@ -200,3 +127,7 @@ def build_step_response(output: StepOutput) -> worker_pb2.StepResponse:
         if prompt.top is not None:
             _top_to_proto(prompt.top, target.top)
     return msg
+
+
+def build_worker_info(info: WorkerInfo) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(**dataclasses.asdict(info))

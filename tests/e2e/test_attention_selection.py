@@ -5,12 +5,18 @@ taken as it is) is tested without a device. The real warm-up and measurement run
 torch backend with tiny shapes."""
 from __future__ import annotations
 
+import ast
+import importlib.util
 import logging
 import math
+import pathlib
+import typing
 
 import pytest
 import torch
 
+from worker_svc.layers.attention.base import AttentionBackend
+from worker_svc.layers.attention.registry import _BACKENDS as BACKEND_CLASSES
 from worker_svc.layers.attention.registry import get_attention_backend
 from tests.support.markers import requires_cuda
 from worker_svc.layers.attention.selection import (
@@ -28,8 +34,9 @@ CUDA = torch.device("cuda")   # only named: the fakes never touch a device
 class FakeBackend:
     supports_cuda_graphs = True
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, block_size_multiple: int = 1) -> None:
         self.name = name
+        self.block_size_multiple = block_size_multiple
 
 
 class FakeDevice:
@@ -37,8 +44,9 @@ class FakeDevice:
     or at warm-up; and a record of what was called."""
 
     def __init__(self, times: dict[str, dict[str, float]], cannot_load: dict[str, Exception] | None = None,
-                 fails: dict[str, Exception] | None = None) -> None:
+                 fails: dict[str, Exception] | None = None, block_size_multiples: dict[str, int] | None = None) -> None:
         self.times, self.cannot_load, self.fails = times, cannot_load or {}, fails or {}
+        self.block_size_multiples = block_size_multiples or {}
         self.loaded: list[str] = []
         self.warmed: list[str] = []
         self.measured: list[str] = []
@@ -47,7 +55,7 @@ class FakeDevice:
         self.loaded.append(name)
         if name in self.cannot_load:
             raise self.cannot_load[name]
-        return FakeBackend(name)
+        return FakeBackend(name, self.block_size_multiples.get(name, 1))
 
     def warm_up(self, backend, shape, device) -> float:
         self.warmed.append(backend.name)
@@ -102,6 +110,16 @@ def test_a_backend_that_fails_on_the_models_shapes_is_skipped(caplog):
     assert device.measured == ["triton"]
 
 
+def test_a_backend_that_does_not_take_the_block_size_is_skipped_before_warm_up(caplog):
+    caplog.set_level(logging.INFO)
+    device = FakeDevice({"triton": {"decode": 0.1}}, block_size_multiples={"flash_attn": 64})
+    assert device.select().name == "triton"
+    about_flash = [line for line in selection_lines(caplog) if "flash_attn" in line]
+    assert about_flash == ["attention backend flash_attn skipped: it takes KV blocks of a multiple of 64 tokens, "
+                           "not 16"]
+    assert device.warmed == ["triton"]
+
+
 def test_when_no_accelerated_backend_runs_torch_does(caplog):
     caplog.set_level(logging.INFO)
     device = FakeDevice({}, cannot_load={"flash_attn": ImportError("no flash_attn"),
@@ -152,6 +170,21 @@ def test_a_named_backend_that_cannot_run_is_an_error_naming_why():
         device.select("triton", device=torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown attention backend 'nonesuch'"):
         device.select("nonesuch")
+    coarse = FakeDevice({}, block_size_multiples={"triton": 64})
+    with pytest.raises(ValueError, match="'triton' takes KV blocks of a multiple of 64 tokens, not 16"):
+        coarse.select("triton")
+    assert coarse.warmed == []
+
+
+def test_every_backend_declares_the_facts_of_the_protocol():
+    facts = set(typing.get_type_hints(AttentionBackend))
+    assert facts == {"name", "supports_cuda_graphs", "block_size_multiple"}
+    for module_name, class_name in BACKEND_CLASSES.values():
+        # Read from the source, as flash_attn's module imports only where FlashAttention-4 is installed.
+        tree = ast.parse(pathlib.Path(importlib.util.find_spec(module_name).origin).read_text())
+        (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
+        declared = {target.id for node in cls.body if isinstance(node, ast.Assign) for target in node.targets}
+        assert facts <= declared, f"{class_name} does not declare {sorted(facts - declared)}"
 
 
 @pytest.mark.parametrize("shape", [QWEN3_0_6B, TINY], ids=["qwen3-0.6b", "tiny"])

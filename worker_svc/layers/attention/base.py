@@ -41,6 +41,11 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    # Its pure-decode forward reads lengths only from the metadata's device tensors, never from
+    # the host lists, so a CUDA graph of it replays correctly with other lengths.
+    supports_cuda_graphs: bool
+    # The KV block sizes it takes are the multiples of this (1: any).
+    block_size_multiple: int
 
     def forward(
         self,

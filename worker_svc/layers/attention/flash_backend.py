@@ -44,6 +44,7 @@ PAGED_KV_ARCHS = (9, 10, 11)
 class FlashAttentionBackend:
     name = "flash_attn"
     supports_cuda_graphs = True
+    block_size_multiple = 1
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():

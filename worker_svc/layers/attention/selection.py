@@ -7,9 +7,10 @@ layer on a few representative steps (measure_backend): decode of one request and
 batch, a chunk of a prompt over a cached prefix mixed with decodes, a fresh prompt. Decode is
 timed as the worker runs it, by CUDA-graph replay when the backend can be captured; the other
 steps eagerly, host overhead included. The backend with the least total time wins. A candidate
-that cannot load here (not installed, unsupported GPU) or fails on the model's shapes is
-skipped with one log line saying why; when none runs, torch does. On the CPU torch is the only
-backend. A named backend is loaded and warmed up as it is, and any failure is an error.
+that cannot load here (not installed, unsupported GPU), does not take the worker's block size
+or fails on the model's shapes is skipped with one log line saying why; when none runs, torch
+does. On the CPU torch is the only backend. A named backend is loaded and warmed up as it is,
+and any failure is an error.
 
 All of it is a few seconds (and FlashAttention-4's first compiles, which its disk cache keeps
 for the next start). Ranks of a tensor-parallel group measure their own GPUs and then agree
@@ -241,7 +242,7 @@ def measure_backend(backend: AttentionBackend, shape: AttentionShape, device: to
     the backend can be captured)."""
     device = torch.device(device)
     scale = shape.head_dim ** -0.5
-    graphs = device.type == "cuda" and getattr(backend, "supports_cuda_graphs", False)
+    graphs = device.type == "cuda" and backend.supports_cuda_graphs
     pool_blocks = _pool_blocks(shape, device)
     times = {}
     for i, case in enumerate(measurement_cases(shape)):
@@ -269,6 +270,9 @@ def select_attention_backend(
     device = torch.device(device)
     if requested != "auto":
         backend = get_attention_backend(requested, device, load=load)
+        refusal = block_size_refusal(backend, shape)
+        if refusal:
+            raise ValueError(f"attention backend {requested!r} {refusal}")
         if device.type == "cuda":
             try:
                 seconds = warm_up(backend, shape, device)
@@ -287,6 +291,10 @@ def select_attention_backend(
             backend = load(name)
         except Exception as exc:
             logger.info("attention backend %s skipped: it cannot load here (%s)", name, describe_error(exc))
+            continue
+        refusal = block_size_refusal(backend, shape)
+        if refusal:
+            logger.info("attention backend %s skipped: it %s", name, refusal)
             continue
         try:
             seconds = warm_up(backend, shape, device)
@@ -309,6 +317,13 @@ def select_attention_backend(
     logger.info("attention backend %s chosen (total ms per layer over the measured steps: %s)", chosen,
                 ", ".join(f"{name} {t:.3f}" for name, t in totals.items()))
     return runnable[chosen]
+
+
+def block_size_refusal(backend: AttentionBackend, shape: AttentionShape) -> str | None:
+    """Why the backend cannot take the shape's KV blocks, or None when it can."""
+    if shape.block_size % backend.block_size_multiple:
+        return f"takes KV blocks of a multiple of {backend.block_size_multiple} tokens, not {shape.block_size}"
+    return None
 
 
 def shape_summary(shape: AttentionShape) -> str:

@@ -43,6 +43,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_cuda_graphs = False   # reads the host lists of AttentionMetadata
+    block_size_multiple = 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -14,6 +14,7 @@ class TritonAttentionBackend:
     name = "triton"
     # Reads lengths only from device tensors, never from AttentionMetadata's host lists.
     supports_cuda_graphs = True
+    block_size_multiple = 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,71 @@
+"""Host/device staging (worker_svc/staging.py) on the CPU: a step's parts travel in one buffer
+and come back intact, a step's views survive the next step's fill, a launch waits for a free
+output slot once every slot holds an unread step, and logprob columns keep each row's k."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from worker_svc.runner_io import TopLogprobs
+from worker_svc.staging import EMPTY_PART, OUTPUT_SLOTS, Logprobs, OutputSlots, PendingStep, Staging
+
+CPU = torch.device("cpu")
+
+
+def test_every_part_comes_back_intact_from_one_buffer():
+    staging = Staging(64, CPU)
+    parts = [np.arange(5), EMPTY_PART, np.array([7, -1, 9]), np.arange(10, 30)]
+    views = staging.fill(parts)
+    assert [v.tolist() for v in views] == [p.tolist() for p in parts]
+    assert {v.untyped_storage().data_ptr() for v in views} == {views[0].untyped_storage().data_ptr()}
+
+
+def test_a_steps_views_survive_the_next_steps_fill():
+    staging = Staging(16, CPU)
+    first = staging.fill([np.arange(4), np.arange(4, 8)])
+    staging.fill([np.full(8, 99)])
+    assert [v.tolist() for v in first] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_launch_waits_for_a_free_output_slot_once_every_slot_holds_an_unread_step():
+    slots = OutputSlots(8, CPU)
+    taken = [slots.acquire() for _ in range(OUTPUT_SLOTS)]
+    assert sorted(taken) == list(range(OUTPUT_SLOTS))
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire()))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not got
+    slots.release(taken[1])
+    waiter.join()
+    assert got == [taken[1]]
+
+
+def test_a_pending_steps_result_reads_its_tokens_and_frees_its_slot_once():
+    released = []
+    tokens = torch.tensor([11, 12, 13, 0, 0])
+    logprobs = torch.tensor([-0.5, -1.0, -2.0, 0.0, 0.0])
+    pending = PendingStep(4, 0.0, 1.5, 2.5, 3, tokens, logprobs, None, lambda: released.append(1))
+    output = pending.result()
+    assert (output.step_id, output.token_ids, output.logprobs) == (4, [11, 12, 13], [-0.5, -1.0, -2.0])
+    assert (output.prepare_ms, output.forward_ms, output.top_logprobs, output.prompt_logprobs) == (1.5, 2.5, None, None)
+    assert released == [1]
+
+
+def test_top_logprob_columns_keep_each_rows_k():
+    extra = Logprobs(top_ks=np.array([2, 0, 1]), top_ids=torch.tensor([[5, 6], [7, 8]]),
+                     top_values=torch.tensor([[-0.5, -1.5], [-0.25, -4.0]]))
+    assert extra.top() == TopLogprobs([2, 0, 1], [5, 6, 7], [-0.5, -1.5, -0.25])
+
+
+def test_prompt_logprobs_come_per_scored_request_with_their_tops():
+    extra = Logprobs(scored=[(3, 1, 2, 1), (4, 5, 1, 2)], scores=torch.tensor([-1.0, -2.0, -3.0]),
+                     score_top_ids=torch.tensor([[1, 2], [3, 4], [5, 6]]),
+                     score_top_values=torch.tensor([[-0.5, -1.5], [-0.25, -4.0], [-0.75, -2.0]]))
+    prompt = extra.prompt()
+    assert (prompt.seq_ids, prompt.first_positions, prompt.counts) == ([3, 4], [1, 5], [2, 1])
+    assert prompt.logprobs == [-1.0, -2.0, -3.0]
+    assert prompt.top == TopLogprobs([1, 1, 2], [1, 3, 5, 6], [-0.5, -0.25, -0.75, -2.0])
+    assert Logprobs().top() is None and Logprobs().prompt() is None

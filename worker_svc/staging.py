@@ -1,0 +1,163 @@
+"""Host/device staging of a step, and its results on their way back.
+
+A step's integer inputs go to the device in one copy from a pinned host buffer (`Staging`); its
+sampled tokens come back into pinned slots (`OutputSlots`) behind an event, and `PendingStep`
+waits for that event when its result is read, so the host can prepare the next step meanwhile.
+Logprobs beyond the sampled token's travel the same way (`Logprobs`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker_svc.runner_io import PromptLogprobs, StepOutput, TopLogprobs
+
+EMPTY_PART = np.zeros(0, np.int64)   # a staging part with nothing in it
+# Launched steps whose tokens may not be read yet: the server has at most two (the one whose
+# reply is awaited and the one launched behind it); more slots only add slack.
+OUTPUT_SLOTS = 4
+
+
+def to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """Starts the copy of a device tensor to the host (finished by the step's event)."""
+    if tensor is None or tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu", non_blocking=True)
+
+
+@dataclass
+class Logprobs:
+    """A step's top and prompt logprobs on their way to the host, and what their rows asked."""
+    top_ks: np.ndarray | None = None                 # per sampled token
+    top_ids: torch.Tensor | None = None              # [asked, max k]
+    top_values: torch.Tensor | None = None
+    scored: list[tuple[int, int, int, int]] | None = None
+    scores: torch.Tensor | None = None               # [scored tokens]
+    score_top_ids: torch.Tensor | None = None        # [scored tokens, max k]
+    score_top_values: torch.Tensor | None = None
+
+    def top(self) -> TopLogprobs | None:
+        if self.top_ks is None:
+            return None
+        ks = self.top_ks.tolist()
+        return columns(ks, [k for k in ks if k], self.top_ids.tolist(), self.top_values.tolist())
+
+    def prompt(self) -> PromptLogprobs | None:
+        if self.scored is None or self.scores is None:
+            return None
+        seq_ids, firsts, counts, ks = (list(column) for column in zip(*self.scored))
+        top = None
+        if self.score_top_ids is not None:
+            token_ks = [k for k, count in zip(ks, counts) for _ in range(count)]
+            top = columns(token_ks, token_ks, self.score_top_ids.tolist(), self.score_top_values.tolist())
+        return PromptLogprobs(seq_ids, firsts, counts, self.scores.tolist(), top)
+
+
+def columns(counts: list[int], row_ks: list[int], ids: list[list[int]], values: list[list[float]]) -> TopLogprobs:
+    """Packs rows of the max k (row i keeping its first row_ks[i]) into columns with `counts`."""
+    flat_ids, flat_values = [], []
+    for k, row_ids, row_values in zip(row_ks, ids, values):
+        flat_ids += row_ids[:k]
+        flat_values += row_values[:k]
+    return TopLogprobs(counts, flat_ids, flat_values)
+
+
+class PendingStep:
+    """A launched step; result() waits (without the interpreter lock) for its tokens."""
+
+    def __init__(self, step_id: int, started: float, prepare_ms: float, forward_ms: float, num_sampled: int,
+                 tokens: torch.Tensor | None, logprobs: torch.Tensor | None, event, release,
+                 device_start=None, extra: Logprobs | None = None) -> None:
+        self.step_id = step_id
+        self._started = started
+        self._prepare_ms, self._forward_ms = prepare_ms, forward_ms
+        self._num_sampled = num_sampled
+        self._tokens, self._logprobs, self._event, self._release = tokens, logprobs, event, release
+        self._device_start = device_start
+        self._extra = extra
+
+    def result(self) -> StepOutput:
+        try:
+            if self._event is not None:
+                self._event.synchronize()
+            n = self._num_sampled
+            tokens = self._tokens[:n].tolist() if n else []
+            logprobs = self._logprobs[:n].tolist() if self._logprobs is not None and n else None
+            extra = self._extra
+            top = extra.top() if extra is not None else None
+            prompt = extra.prompt() if extra is not None else None
+        finally:
+            if self._release is not None:
+                self._release()
+                self._release = None
+        device_ms = self._device_start.elapsed_time(self._event) if self._device_start is not None else 0.0
+        return StepOutput(self.step_id, tokens, logprobs, self._prepare_ms, self._forward_ms,
+                          (time.perf_counter() - self._started) * 1e3, device_ms, top, prompt)
+
+
+class OutputSlots:
+    """Pinned host buffers the device copies sampled tokens into, one per launched step whose
+    result is not read yet, so step N+1's copy never lands on N's before N's reply reads it."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.tokens = [torch.empty(capacity, dtype=torch.int64, pin_memory=pin) for _ in range(OUTPUT_SLOTS)]
+        self.logprobs = [torch.empty(capacity, dtype=torch.float32, pin_memory=pin) for _ in range(OUTPUT_SLOTS)]
+        self._free = list(range(OUTPUT_SLOTS))
+        self._cond = threading.Condition()
+
+    def acquire(self) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self._free)
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+
+class Staging:
+    """One host buffer per step holding every integer input, copied to the device in one go.
+    Two pinned buffers alternate; the host waits for a buffer's last copy before refilling it
+    (with at most two steps launched ahead, it never does in practice)."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda)
+                     for _ in range(2 if self.cuda else 1)]
+        self.events = [None] * len(self.host)
+        self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if self.cuda else None
+        self._next = 0
+
+    def fill(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Copies the parts to the device in one transfer; returns device views of each."""
+        i = self._next
+        self._next = (i + 1) % len(self.host)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        host = self.host[i]
+        view = host.numpy()
+        sizes = [len(p) for p in parts]
+        offset = 0
+        for part, size in zip(parts, sizes):
+            view[offset:offset + size] = part
+            offset += size
+        if self.cuda:
+            self.on_device[:offset].copy_(host[:offset], non_blocking=True)
+            event = self.events[i] or torch.cuda.Event()
+            event.record()
+            self.events[i] = event
+            flat = self.on_device
+        else:
+            flat = host[:offset].clone()
+        views, offset = [], 0
+        for size in sizes:
+            views.append(flat[offset:offset + size])
+            offset += size
+        return views

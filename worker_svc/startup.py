@@ -1,0 +1,183 @@
+"""A model runner's start-up, in the order ModelRunner.__init__ calls it: the device and the
+dtype, the attention backend (named, or the fastest here by measurement), the model and its
+weights, the KV cache's size (on a GPU after one warm-up step at the largest step the worker
+takes, so the memory profile sees the activation peak), and the CUDA graphs of the decode
+forward once the cache they read exists. Nothing here runs after the first step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import pathlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from worker_svc import kv_cache, parallel_state
+from worker_svc.config import WorkerConfig
+from worker_svc.layers.attention import (AttentionBackend, AttentionShape, configure_kernel_cache,
+                                         select_attention_backend)
+from worker_svc.layers.sampler import SamplingOptions
+from worker_svc.loader import init_dummy_weights, load_safetensors
+from worker_svc.models import build_model
+from worker_svc.parallel_state import all_reduce_max, all_reduce_min, get_tp_rank, get_tp_size
+from worker_svc.runner_io import NewRequest, StepInput
+
+if TYPE_CHECKING:
+    from worker_svc.cuda_graphs import DecodeGraphs
+    from worker_svc.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device named, made current when it is a GPU ("cuda" alone: the current one, by index)."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def tensor_parallel_rank(config: WorkerConfig) -> tuple[int, int]:
+    """(rank, size) of this worker in its group; ValueError when the process group disagrees
+    with the configuration."""
+    rank, size = get_tp_rank(), get_tp_size()
+    if (rank, size) != (config.rank, config.tensor_parallel_size):
+        raise ValueError(f"configured as rank {config.rank} of {config.tensor_parallel_size}, but the process "
+                         f"group makes this rank {rank} of {size}")
+    return rank, size
+
+
+def resolve_dtype(name: str, device: torch.device, model_config) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32    # CPU half-precision matmuls are slow and the reference is float32
+    checkpoint = getattr(model_config, "dtype", None) or torch.bfloat16
+    return getattr(torch, checkpoint) if isinstance(checkpoint, str) else checkpoint
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def select_backend(runner: ModelRunner) -> AttentionBackend:
+    """The configured backend, or the fastest on this device for this model's attention
+    (every rank of a group agrees on one), warmed up before the memory profile and capture."""
+    config = runner.config
+    configure_kernel_cache(config.kernel_cache_dir)
+    shape = AttentionShape(
+        num_heads=runner.model_config.num_attention_heads // runner.tp_size, num_kv_heads=runner.num_kv_heads,
+        head_dim=runner.head_dim, dtype=runner.dtype, block_size=runner.block_size,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=runner.max_model_len)
+
+    def agree(totals: list[float]) -> list[float]:
+        parallel_state.barrier("attention measured")   # first compiles take uneven time
+        return all_reduce_max(totals, runner.device)
+
+    return select_attention_backend(config.attention_backend, runner.device, shape,
+                                    reduce_across_ranks=agree if runner.tp_size > 1 else None)
+
+
+def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
+    """The model on the runner's device and dtype, with the checkpoint's weights (or random
+    ones for --load-format dummy); every rank has loaded when it returns."""
+    config, model_config = runner.config, runner.model_config
+    with torch.device(runner.device), default_dtype(runner.dtype):
+        model = build_model(model_config, runner.backend, runner.max_model_len, config.quantization,
+                            runner.device).eval()
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed, std=model_config.initializer_range)
+    else:
+        load_safetensors(model, model_dir)
+    parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
+    return model
+
+
+def size_kv_cache(runner: ModelRunner) -> int:
+    """KV blocks: as configured, or what the memory left after a warm-up holds (a GPU), or the
+    CPU default; the same on every rank of the group."""
+    config = runner.config
+    per_block = kv_cache.block_bytes(runner.model_config.num_hidden_layers, runner.block_size, runner.num_kv_heads,
+                                     runner.head_dim, runner.dtype)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_gb is not None:
+        num_blocks = kv_cache.blocks_for_memory(config.kv_cache_memory_gb, per_block)
+    elif runner.device.type == "cuda":
+        warm_up(runner)
+        num_blocks = kv_cache.cuda_free_blocks(runner.device, per_block, config.gpu_memory_utilization)
+    else:
+        num_blocks = kv_cache.cpu_default_blocks(per_block)
+    # The scheduler hands out one set of block ids for the whole group: every rank holds
+    # as many blocks as the tightest one can.
+    num_blocks = all_reduce_min(num_blocks, runner.device)
+    if num_blocks < 1:
+        raise ValueError(f"no memory left for the KV cache (a block takes {per_block} bytes)")
+    return num_blocks
+
+
+def warm_up(runner: ModelRunner) -> None:
+    """One step at max_num_batched_tokens and one sampling of max_num_seqs rows (with the sort
+    that top-k/top-p need), through a temporary KV cache, so the memory profile sees the
+    activation peak. Leaves the runner empty and the device's cache allocator flushed."""
+    config, device = runner.config, runner.device
+    seq_len = min(config.max_num_batched_tokens, runner.max_model_len)
+    num_seqs = max(min(config.max_num_batched_tokens // seq_len, config.max_num_seqs), 1)
+    blocks_per_seq = -(-seq_len // runner.block_size)
+    kv_cache.allocate_kv_cache(runner.model, num_seqs * blocks_per_seq, runner.block_size,
+                               runner.num_kv_heads, runner.head_dim, runner.dtype, device)
+    warm_options = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)
+    new_requests = [NewRequest(-1 - i, [0] * seq_len, seq_len, 0, seq_len,
+                               list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), warm_options)
+                    for i in range(num_seqs)]
+    empty = np.zeros(0, np.int64)
+    warm = StepInput(0, [], new_requests, [], empty, empty, empty, empty)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.run_unchecked(warm)
+    if runner.sampler is not None:
+        runner.sampler.sample_rows(torch.zeros(config.max_num_seqs, runner.vocab_size, device=device),
+                                   [_WarmRow(warm_options)] * config.max_num_seqs)
+    runner.reset()
+    kv_cache.unbind_kv_cache(runner.model)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+@dataclass
+class _WarmRow:
+    """A sampler row as the warm-up's sampling sees it."""
+    sampling: SamplingOptions
+    penalty_row: int | None = None
+    num_output_tokens: int = 0
+
+
+def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
+    """CUDA graphs of the decode forward, where the device and the backend allow them."""
+    if runner.device.type != "cuda" or runner.config.enforce_eager:
+        return None
+    if not runner.backend.supports_cuda_graphs:
+        logger.info("attention backend %s cannot be captured: decoding eagerly", runner.backend.name)
+        return None
+    from worker_svc.cuda_graphs import DecodeGraphs   # CUDA only
+
+    start = time.perf_counter()
+    graphs = DecodeGraphs(runner.model, max_batch_size=runner.config.max_num_seqs,
+                          max_blocks_per_seq=runner.max_blocks_per_seq, max_model_len=runner.max_model_len,
+                          device=runner.device)
+    logger.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - start)
+    return graphs

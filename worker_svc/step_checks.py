@@ -1,0 +1,144 @@
+"""Step checks: a step against the worker's limits and its persistent batch, before anything changes.
+
+`check_step` refuses a step that contradicts itself, the limits or the batch with an
+InvalidStepError naming the step, the request and the field (a StaleMirrorError when the batch
+and the scheduler's view differ: a request not held, or held twice). The cached requests are
+checked as columns, vectorised over rows; new requests one by one. A new request's grammar
+matcher is made here, so that a bad constraint is refused like any other field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker_svc.input_batch import InputBatch
+from worker_svc.runner_io import InvalidStepError, NewRequest, StaleMirrorError, StepInput
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The most a step may ask of this worker."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    max_blocks_per_seq: int          # max_model_len / block_size, rounded up
+
+
+def check_step(step: StepInput, limits: StepLimits, batch: InputBatch, structured) -> tuple[np.ndarray, dict]:
+    """Checks the whole step; returns the cached requests' rows and the new requests' grammar
+    matchers by seq_id (`structured` makes them; None on ranks that do not sample)."""
+    sid = step.step_id
+    if step.num_requests > limits.max_num_seqs:
+        raise InvalidStepError(f"step {sid}: {step.num_requests} requests exceed max_num_seqs {limits.max_num_seqs}")
+    finished = set(step.finished_seq_ids)
+    cached_ids = step.cached_seq_ids
+    try:
+        rows = batch.rows_of(cached_ids)
+    except KeyError as exc:
+        raise StaleMirrorError(f"step {sid}, cached request {exc.args[0]}: not running on this worker "
+                               f"(send it as a NewRequest)") from None
+    if finished and not finished.isdisjoint(cached_ids):
+        seq_id = next(s for s in cached_ids if s in finished)
+        raise StaleMirrorError(f"step {sid}, cached request {seq_id}: listed as finished in the same step")
+    seen = set(cached_ids)
+    if len(seen) != len(cached_ids):
+        raise InvalidStepError(f"step {sid}: a cached request is listed twice in one step")
+    num_tokens = int(step.num_scheduled.sum())
+    for new in step.new_requests:
+        num_tokens += _check_new(sid, new, limits, batch, seen, finished)
+    if num_tokens > limits.max_num_batched_tokens:
+        raise InvalidStepError(f"step {sid}: {num_tokens} tokens exceed max_num_batched_tokens "
+                               f"{limits.max_num_batched_tokens}")
+    if len(rows):
+        _check_cached(step, rows, limits, batch)
+    return rows, (_matchers(step, structured) if structured is not None else {})
+
+
+def _check_new(sid: int, new: NewRequest, limits: StepLimits, batch: InputBatch, seen: set[int],
+               finished: set[int]) -> int:
+    """One new request; returns the tokens it schedules."""
+    where = f"step {sid}, new request {new.seq_id}"
+    if new.seq_id in seen:
+        raise InvalidStepError(f"{where}: listed twice in one step")
+    seen.add(new.seq_id)
+    if new.seq_id in batch and new.seq_id not in finished:
+        raise StaleMirrorError(f"{where}: already running here; list it in finished_seq_ids to re-send it")
+    known = len(new.token_ids)
+    if not 0 < new.num_prompt_tokens <= known:
+        raise InvalidStepError(f"{where}: num_prompt_tokens {new.num_prompt_tokens} not in 1..{known} (token_ids)")
+    if known > limits.max_model_len:
+        raise InvalidStepError(f"{where}: {known} tokens exceed max_model_len {limits.max_model_len}")
+    if max(new.token_ids) >= limits.vocab_size:
+        raise InvalidStepError(f"{where}: token id {max(new.token_ids)} >= vocab_size {limits.vocab_size}")
+    if new.sampling.logit_bias and new.sampling.logit_bias[-1][0] >= limits.vocab_size:
+        raise InvalidStepError(f"{where}: logit_bias token id {new.sampling.logit_bias[-1][0]} >= vocab_size "
+                               f"{limits.vocab_size}")
+    if new.num_scheduled_tokens == 0:
+        raise InvalidStepError(f"{where}: num_scheduled_tokens is 0")
+    end = new.num_computed_tokens + new.num_scheduled_tokens
+    if end > known:
+        raise InvalidStepError(f"{where}: scheduling past the known tokens ({new.num_computed_tokens} computed + "
+                               f"{new.num_scheduled_tokens} scheduled > {known} known)")
+    blocks = new.block_ids
+    if blocks and max(blocks) >= limits.num_kv_blocks:
+        raise InvalidStepError(f"{where}: block id {max(blocks)} out of range (the cache has {limits.num_kv_blocks})")
+    if len(blocks) > limits.max_blocks_per_seq:
+        raise InvalidStepError(f"{where}: {len(blocks)} blocks exceed {limits.max_blocks_per_seq} (max_model_len "
+                               f"{limits.max_model_len} / block_size {limits.block_size})")
+    if len(blocks) * limits.block_size < end:
+        raise InvalidStepError(f"{where}: {len(blocks)} blocks of {limits.block_size} cannot hold {end} tokens")
+    return new.num_scheduled_tokens
+
+
+def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: InputBatch) -> None:
+    """The cached columns against the rows, vectorised; the message names the first offender."""
+    sid, b = step.step_id, batch
+
+    def refuse(bad: np.ndarray, why) -> None:
+        i = int(np.flatnonzero(bad)[0])
+        raise InvalidStepError(f"step {sid}, cached request {step.cached_seq_ids[i]}: {why(i)}")
+
+    counts = step.num_scheduled
+    start = b.num_computed[rows]
+    end = start + counts
+    num_tokens = b.num_tokens[rows]
+    if np.any(end > num_tokens):
+        refuse(end > num_tokens, lambda i: f"scheduling past the known tokens ({start[i]} computed + "
+                                           f"{counts[i]} scheduled > {num_tokens[i]} known)")
+    # Sampled tokens are known on the device only as each row's newest: a step may compute
+    # the newest, never an older one the host does not have.
+    num_host = b.num_host_tokens[rows]
+    unknown = np.maximum(start, num_host) < np.minimum(end, num_tokens - 1)
+    if np.any(unknown):
+        refuse(unknown, lambda i: f"positions {max(start[i], num_host[i])}..{end[i] - 1} include sampled tokens "
+                                  f"older than the newest (re-send it as a NewRequest)")
+    num_blocks = b.num_blocks[rows].copy()
+    if len(step.new_block_indices):
+        ids = step.new_block_ids
+        if ids.max() >= limits.num_kv_blocks:
+            raise InvalidStepError(f"step {sid}: block id {int(ids.max())} out of range (the cache has "
+                                   f"{limits.num_kv_blocks})")
+        num_blocks[step.new_block_indices] += step.new_block_counts
+    too_many = num_blocks > limits.max_blocks_per_seq
+    if np.any(too_many):
+        refuse(too_many, lambda i: f"{num_blocks[i]} blocks exceed {limits.max_blocks_per_seq} (max_model_len "
+                                   f"{limits.max_model_len} / block_size {limits.block_size})")
+    short = num_blocks * limits.block_size < end
+    if np.any(short):
+        refuse(short, lambda i: f"{num_blocks[i]} blocks of {limits.block_size} cannot hold {end[i]} tokens")
+
+
+def _matchers(step: StepInput, structured) -> dict:
+    """Grammar matchers of the new requests that carry a constraint, by seq_id."""
+    matchers = {}
+    for new in step.new_requests:
+        if new.constraint is not None:
+            try:
+                matchers[new.seq_id] = structured.matcher(new.constraint, new.output_token_ids)
+            except ValueError as exc:   # GrammarError: a bad constraint, or tokens not following it
+                raise InvalidStepError(f"step {step.step_id}, new request {new.seq_id}: {exc}") from None
+    return matchers
