@@ -390,9 +390,9 @@ class ModelRunner:
         matchers = {}
         if self.structured is not None:
             for new in step.new_requests:
-                if new.constraint is not None:
+                if new.sampling.constraint is not None:
                     try:
-                        matchers[new.seq_id] = self.structured.matcher(new.constraint, new.output_token_ids)
+                        matchers[new.seq_id] = self.structured.matcher(new.sampling.constraint, new.output_token_ids)
                     except ValueError as exc:   # GrammarError: a bad constraint, or tokens not following it
                         raise InvalidStepError(f"step {sid}, new request {new.seq_id}: {exc}") from None
         return rows, matchers
@@ -411,9 +411,10 @@ class ModelRunner:
             raise InvalidStepError(f"{where}: {known} tokens exceed max_model_len {self.max_model_len}")
         if max(new.token_ids) >= self.vocab_size:
             raise InvalidStepError(f"{where}: token id {max(new.token_ids)} >= vocab_size {self.vocab_size}")
-        if new.sampling.logit_bias and new.sampling.logit_bias[-1][0] >= self.vocab_size:
-            raise InvalidStepError(f"{where}: logit_bias token id {new.sampling.logit_bias[-1][0]} >= vocab_size "
-                                   f"{self.vocab_size}")
+        try:
+            new.sampling.check_token_ids(self.vocab_size)
+        except ValueError as exc:
+            raise InvalidStepError(f"{where}: {exc}") from None
         if new.num_scheduled_tokens == 0:
             raise InvalidStepError(f"{where}: num_scheduled_tokens is 0")
         end = new.num_computed_tokens + new.num_scheduled_tokens
