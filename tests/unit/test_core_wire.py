@@ -35,9 +35,13 @@ def _other_than(default, hint):
         return Constraint("regex", "a+")
     if int in args:                               # an optional integer: the seed
         return 2**63 + 5
+    if isinstance(default, str):
+        return default + "x"
     if args == {Ellipsis, str}:
         return ("x",)
-    return ((2, -100.0), (11, 0.5))               # (id, value) pairs, ids ascending
+    if args == {Ellipsis, tuple[int, float]}:
+        return ((2, -100.0), (11, 0.5))           # (id, value) pairs, ids ascending
+    raise TypeError(f"write a test value for fields of type {hint}")
 
 
 def every_field_set(record_type):

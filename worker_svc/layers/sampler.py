@@ -107,7 +107,7 @@ class SamplingMetadata:
     temperature: torch.Tensor | None           # [drawing, 1] float32, when any is not 1
     top_k: list[int] | None                    # per drawing row (vocab = off), when any row truncates
     top_k_tensor: torch.Tensor | None
-    top_p: torch.Tensor | None                 # [drawing] float32 (inf = off)
+    top_p: torch.Tensor | None                 # [drawing] float32; inf for rows that keep every token
     min_p: torch.Tensor | None                 # [drawing] float32, when any row asks
     seeded: list[tuple[int, int]]              # (position among drawing rows, seed)
     all_seeded: bool
