@@ -1,29 +1,17 @@
 """Validated, resolved sampling parameters of one request (the scheduler's own copy).
 
 `n` is the frontend's business: it admits n sequences, each with the parameters of one sample
-(`for_sample`), so the core, the scheduler and the workers only ever see single sequences.
+(`for_sample`), so the core, the scheduler and the workers only ever see single sequences. The
+internal wires carry these fields by name (common/record_codec.py); a default here is what an
+unset field on them means. Bounds: common/sampling_bounds.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import struct
 from dataclasses import dataclass
 
-import xxhash
-
 from common.constraint import Constraint
-from common.pb.llm.worker.v1 import worker_pb2
-
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample `index` of a request seeded with `seed`: the seed itself for sample 0
-    (so n = 1 and sample 0 of n > 1 draw the same tokens), a hash of (seed, index) for the others."""
-    if index == 0:
-        return seed
-    return xxhash.xxh64_intdigest(struct.pack("<QQ", seed & 0xFFFF_FFFF_FFFF_FFFF, index))
+from common.sampling_bounds import sample_seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +32,7 @@ class SamplingParams:
     logprobs: bool = False
     skip_special_tokens: bool = False
     n: int = 1                        # samples; the frontend fans them out
-    top_logprobs: int = 0             # 0..MAX_TOP_LOGPROBS; > 0 implies logprobs
+    top_logprobs: int = 0             # > 0 implies logprobs
     prompt_logprobs: bool = False
     constraint: Constraint | None = None
     priority: int = 0                 # lower first
@@ -63,25 +51,3 @@ class SamplingParams:
             return self
         seed = sample_seed(self.seed, index) if self.seed is not None else None
         return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs and index == 0)
-
-    def to_worker_options(self, *, prompt_logprobs: bool | None = None) -> worker_pb2.SamplingOptions:
-        """What the worker's sampler needs; stop conditions stay with the scheduler.
-        `prompt_logprobs` overrides the request's (a re-sent request whose prompt was scored)."""
-        options = worker_pb2.SamplingOptions(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs,
-            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-        )
-        if self.seed is not None:
-            options.seed = self.seed
-        if self.logit_bias:
-            options.logit_bias_token_ids.extend(t for t, _ in self.logit_bias)
-            options.logit_bias_values.extend(v for _, v in self.logit_bias)
-        return options

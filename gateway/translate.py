@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.client import SamplingParams
+from common.sampling_bounds import MAX_TOP_LOGPROBS, SEED_LIMIT
 from gateway.errors import bad_param, unsupported
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
-MAX_SEED = 2 ** 64                   # llm.v1 seeds are uint64
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -41,7 +41,7 @@ def _common_options(req: _Sampling) -> dict[str, Any]:
         if req.stream_options.continuous_usage_stats:
             raise unsupported("stream_options.continuous_usage_stats",
                               "usage comes in the last chunk (stream_options.include_usage)")
-    if req.seed is not None and not 0 <= req.seed < MAX_SEED:
+    if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
         raise bad_param("seed", f"seed must be in [0, 2**64), got {req.seed}")
     if req.n is not None and req.n < 1:
         raise bad_param("n", f"n must be at least 1, got {req.n}")
@@ -110,7 +110,7 @@ def completion_sampling(req: CompletionRequest) -> SamplingParams:
         raise unsupported("best_of", "each sample is returned (use n); best_of must be unset or equal to n")
     if req.logprobs is not None:
         if req.logprobs < 0:
-            raise bad_param("logprobs", f"logprobs must be in [0, 20], got {req.logprobs}")
+            raise bad_param("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
         options.update(logprobs=True, top_logprobs=req.logprobs or None)
     max_tokens = _max_tokens(req.max_tokens, "max_tokens")
     options["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
@@ -150,7 +150,7 @@ def chat_call(req: ChatCompletionRequest) -> ChatCall:
         if not req.logprobs:
             raise bad_param("top_logprobs", "top_logprobs needs logprobs: true")
         if req.top_logprobs < 0:
-            raise bad_param("top_logprobs", f"top_logprobs must be in [0, 20], got {req.top_logprobs}")
+            raise bad_param("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if req.logprobs:
         options.update(logprobs=True, top_logprobs=req.top_logprobs or None)
     if req.max_completion_tokens is not None:

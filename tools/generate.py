@@ -6,66 +6,38 @@
     python -m tools.generate --chat "Weather in Paris?" --tool @get_weather.json --tool-choice required
     python -m tools.generate --tokenize "Hello world"
 
-Flags whose value may be long (--json-schema, --grammar, --tool) read a file when it starts with
-`@`. Samples (--n > 1) are printed one after the other once all are done; a single sample streams.
-With --logprobs or --top-logprobs, each token's log-probabilities follow the text on stderr.
+Every field of the client's SamplingParams is a flag named after it (--top-p, --logprobs, --stop A B,
+--stop-token-ids 7 9, --json-schema, ...; a mapping takes KEY=VALUE entries). Flags whose value may
+be long (--json-schema, --grammar, --tool) read a file when it starts with `@`. Samples (--n > 1)
+are printed one after the other once all are done; a single sample streams. With --logprobs or
+--top-logprobs, each token's log-probabilities follow the text on stderr.
 
 Exits 0 when the request finished, 1 when the server refused or failed it (the status is printed).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import pathlib
 import sys
 
 from common.cli import ArgumentParser
 from common.client import Client, RequestError, Tool
+from tools.sampling_flags import add_sampling_flags, sampling_options, text_or_file
 
-
-def _text_or_file(value: str | None) -> str | None:
-    if value is None or not value.startswith("@"):
-        return value
-    return pathlib.Path(value[1:]).read_text()
+# This command's defaults where they differ from the server's: short and greedy.
+_DEFAULTS = {"max_tokens": 32, "temperature": 0.0}
 
 
 def _tool(value: str) -> Tool:
-    spec = json.loads(_text_or_file(value))
+    spec = json.loads(text_or_file(value))
     spec = spec.get("function", spec)
     return Tool(spec["name"], spec.get("description", ""), spec.get("parameters"))
-
-
-def _bias_entry(text: str) -> tuple[int, float]:
-    token_id, sep, bias = text.partition("=")
-    try:
-        if not sep:
-            raise ValueError
-        return int(token_id), float(bias)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 42=-100), got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m tools.generate", description=__doc__, env_prefix="QWEN3_SERVE_GENERATE_")
     p.add_argument("prompt")
     p.add_argument("--target", default=None, help="scheduler HOST:PORT (unset: $QWEN3_SERVE_TARGET, else 127.0.0.1:50051)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", nargs="+", default=[], help="stop strings")
-    p.add_argument("--n", type=int, default=None, help="independent samples of the prompt (1..16)")
-    p.add_argument("--logprobs", action="store_true", help="print each sampled token's log-probability")
-    p.add_argument("--top-logprobs", type=int, default=None, help="print the K most likely tokens at each position")
-    p.add_argument("--prompt-logprobs", action="store_true", help="print each prompt token's log-probability")
-    p.add_argument("--priority", type=int, default=None, help="lower is served first (default 0)")
-    p.add_argument("--logit-bias", nargs="+", default=[], metavar="ID=BIAS", type=_bias_entry,
-                   help="add BIAS in [-100, 100] to token ID's logit (e.g. 151645=-100 bans <|im_end|>)")
-    constraint = p.add_argument_group("structured output", "at most one of these")
-    constraint.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE")
-    constraint.add_argument("--regex", default=None)
-    constraint.add_argument("--grammar", default=None, metavar="EBNF|@FILE", help="xgrammar's EBNF (root ::= ...)")
-    constraint.add_argument("--json-object", action="store_true", help="any JSON object")
+    add_sampling_flags(p, _DEFAULTS)
     chat = p.add_argument_group("chat", "send the prompt as a user message to the Chat RPC")
     chat.add_argument("--chat", action="store_true")
     chat.add_argument("--system", default=None, help="a system message before it")
@@ -82,12 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     try:
-        options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                       stop=args.stop, n=args.n, logprobs=args.logprobs, top_logprobs=args.top_logprobs,
-                       prompt_logprobs=args.prompt_logprobs, priority=args.priority,
-                       logit_bias=dict(args.logit_bias) or None,
-                       json_schema=_text_or_file(args.json_schema), regex=args.regex,
-                       grammar=_text_or_file(args.grammar), json_object=args.json_object)
+        options = sampling_options(args)
         tools = [_tool(t) for t in args.tool]
         with Client(args.target, timeout=args.timeout, ca_file=args.tls_ca, token=args.token,
                     token_file=args.token_file) as client:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.constraint import Constraint
 from worker_svc.layers.sampler import SamplingOptions
 
 
@@ -31,7 +30,6 @@ class NewRequest:
     num_scheduled_tokens: int
     block_ids: list[int]
     sampling: SamplingOptions
-    constraint: Constraint | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -74,9 +74,10 @@ def _check_new(sid: int, new: NewRequest, limits: StepLimits, batch: InputBatch,
         raise InvalidStepError(f"{where}: {known} tokens exceed max_model_len {limits.max_model_len}")
     if max(new.token_ids) >= limits.vocab_size:
         raise InvalidStepError(f"{where}: token id {max(new.token_ids)} >= vocab_size {limits.vocab_size}")
-    if new.sampling.logit_bias and new.sampling.logit_bias[-1][0] >= limits.vocab_size:
-        raise InvalidStepError(f"{where}: logit_bias token id {new.sampling.logit_bias[-1][0]} >= vocab_size "
-                               f"{limits.vocab_size}")
+    try:
+        new.sampling.check_token_ids(limits.vocab_size)
+    except ValueError as exc:
+        raise InvalidStepError(f"{where}: {exc}") from None
     if new.num_scheduled_tokens == 0:
         raise InvalidStepError(f"{where}: num_scheduled_tokens is 0")
     end = new.num_computed_tokens + new.num_scheduled_tokens
@@ -136,9 +137,9 @@ def _matchers(step: StepInput, structured) -> dict:
     """Grammar matchers of the new requests that carry a constraint, by seq_id."""
     matchers = {}
     for new in step.new_requests:
-        if new.constraint is not None:
+        if new.sampling.constraint is not None:
             try:
-                matchers[new.seq_id] = structured.matcher(new.constraint, new.output_token_ids)
+                matchers[new.seq_id] = structured.matcher(new.sampling.constraint, new.output_token_ids)
             except ValueError as exc:   # GrammarError: a bad constraint, or tokens not following it
                 raise InvalidStepError(f"step {step.step_id}, new request {new.seq_id}: {exc}") from None
     return matchers

@@ -3,8 +3,8 @@ StepResponse, and the runner's WorkerInfo becomes the Describe answer (the plain
 runner_io.py). scheduler_svc/engine/step_message.py is the mirror image; ModelRunner and the
 sampler never see protobuf.
 
-Parsing checks what the message says about itself (well-formed columns, sane sampling
-options); what it says against the worker's state is checked by step_checks.py. Either failure is
+Parsing checks what the message says about itself (well-formed columns, sampling options
+within common/sampling_bounds.py); what it says against the worker's state is checked by step_checks.py. Either failure is
 an InvalidStepError, raised before anything changes.
 """
 from __future__ import annotations
@@ -13,53 +13,16 @@ import dataclasses
 
 import numpy as np
 
-from common.constraint import KINDS, Constraint
 from common.pb.llm.worker.v1 import worker_pb2
+from common.record_codec import decode
 from worker_svc.layers.sampler import SamplingOptions
 from worker_svc.runner_io import InvalidStepError, NewRequest, StepInput, StepOutput, TopLogprobs, WorkerInfo
 
-MAX_TOP_LOGPROBS = 20
-
-
 def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptions:
-    """proto3 cannot tell an unset float from 0, and 0 is meaningless for top_p and
-    repetition_penalty, so 0 there means off. Raises ValueError for nonsense values."""
-    options = SamplingOptions(
-        temperature=pb.temperature,
-        top_p=pb.top_p or 1.0,
-        top_k=pb.top_k,
-        min_p=pb.min_p,
-        seed=pb.seed if pb.HasField("seed") else None,
-        repetition_penalty=pb.repetition_penalty or 1.0,
-        presence_penalty=pb.presence_penalty,
-        frequency_penalty=pb.frequency_penalty,
-        logprobs=pb.logprobs or pb.top_logprobs > 0,
-        top_logprobs=pb.top_logprobs,
-        prompt_logprobs=pb.prompt_logprobs,
-        logit_bias=_logit_bias(pb),
-    )
+    """The request's sampling options; ValueError for values out of their bounds or a bad constraint."""
+    options = decode(pb, SamplingOptions)
     options.validate()
-    if options.top_logprobs > MAX_TOP_LOGPROBS:
-        raise ValueError(f"top_logprobs {options.top_logprobs} > {MAX_TOP_LOGPROBS}")
     return options
-
-
-def _logit_bias(pb: worker_pb2.SamplingOptions) -> tuple[tuple[int, float], ...]:
-    ids, values = pb.logit_bias_token_ids, pb.logit_bias_values
-    if len(ids) != len(values):
-        raise ValueError(f"logit_bias has {len(ids)} token ids but {len(values)} values")
-    if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise ValueError("logit_bias token ids must be ascending, each once")
-    return tuple(zip(ids, values))
-
-
-def constraint_from_proto(new: worker_pb2.NewRequest) -> Constraint | None:
-    """The request's constraint (its grammar is compiled by the runner). Raises ValueError."""
-    if not new.HasField("constraint"):
-        return None
-    if new.constraint.kind not in KINDS:
-        raise ValueError(f"unknown constraint kind {new.constraint.kind!r}; expected one of {', '.join(KINDS)}")
-    return Constraint(new.constraint.kind, new.constraint.text)
 
 
 def _sparse_indices(name: str, indices, counts, size: int, step_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,11 +41,10 @@ def parse_step_request(req: worker_pb2.StepRequest) -> StepInput:
     for new in req.new_requests:
         try:
             options = sampling_options_from_proto(new.sampling)
-            constraint = constraint_from_proto(new)
         except ValueError as exc:
             raise InvalidStepError(f"step {step_id}, new request {new.seq_id}: {exc}") from None
         new_requests.append(NewRequest(new.seq_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                                       new.num_scheduled_tokens, list(new.block_ids), options, constraint))
+                                       new.num_scheduled_tokens, list(new.block_ids), options))
     cached = req.cached
     seq_ids = list(cached.seq_ids)
     multi_idx, multi_cnt = _sparse_indices("multi_token", cached.multi_token_indices, cached.multi_token_counts,

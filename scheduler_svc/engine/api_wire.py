@@ -2,11 +2,11 @@
 wire, used by the core's server and the frontends' client alike."""
 from __future__ import annotations
 
-from common.constraint import Constraint
 from common.pb.llm.engine.v1 import engine_pb2 as pb
+from common.record_codec import decode, encode
+from common.sampling import SamplingParams
 from scheduler_svc.engine.api import (AddCode, AddResult, CoreEvent, CoreInfo, CoreRequest, CoreStatus,
                                       FinishedRequest, GroupState, PromptLogprobs, StepOutputs, TopLogprobColumns)
-from common.sampling import SamplingParams
 from scheduler_svc.engine.sequence import FinishReason
 
 _REASON_TO_PB = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -23,41 +23,17 @@ def reason_from_pb(value: int) -> FinishReason:
 
 
 # -- requests ---------------------------------------------------------------------------------
-def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
-    msg = pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                      max_tokens=s.max_tokens, min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
-                      stop_token_ids=sorted(s.stop_token_ids), repetition_penalty=s.repetition_penalty,
-                      presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, logprobs=s.logprobs,
-                      top_logprobs=s.top_logprobs, prompt_logprobs=s.prompt_logprobs, priority=s.priority,
-                      logit_bias=dict(s.logit_bias))
-    if s.seed is not None:
-        msg.seed = s.seed
-    if s.constraint is not None:
-        msg.constraint.kind, msg.constraint.text = s.constraint.kind, s.constraint.text
+def add_requests_to_pb(requests: list[CoreRequest]) -> pb.AddRequestsRequest:
+    msg = pb.AddRequestsRequest()
+    for r in requests:
+        new = msg.requests.add(seq_id=r.seq_id, request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                               sample_index=r.sample_index)
+        encode(r.sampling, new.sampling)
     return msg
 
 
-def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
-    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
-                          seed=msg.seed if msg.HasField("seed") else None, max_tokens=msg.max_tokens,
-                          min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos,
-                          stop_token_ids=frozenset(msg.stop_token_ids), repetition_penalty=msg.repetition_penalty,
-                          presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                          logprobs=msg.logprobs, top_logprobs=msg.top_logprobs, prompt_logprobs=msg.prompt_logprobs,
-                          priority=msg.priority, logit_bias=tuple(sorted(msg.logit_bias.items())),
-                          constraint=Constraint(msg.constraint.kind, msg.constraint.text)
-                          if msg.HasField("constraint") else None)
-
-
-def add_requests_to_pb(requests: list[CoreRequest]) -> pb.AddRequestsRequest:
-    return pb.AddRequestsRequest(requests=[
-        pb.NewRequest(seq_id=r.seq_id, request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                      sampling=sampling_to_pb(r.sampling), sample_index=r.sample_index)
-        for r in requests])
-
-
 def add_requests_from_pb(msg: pb.AddRequestsRequest) -> list[CoreRequest]:
-    return [CoreRequest(r.seq_id, r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling),
+    return [CoreRequest(r.seq_id, r.request_id, list(r.prompt_token_ids), decode(r.sampling, SamplingParams),
                         r.sample_index)
             for r in msg.requests]
 

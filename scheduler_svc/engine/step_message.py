@@ -7,17 +7,21 @@ entry in the sparse columns when it computes more than one token or gains blocks
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from common.pb.llm.worker.v1 import worker_pb2
+from common.record_codec import encode
 from scheduler_svc.engine.api import TopLogprobColumns
 from scheduler_svc.engine.scheduler import NewRequestData, SchedulerOutput
 
 
 def _new_request(r: NewRequestData) -> worker_pb2.NewRequest:
-    # A request re-sent with output tokens had its prompt scored before it was preempted: it is
-    # recomputed without scoring it again.
-    scores_prompt = r.sampling.prompt_logprobs and len(r.token_ids) == r.num_prompt_tokens
+    sampling = r.sampling
+    if sampling.prompt_logprobs and len(r.token_ids) > r.num_prompt_tokens:
+        # Re-sent with output tokens: its prompt was scored before it was preempted, and is
+        # recomputed without scoring it again.
+        sampling = dataclasses.replace(sampling, prompt_logprobs=False)
     msg = worker_pb2.NewRequest(
         seq_id=r.seq_id,
         token_ids=r.token_ids,
@@ -25,11 +29,8 @@ def _new_request(r: NewRequestData) -> worker_pb2.NewRequest:
         num_computed_tokens=r.num_computed_tokens,
         num_scheduled_tokens=r.num_scheduled_tokens,
         block_ids=r.block_ids,
-        sampling=r.sampling.to_worker_options(prompt_logprobs=scores_prompt),
     )
-    if r.sampling.constraint is not None:
-        msg.constraint.kind = r.sampling.constraint.kind
-        msg.constraint.text = r.sampling.constraint.text
+    encode(sampling, msg.sampling)
     return msg
 
 

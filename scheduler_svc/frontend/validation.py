@@ -4,9 +4,9 @@ message naming the field, and resolve the defaults the proto leaves unset.
 Cheap checks come first, so a bad request is refused before its text is tokenized: a text longer
 in bytes than max_model_len tokens can cover never reaches the tokenizer.
 
-Every float has a closed range in which the sampler's arithmetic stays finite for finite logits
-(a repetition penalty near 0 would divide logits by it); the proto documents the ranges. A refused
-float is printed as the client wrote it: the shortest decimal that is the same float32.
+Every bound (float ranges, counts, sizes) is common/sampling_bounds.py's, which the worker and the
+gateway read too; the proto documents them. A refused float is printed as the client wrote it: the
+shortest decimal that is the same float32. An unset field takes the SamplingParams default.
 
 A constraint (json_schema, regex, grammar, json_object) is turned into its grammar here, without
 the tokenizer (cheap, and cached by its text), so a bad one is refused naming the problem before
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.constraint import Constraint, GrammarError, to_grammar
 from common.pb.llm.v1 import generation_pb2
-from common.sampling import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from common.sampling import SamplingParams
+from common.sampling_bounds import (FLOAT_RANGES, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN,
+                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, FloatRange, to_float32)
 from scheduler_svc.frontend.tokenizer import TooManyTokens
 
 
@@ -39,12 +40,12 @@ class InvalidRequest(ValueError):
 class Limits:
     """Bounds on what one request may ask for, so that no client can make admission expensive."""
     max_prompt_bytes: int = 1 << 20          # UTF-8 bytes of a text prompt, checked before tokenizing
-    max_stop_strings: int = 16
-    max_stop_string_len: int = 256           # characters; the matcher holds back up to this many
-    max_stop_token_ids: int = 256            # a chat template ends on a handful; each is a set lookup
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_len: int = MAX_STOP_STRING_LEN
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     max_request_id_len: int = 256            # characters
     max_constraint_bytes: int = 128 << 10    # UTF-8 bytes of a json_schema, regex or grammar
-    max_logit_bias: int = 1024               # entries of logit_bias
+    max_logit_bias: int = MAX_LOGIT_BIAS_ENTRIES
 
 
 def validate_request(
@@ -82,7 +83,8 @@ def _with_max_tokens(msg: generation_pb2.SamplingParams, sampling: dict, num_pro
                      max_model_len: int) -> SamplingParams:
     room = max_model_len - num_prompt_tokens
     requested = msg.max_tokens if msg.HasField("max_tokens") else room
-    return SamplingParams(max_tokens=min(requested, room), **sampling)
+    given = {name: value for name, value in sampling.items() if value is not None}   # None: the default
+    return SamplingParams(max_tokens=min(requested, room), **given)
 
 
 def _check_request_id(request_id: str, limits: Limits) -> None:
@@ -100,7 +102,8 @@ def _check_request_id(request_id: str, limits: Limits) -> None:
 
 
 def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limits: Limits) -> dict:
-    """Every SamplingParams field except max_tokens, which depends on the prompt's length."""
+    """Every SamplingParams field except max_tokens, which depends on the prompt's length; None
+    where the request leaves the field to its default."""
     top_k = msg.top_k if msg.HasField("top_k") else 0
     if top_k < -1:
         raise InvalidRequest("sampling.top_k", f"sampling.top_k must be -1 or 0 (off) or positive, got {top_k}")
@@ -113,18 +116,13 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
             f"sampling.min_tokens must be <= sampling.max_tokens ({msg.max_tokens}), got {min_tokens}",
         )
     return dict(
-        temperature=_bounded_float(msg, "temperature", 1.0, 0.0, 100.0),
-        top_p=_bounded_float(msg, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        {name: _bounded_float(msg, name, bounds) for name, bounds in FLOAT_RANGES.items()},
         top_k=max(top_k, 0),  # -1 and 0 both mean off; the sampler knows only 0
-        min_p=_bounded_float(msg, "min_p", 0.0, 0.0, 1.0),
         seed=msg.seed if msg.HasField("seed") else None,
         min_tokens=min_tokens,
         ignore_eos=msg.ignore_eos,
         stop=_stop_strings(msg.stop, limits),
         stop_token_ids=_stop_token_ids(msg.stop_token_ids, vocab_size, limits),
-        repetition_penalty=_bounded_float(msg, "repetition_penalty", 1.0, 0.01, 10.0),
-        presence_penalty=_bounded_float(msg, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_bounded_float(msg, "frequency_penalty", 0.0, -2.0, 2.0),
         logprobs=msg.logprobs,
         skip_special_tokens=msg.skip_special_tokens,
         n=_bounded_int(msg.n or 1, "n", 1, MAX_N),
@@ -137,7 +135,7 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
 
 
 def _logit_bias(bias, vocab_size: int, limits: Limits) -> tuple[tuple[int, float], ...]:
-    """(token id, bias) pairs, ids ascending; each id in the vocabulary, each bias in [-100, 100]."""
+    """(token id, bias) pairs, ids ascending; each id in the vocabulary, each bias in LOGIT_BIAS_RANGE."""
     if len(bias) > limits.max_logit_bias:
         raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias has {len(bias)} entries, more than the "
                                                     f"limit of {limits.max_logit_bias}")
@@ -146,7 +144,7 @@ def _logit_bias(bias, vocab_size: int, limits: Limits) -> tuple[tuple[int, float
         if token_id >= vocab_size:
             raise InvalidRequest("sampling.logit_bias", f"sampling.logit_bias names token {token_id}, out of range: "
                                                         f"vocab_size is {vocab_size}")
-        _in_range(value, "sampling.logit_bias", -100.0, 100.0, what=f"sampling.logit_bias[{token_id}]")
+        _in_range(value, "sampling.logit_bias", LOGIT_BIAS_RANGE, what=f"sampling.logit_bias[{token_id}]")
     return tuple((token_id, value) for token_id, value in pairs if value != 0.0)
 
 
@@ -180,35 +178,22 @@ def check_constraint(constraint: Constraint) -> None:
     to_grammar(constraint)
 
 
-def _bounded_float(
-    msg: generation_pb2.SamplingParams, name: str, default: float, low: float, high: float, *, low_open: bool = False
-) -> float:
-    """The field's value, or `default` when unset; it must lie in [low, high] ((low, high] if low_open)."""
+def _bounded_float(msg: generation_pb2.SamplingParams, name: str, bounds: FloatRange) -> float | None:
+    """The field's value, or None when unset; it must lie within `bounds`."""
     if not msg.HasField(name):
-        return default
-    return _in_range(getattr(msg, name), f"sampling.{name}", low, high, low_open=low_open)
+        return None
+    return _in_range(getattr(msg, name), f"sampling.{name}", bounds)
 
 
-def _in_range(value: float, field: str, low: float, high: float, *, low_open: bool = False,
-              what: str | None = None) -> float:
-    """`value` (a proto float) if it lies in [low, high] ((low, high] if low_open), else
-    InvalidRequest for `field`, whose message names `what` (default: the field)."""
+def _in_range(value: float, field: str, bounds: FloatRange, *, what: str | None = None) -> float:
+    """`value` (a proto float) if it lies within `bounds`, else InvalidRequest for `field`, whose
+    message names `what` (default: the field)."""
     what = what or field
     if not math.isfinite(value):
         raise InvalidRequest(field, f"{what} must be a finite number, got {value}")
-    # Compared as float32, the field's type: a client's 0.01 arrives as 0.0099999998.
-    if value > _float32(high) or value < _float32(low) or (low_open and value == _float32(low)):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise InvalidRequest(field, f"{what} must be in {interval}, got {float32_text(value)}")
+    if value not in bounds:
+        raise InvalidRequest(field, f"{what} must be in {bounds}, got {float32_text(value)}")
     return value
-
-
-def _float32(value: float) -> float:
-    """`value` rounded to float32, as a proto float field stores it."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", value))[0]
-    except OverflowError:   # past the float32 range (a decimal rounded up beyond its largest value)
-        return math.copysign(math.inf, value)
 
 
 def float32_text(value: float) -> str:
@@ -217,7 +202,7 @@ def float32_text(value: float) -> str:
     1.0000001192092896 and `:g` prints 1."""
     for digits in range(1, 10):   # 9 significant digits identify any float32
         text = f"{value:.{digits}g}"
-        if _float32(float(text)) == value:
+        if to_float32(float(text)) == value:
             return text
     return repr(value)            # not a float32 after all: print it whole
 

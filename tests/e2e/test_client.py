@@ -1,4 +1,4 @@
-"""The typed client (common/client.py), sync and asyncio, against a real scheduler and worker."""
+"""The typed client (common/client/), sync and asyncio, against a real scheduler and worker."""
 from __future__ import annotations
 
 import asyncio

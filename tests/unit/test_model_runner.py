@@ -44,9 +44,12 @@ class Driver:
         self.blocks[seq_id] = list(cached_prefix_blocks)
         self.computed[seq_id] = len(cached_prefix_blocks) * BLOCK_SIZE
         self._grow(seq_id, self.computed[seq_id] + num_scheduled)
-        return pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=num_prompt or len(token_ids),
-                             num_computed_tokens=self.computed[seq_id], num_scheduled_tokens=num_scheduled,
-                             block_ids=self.blocks[seq_id], sampling=sampling, constraint=constraint)
+        msg = pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=num_prompt or len(token_ids),
+                            num_computed_tokens=self.computed[seq_id], num_scheduled_tokens=num_scheduled,
+                            block_ids=self.blocks[seq_id], sampling=sampling)
+        if constraint is not None:
+            msg.sampling.constraint.CopyFrom(constraint)
+        return msg
 
     def cached(self, seq_id: int, num_scheduled: int = 1) -> tuple[int, int, list[int]]:
         return seq_id, num_scheduled, self._grow(seq_id, self.computed[seq_id] + num_scheduled)

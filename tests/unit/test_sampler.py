@@ -173,14 +173,17 @@ def test_released_penalty_rows_are_reused_clean():
     assert len(set(rows + [second])) == 21
 
 
-def test_options_from_proto_treat_proto3_zeros_as_off_and_reject_nonsense():
+def test_options_from_proto_read_unset_as_the_default_and_refuse_values_out_of_bounds():
     options = sampling_options_from_proto(worker_pb2.SamplingOptions(temperature=0.5, seed=0))
     assert (options.top_p, options.repetition_penalty, options.seed) == (1.0, 1.0, 0)
-    assert sampling_options_from_proto(worker_pb2.SamplingOptions()).seed is None
-    with pytest.raises(ValueError, match="top_p"):
-        sampling_options_from_proto(worker_pb2.SamplingOptions(top_p=1.5))
-    with pytest.raises(ValueError, match="temperature"):
-        sampling_options_from_proto(worker_pb2.SamplingOptions(temperature=-1))
+    assert sampling_options_from_proto(worker_pb2.SamplingOptions()) == SamplingOptions()
+    for bad, field in ((dict(top_p=1.5), "top_p"), (dict(top_p=0.0), "top_p"), (dict(temperature=-1), "temperature"),
+                       (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(top_logprobs=21), "top_logprobs"),
+                       (dict(min_p=math.inf), "min_p")):
+        with pytest.raises(ValueError, match=field):
+            sampling_options_from_proto(worker_pb2.SamplingOptions(**bad))
+    with pytest.raises(ValueError, match="unknown kind 'xml'"):
+        sampling_options_from_proto(worker_pb2.SamplingOptions(constraint=worker_pb2.Constraint(kind="xml")))
 
 
 def test_logit_bias_is_added_before_penalties_and_truncation_and_logprobs_stay_raw():
@@ -214,12 +217,12 @@ def test_logit_bias_is_added_before_penalties_and_truncation_and_logprobs_stay_r
                 r.num_output_tokens += 1
 
 
-def test_logit_bias_from_proto_pairs_ids_with_values():
-    pb = worker_pb2.SamplingOptions(logit_bias_token_ids=[2, 9], logit_bias_values=[1.5, -3.0])
+def test_logit_bias_from_proto_is_sorted_by_id_and_bounded():
+    pb = worker_pb2.SamplingOptions(logit_bias={9: -3.0, 2: 1.5})
     assert sampling_options_from_proto(pb).logit_bias == ((2, 1.5), (9, -3.0))
-    with pytest.raises(ValueError, match="2 token ids but 1 values"):
-        sampling_options_from_proto(worker_pb2.SamplingOptions(logit_bias_token_ids=[2, 9], logit_bias_values=[1]))
-    with pytest.raises(ValueError, match="ascending"):
-        sampling_options_from_proto(worker_pb2.SamplingOptions(logit_bias_token_ids=[9, 2], logit_bias_values=[1, 1]))
     with pytest.raises(ValueError, match=r"\[-100, 100\]"):
-        sampling_options_from_proto(worker_pb2.SamplingOptions(logit_bias_token_ids=[2], logit_bias_values=[101]))
+        sampling_options_from_proto(worker_pb2.SamplingOptions(logit_bias={2: 101}))
+    with pytest.raises(ValueError, match="1025 entries"):
+        sampling_options_from_proto(worker_pb2.SamplingOptions(logit_bias={i: 1.0 for i in range(1025)}))
+    with pytest.raises(ValueError, match="token id 9 >= vocab_size 9"):
+        sampling_options_from_proto(pb).check_token_ids(9)

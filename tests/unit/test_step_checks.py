@@ -5,6 +5,8 @@ INVALID_ARGUMENT) and a message naming the step, the request and the field; the 
 as it was. Well-formed steps pass, with their rows in batch order and their grammar matchers."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -31,8 +33,10 @@ def held_batch() -> InputBatch:
 def new(seq_id: int = 2, token_ids=(5, 6, 7), *, num_prompt: int | None = None, computed: int = 0,
         scheduled: int | None = None, blocks=(3,), sampling=GREEDY, constraint=None) -> NewRequest:
     token_ids = list(token_ids)
+    if constraint is not None:
+        sampling = dataclasses.replace(sampling, constraint=constraint)
     return NewRequest(seq_id, token_ids, len(token_ids) if num_prompt is None else num_prompt, computed,
-                      len(token_ids) - computed if scheduled is None else scheduled, list(blocks), sampling, constraint)
+                      len(token_ids) - computed if scheduled is None else scheduled, list(blocks), sampling)
 
 
 def step(new_requests=(), cached=(), finished=(), new_blocks=None) -> StepInput:

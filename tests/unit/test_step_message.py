@@ -4,11 +4,13 @@ from __future__ import annotations
 import random
 
 from common.pb.llm.worker.v1 import worker_pb2
+from common.record_codec import decode
 from scheduler_svc.engine.block_manager import BlockManager
 from common.sampling import SamplingParams
 from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine.sequence import Sequence
 from scheduler_svc.engine.step_message import build_step_request
+from worker_svc.layers.sampler import SamplingOptions
 
 
 def make_scheduler(num_blocks: int, block_size: int, budget: int = 2048) -> Scheduler:
@@ -48,7 +50,7 @@ def test_new_request_is_sent_once_and_again_after_preemption():
     sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
     params = SamplingParams(temperature=0.5, seed=1234, max_tokens=12, logprobs=True)
     a = Sequence(1, "a", [1, 2, 3, 4], params)
-    b = Sequence(2, "b", [5, 6, 7, 8], SamplingParams(max_tokens=12))
+    b = Sequence(2, "b", [5, 6, 7, 8], SamplingParams(max_tokens=12, prompt_logprobs=True))
     sched.add(a)
     sched.add(b)
     first = run_step(sched)
@@ -57,7 +59,7 @@ def test_new_request_is_sent_once_and_again_after_preemption():
     assert list(new_a.token_ids) == [1, 2, 3, 4] and new_a.num_prompt_tokens == 4
     assert (new_a.num_computed_tokens, new_a.num_scheduled_tokens) == (0, 4)
     assert list(new_a.block_ids) == a.block_table[:1]
-    assert new_a.sampling == params.to_worker_options() and new_a.sampling.seed == 1234
+    assert decode(new_a.sampling, SamplingOptions) == SamplingOptions(temperature=0.5, seed=1234, logprobs=True)
     for _ in range(4):                                   # positions 4..7: the cache fills up
         request = run_step(sched)
         assert not request.new_requests and list(request.cached.seq_ids) == [1, 2]
@@ -73,4 +75,6 @@ def test_new_request_is_sent_once_and_again_after_preemption():
     (again,) = request.new_requests
     assert again.seq_id == 2 and list(again.token_ids) == b.token_ids[:-1]
     assert again.num_prompt_tokens == 4 and len(again.token_ids) == 9
+    # Its prompt was scored before the preemption: the recomputation does not score it again.
+    assert first.new_requests[1].sampling.prompt_logprobs and not again.sampling.prompt_logprobs
     assert list(again.block_ids) == b.block_table

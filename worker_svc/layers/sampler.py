@@ -11,13 +11,13 @@ generator in one batched draw.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
-import xxhash
 
+from common.constraint import Constraint
+from common.sampling_bounds import FLOAT_RANGES, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS, seed_hash
 from worker_svc.layers.logits_guard import drawable_rows, with_unusable_rows_raw
 from worker_svc.layers.penalties import PenaltyTable
 
@@ -27,6 +27,8 @@ _GREEDY_BELOW = 1e-5
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
+    """A request's sampling options on the worker: the fields of the scheduler's SamplingParams
+    that the worker acts on, under the same names (the wire carries them by name)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -35,24 +37,35 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool = False
+    logprobs: bool = False            # > 0 top_logprobs implies it
     top_logprobs: int = 0             # the runner computes these (layers/logprobs.py)
     prompt_logprobs: bool = False     # the runner scores the prompt
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added before penalties, ids ascending
+    constraint: Constraint | None = None             # the runner's grammar matcher (structured_output.py)
+
+    def __post_init__(self) -> None:
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
 
     def validate(self) -> None:
-        problems = [
-            "logit_bias values must be finite, within [-100, 100]"
-            if not all(abs(v) <= 100 for _, v in self.logit_bias) else "",
-            f"temperature {self.temperature} < 0" if not self.temperature >= 0 else "",
-            f"top_p {self.top_p} not in (0, 1]" if not 0 < self.top_p <= 1 else "",
-            f"top_k {self.top_k} < 0" if self.top_k < 0 else "",
-            f"min_p {self.min_p} not in [0, 1]" if not 0 <= self.min_p <= 1 else "",
-            f"repetition_penalty {self.repetition_penalty} <= 0" if not self.repetition_penalty > 0 else "",
-        ]
-        problems = [p for p in problems if p]
+        """ValueError naming every option out of its bounds (common/sampling_bounds.py)."""
+        problems = [f"{name} {getattr(self, name)} not in {bounds}"
+                    for name, bounds in FLOAT_RANGES.items() if getattr(self, name) not in bounds]
+        if self.top_k < 0:
+            problems.append(f"top_k {self.top_k} < 0")
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            problems.append(f"top_logprobs {self.top_logprobs} > {MAX_TOP_LOGPROBS}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            problems.append(f"logit_bias has {len(self.logit_bias)} entries > {MAX_LOGIT_BIAS_ENTRIES}")
+        if not all(value in LOGIT_BIAS_RANGE for _, value in self.logit_bias):
+            problems.append(f"logit_bias values must be finite, within {LOGIT_BIAS_RANGE}")
         if problems:
             raise ValueError("invalid sampling options: " + "; ".join(problems))
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError when an option names a token id past the vocabulary."""
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            raise ValueError(f"logit_bias token id {self.logit_bias[-1][0]} >= vocab_size {vocab_size}")
 
     @property
     def greedy(self) -> bool:
@@ -70,11 +83,6 @@ class SamplingRow(Protocol):
 
     @property
     def num_output_tokens(self) -> int: ...
-
-
-def seeded_noise_seed(seed: int, output_index: int) -> int:
-    """The generator seed for output token `output_index` of a request seeded with `seed`."""
-    return xxhash.xxh64_intdigest(struct.pack("<QQ", seed & 0xFFFF_FFFF_FFFF_FFFF, output_index))
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -99,7 +107,7 @@ class SamplingMetadata:
     temperature: torch.Tensor | None           # [drawing, 1] float32, when any is not 1
     top_k: list[int] | None                    # per drawing row (vocab = off), when any row truncates
     top_k_tensor: torch.Tensor | None
-    top_p: torch.Tensor | None                 # [drawing] float32 (inf = off)
+    top_p: torch.Tensor | None                 # [drawing] float32; inf for rows that keep every token
     min_p: torch.Tensor | None                 # [drawing] float32, when any row asks
     seeded: list[tuple[int, int]]              # (position among drawing rows, seed)
     all_seeded: bool
@@ -266,7 +274,7 @@ class Sampler:
         if not meta.all_seeded:
             noise.exponential_(generator=self.generator)
         for (j, seed), output_index in zip(meta.seeded, output_indices, strict=True):
-            self._row_generator.manual_seed(seeded_noise_seed(seed, output_index))
+            self._row_generator.manual_seed(seed_hash(seed, output_index))
             noise[j].exponential_(generator=self._row_generator)
         # A zero draw would turn an excluded token (p = 0) into 0/0; the floor keeps it at 0.
         # probs is the caller's scratch: dividing in place saves a vocabulary-sized buffer.

@@ -92,7 +92,7 @@ class FinishedRequest(_message.Message):
     num_cached_prompt_tokens: int
     def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
-class Sampling(_message.Message):
+class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "prompt_logprobs", "constraint", "priority", "logit_bias")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -157,9 +157,9 @@ class NewRequest(_message.Message):
     seq_id: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: Sampling
+    sampling: SamplingParams
     sample_index: int
-    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class AddRequestsRequest(_message.Message):
     __slots__ = ("requests",)
