@@ -45,7 +45,7 @@ def _bias_entry(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 42=-100), got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m tools.generate", description=__doc__, env_prefix="QWEN3_SERVE_GENERATE_")
     p.add_argument("prompt")
     p.add_argument("--target", default=None, help="scheduler HOST:PORT (unset: $QWEN3_SERVE_TARGET, else 127.0.0.1:50051)")
@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=None, help="bearer token, when the server requires one")
     p.add_argument("--token-file", default=None, help="file holding the bearer token")
     p.add_argument("--tls-ca", default=None, metavar="PATH", help="connect over TLS, trusting this PEM CA")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     try:

@@ -41,6 +41,7 @@ from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, broadcast_tokens, get_tp_rank, get_tp_size
 from worker_svc.step_message import (InvalidStepError, NewRequest, PromptLogprobs, StaleMirrorError, StepInput,
                                      StepOutput, TopLogprobs)
+from worker_svc.step_limits import with_step_limits
 from worker_svc.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -243,6 +244,7 @@ class ModelRunner:
             if self.device.index is None:   # "cuda": the current device, named by its index
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        self.config = config = with_step_limits(config, self.device)
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         if (self.tp_rank, self.tp_size) != (config.rank, config.tensor_parallel_size):
             raise ValueError(f"configured as rank {config.rank} of {config.tensor_parallel_size}, but the process "
@@ -293,9 +295,10 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()
         self.instance_id = uuid.uuid4().hex
         logger.info(
-            "model %s on %s (%s, attention %s): %d KV blocks of %d tokens, max_model_len %d",
-            self.model_name, self.device, str(self.dtype).removeprefix("torch."), self.backend.name,
-            self.num_kv_blocks, self.block_size, self.max_model_len,
+            "model %s on %s (%s, attention %s): %d KV blocks of %d tokens, max_model_len %d, steps of up to "
+            "%d tokens and %d requests", self.model_name, self.device, str(self.dtype).removeprefix("torch."),
+            self.backend.name, self.num_kv_blocks, self.block_size, self.max_model_len, config.max_num_batched_tokens,
+            config.max_num_seqs,
         )
 
     # --- public API ------------------------------------------------------------------------
