@@ -15,72 +15,48 @@ generate` never pays for importing torch.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 
 
-def _scheduler() -> ModuleType:
-    import scheduler_svc.__main__ as program
+def load(name: str) -> ModuleType:
+    """The module of program `name`: its main(argv) runs it, its build_parser() is its command line."""
+    if name == "scheduler":
+        import scheduler_svc.__main__ as program
+    elif name == "worker":
+        import worker_svc.__main__ as program
+    elif name == "gateway":
+        import gateway.__main__ as program
+    elif name == "generate":
+        import tools.generate as program
+    elif name == "loadtest":
+        import tools.loadtest.__main__ as program
+    elif name == "write-tiny-model":
+        import common.tiny_model as program
+    elif name == "healthcheck":
+        import common.healthcheck as program
+    elif name == "protos":
+        import common.proto_files as program
+    else:
+        raise KeyError(name)
     return program
 
 
-def _worker() -> ModuleType:
-    import worker_svc.__main__ as program
-    return program
-
-
-def _gateway() -> ModuleType:
-    import gateway.__main__ as program
-    return program
-
-
-def _generate() -> ModuleType:
-    import tools.generate as program
-    return program
-
-
-def _loadtest() -> ModuleType:
-    import tools.loadtest.__main__ as program
-    return program
-
-
-def _tiny_model() -> ModuleType:
-    import common.tiny_model as program
-    return program
-
-
-def _healthcheck() -> ModuleType:
-    import common.healthcheck as program
-    return program
-
-
-def _protos() -> ModuleType:
-    import common.proto_files as program
-    return program
-
-
-@dataclass(frozen=True)
-class Program:
-    summary: str                      # one line for `qwen3-serve --help`
-    load: Callable[[], ModuleType]    # the program's module: main(argv) runs it, build_parser() is its command line
-
-
-PROGRAMS: dict[str, Program] = {
-    "scheduler": Program("the scheduler: public llm.v1 API, batching, KV-cache blocks", _scheduler),
-    "worker": Program("a worker: the model on one device (or one tensor-parallel rank)", _worker),
-    "gateway": Program("OpenAI-compatible HTTP gateway (/v1/chat/completions, ...) to a scheduler", _gateway),
-    "generate": Program("stream one completion from a running scheduler", _generate),
-    "loadtest": Program("serving benchmark: TTFT, TPOT, ITL, throughput, goodput", _loadtest),
-    "write-tiny-model": Program("write the small seeded Qwen3 checkpoint the demo and tests use", _tiny_model),
-    "healthcheck": Program("exit 0 when a server reports SERVING on grpc.health.v1", _healthcheck),
-    "protos": Program("print the folder of the .proto files, or copy them with --out DIR", _protos),
+# name: one line for `qwen3-serve --help`
+PROGRAMS: dict[str, str] = {
+    "scheduler": "the scheduler: public llm.v1 API, batching, KV-cache blocks",
+    "worker": "a worker: the model on one device (or one tensor-parallel rank)",
+    "gateway": "OpenAI-compatible HTTP gateway (/v1/chat/completions, ...) to a scheduler",
+    "generate": "stream one completion from a running scheduler",
+    "loadtest": "serving benchmark: TTFT, TPOT, ITL, throughput, goodput",
+    "write-tiny-model": "write the small seeded Qwen3 checkpoint the demo and tests use",
+    "healthcheck": "exit 0 when a server reports SERVING on grpc.health.v1",
+    "protos": "print the folder of the .proto files, or copy them with --out DIR",
 }
 
 
 def usage() -> str:
     width = max(map(len, PROGRAMS))
-    lines = [f"  {name:<{width}}  {program.summary}" for name, program in PROGRAMS.items()]
+    lines = [f"  {name:<{width}}  {summary}" for name, summary in PROGRAMS.items()]
     return "usage: qwen3-serve SUBCOMMAND [ARGS...]\n\nsubcommands:\n" + "\n".join(lines) + "\n\n" + \
         "`qwen3-serve SUBCOMMAND --help` lists a subcommand's flags, their defaults and variables.\n"
 
@@ -94,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in PROGRAMS:
         sys.stderr.write(f"qwen3-serve: unknown subcommand {name!r}\n\n{usage()}")
         return 2
-    return PROGRAMS[name].load().main(rest) or 0
+    return load(name).main(rest) or 0
 
 
 if __name__ == "__main__":

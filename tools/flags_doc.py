@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 from common.cli import ArgumentParser, markdown_table
-from tools.commands import PROGRAMS
+from tools.commands import PROGRAMS, load
 
 FLAGS_MD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "FLAGS.md"
 
@@ -25,10 +25,10 @@ when this file and the parsers differ.
 
 def render() -> str:
     sections = [HEADER]
-    for name, program in PROGRAMS.items():
-        module = program.load()
+    for name, summary in PROGRAMS.items():
+        module = load(name)
         sections.append(f"## qwen3-serve {name}\n\n`python -m {module.__name__.removesuffix('.__main__')}`: "
-                        f"{program.summary}.\n\n{markdown_table(module.build_parser())}")
+                        f"{summary}.\n\n{markdown_table(module.build_parser())}")
     return "\n".join(sections)
 
 

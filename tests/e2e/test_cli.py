@@ -93,8 +93,8 @@ def _programs() -> list[str]:
 
 @pytest.mark.parametrize("program", _programs())
 def test_every_flag_of_every_program_shows_its_default_and_variable_in_help(program):
-    from tools.commands import PROGRAMS
-    parser = PROGRAMS[program].load().build_parser()
+    from tools.commands import load
+    parser = load(program).build_parser()
     text = " ".join(_help_of(parser.parse_args).split())        # argparse wraps lines; compare words
     flags = set(re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", text)) - {"help"}
     assert flags, text
