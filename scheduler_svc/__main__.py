@@ -133,35 +133,36 @@ class FrontendProcesses:
 
 
 async def serve(args: argparse.Namespace, security) -> None:
-    facts = read_model_facts(args.model)
+    service, frontend = config_from_args(ServiceConfig, args), config_from_args(FrontendConfig, args)
+    facts = read_model_facts(service.model)
     metrics = SchedulerMetrics()
     core = EngineCore(worker_groups(args), eos_token_ids=facts.eos_token_ids, metrics=metrics,
                       config=config_from_args(EngineConfig, args))
     stop = Stop()
     stop.install()
-    if args.metrics_port:
+    if service.metrics_port:
         metrics.watch(core.info)
-        metrics.serve(args.metrics_port, args.host)
+        metrics.serve(service.metrics_port, frontend.host)
     local = None
     frontends = None
     with tempfile.TemporaryDirectory(prefix="qwen3-core-") as private_dir:
-        if args.frontends == 0:
-            local = await start_frontend(config_from_args(FrontendConfig, args), args.model, LocalCoreClient(core),
-                                         security)
+        if service.frontends == 0:
+            local = await start_frontend(frontend, service.model, LocalCoreClient(core), security)
         else:
-            core_address = args.core_address or f"unix:{os.path.join(private_dir, 'core.sock')}"
+            core_address = service.core_address or f"unix:{os.path.join(private_dir, 'core.sock')}"
             core_server = build_core_server(core, metrics, core_address)
             await core_server.start()
             frontends = FrontendProcesses(args, core_address)
-            for frontend_id in range(args.frontends):
+            for frontend_id in range(service.frontends):
                 frontends.start(frontend_id)
             supervisor = asyncio.create_task(frontends.supervise())
-        logger.info("listening on %s:%d (%s), connecting to workers %s", args.host, args.port,
-                    f"{args.frontends} frontend processes" if args.frontends else "frontend in process", args.workers)
+        logger.info("listening on %s:%d (%s), connecting to workers %s", frontend.host, frontend.port,
+                    f"{service.frontends} frontend processes" if service.frontends else "frontend in process",
+                    service.workers)
         await core.start()
         await stop.event.wait()
-        logger.info("shutting down: no new requests, %.0fs for running ones", args.shutdown_grace)
-        await core.shutdown(args.shutdown_grace)
+        logger.info("shutting down: no new requests, %.0fs for running ones", service.shutdown_grace)
+        await core.shutdown(service.shutdown_grace)
         if local is not None:
             await drain_frontend(*local, grace_s=0.0)
         else:
