@@ -195,10 +195,8 @@ def add_config_arguments(parser: ArgumentParser, config_class: type,
         name = spec.name or ("--no-" if value_type is bool and field.default is True else "--") + \
             field.name.replace("_", "-")
         container = _argument_group(parser, spec.group, group_descriptions or {})
-        options = _argument_options(field, spec, value_type)
-        if spec.name and value_type is not bool:
-            options.setdefault("metavar", spec.name.lstrip("-").upper().replace("-", "_"))
-        action = container.add_argument(name, dest=field.name, help=spec.help, **options)
+        action = container.add_argument(name, dest=field.name, help=spec.help,
+                                        **_argument_options(field, spec, value_type))
         if spec.aliases:
             parser.add_hidden_alias(action, *spec.aliases)
 
@@ -229,8 +227,8 @@ def _argument_options(field: dataclasses.Field, spec: Flag, value_type: type) ->
         options["default"] = field.default
     if spec.choices is not None:
         options["choices"] = spec.choices
-    if spec.metavar is not None:
-        options["metavar"] = spec.metavar
+    if spec.metavar or spec.name:     # a spelling of its own names its value after it, not the field
+        options["metavar"] = spec.metavar or spec.name.lstrip("-").upper().replace("-", "_")
     return options
 
 
