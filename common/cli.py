@@ -10,6 +10,12 @@ command line. A variable for a flag without a value (`--enforce-eager`) is read 
 several values (`nargs="+"`) is split on whitespace. A bad value is a usage error that names the
 variable, exactly like a bad flag. Positional arguments have no variable.
 
+A config dataclass states its flags once: `flag(default, help=...)` on a field gives its default,
+help, choices and spelling; `add_config_arguments` adds one argument per such field (the type
+comes from the annotation) and `config_from_args` builds the dataclass from the parsed flags. An
+old spelling of a renamed flag (`aliases`) still parses, and its variable still sets the flag,
+without appearing in --help. `markdown_table` renders a parser's flags for docs/FLAGS.md.
+
 It also holds what the servers share about where they listen: `is_loopback` and
 `warn_if_exposed` (a server reachable from other machines without a token or TLS says so loudly
 at start-up).
@@ -19,15 +25,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Iterator
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from common.logging_setup import LOG_FORMATS
 
 ENV_PREFIX = "QWEN3_SERVE_"
+CLI_METADATA = "cli"     # the key of a field's Flag in dataclasses.Field.metadata
+
+Config = TypeVar("Config")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -84,8 +97,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, env_prefix: str = ENV_PREFIX, **kwargs) -> None:
         self.env_prefix = env_prefix   # before super().__init__, which formats the --help action
+        self._alias_of: dict[argparse.Action, argparse.Action] = {}
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def add_hidden_alias(self, action: argparse.Action, *spellings: str) -> None:
+        """Old spellings of `action`'s flag: they set the same value, and so do their variables
+        (the new variable wins when both are set), but --help shows neither."""
+        alias = copy.copy(action)
+        alias.option_strings = list(spellings)
+        alias.help = alias.default = argparse.SUPPRESS
+        alias.required = False
+        self._add_action(alias)
+        self._alias_of[alias] = action
 
     def _get_formatter(self) -> argparse.HelpFormatter:
         formatter = super()._get_formatter()
@@ -109,9 +133,11 @@ class ArgumentParser(argparse.ArgumentParser):
         try:
             for name, action in self.env_vars().items():
                 raw = os.environ.get(name)
-                if raw is not None:
-                    action.default = self._value_from_env(name, raw, action)
-                    action.required = False
+                target = self._alias_of.get(action, action)
+                if raw is None or (target is not action and env_var_name(target, self.env_prefix) in os.environ):
+                    continue
+                target.default = self._value_from_env(name, raw, target)
+                target.required = False
             yield
         finally:
             for action, default, required in saved:
@@ -136,6 +162,105 @@ class ArgumentParser(argparse.ArgumentParser):
             return value
         except argparse.ArgumentError as exc:
             self.error(f"{name}={raw!r}: {exc.message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How a config field appears on the command line (see `flag`)."""
+    help: str
+    name: str | None = None                   # unset: --field-name (--no-field-name for a bool that defaults on)
+    aliases: tuple[str, ...] = ()             # old spellings, still accepted, hidden from --help
+    choices: tuple[Any, ...] | None = None
+    type: Callable[[str], Any] | None = None  # unset: the field's annotated type
+    metavar: str | None = None
+    group: str | None = None                  # the --help section it is listed under
+
+
+def flag(default: Any = dataclasses.MISSING, *, help: str, **how: Any) -> Any:
+    """A dataclass field that is also a command-line flag; `how` takes Flag's other fields.
+    Without a default the flag is required."""
+    return dataclasses.field(default=default, metadata={CLI_METADATA: Flag(help, **how)})
+
+
+def add_config_arguments(parser: ArgumentParser, config_class: type,
+                         group_descriptions: Mapping[str, str] | None = None) -> None:
+    """One argument per flag() field of `config_class`, in field order; its value lands in
+    args.<field name>."""
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        spec = field.metadata.get(CLI_METADATA)
+        if spec is None:
+            continue
+        value_type = _value_type(config_class, field.name, hints[field.name])
+        name = spec.name or ("--no-" if value_type is bool and field.default is True else "--") + \
+            field.name.replace("_", "-")
+        container = _argument_group(parser, spec.group, group_descriptions or {})
+        action = container.add_argument(name, dest=field.name, help=spec.help,
+                                        **_argument_options(field, spec, value_type))
+        if spec.aliases:
+            parser.add_hidden_alias(action, *spec.aliases)
+
+
+def config_from_args(config_class: type[Config], args: argparse.Namespace, **overrides: Any) -> Config:
+    """`config_class` from parsed flags: every flag() field from args, the others their defaults."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_class) if CLI_METADATA in f.metadata}
+    return config_class(**(values | overrides))
+
+
+def _value_type(config_class: type, name: str, hint: Any) -> type:
+    """int for `int` and `int | None`; a field of another shape needs Flag.type."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        members = [t for t in typing.get_args(hint) if t is not type(None)]
+        hint = members[0] if len(members) == 1 else None
+    if hint not in (bool, int, float, str):
+        raise TypeError(f"{config_class.__name__}.{name}: a flag of type {hint!r} needs Flag.type")
+    return hint
+
+
+def _argument_options(field: dataclasses.Field, spec: Flag, value_type: type) -> dict[str, Any]:
+    if value_type is bool:
+        return {"action": "store_false" if field.default is True else "store_true"}
+    options: dict[str, Any] = {"type": spec.type or value_type}
+    if field.default is dataclasses.MISSING:
+        options["required"] = True
+    else:
+        options["default"] = field.default
+    if spec.choices is not None:
+        options["choices"] = spec.choices
+    if spec.metavar or spec.name:     # a spelling of its own names its value after it, not the field
+        options["metavar"] = spec.metavar or spec.name.lstrip("-").upper().replace("-", "_")
+    return options
+
+
+def _argument_group(parser: ArgumentParser, title: str | None, descriptions: Mapping[str, str]):
+    """The parser itself, or its group of that title (made on first use)."""
+    if title is None:
+        return parser
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title, descriptions.get(title))
+
+
+def markdown_table(parser: ArgumentParser) -> str:
+    """Every argument of `parser` as --help lists them: flag, default, variable, meaning."""
+    rows = ["| flag | default | variable | meaning |", "| --- | --- | --- | --- |"]
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if action.help is argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            name = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}`"
+            variable = env_var_name(action, parser.env_prefix)
+            meaning = action.help or ""
+            if action.choices is not None and not isinstance(action, _FLAG_ACTIONS):
+                meaning += ("; " if meaning else "") + "one of " + ", ".join(f"`{c}`" for c in action.choices)
+            cells = (name, _default_text(action), f"`{variable}`" if variable else "", meaning)
+            rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """Facts about a Hugging Face Qwen3 (dense or MoE) model directory, read from its JSON files without loading weights.
 
 The scheduler needs these before (or without) any worker: the vocabulary size to validate token ids,
-the context limit, and the EOS ids that end generation.
+the context limit, and the EOS ids that end generation. `read_config_json` is the one reader of
+config.json: the worker's model config (worker_svc/model_config.py) reads it through it too.
 """
 from __future__ import annotations
 
@@ -28,20 +29,24 @@ class ModelFacts:
     architectures: tuple[str, ...]
 
 
-def read_model_facts(model_dir: str | pathlib.Path) -> ModelFacts:
-    """Reads config.json (and generation_config.json when present) of `model_dir`."""
-    path = pathlib.Path(model_dir).expanduser().resolve()
-    if not path.is_dir():
-        raise ModelDirError(f"model directory {path} does not exist or is not a directory")
+def read_config_json(model_dir: str | pathlib.Path) -> dict[str, Any]:
+    """config.json of `model_dir` as written, once it is known to describe a Qwen3 or Qwen3-MoE model."""
+    path = _directory(model_dir)
     config = _read_json(path / "config.json", required=True)
-    generation_config = _read_json(path / "generation_config.json", required=False)
-
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         expected = " or ".join(repr(t) for t in SUPPORTED_MODEL_TYPES)
         raise ModelDirError(
             f"{path / 'config.json'}: model_type is {model_type!r}, expected {expected} (a Qwen3 or Qwen3-MoE checkpoint)"
         )
+    return config
+
+
+def read_model_facts(model_dir: str | pathlib.Path) -> ModelFacts:
+    """Reads config.json (and generation_config.json when present) of `model_dir`."""
+    path = _directory(model_dir)
+    config = read_config_json(path)
+    generation_config = _read_json(path / "generation_config.json", required=False)
     # generation_config.json is what transformers' generate() honours, and it often lists more
     # EOS ids than config.json (Qwen3: <|im_end|> and <|endoftext|>), so it wins when it has any.
     eos = generation_config.get("eos_token_id")
@@ -56,6 +61,13 @@ def read_model_facts(model_dir: str | pathlib.Path) -> ModelFacts:
         eos_token_ids=_eos_token_ids(eos, vocab_size, path),
         architectures=tuple(config.get("architectures") or ()),
     )
+
+
+def _directory(model_dir: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(model_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} does not exist or is not a directory")
+    return path
 
 
 def _read_json(file: pathlib.Path, *, required: bool) -> dict[str, Any]:

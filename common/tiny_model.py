@@ -135,7 +135,7 @@ def write_tiny_qwen3(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m common.tiny_model", description=__doc__,
                             env_prefix="QWEN3_SERVE_TINY_MODEL_")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("models/tiny-qwen3"))
@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
     parser.add_argument("--kind", choices=["dense", "moe", "fp8", "moe-fp8"], default="dense",
                         help="dense Qwen3, Qwen3-MoE, or either in the block-FP8 checkpoint format")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     TINY_KINDS[args.kind](
         args.out,
         seed=args.seed,

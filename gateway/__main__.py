@@ -13,41 +13,52 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from dataclasses import dataclass
 
-from common.cli import (ArgumentParser, add_client_security_arguments, add_logging_arguments,
-                        check_client_security_arguments, warn_if_exposed)
+from common.cli import (ArgumentParser, add_client_security_arguments, add_config_arguments, add_logging_arguments,
+                        check_client_security_arguments, config_from_args, flag, warn_if_exposed)
 from common.logging_setup import setup_logging
+from gateway.config import GatewayConfig
 
-log = logging.getLogger("openai_gateway")
+logger = logging.getLogger(__name__)
 
 
-def _read_keys(args) -> list[str]:
-    keys = [k for k in (args.api_key or "").split(",") if k.strip()]
-    if args.api_key_file:
-        keys += [line.strip() for line in pathlib.Path(args.api_key_file).read_text().splitlines() if line.strip()]
+CLIENTS = "clients"
+
+
+@dataclass(frozen=True)
+class GatewayFlags:
+    """The gateway's command line; main() turns it into the app's GatewayConfig, whose defaults
+    the shared flags take."""
+    host: str = flag("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    port: int = flag(8000, help="port to listen on")
+    target: str | None = flag(None, help="the scheduler's llm.v1 address (unset: $QWEN3_SERVE_TARGET, else "
+                                         "127.0.0.1:50051)")
+    request_timeout_s: float = flag(GatewayConfig.request_timeout,
+                                    help="deadline of each request on the scheduler, streams included (0: none)")
+    graceful_shutdown_s: float = flag(30.0, help="on SIGTERM, how long requests in flight may take to finish")
+    max_request_body_mib: float = flag(GatewayConfig.max_request_bytes / (1 << 20),
+                                       help="refuse a request body larger than this with 413 (0: no bound)")
+    max_sequences_per_request: int = flag(GatewayConfig.max_sequences_per_request,
+                                          help="refuse a completion of more prompts x n than this with 400")
+    api_key: str | None = flag(None, group=CLIENTS,
+                               help="require `Authorization: Bearer KEY` on /v1/* (several: comma-separated)")
+    api_key_file: str | None = flag(None, group=CLIENTS,
+                                    help="file of API keys, one a line (with or instead of --api-key)")
+    tls_cert: str | None = flag(None, group=CLIENTS, help="serve HTTPS with this PEM certificate (and --tls-key)")
+    tls_key: str | None = flag(None, group=CLIENTS, help="private key of --tls-cert")
+
+
+def _read_keys(flags: GatewayFlags) -> list[str]:
+    keys = [k for k in (flags.api_key or "").split(",") if k.strip()]
+    if flags.api_key_file:
+        keys += [line.strip() for line in pathlib.Path(flags.api_key_file).read_text().splitlines() if line.strip()]
     return [k.strip() for k in keys]
 
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="qwen3-serve gateway", description=__doc__, env_prefix="QWEN3_SERVE_GATEWAY_")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--target", default=None,
-                   help="the scheduler's llm.v1 address (unset: $QWEN3_SERVE_TARGET, else 127.0.0.1:50051)")
-    p.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="deadline of each request on the scheduler, streams included (0: none)")
-    p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
-                   help="on SIGTERM, how long requests in flight may take to finish")
-    p.add_argument("--max-request-body-mib", type=float, default=8.0,
-                   help="refuse a request body larger than this with 413 (0: no bound)")
-    p.add_argument("--max-sequences-per-request", type=int, default=256,
-                   help="refuse a completion of more prompts x n than this with 400")
-    auth = p.add_argument_group("clients", "who may call the gateway")
-    auth.add_argument("--api-key", default=None,
-                      help="require `Authorization: Bearer KEY` on /v1/* (several: comma-separated)")
-    auth.add_argument("--api-key-file", default=None, help="file of API keys, one a line (with or instead of --api-key)")
-    auth.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
-    auth.add_argument("--tls-key", default=None, help="private key of --tls-cert")
+    add_config_arguments(p, GatewayFlags, {CLIENTS: "who may call the gateway"})
     add_client_security_arguments(p, "scheduler-", "the scheduler", "scheduler",
                                   "how the gateway reaches the scheduler")
     add_logging_arguments(p)
@@ -66,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn   # imported here: `qwen3-serve gateway --help` needs neither it nor grpc
 
-    from gateway.app import GatewayConfig, create_app
+    from gateway.app import create_app
 
-    keys = _read_keys(args)
+    keys = _read_keys(config_from_args(GatewayFlags, args))
     client_options = dict(token=args.scheduler_auth_token, token_file=args.scheduler_auth_token_file,
                           ca_file=args.scheduler_tls_ca, client_cert=args.scheduler_tls_cert,
                           client_key=args.scheduler_tls_key)
@@ -77,15 +88,15 @@ def main(argv: list[str] | None = None) -> int:
                            client_options={k: v for k, v in client_options.items() if v is not None},
                            max_request_bytes=int(args.max_request_body_mib * (1 << 20)),
                            max_sequences_per_request=args.max_sequences_per_request)
-    warn_if_exposed(args.host, args.port, has_token=bool(keys), has_tls=False, log=log, what="the OpenAI gateway")
+    warn_if_exposed(args.host, args.port, has_token=bool(keys), has_tls=False, log=logger, what="the OpenAI gateway")
     # uvicorn's own loggers go through the process's handler (text or json): log_config=None
     # leaves logging as setup_logging made it.
     server = uvicorn.Server(uvicorn.Config(
         create_app(config), host=args.host, port=args.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=args.graceful_shutdown_s, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
         lifespan="on"))
-    log.info("OpenAI gateway on http%s://%s:%d, scheduler %s", "s" if args.tls_cert else "", args.host, args.port,
-             config.target or "(default)")
+    logger.info("OpenAI gateway on http%s://%s:%d, scheduler %s", "s" if args.tls_cert else "", args.host, args.port,
+                config.target or "(default)")
     server.run()
     return 0
 

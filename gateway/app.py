@@ -33,7 +33,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -45,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.client import AsyncClient, ChatChunk, ChatCompletion, Completion, CompletionChunk, RequestError, ToolCall
 from common.logging_setup import request_context
 from gateway import outputs
+from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, bad_param, error_body, from_request_error
 from gateway.metrics import GatewayMetrics, HttpMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -54,17 +54,6 @@ from gateway.translate import chat_call, completion_prompts, completion_sampling
 log = logging.getLogger("openai_gateway")
 
 HEALTH_TIMEOUT_S = 5.0
-
-
-@dataclass
-class GatewayConfig:
-    """What the application needs to know; __main__.py fills it from the command line."""
-    target: str                                    # the scheduler's llm.v1 address
-    api_keys: Sequence[str] = ()                   # empty: /v1/* is open
-    request_timeout: float | None = 600.0          # deadline of each gRPC call (None: none)
-    client_options: dict[str, Any] = field(default_factory=dict)   # AsyncClient's TLS and token arguments
-    max_request_bytes: int = 8 << 20               # of a request body (0: no bound)
-    max_sequences_per_request: int = 256           # a completion's prompts x n
 
 
 class Gateway:

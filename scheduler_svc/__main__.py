@@ -16,24 +16,27 @@ import os
 import socket
 import tempfile
 
-from common.cli import (ArgumentParser, add_client_security_arguments, add_logging_arguments,
-                        check_client_security_arguments, warn_if_exposed)
+from common.cli import (ArgumentParser, add_client_security_arguments, add_config_arguments, add_logging_arguments,
+                        check_client_security_arguments, config_from_args, warn_if_exposed)
 from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import (add_server_security_arguments, channel_credentials, read_secret,
                              server_security_from_args)
 from common.worker_discovery import resolve_worker_addresses
-from scheduler_svc.engine.core import EngineConfig, EngineCore
-from scheduler_svc.frontend.core_client import LocalCoreClient
-from scheduler_svc.engine.server import build_core_server
-from scheduler_svc.frontend.process import Stop, drain_frontend, frontend_process_main, start_frontend
+from scheduler_svc.config import ServiceConfig
+from scheduler_svc.engine.config import ENGINE, EngineConfig
+from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.server import build_core_server
 from scheduler_svc.engine.worker_client import GrpcWorkerClient, WorkerGroupClient
+from scheduler_svc.frontend.config import FRONTENDS, FrontendConfig
+from scheduler_svc.frontend.core_client import LocalCoreClient
+from scheduler_svc.frontend.process import Stop, drain_frontend, frontend_process_main, start_frontend
 
 # Seconds a frontend that died waits before it is started again (a crash loop stays slow).
 FRONTEND_RESTART_DELAY_S = 1.0
 
-log = logging.getLogger("scheduler")
+logger = logging.getLogger(__name__)
 
 
 def default_num_frontends(cpu_count: int | None = None) -> int:
@@ -43,49 +46,20 @@ def default_num_frontends(cpu_count: int | None = None) -> int:
     return 0 if cpus <= 2 else min(8, max(1, cpus // 4))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m scheduler_svc", description="The scheduler service: public llm.v1.Generation API.")
-    p.add_argument("--model", required=True, help="Hugging Face model directory (tokenizer and config are read from it)")
-    p.add_argument("--served-model-name", default=None, help="name reported in ModelInfo (unset: the model directory's name)")
-    p.add_argument("--workers", required=True,
-                   help="worker addresses, comma-separated (host:port, unix:PATH, or dns:///NAME:PORT for every "
-                        "address NAME resolves to); with --tensor-parallel-size N, each N consecutive addresses form "
-                        "one group, rank 0 first; several groups serve in data parallel")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per worker group")
-    p.add_argument("--host", default="127.0.0.1", help="address of the public API (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=50051, help="port of the public API")
-    p.add_argument("--frontends", type=int, default=None,
-                   help="frontend processes serving the public port (0: one, inside the core's process; unset: "
-                        f"one per 4 cores, up to 8, so {default_num_frontends()} here)")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="tokens per streamed message (the first comes at once; the last carries the rest): "
-                        "larger values trade inter-token latency for CPU")
-    p.add_argument("--stream-window", type=int, default=256,
-                   help="tokens a request may be generated ahead of what its client has read (tokens the client's "
-                        "HTTP/2 stream window holds count as read); past it the request leaves the batch until the "
-                        "client reads again (0: no bound; else at least twice --stream-interval)")
-    p.add_argument("--core-address", default=None,
-                   help="where the engine core listens for its frontends (unset: a unix socket in a private "
-                        "temporary directory)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (chunked prefill beyond it)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (unset: the workers' limit)")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="wait for each step's reply before scheduling the next (without it: one step ahead)")
-    p.add_argument("--max-waiting", type=int, default=4096, help="waiting-queue bound; past it requests get RESOURCE_EXHAUSTED")
-    p.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a silent worker is declared down")
-    p.add_argument("--instance-id", default=None,
-                   help="this scheduler's identity, under which it leases its workers (unset: HOSTNAME:PORT, stable "
-                        "across restarts, so a restarted scheduler re-claims its workers at once)")
-    p.add_argument("--worker-lease", type=float, default=EngineConfig.worker_lease_s,
-                   help="seconds a worker stays leased to this scheduler without a step or renewal; another "
-                        "scheduler can take it over only after that")
-    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics over HTTP on this port (0: off)")
+    add_config_arguments(p, ServiceConfig)
+    add_config_arguments(p, FrontendConfig, {FRONTENDS: "the processes that serve the public API"})
+    add_config_arguments(p, EngineConfig, {ENGINE: "scheduling and the workers"})
     add_logging_arguments(p)
     add_server_security_arguments(p, "clients of the public API")
     add_client_security_arguments(p, "worker-", "the workers", "worker security",
                                   "how this scheduler proves itself to its workers")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     check_client_security_arguments(p, args, "worker-")
     if args.frontends is None:
@@ -96,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stream-interval must be at least 1")
     if args.stream_window < 0 or 0 < args.stream_window < 2 * args.stream_interval:
         p.error(f"--stream-window must be 0 or at least twice --stream-interval ({2 * args.stream_interval})")
-    if not args.worker_lease > 0:
+    if not args.worker_lease_s > 0:
         p.error("--worker-lease must be positive")
     if args.instance_id is None:
         args.instance_id = f"{socket.gethostname()}:{args.port}"
@@ -139,7 +113,7 @@ class FrontendProcesses:
         while not self._stopping:
             for frontend_id, proc in list(self.procs.items()):
                 if not proc.is_alive() and not self._stopping:
-                    log.error("frontend %d exited with %s; starting it again", frontend_id, proc.exitcode)
+                    logger.error("frontend %d exited with %s; starting it again", frontend_id, proc.exitcode)
                     await asyncio.sleep(FRONTEND_RESTART_DELAY_S)
                     if not self._stopping:
                         self.start(frontend_id)
@@ -159,38 +133,36 @@ class FrontendProcesses:
 
 
 async def serve(args: argparse.Namespace, security) -> None:
-    facts = read_model_facts(args.model)
+    service, frontend = config_from_args(ServiceConfig, args), config_from_args(FrontendConfig, args)
+    facts = read_model_facts(service.model)
     metrics = SchedulerMetrics()
-    core = EngineCore(
-        worker_groups(args), eos_token_ids=facts.eos_token_ids, metrics=metrics,
-        config=EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                            step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling,
-                            instance_id=args.instance_id, worker_lease_s=args.worker_lease))
+    core = EngineCore(worker_groups(args), eos_token_ids=facts.eos_token_ids, metrics=metrics,
+                      config=config_from_args(EngineConfig, args))
     stop = Stop()
     stop.install()
-    if args.metrics_port:
+    if service.metrics_port:
         metrics.watch(core.info)
-        metrics.serve(args.metrics_port, args.host)
+        metrics.serve(service.metrics_port, frontend.host)
     local = None
     frontends = None
     with tempfile.TemporaryDirectory(prefix="qwen3-core-") as private_dir:
-        if args.frontends == 0:
-            local = await start_frontend(args, LocalCoreClient(core), security)
+        if service.frontends == 0:
+            local = await start_frontend(frontend, service.model, LocalCoreClient(core), security)
         else:
-            core_address = args.core_address or f"unix:{os.path.join(private_dir, 'core.sock')}"
+            core_address = service.core_address or f"unix:{os.path.join(private_dir, 'core.sock')}"
             core_server = build_core_server(core, metrics, core_address)
             await core_server.start()
             frontends = FrontendProcesses(args, core_address)
-            for frontend_id in range(args.frontends):
+            for frontend_id in range(service.frontends):
                 frontends.start(frontend_id)
             supervisor = asyncio.create_task(frontends.supervise())
-        log.info("listening on %s:%d (%s), connecting to workers %s", args.host, args.port,
-                 f"{args.frontends} frontend processes" if args.frontends else "frontend in process", args.workers)
+        logger.info("listening on %s:%d (%s), connecting to workers %s", frontend.host, frontend.port,
+                    f"{service.frontends} frontend processes" if service.frontends else "frontend in process",
+                    service.workers)
         await core.start()
         await stop.event.wait()
-        log.info("shutting down: no new requests, %.0fs for running ones", args.shutdown_grace)
-        await core.shutdown(args.shutdown_grace)
+        logger.info("shutting down: no new requests, %.0fs for running ones", service.shutdown_grace)
+        await core.shutdown(service.shutdown_grace)
         if local is not None:
             await drain_frontend(*local, grace_s=0.0)
         else:
@@ -203,11 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
-        security = server_security_from_args(args, log)
+        security = server_security_from_args(args, logger)
     except (ValueError, OSError) as e:   # reported like a usage error, before anything starts
         raise SystemExit(f"python -m scheduler_svc: error: {e}") from e
     token, credentials = security
-    warn_if_exposed(args.host, args.port, has_token=bool(token), has_tls=credentials is not None, log=log,
+    warn_if_exposed(args.host, args.port, has_token=bool(token), has_tls=credentials is not None, log=logger,
                     what="the scheduler's public API")
     asyncio.run(serve(args, security))
 

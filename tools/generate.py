@@ -33,7 +33,7 @@ def _tool(value: str) -> Tool:
     return Tool(spec["name"], spec.get("description", ""), spec.get("parameters"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m tools.generate", description=__doc__, env_prefix="QWEN3_SERVE_GENERATE_")
     p.add_argument("prompt")
     p.add_argument("--target", default=None, help="scheduler HOST:PORT (unset: $QWEN3_SERVE_TARGET, else 127.0.0.1:50051)")
@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=None, help="bearer token, when the server requires one")
     p.add_argument("--token-file", default=None, help="file holding the bearer token")
     p.add_argument("--tls-ca", default=None, metavar="PATH", help="connect over TLS, trusting this PEM CA")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     try:

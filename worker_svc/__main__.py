@@ -18,7 +18,7 @@ from common.logging_setup import setup_logging
 from common.security import add_server_security_arguments, server_security_from_args
 from worker_svc.config import DEFAULT_PORT, add_worker_arguments, worker_config_from_args
 
-logger = logging.getLogger("worker_svc")
+logger = logging.getLogger(__name__)
 
 EXIT_GROUP_BROKEN = 3   # a peer rank died or a collective timed out
 

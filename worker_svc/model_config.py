@@ -1,5 +1,6 @@
 """A Qwen3 or Qwen3-MoE checkpoint's config.json as attributes, without importing transformers
-(which costs seconds of worker start-up and is not needed to run the model).
+(which costs seconds of worker start-up and is not needed to run the model). The file is read
+(and its model_type checked) by common.model_dir.read_config_json, as the scheduler reads it.
 
 Keys that every Qwen3 config.json carries are required; the few that older or hand-written
 configs omit get transformers' Qwen3Config / Qwen3MoeConfig defaults. A MoE config also names
@@ -9,11 +10,11 @@ reads it).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 from types import SimpleNamespace
 
-MODEL_TYPES = ("qwen3", "qwen3_moe")
+from common.model_dir import read_config_json
+
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "max_position_embeddings")
 _MOE_REQUIRED = ("num_experts_per_tok", "moe_intermediate_size")
@@ -34,12 +35,9 @@ _MOE_DEFAULTS = {
 
 
 def load_model_config(model_dir: str | pathlib.Path) -> SimpleNamespace:
+    raw = read_config_json(model_dir)
     path = pathlib.Path(model_dir) / "config.json"
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
-    moe = model_type == "qwen3_moe"
+    moe = raw["model_type"] == "qwen3_moe"
     missing = [key for key in _REQUIRED + (_MOE_REQUIRED if moe else ()) if key not in raw]
     if moe and "num_experts" not in raw and "num_local_experts" not in raw:
         missing.append("num_experts")

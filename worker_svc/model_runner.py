@@ -38,6 +38,7 @@ from worker_svc.prompt_scoring import plan_prompt_scoring, score_prompt
 from worker_svc.runner_io import InvalidStepError, StaleMirrorError, StepInput, StepOutput, WorkerInfo
 from worker_svc.staging import EMPTY_PART, Logprobs, OutputSlots, PendingStep, Staging, to_host
 from worker_svc.step_checks import StepLimits, check_step
+from worker_svc.step_limits import with_step_limits
 from worker_svc.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = startup.resolve_device(config.device)
+        self.config = config = with_step_limits(config, self.device)
         self.tp_rank, self.tp_size = startup.tensor_parallel_rank(config)
         model_dir = pathlib.Path(config.model)
         facts = read_model_facts(model_dir)
@@ -112,9 +114,10 @@ class ModelRunner:
                                  self.num_kv_blocks, self.max_blocks_per_seq)
         self.instance_id = uuid.uuid4().hex
         logger.info(
-            "model %s on %s (%s, attention %s): %d KV blocks of %d tokens, max_model_len %d",
-            self.model_name, self.device, str(self.dtype).removeprefix("torch."), self.backend.name,
-            self.num_kv_blocks, self.block_size, self.max_model_len,
+            "model %s on %s (%s, attention %s): %d KV blocks of %d tokens, max_model_len %d, steps of up to "
+            "%d tokens and %d requests", self.model_name, self.device, str(self.dtype).removeprefix("torch."),
+            self.backend.name, self.num_kv_blocks, self.block_size, self.max_model_len, config.max_num_batched_tokens,
+            config.max_num_seqs,
         )
 
     # --- public API ------------------------------------------------------------------------

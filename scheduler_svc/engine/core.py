@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 from scheduler_svc.engine.api import (ADDED, AddCode, AddResult, CoreEvent, CoreInfo, CoreRequest, CoreStatus,
                                       FinishedRequest, GroupState, PromptLogprobs, StepOutputs, TopLogprobColumns,
                                       frontend_of)
-from scheduler_svc.engine.group_runner import EngineConfig, GroupHooks, GroupRunner
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.group_runner import GroupHooks, GroupRunner
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.scheduler import SchedulerOutput
 from scheduler_svc.engine.sequence import FinishReason, Sequence
 from scheduler_svc.engine.step_message import StepPromptLogprobs, StepResult
 from scheduler_svc.engine.worker_client import WorkerGroupClient
 
-log = logging.getLogger("scheduler.core")
+logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore", "EngineConfig"]
 
@@ -142,7 +143,7 @@ class EngineCore:
         for seq_id in orphans:
             self._end(seq_id, FinishReason.ABORT, notify=False)
         if orphans:
-            log.warning("frontend %d went away: aborted its %d requests", frontend_id, len(orphans))
+            logger.warning("frontend %d went away: aborted its %d requests", frontend_id, len(orphans))
         return True
 
     def add_requests(self, requests: list[CoreRequest]) -> list[AddResult]:
@@ -201,8 +202,8 @@ class EngineCore:
             try:
                 group.scheduler.add(seq)
             except ValueError as e:      # the group changed its context limit meanwhile
-                log.warning("sample %d could not follow sample 0: %s", sample.sample_index, e,
-                            extra={"request_id": seq.request_id})
+                logger.warning("sample %d could not follow sample 0: %s", sample.sample_index, e,
+                               extra={"request_id": seq.request_id})
                 self._end(seq.seq_id, FinishReason.ABORT, notify=True)
         entry.deferred = []
         group.wake()
@@ -293,7 +294,7 @@ class EngineCore:
             active.group.scheduler.adopt(seq)
             active.group.wake()
         if moved:
-            log.warning("group %d is down: %d requests moved to healthy groups", down.index, len(moved))
+            logger.warning("group %d is down: %d requests moved to healthy groups", down.index, len(moved))
 
     def _on_step(self, group: GroupRunner, output: SchedulerOutput, received: list[Sequence],
                  result: StepResult) -> None:
@@ -354,8 +355,8 @@ class EngineCore:
                 continue
             skip = entry.prompt_scored + 1 - first      # position 0 is never scored
             if skip < 0:
-                log.error("prompt logprobs from position %d, but %d were sent: dropped", first,
-                          entry.prompt_scored, extra={"request_id": entry.seq.request_id})
+                logger.error("prompt logprobs from position %d, but %d were sent: dropped", first,
+                             entry.prompt_scored, extra={"request_id": entry.seq.request_id})
                 continue
             if skip >= count:
                 continue
@@ -406,6 +407,6 @@ class EngineCore:
         self.metrics.observe_request(reason.value, seq.arrival_time, entry.first_token_at,
                                      seq.num_prompt_tokens, seq.num_output_tokens)
         # Logged from the step loop, which serves many requests: name this one explicitly.
-        log.info("finished (%s): %d prompt tokens (%d cached), %d generated", reason.value, seq.num_prompt_tokens,
-                 seq.num_cached_prompt_tokens, seq.num_output_tokens, extra={"request_id": seq.request_id})
+        logger.info("finished (%s): %d prompt tokens (%d cached), %d generated", reason.value, seq.num_prompt_tokens,
+                    seq.num_cached_prompt_tokens, seq.num_output_tokens, extra={"request_id": seq.request_id})
         return FinishedRequest(seq_id, reason, seq.num_output_tokens, seq.num_cached_prompt_tokens)

@@ -18,21 +18,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from scheduler_svc.engine.block_manager import BlockManager
+from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.engine.sequence import Sequence
 from scheduler_svc.engine.step_message import StepResult, build_step_request, parse_step_response
 from scheduler_svc.engine.worker_client import WorkerError, WorkerGroupClient
 
-log = logging.getLogger("scheduler.group")
+logger = logging.getLogger(__name__)
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
@@ -46,25 +45,8 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return bool(done)
 
 
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None      # None: what the workers support
-    max_waiting: int = 4096               # admission bound: past it, requests are refused
-    step_timeout_s: float = 300.0         # a step slower than this counts as a dead worker
-    reconnect_interval_s: float = 0.5
-    idle_probe_interval_s: float = 1.0    # how often an idle group checks its workers are alive
-    idle_probe_timeout_s: float = 2.0
-    # Schedule and send step N+1 while the worker runs step N, so it never waits for the
-    # round trip and the scheduler's per-step work (vLLM's async scheduling). Needs workers
-    # that run steps in the order sent, as the gRPC worker and LocalWorkerClient do.
-    async_scheduling: bool = True
-    # Whose workers these are: the identity this scheduler leases them under. Stable across
-    # restarts (the service defaults it to host:port), so a restarted scheduler re-claims its
-    # workers at once; another identity waits until worker_lease_s pass without a step or renewal.
-    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    worker_lease_s: float = 10.0
+class StepLimitError(WorkerError):
+    """The scheduler is configured for larger steps than a group's workers take."""
 
 
 def new_lease_epoch() -> int:
@@ -108,19 +90,20 @@ class GroupRunner:
 
     # -- connection -----------------------------------------------------------------------
     async def connect(self) -> None:
-        """Describes every rank, checks they agree, claims them, and (re)builds state after a
-        restart."""
+        """Describes every rank, checks they agree and take the configured limits, claims them,
+        and (re)builds state after a restart."""
         infos = await self.client.describe(timeout=10.0)
         first = infos[0]
         for info in infos[1:]:
             if (info.num_kv_blocks, info.block_size) != (first.num_kv_blocks, first.block_size):
                 raise WorkerError(f"ranks of group {self.index} disagree on KV cache shape")
+        limits = self.scheduler_config(infos)
         # A fresh epoch: whatever an earlier life of this scheduler still sends is refused.
         epoch = new_lease_epoch()
         instance_ids = await self.client.claim(self.config.instance_id, epoch, self.config.worker_lease_s,
                                                timeout=10.0)
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.scheduler_config(first), BlockManager(first.num_kv_blocks, first.block_size),
+            self.scheduler = Scheduler(limits, BlockManager(first.num_kv_blocks, first.block_size),
                                        eos_token_ids=self.eos_token_ids)
         elif instance_ids != self._instance_ids:
             self._log_restart()
@@ -135,8 +118,9 @@ class GroupRunner:
         self.info = first
         self.healthy = True
         self._down_reason = None
-        log.info("group %d connected: %s, %d KV blocks of %d tokens, %s", self.index,
-                 ",".join(self.client.addresses), first.num_kv_blocks, first.block_size, first.device)
+        logger.info("group %d connected: %s, %d KV blocks of %d tokens, %s, steps of up to %d tokens and %d requests",
+                    self.index, ",".join(self.client.addresses), first.num_kv_blocks, first.block_size, first.device,
+                    limits.max_num_batched_tokens, limits.max_num_seqs)
         self.hooks.on_connected(self)
 
     async def _reconnect(self) -> None:
@@ -147,21 +131,37 @@ class GroupRunner:
                 return
             except WorkerError as e:
                 if str(e) != self._down_reason:
-                    log.info("group %d: waiting for its workers: %s", self.index, e)
+                    level = logging.ERROR if isinstance(e, StepLimitError) else logging.INFO
+                    logger.log(level, "group %d: waiting for its workers: %s", self.index, e)
                     self._down_reason = str(e)
                     self.hooks.on_waiting(self)
                 await asyncio.sleep(self.config.reconnect_interval_s)
 
-    def scheduler_config(self, info) -> SchedulerConfig:
-        """The engine's limits, capped by what the group's workers accept in one step (0: a
-        worker that does not say)."""
+    def scheduler_config(self, infos: list) -> SchedulerConfig:
+        """The engine's limits for this group (every rank's WorkerInfo)."""
         return SchedulerConfig(
-            max_num_seqs=min(self.config.max_num_seqs, info.max_num_seqs or self.config.max_num_seqs),
-            max_num_batched_tokens=min(self.config.max_num_batched_tokens,
-                                       info.max_num_batched_tokens or self.config.max_num_batched_tokens),
-            max_model_len=self.max_model_len_for(info),
-            block_size=info.block_size,
+            max_num_seqs=self._step_limit("max_num_seqs", infos),
+            max_num_batched_tokens=self._step_limit("max_num_batched_tokens", infos),
+            max_model_len=self.max_model_len_for(infos[0]),
+            block_size=infos[0].block_size,
         )
+
+    def _step_limit(self, name: str, infos: list) -> int:
+        """The configured limit, or when unset the least any rank takes in one step. A worker
+        refuses a step past its own limit, so a configured one above it is refused here."""
+        flag = "--" + name.replace("_", "-")
+        capacity = min((getattr(info, name) for info in infos if getattr(info, name)), default=0)  # 0: not said
+        configured = getattr(self.config, name)
+        if configured is None:
+            if not capacity:
+                raise StepLimitError(f"{flag} is unset and the workers of group {self.index} "
+                                     f"({','.join(self.client.addresses)}) do not report {name}: set {flag}")
+            return capacity
+        if capacity and configured > capacity:
+            raise StepLimitError(f"{flag} {configured} is more than the {capacity} the workers of group {self.index} "
+                                 f"({','.join(self.client.addresses)}) take in one step (their {flag}): lower it "
+                                 "or leave it unset to follow the workers")
+        return configured
 
     def max_model_len_for(self, info) -> int:
         """The context limit of the group: the configured one, what the model supports, and what
@@ -233,11 +233,11 @@ class GroupRunner:
         here; a healthy group may have taken the others) are re-sent in full and recomputed."""
         waiting = self.scheduler.waiting
         resent = sum(1 for seq in waiting if seq.seq_id in self._lost_seq_ids)
-        log.warning("group %d: worker restarted; re-sending in full the %d requests it was computing "
-                    "(%d more waiting were not on it yet)", self.index, resent, len(waiting) - resent)
+        logger.warning("group %d: worker restarted; re-sending in full the %d requests it was computing "
+                       "(%d more waiting were not on it yet)", self.index, resent, len(waiting) - resent)
 
     def _mark_down(self, why: str) -> None:
-        log.error("group %d: %s; marking it down", self.index, why)
+        logger.error("group %d: %s; marking it down", self.index, why)
         self._lost_seq_ids = {seq.seq_id for seq in self.scheduler.running}
         self.healthy = False
         self._down_reason = why

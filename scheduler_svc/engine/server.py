@@ -11,7 +11,7 @@ from scheduler_svc.engine import api_wire as core_wire
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.metrics import SchedulerMetrics
 
-log = logging.getLogger("scheduler.core_server")
+logger = logging.getLogger(__name__)
 
 # An AddRequests batch carries whole prompts.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -25,14 +25,14 @@ class EngineCoreService(engine_pb2_grpc.EngineCoreServicer):
     async def Attach(self, request, context):
         frontend_id = request.frontend_id
         queue = self.core.attach(frontend_id)
-        log.info("frontend %d attached", frontend_id)
+        logger.info("frontend %d attached", frontend_id)
         try:
             while True:
                 yield core_wire.event_to_pb(await queue.get())
         finally:
             # The stream ended: the frontend went away (or the core is stopping).
             if self.core.detach(frontend_id, queue):
-                log.info("frontend %d detached", frontend_id)
+                logger.info("frontend %d detached", frontend_id)
 
     async def AddRequests(self, request, context):
         return core_wire.add_results_to_pb(self.core.add_requests(core_wire.add_requests_from_pb(request)))

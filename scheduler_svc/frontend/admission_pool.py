@@ -21,7 +21,7 @@ from typing import Callable, TypeVar
 
 from common.pb.llm.v1 import generation_pb2
 
-log = logging.getLogger("scheduler.admission")
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -61,7 +61,7 @@ def _lower_priority(niceness: int) -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
     except OSError as e:      # e.g. a sandbox that forbids it: the work runs, at normal priority
-        log.debug("could not lower the admission thread's priority: %s", e)
+        logger.debug("could not lower the admission thread's priority: %s", e)
 
 
 class AdmissionPool:

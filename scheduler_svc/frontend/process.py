@@ -11,9 +11,11 @@ import signal
 
 import grpc
 
+from common.cli import config_from_args
 from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import AsyncTokenAuthInterceptor, server_security_from_args
+from scheduler_svc.frontend.config import FrontendConfig
 from scheduler_svc.frontend.core_client import CoreClient, GrpcCoreClient
 from scheduler_svc.frontend.decode_guard import DecodeGuardInterceptor
 from scheduler_svc.frontend.streams import Frontend
@@ -25,7 +27,7 @@ from scheduler_svc.frontend.validation import Limits
 # (Limits.max_prompt_bytes); anything far larger is refused by gRPC before it is buffered.
 MAX_PUBLIC_MESSAGE_BYTES = 64 * 1024 * 1024
 
-log = logging.getLogger("scheduler.frontend")
+logger = logging.getLogger(__name__)
 
 
 class Stop:
@@ -44,27 +46,28 @@ class Stop:
     def _interrupt(self) -> None:
         self._interrupts += 1
         if self._interrupts > 1:
-            log.warning("second interrupt: stopping now")
+            logger.warning("second interrupt: stopping now")
             os._exit(130)
-        log.info("interrupt: draining (press Ctrl-C again to stop at once)")
+        logger.info("interrupt: draining (press Ctrl-C again to stop at once)")
         self.event.set()
 
 
-async def start_frontend(args: argparse.Namespace, core: CoreClient, security) -> tuple[Frontend, grpc.aio.Server, list]:
-    """The frontend and its public server, started; returns them and its background tasks."""
+async def start_frontend(config: FrontendConfig, model: str, core: CoreClient,
+                         security) -> tuple[Frontend, grpc.aio.Server, list]:
+    """The frontend of `model` and its public server, started; returns them and its background tasks."""
     token, credentials = security
-    facts = read_model_facts(args.model)
-    frontend = Frontend(core, load_tokenizer(args.model), stream_interval=args.stream_interval,
-                        stream_window=args.stream_window, eos_token_ids=facts.eos_token_ids)
-    service = GenerationService(frontend, model_name=args.served_model_name or facts.name, vocab_size=facts.vocab_size,
-                                eos_token_ids=facts.eos_token_ids, limits=Limits())
+    facts = read_model_facts(model)
+    frontend = Frontend(core, load_tokenizer(model), stream_interval=config.stream_interval,
+                        stream_window=config.stream_window, eos_token_ids=facts.eos_token_ids)
+    service = GenerationService(frontend, model_name=config.served_model_name or facts.name,
+                                vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids, limits=Limits())
     interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
     server, health_servicer = build_server(
         service, interceptors=interceptors,
         # Every frontend process binds the same public port; the kernel spreads connections.
         options=[("grpc.max_receive_message_length", MAX_PUBLIC_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_PUBLIC_MESSAGE_BYTES), ("grpc.so_reuseport", 1)])
-    listen = f"{args.host}:{args.port}"
+    listen = f"{config.host}:{config.port}"
     bound = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     if bound == 0:
         raise SystemExit(f"cannot listen on {listen}")
@@ -87,17 +90,18 @@ async def drain_frontend(frontend: Frontend, server: grpc.aio.Server, tasks: lis
 
 
 async def serve_frontend_process(args: argparse.Namespace, frontend_id: int, core_address: str) -> None:
-    security = server_security_from_args(args, log)
+    security = server_security_from_args(args, logger)
     core = GrpcCoreClient(core_address, frontend_id)
-    frontend, server, tasks = await start_frontend(args, core, security)
-    log.info("frontend %d serving on %s:%d", frontend_id, args.host, args.port)
+    frontend, server, tasks = await start_frontend(config_from_args(FrontendConfig, args), args.model, core,
+                                                   security)
+    logger.info("frontend %d serving on %s:%d", frontend_id, args.host, args.port)
     stop = Stop()
     stop.install(interrupt=False)     # Ctrl-C reaches the whole group: the core decides what happens
     events = tasks[0]
     waiter = asyncio.create_task(stop.event.wait())
     await asyncio.wait([events, waiter], return_when=asyncio.FIRST_COMPLETED)
     if events.done():
-        log.error("frontend %d lost the engine core (%s); exiting", frontend_id, events.exception())
+        logger.error("frontend %d lost the engine core (%s); exiting", frontend_id, events.exception())
     await drain_frontend(frontend, server, tasks, args.shutdown_grace)
     await core.close()
 

@@ -33,7 +33,7 @@ from scheduler_svc.engine.sequence import FinishReason
 from scheduler_svc.frontend.validation import (InvalidRequest, Limits, check_constraint, validate_chat_sampling,
                                       validate_request)
 
-log = logging.getLogger("scheduler.server")
+logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -153,7 +153,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stream = await self.frontend.submit(request_id, prompt_ids, params)
         except Refused as e:
             await self._refuse(context, _REFUSAL_CODES[e.code], str(e))
-        log.info("admitted: %d prompt tokens, max_tokens %d, n %d", len(prompt_ids), params.max_tokens, params.n)
+        logger.info("admitted: %d prompt tokens, max_tokens %d, n %d", len(prompt_ids), params.max_tokens, params.n)
         async for out in stream:
             yield to_response(request_id, out)
 
@@ -173,8 +173,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stream = await self.frontend.submit(request_id, prompt.token_ids, params)
         except Refused as e:
             await self._refuse(context, _REFUSAL_CODES[e.code], str(e))
-        log.info("admitted chat: %d prompt tokens, max_tokens %d, n %d, tools %d (%s)", len(prompt.token_ids),
-                 params.max_tokens, params.n, len(request.tools), request.tool_choice or "auto")
+        logger.info("admitted chat: %d prompt tokens, max_tokens %d, n %d, tools %d (%s)", len(prompt.token_ids),
+                    params.max_tokens, params.n, len(request.tools), request.tool_choice or "auto")
         parsers: dict[int, ChatOutputParser] = {}
         async for out in stream:
             parser = parsers.get(out.index)

@@ -31,7 +31,7 @@ from common.sampling import SamplingParams
 from scheduler_svc.engine.sequence import FinishReason
 from scheduler_svc.frontend.tokenizer import Tokenizer
 
-log = logging.getLogger("scheduler.frontend")
+logger = logging.getLogger(__name__)
 
 
 class Refused(Exception):
@@ -102,7 +102,7 @@ class Frontend:
 
     def _set_status(self, status: CoreStatus) -> None:
         if status != self.status:
-            log.info("core status: %s", "accepting" if status.accepting else f"not accepting ({status.reason})")
+            logger.info("core status: %s", "accepting" if status.accepting else f"not accepting ({status.reason})")
             self.status = status
             self._notify()
 
@@ -253,7 +253,7 @@ class Frontend:
             try:
                 await self.core.set_paused(pause, resume)
             except CoreUnreachable as e:
-                log.warning("could not pause %d and resume %d requests: %s", len(pause), len(resume), e)
+                logger.warning("could not pause %d and resume %d requests: %s", len(pause), len(resume), e)
 
     async def abort(self, request_id: str) -> bool:
         """The public Abort: any frontend's request, by its id."""
@@ -266,7 +266,7 @@ class Frontend:
         try:
             await self.core.abort(seq_ids, reason, notify)
         except CoreUnreachable as e:
-            log.warning("could not abort %d requests: %s", len(seq_ids), e)
+            logger.warning("could not abort %d requests: %s", len(seq_ids), e)
 
     async def _report_rejections(self, interval_s: float = 1.0) -> None:
         while True:

@@ -86,31 +86,28 @@ def _help_of(main, argv_prefix=()) -> str:
     return out.getvalue()
 
 
-def _programs():
-    from common import healthcheck, tiny_model
-    from scheduler_svc.__main__ import parse_args as scheduler_parse_args
-    from tools import generate
-    from tools.loadtest.__main__ import parse_args as loadtest_parse_args
-    from worker_svc.__main__ import build_parser as worker_parser
-    return {
-        "scheduler": (scheduler_parse_args, "QWEN3_SERVE_"),
-        "worker": (worker_parser().parse_args, "QWEN3_SERVE_"),
-        "loadtest": (loadtest_parse_args, "QWEN3_SERVE_LOADTEST_"),
-        "generate": (generate.main, "QWEN3_SERVE_GENERATE_"),
-        "healthcheck": (healthcheck.main, "QWEN3_SERVE_HEALTHCHECK_"),
-        "tiny_model": (tiny_model.main, "QWEN3_SERVE_TINY_MODEL_"),
-    }
+def _programs() -> list[str]:
+    from tools.commands import PROGRAMS
+    return list(PROGRAMS)
 
 
-@pytest.mark.parametrize("program", ["scheduler", "worker", "loadtest", "generate", "healthcheck", "tiny_model"])
+@pytest.mark.parametrize("program", _programs())
 def test_every_flag_of_every_program_shows_its_default_and_variable_in_help(program):
-    main, prefix = _programs()[program]
-    text = " ".join(_help_of(main).split())        # argparse wraps lines; compare words
+    from tools.commands import load
+    parser = load(program).build_parser()
+    text = " ".join(_help_of(parser.parse_args).split())        # argparse wraps lines; compare words
     flags = set(re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", text)) - {"help"}
     assert flags, text
     for flag in flags:
-        variable = prefix + flag.upper().replace("-", "_")
+        variable = parser.env_prefix + flag.upper().replace("-", "_")
         assert f"env {variable})" in text, f"{program} --{flag}: no '(default: ...; env {variable})' in --help"
+
+
+def test_qwen3_serve_runs_each_program_by_its_main(capsys):
+    from tools.commands import main
+    assert main(["protos"]) == 0 and capsys.readouterr().out.strip().endswith("protos")
+    assert main(["no-such-program"]) == 2 and "unknown subcommand 'no-such-program'" in capsys.readouterr().err
+    assert _help_of(main, ["write-tiny-model"]).startswith("usage: python -m common.tiny_model")
 
 
 def test_the_scheduler_listens_on_loopback_unless_told(monkeypatch):

@@ -205,8 +205,8 @@ def test_duplicate_request_id_is_refused(services):
         _wait_all_blocks_free(ch)
 
 
-def test_scheduler_limits_are_capped_by_the_workers(launch_services):
-    # The scheduler would batch up to 256 requests and 2048 tokens a step; this worker takes 4 and 64.
+def test_scheduler_limits_follow_the_workers(launch_services):
+    # The scheduler has no limits of its own: its steps hold what this worker takes, 4 requests and 64 tokens.
     requests = [dict(token_ids=list(range(3 + i, 103 + i)), temperature=0.0, ignore_eos=True, max_tokens=6)
                 for i in range(8)]
     with launch_services(worker_args=("--max-num-seqs", "4", "--max-num-batched-tokens", "64")) as svc, \

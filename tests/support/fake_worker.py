@@ -98,8 +98,11 @@ class FakeWorkerClient:
     address = "fake"
 
     def __init__(self, die_at: set[int] = frozenset(), *, num_blocks: int = 12, block_size: int = 2,
-                 vocab_size: int = 6, step_s: float = 0.002) -> None:
+                 vocab_size: int = 6, step_s: float = 0.002, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048) -> None:
         self.worker = FakeWorker(num_blocks, block_size)
+        self.max_num_seqs = max_num_seqs                       # what it reports taking in one step
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
         self.step_s = step_s
         self.die_at = die_at
@@ -126,7 +129,8 @@ class FakeWorkerClient:
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(max_model_len=len(self.worker.kv) * self.worker.block_size,
                                      block_size=self.worker.block_size, num_kv_blocks=len(self.worker.kv),
-                                     instance_id=str(self.restarts))
+                                     instance_id=str(self.restarts), max_num_seqs=self.max_num_seqs,
+                                     max_num_batched_tokens=self.max_num_batched_tokens)
 
     async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
         self.num_in_flight += 1

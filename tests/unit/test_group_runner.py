@@ -51,7 +51,7 @@ def test_a_worker_restart_logs_the_requests_it_was_computing(caplog):
         finally:
             await core.shutdown(grace_s=0)
 
-    with caplog.at_level(logging.INFO, logger="scheduler.group"):
+    with caplog.at_level(logging.INFO, logger="scheduler_svc.engine.group_runner"):
         finished = asyncio.run(scenario())
     assert sorted((len(t), reason) for t, reason in finished.values()) == [(12, FinishReason.LENGTH)] * 5
     restarts = [r.getMessage() for r in caplog.records if "worker restarted" in r.getMessage()]
@@ -101,3 +101,55 @@ def test_two_engines_on_one_worker_take_turns_by_its_lease():
             await core.shutdown(grace_s=0)
 
     asyncio.run(scenario())
+
+
+def test_a_scheduler_without_step_limits_takes_what_its_workers_report():
+    """Unset limits follow the worker: the scheduler's steps never hold more requests or tokens
+    than the worker warmed up for."""
+    async def scenario() -> tuple:
+        client = FakeWorkerClient(num_blocks=64, block_size=4, vocab_size=50, max_num_seqs=3, max_num_batched_tokens=8)
+        core = EngineCore([WorkerGroupClient([client])], eos_token_ids=[0], config=EngineConfig())
+        await core.start()
+        assert await core.wait_ready(timeout_s=10)
+        requests = [CoreRequest(make_seq_id(0, i + 1), f"r{i}", [i + 1, 2, 3, 4, 5, 6],
+                                SamplingParams(max_tokens=4, ignore_eos=True)) for i in range(5)]
+        try:
+            finished = await _run_to_completion(core, requests)
+            return core.groups[0].scheduler.config, finished
+        finally:
+            await core.shutdown(grace_s=0)
+
+    config, finished = asyncio.run(scenario())
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (3, 8)
+    assert sorted(len(tokens) for tokens, _ in finished.values()) == [4] * 5
+
+
+def test_a_scheduler_limit_above_its_workers_is_refused_at_connect_naming_both_numbers(caplog):
+    async def scenario() -> str:
+        client = FakeWorkerClient(max_num_batched_tokens=2048)
+        core = EngineCore([WorkerGroupClient([client])], eos_token_ids=[0],
+                          config=EngineConfig(max_num_batched_tokens=4096, reconnect_interval_s=0.01))
+        await core.start()
+        try:
+            assert not await core.wait_ready(timeout_s=0.3)
+            return core.status.reason
+        finally:
+            await core.shutdown(grace_s=0)
+
+    with caplog.at_level(logging.INFO, logger="scheduler_svc.engine.group_runner"):
+        reason = asyncio.run(scenario())
+    assert "--max-num-batched-tokens 4096 is more than the 2048 the workers of group 0 (fake) take" in reason
+    [record] = [r for r in caplog.records if "4096" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+
+
+def test_a_groups_step_limits_are_its_tightest_ranks():
+    from common.pb.llm.worker.v1 import worker_pb2
+    from scheduler_svc.engine.group_runner import GroupRunner
+
+    runner = GroupRunner(0, WorkerGroupClient([FakeWorkerClient(), FakeWorkerClient()]), EngineConfig(), [0],
+                         metrics=None, hooks=None)
+    infos = [worker_pb2.WorkerInfo(max_model_len=64, block_size=4, num_kv_blocks=16, max_num_seqs=seqs,
+                                   max_num_batched_tokens=tokens) for seqs, tokens in ((8, 512), (6, 1024))]
+    config = runner.scheduler_config(infos)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (6, 512)

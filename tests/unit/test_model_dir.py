@@ -77,6 +77,19 @@ def test_not_a_qwen3_checkpoint(tmp_path):
         read_model_facts(path)
 
 
+def test_the_worker_reads_config_json_through_the_same_reader(tmp_path, tiny_model_dir):
+    """worker_svc.model_config refuses what read_model_facts refuses, in the same words, and
+    reads the same file."""
+    from worker_svc.model_config import load_model_config
+
+    with pytest.raises(ModelDirError, match="model_type is 'llama', expected 'qwen3'"):
+        load_model_config(write_dir(tmp_path, {**QWEN3_CONFIG, "model_type": "llama"}))
+    with pytest.raises(ModelDirError, match=r"config\.json not found"):
+        load_model_config(write_dir(tmp_path, config=None, name="empty"))
+    config, facts = load_model_config(tiny_model_dir), read_model_facts(tiny_model_dir)
+    assert (config.vocab_size, config.max_position_embeddings) == (facts.vocab_size, facts.max_position_embeddings)
+
+
 @pytest.mark.parametrize("key, value", [("vocab_size", None), ("vocab_size", 0), ("max_position_embeddings", "4096"), ("max_position_embeddings", True)])
 def test_bad_sizes(tmp_path, key, value):
     config = {**QWEN3_CONFIG, key: value}

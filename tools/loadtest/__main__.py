@@ -44,7 +44,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m tools.loadtest", description=__doc__, env_prefix="QWEN3_SERVE_LOADTEST_")
     conn = ap.add_argument_group("connection")
     conn.add_argument("--target", default="127.0.0.1:50051", help="scheduler HOST:PORT")
@@ -83,6 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     out.add_argument("--save-json", type=pathlib.Path, help="summary and per-request records")
     out.add_argument("--plot", type=pathlib.Path, help="PNG: latency distributions, or latency vs throughput for --sweep")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.dataset == "jsonl" and args.dataset_path is None:
         ap.error("--dataset jsonl needs --dataset-path")

@@ -1,0 +1,47 @@
+"""The engine core's settings: one dataclass whose fields are also the scheduler's flags
+(common.cli.flag: default, help and QWEN3_SERVE_* variable in one place)."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from common.cli import flag
+
+ENGINE = "engine core"
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int | None = flag(
+        None, group=ENGINE, help="most requests in one step (unset: what the workers report, their --max-num-seqs; "
+                                 "more than a worker takes is refused when it connects)")
+    max_num_batched_tokens: int | None = flag(
+        None, group=ENGINE, help="token budget of one step; longer prompts are prefilled in chunks, mixed with "
+                                 "decodes (unset: what the workers report, their --max-num-batched-tokens, which "
+                                 "defaults by device; more than a worker takes is refused when it connects)")
+    max_model_len: int | None = flag(None, group=ENGINE, help="context limit (unset: the workers' limit)")
+    max_waiting: int = flag(4096, group=ENGINE,
+                            help="waiting-queue bound; past it requests get RESOURCE_EXHAUSTED")
+    step_timeout_s: float = flag(300.0, name="--step-timeout", group=ENGINE,
+                                 help="seconds before a silent worker is declared down")
+    reconnect_interval_s: float = 0.5
+    idle_probe_interval_s: float = 1.0    # how often an idle group checks its workers are alive
+    idle_probe_timeout_s: float = 2.0
+    # Schedule and send step N+1 while the worker runs step N, so it never waits for the
+    # round trip and the scheduler's per-step work (vLLM's async scheduling). Needs workers
+    # that run steps in the order sent, as the gRPC worker and LocalWorkerClient do.
+    async_scheduling: bool = flag(True, group=ENGINE, help="wait for each step's reply before scheduling the next "
+                                                           "(without it: one step ahead)")
+    # Whose workers these are: the identity this scheduler leases them under; another identity
+    # waits until worker_lease_s pass without a step or renewal. None: HOSTNAME:PID.
+    instance_id: str | None = flag(
+        None, group=ENGINE, help="this scheduler's identity, under which it leases its workers (unset: HOSTNAME:PORT, "
+                                 "stable across restarts, so a restarted scheduler re-claims its workers at once)")
+    worker_lease_s: float = flag(10.0, name="--worker-lease", group=ENGINE,
+                                 help="seconds a worker stays leased to this scheduler without a step or renewal; "
+                                      "another scheduler can take it over only after that")
+
+    def __post_init__(self) -> None:
+        if self.instance_id is None:
+            self.instance_id = f"{socket.gethostname()}:{os.getpid()}"
