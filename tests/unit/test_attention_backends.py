@@ -38,8 +38,7 @@ _patched = False
 def patch_triton_interpreter() -> None:
     """Two bugs of Triton 3.6's CPU interpreter, neither in the compiled path: under numpy >= 2.4
     a scalar derived from program_id cannot bound a `range` (triton-lang/triton#9171, fixed
-    after 3.6), and tl.dot multiplies bfloat16 operands as their raw uint16 bits. Idempotent
-    (bench/attention_backends_bench.py's CPU smoke run uses it too)."""
+    after 3.6), and tl.dot multiplies bfloat16 operands as their raw uint16 bits. Idempotent."""
     global _patched
     if _patched:
         return

@@ -1,0 +1,104 @@
+"""Stage profile: where a decode step's device time goes. torch.profiler over decode steps
+(CUDA-graph replays) of a ModelRunner in this process, at --profile-batches and one context;
+per batch, the kernel time per step and the kernels that take the most of it."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import numpy as np
+
+from bench.options import model_dir
+
+REQUIRES = ("checkpoint",)
+PROFILED_STEPS = 10
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile-batches", default="1,64,256")
+    p.add_argument("--profile-context", type=int, default=1024, help="context of the profile stage")
+
+
+def run(args: argparse.Namespace) -> dict:
+    return {"rows": profile_decode(model_dir(args), batches=[int(b) for b in args.profile_batches.split(",")],
+                                   context=args.profile_context, attention_backend=args.attention_backend)}
+
+
+def _step(runner, step_id: int, new=(), cached=(), counts=None):
+    from worker_svc.step_message import StepInput
+
+    cached = list(cached)
+    num = np.ones(len(cached), np.int64) if counts is None else np.array(counts, np.int64)
+    empty = np.zeros(0, np.int64)
+    return runner.launch(StepInput(step_id, [], list(new), cached, num, empty, empty, empty)).result()
+
+
+def profile_decode(path, *, batches: list[int], context: int, attention_backend: str = "auto") -> list[dict]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from worker_svc.config import WorkerConfig
+    from worker_svc.layers.sampler import SamplingOptions
+    from worker_svc.model_runner import ModelRunner
+    from worker_svc.step_message import NewRequest
+
+    largest = max(batches)
+    steps_needed = 4 + PROFILED_STEPS
+    runner = ModelRunner(WorkerConfig(model=str(path), device="cuda", attention_backend=attention_backend,
+                                      max_num_seqs=largest, max_num_batched_tokens=16384,
+                                      max_model_len=context + steps_needed + 16))
+    rng = np.random.default_rng(0)
+    bs = runner.block_size
+    blocks_per_seq = -(-(context + steps_needed + 1) // bs)
+    rows = []
+    step_id = 0
+    options = SamplingOptions(temperature=1.0)
+    for batch in batches:
+        runner.reset()
+        seq_ids = list(range(1, batch + 1))
+        for seq_id in seq_ids:           # one prompt per step: prompts may exceed the token budget
+            blocks = list(range((seq_id - 1) * blocks_per_seq, seq_id * blocks_per_seq))
+            prompt = rng.integers(0, 10000, context).tolist()
+            done = 0
+            while done < context:
+                n = min(16384, context - done)
+                step_id += 1
+                if done == 0:
+                    _step(runner, step_id, new=[NewRequest(seq_id, prompt, context, 0, n, blocks, options)])
+                else:
+                    _step(runner, step_id, cached=[seq_id], counts=[n])
+                done += n
+        for _ in range(4):               # warm-up decodes
+            step_id += 1
+            _step(runner, step_id, cached=seq_ids)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILED_STEPS):
+                step_id += 1
+                _step(runner, step_id, cached=seq_ids)
+            torch.cuda.synchronize()
+        per_kernel: dict[str, float] = collections.defaultdict(float)
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                per_kernel[event.name] += event.device_time / 1e3 / PROFILED_STEPS   # us -> ms per step
+        total = sum(per_kernel.values())
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+        rows.append({"batch": batch, "context": context, "device_ms_per_step": total,
+                     "top": [(name, round(ms, 4)) for name, ms in top[:25]]})
+    return rows
+
+
+def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    for row in results["profile"]["result"]["rows"]:
+        print(f"\nprofile: decode graph replay at batch {row['batch']}, context {row['context']}: "
+              f"{row['device_ms_per_step']:.2f} ms of kernels per step; top kernels (ms per step, share)")
+        for name, ms in row["top"][:12]:
+            print(f"  {ms:7.3f} {ms / row['device_ms_per_step']:6.1%}  {name[:90]}")
+
+
+if __name__ == "__main__":
+    from bench.gpu_bench import run_alone
+
+    sys.exit(run_alone(__spec__.name, sys.argv[1:]))
