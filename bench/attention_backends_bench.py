@@ -24,6 +24,7 @@ On the CPU the shapes are tiny, the dtype float32, and Triton runs under its int
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -78,8 +79,7 @@ def copy_bandwidth(device: torch.device) -> float:
     size = (2 << 30) if device.type == "cuda" else (64 << 20)
     src = torch.empty(size, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    ms = timer(device)(lambda: dst.copy_(src))
-    del src, dst
+    ms = timer(device)(functools.partial(dst.copy_, src))
     return 2 * size / (ms * 1e-3)
 
 
@@ -100,11 +100,8 @@ def load_backends(names: list[str], device: torch.device) -> dict:
     found = {}
     for name in names:
         try:
-            if device.type == "cpu" and name == "triton":   # the interpreter, for the smoke test
-                from tests.unit.test_attention_backends import patch_triton_interpreter
-
+            if device.type == "cpu" and name == "triton":   # the interpreter (main() patches it like a GPU)
                 found[name] = load_backend(name)
-                patch_triton_interpreter()
             else:
                 found[name] = get_attention_backend(name, device)
         except Exception as exc:
@@ -159,11 +156,12 @@ def run_cases(setup: Setup, backends: dict, device: torch.device, bandwidth: flo
                 if backend_name == "torch" and len(requests) > setup.torch_max_requests:
                     continue
                 try:
-                    out = run_step(backend, step, scale)   # compiles, outside any timing
+                    call = functools.partial(run_step, backend, step, scale)
+                    out = call()   # compiles, outside any timing
                     row["err"] = relative_error(out, reference) if reference is not None else math.nan
-                    row["eager_ms"] = time_ms(lambda: run_step(backend, step, scale))
+                    row["eager_ms"] = time_ms(call)
                     if pure_decode and device.type == "cuda" and getattr(backend, "supports_cuda_graphs", False):
-                        graph = graph_of(lambda: run_step(backend, step, scale))
+                        graph = graph_of(call)
                         row["graph_ms"] = time_ms(graph.replay)
                         del graph
                 except Exception as exc:  # one failing backend must not hide the others' rows
@@ -175,7 +173,7 @@ def run_cases(setup: Setup, backends: dict, device: torch.device, bandwidth: flo
                     row["tflops"] = attention_flops(requests, setup) / (served_ms * 1e-3) / 1e12
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del step, reference
+            del step, reference, call
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -198,12 +196,13 @@ def host_costs(setup: Setup, backends: dict, device: torch.device) -> list[dict]
             continue
         row = dict(backend=name)
         store = _store_call(name, step)
-        row["total_host_us"] = host_us(lambda: run_step(backend, step, scale), device)
+        call = functools.partial(run_step, backend, step, scale)
+        row["total_host_us"] = host_us(call, device)
         row["store_host_us"] = host_us(store, device) if store else 0.0
         row["attention_host_us"] = row["total_host_us"] - row["store_host_us"]
-        row["eager_ms"] = time_ms(lambda: run_step(backend, step, scale))
+        row["eager_ms"] = time_ms(call)
         if device.type == "cuda" and getattr(backend, "supports_cuda_graphs", False):
-            graph = graph_of(lambda: run_step(backend, step, scale))
+            graph = graph_of(call)
             row["graph_ms"] = time_ms(graph.replay)
             del graph
         rows.append(row)
@@ -299,9 +298,17 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported
-    elif not torch.cuda.is_available():
+        from tools.triton_interpreter import gpu_faithful
+
+        with gpu_faithful():
+            return measure(args, device)
+    if not torch.cuda.is_available():
         print("no CUDA device: use --device cpu", file=sys.stderr)
         return 1
+    return measure(args, device)
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> int:
     setup = GPU if device.type == "cuda" else CPU
     started = time.perf_counter()
     names = [b.strip() for b in args.backends.split(",") if b.strip()]

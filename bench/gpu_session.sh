@@ -6,7 +6,8 @@
 #   tests     GPU tests (kernels, attention backends, CUDA graphs, the pipelined runner, MoE/FP8)
 #   smoke     a short gpu_bench run that exercises the service end to end
 #   fa4       install FlashAttention-4 (.whl/fa4a + .whl/fa4b) and run its tests and the attention bench
-#   bench     the full gpu_bench stages given in STAGES (default: the headline set)
+#   bench     the gpu_bench stages given in STAGES (default: service,offline)
+#   moe       the MoE/FP8 stages given in STAGES
 set -uo pipefail
 PY=${PY:-$(command -v python3)}
 [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
@@ -41,9 +42,9 @@ case ${1:-} in
     base) base ;;
     tests)
         base
-        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider ${TESTS:-tests/test_gpu_pipelined_runner.py \
-            tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_attention_backends.py tests/test_moe_kernels.py \
-            tests/test_fp8_kernels.py} 2>&1 | tail -${LINES_OUT:-40}
+        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider ${TESTS:-tests/unit/test_gpu_pipelined_runner.py \
+            tests/unit/test_fused_kernels.py tests/unit/test_cuda_graphs.py tests/unit/test_attention_backends.py \
+            tests/unit/test_moe_kernels.py tests/unit/test_fp8_kernels.py} 2>&1 | tail -${LINES_OUT:-40}
         ;;
     smoke)
         base
@@ -65,8 +66,8 @@ case ${1:-} in
             bash scripts/fa4_install.sh --python "$PY" /tmp/fa4whl || exit 1
             source /tmp/site/fa4_env.sh
         fi
-        timeout ${TIMEOUT:-330} $PY -m pytest -q --tb=short -rfs -p no:cacheprovider tests/test_attention_backends.py \
-            tests/test_cuda_graphs.py tests/test_attention_selection.py 2>&1 | tail -25
+        timeout ${TIMEOUT:-330} $PY -m pytest -q --tb=short -rfs -p no:cacheprovider tests/unit/test_attention_backends.py \
+            tests/unit/test_cuda_graphs.py tests/e2e/test_attention_selection.py 2>&1 | tail -25
         timeout 240 $PY -m bench.attention_backends_bench --out "$OUT/attention.json" 2>&1 | grep -v '^{' | tail -60
         ;;
     stash)   # the FA4 wheels of one call, kept on the machine for the next
@@ -81,7 +82,8 @@ case ${1:-} in
         ;;
     moe)
         base
-        timeout ${TIMEOUT:-420} $PY -m bench.moe_fp8_bench --out "$BENCH/moe" \
+        with_floor moe
+        timeout ${TIMEOUT:-420} $PY -m bench.gpu_bench --out "$BENCH/moe" \
             --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;

@@ -26,8 +26,7 @@ UTF-16 surrogate (ED A0..BF xx), which is no character; the detokenizer renders 
 U+FFFD, which also breaks maxLength. `_exclude_surrogates` takes U+D800..U+DFFF out of those
 classes. Not covered: character classes inside a JSON schema's "pattern" (xgrammar keeps the
 pattern as a regex it matches itself).
-Why xgrammar rather than llguidance: docs/STRUCTURED_OUTPUT.md (measured by
-bench/structured_output_choice.py).
+Why xgrammar rather than llguidance, measured: docs/STRUCTURED_OUTPUT.md.
 """
 from __future__ import annotations
 

@@ -16,6 +16,18 @@ from common.tiny_model import write_tiny_qwen3  # noqa: E402
 from tests.support.procs import running_services  # noqa: E402
 
 
+def pytest_ignore_collect(collection_path, config):
+    """`-m "not e2e"` does not even import tests/e2e (its imports cost seconds of the fast run)."""
+    if collection_path.name != "e2e" or not config.option.markexpr:
+        return None
+    from _pytest.mark.expression import Expression
+
+    expression = Expression.compile(config.option.markexpr)
+    excluded = not any(expression.evaluate(lambda name, others=others: name == "e2e" or others)
+                       for others in (False, True))
+    return True if excluded else None
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/e2e starts processes: marked e2e, so `-m "not e2e"` runs the fast part."""
     for item in items:

@@ -1,4 +1,4 @@
-"""Structured-output cases shared by the tests and the grammar-backend comparison (bench/):
+"""Structured-output cases of the tests (and of the grammar-backend comparison in docs/STRUCTURED_OUTPUT.md):
 random JSON schemas, 20 regexes, an EBNF grammar, and a compactness measure.
 
 Each schema mixes what real response formats use: objects with required and optional

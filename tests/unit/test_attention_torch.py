@@ -49,7 +49,7 @@ def test_matches_dense_attention_on_random_paged_batches(num_heads, num_kv_heads
     out = TorchAttentionBackend().forward(q, new_k, new_v, k_cache, v_cache, meta, scale)
 
     start = 0
-    for (k, v), seq_len, query_len in zip(contexts, seq_lens, query_lens):
+    for (k, v), query_len in zip(contexts, query_lens):
         expected = dense_causal_attention(q[start:start + query_len], k, v, scale)
         torch.testing.assert_close(out[start:start + query_len], expected, atol=1e-5, rtol=1e-5)
         start += query_len

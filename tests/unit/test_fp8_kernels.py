@@ -95,8 +95,12 @@ def test_block_fp8_matmul_matches_its_emulation(fp8_kernels, out_dtype, rows, co
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def fp8_checkpoint(request, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     root = tmp_path_factory.mktemp(f"fp8-kernels-{request.param}")
-    fp8_dir = write_tiny_qwen3_fp8(root / "fp8", moe=request.param == "moe")
+    # Two layers: the MoE model's first is dense, its second sparse; more would repeat the same check.
+    fp8_dir = write_tiny_qwen3_fp8(root / "fp8", moe=request.param == "moe", num_layers=2)
     return fp8_dir, write_dequantized_checkpoint(fp8_dir, root / "dequantized")
+
+
+PROMPT_LEN = 24   # a prefill over three KV blocks, small enough for the interpreter
 
 
 def test_an_fp8_model_stays_near_its_dequantized_weights(fp8_kernels, fp8_checkpoint):
@@ -108,15 +112,15 @@ def test_an_fp8_model_stays_near_its_dequantized_weights(fp8_kernels, fp8_checkp
         model = fp8_layers_model(fp8_dir)
     kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, torch.float32, DEVICE)
     g = torch.Generator().manual_seed(33)
-    prompt = torch.randint(0, config.vocab_size, (40,), generator=g).tolist()
-    meta = paged_metadata(random_block_tables([40], 8, 32, g), [40], [40], 8)
+    prompt = torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=g).tolist()
+    meta = paged_metadata(random_block_tables([PROMPT_LEN], 8, 32, g), [PROMPT_LEN], [PROMPT_LEN], 8)
     calls = collections.Counter()
     linear = fp8_kernels.fp8_linear
     with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
         patch.setattr(fp8_kernels, "fp8_linear", lambda *a, **kw: calls.update(["linear"]) or linear(*a, **kw))
-        hidden = model(torch.tensor(prompt, device=DEVICE), positions_of([40], [40]).to(DEVICE),
+        hidden = model(torch.tensor(prompt, device=DEVICE), positions_of([PROMPT_LEN], [PROMPT_LEN]).to(DEVICE),
                        _on_device(meta))
-        logits = model.compute_logits(hidden, torch.arange(40, device=DEVICE)).cpu()
+        logits = model.compute_logits(hidden, torch.arange(PROMPT_LEN, device=DEVICE)).cpu()
     dense_mlps = sum(not hasattr(layer.mlp, "experts") for layer in model.model.layers)
     assert calls["linear"] == 2 * config.num_hidden_layers + 2 * dense_mlps   # qkv, o (+ gate_up, down)
     expected = reference_logits(dequantized, prompt)

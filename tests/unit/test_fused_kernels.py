@@ -180,7 +180,7 @@ def test_qwen3_forward_with_and_without_fusion(fused, tiny_model_dir, dtype):
     kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
                                dtype, DEVICE)
     g = torch.Generator().manual_seed(15)
-    seq_lens, query_lens = [19, 4, 9], [19, 1, 9]   # two prompts and a decode over a stored prefix
+    seq_lens, query_lens = [11, 4, 5], [11, 1, 5]   # two prompts and a decode over a stored prefix
     meta = paged_metadata(random_block_tables(seq_lens, block_size, num_blocks, g), seq_lens, query_lens, block_size)
     meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(DEVICE) for f in dataclasses.fields(meta)
                                         if torch.is_tensor(getattr(meta, f.name))})

@@ -6,7 +6,6 @@ steps are pipelined or run one at a time."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from tests.support.hf_reference import hf_greedy

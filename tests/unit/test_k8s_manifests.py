@@ -228,7 +228,7 @@ def test_every_command_line_is_one_the_services_accept(layout):
     secrets = {s["metadata"]["name"]: s for s in load(K8S / "secrets.example.yaml")}
     checked = set()
     for lws_pod in ((0, 0), (0, 1)):    # the leader and a worker of an LWS group; others are alike
-        for doc, pod, container, injected in _containers(docs, lws_pod):
+        for _doc, pod, container, injected in _containers(docs, lws_pod):
             env = container_env(container, docs, injected)
             command = [expand(part, env) for part in container["command"] + container.get("args", [])]
             if command[:2] == ["python", "-c"]:

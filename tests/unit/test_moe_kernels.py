@@ -62,7 +62,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_routing_matches_the_reference(kernels, dtype, renormalize):
     moe_kernels, _ = kernels
     g = torch.Generator().manual_seed(21)
-    logits = (torch.randn(37, 24, generator=g) * 2).to(dtype)   # 24 experts: a padded row of 32
+    logits = (torch.randn(11, 24, generator=g) * 2).to(dtype)   # 24 experts: a padded row of 32
     weights, ids = moe_kernels.route_topk(logits.to(DEVICE), 5, renormalize)
     want_weights, want_ids = moe.route(logits, 5, renormalize)
     ids = ids.long().cpu()
@@ -137,7 +137,7 @@ def _w8a8_reference(x, w13, w2, weights, ids, group):
 def test_fp8_experts_match_their_emulation_and_stay_near_full_precision(kernels, block):
     moe_kernels, _ = kernels
     g = torch.Generator().manual_seed(24)
-    hidden, intermediate = 256, 128
+    hidden, intermediate = 128, 128
     w13, w2 = experts(8, hidden, intermediate, torch.float32, g)
     (q13, s13), (q2, s2) = quantize_blocks(w13, block), quantize_blocks(w2, block)
     d13, d2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)

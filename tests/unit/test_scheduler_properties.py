@@ -204,7 +204,7 @@ class AsyncSchedulerMachine(SchedulerMachine):
     depth = 2
 
 
-_machine_settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+_machine_settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
 SchedulerMachine.TestCase.settings = _machine_settings
 AsyncSchedulerMachine.TestCase.settings = _machine_settings
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -26,12 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import pathlib
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,9 +40,8 @@ import numpy as np
 
 from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1.generation_pb2_grpc import GenerationStub
+from tools.launch import free_port, scheduler_proc, worker_proc
 from tools.loadtest.arrivals import arrival_offsets
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # Outcomes of one request, as the client saw it.
 COMPLETED, CANCELLED, REFUSED, DEADLINE, ERROR = "completed", "cancelled", "refused", "deadline", "error"
@@ -70,64 +65,36 @@ class Outcome:
 
 # -- the service's processes ---------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Processes:
-    """One worker and one scheduler, as `python -m` subprocesses writing logs into a directory."""
+    """One worker and one scheduler (tools/launch.py) writing logs into a directory, and the
+    scheduler's Prometheus metrics."""
 
     def __init__(self, model: pathlib.Path, logs: pathlib.Path, worker_args: list[str], scheduler_args: list[str]):
-        self.model, self.logs = model, logs
-        self.worker_args, self.scheduler_args = worker_args, scheduler_args
-        self.worker_port, self.scheduler_port, self.metrics_port = _free_port(), _free_port(), _free_port()
-        self.worker: subprocess.Popen | None = None
-        self.scheduler: subprocess.Popen | None = None
+        self.logs = logs
+        self.metrics_port = free_port()
+        self.worker = worker_proc(model, logs, *worker_args)
+        self.scheduler = scheduler_proc(model, logs, [self.worker.addr], "--metrics-port", str(self.metrics_port),
+                                        *scheduler_args)
         self.restarts = 0
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.scheduler_port}"
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        self.logs.mkdir(parents=True, exist_ok=True)
-        with (self.logs / f"{name}.log").open("ab") as log:
-            return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT)
-
-    def start_worker(self) -> None:
-        self.worker = self._spawn("worker", ["worker_svc", "--model", str(self.model), "--host", "127.0.0.1",
-                                             "--port", str(self.worker_port), *self.worker_args])
+        return self.scheduler.addr
 
     def start(self) -> None:
-        self.start_worker()
-        self.scheduler = self._spawn("scheduler", [
-            "scheduler_svc", "--model", str(self.model), "--workers", f"127.0.0.1:{self.worker_port}",
-            "--host", "127.0.0.1", "--port", str(self.scheduler_port), "--metrics-port", str(self.metrics_port),
-            *self.scheduler_args])
+        self.worker.start()
+        self.scheduler.start()
 
     def kill_worker(self) -> None:
-        self.worker.send_signal(signal.SIGKILL)
-        self.worker.wait()
+        self.worker.kill()
 
     def restart_worker(self) -> None:
-        self.start_worker()
+        self.worker.start()
         self.restarts += 1
 
     def stop(self) -> None:
-        for proc in (self.scheduler, self.worker):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in (self.scheduler, self.worker):
-            if proc is not None:
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        self.scheduler.stop(timeout=20)
+        self.worker.stop(timeout=20)
 
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
@@ -138,7 +105,7 @@ class Processes:
 async def _wait_ready(stub: GenerationStub, procs: Processes, timeout_s: float) -> pb.ModelInfo:
     deadline = time.monotonic() + timeout_s
     while True:
-        for proc in (procs.worker, procs.scheduler):
+        for proc in (procs.worker.popen, procs.scheduler.popen):
             if proc.poll() is not None:
                 raise RuntimeError(f"a service process exited with {proc.returncode}; see {procs.logs}")
         try:

@@ -1,4 +1,5 @@
-"""transformers' own continuous batching (ContinuousBatchingManager) on the benchmark workload.
+"""Stages hf_default and hf_tuned: transformers' own continuous batching (ContinuousBatchingManager)
+on the workload, at its defaults and with its CUDA graphs and a 16k-token batch budget.
 
 Requests go through the manager one by one so each keeps its own max_new_tokens (generate_batch
 takes one length for all). EOS is disabled (eos_token_id -1) as ignore_eos does elsewhere, and
@@ -8,13 +9,16 @@ since the GPU machine's transformers is older than ours.
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 import pathlib
+import sys
 import time
 
-import torch
-
+from bench.options import model_dir, workload
 from bench.workload import Workload
+
+REQUIRES = ("checkpoint",)
 
 
 def _supported(fn, kwargs: dict) -> dict:
@@ -34,13 +38,20 @@ def _batching_config(tuned: bool, max_batch_tokens: int):
         "use_cuda_graph": True, "max_batch_tokens": max_batch_tokens}))
 
 
-def run_hf_continuous_batching(model_dir: pathlib.Path, workload: Workload, *, tuned: bool,
-                               max_batch_tokens: int = 16384, device: str = "cuda") -> dict:
+def run(args: argparse.Namespace, tuned: bool = False) -> dict:
+    """tuned: its CUDA graphs and --max-num-batched-tokens per step; else its defaults."""
+    return run_continuous_batching(model_dir(args), workload(args), tuned=tuned,
+                                   max_batch_tokens=args.max_num_batched_tokens, device=args.device)
+
+
+def run_continuous_batching(path: pathlib.Path, load: Workload, *, tuned: bool,
+                            max_batch_tokens: int = 16384, device: str = "cuda") -> dict:
+    import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     generation_config = GenerationConfig(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(workload.max_tokens),
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(load.max_tokens),
         eos_token_id=-1, pad_token_id=0)
     batching_config = _batching_config(tuned, max_batch_tokens)
     context_kwargs = _supported(model.continuous_batching_context_manager, {
@@ -51,7 +62,7 @@ def run_hf_continuous_batching(model_dir: pathlib.Path, workload: Workload, *, t
         # One short request first, timed apart, like the other engines' warm-up.
         _collect(manager, [[1, 2, 3]], [8])
         ready = time.perf_counter()
-        generated = _collect(manager, workload.prompts, workload.max_tokens)
+        generated = _collect(manager, load.prompts, load.max_tokens)
         done = time.perf_counter()
     return {"output_tokens": generated, "seconds": done - ready, "setup_s": ready - started,
             "attn_implementation": getattr(model.config, "_attn_implementation", "?"),
@@ -75,3 +86,9 @@ def _collect(manager, prompts: list[list[int]], max_tokens: list[int]) -> int:
             generated += len(result.generated_tokens)
             pending.discard(result.request_id)
     return generated
+
+
+if __name__ == "__main__":
+    from bench.gpu_bench import run_alone
+
+    sys.exit(run_alone(__spec__.name, sys.argv[1:]))

@@ -1,13 +1,29 @@
-"""Where a decode step's device time goes: torch.profiler over decode steps (CUDA-graph replays)
-of a ModelRunner in this process, at given batch sizes and one context length. Returns, per batch,
-the kernel time per step and the kernels that take the most of it."""
+"""Stage profile: where a decode step's device time goes. torch.profiler over decode steps
+(CUDA-graph replays) of a ModelRunner in this process, at --profile-batches and one context;
+per batch, the kernel time per step and the kernels that take the most of it."""
+
 from __future__ import annotations
 
+import argparse
 import collections
+import sys
 
 import numpy as np
 
+from bench.options import model_dir
+
+REQUIRES = ("checkpoint",)
 PROFILED_STEPS = 10
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile-batches", default="1,64,256")
+    p.add_argument("--profile-context", type=int, default=1024, help="context of the profile stage")
+
+
+def run(args: argparse.Namespace) -> dict:
+    return {"rows": profile_decode(model_dir(args), batches=[int(b) for b in args.profile_batches.split(",")],
+                                   context=args.profile_context, attention_backend=args.attention_backend)}
 
 
 def _step(runner, step_id: int, new=(), cached=(), counts=None):
@@ -19,7 +35,7 @@ def _step(runner, step_id: int, new=(), cached=(), counts=None):
     return runner.launch(StepInput(step_id, [], list(new), cached, num, empty, empty, empty)).result()
 
 
-def profile_decode(model_dir, *, batches: list[int], context: int, attention_backend: str = "auto") -> list[dict]:
+def profile_decode(path, *, batches: list[int], context: int, attention_backend: str = "auto") -> list[dict]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -30,7 +46,7 @@ def profile_decode(model_dir, *, batches: list[int], context: int, attention_bac
 
     largest = max(batches)
     steps_needed = 4 + PROFILED_STEPS
-    runner = ModelRunner(WorkerConfig(model=str(model_dir), device="cuda", attention_backend=attention_backend,
+    runner = ModelRunner(WorkerConfig(model=str(path), device="cuda", attention_backend=attention_backend,
                                       max_num_seqs=largest, max_num_batched_tokens=16384,
                                       max_model_len=context + steps_needed + 16))
     rng = np.random.default_rng(0)
@@ -72,3 +88,17 @@ def profile_decode(model_dir, *, batches: list[int], context: int, attention_bac
         rows.append({"batch": batch, "context": context, "device_ms_per_step": total,
                      "top": [(name, round(ms, 4)) for name, ms in top[:25]]})
     return rows
+
+
+def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    for row in results["profile"]["result"]["rows"]:
+        print(f"\nprofile: decode graph replay at batch {row['batch']}, context {row['context']}: "
+              f"{row['device_ms_per_step']:.2f} ms of kernels per step; top kernels (ms per step, share)")
+        for name, ms in row["top"][:12]:
+            print(f"  {ms:7.3f} {ms / row['device_ms_per_step']:6.1%}  {name[:90]}")
+
+
+if __name__ == "__main__":
+    from bench.gpu_bench import run_alone
+
+    sys.exit(run_alone(__spec__.name, sys.argv[1:]))

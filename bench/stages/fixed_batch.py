@@ -1,0 +1,87 @@
+"""Stages decode_<model>_<dtype>: Qwen3-0.6B and Qwen3-8B configs, bf16 and --quantization fp8
+(dummy weights), decode tok/s at --fixed-batch through the in-process engine against each one's
+floor. Two runs of the same shape, one with a single output token: their difference is the decode
+time of --fixed-steps steps."""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+from bench.floor import ModelShape, decode_step_floor_s
+from bench.options import load_config, measured_rates
+from bench.stages.moe_e2e import dummy_llm
+
+REQUIRES = ("bandwidth",)
+MODELS = ("0.6b", "8b")
+DTYPES = ("bf16", "fp8")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fixed-batch", type=int, default=256, help="batch of the decode_<model>_<dtype> and fp8_gemm stages")
+    p.add_argument("--fixed-prompt", type=int, default=32,
+                   help="prompt tokens of each decode_<model>_<dtype> request (short: the step is about the weights)")
+    p.add_argument("--fixed-steps", type=int, default=128, help="decode steps timed in the decode_<model>_<dtype> stages")
+
+
+def stage_name(model: str, dtype: str) -> str:
+    return f"decode_{model}_{dtype}"
+
+
+def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> dict:
+    from common.sampling import SamplingParams
+
+    config = load_config(args, model)
+    batch, prompt_len, steps = (8, 16, 16) if args.tiny else (args.fixed_batch, args.fixed_prompt, args.fixed_steps)
+    started = time.perf_counter()
+    llm = dummy_llm(args, model, quantization=None if dtype == "bf16" else dtype, max_num_seqs=batch,
+                    max_num_batched_tokens=16384, max_model_len=prompt_len + steps + 16)
+    startup_s = time.perf_counter() - started
+
+    def timed_run(seed: int, max_tokens: int) -> float:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(config["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True))
+        if any(len(o) != max_tokens for o in outputs):
+            raise RuntimeError(f"an output is not {max_tokens} tokens long")
+        return time.perf_counter() - started
+
+    timed_run(0, 1 + steps)   # compiles every shape the timed runs use
+    prefill_s = statistics.median(timed_run(seed, 1) for seed in (1, 2))
+    decode_s = timed_run(3, 1 + steps) - prefill_s
+    return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "decode_s": decode_s,
+            "prefill_s": prefill_s, "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
+
+
+def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    rates = measured_rates(results)
+    print("\ndecode at a fixed batch, in-process engine (dummy weights); floor: weights + KV over the copy "
+          "bandwidth, or the FLOPs at the measured rate")
+    print(f"{'model':14s} {'batch':>5s} {'tok/s':>9s} {'floor':>9s} {'of floor':>8s} {'vs bf16':>8s}")
+    for model in MODELS:
+        for dtype in DTYPES:
+            record = results.get(stage_name(model, dtype), {})
+            if record.get("ok"):
+                _print_row(args, model, dtype, record["result"], results.get(stage_name(model, "bf16"), {}), rates)
+    print("  (target: Qwen3-8B fp8 >= 1.3x bf16 at batch 256)")
+
+
+def _print_row(args, model: str, dtype: str, r: dict, bf16: dict, rates: dict | None) -> None:
+    floor = f"{'-':>9s} {'-':>8s}"
+    if rates:
+        shape = ModelShape(load_config(args, model), fp8=dtype == "fp8")
+        floor_tps = r["batch"] / decode_step_floor_s(shape, r["batch"], r["batch"] * (r["prompt_len"] + r["steps"] / 2),
+                                                     rates)
+        floor = f"{floor_tps:9.0f} {r['tok_per_s'] / floor_tps:8.1%}"
+    speedup = f"{r['tok_per_s'] / bf16['result']['tok_per_s']:7.2f}x" if dtype != "bf16" and bf16.get("ok") else ""
+    label = f"{'tiny ' + model if args.tiny else 'Qwen3-' + model.upper()} {dtype}"
+    print(f"{label:14s} {r['batch']:5d} {r['tok_per_s']:9.0f} {floor} {speedup:>8s}")
+
+
+if __name__ == "__main__":
+    from bench.gpu_bench import run_alone
+
+    sys.exit(run_alone(__spec__.name, sys.argv[1:]))

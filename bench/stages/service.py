@@ -1,0 +1,131 @@
+"""Stage service: a worker and the scheduler (engine core + --frontends processes) over loopback
+gRPC, all requests at once through the public Generate API from --client-processes processes, once
+per --stream-intervals value, with every process's CPU sampled; then greedy outputs of the
+correctness prompts, which the correctness stage compares with transformers."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+
+from bench.options import engine_args, model_dir, worker_args, workload
+from bench.stages.correctness import CORRECTNESS_TOKENS, correctness_prompts
+from tools.launch import Proc, scheduler_proc, worker_proc
+
+REQUIRES = ("checkpoint",)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-intervals", default="1,8", help="the service stage runs once per stream interval")
+
+
+@contextlib.contextmanager
+def running_worker(args: argparse.Namespace):
+    worker = worker_proc(model_dir(args), args.out / "logs", *worker_args(args)).start()
+    try:
+        yield worker.wait_serving(timeout=900)
+    finally:
+        worker.stop()
+
+
+@contextlib.contextmanager
+def running_scheduler(args: argparse.Namespace, worker: Proc, *extra: str):
+    """A fresh scheduler (an empty prefix cache) on the worker, warmed up as nano-vllm's bench does."""
+    from common.client import Client
+
+    scheduler = scheduler_proc(model_dir(args), args.out / "logs", [worker.addr], *engine_args(args),
+                               "--frontends", str(args.frontends), "--log-level", "WARNING", *extra).start()
+    try:
+        scheduler.wait_serving(timeout=300)
+        with Client(scheduler.addr, timeout=600) as client:
+            client.generate([1, 2, 3], max_tokens=8, ignore_eos=True)
+        yield scheduler
+    finally:
+        scheduler.stop()
+
+
+def send_all(args: argparse.Namespace, scheduler: Proc, prompts, on_start=None) -> tuple[list[dict], float]:
+    """Every prompt at once from --client-processes processes; the records and the wall time.
+    Raises when a request failed or returned other than its max_tokens."""
+    from bench.multiproc_client import send_from_processes
+
+    records, seconds, _ = send_from_processes(scheduler.addr, prompts, processes=args.client_processes,
+                                              on_start=on_start)
+    failed = [r for r in records if r["status"] != "OK"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]['status']} {failed[0]['error']}")
+    if sorted(r["output_tokens"] for r in records) != sorted(p.max_tokens for p in prompts):
+        raise RuntimeError("some requests returned a wrong number of tokens")
+    return records, seconds
+
+
+def workload_prompts(args: argparse.Namespace):
+    from tools.loadtest.datasets import Prompt
+
+    load = workload(args)
+    return [Prompt(max_tokens=n, token_ids=tuple(p), ignore_eos=True) for p, n in zip(load.prompts, load.max_tokens)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The worker stays up; the scheduler is started afresh for each stream interval."""
+    prompts = workload_prompts(args)
+    variants, greedy = [], None
+    with running_worker(args) as worker:
+        for interval in (int(i) for i in args.stream_intervals.split(",")):
+            with running_scheduler(args, worker, "--stream-interval", str(interval)) as scheduler:
+                variants.append(_one_variant(args, worker, scheduler, prompts, interval))
+                if greedy is None:
+                    greedy = _greedy(scheduler, args)
+    return dict(variants[0], variants=variants, greedy=greedy)
+
+
+def _one_variant(args, worker: Proc, scheduler: Proc, prompts, interval: int) -> dict:
+    from bench.proc_cpu import CpuSampler
+
+    samplers = []
+
+    def watch(client_pids):
+        named = {"scheduler": scheduler.popen.pid, "worker": worker.popen.pid}
+        named.update({f"client{i}": pid for i, pid in enumerate(client_pids)})
+        samplers.append(CpuSampler(named).__enter__())
+
+    records, seconds = send_all(args, scheduler, prompts, on_start=watch)
+    samplers[0].__exit__(None, None, None)
+    tpots = [r["tpot_s"] for r in records if r["tpot_s"] is not None]
+    return {"frontends": args.frontends, "stream_interval": interval,
+            "output_tokens": sum(r["output_tokens"] for r in records), "seconds": seconds,
+            "ttft_median_s": statistics.median(r["ttft_s"] for r in records),
+            "tpot_median_s": statistics.median(tpots) if tpots else None, "cpu": samplers[0].summary()}
+
+
+def _greedy(scheduler: Proc, args: argparse.Namespace) -> list[list[int]]:
+    from common.client import Client
+
+    with Client(scheduler.addr, timeout=600) as client:
+        return [client.generate(p, max_tokens=CORRECTNESS_TOKENS, ignore_eos=True, temperature=0.0).token_ids
+                for p in correctness_prompts(args)]
+
+
+def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    from bench.gpu_bench import throughput_floor
+
+    floor_tps = throughput_floor(args, results)
+    print(f"\nservice variants (--frontends, --stream-interval), client over {args.client_processes} processes; "
+          "CPU: median cores of each process (scheduler = engine core; its children are the frontends)")
+    service = results["service"]["result"]
+    for v in service.get("variants", [service]):
+        tps = v["output_tokens"] / v["seconds"]
+        of_floor = f"{tps / floor_tps:6.1%}" if floor_tps else "-"
+        print(f"  frontends {v.get('frontends', '?')}, stream interval {v.get('stream_interval', 1)}: "
+              f"{tps:8.0f} tok/s ({of_floor} of floor), TTFT median {v['ttft_median_s'] * 1e3:.0f} ms, "
+              f"TPOT median {(v['tpot_median_s'] or 0) * 1e3:.2f} ms")
+        cpu = v.get("cpu", {})
+        if cpu:
+            print("    cpu: " + ", ".join(f"{name} {c['median']:.2f} (max {c['max']:.2f})" for name, c in cpu.items()))
+
+
+if __name__ == "__main__":
+    from bench.gpu_bench import run_alone
+
+    sys.exit(run_alone(__spec__.name, sys.argv[1:]))

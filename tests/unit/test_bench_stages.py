@@ -1,0 +1,54 @@
+"""The benchmark driver (bench/gpu_bench.py) and its decode stage's sizing, without a GPU: stages
+are expanded and preceded by what they read, and every decode case reaches steps where its whole
+batch decodes, under the real Scheduler."""
+from __future__ import annotations
+
+import random
+
+from bench.gpu_bench import STAGES, selected_stages, with_requirements
+from bench.stages.decode import STEPS_IN_FLIGHT, Case
+from common.sampling import SamplingParams
+from scheduler_svc.engine.block_manager import BlockManager
+from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine.sequence import Sequence
+
+
+def test_groups_expand_and_each_stage_is_preceded_by_what_it_reads():
+    assert selected_stages("decode,moe,decode")[:3] == ["decode", "bandwidth", "moe_kernel"]
+    assert set(selected_stages("all")) == set(STAGES)
+    assert with_requirements(["decode"], done=set()) == ["checkpoint", "bandwidth", "decode"]
+    assert with_requirements(["decode", "service"], done={"bandwidth"}) == ["checkpoint", "decode", "service"]
+    assert with_requirements(["bandwidth", "moe_e2e"], done=set()) == ["bandwidth", "moe_e2e"]
+
+
+def pure_decode_steps(batch: int, context: int, max_tokens: int, budget: int, block_size: int = 16) -> int:
+    """Steps, two in flight as the decode stage sends them, in which every request decodes one token."""
+    blocks = batch * -(-(context + max_tokens) // block_size)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget,
+                                          max_model_len=context + max_tokens + 16, block_size=block_size),
+                          BlockManager(blocks, block_size))
+    rng = random.Random(0)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        scheduler.add(Sequence(i + 1, f"r{i}", [rng.randrange(500) for _ in range(context)], params))
+    in_flight, pure = [], 0
+    while scheduler.has_unfinished() or in_flight:
+        while len(in_flight) < STEPS_IN_FLIGHT and scheduler.has_unfinished():
+            output = scheduler.schedule()
+            if output.is_empty:
+                break
+            in_flight.append(output)
+        output = in_flight.pop(0)
+        pure += not output.new_requests and len(output.seqs) == batch and not output.multi_token_indices
+        scheduler.update(output, [1] * len(output.sampling_seqs))
+    return pure
+
+
+def test_a_decode_case_whose_prefill_outlasts_the_timed_steps_still_decodes_its_whole_batch():
+    """16 x 1024 at a 1024-token budget prefills for 17 steps: requests limited to the warm-up and
+    timed steps finish before the last prompt is in (as 256 x 4096 did at 16384), so no step
+    decodes the whole batch; the stage's limit leaves every warm-up and timed step."""
+    warmup, measured, budget = 2, 8, 1024
+    assert pure_decode_steps(16, 1024, warmup + measured + 2, budget) == 0
+    case = Case.parse("16x1024", budget, warmup, measured)
+    assert pure_decode_steps(case.batch, case.context, case.max_tokens, budget) >= warmup + measured
