@@ -18,7 +18,7 @@ from common.cli import (ArgumentParser, add_client_security_arguments, add_loggi
                         check_client_security_arguments, warn_if_exposed)
 from common.logging_setup import setup_logging
 
-log = logging.getLogger("openai_gateway")
+logger = logging.getLogger(__name__)
 
 
 def _read_keys(args) -> list[str]:
@@ -77,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
                            client_options={k: v for k, v in client_options.items() if v is not None},
                            max_request_bytes=int(args.max_request_body_mib * (1 << 20)),
                            max_sequences_per_request=args.max_sequences_per_request)
-    warn_if_exposed(args.host, args.port, has_token=bool(keys), has_tls=False, log=log, what="the OpenAI gateway")
+    warn_if_exposed(args.host, args.port, has_token=bool(keys), has_tls=False, log=logger, what="the OpenAI gateway")
     # uvicorn's own loggers go through the process's handler (text or json): log_config=None
     # leaves logging as setup_logging made it.
     server = uvicorn.Server(uvicorn.Config(
         create_app(config), host=args.host, port=args.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=args.graceful_shutdown_s, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
         lifespan="on"))
-    log.info("OpenAI gateway on http%s://%s:%d, scheduler %s", "s" if args.tls_cert else "", args.host, args.port,
+    logger.info("OpenAI gateway on http%s://%s:%d, scheduler %s", "s" if args.tls_cert else "", args.host, args.port,
              config.target or "(default)")
     server.run()
     return 0

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 
 from common.client import RequestError
 from gateway import outputs
-from gateway.app import _validation_error
+from gateway.errors import validation_error as _validation_error
 from gateway.errors import GatewayError, from_request_error
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.token_text import TokenTexts

@@ -1,0 +1,73 @@
+"""The gateway's plain ASGI middlewares: the API-key check and the request-body bound.
+
+Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would stand between the routes and
+the client's disconnect (the disconnect is what cancels a request's gRPC calls).
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import error_body
+
+logger = logging.getLogger(__name__)
+
+
+class ApiKeyCheck:
+    """Refuses /v1/* without `Authorization: Bearer KEY` of a configured key (401, OpenAI's body)."""
+
+    def __init__(self, app, keys: Sequence[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, _, key = header.partition(b" ")
+            # compare_digest against every key: the time taken says nothing about any of them.
+            matches = [hmac.compare_digest(key.strip(), k) for k in self.keys]
+            if scheme.lower() != b"bearer" or not any(matches):
+                body = error_body(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Refuses a request body over `max_bytes` with 413: at once by its Content-Length, or while a
+    chunked body is read (FastAPI lets an HTTPException raised while reading the body through)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> StarletteHTTPException:
+        return StarletteHTTPException(413, f"the request body is {size} bytes, more than the gateway's limit of "
+                                           f"{self.max_bytes} (--max-request-body-mib)")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            error = self._too_large(length.decode())
+            await JSONResponse(error_body(413, error.detail, code="request_too_large"), status_code=413,
+                               headers={"connection": "close"})(scope, receive, send)
+            return
+        received = 0
+
+        async def bounded() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large(f"more than {received}")
+            return message
+
+        await self.app(scope, bounded, send)

@@ -1,0 +1,71 @@
+"""What the routes share: the gateway's configuration and its state (the scheduler connection, the
+served model's name, the token-text cache and the metrics), one `Gateway` per running app.
+
+The gateway holds no model files: everything about the model is asked of the scheduler.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from common.client import AsyncClient
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.token_text import TokenTexts
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+@dataclass
+class GatewayConfig:
+    """What the application needs to know; __main__.py fills it from the command line."""
+    target: str                                    # the scheduler's llm.v1 address
+    api_keys: Sequence[str] = ()                   # empty: /v1/* is open
+    request_timeout: float | None = 600.0          # deadline of each gRPC call (None: none)
+    client_options: dict[str, Any] = field(default_factory=dict)   # AsyncClient's TLS and token arguments
+    max_request_bytes: int = 8 << 20               # of a request body (0: no bound)
+    max_sequences_per_request: int = 256           # a completion's prompts x n
+
+
+class Gateway:
+    """The state behind the routes: the scheduler connection, the served model's name, the
+    cache of token texts (for logprobs) and the metrics."""
+
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or GatewayMetrics()
+        self.client = AsyncClient(config.target, timeout=config.request_timeout, **config.client_options)
+        self.token_texts = TokenTexts(self.client)
+        self.created = int(time.time())
+        self._model_name: str | None = None
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def model_name(self) -> str:
+        """The scheduler's model name, asked once (a scheduler keeps its model for its life)."""
+        if self._model_name is None:
+            self._model_name = (await self.client.model_info(timeout=HEALTH_TIMEOUT_S)).model
+        return self._model_name
+
+    def remember_model_name(self, name: str) -> None:
+        self._model_name = name
+
+    async def check_model(self, requested: str | None) -> str:
+        name = await self.model_name()
+        if requested not in (None, "", name):
+            raise GatewayError(404, f"The model {requested!r} does not exist; this server serves {name!r}",
+                               "model", "model_not_found")
+        return name
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The Gateway of the app serving `request` (set by the app's lifespan)."""
+    return request.app.state.gateway
