@@ -211,6 +211,8 @@ class ChatChunk:
     matched_stop: str | None = None
     logprobs: list[float] | None = None   # one per token id (reasoning and tool-call tokens too), when requested
     top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[float] | None = None      # of the rendered prompt, in sample 0's first chunk
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,8 @@ class ChatCompletion:
     samples: list["ChatCompletion"] = field(default_factory=list)
     logprobs: list[float] | None = None   # one per token id, when requested
     top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -344,12 +348,11 @@ class _Sample:
         self.matched_stop = chunk.matched_stop or self.matched_stop
         self.logprobs += chunk.logprobs or ()
         self.top_logprobs += chunk.top_logprobs or ()
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_top_logprobs = chunk.prompt_logprobs, chunk.prompt_top_logprobs
         if isinstance(chunk, ChatChunk):
             self.reasoning.append(chunk.reasoning)
             self.tool_calls += chunk.tool_calls
-            return
-        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs, self.prompt_top_logprobs = chunk.prompt_logprobs, chunk.prompt_top_logprobs
 
     def check(self) -> tuple[FinishReason, Usage]:
         if self.finish_reason is None or self.usage is None:
@@ -389,7 +392,8 @@ class _Accumulator:
             reason, usage = s.check()
             done.append(ChatCompletion(s.request_id, "".join(s.text), "".join(s.reasoning), s.tool_calls, s.token_ids,
                                        reason, usage, index, logprobs=s.logprobs if p.logprobs or p.top_logprobs else None,
-                                       top_logprobs=s.top_logprobs if p.top_logprobs else None))
+                                       top_logprobs=s.top_logprobs if p.top_logprobs else None,
+                                       prompt_logprobs=s.prompt_logprobs, prompt_top_logprobs=s.prompt_top_logprobs))
         if not done:
             raise RequestError("INTERNAL", "the stream ended without a message")
         return dataclasses.replace(done[0], samples=done) if len(done) > 1 else done[0]
@@ -428,6 +432,7 @@ def _chat_request(messages: Sequence[ChatMessage], tools: Sequence[Tool | dict[s
 def _chat_chunk_from_proto(message: pb.ChatResponse, params: SamplingParams) -> ChatChunk:
     finished = message.finish_reason != pb.FINISH_REASON_UNSPECIFIED
     want_top = bool(params.top_logprobs)
+    prompt = params.prompt_logprobs and len(message.prompt_logprobs) > 0   # in sample 0's first message
     return ChatChunk(
         request_id=message.request_id, text=message.text, reasoning=message.reasoning_text,
         tool_calls=[ToolCall(c.id, c.name, json.loads(c.arguments_json)) for c in message.tool_calls],
@@ -436,7 +441,9 @@ def _chat_chunk_from_proto(message: pb.ChatResponse, params: SamplingParams) -> 
         usage=_usage_from_proto(message.usage) if message.HasField("usage") else None,
         index=message.index, matched_stop=message.matched_stop or None if finished else None,
         logprobs=list(message.logprobs) if params.logprobs or want_top else None,
-        top_logprobs=_tops(message.top_logprobs) if want_top else None)
+        top_logprobs=_tops(message.top_logprobs) if want_top else None,
+        prompt_logprobs=list(message.prompt_logprobs) if prompt else None,
+        prompt_top_logprobs=_tops(message.prompt_top_logprobs) if prompt and want_top else None)
 
 
 def _model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:

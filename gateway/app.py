@@ -5,17 +5,20 @@ Guarantees (each where its module says):
 - every error is OpenAI's error body with an HTTP status mapped from the gRPC status (errors.py);
 - a client that disconnects cancels the gRPC calls behind its request at once (streaming.py);
 - a request body over max_request_bytes is refused with 413 before it is read whole, and
-  `/v1/*` requires `Authorization: Bearer KEY` when API keys are configured (middleware.py);
+  every path but /health and /metrics requires `Authorization: Bearer KEY` when API keys are
+  configured (middleware.py);
 - /metrics counts every request, refusals included (metrics.py: its middleware is outermost).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI
 
-from gateway import chat, completions, models, probes
+from common.client import AsyncClient
+from gateway import chat, completions, models, probes, responses, tokenize
 from gateway.errors import install_handlers
 from gateway.metrics import GatewayMetrics, HttpMetrics
 from gateway.middleware import ApiKeyCheck, BodyLimit
@@ -25,13 +28,17 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GatewayConfig", "create_app"]
 
+OPEN_PATHS = ("/health", "/metrics")   # no API key: probes and scrapers carry no secrets
 
-def create_app(config: GatewayConfig) -> FastAPI:
+
+def create_app(config: GatewayConfig, client_factory: Callable[[], AsyncClient] | None = None) -> FastAPI:
+    """The application; `client_factory` makes its scheduler client (tests give a fake one)."""
     metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.gateway = Gateway(config, metrics)   # the gRPC aio channel belongs to the server's event loop
+        # The gRPC aio channel belongs to the server's event loop: made here, not before.
+        app.state.gateway = Gateway(config, metrics, client_factory() if client_factory else None)
         try:
             yield
         finally:
@@ -39,11 +46,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="qwen3-serve OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     if config.api_keys:
-        app.add_middleware(ApiKeyCheck, keys=config.api_keys)
+        app.add_middleware(ApiKeyCheck, keys=config.api_keys, open_paths=OPEN_PATHS)
     if config.max_request_bytes:
         app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(HttpMetrics, metrics=metrics)   # added last: outermost, so refusals count too
     install_handlers(app)
-    for family in (completions, chat, models, probes):
+    for family in (completions, chat, responses, models, tokenize, probes):
         app.include_router(family.router)
     return app

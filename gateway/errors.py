@@ -165,9 +165,8 @@ async def _on_client_gone(_request: Request, _exc: ClientGone) -> JSONResponse:
 
 
 async def _on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("request failed")
-    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", code="internal"),
-                        status_code=500)
+    logger.exception("request failed")   # the details go to the log, not to the client
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal"), status_code=500)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -18,14 +18,16 @@ logger = logging.getLogger(__name__)
 
 
 class ApiKeyCheck:
-    """Refuses /v1/* without `Authorization: Bearer KEY` of a configured key (401, OpenAI's body)."""
+    """Refuses a request without `Authorization: Bearer KEY` of a configured key (401, OpenAI's
+    body), except on `open_paths`."""
 
-    def __init__(self, app, keys: Sequence[str]) -> None:
+    def __init__(self, app, keys: Sequence[str], open_paths: Sequence[str] = ()) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, key = header.partition(b" ")
             # compare_digest against every key: the time taken says nothing about any of them.

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from gateway.errors import GatewayError
-from gateway.state import HEALTH_TIMEOUT_S, Gateway, gateway_of
+from gateway.state import Gateway, gateway_of
 
 logger = logging.getLogger(__name__)
 
@@ -16,8 +16,7 @@ router = APIRouter()
 
 
 async def model_card(gateway: Gateway) -> dict[str, Any]:
-    info = await gateway.client.model_info(timeout=HEALTH_TIMEOUT_S)
-    gateway.remember_model_name(info.model)
+    info = await gateway.model_info(fresh=True)
     return {"id": info.model, "object": "model", "created": gateway.created, "owned_by": "qwen3-serve",
             "root": info.model, "parent": None, "max_model_len": info.max_model_len}
 

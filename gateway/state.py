@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from common.client import AsyncClient
+from common.client import AsyncClient, ModelInfo
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.token_text import TokenTexts
@@ -38,25 +38,27 @@ class Gateway:
     """The state behind the routes: the scheduler connection, the served model's name, the
     cache of token texts (for logprobs) and the metrics."""
 
-    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None,
+                 client: AsyncClient | None = None) -> None:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
-        self.client = AsyncClient(config.target, timeout=config.request_timeout, **config.client_options)
+        self.client = client or AsyncClient(config.target, timeout=config.request_timeout, **config.client_options)
         self.token_texts = TokenTexts(self.client)
         self.created = int(time.time())
-        self._model_name: str | None = None
+        self._model: ModelInfo | None = None
 
     async def close(self) -> None:
         await self.client.close()
 
-    async def model_name(self) -> str:
-        """The scheduler's model name, asked once (a scheduler keeps its model for its life)."""
-        if self._model_name is None:
-            self._model_name = (await self.client.model_info(timeout=HEALTH_TIMEOUT_S)).model
-        return self._model_name
+    async def model_info(self, *, fresh: bool = False) -> ModelInfo:
+        """The scheduler's model info; its name and length are asked once (a scheduler keeps its
+        model for its life), `fresh` asks again (the worker groups' state changes)."""
+        if self._model is None or fresh:
+            self._model = await self.client.model_info(timeout=HEALTH_TIMEOUT_S)
+        return self._model
 
-    def remember_model_name(self, name: str) -> None:
-        self._model_name = name
+    async def model_name(self) -> str:
+        return (await self.model_info()).model
 
     async def check_model(self, requested: str | None) -> str:
         name = await self.model_name()

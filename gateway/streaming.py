@@ -71,34 +71,37 @@ async def opened(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
     return rest()
 
 
-def stream_failure(exc: Exception) -> str:
-    """The event that ends a stream that failed after its headers were sent."""
+def stream_failure(exc: Exception) -> dict[str, Any]:
+    """The error body of a stream that failed after its headers were sent."""
     if isinstance(exc, GatewayError):
-        return outputs.sse(exc.body())
+        return exc.body()
     if isinstance(exc, RequestError):
         logger.warning("stream failed: %s", exc)
-        return outputs.sse(from_request_error(exc).body())
+        return from_request_error(exc).body()
     logger.exception("stream failed")
-    return outputs.sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", code="internal"))
+    return error_body(500, f"internal error: {type(exc).__name__}", code="internal")
 
 
 async def choice_events(choices: Callable[[outputs.UsageTotal], AsyncIterator[dict[str, Any]]],
                         base: dict[str, Any], stream_options: StreamOptions | None,
-                        on_end: Callable[[outputs.UsageTotal], None]) -> AsyncIterator[str]:
+                        on_end: Callable[[outputs.UsageTotal], None], known_prompt_tokens: int = 0
+                        ) -> AsyncIterator[str]:
     """What every choice stream sends around its choices (`choices(usage)` yields one choice per
     event and adds each finished sample's usage): with stream_options.include_usage, `"usage": null`
-    on every chunk and a last chunk of the total; a failure after the headers as one error event;
-    then [DONE]. `on_end(usage)` is told what the finished samples used, however the stream ends."""
+    on every chunk and a last chunk of the total; with continuous_usage_stats, the usage so far on
+    every chunk instead of null; a failure after the headers as one error event; then [DONE].
+    `on_end(usage)` is told what the finished samples used, however the stream ends."""
     include_usage = bool(stream_options and stream_options.include_usage)
-    usage = outputs.UsageTotal()
-    extra = {"usage": None} if include_usage else {}
+    continuous = bool(stream_options and stream_options.continuous_usage_stats)
+    usage = outputs.UsageTotal(known_prompt_tokens)
     try:
         async for choice in choices(usage):
+            extra = {"usage": usage.so_far_json()} if continuous else {"usage": None} if include_usage else {}
             yield outputs.sse({**base, "choices": [choice], **extra})
         if include_usage:
             yield outputs.sse({**base, "choices": [], "usage": usage.to_json()})
     except Exception as exc:  # noqa: BLE001 - the headers are sent: the stream's last event says what failed
-        yield stream_failure(exc)
+        yield outputs.sse(stream_failure(exc))
     finally:
         on_end(usage)
     yield outputs.DONE
