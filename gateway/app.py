@@ -21,7 +21,7 @@ from common.client import AsyncClient
 from gateway import chat, completions, models, probes, responses, tokenize
 from gateway.errors import install_handlers
 from gateway.metrics import GatewayMetrics, HttpMetrics
-from gateway.middleware import ApiKeyCheck, BodyLimit
+from gateway.middleware import ApiKeyCheck, BodyDeadline, BodyLimit
 from gateway.state import Gateway, GatewayConfig
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ def create_app(config: GatewayConfig, client_factory: Callable[[], AsyncClient] 
         app.add_middleware(ApiKeyCheck, keys=config.api_keys, open_paths=OPEN_PATHS)
     if config.max_request_bytes:
         app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    if config.body_timeout:
+        app.add_middleware(BodyDeadline, seconds=config.body_timeout)
     app.add_middleware(HttpMetrics, metrics=metrics)   # added last: outermost, so refusals count too
     install_handlers(app)
     for family in (completions, chat, responses, models, tokenize, probes):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,14 +111,19 @@ class ClientGone(Exception):
     """The client closed the connection before its (unstreamed) answer was ready."""
 
 
-def validation_error(exc: RequestValidationError) -> GatewayError:
-    """pydantic's complaint about a request body as one 400 naming the first field at fault."""
+def validation_error(exc: RequestValidationError, required: Sequence[str] = ()) -> GatewayError:
+    """pydantic's complaint about a request body as one 400 naming the first field at fault; a body
+    that is no JSON object (empty, an array, ...) names the first of the `required` fields."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         why = first.get("ctx", {}).get("error", "")
         return GatewayError(400, f"the request body is not valid JSON: {why}".rstrip(": "), None, "invalid_json")
+    if not loc:
+        names = ", ".join(required) or "its parameters"
+        return GatewayError(400, f"the request body must be a JSON object with {names}",
+                            required[0] if required else None, "missing_parameter")
     # Unions report every alternative's path (messages.0.content.str); keep the field's own path.
     param = ""
     for part in loc:
@@ -150,12 +156,23 @@ async def _on_request_error(_request: Request, exc: RequestError) -> JSONRespons
     return _respond(error)
 
 
-async def _on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    return _respond(validation_error(exc))
+def _required_fields(request: Request) -> list[str]:
+    """The required fields of the body model of the route that `request` reached."""
+    body = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(body, "field_info", None), "annotation", None)
+    fields = getattr(model, "model_fields", {})
+    return [name for name, f in fields.items() if f.is_required()]
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _respond(validation_error(exc, _required_fields(request)))
+
+
+_HTTP_CODES = {400: "invalid_json", 408: "request_timeout", 413: "request_too_large"}
 
 
 async def _on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = "request_too_large" if exc.status_code == 413 else None
+    code = _HTTP_CODES.get(exc.status_code)
     return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
 

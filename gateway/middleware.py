@@ -1,10 +1,12 @@
-"""The gateway's plain ASGI middlewares: the API-key check and the request-body bound.
+"""The gateway's plain ASGI middlewares: the API-key check, the request-body bound and the
+request-body deadline.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would stand between the routes and
 the client's disconnect (the disconnect is what cancels a request's gRPC calls).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
@@ -70,6 +72,38 @@ class BodyLimit:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise self._too_large(f"more than {received}")
+            return message
+
+        await self.app(scope, bounded, send)
+
+
+class BodyDeadline:
+    """Refuses with 408 a request whose body has not arrived whole within `seconds` of its headers
+    (a client that trickles its body would otherwise hold the connection for ever). Once the body
+    is in, receive() passes through: waiting for the client's disconnect is not bounded."""
+
+    def __init__(self, app, seconds: float) -> None:
+        self.app = app
+        self.seconds = seconds
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.seconds
+        body_done = False
+
+        async def bounded() -> dict:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise StarletteHTTPException(408, f"the request body did not arrive within {self.seconds:g} s "
+                                                  "(--body-timeout-s)", headers={"connection": "close"}) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         await self.app(scope, bounded, send)

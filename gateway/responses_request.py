@@ -260,6 +260,7 @@ _CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "tex
                       "chat_template_kwargs": "reasoning"}
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
 _TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function")
+_CALL_PARAM = re.compile(r"^\.tool_calls\[\d+\]\.function")
 
 
 def renamed(error: GatewayError, origins: list[str]) -> GatewayError:
@@ -269,7 +270,8 @@ def renamed(error: GatewayError, origins: list[str]) -> GatewayError:
         return error
     if match := _MESSAGE_PARAM.match(param):
         index = int(match.group(1))
-        param = (origins[index] if index < len(origins) else "input") + param[match.end():]
+        rest = _CALL_PARAM.sub("", param[match.end():])   # a function_call item's own fields
+        param = (origins[index] if index < len(origins) else "input") + rest
     elif match := _TOOL_PARAM.match(param):
         param = f"tools[{match.group(1)}]" + param[match.end():]
     else:

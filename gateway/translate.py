@@ -16,7 +16,7 @@ from typing import Any
 
 from common.client import SamplingParams
 from gateway.errors import bad_param, unsupported
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling, check_wire_value
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
 MAX_TOP_LOGPROBS = 20                # as the scheduler bounds them
@@ -274,12 +274,14 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _tool_call(call, where: str) -> dict[str, Any]:
+    param = f"{where}.function.arguments"
     try:
         arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError as exc:
-        raise bad_param(f"{where}.function.arguments", f"{where}.function.arguments is not valid JSON: {exc}") from None
+        check_wire_value(arguments)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise bad_param(param, f"{param} is not valid JSON: {exc}"[:300]) from None
     if not isinstance(arguments, dict):
-        raise bad_param(f"{where}.function.arguments", f"{where}.function.arguments must be a JSON object")
+        raise bad_param(param, f"{param} must be a JSON object")
     return {"id": call.id, "function": {"name": call.function.name, "arguments": call.function.arguments}}
 
 
