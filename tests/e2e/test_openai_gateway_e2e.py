@@ -9,12 +9,9 @@ worker are the session's shared ones.
 from __future__ import annotations
 
 import json
-import os
+import select
 import socket
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 
 import jsonschema
@@ -22,7 +19,7 @@ import openai
 import pytest
 
 from common.client import Client
-from tests.support.procs import REPO, free_port
+from tests.support.gateway import running_gateway
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,38 +34,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.fixture(scope="module")
 def gateway(services, tmp_path_factory):
     """(base URL, model name) of a gateway process in front of the session's services."""
-    port = free_port()
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--target", services.scheduler_addr,
-                             "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-                             "--max-request-body-mib", "1", "--max-sequences-per-request", "8"],
-                            cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway is not healthy after 60 s:\n{log.read_text()[-4000:]}")
-            time.sleep(0.1)
+    with running_gateway(services.scheduler_addr, log, "--api-key", API_KEY, "--max-request-body-mib", "1",
+                         "--max-sequences-per-request", "8") as base:
         with Client(services.scheduler_addr) as direct:
             model = direct.model_info().model
         yield base, model
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -322,26 +293,48 @@ def test_metrics_count_requests_statuses_latency_and_tokens(gateway, client, mod
     assert delta("llm_gateway_prompt_tokens_total", route=chat) == chat_usage.prompt_tokens
 
 
+def _refused_body(host: str, port: int, body: bytes, chunked: bool) -> tuple[int, dict]:
+    """Sends `body` until the gateway answers (it may answer, and close, before the body is all
+    sent: a write then fails, and the answer is still read); returns the status and error."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\n")
+    head += b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"Content-Length: %d\r\n\r\n" % len(body)
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(head)
+        pieces = [b"%x\r\n%s\r\n" % (len(body[i:i + 65536]), body[i:i + 65536]) for i in range(0, len(body), 65536)]
+        for piece in pieces if chunked else ():   # by Content-Length the answer comes without the body
+            if select.select([sock], [], [], 0)[0]:
+                break
+            try:
+                sock.sendall(piece)
+            except OSError:
+                break
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _length(reply):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    status = int(reply.split(b" ", 2)[1])
+    return status, json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+
+
+def _length(reply: bytes) -> int:
+    for line in reply.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30
+
+
 def test_a_body_over_the_limit_is_413_and_a_batch_over_the_limit_400(gateway, client, model):
     """--max-request-body-mib 1 and --max-sequences-per-request 8 in this module's gateway."""
-    import http.client
     base, _ = gateway
     host, port = base.removeprefix("http://").split(":")
     body = json.dumps({"model": model, "prompt": "x" * (3 << 19), "max_tokens": 1}).encode()   # 1.5 MiB
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
     for chunked in (False, True):   # refused by its Content-Length, or while a chunked body is read
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        try:
-            if chunked:
-                conn.request("POST", "/v1/completions", body=(body[i:i + 65536] for i in range(0, len(body), 65536)),
-                             headers=headers, encode_chunked=True)
-            else:
-                conn.request("POST", "/v1/completions", body=body, headers=headers)
-            reply = conn.getresponse()
-            error = json.loads(reply.read())["error"]
-        finally:
-            conn.close()
-        assert reply.status == 413 and error["code"] == "request_too_large", (chunked, error)
+        status, error = _refused_body(host, int(port), body, chunked)
+        assert status == 413 and error["code"] == "request_too_large", (chunked, error)
         assert "more than the gateway's limit of 1048576" in error["message"]
     for prompts, n in ((["Hi"] * 9, 1), (["Hi"] * 3, 3)):
         with pytest.raises(openai.BadRequestError) as caught:
