@@ -28,6 +28,17 @@ def _read_keys(args) -> list[str]:
     return [k.strip() for k in keys]
 
 
+def exposure_refusal(args, keys: list[str]) -> str | None:
+    """Why the gateway must not start: it would hand the scheduler's token to whoever reaches a
+    non-loopback address, asking them for no key (unless --allow-unauthenticated says it is meant)."""
+    scheduler_token = args.scheduler_auth_token or args.scheduler_auth_token_file
+    if not scheduler_token or keys or is_loopback(args.host) or args.allow_unauthenticated:
+        return None
+    return (f"--host {args.host} is reachable from other machines and the gateway holds the scheduler's token but "
+            "asks its clients for no key: set --api-key or --api-key-file (or listen on 127.0.0.1; "
+            "--allow-unauthenticated if this is meant)")
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="qwen3-serve gateway", description=__doc__, env_prefix="QWEN3_SERVE_GATEWAY_")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -74,11 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.header_timeout_s, args.body_timeout_s) <= 0 or args.max_connections < 1:
         p.error("--header-timeout-s and --body-timeout-s must be positive and --max-connections at least 1")
     keys = _read_keys(args)
-    scheduler_token = args.scheduler_auth_token or args.scheduler_auth_token_file
-    if scheduler_token and not keys and not is_loopback(args.host) and not args.allow_unauthenticated:
-        p.error(f"--host {args.host} is reachable from other machines and the gateway holds the scheduler's token "
-                "but asks its clients for no key: set --api-key or --api-key-file (or listen on 127.0.0.1; "
-                "--allow-unauthenticated if this is meant)")
+    if why := exposure_refusal(args, keys):
+        p.error(why)
     setup_logging(args.log_level, args.log_format)
 
     import uvicorn   # imported here: `qwen3-serve gateway --help` needs neither it nor grpc
