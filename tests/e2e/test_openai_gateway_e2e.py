@@ -12,6 +12,7 @@ import json
 import select
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import jsonschema
@@ -375,3 +376,48 @@ def test_a_client_that_disconnects_cancels_the_request(gateway, model, direct, s
         assert time.monotonic() < deadline, "the request still runs after its client left"
         time.sleep(0.1)
     assert not direct.abort(request_id)   # the scheduler no longer knows it
+
+
+def _closed_by_server(sock: socket.socket, within: float = 60.0) -> bytes:
+    """What the gateway sent before it closed `sock` (fails if it keeps it open `within` s)."""
+    sock.settimeout(within)
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def _complete(base: str, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(f"{base}/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
+                                     {"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status
+    except urllib.error.HTTPError as refused:
+        assert set(json.loads(refused.read())["error"]) == {"message", "type", "param", "code"}
+        return refused.code
+
+
+def test_stalled_connections_are_closed_and_bounded_while_others_are_served(services, tmp_path):
+    """Connections that send nothing, half their headers, or part of their body are closed by the
+    gateway's deadlines; beyond --max-connections a request is refused with 503; a well-behaved
+    request is served meanwhile, and again once the stalled connections are gone."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with running_gateway(services.scheduler_addr, tmp_path / "gateway.log", "--api-key", API_KEY,
+                         "--header-timeout-s", "2", "--body-timeout-s", "2", "--max-connections", "8") as base:
+        host, port = base.removeprefix("http://").split(":")
+        stalled = [socket.create_connection((host, int(port))) for _ in range(6)]
+        stalled[1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")   # headers never end
+        stalled[2].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+        for sock in stalled[3:]:   # one byte of headers: a trickle does not restart the deadline
+            sock.sendall(b"G")
+        assert _complete(base, auth) == 200   # served while they stall
+        crowd = [socket.create_connection((host, int(port))) for _ in range(4)]   # 10 open, more than 8
+        assert _complete(base, auth) == 503
+        sent = [_closed_by_server(sock) for sock in stalled + crowd]
+        assert sent[0] == sent[1] == b"" and sent[2].startswith(b"HTTP/1.1 408")
+        assert b'"code":"request_timeout"' in sent[2]
+        assert _complete(base, auth) == 200
+        for sock in stalled + crowd:
+            sock.close()
