@@ -10,8 +10,10 @@ OpenAI's error shape. The body's deadline is middleware.BodyDeadline's.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
+import h11
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -40,6 +42,16 @@ class GuardedH11Protocol(H11Protocol):
         body = error_body(503, f"the gateway holds its limit of {self.max_connections} connections; retry later",
                           code="too_many_connections")
         await JSONResponse(body, status_code=503, headers={"connection": "close"})(scope, receive, send)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse, answered in OpenAI's error shape (uvicorn's is plain text)."""
+        body = json.dumps(error_body(400, f"malformed HTTP request: {msg}", code="invalid_http"),
+                          separators=(",", ":")).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None

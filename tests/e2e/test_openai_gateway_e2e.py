@@ -421,3 +421,7 @@ def test_stalled_connections_are_closed_and_bounded_while_others_are_served(serv
         assert _complete(base, auth) == 200
         for sock in stalled + crowd:
             sock.close()
+        with socket.create_connection((host, int(port))) as garbage:   # not HTTP: 400 in OpenAI's shape too
+            garbage.sendall(b"\x16\x03\x01 not http\r\n\r\n")
+            reply = _closed_by_server(garbage)
+        assert reply.startswith(b"HTTP/1.1 400") and b'"code":"invalid_http"' in reply
