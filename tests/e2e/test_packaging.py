@@ -31,7 +31,7 @@ from tests.support.procs import REPO, free_port, wait_serving
 pytestmark = pytest.mark.timeout(240)
 
 # What the wheel is built from (a copy, so the build writes nothing into the checkout).
-SOURCES = ("pyproject.toml", "README.md", "common", "scheduler_svc", "worker_svc", "tools", "protos")
+SOURCES = ("pyproject.toml", "README.md", "common", "scheduler_svc", "worker_svc", "tools", "gateway", "protos")
 SNIPPET_MARKER = "<!-- client-snippet: tests/test_packaging.py runs the next block verbatim -->"
 
 
@@ -54,10 +54,10 @@ def test_pyproject_lists_every_package_and_data_file():
     """A new subpackage or data file left out of pyproject.toml would be missing from the wheel."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     on_disk = {".".join(init.parent.relative_to(REPO).parts)
-               for top in ("common", "scheduler_svc", "worker_svc", "tools") for init in (REPO / top).rglob("__init__.py")}
+               for top in ("common", "scheduler_svc", "worker_svc", "tools", "gateway") for init in (REPO / top).rglob("__init__.py")}
     assert set(setuptools["packages"]) - {"common.protos"} == on_disk
     patterns = {package: globs for package, globs in setuptools["package-data"].items()}
-    data = [path for top in ("common", "scheduler_svc", "worker_svc", "tools") for path in (REPO / top).rglob("*")
+    data = [path for top in ("common", "scheduler_svc", "worker_svc", "tools", "gateway") for path in (REPO / top).rglob("*")
             if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts]
     for path in data:
         package = ".".join(path.parent.relative_to(REPO).parts)
