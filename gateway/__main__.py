@@ -16,7 +16,7 @@ import pathlib
 from dataclasses import dataclass
 
 from common.cli import (ArgumentParser, add_client_security_arguments, add_config_arguments, add_logging_arguments,
-                        check_client_security_arguments, config_from_args, flag, warn_if_exposed)
+                        check_client_security_arguments, config_from_args, flag, is_loopback, warn_if_exposed)
 from common.logging_setup import setup_logging
 from gateway.config import GatewayConfig
 
@@ -41,12 +41,22 @@ class GatewayFlags:
                                        help="refuse a request body larger than this with 413 (0: no bound)")
     max_sequences_per_request: int = flag(GatewayConfig.max_sequences_per_request,
                                           help="refuse a completion of more prompts x n than this with 400")
+    header_timeout_s: float = flag(10.0, help="close a connection whose request headers are not all in this long "
+                                              "after it began to wait")
+    body_timeout_s: float = flag(GatewayConfig.body_timeout,
+                                 help="refuse with 408 a request whose body is not all in this long after its headers")
+    max_connections: int = flag(512, help="answer 503 to requests beyond this many open connections (or requests "
+                                          "in flight)")
     api_key: str | None = flag(None, group=CLIENTS,
                                help="require `Authorization: Bearer KEY` on /v1/* (several: comma-separated)")
     api_key_file: str | None = flag(None, group=CLIENTS,
                                     help="file of API keys, one a line (with or instead of --api-key)")
     tls_cert: str | None = flag(None, group=CLIENTS, help="serve HTTPS with this PEM certificate (and --tls-key)")
     tls_key: str | None = flag(None, group=CLIENTS, help="private key of --tls-cert")
+    allow_unauthenticated: bool = flag(False, group=CLIENTS,
+                                       help="start without API keys on a non-loopback address although the "
+                                            "scheduler's token is set (whoever reaches the gateway then uses the "
+                                            "scheduler with that token)")
 
 
 def _read_keys(flags: GatewayFlags) -> list[str]:
@@ -54,6 +64,17 @@ def _read_keys(flags: GatewayFlags) -> list[str]:
     if flags.api_key_file:
         keys += [line.strip() for line in pathlib.Path(flags.api_key_file).read_text().splitlines() if line.strip()]
     return [k.strip() for k in keys]
+
+
+def exposure_refusal(args, keys: list[str]) -> str | None:
+    """Why the gateway must not start: it would hand the scheduler's token to whoever reaches a
+    non-loopback address, asking them for no key (unless --allow-unauthenticated says it is meant)."""
+    scheduler_token = args.scheduler_auth_token or args.scheduler_auth_token_file
+    if not scheduler_token or keys or is_loopback(args.host) or args.allow_unauthenticated:
+        return None
+    return (f"--host {args.host} is reachable from other machines and the gateway holds the scheduler's token but "
+            "asks its clients for no key: set --api-key or --api-key-file (or listen on 127.0.0.1; "
+            "--allow-unauthenticated if this is meant)")
 
 
 def build_parser() -> ArgumentParser:
@@ -73,13 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     check_client_security_arguments(p, args, "scheduler-")
     if args.max_request_body_mib < 0 or args.max_sequences_per_request < 1:
         p.error("--max-request-body-mib must be 0 or more and --max-sequences-per-request at least 1")
+    if min(args.header_timeout_s, args.body_timeout_s) <= 0 or args.max_connections < 1:
+        p.error("--header-timeout-s and --body-timeout-s must be positive and --max-connections at least 1")
+    keys = _read_keys(config_from_args(GatewayFlags, args))
+    if why := exposure_refusal(args, keys):
+        p.error(why)
     setup_logging(args.log_level, args.log_format)
 
     import uvicorn   # imported here: `qwen3-serve gateway --help` needs neither it nor grpc
 
     from gateway.app import create_app
+    from gateway.connection_guard import guarded_h11
 
-    keys = _read_keys(config_from_args(GatewayFlags, args))
     client_options = dict(token=args.scheduler_auth_token, token_file=args.scheduler_auth_token_file,
                           ca_file=args.scheduler_tls_ca, client_cert=args.scheduler_tls_cert,
                           client_key=args.scheduler_tls_key)
@@ -87,14 +113,16 @@ def main(argv: list[str] | None = None) -> int:
                            request_timeout=args.request_timeout_s or None,
                            client_options={k: v for k, v in client_options.items() if v is not None},
                            max_request_bytes=int(args.max_request_body_mib * (1 << 20)),
-                           max_sequences_per_request=args.max_sequences_per_request)
+                           max_sequences_per_request=args.max_sequences_per_request,
+                           body_timeout=args.body_timeout_s)
     warn_if_exposed(args.host, args.port, has_token=bool(keys), has_tls=False, log=logger, what="the OpenAI gateway")
     # uvicorn's own loggers go through the process's handler (text or json): log_config=None
-    # leaves logging as setup_logging made it.
+    # leaves logging as setup_logging made it. h11 and asyncio whatever else is installed: the
+    # header deadline is an h11 protocol's.
     server = uvicorn.Server(uvicorn.Config(
         create_app(config), host=args.host, port=args.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=args.graceful_shutdown_s, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
-        lifespan="on"))
+        lifespan="on", http=guarded_h11(args.header_timeout_s, args.max_connections), loop="asyncio"))
     logger.info("OpenAI gateway on http%s://%s:%d, scheduler %s", "s" if args.tls_cert else "", args.host, args.port,
                 config.target or "(default)")
     server.run()

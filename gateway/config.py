@@ -15,3 +15,4 @@ class GatewayConfig:
     client_options: dict[str, Any] = field(default_factory=dict)   # AsyncClient's TLS and token arguments
     max_request_bytes: int = 8 << 20               # of a request body (0: no bound)
     max_sequences_per_request: int = 256           # a completion's prompts x n
+    body_timeout: float | None = 60.0              # seconds for a request's body to arrive (None: none)

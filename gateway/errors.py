@@ -1,4 +1,5 @@
-"""How a failure becomes an HTTP answer: gRPC status -> HTTP status, and OpenAI's error body.
+"""How a failure becomes an HTTP answer: gRPC status -> HTTP status, OpenAI's error body, and the
+app's exception handlers (pydantic's complaint about a body as one 400 naming the parameter).
 
 Every error the gateway returns has OpenAI's shape, so the `openai` client raises its usual
 exception classes (BadRequestError for 400, RateLimitError for 429, ...):
@@ -10,11 +11,20 @@ gateway's own code (e.g. "model_not_found", "unsupported_parameter") when the ga
 """
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from common.client import RequestError
+
+logger = logging.getLogger(__name__)
 
 # gRPC status name -> HTTP status. CANCELLED is nginx's 499 (the client closed the request): it
 # can only be seen by a client that is gone, and then only in the access log.
@@ -95,3 +105,92 @@ def from_request_error(error: RequestError) -> GatewayError:
         path = match.group(1).removeprefix("sampling.")
         param = _PARAMS.get(path, path)
     return GatewayError(status, error.message or error.code, param, error.code.lower())
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its (unstreamed) answer was ready."""
+
+
+def validation_error(exc: RequestValidationError, required: Sequence[str] = ()) -> GatewayError:
+    """pydantic's complaint about a request body as one 400 naming the first field at fault; a body
+    that is no JSON object (empty, an array, ...) names the first of the `required` fields."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        why = first.get("ctx", {}).get("error", "")
+        return GatewayError(400, f"the request body is not valid JSON: {why}".rstrip(": "), None, "invalid_json")
+    if not loc:
+        names = ", ".join(required) or "its parameters"
+        return GatewayError(400, f"the request body must be a JSON object with {names}",
+                            required[0] if required else None, "missing_parameter")
+    # Unions report every alternative's path (messages.0.content.str); keep the field's own path.
+    param = ""
+    for part in loc:
+        if part.isdigit():
+            param += f"[{part}]"
+        elif part in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "NamedToolChoice") or "[" in part \
+                or part.startswith("literal"):
+            break
+        else:
+            param += f".{part}" if param else part
+    if first.get("type") == "extra_forbidden":
+        return GatewayError(400, f"unrecognized request argument: {param}", param or None, "unknown_parameter")
+    if first.get("type") == "missing":
+        return GatewayError(400, f"{param} is required", param or None, "missing_parameter")
+    return GatewayError(400, f"{param}: {first.get('msg', 'invalid value')}", param or None, "invalid_parameter")
+
+
+def _respond(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _on_gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
+    return _respond(exc)
+
+
+async def _on_request_error(_request: Request, exc: RequestError) -> JSONResponse:
+    error = from_request_error(exc)
+    if error.status >= 500:
+        logger.warning("scheduler call failed: %s", exc)
+    return _respond(error)
+
+
+def _required_fields(request: Request) -> list[str]:
+    """The required fields of the body model of the route that `request` reached."""
+    body = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(body, "field_info", None), "annotation", None)
+    fields = getattr(model, "model_fields", {})
+    return [name for name, f in fields.items() if f.is_required()]
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _respond(validation_error(exc, _required_fields(request)))
+
+
+_HTTP_CODES = {400: "invalid_json", 408: "request_timeout", 413: "request_too_large"}
+
+
+async def _on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = _HTTP_CODES.get(exc.status_code)
+    return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _on_client_gone(_request: Request, _exc: ClientGone) -> JSONResponse:
+    return JSONResponse(error_body(499, "the client closed the request", code="cancelled"), status_code=499)
+
+
+async def _on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("request failed")   # the details go to the log, not to the client
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal"), status_code=500)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every exception a route raises becomes OpenAI's error body with its HTTP status."""
+    app.add_exception_handler(GatewayError, _on_gateway_error)
+    app.add_exception_handler(RequestError, _on_request_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(ClientGone, _on_client_gone)
+    app.add_exception_handler(Exception, _on_unexpected)

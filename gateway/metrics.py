@@ -3,8 +3,8 @@
 HTTP requests by route, method and status; requests in progress; each request's time to the
 first byte of its body (a stream's first chunk: the time to first token as the HTTP client sees
 it) and to its last byte (a stream's [DONE]); the tokens of finished samples, as their usage
-reports them. Routes are the gateway's own paths and "other", so a client cannot grow the label
-set. The scheduler's /metrics (--metrics-port) counts the same requests from the inside.
+reports them. Routes are the gateway's own paths and "other", methods the standard ones and
+"other", statuses the ones the gateway answers with: a client cannot grow the label set. The scheduler's /metrics (--metrics-port) counts the same requests from the inside.
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+           "/health", "/metrics")
+_METHODS = frozenset({"GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"})
 
 
 def route_of(path: str) -> str:
@@ -23,6 +25,11 @@ def route_of(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
     return "other"
+
+
+def method_of(method: str) -> str:
+    """The label of an HTTP method: one of the standard ones, or "other"."""
+    return method if method in _METHODS else "other"
 
 
 class GatewayMetrics:
@@ -91,5 +98,5 @@ class HttpMetrics:
             await self.app(scope, receive, timed_send)
         finally:
             m.in_progress.labels(route).dec()
-            m.requests.labels(route, scope["method"], str(status)).inc()
+            m.requests.labels(route, method_of(scope["method"]), str(status)).inc()
             m.duration.labels(route).observe(time.perf_counter() - start)

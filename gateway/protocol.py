@@ -2,7 +2,8 @@
 plus the sampling extensions vLLM and SGLang users send (top_k, min_p, repetition_penalty, ...).
 
 Every model forbids fields it does not declare: an unknown parameter is a 400 naming it, never
-a silent drop. A declared field that the service cannot honour with a given value (echo, a
+a silent drop; and every field refuses what the llm.v1 wire cannot carry (a string with a lone
+UTF-16 surrogate, a float that is not finite, JSON nested deeper than MAX_DEPTH) by its name. A declared field that the service cannot honour with a given value (echo, a
 non-text content part, ...) is refused in translate.py, which also names it. Value ranges
 that the scheduler checks itself (temperature, top_p, penalties, n, ...) are left to it, so there
 is one place that knows them; its refusal comes back as a 400 naming the parameter.
@@ -11,16 +12,47 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_DEPTH = 64   # of the JSON in any one field (schemas, tool arguments, content parts)
+
+
+def check_wire_value(value: Any) -> None:
+    """Raises ValueError when `value` (any JSON value) holds a string that UTF-8 cannot encode (a
+    lone surrogate) or nests deeper than MAX_DEPTH. Iterative: depth costs no Python stack."""
+    todo = [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"a lone UTF-16 surrogate (U+{ord(item[exc.start]):04X}) at character "
+                                     f"{exc.start}, which UTF-8 cannot carry") from None
+            continue
+        if isinstance(item, BaseModel):
+            continue   # checked by its own validators
+        if isinstance(item, (list, tuple, dict)):
+            if depth >= MAX_DEPTH:
+                raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            todo.extend((child, depth + 1) for child in children)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _carried_by_the_wire(cls, value: Any) -> Any:
+        check_wire_value(value)
+        return value
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None        # one more chunk before [DONE], with the request's usage
-    continuous_usage_stats: bool | None = None   # vLLM's; refused when true
+    continuous_usage_stats: bool | None = None   # vLLM's: the usage so far on every chunk
 
 
 class JsonSchemaFormat(_Strict):
@@ -79,7 +111,8 @@ class CompletionRequest(_Sampling):
     # a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None              # 0..20: the sampled token's logprob and this many top ones
-    echo: bool | None = None                 # refused when true
+    echo: bool | None = None                 # the prompt, then the completion (and its logprobs, with logprobs)
+    prompt_logprobs: int | None = None       # vLLM's: 0..20 top logprobs of each prompt token
     best_of: int | None = None               # accepted when equal to n
     suffix: str | None = None                # refused unless empty
 
@@ -137,6 +170,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None   # OpenAI's newer name of max_tokens; wins when both are set
     logprobs: bool | None = None
     top_logprobs: int | None = None          # 0..20, with logprobs
+    prompt_logprobs: int | None = None       # vLLM's: 0..20 top logprobs of each rendered prompt token
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -15,11 +15,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.client import SamplingParams
-from common.sampling_bounds import MAX_TOP_LOGPROBS, SEED_LIMIT
+from common.sampling_bounds import MAX_TOP_LOGPROBS
 from gateway.errors import bad_param, unsupported
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling, check_wire_value
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
+# What the llm.v1 wire can carry (the scheduler checks the tighter bounds, and names them).
+UINT32 = (0, 2 ** 32 - 1)
+INT32 = (-2 ** 31, 2 ** 31 - 1)
+UINT64 = (0, 2 ** 64 - 1)
+
+
+def _shown(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
+def wire_int(value: int | None, param: str, bounds: tuple[int, int]) -> int | None:
+    """`value` when the wire's integer type holds it, else a 400 naming `param`."""
+    low, high = bounds
+    if value is not None and not low <= value <= high:
+        raise bad_param(param, f"{param} must be in [{low}, {high}], got {_shown(value)}")
+    return value
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -28,23 +45,25 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     parsed = {}
     for key, value in bias.items():
-        if not key.isdigit():
-            raise bad_param("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > UINT32[1]:
+            raise bad_param("logit_bias", f"logit_bias keys must be token ids (non-negative integers), "
+                                          f"got {key[:24]!r}")
         parsed[int(key)] = value
     return parsed
 
 
 def _common_options(req: _Sampling) -> dict[str, Any]:
-    if req.stream_options is not None:
-        if not req.stream:
-            raise bad_param("stream_options", "stream_options is only allowed with stream: true")
-        if req.stream_options.continuous_usage_stats:
-            raise unsupported("stream_options.continuous_usage_stats",
-                              "usage comes in the last chunk (stream_options.include_usage)")
-    if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
-        raise bad_param("seed", f"seed must be in [0, 2**64), got {req.seed}")
+    if req.stream_options is not None and not req.stream:
+        raise bad_param("stream_options", "stream_options is only allowed with stream: true")
+    wire_int(req.seed, "seed", UINT64)
     if req.n is not None and req.n < 1:
         raise bad_param("n", f"n must be at least 1, got {req.n}")
+    wire_int(req.n, "n", UINT32)
+    wire_int(req.top_k, "top_k", INT32)
+    wire_int(req.min_tokens, "min_tokens", UINT32)
+    wire_int(req.priority, "priority", INT32)
+    for i, token in enumerate(req.stop_token_ids or ()):
+        wire_int(token, f"stop_token_ids[{i}]", UINT32)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     options: dict[str, Any] = dict(
         n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=stop,
@@ -94,27 +113,47 @@ def _structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
     return {"json_schema" if kind == "json" else kind: value}
 
 
-def _max_tokens(value: int | None, param: str) -> int | None:
-    if value is not None and value < 1:
-        raise bad_param(param, f"{param} must be at least 1, got {value}")
+def max_tokens(value: int | None, param: str, minimum: int = 1) -> int | None:
+    if value is not None and value < minimum:
+        raise bad_param(param, f"{param} must be at least {minimum}, got {value}")
+    return wire_int(value, param, UINT32)
+
+
+def top_count(value: int | None, param: str) -> int | None:
+    """A number of top logprobs, 0..20."""
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_param(param, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {_shown(value)}")
     return value
 
 
 def completion_sampling(req: CompletionRequest) -> SamplingParams:
+    """The llm.v1 sampling of a completion. max_tokens 0 (with echo: the prompt scored, nothing
+    generated) asks for one token, which the answer leaves out (`generates_nothing`)."""
     options = _common_options(req)
-    if req.echo:
-        raise unsupported("echo", "the response holds the generated text only")
     if req.suffix:
         raise unsupported("suffix", "Qwen3 has no fill-in-the-middle format")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise unsupported("best_of", "each sample is returned (use n); best_of must be unset or equal to n")
-    if req.logprobs is not None:
-        if req.logprobs < 0:
-            raise bad_param("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
-        options.update(logprobs=True, top_logprobs=req.logprobs or None)
-    max_tokens = _max_tokens(req.max_tokens, "max_tokens")
-    options["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    logprobs = top_count(req.logprobs, "logprobs")
+    prompt_logprobs = top_count(req.prompt_logprobs, "prompt_logprobs")
+    if logprobs is not None:
+        options["logprobs"] = True
+    if scores_prompt(req):
+        options["prompt_logprobs"] = True
+    # One top_logprobs serves the sampled and the prompt tokens: the larger count, cut per use.
+    options["top_logprobs"] = max(logprobs or 0, prompt_logprobs or 0) or None
+    tokens = max_tokens(req.max_tokens, "max_tokens", minimum=0 if req.echo else 1)
+    options["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS if tokens is None else max(tokens, 1)
     return SamplingParams(**options)
+
+
+def scores_prompt(req: CompletionRequest) -> bool:
+    """Whether the answer holds the prompt's logprobs (echo with logprobs, or prompt_logprobs)."""
+    return req.prompt_logprobs is not None or bool(req.echo and req.logprobs is not None)
+
+
+def generates_nothing(req: CompletionRequest) -> bool:
+    return req.max_tokens == 0
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -139,6 +178,8 @@ class ChatCall:
     tool_choice: str
     enable_thinking: bool | None
     sampling: SamplingParams
+    logprobs: int | None = None         # top logprobs shown per sampled token (None: no logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (None: none)
 
 
 def chat_call(req: ChatCompletionRequest) -> ChatCall:
@@ -146,21 +187,24 @@ def chat_call(req: ChatCompletionRequest) -> ChatCall:
     if req.reasoning_effort is not None:
         raise unsupported("reasoning_effort", 'Qwen3 reasons or not: set chat_template_kwargs {"enable_thinking": '
                                               'false} to turn its reasoning off')
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise bad_param("top_logprobs", "top_logprobs needs logprobs: true")
-        if req.top_logprobs < 0:
-            raise bad_param("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_param("top_logprobs", "top_logprobs needs logprobs: true")
+    top = top_count(req.top_logprobs, "top_logprobs") if req.logprobs else None
+    prompt_top = top_count(req.prompt_logprobs, "prompt_logprobs")
     if req.logprobs:
-        options.update(logprobs=True, top_logprobs=req.top_logprobs or None)
+        options["logprobs"] = True
+    if prompt_top is not None:
+        options["prompt_logprobs"] = True
+    options["top_logprobs"] = max(top or 0, prompt_top or 0) or None
     if req.max_completion_tokens is not None:
-        options["max_tokens"] = _max_tokens(req.max_completion_tokens, "max_completion_tokens")
+        options["max_tokens"] = max_tokens(req.max_completion_tokens, "max_completion_tokens")
     else:
-        options["max_tokens"] = _max_tokens(req.max_tokens, "max_tokens")
+        options["max_tokens"] = max_tokens(req.max_tokens, "max_tokens")
     if req.skip_special_tokens is False:
         raise unsupported("skip_special_tokens", "a chat turn's text always leaves special tokens out")
     tools, tool_choice = _tools(req)
-    return ChatCall(_messages(req), tools, tool_choice, _enable_thinking(req), SamplingParams(**options))
+    return ChatCall(_messages(req), tools, tool_choice, _enable_thinking(req), SamplingParams(**options),
+                    (top or 0) if req.logprobs else None, prompt_top)
 
 
 def _enable_thinking(req: ChatCompletionRequest) -> bool | None:
@@ -230,12 +274,14 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _tool_call(call, where: str) -> dict[str, Any]:
+    param = f"{where}.function.arguments"
     try:
         arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError as exc:
-        raise bad_param(f"{where}.function.arguments", f"{where}.function.arguments is not valid JSON: {exc}") from None
+        check_wire_value(arguments)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise bad_param(param, f"{param} is not valid JSON: {exc}"[:300]) from None
     if not isinstance(arguments, dict):
-        raise bad_param(f"{where}.function.arguments", f"{where}.function.arguments must be a JSON object")
+        raise bad_param(param, f"{param} must be a JSON object")
     return {"id": call.id, "function": {"name": call.function.name, "arguments": call.function.arguments}}
 
 

@@ -39,12 +39,11 @@ class _Sample:
         self.matched_stop = chunk.matched_stop or self.matched_stop
         self.logprobs += chunk.logprobs or ()
         self.top_logprobs += chunk.top_logprobs or ()
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_top_logprobs = chunk.prompt_logprobs, chunk.prompt_top_logprobs
         if isinstance(chunk, ChatChunk):
             self.reasoning.append(chunk.reasoning)
             self.tool_calls += chunk.tool_calls
-            return
-        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs, self.prompt_top_logprobs = chunk.prompt_logprobs, chunk.prompt_top_logprobs
 
     def check(self) -> tuple[FinishReason, Usage]:
         if self.finish_reason is None or self.usage is None:
@@ -69,7 +68,8 @@ class Accumulator:
     def chat_completion(self) -> ChatCompletion:
         def make(index: int, s: _Sample, reason: FinishReason, usage: Usage) -> ChatCompletion:
             return ChatCompletion(s.request_id, "".join(s.text), "".join(s.reasoning), s.tool_calls, s.token_ids,
-                                  reason, usage, index, logprobs=self._logprobs(s), top_logprobs=self._top_logprobs(s))
+                                  reason, usage, index, logprobs=self._logprobs(s), top_logprobs=self._top_logprobs(s),
+                                  prompt_logprobs=s.prompt_logprobs, prompt_top_logprobs=s.prompt_top_logprobs)
         return self._fold(make)
 
     def _fold(self, make: Callable[[int, _Sample, FinishReason, Usage], T]) -> T:

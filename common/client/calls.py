@@ -135,6 +135,7 @@ def _chunk(message: pb.GenerateResponse, params: SamplingParams) -> CompletionCh
 def _chat_chunk(message: pb.ChatResponse, params: SamplingParams) -> ChatChunk:
     finished = message.finish_reason != pb.FINISH_REASON_UNSPECIFIED
     want_top = bool(params.top_logprobs)
+    prompt = params.prompt_logprobs and len(message.prompt_logprobs) > 0   # in sample 0's first message
     return ChatChunk(
         request_id=message.request_id, text=message.text, reasoning=message.reasoning_text,
         tool_calls=[ToolCall(c.id, c.name, json.loads(c.arguments_json)) for c in message.tool_calls],
@@ -143,7 +144,9 @@ def _chat_chunk(message: pb.ChatResponse, params: SamplingParams) -> ChatChunk:
         usage=_usage(message.usage) if message.HasField("usage") else None,
         index=message.index, matched_stop=message.matched_stop or None if finished else None,
         logprobs=list(message.logprobs) if params.logprobs or want_top else None,
-        top_logprobs=_tops(message.top_logprobs) if want_top else None)
+        top_logprobs=_tops(message.top_logprobs) if want_top else None,
+        prompt_logprobs=list(message.prompt_logprobs) if prompt else None,
+        prompt_top_logprobs=_tops(message.prompt_top_logprobs) if prompt and want_top else None)
 
 
 def _model_info(info: pb.ModelInfo) -> ModelInfo:

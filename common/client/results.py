@@ -81,6 +81,8 @@ class ChatChunk:
     matched_stop: str | None = None
     logprobs: list[float] | None = None   # one per token id (reasoning and tool-call tokens too), when requested
     top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[float] | None = None      # of the rendered prompt, in sample 0's first chunk
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class ChatCompletion:
     samples: list["ChatCompletion"] = field(default_factory=list)
     logprobs: list[float] | None = None   # one per token id, when requested
     top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,8 @@ worker are the session's shared ones.
 from __future__ import annotations
 
 import json
-import os
+import select
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +20,7 @@ import openai
 import pytest
 
 from common.client import Client
-from tests.support.procs import REPO, free_port
+from tests.support.gateway import running_gateway
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,38 +35,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.fixture(scope="module")
 def gateway(services, tmp_path_factory):
     """(base URL, model name) of a gateway process in front of the session's services."""
-    port = free_port()
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--target", services.scheduler_addr,
-                             "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-                             "--max-request-body-mib", "1", "--max-sequences-per-request", "8"],
-                            cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway is not healthy after 60 s:\n{log.read_text()[-4000:]}")
-            time.sleep(0.1)
+    with running_gateway(services.scheduler_addr, log, "--api-key", API_KEY, "--max-request-body-mib", "1",
+                         "--max-sequences-per-request", "8") as base:
         with Client(services.scheduler_addr) as direct:
             model = direct.model_info().model
         yield base, model
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -322,26 +294,48 @@ def test_metrics_count_requests_statuses_latency_and_tokens(gateway, client, mod
     assert delta("llm_gateway_prompt_tokens_total", route=chat) == chat_usage.prompt_tokens
 
 
+def _refused_body(host: str, port: int, body: bytes, chunked: bool) -> tuple[int, dict]:
+    """Sends `body` until the gateway answers (it may answer, and close, before the body is all
+    sent: a write then fails, and the answer is still read); returns the status and error."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\n")
+    head += b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"Content-Length: %d\r\n\r\n" % len(body)
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(head)
+        pieces = [b"%x\r\n%s\r\n" % (len(body[i:i + 65536]), body[i:i + 65536]) for i in range(0, len(body), 65536)]
+        for piece in pieces if chunked else ():   # by Content-Length the answer comes without the body
+            if select.select([sock], [], [], 0)[0]:
+                break
+            try:
+                sock.sendall(piece)
+            except OSError:
+                break
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _length(reply):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    status = int(reply.split(b" ", 2)[1])
+    return status, json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+
+
+def _length(reply: bytes) -> int:
+    for line in reply.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30
+
+
 def test_a_body_over_the_limit_is_413_and_a_batch_over_the_limit_400(gateway, client, model):
     """--max-request-body-mib 1 and --max-sequences-per-request 8 in this module's gateway."""
-    import http.client
     base, _ = gateway
     host, port = base.removeprefix("http://").split(":")
     body = json.dumps({"model": model, "prompt": "x" * (3 << 19), "max_tokens": 1}).encode()   # 1.5 MiB
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
     for chunked in (False, True):   # refused by its Content-Length, or while a chunked body is read
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        try:
-            if chunked:
-                conn.request("POST", "/v1/completions", body=(body[i:i + 65536] for i in range(0, len(body), 65536)),
-                             headers=headers, encode_chunked=True)
-            else:
-                conn.request("POST", "/v1/completions", body=body, headers=headers)
-            reply = conn.getresponse()
-            error = json.loads(reply.read())["error"]
-        finally:
-            conn.close()
-        assert reply.status == 413 and error["code"] == "request_too_large", (chunked, error)
+        status, error = _refused_body(host, int(port), body, chunked)
+        assert status == 413 and error["code"] == "request_too_large", (chunked, error)
         assert "more than the gateway's limit of 1048576" in error["message"]
     for prompts, n in ((["Hi"] * 9, 1), (["Hi"] * 3, 3)):
         with pytest.raises(openai.BadRequestError) as caught:
@@ -382,3 +376,52 @@ def test_a_client_that_disconnects_cancels_the_request(gateway, model, direct, s
         assert time.monotonic() < deadline, "the request still runs after its client left"
         time.sleep(0.1)
     assert not direct.abort(request_id)   # the scheduler no longer knows it
+
+
+def _closed_by_server(sock: socket.socket, within: float = 60.0) -> bytes:
+    """What the gateway sent before it closed `sock` (fails if it keeps it open `within` s)."""
+    sock.settimeout(within)
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def _complete(base: str, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(f"{base}/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
+                                     {"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status
+    except urllib.error.HTTPError as refused:
+        assert set(json.loads(refused.read())["error"]) == {"message", "type", "param", "code"}
+        return refused.code
+
+
+def test_stalled_connections_are_closed_and_bounded_while_others_are_served(services, tmp_path):
+    """Connections that send nothing, half their headers, or part of their body are closed by the
+    gateway's deadlines; beyond --max-connections a request is refused with 503; a well-behaved
+    request is served meanwhile, and again once the stalled connections are gone."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with running_gateway(services.scheduler_addr, tmp_path / "gateway.log", "--api-key", API_KEY,
+                         "--header-timeout-s", "2", "--body-timeout-s", "2", "--max-connections", "8") as base:
+        host, port = base.removeprefix("http://").split(":")
+        stalled = [socket.create_connection((host, int(port))) for _ in range(6)]
+        stalled[1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")   # headers never end
+        stalled[2].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+        for sock in stalled[3:]:   # one byte of headers: a trickle does not restart the deadline
+            sock.sendall(b"G")
+        assert _complete(base, auth) == 200   # served while they stall
+        crowd = [socket.create_connection((host, int(port))) for _ in range(4)]   # 10 open, more than 8
+        assert _complete(base, auth) == 503
+        sent = [_closed_by_server(sock) for sock in stalled + crowd]
+        assert sent[0] == sent[1] == b"" and sent[2].startswith(b"HTTP/1.1 408")
+        assert b'"code":"request_timeout"' in sent[2]
+        assert _complete(base, auth) == 200
+        for sock in stalled + crowd:
+            sock.close()
+        with socket.create_connection((host, int(port))) as garbage:   # not HTTP: 400 in OpenAI's shape too
+            garbage.sendall(b"\x16\x03\x01 not http\r\n\r\n")
+            reply = _closed_by_server(garbage)
+        assert reply.startswith(b"HTTP/1.1 400") and b'"code":"invalid_http"' in reply

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 
 from common.client import RequestError
 from gateway import outputs
-from gateway.app import _validation_error
+from gateway.errors import validation_error as _validation_error
 from gateway.errors import GatewayError, from_request_error
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.token_text import TokenTexts
@@ -53,7 +53,7 @@ def refused(build, body) -> GatewayError:
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3, "n": 2}, "best_of"),
+    ({"suffix": "x"}, "suffix"), ({"best_of": 3, "n": 2}, "best_of"),
     ({"logit_bias": {"x1": 2.0}}, "logit_bias"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"seed": -1}, "seed"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"logprobs": -1}, "logprobs"),
     ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),

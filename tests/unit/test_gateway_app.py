@@ -1,0 +1,243 @@
+"""The gateway's HTTP application over a fake scheduler client (tests/support/fake_scheduler.py):
+echo and prompt_logprobs, -inf logprobs as -9999.0, continuous usage, the Responses API's items and
+streamed events, /tokenize and /detokenize, and the 400s that name what a client got wrong."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from common.client import ToolCall
+from gateway.app import create_app
+from gateway.metrics import method_of
+from gateway.responses_request import ResponsesRequest, to_chat
+from gateway.state import GatewayConfig
+from tests.support.fake_scheduler import FakeScheduler
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and the infinities, as a browser's JSON.parse does."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def events(body: str) -> list[dict]:
+    """The JSON payloads of a server-sent event stream (without [DONE])."""
+    return [strict_json(line[len("data: "):]) for line in body.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.fixture
+def fake():
+    return FakeScheduler()
+
+
+def http(fake: FakeScheduler, **config) -> TestClient:
+    return TestClient(create_app(GatewayConfig("unused", **config), client_factory=lambda: fake),
+                      raise_server_exceptions=False)
+
+
+def post(fake, path, body, **config):
+    with http(fake, **config) as client:
+        return client.post(path, json=body)
+
+
+def test_echo_with_logprobs_puts_the_prompt_first_with_a_null_first_logprob(fake):
+    reply = post(fake, "/v1/completions", {"prompt": "abc", "echo": True, "logprobs": 2, "max_tokens": 3})
+    (choice,) = strict_json(reply.text)["choices"]
+    prompt_ids = [10 + ord(c) % 90 for c in "abc"]
+    assert ("generate", prompt_ids) in fake.calls   # the text prompt was tokenized, then sent as ids
+    assert choice["text"] == "abc<5><6><7>"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"<{t}>" for t in prompt_ids] + ["<5>", "<6>", "<7>"]
+    assert lp["token_logprobs"] == [None, -1.0, -1.0, -0.5, -0.5, -9999.0]
+    assert lp["top_logprobs"][0] is None and all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == [0, 4, 8, 12, 15, 18]
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone(fake):
+    reply = strict_json(post(fake, "/v1/completions", {"prompt": [11, 12], "echo": True, "max_tokens": 0,
+                                                       "logprobs": 0}).text)
+    (choice,) = reply["choices"]
+    assert choice["text"] == "<11><12>" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0] and choice["logprobs"]["top_logprobs"] is None
+    assert reply["usage"]["completion_tokens"] == 0
+    assert post(fake, "/v1/completions", {"prompt": "x", "max_tokens": 0}).json()["error"]["param"] == "max_tokens"
+
+
+def test_prompt_logprobs_in_vllm_format_on_both_endpoints(fake):
+    choice = post(fake, "/v1/completions", {"prompt": [11, 12, 13], "prompt_logprobs": 1, "max_tokens": 1}).json()
+    first, second, _ = choice["choices"][0]["prompt_logprobs"]
+    assert first is None
+    assert second == {"12": {"logprob": -1.0, "rank": None, "decoded_token": "<12>"},
+                      "20": {"logprob": -9999.0, "rank": 1, "decoded_token": "<20>"}}   # -inf in the fake
+    chat = post(fake, "/v1/chat/completions", {"messages": USER, "prompt_logprobs": 2, "max_tokens": 1}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == 12
+    assert chat["choices"][0]["logprobs"] is None   # prompt_logprobs alone asks no sampled logprobs
+
+
+def test_streamed_echo_of_n_samples_echoes_each_choice_first(fake):
+    body = post(fake, "/v1/completions", {"prompt": [11, 12], "echo": True, "logprobs": 1, "n": 2, "stream": True,
+                                          "stream_options": {"include_usage": True,
+                                                             "continuous_usage_stats": True}}).text
+    chunks = events(body)
+    by_choice: dict[int, list] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        by_choice.setdefault(choice["index"], []).append(choice)
+        assert chunk["usage"]["prompt_tokens"] == 2   # continuous: the usage so far on every chunk
+    for choices in by_choice.values():
+        assert choices[0]["text"] == "<11><12>" and choices[0]["logprobs"]["token_logprobs"] == [None, -1.0]
+        assert "".join(c["text"] for c in choices) == "<11><12><5><6><7>"
+        assert [o for c in choices for o in c["logprobs"]["text_offset"]] == [0, 4, 8, 11, 14]
+    assert set(by_choice) == {0, 1}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_a_minus_infinity_logprob_is_sent_as_minus_9999_streamed_and_not(fake):
+    for stream in (False, True):
+        for path, body in (("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 3}),
+                           ("/v1/completions", {"prompt": "x", "logprobs": 3})):
+            text = post(fake, path, {**body, "stream": stream}).text
+            assert "Infinity" not in text and "NaN" not in text and "-9999.0" in text
+            events(text) if stream else strict_json(text)
+
+
+def test_the_responses_api_answers_reasoning_message_and_calls_as_items():
+    fake = FakeScheduler(reasoning="thinking", tool_calls=[ToolCall("call_1", "f", {"x": 1})])
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    reply = strict_json(post(fake, "/v1/responses", {"input": "Hi", "tools": tools, "max_output_tokens": 3}).text)
+    assert [i["type"] for i in reply["output"]] == ["reasoning", "message", "function_call"]
+    assert reply["output"][0]["content"] == [{"type": "reasoning_text", "text": "thinking"}]
+    assert reply["output"][2]["call_id"] == "call_1" and json.loads(reply["output"][2]["arguments"]) == {"x": 1}
+    assert reply["status"] == "completed" and reply["usage"]["output_tokens"] == 3
+
+
+def test_the_responses_stream_follows_the_spec_event_sequence():
+    fake = FakeScheduler(reasoning="hm", tool_calls=[ToolCall("call_1", "f", {})])
+    body = post(fake, "/v1/responses", {"input": "Hi", "stream": True}).text
+    sent = events(body)
+    assert [e["type"] for e in sent] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    assert all(line.startswith("event: ") for line in body.splitlines()[::3] if line)
+    assert [i["type"] for i in sent[-1]["response"]["output"]] == ["reasoning", "message", "function_call"]
+
+
+def test_responses_input_items_become_the_chat_turns():
+    call, origins = to_chat(ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}', "id": "fc_1"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]}]}))
+    assert call.messages == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "hm", "tool_calls": [
+            {"id": "c1", "function": {"name": "f", "arguments": '{"a": 1}'}},
+            {"id": "c2", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}, {"role": "assistant", "content": "It is sunny."}]
+    assert origins == ["instructions", "input[0]", "input[2]", "input[4]", "input[5]"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"), ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 200}]}, "input[0].arguments"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.json_schema.schema"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"conversation": "conv_1"}, "conversation"),
+])
+def test_responses_refusals_name_the_responses_parameter(fake, body, param):
+    reply = post(fake, "/v1/responses", {"input": "Hi", **body})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.json()
+
+
+def test_tokenize_and_detokenize_as_vllm_has_them(fake):
+    with http(fake, api_keys=["k"]) as client:
+        assert client.post("/tokenize", json={"prompt": "ab"}).status_code == 401   # the key is needed
+        auth = {"Authorization": "Bearer k"}
+        got = client.post("/tokenize", json={"prompt": "ab", "return_token_strs": True}, headers=auth).json()
+        assert got == {"count": 2, "max_model_len": 4096, "tokens": [17, 18], "token_strs": ["<17>", "<18>"]}
+        assert client.post("/detokenize", json={"tokens": [17, 18]}, headers=auth).json() == {"prompt": "<17><18>"}
+        refused = client.post("/detokenize", json={"tokens": [2 ** 40]}, headers=auth).json()["error"]
+        assert refused["param"] == "tokens[0]"
+        assert client.get("/health").status_code == 200   # probes need no key
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", b"", "prompt"), ("/v1/completions", b"[1, 2]", "prompt"),
+    ("/v1/chat/completions", b"", "messages"), ("/v1/responses", b"null", "input"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["a", "\\udfff"]}', "prompt"),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud800"]}', "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages[0].content"),
+    ("/v1/completions", b'{"prompt": "a", "max_tokens": 4294967296}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "a", "top_k": 1099511627776}', "top_k"),
+    ("/v1/completions", b'{"prompt": "a", "seed": 18446744073709551616}', "seed"),
+    ("/v1/completions", b'{"prompt": "a", "n": 4294967296}', "n"),
+    ("/v1/completions", b'{"prompt": "a", "priority": -2147483649}', "priority"),
+    ("/v1/completions", b'{"prompt": "a", "stop_token_ids": [4294967296]}', "stop_token_ids[0]"),
+    ("/v1/completions", b'{"prompt": "a", "logit_bias": {"\\u00b2": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "a", "logit_bias": {"\\u2460": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', "temperature"),
+    ("/v1/completions", b'{"prompt": "a", "logprobs": 21}', "logprobs"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+                             b'"json_schema", "json_schema": {"schema": ' + b'{"a": ' * 100 + b'1' + b'}' * 100
+                             + b"}}}", "response_format.json_schema.schema"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
+                             b'"function": {"name": "f", "arguments": "' + b'[' * 5000 + b'"}}]}]}',
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_malformed_requests_are_400_naming_the_parameter(fake, path, raw, param):
+    with http(fake) as client:
+        reply = client.post(path, content=raw, headers={"content-type": "application/json"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param, error
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_body_nested_too_deep_for_the_parser_is_400(fake):
+    with http(fake) as client:
+        reply = client.post("/v1/completions", content=b"[" * 100000 + b"]" * 100000,
+                            headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
+
+
+def test_metrics_labels_come_from_a_fixed_set(fake):
+    assert method_of("POST") == "POST" and method_of("BREW") == method_of("X" * 100) == "other"
+    with http(fake) as client:
+        for i in range(20):
+            client.request(f"M{i}", f"/made/up/{i}")
+        scrape = client.get("/metrics").text
+    assert 'method="other"' in scrape and "M1" not in scrape and "/made/up" not in scrape
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["--host", "0.0.0.0", "--scheduler-auth-token", "t"], True),
+    (["--host", "0.0.0.0", "--scheduler-auth-token", "t", "--allow-unauthenticated"], False),
+    (["--host", "0.0.0.0", "--scheduler-auth-token", "t", "--api-key", "k"], False),
+    (["--host", "127.0.0.1", "--scheduler-auth-token", "t"], False),
+    (["--host", "0.0.0.0"], False),   # no token to hand out: the start-up warning only
+])
+def test_a_gateway_holding_the_schedulers_token_without_keys_beyond_loopback_refuses_to_start(argv, refused):
+    from gateway.__main__ import _read_keys, build_parser, exposure_refusal, main
+
+    args = build_parser().parse_args(argv)
+    assert (exposure_refusal(args, _read_keys(args)) is not None) == refused
+    if refused:
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 2

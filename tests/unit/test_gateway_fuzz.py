@@ -1,0 +1,127 @@
+"""A hypothesis fuzz of the gateway's request schemas at the HTTP level: bodies built from each
+endpoint's own fields, with values of every kind a hostile client sends (strings with lone
+surrogates and control characters, integers beyond 64 bits, Unicode digits, deep nesting, wrong
+types everywhere, NaN), go to the ASGI app over a fake scheduler client that encodes each call's
+protobuf request as the wire would. Every answer is a 2xx whose body (or every event of whose
+stream) is strict JSON, or a 4xx in OpenAI's error shape: never a 5xx."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from gateway.app import create_app
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses_request import ResponsesRequest
+from gateway.state import GatewayConfig
+from gateway.tokenize import DetokenizeRequest, TokenizeRequest
+from tests.support.fake_scheduler import FakeScheduler
+
+ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+             "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+hostile_text = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["\ud800", "a\udfffb", "\x00\x1b[31m", "²", "①", "٣", "<|im_start|>system", "", " " * 3]),
+)
+hostile_int = st.one_of(st.integers(-3, 30), st.sampled_from([2 ** 31, 2 ** 32, -2 ** 31 - 1, 2 ** 63, 2 ** 64,
+                                                                -2 ** 64, 10 ** 30]))
+scalars = st.one_of(st.none(), st.booleans(), hostile_int, st.floats(allow_nan=True, allow_infinity=True),
+                    hostile_text)
+
+
+def nested(depth: int):
+    """A JSON value nested `depth` levels (deeper than any bound the gateway keeps)."""
+    value: object = 1
+    for i in range(depth):
+        value = [value] if i % 2 else {"a": value}
+    return value
+
+
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                      st.dictionaries(hostile_text, inner, max_size=3)),
+                      max_leaves=8) | st.integers(60, 300).map(nested)
+
+messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]), "content": values | hostile_text},
+    optional={"tool_calls": st.lists(st.fixed_dictionaries({"id": hostile_text, "type": st.just("function"),
+                                                            "function": st.fixed_dictionaries({
+                                                                "name": hostile_text,
+                                                                "arguments": hostile_text | st.just("[" * 3000)})}),
+                                     max_size=2),
+              "tool_call_id": hostile_text}), max_size=3)
+
+typical = {
+    "prompt": st.one_of(hostile_text, st.lists(hostile_text, max_size=3), st.lists(hostile_int, max_size=4)),
+    "messages": messages,
+    "input": st.one_of(hostile_text, st.lists(st.dictionaries(
+        st.sampled_from(["type", "role", "content", "call_id", "name", "arguments", "output"]),
+        st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "user"]) | values,
+        max_size=5), max_size=3)),
+    "tokens": st.lists(hostile_int, max_size=4),
+    "logit_bias": st.dictionaries(hostile_text | st.integers(0, 2 ** 40).map(str), scalars, max_size=3),
+    "stream": st.booleans(),
+    "stop": st.one_of(hostile_text, st.lists(hostile_text, max_size=3)),
+}
+
+
+plausible = st.one_of(st.none(), st.booleans(), st.integers(0, 20), st.floats(0, 2), st.text(max_size=5))
+VALID = {"/v1/completions": {"prompt": "Hi", "max_tokens": 2}, "/tokenize": {"prompt": "Hi"},
+         "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+         "/v1/responses": {"input": "Hi", "max_output_tokens": 2}, "/detokenize": {"tokens": [1, 2]}}
+
+
+@st.composite
+def bodies(draw):
+    """A valid body of one endpoint with a few of its fields set to what a fuzzer sends."""
+    path = draw(st.sampled_from(sorted(ENDPOINTS)))
+    fields = sorted(set(ENDPOINTS[path].model_fields) - {"model"})   # another model is a plain 404
+    chosen = draw(st.lists(st.sampled_from(fields), max_size=3, unique=True))
+    body = dict(VALID[path])
+    for name in chosen:
+        alias = ENDPOINTS[path].model_fields[name].alias or name
+        kind = draw(st.sampled_from(["typical", "plausible", "hostile"]))
+        if kind == "typical" and name in typical:
+            body[alias] = draw(typical[name])
+        else:
+            body[alias] = draw(plausible if kind == "plausible" else values)
+    if draw(st.integers(0, 9)) == 0:   # now and then, not an object at all
+        body = draw(values)
+    return path, body
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = create_app(GatewayConfig("unused", max_sequences_per_request=8), client_factory=FakeScheduler)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def strict(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(request=bodies())
+def test_every_request_is_answered_2xx_or_4xx_in_openai_shape(client, request):
+    path, body = request
+    raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")   # lone surrogates as JSON escapes
+    reply = client.post(path, content=raw, headers={"content-type": "application/json"})
+    event(f"{path} {reply.status_code // 100}xx")
+    assert reply.status_code < 500, (path, body, reply.text[:500])
+    if reply.status_code >= 400:
+        error = strict(reply.text)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), error
+    elif reply.headers["content-type"].startswith("text/event-stream"):
+        for line in reply.text.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                sent = strict(line[len("data: "):])
+                assert "error" not in sent or sent["error"]["code"] != "internal", sent
+    else:
+        strict(reply.text)
