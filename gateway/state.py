@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 

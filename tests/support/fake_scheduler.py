@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from common.client import (ChatChunk, ChatCompletion, Completion, CompletionChunk, ModelInfo, RequestError,
-                           SamplingParams, ToolCall, Usage, _chat_request, _generate_request)
+                           SamplingParams, ToolCall, Usage)
+from common.client import calls
 
 MODEL = "fake-qwen3"
 VOCAB = 1000
@@ -85,7 +86,7 @@ class FakeScheduler:
     async def stream(self, prompt, sampling: SamplingParams | None = None, *, request_id: str = "",
                      timeout=None, **options) -> AsyncIterator[CompletionChunk]:
         params = dataclasses.replace(sampling or SamplingParams(), **options)
-        _generate_request(prompt, params, request_id).SerializeToString()   # what the wire would refuse
+        calls.generate(prompt, params, request_id).request.SerializeToString()   # what the wire would refuse
         self.calls.append(("generate", prompt))
         for chunk in self._chunks(None if isinstance(prompt, str) else list(prompt), params):
             yield chunk
@@ -106,7 +107,8 @@ class FakeScheduler:
     async def stream_chat(self, messages, sampling: SamplingParams | None = None, *, tools=(), tool_choice="auto",
                           enable_thinking=None, request_id="", timeout=None, **options) -> AsyncIterator[ChatChunk]:
         params = dataclasses.replace(sampling or SamplingParams(), **options)
-        _chat_request(messages, tools, tool_choice, enable_thinking, params, request_id).SerializeToString()
+        calls.chat(messages, params, tools=tools, tool_choice=tool_choice, enable_thinking=enable_thinking,
+                   request_id=request_id).request.SerializeToString()
         self.calls.append(("chat", messages))
         usage = Usage(12, len(self.tokens), 0)
         finish = "tool_calls" if self.tool_calls else "length"
