@@ -9,6 +9,8 @@ DEFAULT_PORT = 50061
 # The attention backends a worker can be told to use (worker_svc/layers/attention/registry.py has
 # their modules). Named here, so that parsing a command line imports no torch.
 ATTENTION_BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
+# The KV cache's element types (worker_svc/layers/attention/kv_quant.py: fp8 is e4m3 with scales).
+KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9         # CUDA: share of device memory the process may use
     max_model_len: int | None = None            # None: the model's max_position_embeddings
     attention_backend: str = "auto"             # auto: the fastest on this device, measured at start-up
+    kv_cache_dtype: str = "auto"                # auto: the model's dtype; fp8: e4m3 with per-head scales
     kernel_cache_dir: str | None = None         # compiled attention kernels; None: ~/.cache/qwen3-serve/kernels
     load_format: str = "auto"                   # auto/safetensors: the checkpoint; dummy: random
     quantization: str | None = None             # fp8: quantize the linear layers at load (FP8 checkpoints are FP8 without it)
@@ -50,6 +53,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (unset: the model's max_position_embeddings)")
     parser.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_NAMES),
                         help="auto: the fastest that runs on this device for the model, measured at start-up")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPE_NAMES),
+                        help="auto: the model's dtype; fp8: float8 e4m3 with a scale per layer and kv head (the "
+                             "checkpoint's k_scale/v_scale, else a bound derived from the weights): twice the "
+                             "blocks of bfloat16 in the same memory")
     parser.add_argument("--kernel-cache-dir", default=None, metavar="DIR",
                         help="where compiled attention kernels (FlashAttention-4) are kept across restarts "
                              "(unset: ~/.cache/qwen3-serve/kernels)")

@@ -30,11 +30,13 @@ from common.pb.llm.worker.v1 import worker_pb2
 from worker_svc import kv_cache, parallel_state
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
+from worker_svc.kv_cache_scales import bind_kv_scales
 from worker_svc.layers.attention import (AttentionMetadata, AttentionShape, configure_kernel_cache,
                                          select_attention_backend)
+from worker_svc.layers.attention.kv_quant import dtype_name, resolve_kv_cache_dtype
 from worker_svc.layers.logprobs import score_tokens, top_logprobs
 from worker_svc.layers.sampler import Sampler, SamplingMetadata, SamplingOptions
-from worker_svc.loader import init_dummy_weights, load_safetensors
+from worker_svc.loader import init_dummy_weights, load_safetensors, safetensors_files
 from worker_svc.model_config import load_model_config
 from worker_svc.models import build_model
 from worker_svc.models.qwen3 import head_dim_of
@@ -252,6 +254,7 @@ class ModelRunner:
         self.model_name = facts.name
         self.model_config = model_config = load_model_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size or _DEFAULT_BLOCK_SIZE
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
@@ -268,6 +271,8 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed, std=model_config.initializer_range)
         else:
             load_safetensors(self.model, model_dir)
+        bind_kv_scales(self.model, self.kv_cache_dtype,
+                       [] if config.load_format == "dummy" else safetensors_files(model_dir))
         parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens.
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp_rank == 0 else None
@@ -289,13 +294,13 @@ class ModelRunner:
         self.decode_graphs = None   # captured below, once the KV cache they read exists
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
-                                                   self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                                                   self.num_kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
         self.decode_graphs = self._capture_decode_graphs()
         self.instance_id = uuid.uuid4().hex
         logger.info(
-            "model %s on %s (%s, attention %s): %d KV blocks of %d tokens, max_model_len %d",
+            "model %s on %s (%s, attention %s): %d %s KV blocks of %d tokens, max_model_len %d",
             self.model_name, self.device, str(self.dtype).removeprefix("torch."), self.backend.name,
-            self.num_kv_blocks, self.block_size, self.max_model_len,
+            self.num_kv_blocks, dtype_name(self.kv_cache_dtype), self.block_size, self.max_model_len,
         )
 
     # --- public API ------------------------------------------------------------------------
@@ -312,6 +317,7 @@ class ModelRunner:
             device=str(self.device),
             attention_backend=self.backend.name,
             dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=dtype_name(self.kv_cache_dtype),
             instance_id=self.instance_id,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -670,7 +676,7 @@ class ModelRunner:
             num_heads=self.model_config.num_attention_heads // self.tp_size, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, dtype=self.dtype, block_size=self.block_size,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.max_model_len)
+            max_model_len=self.max_model_len, kv_cache_dtype=self.kv_cache_dtype)
 
         def agree(totals: list[float]) -> list[float]:
             parallel_state.barrier("attention measured")   # first compiles take uneven time
@@ -700,7 +706,7 @@ class ModelRunner:
     def _size_kv_cache(self) -> int:
         config = self.config
         per_block = kv_cache.block_bytes(self.model_config.num_hidden_layers, self.block_size, self.num_kv_heads,
-                                         self.head_dim, self.dtype)
+                                         self.head_dim, self.kv_cache_dtype)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif config.kv_cache_memory_gb is not None:
@@ -725,7 +731,7 @@ class ModelRunner:
         num_seqs = max(min(config.max_num_batched_tokens // seq_len, config.max_num_seqs), 1)
         blocks_per_seq = -(-seq_len // self.block_size)
         kv_cache.allocate_kv_cache(self.model, num_seqs * blocks_per_seq, self.block_size,
-                                   self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                                   self.num_kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
         warm_options = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)
         new_requests = [NewRequest(-1 - i, [0] * seq_len, seq_len, 0, seq_len,
                                    list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), warm_options)

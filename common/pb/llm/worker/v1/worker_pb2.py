@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$common/pb/llm/worker/v1/worker.proto\x12\rllm.worker.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x98\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\"\xba\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12\x1c\n\x14logit_bias_token_ids\x18\x0c \x03(\r\x12\x19\n\x11logit_bias_values\x18\r \x03(\x02\x42\x07\n\x05_seed\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xf9\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x30\n\x08sampling\x18\x07 \x01(\x0b\x32\x1e.llm.worker.v1.SamplingOptions\x12-\n\nconstraint\x18\x08 \x01(\x0b\x32\x19.llm.worker.v1.Constraint\"\xa6\x01\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1b\n\x13multi_token_indices\x18\x02 \x03(\r\x12\x1a\n\x12multi_token_counts\x18\x03 \x03(\r\x12\x19\n\x11new_block_indices\x18\x04 \x03(\r\x12\x18\n\x10new_block_counts\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\"\xb3\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_seq_ids\x18\x02 \x03(\x04\x12/\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x19.llm.worker.v1.NewRequest\x12-\n\x06\x63\x61\x63hed\x18\x05 \x01(\x0b\x32\x1d.llm.worker.v1.CachedRequests\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04J\x04\x08\x04\x10\x05\"Z\n\x0bStepTimings\x12\x12\n\nprepare_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\x12\x11\n\tdevice_ms\x18\x04 \x01(\x02\"\xe7\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.llm.worker.v1.StepTimings\x12\x36\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.llm.worker.v1.PromptLogprobsJ\x04\x08\x02\x10\x03\"H\n\x11TopLogprobColumns\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x8b\x01\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x17\n\x0f\x66irst_positions\x18\x02 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x03top\x18\x05 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\"#\n\x0cResetRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x0f\n\rResetResponse\">\n\x0c\x43laimRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"$\n\rClaimResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t2\x98\x02\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.llm.worker.v1.DescribeRequest\x1a\x19.llm.worker.v1.WorkerInfo\x12?\n\x04Step\x12\x1a.llm.worker.v1.StepRequest\x1a\x1b.llm.worker.v1.StepResponse\x12\x42\n\x05Reset\x12\x1b.llm.worker.v1.ResetRequest\x1a\x1c.llm.worker.v1.ResetResponse\x12\x42\n\x05\x43laim\x12\x1b.llm.worker.v1.ClaimRequest\x1a\x1c.llm.worker.v1.ClaimResponseBr\n\x1bio.qwen3serve.llm.worker.v1B\x0bWorkerProtoP\x01Z)qwen3-serve/gen/go/llm/worker/v1;workerv1\xaa\x02\x18Qwen3Serve.Llm.Worker.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$common/pb/llm/worker/v1/worker.proto\x12\rllm.worker.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xb0\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\"\xba\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12\x1c\n\x14logit_bias_token_ids\x18\x0c \x03(\r\x12\x19\n\x11logit_bias_values\x18\r \x03(\x02\x42\x07\n\x05_seed\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xf9\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x30\n\x08sampling\x18\x07 \x01(\x0b\x32\x1e.llm.worker.v1.SamplingOptions\x12-\n\nconstraint\x18\x08 \x01(\x0b\x32\x19.llm.worker.v1.Constraint\"\xa6\x01\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1b\n\x13multi_token_indices\x18\x02 \x03(\r\x12\x1a\n\x12multi_token_counts\x18\x03 \x03(\r\x12\x19\n\x11new_block_indices\x18\x04 \x03(\r\x12\x18\n\x10new_block_counts\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\"\xb3\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_seq_ids\x18\x02 \x03(\x04\x12/\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x19.llm.worker.v1.NewRequest\x12-\n\x06\x63\x61\x63hed\x18\x05 \x01(\x0b\x32\x1d.llm.worker.v1.CachedRequests\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04J\x04\x08\x04\x10\x05\"Z\n\x0bStepTimings\x12\x12\n\nprepare_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\x12\x11\n\tdevice_ms\x18\x04 \x01(\x02\"\xe7\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.llm.worker.v1.StepTimings\x12\x36\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.llm.worker.v1.PromptLogprobsJ\x04\x08\x02\x10\x03\"H\n\x11TopLogprobColumns\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x8b\x01\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x17\n\x0f\x66irst_positions\x18\x02 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x03top\x18\x05 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\"#\n\x0cResetRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x0f\n\rResetResponse\">\n\x0c\x43laimRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"$\n\rClaimResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t2\x98\x02\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.llm.worker.v1.DescribeRequest\x1a\x19.llm.worker.v1.WorkerInfo\x12?\n\x04Step\x12\x1a.llm.worker.v1.StepRequest\x1a\x1b.llm.worker.v1.StepResponse\x12\x42\n\x05Reset\x12\x1b.llm.worker.v1.ResetRequest\x1a\x1c.llm.worker.v1.ResetResponse\x12\x42\n\x05\x43laim\x12\x1b.llm.worker.v1.ClaimRequest\x1a\x1c.llm.worker.v1.ClaimResponseBr\n\x1bio.qwen3serve.llm.worker.v1B\x0bWorkerProtoP\x01Z)qwen3-serve/gen/go/llm/worker/v1;workerv1\xaa\x02\x18Qwen3Serve.Llm.Worker.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=55
   _globals['_DESCRIBEREQUEST']._serialized_end=72
   _globals['_WORKERINFO']._serialized_start=75
-  _globals['_WORKERINFO']._serialized_end=355
-  _globals['_SAMPLINGOPTIONS']._serialized_start=358
-  _globals['_SAMPLINGOPTIONS']._serialized_end=672
-  _globals['_CONSTRAINT']._serialized_start=674
-  _globals['_CONSTRAINT']._serialized_end=714
-  _globals['_NEWREQUEST']._serialized_start=717
-  _globals['_NEWREQUEST']._serialized_end=966
-  _globals['_CACHEDREQUESTS']._serialized_start=969
-  _globals['_CACHEDREQUESTS']._serialized_end=1135
-  _globals['_STEPREQUEST']._serialized_start=1138
-  _globals['_STEPREQUEST']._serialized_end=1317
-  _globals['_STEPTIMINGS']._serialized_start=1319
-  _globals['_STEPTIMINGS']._serialized_end=1409
-  _globals['_STEPRESPONSE']._serialized_start=1412
-  _globals['_STEPRESPONSE']._serialized_end=1643
-  _globals['_TOPLOGPROBCOLUMNS']._serialized_start=1645
-  _globals['_TOPLOGPROBCOLUMNS']._serialized_end=1717
-  _globals['_PROMPTLOGPROBS']._serialized_start=1720
-  _globals['_PROMPTLOGPROBS']._serialized_end=1859
-  _globals['_RESETREQUEST']._serialized_start=1861
-  _globals['_RESETREQUEST']._serialized_end=1896
-  _globals['_RESETRESPONSE']._serialized_start=1898
-  _globals['_RESETRESPONSE']._serialized_end=1913
-  _globals['_CLAIMREQUEST']._serialized_start=1915
-  _globals['_CLAIMREQUEST']._serialized_end=1977
-  _globals['_CLAIMRESPONSE']._serialized_start=1979
-  _globals['_CLAIMRESPONSE']._serialized_end=2015
-  _globals['_WORKER']._serialized_start=2018
-  _globals['_WORKER']._serialized_end=2298
+  _globals['_WORKERINFO']._serialized_end=379
+  _globals['_SAMPLINGOPTIONS']._serialized_start=382
+  _globals['_SAMPLINGOPTIONS']._serialized_end=696
+  _globals['_CONSTRAINT']._serialized_start=698
+  _globals['_CONSTRAINT']._serialized_end=738
+  _globals['_NEWREQUEST']._serialized_start=741
+  _globals['_NEWREQUEST']._serialized_end=990
+  _globals['_CACHEDREQUESTS']._serialized_start=993
+  _globals['_CACHEDREQUESTS']._serialized_end=1159
+  _globals['_STEPREQUEST']._serialized_start=1162
+  _globals['_STEPREQUEST']._serialized_end=1341
+  _globals['_STEPTIMINGS']._serialized_start=1343
+  _globals['_STEPTIMINGS']._serialized_end=1433
+  _globals['_STEPRESPONSE']._serialized_start=1436
+  _globals['_STEPRESPONSE']._serialized_end=1667
+  _globals['_TOPLOGPROBCOLUMNS']._serialized_start=1669
+  _globals['_TOPLOGPROBCOLUMNS']._serialized_end=1741
+  _globals['_PROMPTLOGPROBS']._serialized_start=1744
+  _globals['_PROMPTLOGPROBS']._serialized_end=1883
+  _globals['_RESETREQUEST']._serialized_start=1885
+  _globals['_RESETREQUEST']._serialized_end=1920
+  _globals['_RESETRESPONSE']._serialized_start=1922
+  _globals['_RESETRESPONSE']._serialized_end=1937
+  _globals['_CLAIMREQUEST']._serialized_start=1939
+  _globals['_CLAIMREQUEST']._serialized_end=2001
+  _globals['_CLAIMRESPONSE']._serialized_start=2003
+  _globals['_CLAIMRESPONSE']._serialized_end=2039
+  _globals['_WORKER']._serialized_start=2042
+  _globals['_WORKER']._serialized_end=2322
 # @@protoc_insertion_point(module_scope)
