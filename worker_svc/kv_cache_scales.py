@@ -84,13 +84,13 @@ def bound_kv_scales(layer: nn.Module, rope_amplitude: float) -> KVScales:
     attn = layer.self_attn
     head_dim, num_heads, num_kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
     k_bound = attn.k_norm.weight.float().abs().max() * math.sqrt(head_dim) * rope_amplitude
-    v_norms = _value_row_norms(attn.qkv_proj, layer.input_layernorm.weight, num_heads * head_dim,
-                               num_kv_heads * head_dim)
+    v_start, v_size = (num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim   # [q | k | v]
+    v_norms = _value_row_norms(attn.qkv_proj, layer.input_layernorm.weight, v_start, v_size)
     hidden = layer.input_layernorm.weight.shape[0]
     v_rows = v_norms * math.sqrt(hidden)
     bias = attn.qkv_proj.bias
     if bias is not None:
-        v_rows = v_rows + bias.float()[(num_heads + num_kv_heads) * head_dim:].abs()
+        v_rows = v_rows + bias.float()[v_start:v_start + v_size].abs()
     v_bound = v_rows.view(num_kv_heads, head_dim).amax(dim=1)
     to_scale = BOUND_MARGIN / FP8_KV_MAX
     k = (k_bound * to_scale).expand(num_kv_heads).clamp_min(torch.finfo(torch.float32).tiny)
