@@ -5,6 +5,7 @@ taken as it is) is tested without a device. The real warm-up and measurement run
 torch backend with tiny shapes."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -30,6 +31,7 @@ class FakeBackend:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.reads_fp8_kv = name != "flash_attn"   # as the real ones
 
 
 class FakeDevice:
@@ -59,8 +61,9 @@ class FakeDevice:
         self.measured.append(backend.name)
         return self.times[backend.name]
 
-    def select(self, requested="auto", device=CUDA, candidates=("flash_attn", "triton"), **kwargs):
-        return select_attention_backend(requested, device, QWEN3_0_6B, candidates=candidates, load=self.load,
+    def select(self, requested="auto", device=CUDA, candidates=("flash_attn", "triton"), shape=QWEN3_0_6B,
+               **kwargs):
+        return select_attention_backend(requested, device, shape, candidates=candidates, load=self.load,
                                         warm_up=self.warm_up, measure=self.measure, **kwargs)
 
 
@@ -154,6 +157,36 @@ def test_a_named_backend_that_cannot_run_is_an_error_naming_why():
         device.select("nonesuch")
 
 
+FP8_KV = dataclasses.replace(QWEN3_0_6B, kv_cache_dtype=torch.float8_e4m3fn)
+
+
+def test_with_an_fp8_kv_cache_auto_skips_a_backend_that_cannot_read_it_in_one_line(caplog):
+    caplog.set_level(logging.INFO)
+    device = FakeDevice({"flash_attn": {"decode": 0.01}, "triton": {"decode": 0.1}})
+    assert device.select(shape=FP8_KV).name == "triton"
+    about_flash = [line for line in selection_lines(caplog) if "flash_attn" in line]
+    assert about_flash == ["attention backend flash_attn skipped: it cannot read an fp8 KV cache"]
+    assert device.warmed == device.measured == ["triton"]
+
+
+def test_a_named_backend_that_cannot_read_the_fp8_kv_cache_is_an_error():
+    with pytest.raises(ValueError, match="'flash_attn' cannot read an fp8 KV cache"):
+        FakeDevice({}).select("flash_attn", shape=FP8_KV)
+    assert FakeDevice({}).select("triton", shape=FP8_KV).name == "triton"
+
+
+def test_synthetic_fp8_steps_hold_quantized_random_values():
+    from worker_svc.layers.attention.selection import synthetic_kv_scales
+
+    shape = dataclasses.replace(TINY, kv_cache_dtype=torch.float8_e4m3fn)
+    _, _, _, k_cache, v_cache, _ = synthetic_step([(40, 1)], shape, torch.device("cpu"))
+    scales = synthetic_kv_scales(shape, torch.device("cpu"))
+    assert k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
+    values = k_cache.float() * scales.k[0]
+    assert 0.5 < values.std().item() < 2.0   # unit-variance K read back through the scales
+    assert synthetic_kv_scales(TINY, torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize("shape", [QWEN3_0_6B, TINY], ids=["qwen3-0.6b", "tiny"])
 def test_warm_up_and_measured_steps_stay_within_the_workers_limits(shape):
     for case in warm_up_cases(shape) + measurement_cases(shape):
@@ -198,11 +231,13 @@ def test_time_per_call_runs_the_call_once_then_rounds_of_calls():
     assert len(calls) == 1 + 4 * 3 and ms >= 0
 
 
-def test_the_real_warm_up_and_measurement_run_the_torch_backend():
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype-kv", "fp8-kv"])
+def test_the_real_warm_up_and_measurement_run_the_torch_backend(kv_cache_dtype):
+    shape = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype)
     backend = get_attention_backend("torch", "cpu")
-    assert warm_up_backend(backend, TINY, torch.device("cpu")) > 0
-    times = measure_backend(backend, TINY, torch.device("cpu"), calls=2, rounds=1)
-    assert list(times) == [c.name for c in measurement_cases(TINY)]
+    assert warm_up_backend(backend, shape, torch.device("cpu")) > 0
+    times = measure_backend(backend, shape, torch.device("cpu"), calls=2, rounds=1)
+    assert list(times) == [c.name for c in measurement_cases(shape)]
     assert all(t > 0 for t in times.values())
 
 

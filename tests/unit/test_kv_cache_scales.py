@@ -6,6 +6,7 @@ an FP8 cache holds twice the blocks of a bfloat16 one in the same memory, the wo
 type, and the tiny model's logits over an FP8 cache stay close to those over a float32 one."""
 from __future__ import annotations
 
+import argparse
 import shutil
 
 import pytest
@@ -14,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables
 from worker_svc import kv_cache
-from worker_svc.config import WorkerConfig
+from worker_svc.config import WorkerConfig, add_worker_arguments, worker_config_from_args
 from worker_svc.kv_cache_scales import BOUND_MARGIN, bind_kv_scales, is_attention_scale
 from worker_svc.layers.attention import TorchAttentionBackend
 from worker_svc.layers.attention.kv_quant import FP8_KV_DTYPE, FP8_KV_MAX, resolve_kv_cache_dtype
@@ -132,6 +133,13 @@ def test_only_attention_scales_are_passed_over_by_the_loader():
 
 
 def test_kv_cache_dtype_names():
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"])
+    assert worker_config_from_args(args).kv_cache_dtype == "fp8"
+    assert worker_config_from_args(parser.parse_args(["--model", "m"])).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--kv-cache-dtype", "int4"])
     assert resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
     assert resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16) == FP8_KV_DTYPE
