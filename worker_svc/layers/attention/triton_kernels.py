@@ -57,6 +57,7 @@ STORE_TOKENS_PER_PROGRAM = 16
 
 
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
+F16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
@@ -65,7 +66,7 @@ def _to_cache(x, inv_scale, cache_ptr, KV_FP8: tl.constexpr):
     (kv_quant.quantize); otherwise cast to the cache's type."""
     if KV_FP8:
         scaled = x.to(tl.float32) * inv_scale
-        return tl.clamp(scaled, -FP8_MAX, FP8_MAX).to(cache_ptr.dtype.element_ty)
+        return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX).to(cache_ptr.dtype.element_ty)
     return x.to(cache_ptr.dtype.element_ty)
 
 
@@ -128,7 +129,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -164,6 +165,8 @@ def _paged_attention_kernel(
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    if DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     # Keys this tile needs: up to the position of its last query token; then this split's slice.
     kv_end = tl.minimum(context_len + (q_tile + 1) * BLOCK_Q, seq_len)
@@ -392,7 +395,11 @@ def paged_attention(
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, KV_FP8=scales is not None,
-        # float32 caches (CPU-style tests, debugging) get exact products, not tf32.
+        # An FP8 cache under a 16-bit model multiplies in float16: e4m3 converts exactly, and so does
+        # every bfloat16 q from 6e-5 to 65504 (smaller ones lose bits that cannot move a score;
+        # larger ones saturate); e4m3 -> f16 is the cheap conversion. float32 models (CPU-style
+        # tests, debugging) get exact products, not tf32.
+        DOT_F16=scales is not None and q.dtype != torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
