@@ -190,3 +190,23 @@ def test_fused_qk_norm_rope_store_leaves_what_the_unfused_path_leaves(model_dtyp
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert not k_cache.cpu().view(-1, num_kv_heads, head_dim)[untouched].float().any(), "a slot not asked was written"
+
+
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
+def test_a_padded_decode_row_merges_to_zeros_beside_real_ones(fused_merge):
+    """CUDA-graph padding (seq_len 0) under split-K: every split of the row is empty."""
+    k = kernels()
+    seed = draw_seed()
+    case, scales = fp8_case(random.Random(seed), "decode", torch.float32)
+    expected, _, _ = reference_attention(case, scales)
+    m = case.meta
+    k.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping, scales)
+    n = m.seq_lens.shape[0]
+    q = torch.cat([case.q, torch.randn_like(case.q[:1])])
+    seq_lens = torch.cat([m.seq_lens, m.seq_lens.new_zeros(1)])
+    tables = torch.cat([m.block_tables, m.block_tables[:1]])
+    out = k.paged_attention(q, case.k_cache, case.v_cache, torch.arange(n + 2, dtype=torch.int32, device=DEVICE),
+                            seq_lens, tables, case.scale, pure_decode=True, num_splits=4, kv_scales=scales,
+                            fused_merge=fused_merge)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), f"seed {seed}"
+    assert relative_error(out[:n], expected) < TOLERANCE[torch.float32], f"seed {seed}"

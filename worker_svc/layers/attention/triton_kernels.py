@@ -48,8 +48,10 @@ class LaunchConfig:
 DECODE_LAUNCH = LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=3)
 DECODE_LAUNCH_FP8 = LaunchConfig(tile_rows=16, kv_tile=128, num_warps=4, num_stages=3)
 PREFILL_LAUNCH = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
-# Split decodes merge inside the attention launch (the last split of each kv head merges).
+# Split decodes merge inside the attention launch (the last split of each kv head merges),
+# reading this many partial elements at a time.
 FUSED_SPLIT_MERGE = True
+MERGE_ELEMENTS = 4096
 # Split-K is sized to give the GPU about this many programs per multiprocessor.
 PROGRAMS_PER_SM = 2
 MAX_DECODE_SPLITS = 64
@@ -128,7 +130,7 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -218,34 +220,43 @@ def _paged_attention_kernel(
             counter = counter_ptr + request * NUM_KV_HEADS + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == NUM_SPLITS - 1:
-                merged = _merge_partials(part_out_ptr, part_lse_ptr, (token * NUM_HEADS + head) * NUM_SPLITS,
-                                         row_valid, dims, dim_valid, TILE_ROWS, DIM_PAD, HEAD_DIM, NUM_SPLITS)
-                tl.store(out_ptr + out_offset, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
+                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, q_start.to(tl.int64), kv_head, stride_ot, stride_oh,
+                             NUM_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS, MERGE_CHUNK)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next launch
 
 
 @triton.jit
-def _merge_partials(part_out_ptr, part_lse_ptr, first_part, row_valid, dims, dim_valid,
-                    TILE_ROWS: tl.constexpr, DIM_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr):
-    """The rows' outputs from their NUM_SPLITS partials (first_part: each row's first partial
-    index), weighted by each split's share of the softmax; rows no split saw come out 0.
-    Loads bypass L1: other programs wrote the partials during this launch."""
-    m = tl.full([TILE_ROWS], -1.0e30, tl.float32)
-    total = tl.zeros([TILE_ROWS], tl.float32)
-    acc = tl.zeros([TILE_ROWS, DIM_PAD], tl.float32)
-    for split in range(NUM_SPLITS):
-        part = first_part + split
-        lse = tl.load(part_lse_ptr + part, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        partial = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-                          mask=row_valid[:, None] & dim_valid[None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        total = total * alpha + weight
-        acc = acc * alpha[:, None] + partial * weight[:, None]
-        m = m_new
-    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, token, kv_head, stride_ot, stride_oh,
+                 NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """One decode token's output for the query heads of one kv head, from their NUM_SPLITS
+    partials, each weighted by its split's share of the softmax (heads no split saw: 0). The
+    partials are read SPLIT_CHUNK splits at a time, past L1: other programs wrote them during
+    this launch."""
+    g = tl.arange(0, GROUP_PAD)
+    g_valid = g < GROUP
+    head = kv_head * GROUP + g
+    first = (token * NUM_HEADS + head) * NUM_SPLITS   # each head's first partial
+    splits = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + first[:, None] + splits[None, :], mask=g_valid[:, None], other=float("-inf"),
+                  cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)   # every split empty (a padded request)
+    total = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for start in range(0, NUM_SPLITS, SPLIT_CHUNK):
+        part = first[:, None] + start + chunk[None, :]
+        weight = tl.exp2(tl.load(part_lse_ptr + part, mask=g_valid[:, None], other=float("-inf"),
+                                 cache_modifier=".cg") - m[:, None])
+        partial = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
+                          mask=g_valid[:, None, None] & dim_valid[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(partial * weight[:, :, None], 1)
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None] & dim_valid[None, :])
 
 
 @triton.jit
@@ -394,7 +405,8 @@ def paged_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
-        NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, KV_FP8=scales is not None,
+        NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
+        MERGE_CHUNK=min(num_splits, max(1, MERGE_ELEMENTS // (group_pad * dim_pad))), KV_FP8=scales is not None,
         # An FP8 cache under a 16-bit model multiplies in float16: e4m3 converts exactly, and so does
         # every bfloat16 q from 6e-5 to 65504 (smaller ones lose bits that cannot move a score;
         # larger ones saturate); e4m3 -> f16 is the cheap conversion. float32 models (CPU-style
