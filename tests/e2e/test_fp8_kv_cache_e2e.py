@@ -107,8 +107,10 @@ def test_a_worker_restarted_with_fp8_finishes_every_stream_unchanged(tiny_model_
             assert first_tokens.wait(60)
             old = svc.workers[0]
             old.kill()
+            deadline = time.monotonic() + 30
+            while model_info(ch).worker_groups[0].healthy and time.monotonic() < deadline:
+                time.sleep(0.05)   # until the scheduler has seen the worker go
             port = int(old.addr.rsplit(":", 1)[1])
-            time.sleep(0.5)
             svc.workers[0] = worker_proc(tiny_model_dir, tmp_path / "logs", *FP8, port=port).start()
             for f in futures:
                 f.result()
