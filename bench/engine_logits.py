@@ -31,12 +31,15 @@ def prefill_metadata(prompt_lens: list[int], block_size: int, device: torch.devi
 
 @torch.inference_mode()
 def engine_logits(model_dir: pathlib.Path, prompts: list[list[int]], *, device: str = "cuda",
-                  attention_backend: str = "auto", dtype: str = "bfloat16") -> list[torch.Tensor]:
-    """float32 logits [len(prompt), vocab] per prompt."""
+                  attention_backend: str = "auto", dtype: str = "bfloat16",
+                  kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
+    """float32 logits [len(prompt), vocab] per prompt (every attention reads its K/V back from a
+    cache of kv_cache_dtype)."""
     lens = [len(p) for p in prompts]
     # Enough blocks for any block size of 16 tokens or more (the runner picks it per backend).
     runner = ModelRunner(WorkerConfig(model=str(model_dir), device=device, dtype=dtype,
                                       attention_backend=attention_backend, enforce_eager=True,
+                                      kv_cache_dtype=kv_cache_dtype,
                                       num_kv_blocks=sum(-(-n // 16) for n in lens) + 1))
     meta = prefill_metadata(lens, runner.block_size, runner.device)
     input_ids = torch.tensor([t for p in prompts for t in p], device=runner.device)
