@@ -141,7 +141,8 @@ def assert_nearly_identical(actual: torch.Tensor, expected: torch.Tensor, what: 
         assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-6), f"{what} differ"
         return
     differing = (actual.view(torch.uint8) != expected.view(torch.uint8)).sum().item()
-    assert differing <= actual.numel() * actual.element_size() // 100 + 1, f"{differing} bytes of {what} differ"
+    # As tests/unit/test_fused_kernels.py allows: 2% (a GPU's rsqrt is not the CPU's).
+    assert differing <= actual.numel() * actual.element_size() // 50 + 1, f"{differing} bytes of {what} differ"
     step = 2 ** -7 if actual.dtype == torch.bfloat16 else 2 ** -3
     assert torch.allclose(actual.float(), expected.float(), rtol=step, atol=1e-6), f"{what} differ by more than a step"
 
