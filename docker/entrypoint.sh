@@ -43,6 +43,7 @@ worker)
     flag max-num-seqs "${MAX_NUM_SEQS:-}"
     flag max-num-batched-tokens "${MAX_NUM_BATCHED_TOKENS:-}"
     flag attention-backend "${ATTENTION_BACKEND:-}"
+    flag kv-cache-dtype "${KV_CACHE_DTYPE:-}"
     flag kernel-cache-dir "${KERNEL_CACHE_DIR:-}"
     flag seed "${SEED:-}"
     exec python -m worker_svc --model "$MODEL_DIR" --host 0.0.0.0 --port 50061 "${args[@]}" "$@"

@@ -12,6 +12,8 @@ DEFAULT_PORT = 50061
 # The attention backends a worker can be told to use (worker_svc/layers/attention/registry.py has
 # their modules). Named here, so that parsing a command line imports no torch.
 ATTENTION_BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
+# The KV cache's element types (worker_svc/layers/attention/kv_quant.py: fp8 is e4m3 with scales).
+KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8")
 TENSOR_PARALLEL = "tensor parallelism"
 
 
@@ -29,6 +31,10 @@ class WorkerConfig:
     max_model_len: int | None = flag(None, help="context limit (unset: the model's max_position_embeddings)")
     attention_backend: str = flag("auto", choices=ATTENTION_BACKEND_NAMES,
                                   help="auto: the fastest that runs on this device for the model, measured at start-up")
+    kv_cache_dtype: str = flag("auto", choices=KV_CACHE_DTYPE_NAMES,
+                               help="auto: the model's dtype; fp8: float8 e4m3 with a scale per layer and kv head (the "
+                                    "checkpoint's k_scale/v_scale, else a bound derived from the weights): twice the "
+                                    "blocks of bfloat16 in the same memory")
     kernel_cache_dir: str | None = flag(None, metavar="DIR",
                                         help="where compiled attention kernels (FlashAttention-4) are kept across "
                                              "restarts (unset: ~/.cache/qwen3-serve/kernels)")

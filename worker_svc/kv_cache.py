@@ -1,5 +1,7 @@
 """Sizing and allocating the paged KV cache: one tensor [2 (k, v), layers, blocks, block_size,
-kv_heads, head_dim], whose per-layer views the attention modules hold."""
+kv_heads, head_dim] of the cache's element type (--kv-cache-dtype: the model's, bfloat16, or FP8
+at one byte an element, so the same memory holds twice the blocks of bfloat16), whose per-layer
+views the attention modules hold."""
 from __future__ import annotations
 
 import logging

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from worker_svc.kv_cache_scales import is_attention_scale
 from worker_svc.layers.fp8 import FP8_DTYPE, BlockFp8Tensor
 
 logger = logging.getLogger(__name__)
@@ -117,8 +118,8 @@ def load_safetensors(model: nn.Module, model_dir: pathlib.Path) -> None:
     with contextlib.ExitStack() as stack:
         checkpoint = _Checkpoint(files, stack)
         for name, file in checkpoint.file_of.items():
-            if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                continue
+            if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or is_attention_scale(name):
+                continue   # KV-cache scales: worker_svc/kv_cache_scales.py reads them
             if name.endswith(_SCALE_SUFFIX) and name.removesuffix(_SCALE_SUFFIX) in checkpoint.file_of:
                 continue   # loaded with its weight
             target, shard_id = _target(name, model)

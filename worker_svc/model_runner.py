@@ -29,6 +29,7 @@ from worker_svc import kv_cache, parallel_state, startup
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
 from worker_svc.layers.attention import AttentionMetadata
+from worker_svc.layers.attention.kv_quant import dtype_name, resolve_kv_cache_dtype
 from worker_svc.layers.logprobs import top_logprobs
 from worker_svc.layers.sampler import Sampler, SamplingMetadata
 from worker_svc.model_config import load_model_config
@@ -79,6 +80,7 @@ class ModelRunner:
         self.model_name = facts.name
         self.model_config = model_config = load_model_config(model_dir)
         self.dtype = startup.resolve_dtype(config.dtype, self.device, model_config)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size or startup.DEFAULT_BLOCK_SIZE
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
@@ -108,15 +110,16 @@ class ModelRunner:
         self.decode_graphs = None   # captured below, once the KV cache they read exists
         self.num_kv_blocks = startup.size_kv_cache(self)
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
-                                                   self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                                                   self.num_kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
         self.decode_graphs = startup.capture_decode_graphs(self)
         self.limits = StepLimits(max_seqs, max_tokens, self.max_model_len, self.vocab_size, self.block_size,
                                  self.num_kv_blocks, self.max_blocks_per_seq)
         self.instance_id = uuid.uuid4().hex
         logger.info(
-            "model %s on %s (%s, attention %s): %d KV blocks of %d tokens, max_model_len %d, steps of up to "
+            "model %s on %s (%s, attention %s): %d %s KV blocks of %d tokens, max_model_len %d, steps of up to "
             "%d tokens and %d requests", self.model_name, self.device, str(self.dtype).removeprefix("torch."),
-            self.backend.name, self.num_kv_blocks, self.block_size, self.max_model_len, config.max_num_batched_tokens,
+            self.backend.name, self.num_kv_blocks, dtype_name(self.kv_cache_dtype), self.block_size,
+            self.max_model_len, config.max_num_batched_tokens,
             config.max_num_seqs,
         )
 
@@ -134,6 +137,7 @@ class ModelRunner:
             device=str(self.device),
             attention_backend=self.backend.name,
             dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=dtype_name(self.kv_cache_dtype),
             instance_id=self.instance_id,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,

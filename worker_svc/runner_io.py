@@ -103,3 +103,4 @@ class WorkerInfo:
     instance_id: str                # new at every start, so the scheduler notices a restart
     max_num_seqs: int
     max_num_batched_tokens: int
+    kv_cache_dtype: str             # "bfloat16", "float32", or "float8_e4m3fn" (an FP8 cache)

@@ -21,7 +21,8 @@ from worker_svc.config import WorkerConfig
 from worker_svc.layers.attention import (AttentionBackend, AttentionShape, configure_kernel_cache,
                                          select_attention_backend)
 from worker_svc.layers.sampler import SamplingOptions
-from worker_svc.loader import init_dummy_weights, load_safetensors
+from worker_svc.kv_cache_scales import bind_kv_scales
+from worker_svc.loader import init_dummy_weights, load_safetensors, safetensors_files
 from worker_svc.models import build_model
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, get_tp_rank, get_tp_size
 from worker_svc.runner_io import NewRequest, StepInput
@@ -83,7 +84,7 @@ def select_backend(runner: ModelRunner) -> AttentionBackend:
         num_heads=runner.model_config.num_attention_heads // runner.tp_size, num_kv_heads=runner.num_kv_heads,
         head_dim=runner.head_dim, dtype=runner.dtype, block_size=runner.block_size,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=runner.max_model_len)
+        max_model_len=runner.max_model_len, kv_cache_dtype=runner.kv_cache_dtype)
 
     def agree(totals: list[float]) -> list[float]:
         parallel_state.barrier("attention measured")   # first compiles take uneven time
@@ -104,6 +105,7 @@ def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
         init_dummy_weights(model, config.seed, std=model_config.initializer_range)
     else:
         load_safetensors(model, model_dir)
+    bind_kv_scales(model, runner.kv_cache_dtype, [] if config.load_format == "dummy" else safetensors_files(model_dir))
     parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
     return model
 
@@ -113,7 +115,7 @@ def size_kv_cache(runner: ModelRunner) -> int:
     CPU default; the same on every rank of the group."""
     config = runner.config
     per_block = kv_cache.block_bytes(runner.model_config.num_hidden_layers, runner.block_size, runner.num_kv_heads,
-                                     runner.head_dim, runner.dtype)
+                                     runner.head_dim, runner.kv_cache_dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory_gb is not None:
@@ -140,7 +142,7 @@ def warm_up(runner: ModelRunner) -> None:
     num_seqs = max(min(config.max_num_batched_tokens // seq_len, config.max_num_seqs), 1)
     blocks_per_seq = -(-seq_len // runner.block_size)
     kv_cache.allocate_kv_cache(runner.model, num_seqs * blocks_per_seq, runner.block_size,
-                               runner.num_kv_heads, runner.head_dim, runner.dtype, device)
+                               runner.num_kv_heads, runner.head_dim, runner.kv_cache_dtype, device)
     warm_options = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)
     new_requests = [NewRequest(-1 - i, [0] * seq_len, seq_len, 0, seq_len,
                                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), warm_options)

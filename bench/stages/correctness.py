@@ -104,8 +104,9 @@ def prefill_metadata(prompt_lens: list[int], block_size: int, device):
 
 
 def engine_logits(path: pathlib.Path, prompts: list[list[int]], *, device: str = "cuda",
-                  attention_backend: str = "auto", dtype: str = "bfloat16") -> list:
-    """float32 logits [len(prompt), vocab] per prompt."""
+                  attention_backend: str = "auto", dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> list:
+    """float32 logits [len(prompt), vocab] per prompt (every attention reads its K/V back from a
+    cache of kv_cache_dtype)."""
     import torch
 
     from worker_svc.config import WorkerConfig
@@ -115,7 +116,7 @@ def engine_logits(path: pathlib.Path, prompts: list[list[int]], *, device: str =
     # Enough blocks for any block size of 16 tokens or more (the runner picks it per backend).
     runner = ModelRunner(WorkerConfig(model=str(path), device=device, dtype=dtype,
                                       attention_backend=attention_backend, enforce_eager=True,
-                                      num_kv_blocks=sum(-(-n // 16) for n in lens) + 1))
+                                      kv_cache_dtype=kv_cache_dtype, num_kv_blocks=sum(-(-n // 16) for n in lens) + 1))
     meta = prefill_metadata(lens, runner.block_size, runner.device)
     with torch.inference_mode():
         input_ids = torch.tensor([t for p in prompts for t in p], device=runner.device)

@@ -155,6 +155,7 @@ def _model_info(info: pb.ModelInfo) -> ModelInfo:
         tensor_parallel_size=g.tensor_parallel_size, num_kv_blocks=g.num_kv_blocks,
         num_free_kv_blocks=g.num_free_kv_blocks, num_running=g.num_running, num_preemptions=g.num_preemptions,
         prefix_cache_queried_tokens=g.prefix_cache_queried_tokens, prefix_cache_hit_tokens=g.prefix_cache_hit_tokens,
+        kv_cache_dtype=g.kv_cache_dtype,
     ) for g in info.worker_groups]
     return ModelInfo(info.model, info.max_model_len, info.vocab_size, list(info.eos_token_ids), info.block_size,
                      info.num_kv_blocks, groups)

@@ -116,6 +116,7 @@ class WorkerGroupInfo:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    kv_cache_dtype: str = ""              # "bfloat16", "float32", "float8_e4m3fn"
 
 
 @dataclass(frozen=True)

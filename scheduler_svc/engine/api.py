@@ -132,6 +132,7 @@ class GroupState:
     block_size: int
     max_model_len: int
     num_paused: int = 0        # out of the batch until their clients read again
+    kv_cache_dtype: str = ""   # the workers' WorkerInfo.kv_cache_dtype ("" while none is up)
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,7 +252,7 @@ class EngineCore:
                 prefix_cache_queried_tokens=bm.prefix_cache_queried_tokens if bm else 0,
                 prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens if bm else 0,
                 block_size=info.block_size if info else 0, max_model_len=g.max_model_len,
-                num_paused=s.num_paused if s else 0,
+                num_paused=s.num_paused if s else 0, kv_cache_dtype=info.kv_cache_dtype if info else "",
             ))
         return CoreInfo(self._status, groups)
 

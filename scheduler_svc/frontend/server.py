@@ -110,7 +110,8 @@ def to_model_info(info: CoreInfo, *, model_name: str, vocab_size: int, eos_token
             num_free_kv_blocks=g.num_free_kv_blocks, num_running=g.num_running, device=g.device,
             attention_backend=g.attention_backend, num_preemptions=g.num_preemptions,
             prefix_cache_queried_tokens=g.prefix_cache_queried_tokens,
-            prefix_cache_hit_tokens=g.prefix_cache_hit_tokens, tensor_parallel_size=len(g.addresses))
+            prefix_cache_hit_tokens=g.prefix_cache_hit_tokens, tensor_parallel_size=len(g.addresses),
+            kv_cache_dtype=g.kv_cache_dtype)
         for g in info.groups
     ]
     up = [g for g in info.groups if g.block_size]

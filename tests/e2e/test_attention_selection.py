@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import dataclasses
 import logging
 import math
 import pathlib
@@ -37,6 +38,7 @@ class FakeBackend:
     def __init__(self, name: str, block_size_multiple: int = 1) -> None:
         self.name = name
         self.block_size_multiple = block_size_multiple
+        self.reads_fp8_kv = name != "flash_attn"   # as the real ones
 
 
 class FakeDevice:
@@ -67,8 +69,9 @@ class FakeDevice:
         self.measured.append(backend.name)
         return self.times[backend.name]
 
-    def select(self, requested="auto", device=CUDA, candidates=("flash_attn", "triton"), **kwargs):
-        return select_attention_backend(requested, device, QWEN3_0_6B, candidates=candidates, load=self.load,
+    def select(self, requested="auto", device=CUDA, candidates=("flash_attn", "triton"), shape=QWEN3_0_6B,
+               **kwargs):
+        return select_attention_backend(requested, device, shape, candidates=candidates, load=self.load,
                                         warm_up=self.warm_up, measure=self.measure, **kwargs)
 
 
@@ -171,20 +174,50 @@ def test_a_named_backend_that_cannot_run_is_an_error_naming_why():
     with pytest.raises(ValueError, match="unknown attention backend 'nonesuch'"):
         device.select("nonesuch")
     coarse = FakeDevice({}, block_size_multiples={"triton": 64})
-    with pytest.raises(ValueError, match="'triton' takes KV blocks of a multiple of 64 tokens, not 16"):
+    with pytest.raises(ValueError, match="'triton' takes KV blocks of a multiple of 64 tokens, not 16: choose"):
         coarse.select("triton")
     assert coarse.warmed == []
 
 
 def test_every_backend_declares_the_facts_of_the_protocol():
     facts = set(typing.get_type_hints(AttentionBackend))
-    assert facts == {"name", "supports_cuda_graphs", "block_size_multiple"}
+    assert facts == {"name", "supports_cuda_graphs", "block_size_multiple", "reads_fp8_kv"}
     for module_name, class_name in BACKEND_CLASSES.values():
         # Read from the source, as flash_attn's module imports only where FlashAttention-4 is installed.
         tree = ast.parse(pathlib.Path(importlib.util.find_spec(module_name).origin).read_text())
         (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
         declared = {target.id for node in cls.body if isinstance(node, ast.Assign) for target in node.targets}
         assert facts <= declared, f"{class_name} does not declare {sorted(facts - declared)}"
+
+
+FP8_KV = dataclasses.replace(QWEN3_0_6B, kv_cache_dtype=torch.float8_e4m3fn)
+
+
+def test_with_an_fp8_kv_cache_auto_skips_a_backend_that_cannot_read_it_in_one_line(caplog):
+    caplog.set_level(logging.INFO)
+    device = FakeDevice({"flash_attn": {"decode": 0.01}, "triton": {"decode": 0.1}})
+    assert device.select(shape=FP8_KV).name == "triton"
+    about_flash = [line for line in selection_lines(caplog) if "flash_attn" in line]
+    assert about_flash == ["attention backend flash_attn skipped: it cannot read an fp8 KV cache"]
+    assert device.warmed == device.measured == ["triton"]
+
+
+def test_a_named_backend_that_cannot_read_the_fp8_kv_cache_is_an_error():
+    with pytest.raises(ValueError, match="'flash_attn' cannot read an fp8 KV cache"):
+        FakeDevice({}).select("flash_attn", shape=FP8_KV)
+    assert FakeDevice({}).select("triton", shape=FP8_KV).name == "triton"
+
+
+def test_synthetic_fp8_steps_hold_quantized_random_values():
+    from worker_svc.layers.attention.selection import synthetic_kv_scales
+
+    shape = dataclasses.replace(TINY, kv_cache_dtype=torch.float8_e4m3fn)
+    _, _, _, k_cache, v_cache, _ = synthetic_step([(40, 1)], shape, torch.device("cpu"))
+    scales = synthetic_kv_scales(shape, torch.device("cpu"))
+    assert k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
+    values = k_cache.float() * scales.k[0]
+    assert 0.5 < values.std().item() < 2.0   # unit-variance K read back through the scales
+    assert synthetic_kv_scales(TINY, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("shape", [QWEN3_0_6B, TINY], ids=["qwen3-0.6b", "tiny"])
@@ -231,11 +264,13 @@ def test_time_per_call_runs_the_call_once_then_rounds_of_calls():
     assert len(calls) == 1 + 4 * 3 and ms >= 0
 
 
-def test_the_real_warm_up_and_measurement_run_the_torch_backend():
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype-kv", "fp8-kv"])
+def test_the_real_warm_up_and_measurement_run_the_torch_backend(kv_cache_dtype):
+    shape = dataclasses.replace(TINY, kv_cache_dtype=kv_cache_dtype)
     backend = get_attention_backend("torch", "cpu")
-    assert warm_up_backend(backend, TINY, torch.device("cpu")) > 0
-    times = measure_backend(backend, TINY, torch.device("cpu"), calls=2, rounds=1)
-    assert list(times) == [c.name for c in measurement_cases(TINY)]
+    assert warm_up_backend(backend, shape, torch.device("cpu")) > 0
+    times = measure_backend(backend, shape, torch.device("cpu"), calls=2, rounds=1)
+    assert list(times) == [c.name for c in measurement_cases(shape)]
     assert all(t > 0 for t in times.values())
 
 

@@ -57,20 +57,24 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-# FlashAttention-4 has no float32 kernels.
-GRAPH_CASES = [pytest.param(backend, dtype, tolerance, block_size, id=f"{backend}-{label}-block{block_size}")
+# FlashAttention-4 has no float32 kernels and reads no FP8 cache.
+GRAPH_CASES = [pytest.param(backend, dtype, tolerance, block_size, None, id=f"{backend}-{label}-block{block_size}")
                for backend in ("triton", "flash_attn")
                for dtype, tolerance, label in ((torch.float32, 1e-5, "fp32"), (torch.bfloat16, 2e-2, "bf16"))
                for block_size in (16, 128)
                if not (backend == "flash_attn" and dtype == torch.float32)]
+GRAPH_CASES += [pytest.param("triton", torch.bfloat16, 2e-2, block_size, torch.float8_e4m3fn,
+                             id=f"triton-bf16-fp8kv-block{block_size}") for block_size in (16, 128)]
 
 
 @cuda
-@pytest.mark.parametrize("backend_name,dtype,tolerance,block_size", GRAPH_CASES)
-def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dtype, tolerance, block_size):
+@pytest.mark.parametrize("backend_name,dtype,tolerance,block_size,kv_cache_dtype", GRAPH_CASES)
+def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dtype, tolerance, block_size,
+                                                kv_cache_dtype):
     from transformers import AutoConfig
 
     from worker_svc import kv_cache
+    from worker_svc.kv_cache_scales import bind_kv_scales
     from worker_svc.layers.attention.registry import describe_error, load_backend
     from worker_svc.loader import load_safetensors
     from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
@@ -91,12 +95,13 @@ def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dt
     load_safetensors(model, tiny_model_dir)
     num_blocks = MAX_BATCH * MAX_MODEL_LEN // block_size
     cache = kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads,
-                                       head_dim_of(config), dtype, device)
-    cache.normal_()
+                                       head_dim_of(config), kv_cache_dtype or dtype, device)
+    bind_kv_scales(model, cache.dtype, [])
+    cache.copy_(torch.randn(cache.shape, device=device))   # rounded (or saturated, for FP8) to the cache's type
     before_capture = cache.clone()
     graphs = DecodeGraphs(model, max_batch_size=MAX_BATCH, max_blocks_per_seq=MAX_MODEL_LEN // block_size,
                           max_model_len=MAX_MODEL_LEN, device=device)
-    assert torch.equal(cache, before_capture), "capture wrote into the KV cache"
+    assert torch.equal(cache.view(torch.uint8), before_capture.view(torch.uint8)), "capture wrote into the KV cache"
 
     seed = random.SystemRandom().randrange(2**32)
     rng = random.Random(seed)
@@ -112,8 +117,8 @@ def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dt
         assert replayed.shape == eager.shape
         err = relative_error(replayed, eager)
         assert err < tolerance, f"seed {seed}, batch {n}: relative error {err:.2e}"
-        assert relative_error(cache, eager_cache) < tolerance, f"seed {seed}, batch {n}: KV cache differs"
-        changed = (cache != snapshot).flatten(4).any(-1)  # [2, layers, blocks, block_size]
+        assert relative_error(cache.float(), eager_cache.float()) < tolerance, f"seed {seed}, batch {n}: KV cache differs"
+        changed = (cache.view(torch.uint8) != snapshot.view(torch.uint8)).view(*cache.shape[:4], -1).any(-1)
         written = changed.nonzero()[:, 2:].unique(dim=0).tolist()
         expected = sorted({(s // block_size, s % block_size) for s in meta.slot_mapping.tolist()})
         assert sorted(map(tuple, written)) == expected, f"seed {seed}, batch {n}: padding rows wrote K/V"

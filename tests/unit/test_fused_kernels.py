@@ -187,13 +187,16 @@ def test_qwen3_forward_with_and_without_fusion(fused, tiny_model_dir, dtype):
     input_ids = torch.randint(0, config.vocab_size, (sum(query_lens),), generator=g).to(DEVICE)
     positions = positions_of(seq_lens, query_lens).to(DEVICE)
 
+    from worker_svc.layers.attention import qkv_store
+
     def logits(use_fused: bool) -> tuple[torch.Tensor, collections.Counter]:
         calls = collections.Counter()
         with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
             patch.setattr(fused, "ENABLED", use_fused)
-            for name in ("rms_norm", "silu_and_mul", "qk_norm_rope_"):
-                kernel = getattr(fused, name)
-                patch.setattr(fused, name, lambda *a, _k=kernel, _n=name, **kw: calls.update([_n]) or _k(*a, **kw))
+            for module, name in ((fused, "rms_norm"), (fused, "silu_and_mul"), (fused, "qk_norm_rope_"),
+                                 (qkv_store, "qk_norm_rope_store")):
+                kernel = getattr(module, name)
+                patch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.update([_n]) or _k(*a, **kw))
             if DEVICE.type == "cpu":
                 # The layers pick the fused kernels for CUDA tensors only; the interpreter runs
                 # them on any tensor, so here every tensor claims to be a CUDA one.
@@ -205,6 +208,7 @@ def test_qwen3_forward_with_and_without_fusion(fused, tiny_model_dir, dtype):
     (reference, unfused_calls), (actual, fused_calls) = logits(False), logits(True)
     layers = config.num_hidden_layers
     assert not unfused_calls
-    assert fused_calls == {"rms_norm": 2 * layers + 1, "silu_and_mul": layers, "qk_norm_rope_": layers}
+    # q/k norm and RoPE go with the K/V store into one kernel (attention/qkv_store.py).
+    assert fused_calls == {"rms_norm": 2 * layers + 1, "silu_and_mul": layers, "qk_norm_rope_store": layers}
     error = ((actual - reference).norm() / reference.norm()).item()
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), error

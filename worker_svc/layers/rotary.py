@@ -1,9 +1,12 @@
-"""Rotary position embedding with a precomputed cos/sin table (neox layout: halves rotate)."""
+"""Rotary position embedding with a precomputed cos/sin table (neox layout: halves rotate), and
+the path from a packed qkv projection through Qwen3's q/k norm and RoPE into the KV cache."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from worker_svc.layers.attention.base import AttentionMetadata
+from worker_svc.layers.attention.layer import PagedAttention
 from worker_svc.layers.layernorm import RMSNorm
 
 # RoPE variants whose frequencies do not depend on the sequence length, so one table serves
@@ -80,3 +83,22 @@ def norm_and_rotate_qkv(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos
     if not fused:
         q, k = apply_rotary(q_norm(q), cos_sin), apply_rotary(k_norm(k), cos_sin)
     return q, k, v
+
+
+def attend_qkv(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos_sin: torch.Tensor, attn: PagedAttention,
+               meta: AttentionMetadata, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Attention output [num_tokens, num_heads, head_dim] of a packed [q | k | v] projection:
+    Qwen3's q/k norm and RoPE, the step's K/V into attn's cache, then attention. On CUDA one
+    kernel does all but the attention (attention/qkv_store.py) and the backend only attends."""
+    if qkv.is_cuda:
+        from worker_svc.layers import fused_kernels   # imports Triton, which CUDA installs have
+
+        if fused_kernels.ENABLED:
+            from worker_svc.layers.attention import qkv_store
+
+            q = qkv_store.qk_norm_rope_store(qkv, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps, cos_sin,
+                                             num_heads, num_kv_heads, attn.k_cache, attn.v_cache,
+                                             meta.slot_mapping, attn.kv_scales)
+            return attn.attend(q, meta)
+    q, k, v = norm_and_rotate_qkv(qkv, q_norm, k_norm, cos_sin, num_heads, num_kv_heads)
+    return attn(q, k, v, meta)

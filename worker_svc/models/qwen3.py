@@ -21,7 +21,7 @@ from worker_svc.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.fp8 import Fp8Config
 from worker_svc.layers.layernorm import RMSNorm
 from worker_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from worker_svc.layers.rotary import RotaryEmbedding, inverse_frequencies, norm_and_rotate_qkv
+from worker_svc.layers.rotary import RotaryEmbedding, attend_qkv, inverse_frequencies
 from worker_svc.parallel_state import divide, get_tp_size
 
 
@@ -50,9 +50,9 @@ class Qwen3Attention(nn.Module):
         self.attn = PagedAttention(backend, scale=self.head_dim ** -0.5)
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = norm_and_rotate_qkv(self.qkv_proj(hidden), self.q_norm, self.k_norm, cos_sin,
-                                      self.num_heads, self.num_kv_heads)
-        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+        out = attend_qkv(self.qkv_proj(hidden), self.q_norm, self.k_norm, cos_sin, self.attn, meta,
+                         self.num_heads, self.num_kv_heads)
+        return self.o_proj(out.flatten(1))
 
 
 class Qwen3MLP(nn.Module):

@@ -10,6 +10,11 @@ Cache layout (FlashAttention's paged layout): k_cache, v_cache: [num_blocks, blo
 head_dim], each contiguous. Any block size. The cache holds finite values everywhere (kv_cache.py
 zeroes it; later a slot holds old K/V): a backend may load the rows of a request's last block
 past its length, and must mask them (FlashAttention-4 does, when it loads whole pages by TMA).
+
+The cache's element type may differ from the model's (kv_quant.py): an FP8 cache comes with its
+layer's KVScales, and a backend that cannot read one says so (`reads_fp8_kv = False`), so the
+worker never selects it for an FP8 cache. `attend` is the attention alone, for callers that
+stored the step's K/V themselves (rotary.attend_qkv's fused kernel does, on CUDA).
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from worker_svc.layers.attention.kv_quant import KVScales
 
 
 @dataclass
@@ -46,6 +53,7 @@ class AttentionBackend(Protocol):
     supports_cuda_graphs: bool
     # The KV block sizes it takes are the multiples of this (1: any).
     block_size_multiple: int
+    reads_fp8_kv: bool           # it can read a float8_e4m3fn cache (with KVScales)
 
     def forward(
         self,
@@ -56,5 +64,12 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,   # required when the cache is FP8
     ) -> torch.Tensor:          # [num_tokens, num_heads, head_dim]
+        """Stores the step's K/V at meta.slot_mapping, then attends."""
+        ...
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        """Attention over a cache that already holds the step's K/V."""
         ...

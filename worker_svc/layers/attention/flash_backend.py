@@ -23,6 +23,9 @@ Compiled kernels are cached on disk by FlashAttention-4 itself (one folder per s
 fingerprint, so an upgrade never loads a stale kernel), in the folder kernel_cache.py names
 (the worker's --kernel-cache-dir; by default ~/.cache/qwen3-serve/kernels/flash_attn_cute). It
 reads that setting when flash_attn.cute is first imported, so the import comes after it.
+
+FP8 KV cache: not read (its paged varlen forward takes no K/V descale in 4.0.0b36), so
+`reads_fp8_kv = False` and the worker's start-up selection skips it for --kv-cache-dtype fp8.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch
 
 from worker_svc.layers.attention.base import AttentionMetadata
 from worker_svc.layers.attention.kernel_cache import apply_default_kernel_cache
+from worker_svc.layers.attention.kv_quant import KVScales
 
 apply_default_kernel_cache()
 from flash_attn.cute import flash_attn_varlen_func  # noqa: E402  (reads the cache setting)
@@ -45,6 +49,7 @@ class FlashAttentionBackend:
     name = "flash_attn"
     supports_cuda_graphs = True
     block_size_multiple = 1
+    reads_fp8_kv = False
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -56,11 +61,14 @@ class FlashAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # A strided cache view would make the wrapper copy the whole cache on every call.
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("flash_attn needs contiguous per-layer K/V caches")
+                meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        self._check_cache(q, k_cache, v_cache)
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale, kv_scales)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        self._check_cache(q, k_cache, v_cache)
         out, _lse = flash_attn_varlen_func(
             q, k_cache, v_cache,
             cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
@@ -68,3 +76,11 @@ class FlashAttentionBackend:
             softmax_scale=scale, causal=True,
         )
         return out
+
+    @staticmethod
+    def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        # A strided cache view would make the wrapper copy the whole cache on every call.
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("flash_attn needs contiguous per-layer K/V caches")
+        if k_cache.dtype != q.dtype:
+            raise ValueError(f"flash_attn reads only a KV cache of the model's dtype ({q.dtype}), not {k_cache.dtype}")

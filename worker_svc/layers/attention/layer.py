@@ -1,10 +1,12 @@
-"""The attention module of a decoder layer: binds one layer's KV cache to a backend."""
+"""The attention module of a decoder layer: binds one layer's KV cache (and, for an FP8 cache,
+its scales) to a backend."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from worker_svc.layers.attention.base import AttentionBackend, AttentionMetadata
+from worker_svc.layers.attention.kv_quant import KVScales
 
 
 class PagedAttention(nn.Module):
@@ -15,6 +17,13 @@ class PagedAttention(nn.Module):
         # Views into the runner's one KV-cache tensor, bound once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # This layer's FP8 scales (worker_svc/kv_cache_scales.py); None for an unquantized cache.
+        self.kv_scales: KVScales | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        """Stores the step's K/V in this layer's cache, then attends."""
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attends over this layer's cache, which already holds the step's K/V."""
+        return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)

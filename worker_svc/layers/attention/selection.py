@@ -7,10 +7,11 @@ layer on a few representative steps (measure_backend): decode of one request and
 batch, a chunk of a prompt over a cached prefix mixed with decodes, a fresh prompt. Decode is
 timed as the worker runs it, by CUDA-graph replay when the backend can be captured; the other
 steps eagerly, host overhead included. The backend with the least total time wins. A candidate
-that cannot load here (not installed, unsupported GPU), does not take the worker's block size
-or fails on the model's shapes is skipped with one log line saying why; when none runs, torch
-does. On the CPU torch is the only backend. A named backend is loaded and warmed up as it is,
-and any failure is an error.
+that cannot load here (not installed, unsupported GPU), does not take the worker's block size,
+cannot read the worker's FP8 KV cache or fails on the model's shapes is skipped with one log line
+saying why; when none runs, torch does. On the CPU torch is the only backend. A named backend is
+loaded and warmed up as it is, and any failure (a block size or an FP8 cache it cannot take
+included) is an error.
 
 All of it is a few seconds (and FlashAttention-4's first compiles, which its disk cache keeps
 for the next start). Ranks of a tensor-parallel group measure their own GPUs and then agree
@@ -29,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from worker_svc.layers.attention.base import AttentionBackend, AttentionMetadata
+from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, dtype_name, is_fp8, quantize
 from worker_svc.layers.attention.registry import CUDA_CANDIDATES, describe_error, get_attention_backend, load_backend
 from worker_svc.layers.attention.torch_backend import TorchAttentionBackend
 
@@ -62,6 +64,11 @@ class AttentionShape:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    kv_cache_dtype: torch.dtype | None = None   # None: dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
 
 @dataclass(frozen=True)
@@ -108,8 +115,7 @@ def synthetic_step(requests: Sequence[tuple[int, int]], shape: AttentionShape, d
 
     device_gen = torch.Generator(device=device).manual_seed(seed)
     cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, generator=device_gen, device=device, dtype=shape.dtype)
-    v_cache = torch.randn(cache_shape, generator=device_gen, device=device, dtype=shape.dtype)
+    k_cache, v_cache = (_random_cache(cache_shape, shape, device, device_gen) for _ in range(2))
     num_tokens = int(new.sum())
     q = torch.randn(num_tokens, shape.num_heads, shape.head_dim, generator=device_gen, device=device, dtype=shape.dtype)
     k = torch.randn(num_tokens, shape.num_kv_heads, shape.head_dim, generator=device_gen, device=device,
@@ -123,6 +129,27 @@ def synthetic_step(requests: Sequence[tuple[int, int]], shape: AttentionShape, d
         max_query_len=int(new.max()), max_seq_len=int(seq_lens.max()),
         query_lens_cpu=new.tolist(), seq_lens_cpu=seq_lens.tolist())
     return q, k, v, k_cache, v_cache, meta
+
+
+# The synthetic FP8 steps' scales: random normal K/V of unit variance then span e4m3's range.
+SYNTHETIC_FP8_SCALE = 4.0 / FP8_KV_MAX
+
+
+def synthetic_kv_scales(shape: AttentionShape, device: torch.device) -> KVScales | None:
+    """The scales synthetic_step's FP8 caches are written with (None for other caches)."""
+    if not is_fp8(shape.cache_dtype):
+        return None
+    scale = torch.full((shape.num_kv_heads,), SYNTHETIC_FP8_SCALE, device=device)
+    return KVScales.of(scale, scale)
+
+
+def _random_cache(cache_shape: tuple[int, ...], shape: AttentionShape, device: torch.device,
+                  generator: torch.Generator) -> torch.Tensor:
+    values = torch.randn(cache_shape, generator=generator, device=device, dtype=shape.dtype)
+    if not is_fp8(shape.cache_dtype):
+        return values.to(shape.cache_dtype)
+    inverse = synthetic_kv_scales(shape, device).k_inv
+    return quantize(values.flatten(0, 1), inverse).view(cache_shape)
 
 
 def warm_up_cases(shape: AttentionShape) -> list[StepCase]:
@@ -164,7 +191,7 @@ def _pool_blocks(shape: AttentionShape, device: torch.device) -> int | None:
     """Blocks of the measurement's shared pool on a GPU (None on the CPU: each request its own)."""
     if device.type != "cuda":
         return None
-    block_bytes = 2 * shape.block_size * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+    block_bytes = 2 * shape.block_size * shape.num_kv_heads * shape.head_dim * shape.cache_dtype.itemsize
     l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
     pool_bytes = min(max(POOL_L2_MULTIPLE * l2_bytes, POOL_MIN_BYTES), POOL_MAX_BYTES,
                      torch.cuda.mem_get_info(device)[0] // 8)
@@ -176,9 +203,9 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_step(backend: AttentionBackend, step: Step, scale: float) -> torch.Tensor:
+def run_step(backend: AttentionBackend, step: Step, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
     q, k, v, k_cache, v_cache, meta = step
-    return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales)
 
 
 def time_per_call(fn: Callable[[], object], device: torch.device, *, calls: int = TIMED_CALLS,
@@ -205,15 +232,16 @@ def time_per_call(fn: Callable[[], object], device: torch.device, *, calls: int 
 
 
 def time_step(backend: AttentionBackend, step: Step, scale: float, device: torch.device, *,
-              graph: bool, calls: int = TIMED_CALLS, rounds: int = TIMED_ROUNDS) -> float:
+              graph: bool, calls: int = TIMED_CALLS, rounds: int = TIMED_ROUNDS,
+              kv_scales: KVScales | None = None) -> float:
     """Milliseconds per forward of one layer on `step`: eager, or replaying a CUDA graph of it."""
     if not graph:
-        return time_per_call(lambda: run_step(backend, step, scale), device, calls=calls, rounds=rounds)
-    run_step(backend, step, scale)   # compiles outside the capture
+        return time_per_call(lambda: run_step(backend, step, scale, kv_scales), device, calls=calls, rounds=rounds)
+    run_step(backend, step, scale, kv_scales)   # compiles outside the capture
     _synchronize(device)
     captured = torch.cuda.CUDAGraph()
     with torch.cuda.graph(captured):
-        run_step(backend, step, scale)
+        run_step(backend, step, scale, kv_scales)
     try:
         return time_per_call(captured.replay, device, calls=calls, rounds=rounds)
     finally:
@@ -227,9 +255,10 @@ def warm_up_backend(backend: AttentionBackend, shape: AttentionShape, device: to
     device = torch.device(device)
     begin = time.perf_counter()
     scale = shape.head_dim ** -0.5
+    kv_scales = synthetic_kv_scales(shape, device)
     for i, case in enumerate(warm_up_cases(shape)):
         step = synthetic_step(case.requests, shape, device, pool_blocks=WARM_UP_POOL_BLOCKS, seed=i)
-        run_step(backend, step, scale)
+        run_step(backend, step, scale, kv_scales)
         del step
     _synchronize(device)
     return time.perf_counter() - begin
@@ -244,11 +273,12 @@ def measure_backend(backend: AttentionBackend, shape: AttentionShape, device: to
     scale = shape.head_dim ** -0.5
     graphs = device.type == "cuda" and backend.supports_cuda_graphs
     pool_blocks = _pool_blocks(shape, device)
+    kv_scales = synthetic_kv_scales(shape, device)
     times = {}
     for i, case in enumerate(measurement_cases(shape)):
         step = synthetic_step(case.requests, shape, device, pool_blocks=pool_blocks, seed=100 + i)
         times[case.name] = time_step(backend, step, scale, device, graph=graphs and case.pure_decode,
-                                    calls=calls, rounds=rounds)
+                                    calls=calls, rounds=rounds, kv_scales=kv_scales)
         del step
     if device.type == "cuda":   # the buffers go back to the device before the KV cache is sized
         torch.cuda.synchronize(device)
@@ -270,9 +300,10 @@ def select_attention_backend(
     device = torch.device(device)
     if requested != "auto":
         backend = get_attention_backend(requested, device, load=load)
-        refusal = block_size_refusal(backend, shape)
+        refusal = backend_refusal(backend, shape)
         if refusal:
-            raise ValueError(f"attention backend {requested!r} {refusal}")
+            raise ValueError(f"attention backend {requested!r} {refusal}: choose another --attention-backend"
+                             + (", or --kv-cache-dtype auto" if is_fp8(shape.cache_dtype) else ""))
         if device.type == "cuda":
             try:
                 seconds = warm_up(backend, shape, device)
@@ -292,7 +323,7 @@ def select_attention_backend(
         except Exception as exc:
             logger.info("attention backend %s skipped: it cannot load here (%s)", name, describe_error(exc))
             continue
-        refusal = block_size_refusal(backend, shape)
+        refusal = backend_refusal(backend, shape)
         if refusal:
             logger.info("attention backend %s skipped: it %s", name, refusal)
             continue
@@ -319,13 +350,16 @@ def select_attention_backend(
     return runnable[chosen]
 
 
-def block_size_refusal(backend: AttentionBackend, shape: AttentionShape) -> str | None:
-    """Why the backend cannot take the shape's KV blocks, or None when it can."""
+def backend_refusal(backend: AttentionBackend, shape: AttentionShape) -> str | None:
+    """Why the backend cannot take the shape's KV cache (its block size, an FP8 cache), or None."""
     if shape.block_size % backend.block_size_multiple:
         return f"takes KV blocks of a multiple of {backend.block_size_multiple} tokens, not {shape.block_size}"
+    if is_fp8(shape.cache_dtype) and not backend.reads_fp8_kv:
+        return "cannot read an fp8 KV cache"
     return None
 
 
 def shape_summary(shape: AttentionShape) -> str:
     return (f"{shape.num_heads} heads, {shape.num_kv_heads} kv heads, head_dim {shape.head_dim}, "
-            f"{str(shape.dtype).removeprefix('torch.')}, blocks of {shape.block_size}")
+            f"{str(shape.dtype).removeprefix('torch.')}, {dtype_name(shape.cache_dtype)} KV cache in blocks of "
+            f"{shape.block_size}")

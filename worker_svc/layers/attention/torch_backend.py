@@ -2,7 +2,8 @@
 
 Writes the step's K/V into the cache, then for each request gathers its blocks and runs SDPA
 with a causal mask shifted by the cached prefix. One SDPA call per request keeps it obviously
-correct; it is the CPU path, not a fast one.
+correct; it is the CPU path, not a fast one. An FP8 cache is quantized on store and
+dequantized on read (kv_quant.py), exactly as the Triton kernels store it.
 """
 from __future__ import annotations
 
@@ -10,16 +11,20 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.layers.attention.base import AttentionMetadata
+from worker_svc.layers.attention.kv_quant import KVScales, from_cache, to_cache
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
     """Stores each token's K/V at its slot (block_id * block_size + offset); slot -1 is padding."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep])
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep])
+    for new, cache, inv in ((k, k_cache, "k_inv"), (v, v_cache, "v_inv")):
+        values = to_cache(new[keep], cache.dtype, kv_scales, inv)
+        if values.element_size() == 1:   # index_copy_ has no float8 kernel; the bytes are the same
+            cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, values)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -43,18 +48,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class TorchAttentionBackend:
     name = "torch"
-    supports_cuda_graphs = False   # reads the host lists of AttentionMetadata
+    # Reads AttentionMetadata's host lists: a captured graph would replay stale lengths.
+    supports_cuda_graphs = False
+    reads_fp8_kv = True
     block_size_multiple = 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        return self.attend(q, k_cache, v_cache, meta, scale, kv_scales)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             block_table = meta.block_tables[i]
-            keys = gather_context(k_cache, block_table, seq_len)
-            values = gather_context(v_cache, block_table, seq_len)
+            keys = from_cache(gather_context(k_cache, block_table, seq_len), q.dtype, kv_scales, "k")
+            values = from_cache(gather_context(v_cache, block_table, seq_len), q.dtype, kv_scales, "v")
             out[start:start + query_len] = causal_attention(q[start:start + query_len], keys, values, scale)
             start += query_len
         return out

@@ -1,12 +1,13 @@
 """Attention through this project's Triton kernels (triton_kernels.py): the GPU path when
 flash-attn is not installed. Mixed prefill/decode batches take one varlen launch; pure-decode
 batches take the split-K decode launch, whose shape depends only on the batch size, so it can be
-captured in a CUDA graph."""
+captured in a CUDA graph. Reads bfloat16, float32 and FP8 caches."""
 from __future__ import annotations
 
 import torch
 
 from worker_svc.layers.attention.base import AttentionMetadata
+from worker_svc.layers.attention.kv_quant import KVScales
 from worker_svc.layers.attention.triton_kernels import paged_attention, store_kv_cache
 
 
@@ -15,10 +16,15 @@ class TritonAttentionBackend:
     # Reads lengths only from device tensors, never from AttentionMetadata's host lists.
     supports_cuda_graphs = True
     block_size_multiple = 1
+    reads_fp8_kv = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                               meta.block_tables, scale, pure_decode=meta.is_pure_decode)
+                meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        return self.attend(q, k_cache, v_cache, meta, scale, kv_scales)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                               scale, pure_decode=meta.is_pure_decode, kv_scales=kv_scales)

@@ -1,15 +1,19 @@
 """This project's Triton kernels for attention over the paged KV cache.
 
-Three kernels, each launched once per layer per step:
-- `_store_kv_kernel`: writes the step's new K/V rows into the cache at their slots.
+- `_store_kv_kernel`: writes the step's new K/V rows into the cache at their slots (quantized
+  for an FP8 cache, see kv_quant.py). On CUDA the model stores through qkv_store.py instead,
+  fused with q/k norm and RoPE; this one serves the backends' own `forward`.
 - `_paged_attention_kernel`: causal attention of every query token over its request's paged
   context. One program handles one kv head for a tile of query tokens of one request, and all
   the query heads that share that kv head (GQA): the K/V tile it loads is used by the whole
   group, so KV bytes are read once per kv head rather than once per query head. Rows of the
   tile are (query token, head in group) pairs, so a decode (one token) still fills a tensor-core
   tile with its group. Optionally split-K ("flash decoding"): each program covers a slice of
-  the context and writes a partial result with its log-sum-exp.
-- `_merge_splits_kernel`: combines the split-K partials into the output.
+  the context and writes a partial result with its log-sum-exp; the program that finishes a
+  (request, kv head) last, as counted by an atomic counter, merges the partials (so a split
+  decode is one launch), or, with fused_merge=False, `_merge_splits_kernel` does afterwards.
+- An FP8 cache is read as e4m3 and converted on load: the kv head's K scale is folded into the
+  softmax scale and its V scale into the final division, so the inner loop multiplies nothing.
 
 Pure-decode launches depend only on tensor shapes (never on context lengths known on the host),
 so they are safe to capture in a CUDA graph and replay with other lengths.
@@ -26,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
+
 LOG2_E = 1.4426950408889634
 
 
@@ -37,22 +43,42 @@ class LaunchConfig:
     num_stages: int
 
 
-# Chosen on an H200 with bench/attention_microbench.py (docs/PERF_NOTES.md).
+# Chosen on an H200 with bench/attention_microbench.py (docs/PERF_NOTES.md); the FP8 decode's
+# by the sweep of bench/stages/attention.py.
 DECODE_LAUNCH = LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=3)
+DECODE_LAUNCH_FP8 = LaunchConfig(tile_rows=16, kv_tile=128, num_warps=4, num_stages=3)
 PREFILL_LAUNCH = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
+# Split decodes merge inside the attention launch (the last split of each kv head merges),
+# reading this many partial elements at a time.
+FUSED_SPLIT_MERGE = True
+MERGE_ELEMENTS = 4096
 # Split-K is sized to give the GPU about this many programs per multiprocessor.
 PROGRAMS_PER_SM = 2
 MAX_DECODE_SPLITS = 64
 STORE_TOKENS_PER_PROGRAM = 16
 
 
+FP8_MAX = tl.constexpr(FP8_KV_MAX)
+F16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _to_cache(x, inv_scale, cache_ptr, KV_FP8: tl.constexpr):
+    """x as the cache stores it: for FP8, float32 x * inv_scale clamped and rounded to e4m3
+    (kv_quant.quantize); otherwise cast to the cache's type."""
+    if KV_FP8:
+        scaled = x.to(tl.float32) * inv_scale
+        return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX).to(cache_ptr.dtype.element_ty)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_inv_ptr, v_inv_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, TOKENS: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, TOKENS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # A program copies TOKENS tokens x all kv heads x head_dim; the last axis is (head, dim).
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
@@ -65,10 +91,15 @@ def _store_kv_kernel(
     dst = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cs)[:, None] \
         + (heads * stride_ch + dims)[None, :]
     rows = tokens.to(tl.int64)[:, None]
+    k_inv = 1.0
+    v_inv = 1.0
+    if KV_FP8:
+        k_inv = tl.load(k_inv_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)[None, :]
+        v_inv = tl.load(v_inv_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)[None, :]
     k = tl.load(k_ptr + rows * stride_kt + (heads * stride_kh + dims)[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_inv, k_cache_ptr, KV_FP8), mask=mask)
     v = tl.load(v_ptr + rows * stride_vt + (heads * stride_vh + dims)[None, :], mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_inv, v_cache_ptr, KV_FP8), mask=mask)
 
 
 @triton.jit
@@ -90,15 +121,17 @@ def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr
 
 @triton.jit(do_not_specialize=["num_requests"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    k_scale_ptr, v_scale_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale, num_requests,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -132,6 +165,10 @@ def _paged_attention_kernel(
     token = (q_start + q_index).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    if DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     # Keys this tile needs: up to the position of its last query token; then this split's slice.
     kv_end = tl.minimum(context_len + (q_tile + 1) * BLOCK_Q, seq_len)
@@ -150,7 +187,7 @@ def _paged_attention_kernel(
         block = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
         kv_offset = block * stride_cb + (kv_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -158,22 +195,68 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     store_mask = row_valid[:, None] & dim_valid[None, :]
+    out_offset = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         # Partials are contiguous [num_tokens, num_heads, NUM_SPLITS, (HEAD_DIM)] float32.
         part = (token * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_valid)
+        if FUSED_MERGE:
+            # Every thread's partials are written before one of them counts this split done
+            # (release); the program that counts last sees them all (acquire) and merges.
+            tl.debug_barrier()
+            counter = counter_ptr + request * NUM_KV_HEADS + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, q_start.to(tl.int64), kv_head, stride_ot, stride_oh,
+                             NUM_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS, MERGE_CHUNK)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next launch
+
+
+@triton.jit
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, token, kv_head, stride_ot, stride_oh,
+                 NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """One decode token's output for the query heads of one kv head, from their NUM_SPLITS
+    partials, each weighted by its split's share of the softmax (heads no split saw: 0). The
+    partials are read SPLIT_CHUNK splits at a time, past L1: other programs wrote them during
+    this launch."""
+    g = tl.arange(0, GROUP_PAD)
+    g_valid = g < GROUP
+    head = kv_head * GROUP + g
+    first = (token * NUM_HEADS + head) * NUM_SPLITS   # each head's first partial
+    splits = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + first[:, None] + splits[None, :], mask=g_valid[:, None], other=float("-inf"),
+                  cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)   # every split empty (a padded request)
+    total = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for start in range(0, NUM_SPLITS, SPLIT_CHUNK):
+        part = first[:, None] + start + chunk[None, :]
+        weight = tl.exp2(tl.load(part_lse_ptr + part, mask=g_valid[:, None], other=float("-inf"),
+                                 cache_modifier=".cg") - m[:, None])
+        partial = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
+                          mask=g_valid[:, None, None] & dim_valid[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(partial * weight[:, :, None], 1)
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None] & dim_valid[None, :])
 
 
 @triton.jit
@@ -221,31 +304,65 @@ def decode_num_splits(num_requests: int, num_kv_heads: int, device: torch.device
     return splits
 
 
+def _split_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters of the fused split merge, one per (request, kv head); each launch
+    leaves them zero. Allocated once per device, at the first split launch (an eager warm-up's,
+    before any CUDA-graph capture), and grown only when a launch needs more."""
+    counters = _SPLIT_COUNTERS.get(device)
+    if counters is None or counters.numel() < size:
+        counters = torch.zeros(max(size, PROGRAMS_PER_SM * _multiprocessor_count(device)), dtype=torch.int32,
+                               device=device)
+        _SPLIT_COUNTERS[device] = counters
+    return counters
+
+
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp8_scales(k_cache: torch.Tensor, kv_scales: KVScales | None) -> KVScales | None:
+    if not is_fp8(k_cache):
+        return None
+    if kv_scales is None:
+        raise ValueError("an fp8 KV cache needs its layer's KVScales")
+    return kv_scales
+
+
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[token] for every slot >= 0."""
+                   slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[token] for every slot >= 0
+    (quantized with kv_scales for an FP8 cache)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
-    assert k_cache.stride() == v_cache.stride()
+    assert k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
+    scales = _fp8_scales(k_cache, kv_scales)
     _store_kv_kernel[(triton.cdiv(num_tokens, STORE_TOKENS_PER_PROGRAM),)](
-        k, v, k_cache, v_cache, slot_mapping, num_tokens,
+        k, v, k_cache, v_cache, slot_mapping,
+        scales.k_inv if scales else slot_mapping, scales.v_inv if scales else slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim), TOKENS=STORE_TOKENS_PER_PROGRAM,
+        KV_FP8=scales is not None,
     )
+
+
+def decode_launch(kv_fp8: bool) -> LaunchConfig:
+    return DECODE_LAUNCH_FP8 if kv_fp8 else DECODE_LAUNCH
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    scale: float, *, pure_decode: bool, num_splits: int | None = None,
+    scale: float, *, pure_decode: bool, num_splits: int | None = None, kv_scales: KVScales | None = None,
+    launch: LaunchConfig | None = None, fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache (see base.py).
     pure_decode: every request has exactly one query token (then num_tokens == batch).
-    num_splits: split-K factor; by default chosen from the batch shape for pure decode, 1 otherwise."""
+    num_splits: split-K factor; by default chosen from the batch shape for pure decode, 1 otherwise.
+    kv_scales: the layer's scales, for an FP8 cache. launch, fused_merge: override the defaults
+    (DECODE_LAUNCH[_FP8] or PREFILL_LAUNCH; FUSED_SPLIT_MERGE), for benchmarks and tests."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_requests = seq_lens.shape[0]
@@ -253,41 +370,52 @@ def paged_attention(
     if num_tokens == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.dtype == v_cache.dtype
+    scales = _fp8_scales(k_cache, kv_scales)
     group = num_heads // num_kv_heads
     group_pad = _pow2(group)
     if pure_decode:
         assert num_tokens == num_requests
-        launch = DECODE_LAUNCH
+        launch = launch or decode_launch(scales is not None)
         block_q = 1
         num_tiles = num_requests
     else:
-        launch = PREFILL_LAUNCH
+        launch = launch or PREFILL_LAUNCH
         block_q = max(1, launch.tile_rows // group_pad)
         num_tiles = num_tokens // block_q + num_requests  # upper bound, see _find_request
     if num_splits is None:
         num_splits = decode_num_splits(num_requests, num_kv_heads, q.device) if pure_decode else 1
     assert num_splits == _pow2(num_splits), "num_splits must be a power of two"
+    # The merge counts splits per (request, kv head): one query tile per request, so decode only.
+    fused_merge = (FUSED_SPLIT_MERGE if fused_merge is None else fused_merge) and pure_decode
+    counters = part_out = part_lse = out   # unused by the kernel unless it splits
     if num_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused by the kernel
+        if fused_merge:
+            counters = _split_counters(q.device, num_requests * num_kv_heads)
     dim_pad = max(16, _pow2(head_dim))
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse,
+        q, k_cache, v_cache, out, part_out, part_lse, counters,
+        scales.k if scales else out, scales.v if scales else out,
         query_start_loc, seq_lens, block_tables,
         scale * LOG2_E, num_requests,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
-        NUM_SPLITS=num_splits, PURE_DECODE=pure_decode,
-        # float32 caches (CPU-style tests, debugging) get exact products, not tf32.
+        NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
+        MERGE_CHUNK=min(num_splits, max(1, MERGE_ELEMENTS // (group_pad * dim_pad))), KV_FP8=scales is not None,
+        # An FP8 cache under a 16-bit model multiplies in float16: e4m3 converts exactly, and so does
+        # every bfloat16 q from 6e-5 to 65504 (smaller ones lose bits that cannot move a score;
+        # larger ones saturate); e4m3 -> f16 is the cheap conversion. float32 models (CPU-style
+        # tests, debugging) get exact products, not tf32.
+        DOT_F16=scales is not None and q.dtype != torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,

@@ -1,0 +1,25 @@
+"""bench/stages/attention.py runs end to end on the CPU (tiny shapes, Triton's interpreter): a
+row per case and cache type with a small error against the torch reference, the FP8 sweep's
+best config, and the JSON the driver reads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU run is the benchmark itself")
+def test_the_attention_stage_runs_on_the_cpu(tmp_path):
+    pytest.importorskip("triton")
+    from bench.stages import attention
+
+    with gpu_faithful():
+        result = attention.run(tmp_path, device="cpu", engine=False)
+    assert json.loads((tmp_path / "attention.json").read_text())["stage"] == "attention"
+    cases = {(r["case"], r["kv"]) for r in result["cases"]}
+    assert cases == {(name, kv) for name, _ in attention.CPU.cases for kv in ("float32", "float8_e4m3fn")}
+    assert all(r["err"] < 1e-5 and r["ms"] > 0 for r in result["cases"]), result["cases"]
+    assert len(result["sweep"]) == len(attention.CPU.sweep) * 2   # the decode cases
+    assert result["best_fp8_decode_launch"]["kv_tile"] in {kv for kv, _, _ in attention.CPU.sweep}
