@@ -269,6 +269,9 @@ class ModelRunner:
         else:
             load_safetensors(self.model, model_dir)
         parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
+        if self.device.type == "cuda":   # each linear layer's fastest kernel by row count (imports Triton)
+            from worker_svc.layers.linear_selection import select_linear_methods
+            select_linear_methods(self.model, self.device, self.dtype, max_rows=config.max_num_batched_tokens)
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens.
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp_rank == 0 else None
         self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device)
