@@ -51,8 +51,9 @@ class LinearOperands:
         return fused_kernels.silu_and_mul(x) if self.silu_mul else x
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` (FP8 values times their scales)."""
         if not self.fp8:
-            return self.weight
+            return self.weight.to(dtype)
         return dequantize_blocks(self.weight, self.weight_scale, self.block, dtype)
 
 

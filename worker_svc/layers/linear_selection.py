@@ -119,10 +119,10 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
     return [m for m in methods if m.supports(operands, dtype)]
 
 
-Measure = Callable[[list[Runner], torch.Tensor], float]
+Measure = Callable[[Method, list[Runner], torch.Tensor], float]
 
 
-def graph_time(runners: list[Runner], x: torch.Tensor) -> float:
+def graph_time(method: Method, runners: list[Runner], x: torch.Tensor) -> float:
     """Milliseconds per call: one CUDA graph calling each runner in turn (repeated to about
     TIMED_CALLS calls), the median of TIMED_ROUNDS replays."""
     repeats = max(1, math.ceil(TIMED_CALLS / len(runners)))
@@ -197,7 +197,7 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
                 tolerance = ACTIVATION_QUANT_TOLERANCE if isinstance(method, (Fp8Gemm, Fp8Cublas)) else TOLERANCE
                 if not error <= tolerance:
                     raise ValueError(f"relative error {error:.3g} > {tolerance}")
-                times[name] = measure(runners, x)
+                times[name] = measure(method, runners, x)
                 methods[name] = method
             except Exception as exc:   # noqa: BLE001 - a candidate that cannot run here is not chosen
                 choice.rejected[name] = f"{type(exc).__name__}: {exc}"[:300]

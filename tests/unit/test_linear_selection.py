@@ -1,0 +1,199 @@
+"""The start-up choice of linear methods (worker_svc/layers/linear_selection.py) and the plans
+it installs (linear_methods.LinearPlan), with injected timings: which method wins each row
+count, which candidates are refused, and that a model whose layers run their plans computes
+what it computes without them. Without CUDA the Triton methods run under Triton's interpreter
+on a tiny model; the last test measures for real on a GPU.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.markers import requires_cuda
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
+from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables
+from worker_svc import kv_cache
+from worker_svc.layers.attention import TorchAttentionBackend
+from worker_svc.layers.fp8 import quantize_blocks
+from worker_svc.loader import load_safetensors
+from worker_svc.model_config import load_model_config
+from worker_svc.models.qwen3 import Qwen3ForCausalLM
+
+
+@pytest.fixture(scope="module")
+def selection():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from worker_svc.layers import linear_methods, linear_selection
+
+    with gpu_faithful():
+        yield linear_selection, linear_methods
+
+
+def timings(table: dict[str, float]):
+    """A measure that reads each method's time from `table` by the start of its name."""
+    def measure(method, runners, x):
+        return next(t for prefix, t in table.items() if str(method).startswith(prefix))
+    return measure
+
+
+def bf16_operands(methods, cols=48, width=64, seed=51):
+    g = torch.Generator().manual_seed(seed)
+    return methods.LinearOperands((torch.randn(cols, width, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE))
+
+
+def test_the_fastest_method_wins_each_row_count(selection):
+    linear_selection, methods = selection
+    gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64))
+    operands = bf16_operands(methods)
+    # The GEMV wins at 1 and 2 rows; cuBLAS at 4; only cuBLAS runs more rows than any bucket.
+    table = {"cublas": 1.0, "gemv": 0.5}
+    calls = collections.Counter()
+
+    def measure(method, runners, x):
+        calls[x.shape[0]] += 1
+        return table["gemv"] if x.shape[0] <= 2 and str(method).startswith("gemv") else table["cublas"]
+
+    choice = linear_selection.choose_methods("proj", [operands], torch.bfloat16, DEVICE, max_rows=4, sms=4,
+                                             measure=measure, candidate_methods=lambda *a: [methods.Cublas(), gemv])
+    assert list(choice.chosen) == [1, 2, 4]
+    assert [str(m) for m in choice.chosen.values()] == [str(gemv), str(gemv), "cublas"]
+    assert str(choice.beyond) == "cublas" and calls == {1: 2, 2: 2, 4: 2}
+    plan = linear_selection.bind_plan(choice, operands, torch.bfloat16)
+    for rows in (1, 2, 3, 4, 9):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEVICE)
+        expected = F.linear(x.double(), operands.weight.double())
+        assert ((plan(x, None).double() - expected).abs().max() / expected.abs().max()).item() <= 2 ** -7
+    assert plan.runner_for(1) is plan.runner_for(2) is not plan.runner_for(3) is plan.runner_for(9)
+    assert "1: gemv(m2 n16 k64" in choice.summary() and ">4: cublas" in choice.summary()
+
+
+def test_a_method_that_disagrees_with_the_product_is_never_chosen(selection):
+    linear_selection, methods = selection
+
+    @dataclasses.dataclass(frozen=True)
+    class Zeros(methods.Method):
+        name = "zeros"
+
+        def bind(self, operands, dtype):
+            return lambda x, bias: torch.zeros(x.shape[0], operands.weight.shape[0], dtype=x.dtype, device=x.device)
+
+    choice = linear_selection.choose_methods(
+        "proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=2, sms=4,
+        measure=timings({"zeros": 0.1, "cublas": 1.0}), candidate_methods=lambda *a: [Zeros(), methods.Cublas()])
+    assert {str(m) for m in choice.chosen.values()} == {"cublas"}
+    assert "relative error" in choice.rejected["zeros"]
+
+
+@pytest.mark.parametrize("speedup,expected", [(1.05, "fp8-gemm"), (1.25, "bf16-dequantized")])
+def test_fp8_weights_keep_a_bf16_copy_only_where_it_is_clearly_faster(selection, speedup, expected):
+    linear_selection, methods = selection
+    g = torch.Generator().manual_seed(52)
+    values, scale = quantize_blocks(torch.randn(64, 128, generator=g) * 0.05, (32, 64))
+    operands = methods.LinearOperands(values.to(DEVICE), scale.to(DEVICE), (32, 64))
+    fp8_gemm = methods.Fp8Gemm.of(dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=2))
+    choice = linear_selection.choose_methods(
+        "proj", [operands], torch.bfloat16, DEVICE, max_rows=1, sms=4,
+        measure=timings({"fp8-gemm": 1.0, "bf16": 1.0 / speedup}),
+        candidate_methods=lambda *a: [fp8_gemm, methods.Dequantized()])
+    assert str(choice.chosen[1]).startswith(expected) and str(choice.beyond).startswith(expected)
+
+
+def test_auto_split_fills_the_device_with_at_least_two_k_tiles_per_split(selection):
+    linear_selection, _ = selection
+    config = linear_selection.GemvConfig(1, 8, 512)
+    assert linear_selection.auto_split(1024, 2048, 1, config, sms=132) == 2       # 128 programs, 4 K tiles
+    assert linear_selection.auto_split(24576, 4096, 1, config, sms=132) == 1      # 3072 programs already
+    assert linear_selection.auto_split(1024, 12288, 1, config, sms=132) == 5      # 24 K tiles: 640 programs
+    for rows in (1, 3, 8, 16, 64):
+        for cfg in linear_selection.gemv_configs(rows, 1024, 3072, sms=132):
+            assert cfg.block_m >= rows or cfg.block_m == 16 or rows > 16
+            assert cfg.split_k == 1 or 3072 // cfg.block_k // cfg.split_k >= 2
+
+
+def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir):
+    """Every projection kind of a tiny Qwen3 (the down projection with SwiGLU fused, the LM head)
+    planned to run the GEMV for decode-sized steps and cuBLAS for a prompt; the float32 logits
+    match those of the same model without plans up to the order of sums."""
+    linear_selection, methods = selection
+    dtype = torch.float32
+    config = load_model_config(tiny_model_dir)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            model = Qwen3ForCausalLM(config, TorchAttentionBackend()).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_safetensors(model, tiny_model_dir)
+    kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, dtype, DEVICE)
+    gemv = methods.Gemv(linear_selection.GemvConfig(2, 64, 64, split_k=2))
+    kinds = linear_selection.linear_kinds(model)
+    assert sorted(label.split()[0] for label, _ in kinds.values()) == ["down_proj", "gate_up_proj", "lm_head",
+                                                                       "o_proj", "qkv_proj"]
+    for label, layers in kinds.values():
+        operands = [layer.operands() for layer in layers]
+        choice = linear_selection.choose_methods(label, operands, dtype, DEVICE, max_rows=2, sms=4,
+                                                 measure=timings({"gemv": 0.5, "cublas": 1.0}),
+                                                 candidate_methods=lambda *a: [methods.Cublas(), gemv])
+        for layer, op in zip(layers, operands):
+            layer.plan = linear_selection.bind_plan(choice, op, dtype)
+    g = torch.Generator().manual_seed(53)
+    seq_lens, query_lens = [9, 5], [1, 1]   # two decodes: 2 rows, the GEMV's
+    meta = paged_metadata(random_block_tables(seq_lens, 8, 32, g), seq_lens, query_lens, 8)
+    meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(DEVICE) for f in dataclasses.fields(meta)
+                                        if torch.is_tensor(getattr(meta, f.name))})
+    input_ids = torch.randint(0, config.vocab_size, (2,), generator=g).to(DEVICE)
+    positions = positions_of(seq_lens, query_lens).to(DEVICE)
+
+    def logits(planned: bool):
+        gemv_calls = collections.Counter()
+        with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+            if not planned:
+                for _, layers in kinds.values():
+                    for layer in layers:
+                        patch.setattr(layer, "plan", None)
+            original = methods.gemv
+            patch.setattr(methods, "gemv", lambda *a, **kw: gemv_calls.update([kw["silu_mul"]]) or original(*a, **kw))
+            if DEVICE.type == "cpu":   # the layers' fused kernels run on "CUDA" tensors only
+                patch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+            hidden = model(input_ids, positions, meta)
+            result = model.compute_logits(hidden, torch.arange(2, device=DEVICE)).float().cpu()
+        return result, gemv_calls
+
+    (expected, unplanned_calls), (actual, planned_calls) = logits(False), logits(True)
+    layers = config.num_hidden_layers
+    assert not unplanned_calls
+    assert planned_calls == {False: 3 * layers + 1, True: layers}   # qkv, o, gate_up, lm_head; down with SwiGLU
+    error = ((actual - expected).norm() / expected.norm()).item()
+    assert error < 1e-5, error
+
+
+def test_nothing_is_chosen_on_the_cpu(selection, tiny_model_dir):
+    linear_selection, _ = selection
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(load_model_config(tiny_model_dir), TorchAttentionBackend())
+    assert linear_selection.select_linear_methods(model, torch.device("cpu"), torch.float32, max_rows=64) == {}
+    assert all(layer.plan is None for _, layers in linear_selection.linear_kinds(model).values() for layer in layers)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_start_up_choice_on_the_gpu_runs_every_kind(selection, tiny_model_dir, fp8):
+    """The real measurement on a tiny model: every kind gets a plan whose runners agree with
+    the unplanned layer at every row count measured."""
+    linear_selection, _ = selection
+    from worker_svc.layers.fp8 import Fp8Config
+
+    config = load_model_config(tiny_model_dir)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config, TorchAttentionBackend(), quant=Fp8Config(block=(32, 32)) if fp8 else None)
+    model = model.to(torch.bfloat16) if not fp8 else model
+    from worker_svc.loader import init_dummy_weights
+
+    init_dummy_weights(model, 0)
+    choices = linear_selection.select_linear_methods(model, torch.device("cuda"), torch.bfloat16, max_rows=64)
+    assert len(choices) == 5 and all(c.chosen and c.beyond is not None for c in choices.values())
