@@ -197,3 +197,30 @@ def test_start_up_choice_on_the_gpu_runs_every_kind(selection, tiny_model_dir, f
     init_dummy_weights(model, 0)
     choices = linear_selection.select_linear_methods(model, torch.device("cuda"), torch.bfloat16, max_rows=64)
     assert len(choices) == 5 and all(c.chosen and c.beyond is not None for c in choices.values())
+
+
+def test_compile_ahead_turns_launches_into_compiles(selection):
+    """Inside compile_ahead a launch only compiles (Triton's warmup), so the variants compile in
+    parallel; outside it launches. A call that raises is counted, not propagated."""
+    from worker_svc.layers import triton_compile
+
+    class Kernel:
+        def __init__(self):
+            self.warmed, self.launched = [], []
+
+        def warmup(self, *args, grid, **kwargs):
+            self.warmed.append((grid, args, kwargs))
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.launched.append((grid, args, kwargs))
+
+    kernel = Kernel()
+
+    def fails():
+        raise ValueError("no such tile")
+
+    calls = [lambda i=i: triton_compile.launch(kernel, (i,), i, BLOCK=16) for i in range(3)] + [fails]
+    assert triton_compile.compile_ahead(calls, threads=2) == 1
+    assert [w[0] for w in kernel.warmed] == [(0,), (1,), (2,)] and not kernel.launched
+    triton_compile.launch(kernel, (7,), 7, BLOCK=16)
+    assert kernel.launched == [((7,), (7,), {"BLOCK": 16})]

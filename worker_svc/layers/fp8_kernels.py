@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
+from worker_svc.layers.triton_compile import launch
 
 
 @triton.jit
@@ -150,7 +151,8 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
         return out
     config = config or _matmul_config(num_rows)
     grid = (triton.cdiv(num_rows, config["BLOCK_M"]) * triton.cdiv(num_cols, config["BLOCK_N"]),)
-    _block_fp8_matmul_kernel[grid](
+    launch(
+        _block_fp8_matmul_kernel, grid,
         a, weight_scale if quantize_a else a_scale, weight, weight_scale, out, bias if bias is not None else out,
         num_rows, num_cols, width, a.stride(0), 0 if quantize_a else a_scale.stride(0), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, QUANTIZE_A=quantize_a,

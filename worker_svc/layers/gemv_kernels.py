@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from worker_svc.layers.triton_compile import launch
+
 # Split-K tile counters per device; a launch may use this many (output tiles of one call).
 MAX_SPLIT_TILES = 1 << 14
 DOT_MIN_ROWS = 16   # tl.dot needs 16-row tiles: fewer rows use the FMA loop
@@ -241,7 +243,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         partial = counters.view(torch.float32)   # unused; typed as the split launches', so one compile serves both
     group_n, group_k = fp8_block if fp8 else (1, 1)
     pdl = config.pdl and x.device.type == "cuda"   # the interpreter runs no PTX
-    _gemv_kernel[grid](
+    launch(
+        _gemv_kernel, grid,
         rows, weight, weight_scale if fp8 else weight, bias if bias is not None else out, out, partial, counters,
         num_rows, num_cols, width, split_k, tiles_per_split,
         rows.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, out.stride(0),

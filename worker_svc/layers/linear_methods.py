@@ -62,6 +62,7 @@ class Method:
     name: str = ""
     max_rows: int | None = None
     extra_weight_bytes: bool = False   # binding allocates a copy of the weight
+    compiles: bool = False             # runs Triton kernels of its own (compiled ahead at start-up)
 
     def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
         return True
@@ -102,6 +103,7 @@ class Dequantized(Method):
 class Gemv(Method):
     config: GemvConfig
     max_rows: int = 64
+    compiles = True
 
     @property
     def name(self) -> str:
@@ -127,6 +129,7 @@ class Gemv(Method):
 class Fp8Gemm(Method):
     config: tuple[tuple[str, int], ...]   # fp8_kernels tile settings, as sorted items
     quantize_on_load: bool = True
+    compiles = True
 
     @classmethod
     def of(cls, config: dict, quantize_on_load: bool = True) -> "Fp8Gemm":

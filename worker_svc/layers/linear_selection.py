@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -34,6 +35,7 @@ from worker_svc.layers import fp8_kernels
 from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, GemvConfig
 from worker_svc.layers.linear_methods import (Cublas, Dequantized, Fp8Cublas, Fp8Gemm, Gemv, LinearOperands,
                                               LinearPlan, Method, Runner)
+from worker_svc.layers.triton_compile import compile_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,11 @@ GEMV_MAX_ROWS = 64
 FMA_TILES = ((8, 512, 4), (16, 256, 4), (4, 1024, 4), (16, 512, 8))
 MIN_FMA_BLOCK_K = 64
 DOT_TILES = ((32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4))
+# FP8 GEMM tiles tried with activations quantized on load, past GEMV_MAX_ROWS rows (fewer rows
+# try fp8_kernels' own choice).
+FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
+                  dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+                  dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3))
 SPLIT_PROGRAMS_PER_SM = 4       # auto_split aims at this many programs per SM
 MAX_SPLIT = 16
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
@@ -109,9 +116,10 @@ def gemv_configs(rows: int, num_cols: int, width: int, sms: int) -> list[GemvCon
 def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int) -> list[Method]:
     """The methods measured at this row count, the default first."""
     if operands.fp8:
-        methods: list[Method] = [Fp8Gemm.of(fp8_kernels._matmul_config(rows), quantize_on_load=False),
-                                 Fp8Gemm.of(fp8_kernels._matmul_config(rows), quantize_on_load=True),
-                                 Fp8Cublas(), Dequantized()]
+        default = fp8_kernels._matmul_config(rows)
+        tiles = [default] if rows <= GEMV_MAX_ROWS else [default, *(t for t in FP8_GEMM_TILES if t != default)]
+        methods: list[Method] = [Fp8Gemm.of(default, quantize_on_load=False),
+                                 *(Fp8Gemm.of(t, quantize_on_load=True) for t in tiles), Fp8Cublas(), Dequantized()]
     else:
         methods = [Cublas()]
     if rows <= GEMV_MAX_ROWS:
@@ -173,6 +181,24 @@ def _timed_layers(operands: Sequence[LinearOperands], device: torch.device) -> l
     return chosen
 
 
+def row_buckets(max_rows: int) -> list[int]:
+    """The row counts measured: ROW_BUCKETS up to max_rows, which is always one."""
+    return sorted({b for b in ROW_BUCKETS if b < max_rows} | {min(max_rows, ROW_BUCKETS[-1])})
+
+
+def precompile(kinds: Sequence[LinearOperands], dtype: torch.dtype, device: torch.device, *, max_rows: int,
+               sms: int, candidate_methods: Callable[..., list[Method]] = candidates) -> int:
+    """Compiles every Triton candidate of these kinds (one layer's operands each) at every row
+    count in parallel (triton_compile); returns how many failed to compile."""
+    calls = []
+    for operands in kinds:
+        for rows in row_buckets(max_rows):
+            x = torch.zeros(rows, operands.input_width, dtype=dtype, device=device)
+            calls += [lambda m=method, op=operands, x=x: m.bind(op, dtype)(x, None)
+                      for method in candidate_methods(operands, rows, dtype, sms) if method.compiles]
+    return compile_ahead(calls)
+
+
 def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.dtype, device: torch.device, *,
                    max_rows: int, sms: int, measure: Measure = graph_time,
                    candidate_methods: Callable[..., list[Method]] = candidates) -> KindChoice:
@@ -180,10 +206,9 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
     row count up to max_rows; returns what each row count runs."""
     choice = KindChoice(label, len(operands))
     timed = _timed_layers(operands, device)
-    buckets = [b for b in ROW_BUCKETS if b < max_rows] + [min(max_rows, ROW_BUCKETS[-1])]
     generator = torch.Generator(device=device).manual_seed(0)
     unbounded: dict[str, tuple[Method, float]] = {}
-    for rows in sorted(set(buckets)):
+    for rows in row_buckets(max_rows):
         x = torch.randn(rows, operands[0].input_width, generator=generator, device=device).to(dtype)
         times: dict[str, float] = {}
         methods = {}
@@ -249,7 +274,8 @@ def linear_kinds(model: nn.Module) -> dict[tuple, tuple[str, list[nn.Module]]]:
         kind = name.rsplit(".", 1)[-1]
         num_cols, width = operands.weight.shape
         key = (kind, num_cols, width, operands.block, operands.silu_mul, operands.weight.dtype)
-        label = f"{kind} {num_cols}x{width} {'fp8' if operands.fp8 else str(operands.weight.dtype).removeprefix('torch.')}"
+        weight_format = "fp8" if operands.fp8 else str(operands.weight.dtype).removeprefix("torch.")
+        label = f"{kind} {num_cols}x{width} {weight_format}"
         kinds.setdefault(key, (label, []))[1].append(module)
     return kinds
 
@@ -263,8 +289,16 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
         return {}
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     choices = {}
+    kinds = linear_kinds(model).values()
     with torch.inference_mode():
-        for label, layers in linear_kinds(model).values():
+        started = time.perf_counter()
+        try:
+            failed = precompile([layers[0].operands() for _, layers in kinds], dtype, device, max_rows=max_rows,
+                                sms=sms)
+            logger.info("linear candidates compiled in %.1f s (%d failed)", time.perf_counter() - started, failed)
+        except Exception as exc:  # noqa: BLE001 - the measurement below compiles them one by one instead
+            logger.warning("compiling the linear candidates in parallel failed (%s); they compile one by one", exc)
+        for label, layers in kinds:
             operands = [layer.operands() for layer in layers]
             choice = choose_methods(label, operands, dtype, device, max_rows=max_rows, sms=sms, measure=measure)
             for layer, op in zip(layers, operands):
