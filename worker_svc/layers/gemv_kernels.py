@@ -26,12 +26,13 @@ Under TRITON_INTERPRET=1 the kernel runs on the CPU for the tests.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from worker_svc.layers.triton_compile import launch
 
@@ -141,6 +142,8 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:   # a dependent launch may start now: it reads nothing of ours before its own gdc_wait
+        gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -195,6 +198,31 @@ def _split_counters(device: torch.device) -> torch.Tensor:
                                "(run the layer once eagerly first)")
         counters = _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return counters
+
+
+@functools.cache
+def pdl_in_graphs(device: torch.device) -> bool:
+    """Whether programmatic dependent launches replay correctly from a CUDA graph here (driver
+    and torch permitting): two chained GEMVs, the second reading the first's output, replayed
+    on a new input, must equal the same chain launched plainly. The start-up candidates use
+    PDL only then."""
+    if device.type != "cuda":
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(1, 256, generator=g, device=device).to(torch.bfloat16)
+        w1 = (torch.randn(256, 256, generator=g, device=device) / 16).to(torch.bfloat16)
+        w2 = (torch.randn(64, 256, generator=g, device=device) / 16).to(torch.bfloat16)
+        plain, pdl = GemvConfig(1, 16, 64, split_k=2), GemvConfig(1, 16, 64, split_k=2, pdl=True)
+        gemv(gemv(x, w1, pdl), w2, pdl)   # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemv(gemv(x, w1, pdl), w2, pdl)
+        x.copy_(torch.randn(1, 256, generator=g, device=device))
+        graph.replay()
+        return torch.equal(out, gemv(gemv(x, w1, plain), w2, plain))
+    except Exception:  # noqa: BLE001 - no PDL in graphs here: GEMVs launch plainly
+        return False
 
 
 def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tuple[int, int] | None = None,

@@ -19,6 +19,7 @@ cuBLAS / the FP8 GEMM as before (for comparisons).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.layers import fp8_kernels
-from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, GemvConfig
+from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, GemvConfig, pdl_in_graphs
 from worker_svc.layers.linear_methods import (Cublas, Dequantized, Fp8Cublas, Fp8Gemm, Gemv, LinearOperands,
                                               LinearPlan, Method, Runner)
 from worker_svc.layers.triton_compile import compile_ahead
@@ -77,12 +78,16 @@ class KindChoice:
     rejected: dict[str, str] = field(default_factory=dict)              # method -> why
 
     def summary(self) -> str:
+        """rows: winner, its ms and the runner-up's, for each row count measured."""
         parts = []
         for rows, method in self.chosen.items():
             ms = self.times.get(rows, {})
-            others = {name: t for name, t in ms.items() if name != str(method)}
-            runner_up = f" (next {min(others.values()):.4f})" if others else ""
-            parts.append(f"{rows}: {method} {ms.get(str(method), math.nan):.4f}{runner_up}")
+            if not ms:
+                parts.append(f"{rows}: {method}")
+                continue
+            others = [t for name, t in ms.items() if name != str(method)]
+            runner_up = f" (next {min(others):.4f})" if others else ""
+            parts.append(f"{rows}: {method} {ms[str(method)]:.4f}{runner_up}")
         parts.append(f">{max(self.chosen)}: {self.beyond}")
         return "; ".join(parts)
 
@@ -96,16 +101,17 @@ def auto_split(num_cols: int, width: int, rows: int, config: GemvConfig, sms: in
     return max(1, min(wanted, k_tiles // 2, MAX_SPLIT))
 
 
-def gemv_configs(rows: int, num_cols: int, width: int, sms: int) -> list[GemvConfig]:
-    """The GEMV launch settings tried at this row count."""
+def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True) -> list[GemvConfig]:
+    """The GEMV launch settings tried at this row count (with programmatic dependent launch
+    where the graphs replay it: gemv_kernels.pdl_in_graphs)."""
     block_m = 1 << max(0, (rows - 1).bit_length())
     if block_m < DOT_MIN_ROWS:
-        bases = [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=True)
+        bases = [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)
                  for n, k, w in FMA_TILES]
         if rows > 1:   # tensor cores on a 16-row tile may beat CUDA cores on a few rows
-            bases += [GemvConfig(DOT_MIN_ROWS, n, k, num_warps=w, num_stages=s, pdl=True) for n, k, w, s in DOT_TILES]
+            bases += [GemvConfig(DOT_MIN_ROWS, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
     else:
-        bases = [GemvConfig(block_m, n, k, num_warps=w, num_stages=s, pdl=True) for n, k, w, s in DOT_TILES]
+        bases = [GemvConfig(block_m, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
     configs = []
     for base in bases:
         split = auto_split(num_cols, width, rows, base, sms)
@@ -113,7 +119,7 @@ def gemv_configs(rows: int, num_cols: int, width: int, sms: int) -> list[GemvCon
     return configs
 
 
-def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int) -> list[Method]:
+def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int, pdl: bool = True) -> list[Method]:
     """The methods measured at this row count, the default first."""
     if operands.fp8:
         default = fp8_kernels._matmul_config(rows)
@@ -123,7 +129,7 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
     else:
         methods = [Cublas()]
     if rows <= GEMV_MAX_ROWS:
-        methods += [Gemv(config) for config in gemv_configs(rows, *operands.weight.shape, sms)]
+        methods += [Gemv(config) for config in gemv_configs(rows, *operands.weight.shape, sms, pdl)]
     return [m for m in methods if m.supports(operands, dtype)]
 
 
@@ -212,10 +218,13 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
         x = torch.randn(rows, operands[0].input_width, generator=generator, device=device).to(dtype)
         times: dict[str, float] = {}
         methods = {}
-        for method in candidate_methods(operands[0], rows, dtype, sms):
+        listed = [m for m in candidate_methods(operands[0], rows, dtype, sms) if str(m) not in choice.rejected]
+        if len(listed) == 1:   # nothing to choose between (cuBLAS past the GEMV's rows)
+            choice.times[rows], choice.chosen[rows] = {}, listed[0]
+            unbounded = {str(listed[0]): (listed[0], 0.0)} if listed[0].max_rows is None else {}
+            continue
+        for method in listed:
             name = str(method)
-            if name in choice.rejected:
-                continue
             try:
                 runners = [method.bind(op, dtype) for op in timed]
                 error = relative_error(runners[0], operands[0], x)
@@ -291,16 +300,21 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
     choices = {}
     kinds = linear_kinds(model).values()
     with torch.inference_mode():
+        pdl = pdl_in_graphs(device)
+        candidate_methods = functools.partial(candidates, pdl=pdl)
         started = time.perf_counter()
         try:
             failed = precompile([layers[0].operands() for _, layers in kinds], dtype, device, max_rows=max_rows,
-                                sms=sms)
+                                sms=sms, candidate_methods=candidate_methods)
             logger.info("linear candidates compiled in %.1f s (%d failed)", time.perf_counter() - started, failed)
         except Exception as exc:  # noqa: BLE001 - the measurement below compiles them one by one instead
             logger.warning("compiling the linear candidates in parallel failed (%s); they compile one by one", exc)
+        if not pdl:
+            logger.info("programmatic dependent launch does not replay in CUDA graphs here: GEMVs launch without it")
         for label, layers in kinds:
             operands = [layer.operands() for layer in layers]
-            choice = choose_methods(label, operands, dtype, device, max_rows=max_rows, sms=sms, measure=measure)
+            choice = choose_methods(label, operands, dtype, device, max_rows=max_rows, sms=sms, measure=measure,
+                                    candidate_methods=candidate_methods)
             for layer, op in zip(layers, operands):
                 layer.plan = bind_plan(choice, op, dtype)
             choices[label] = choice

@@ -1,0 +1,1 @@
+"""Benchmark stages, each runnable alone (`python -m bench.stages.<stage> --out DIR`) and by the driver."""
