@@ -518,9 +518,9 @@ def run_moe(args: argparse.Namespace) -> dict:
     for batch in [int(b) for b in args.decode_batches.split(",")]:
         x = torch.randn(batch, hidden, generator=g, device=device).to(dtype)
         logits = torch.randn(batch, experts, generator=g, device=device).to(dtype)
-        runs = {"bf16": lambda: moe_kernels.fused_moe(x, logits, w13, w2, top_k, True)}
+        runs = {"bf16": lambda x=x, logits=logits: moe_kernels.fused_moe(x, logits, w13, w2, top_k, True)}
         for mode in moe_kernels.FP8_ACTIVATIONS:
-            runs[f"fp8 {mode}"] = lambda mode=mode: moe_kernels.fused_experts(
+            runs[f"fp8 {mode}"] = lambda mode=mode, x=x, logits=logits: moe_kernels.fused_experts(
                 x, q13, q2, *moe_kernels.route_topk(logits, top_k, True), w13_scale=s13, w2_scale=s2, block=block,
                 fp8_activations=mode)
         row = {"batch": batch, "default_fp8": moe_kernels.default_fp8_activations(batch * top_k, experts)}

@@ -141,7 +141,7 @@ def test_a_model_running_its_plans_matches_the_model_without_them(selection, tin
         choice = linear_selection.choose_methods(label, operands, dtype, DEVICE, max_rows=2, sms=4,
                                                  measure=timings({"gemv": 0.5, "cublas": 1.0}),
                                                  candidate_methods=lambda *a: [methods.Cublas(), gemv])
-        for layer, op in zip(layers, operands):
+        for layer, op in zip(layers, operands, strict=True):
             layer.plan = linear_selection.bind_plan(choice, op, dtype)
     g = torch.Generator().manual_seed(53)
     seq_lens, query_lens = [9, 5], [1, 1]   # two decodes: 2 rows, the GEMV's

@@ -315,7 +315,7 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
             operands = [layer.operands() for layer in layers]
             choice = choose_methods(label, operands, dtype, device, max_rows=max_rows, sms=sms, measure=measure,
                                     candidate_methods=candidate_methods)
-            for layer, op in zip(layers, operands):
+            for layer, op in zip(layers, operands, strict=True):
                 layer.plan = bind_plan(choice, op, dtype)
             choices[label] = choice
             logger.info("linear %s (%d layers), ms per call by rows: %s", label, len(layers), choice.summary())
