@@ -125,14 +125,24 @@ def test_no_rows_give_an_empty_output(kernels):
 
 
 @requires_cuda
+def test_programmatic_dependent_launch_replays_in_graphs_on_hopper(kernels):
+    """sm90+ with CUDA 12.3+: chained PDL GEMVs replayed from a graph equal plain launches
+    (otherwise the start-up candidates quietly go without PDL)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm90")
+    assert kernels[0].pdl_in_graphs(torch.device("cuda", torch.cuda.current_device()))
+
+
+@requires_cuda
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("tiles", [(1, 8, 512, 4), (16, 32, 128, 2)], ids=["fma", "dot"])
-def test_gemv_replays_in_a_cuda_graph(kernels, tiles):
-    """Split-K counters and programmatic dependent launch inside a captured graph."""
+def test_gemv_replays_in_a_cuda_graph(kernels, tiles, pdl):
+    """Split-K counters (and programmatic dependent launch) inside a captured graph."""
     gemv_kernels = kernels[0]
     g = torch.Generator(device="cuda").manual_seed(44)
     w = torch.randn(1024, 2048, generator=g, device="cuda").to(torch.bfloat16)
     x = torch.randn(tiles[0], 2048, generator=g, device="cuda").to(torch.bfloat16)
-    cfg = gemv_kernels.GemvConfig(*tiles, pdl=True)
+    cfg = gemv_kernels.GemvConfig(*tiles, pdl=pdl)
     gemv_kernels.gemv(x, w, cfg)   # compiles and allocates the counters outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -109,7 +109,8 @@ def test_auto_split_fills_the_device_with_at_least_two_k_tiles_per_split(selecti
     config = linear_selection.GemvConfig(1, 8, 512)
     assert linear_selection.auto_split(1024, 2048, 1, config, sms=132) == 2       # 128 programs, 4 K tiles
     assert linear_selection.auto_split(24576, 4096, 1, config, sms=132) == 1      # 3072 programs already
-    assert linear_selection.auto_split(1024, 12288, 1, config, sms=132) == 5      # 24 K tiles: 640 programs
+    assert linear_selection.auto_split(6144, 4096, 1, config, sms=132) == 2       # 768 programs: 1536
+    assert linear_selection.auto_split(1024, 12288, 1, config, sms=132) == 9      # 24 K tiles: 1152 programs
     for rows in (1, 3, 8, 16, 64):
         for cfg in linear_selection.gemv_configs(rows, 1024, 3072, sms=132):
             assert cfg.block_m >= rows or cfg.block_m == 16 or rows > 16

@@ -21,7 +21,10 @@ Options, each a compile-time switch:
 - SILU_MUL: x is [gate | up] (2K wide) and the kernel multiplies silu(gate) * up, rounded to
   x's dtype exactly as fused_kernels.silu_and_mul rounds it, so the down projection needs no
   separate activation kernel;
-- a bias, added in float32 before the single rounding to x's dtype.
+- a bias, added in float32 before the single rounding to x's dtype;
+- PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the
+  previous kernel (weights never depend on it), and the next kernel may launch at once
+  (`pdl_in_graphs` says whether CUDA graphs replay this here).
 Under TRITON_INTERPRET=1 the kernel runs on the CPU for the tests.
 """
 from __future__ import annotations

@@ -55,7 +55,7 @@ DOT_TILES = ((32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4))
 FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
                   dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
                   dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3))
-SPLIT_PROGRAMS_PER_SM = 4       # auto_split aims at this many programs per SM
+SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
 L2_MULTIPLE = 4                 # timed layers: enough for their weights to exceed 4 L2 caches
