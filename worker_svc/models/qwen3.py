@@ -63,7 +63,8 @@ class Qwen3MLP(nn.Module):
                                                        quant=_layer_quant(quant, prefix, "gate_proj", "up_proj"))
         # SwiGLU is the down projection's input activation: a kernel can apply it as it loads.
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
-                                           quant=_layer_quant(quant, prefix, "down_proj"), input_activation="silu_and_mul")
+                                           quant=_layer_quant(quant, prefix, "down_proj"),
+                                           input_activation="silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
