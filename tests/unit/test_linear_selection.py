@@ -185,21 +185,44 @@ def test_nothing_is_chosen_on_the_cpu(selection, tiny_model_dir):
 
 @requires_cuda
 @pytest.mark.parametrize("fp8", [False, True])
-def test_start_up_choice_on_the_gpu_runs_every_kind(selection, tiny_model_dir, fp8):
-    """The real measurement on a tiny model: every kind gets a plan whose runners agree with
-    the unplanned layer at every row count measured."""
+def test_start_up_choice_on_the_gpu_keeps_the_logits(selection, tiny_model_dir, fp8):
+    """The real measurement on a tiny model: every kind gets a plan, and decode batches (GEMV
+    rows) and a prompt give the logits of the unplanned model: bf16 within its rounding; FP8
+    within what quantizing activations (the unplanned path) changes."""
     linear_selection, _ = selection
     from worker_svc.layers.fp8 import Fp8Config
-
-    config = load_model_config(tiny_model_dir)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config, TorchAttentionBackend(), quant=Fp8Config(block=(32, 32)) if fp8 else None)
-    model = model.to(torch.bfloat16) if not fp8 else model
     from worker_svc.loader import init_dummy_weights
 
-    init_dummy_weights(model, 0)
+    config = load_model_config(tiny_model_dir)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = Qwen3ForCausalLM(config, TorchAttentionBackend(),
+                                     quant=Fp8Config(block=(32, 32)) if fp8 else None).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    init_dummy_weights(model, 0, std=0.1)
+    kv_cache.allocate_kv_cache(model, 64, 8, config.num_key_value_heads, config.head_dim, torch.bfloat16, "cuda")
     choices = linear_selection.select_linear_methods(model, torch.device("cuda"), torch.bfloat16, max_rows=64)
     assert len(choices) == 5 and all(c.chosen and c.beyond is not None for c in choices.values())
+    layers = [layer for _, group in linear_selection.linear_kinds(model).values() for layer in group]
+    g = torch.Generator().manual_seed(54)
+    for seq_lens, query_lens in [([9] * 3, [1] * 3), ([9] * 20, [1] * 20), ([40], [40])]:
+        meta = paged_metadata(random_block_tables(seq_lens, 8, 64, g), seq_lens, query_lens, 8)
+        meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).cuda() for f in dataclasses.fields(meta)
+                                            if torch.is_tensor(getattr(meta, f.name))})
+        ids = torch.randint(0, config.vocab_size, (sum(query_lens),), generator=g).cuda()
+        positions = positions_of(seq_lens, query_lens).cuda()
+        rows = torch.arange(len(ids), device="cuda")
+        with torch.inference_mode():
+            planned = model.compute_logits(model(ids, positions, meta), rows).float()
+            with pytest.MonkeyPatch.context() as patch:
+                for layer in layers:
+                    patch.setattr(layer, "plan", None)
+                unplanned = model.compute_logits(model(ids, positions, meta), rows).float()
+        error = ((planned - unplanned).norm() / unplanned.norm()).item()
+        assert error <= (0.15 if fp8 else 2e-2), (query_lens, error)
 
 
 def test_compile_ahead_turns_launches_into_compiles(selection):
