@@ -139,7 +139,7 @@ def fp8_block(width: int) -> tuple[int, int]:
     return FP8_BLOCK if width >= FP8_BLOCK[1] else TINY_FP8_BLOCK
 
 
-def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool) -> list:
+def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool, pdl: bool) -> list:
     """Every GEMV setting swept at this row count (the start-up candidates among them)."""
     from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, GemvConfig, check_config
     from worker_svc.layers.linear_selection import MAX_SPLIT, MIN_FMA_BLOCK_K, auto_split, gemv_configs
@@ -147,10 +147,10 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
     block_m = 1 << max(0, (rows - 1).bit_length())
     bases = []
     if block_m < DOT_MIN_ROWS:
-        bases += [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=True)
+        bases += [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)
                   for n, k, w in SWEEP_FMA]
     if rows > 1:
-        bases += [GemvConfig(max(block_m, DOT_MIN_ROWS), n, k, num_warps=w, num_stages=s, pdl=True)
+        bases += [GemvConfig(max(block_m, DOT_MIN_ROWS), n, k, num_warps=w, num_stages=s, pdl=pdl)
                   for n, k, w, s in SWEEP_DOT]
     configs = {}
     for base in bases:
@@ -159,7 +159,7 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
         for s in {1, split, min(2 * split, MAX_SPLIT, max(1, k_tiles // 2))}:
             config = GemvConfig(**{**base.__dict__, "split_k": s})
             configs[str(config)] = config
-    for config in gemv_configs(rows, num_cols, width, sms):
+    for config in gemv_configs(rows, num_cols, width, sms, pdl):
         configs.setdefault(str(config), config)
     usable = []
     for config in configs.values():
@@ -171,27 +171,27 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
     return usable
 
 
-def sweep_methods(operands, rows: int, dtype, sms: int) -> list:
+def sweep_methods(operands, rows: int, dtype, sms: int, pdl: bool) -> list:
     """The start-up candidates (linear_selection.candidates) and every other setting swept."""
     from worker_svc.layers.linear_methods import Fp8Gemm, Gemv
     from worker_svc.layers.linear_selection import GEMV_MAX_ROWS, candidates
 
     num_cols, width = operands.weight.shape
-    methods = {str(m): m for m in candidates(operands, rows, dtype, sms)}
+    methods = {str(m): m for m in candidates(operands, rows, dtype, sms, pdl)}
     extra = []
     if operands.fp8:
         tiles = SWEEP_FP8_FEW if rows <= GEMV_MAX_ROWS else SWEEP_FP8_MANY
         extra += [Fp8Gemm.of(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=1 if rows <= GEMV_MAX_ROWS else 8, num_warps=w,
                                   num_stages=s)) for bm, bn, w, s in tiles]
     if rows <= GEMV_MAX_ROWS:
-        extra += [Gemv(c) for c in sweep_gemv_configs(rows, num_cols, width, sms, operands.fp8)]
+        extra += [Gemv(c) for c in sweep_gemv_configs(rows, num_cols, width, sms, operands.fp8, pdl)]
     for method in extra:
         if method.supports(operands, dtype):
             methods.setdefault(str(method), method)
     return list(methods.values())
 
 
-def compile_all(operand_sets, rows_list: list[int], dtype, sms: int) -> None:
+def compile_all(operand_sets, rows_list: list[int], dtype, sms: int, pdl: bool) -> None:
     """Every Triton method of the sweep at every row count, compiled in parallel."""
     import torch
 
@@ -202,7 +202,7 @@ def compile_all(operand_sets, rows_list: list[int], dtype, sms: int) -> None:
         for rows in rows_list:
             x = torch.zeros(rows, operands.input_width, dtype=dtype, device=operands.weight.device)
             calls += [lambda m=m, op=operands, x=x: m.bind(op, dtype)(x, None)
-                      for m in sweep_methods(operands, rows, dtype, sms) if m.compiles]
+                      for m in sweep_methods(operands, rows, dtype, sms, pdl) if m.compiles]
     started = time.perf_counter()
     failed = compile_ahead(calls)
     print(f"   compiled {len(calls)} variants in {time.perf_counter() - started:.1f} s ({failed} failed)", flush=True)
@@ -247,11 +247,12 @@ def time_methods(methods, operands, x, dtype) -> tuple[dict[str, float], dict[st
     return times, errors
 
 
-def selection_pick(operands, rows: int, dtype, sms: int, times: dict[str, float]) -> tuple[str, float] | None:
+def selection_pick(operands, rows: int, dtype, sms: int, pdl: bool,
+                   times: dict[str, float]) -> tuple[str, float] | None:
     """What linear_selection would run at this row count, from these measurements."""
     from worker_svc.layers.linear_selection import _fastest, candidates
 
-    methods = {str(m): m for m in candidates(operands, rows, dtype, sms)}
+    methods = {str(m): m for m in candidates(operands, rows, dtype, sms, pdl)}
     measured = {name: times[name] for name in methods if name in times}
     if not measured:
         return None
@@ -268,7 +269,7 @@ def best(times: dict[str, float], prefix: str) -> tuple[str, float] | None:
 
 
 def sweep_projection(args, label: str, shape: tuple[int, int, bool], rows_list: list[int], bandwidth: float,
-                     sms: int) -> list[dict]:
+                     sms: int, pdl: bool) -> list[dict]:
     import torch
 
     num_cols, width, silu = shape
@@ -276,22 +277,23 @@ def sweep_projection(args, label: str, shape: tuple[int, int, bool], rows_list: 
     with_fp8 = not label.endswith("lm_head")   # the LM head stays in the model dtype
     dense, fp8 = projection_weights(num_cols, width, silu, args.device, dtype, with_fp8)
     if args.device.startswith("cuda"):
-        compile_all([dense[0]] + ([fp8[0]] if fp8 else []), rows_list, dtype, sms)
+        compile_all([dense[0]] + ([fp8[0]] if fp8 else []), rows_list, dtype, sms, pdl)
     records = []
     g = torch.Generator(device=args.device).manual_seed(1)
     for rows in rows_list:
         x = torch.randn(rows, dense[0].input_width, generator=g, device=args.device).to(dtype)
-        methods = sweep_methods(dense[0], rows, dtype, sms)
+        methods = sweep_methods(dense[0], rows, dtype, sms, pdl)
         dense_times, dense_errors = time_methods(methods, dense, x, dtype)
         record = {"projection": label, "N": num_cols, "K": width, "rows": rows, "silu_mul": silu,
                   "floor_bf16_ms": num_cols * width * 2 / bandwidth * 1e3, "bf16_times": dense_times,
-                  "bf16_errors": dense_errors, "pick_bf16": selection_pick(dense[0], rows, dtype, sms, dense_times)}
+                  "bf16_errors": dense_errors,
+                  "pick_bf16": selection_pick(dense[0], rows, dtype, sms, pdl, dense_times)}
         record.update(_pdl_gain(methods, dense, x, dtype, dense_times))
         if fp8 is not None:
-            fp8_times, fp8_errors = time_methods(sweep_methods(fp8[0], rows, dtype, sms), fp8, x, dtype)
+            fp8_times, fp8_errors = time_methods(sweep_methods(fp8[0], rows, dtype, sms, pdl), fp8, x, dtype)
             record.update(fp8_times=fp8_times, fp8_errors=fp8_errors,
                           floor_fp8_ms=num_cols * width * (1 + 4 / math.prod(fp8_block(width))) / bandwidth * 1e3,
-                          pick_fp8=selection_pick(fp8[0], rows, dtype, sms, fp8_times))
+                          pick_fp8=selection_pick(fp8[0], rows, dtype, sms, pdl, fp8_times))
         records.append(record)
         print(f"   {label} rows {rows}: {_one_line(record)}", flush=True)
     return records
@@ -322,7 +324,8 @@ def _one_line(r: dict) -> str:
     return ", ".join(parts) + f", floor {r['floor_bf16_ms']:.4f}"
 
 
-def run_sweep(args: argparse.Namespace, bandwidth: float) -> list[dict]:
+def run_sweep(args: argparse.Namespace, bandwidth: float, pdl: bool) -> list[dict]:
+    """Part 1; GEMVs with programmatic dependent launch where graphs replay it (pdl)."""
     import torch
 
     sms = torch.cuda.get_device_properties(args.device).multi_processor_count if args.device.startswith("cuda") else 4
@@ -339,7 +342,7 @@ def run_sweep(args: argparse.Namespace, bandwidth: float) -> list[dict]:
                 records.append({"projection": label, "skipped": True})
                 continue
             with torch.inference_mode():
-                records += sweep_projection(args, label, shape, rows_list, bandwidth, sms)
+                records += sweep_projection(args, label, shape, rows_list, bandwidth, sms, pdl)
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     return records
@@ -571,8 +574,11 @@ def run(args: argparse.Namespace) -> dict:
     result = {"device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
               "copy_bytes_per_s": bandwidth}
     parts = args.parts.split(",")
+    from worker_svc.layers.gemv_kernels import pdl_in_graphs
+
+    result["pdl_in_graphs"] = pdl = pdl_in_graphs(torch.device(args.device))
     if "sweep" in parts:
-        result["sweep"] = run_sweep(args, bandwidth)
+        result["sweep"] = run_sweep(args, bandwidth, pdl)
         result["suggested"] = suggested_configs(result["sweep"])
     if "decode" in parts:
         result["decode"] = run_decode(args)
@@ -606,7 +612,8 @@ def _without_split(name: str) -> str:
 
 def print_report(result: dict) -> None:
     bw = result["copy_bytes_per_s"]
-    print(f"\n# {result['device']}: copy {bw / 1e12:.2f} TB/s (read + write); floor = weight bytes / that")
+    print(f"\n# {result['device']}: copy {bw / 1e12:.2f} TB/s (read + write); floor = weight bytes / that; "
+          f"programmatic dependent launch in graphs: {'yes' if result.get('pdl_in_graphs') else 'no'}")
     if result.get("sweep"):
         print("\nlinear layers, ms per call (weights from memory); %bw = floor / time; pick = start-up selection")
         print(f"{'projection':26s} {'N x K':>13s} {'rows':>4s} {'cublas':>7s} {'gemv':>7s} {'fp8 wo':>7s} "
