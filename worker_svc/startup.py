@@ -107,6 +107,9 @@ def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
         load_safetensors(model, model_dir)
     bind_kv_scales(model, runner.kv_cache_dtype, [] if config.load_format == "dummy" else safetensors_files(model_dir))
     parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
+    if runner.device.type == "cuda":   # each linear layer's fastest kernel by row count (imports Triton)
+        from worker_svc.layers.linear_selection import select_linear_methods
+        select_linear_methods(model, runner.device, runner.dtype, max_rows=config.max_num_batched_tokens)
     return model
 
 

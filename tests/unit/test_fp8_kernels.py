@@ -92,6 +92,29 @@ def test_block_fp8_matmul_matches_its_emulation(fp8_kernels, out_dtype, rows, co
     assert relative_error(actual, expected) <= (FLOAT32_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_on_load_gives_the_quantize_first_product(fp8_kernels, out_dtype):
+    """One launch instead of two: the GEMM quantizes each activation tile per token group as it
+    loads it (the scales bit for bit, the values up to rare last-bit roundings)."""
+    g = torch.Generator().manual_seed(36)
+    block = (32, 32)
+    weight, scale = (t.to(DEVICE) for t in quantize_blocks(torch.randn(96, 64, generator=g) * 0.05, block))
+    x = torch.randn(20, 64, generator=g).to(out_dtype).to(DEVICE)
+    b = torch.randn(96, generator=g).to(out_dtype).to(DEVICE)
+    first = fp8_kernels.fp8_linear(x, weight, scale, block, b)
+    on_load = fp8_kernels.fp8_linear(x, weight, scale, block, b, quantize_on_load=True)
+    assert relative_error(on_load, first) <= (FLOAT32_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
+
+
+def test_token_group_quant_lays_scales_out_for_cublas_on_request(fp8_kernels):
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(37)).to(DEVICE)
+    values, scales = fp8_kernels.per_token_group_quant(x, 128, rows_major_scales=True)
+    want_values, want_scales = reference_group_quant(x.cpu(), 128)
+    assert scales.shape == (5, 2) and scales.stride() == (1, 5)
+    assert torch.equal(scales.cpu(), want_scales) and torch.equal(values.cpu().view(torch.uint8),
+                                                                  want_values.view(torch.uint8))
+
+
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def fp8_checkpoint(request, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     root = tmp_path_factory.mktemp(f"fp8-kernels-{request.param}")
@@ -149,6 +172,23 @@ def test_fp8_linear_replays_in_a_cuda_graph(fp8_kernels):
 
 
 @needs_cuda
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_cublas_block_scaled_fp8_matches_the_emulation(fp8_kernels, rows):
+    """cuBLAS's 1x128 by 128x128 block scaling (Hopper, CUDA 12.9+) on Qwen3-8B's down projection."""
+    g = torch.Generator(device="cuda").manual_seed(38)
+    weight, scale = quantize_blocks(torch.randn(4096, 12288, generator=g, device="cuda") * 0.02, (128, 128))
+    x = torch.randn(rows, 12288, generator=g, device="cuda").to(torch.bfloat16)
+    try:
+        actual = fp8_kernels.cublas_fp8_linear(x, weight, fp8_kernels.cublas_weight_scales(scale), (128, 128))
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"no block-scaled FP8 in this torch / cuBLAS: {exc}")
+    x_values, x_scales = reference_group_quant(x, 128)
+    x_dequantized = (x_values.float().unflatten(-1, (-1, 128)) * x_scales[..., None]).flatten(-2)
+    expected = x_dequantized @ dequantize_blocks(weight, scale, (128, 128), torch.float32).T
+    assert relative_error(actual, expected) <= 2 ** -7
+
+
+@needs_cuda
 @pytest.mark.parametrize("rows", [1, 64, 256, 2048])
 def test_qwen3_8b_shapes(fp8_kernels, rows):
     """gate_up (24576 x 4096) and down (4096 x 12288) of Qwen3-8B, bf16 activations."""
@@ -160,3 +200,5 @@ def test_qwen3_8b_shapes(fp8_kernels, rows):
         x_dequantized = (x_values.float().unflatten(-1, (-1, 128)) * x_scales[..., None]).flatten(-2)
         expected = x_dequantized @ dequantize_blocks(weight, scale, (128, 128), torch.float32).T
         assert relative_error(fp8_kernels.fp8_linear(x, weight, scale, (128, 128)), expected) <= 2 ** -7
+        on_load = fp8_kernels.fp8_linear(x, weight, scale, (128, 128), quantize_on_load=True)
+        assert relative_error(on_load, expected) <= 2 ** -7

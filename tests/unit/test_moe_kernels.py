@@ -133,20 +133,35 @@ def _w8a8_reference(x, w13, w2, weights, ids, group):
     return out
 
 
-@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
-def test_fp8_experts_match_their_emulation_and_stay_near_full_precision(kernels, block):
+@pytest.mark.parametrize("activations,block", [("given", (32, 32)), ("given", (128, 128)), ("on_load", (32, 32)),
+                                               ("weight_only", (32, 32))])
+def test_fp8_experts_match_their_emulation_and_stay_near_full_precision(kernels, activations, block):
+    """FP8 x FP8 (activations quantized first, or as the GEMM loads them: the same values up to
+    the rare last-bit rounding of a reciprocal) matches its emulation; weight-only matches the
+    loop over the dequantized weights as an unquantized model does."""
     moe_kernels, _ = kernels
     g = torch.Generator().manual_seed(24)
-    hidden, intermediate = 128, 128
+    hidden, intermediate = 2 * block[1], block[0]   # two K blocks of each GEMM
     w13, w2 = experts(8, hidden, intermediate, torch.float32, g)
     (q13, s13), (q2, s2) = quantize_blocks(w13, block), quantize_blocks(w2, block)
     d13, d2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
     x = torch.randn(9, hidden, generator=g)
     weights, ids = moe.route(torch.randn(9, 8, generator=g), 2, False)
     actual = moe_kernels.fused_experts(*(t.to(DEVICE) for t in (x, q13, q2, weights, ids)),
-                                       w13_scale=s13.to(DEVICE), w2_scale=s2.to(DEVICE), block=block)
-    assert relative_error(actual, _w8a8_reference(x, d13, d2, weights, ids, block[1])) <= FP8_VS_EMULATION
-    assert relative_error(actual, moe.moe_reference(x, d13, d2, weights, ids)) <= 0.1
+                                       w13_scale=s13.to(DEVICE), w2_scale=s2.to(DEVICE), block=block,
+                                       fp8_activations=activations)
+    dequantized = moe.moe_reference(x, d13, d2, weights, ids)
+    if activations == "weight_only":
+        assert relative_error(actual, dequantized) <= FP8_VS_EMULATION
+    else:
+        assert relative_error(actual, _w8a8_reference(x, d13, d2, weights, ids, block[1])) <= FP8_VS_EMULATION
+        assert relative_error(actual, dequantized) <= 0.1
+
+
+def test_fp8_experts_take_bf16_activations_while_few_rows_reach_each_expert(kernels):
+    moe_kernels, _ = kernels
+    assert moe_kernels.default_fp8_activations(256 * 8, 128) == "weight_only"    # a decode of 256 tokens
+    assert moe_kernels.default_fp8_activations(2048 * 8, 128) == "on_load"       # a prompt
 
 
 def test_a_tiny_qwen3_moe_with_and_without_the_fused_path(kernels, tmp_path):

@@ -33,9 +33,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    plan = None   # linear_methods.LinearPlan, once linear_selection has chosen
+
+    def operands(self):
+        """What linear_methods computes the logits from."""
+        from worker_svc.layers.linear_methods import LinearOperands   # imports Triton
+
+        return LinearOperands(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full logits on rank 0, which alone samples; None on the other ranks."""
-        logits = F.linear(hidden, self.weight)
+        logits = self.plan(hidden, None) if self.plan is not None else F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -6,6 +6,10 @@ largest magnitude is 448, the scale kept in float32). The GEMM then walks K one 
 time, so each step's FP8 tile product is scaled by one activation scale per row and one weight
 scale per output column, accumulated in float32 and rounded once to x's dtype:
     acc += (A_q[:, k-group] @ W_q[:, k-group]^T) * a_scale[:, k] * w_scale[n // bn, k]
+With `quantize_on_load` the GEMM quantizes each activation tile as it loads it (one launch, no
+quantization kernel; the tile is quantized once per column tile, which costs little next to
+the weight read at decode). `cublas_fp8_linear` runs the same product through cuBLAS's
+block-scaled FP8 GEMM where torch and the device have it.
 Shapes depend only on the token count, and nothing is read back to the host, so the layers
 that call this are capturable in CUDA graphs. Under TRITON_INTERPRET=1 the kernels run on the
 CPU (slowly) for the tests.
@@ -13,15 +17,17 @@ CPU (slowly) for the tests.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
+from worker_svc.layers.triton_compile import launch
 
 
 @triton.jit
 def _token_group_quant_kernel(
-    x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, num_groups,
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, stride_sg, num_groups,
     GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -34,31 +40,48 @@ def _token_group_quant_kernel(
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), FP8_MAX)
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
+    tl.store(s_ptr + row * stride_s + groups * stride_sg, scale, mask=groups < num_groups)
 
 
-def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 values [M, K], float32 scales [M, K / group]) of x [M, K]: x ~ values * scale per group."""
+def per_token_group_quant(x: torch.Tensor, group: int, *, rows_major_scales: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values [M, K], float32 scales [M, K / group]) of x [M, K]: x ~ values * scale per group.
+    With rows_major_scales the scales are laid out column by column (strides (1, M)), as
+    cuBLAS's 1 x 128 block scaling reads them."""
     num_rows, width = x.shape
     assert width % group == 0 and group & (group - 1) == 0, (width, group)
     assert x.stride(-1) == 1
     num_groups = width // group
     values = torch.empty(num_rows, width, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if rows_major_scales:
+        scales = torch.empty(num_groups, num_rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
     if num_rows:
         per_program = min(triton.next_power_of_2(num_groups), max(1, 2048 // group))
         _token_group_quant_kernel[(num_rows, triton.cdiv(num_groups, per_program))](
-            x, values, scales, x.stride(0), values.stride(0), scales.stride(0), num_groups,
+            x, values, scales, x.stride(0), values.stride(0), scales.stride(0), scales.stride(1), num_groups,
             GROUP=group, GROUPS_PER_PROGRAM=per_program, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4,
         )
     return values, scales
 
 
 @triton.jit
+def _quantize_tile(a, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """(FP8 values, float32 scales [rows]) of a float32 tile, one group per row: the scale is
+    per_token_group_quant's; values are multiplied by its reciprocal, which rounds differently
+    from its division in rare last bits."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), MIN_AMAX), FP8_MAX)
+    values = tl.clamp(a * tl.math.div_rn(1.0, scale)[:, None], -FP8_MAX, FP8_MAX)
+    return values.to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _block_fp8_matmul_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr,
     M, N, K, stride_am, stride_as, stride_bn, stride_bs, stride_cm,
-    GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr, QUANTIZE_A: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
@@ -83,7 +106,10 @@ def _block_fp8_matmul_kernel(
     for k in range(0, K, BLOCK_K):   # K is whole groups: no mask along it
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        a_s = tl.load(a_s_ptrs + k // BLOCK_K, mask=m_mask, other=0.0)
+        if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
+            a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
+        else:
+            a_s = tl.load(a_s_ptrs + k // BLOCK_K, mask=m_mask, other=0.0)
         b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
@@ -106,36 +132,69 @@ def _matmul_config(num_rows: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
                      block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                      config: dict | None = None) -> torch.Tensor:
-    """a [M, K] FP8 with a_scale [M, K / bk]; weight [N, K] FP8 with weight_scale
+    """a [M, K] FP8 with a_scale [M, K / bk], or a in the model dtype with a_scale None (then
+    quantized per token group as the GEMM loads it); weight [N, K] FP8 with weight_scale
     [ceil(N / bn), K / bk]: (a @ weight^T) dequantized, plus bias, as out_dtype [M, N]."""
     num_rows, width = a.shape
     num_cols = weight.shape[0]
     bn, bk = block
+    quantize_a = a_scale is None
     assert weight.shape[1] == width and width % bk == 0, (a.shape, weight.shape, block)
-    assert a_scale.shape == (num_rows, width // bk) and weight_scale.shape == (-(-num_cols // bn), width // bk)
+    assert quantize_a or a_scale.shape == (num_rows, width // bk), (a_scale.shape, a.shape)
+    assert weight_scale.shape == (-(-num_cols // bn), width // bk), (weight_scale.shape, weight.shape)
     assert weight.stride(-1) == 1 and weight_scale.stride(-1) == 1 and a.stride(-1) == 1
     out = torch.empty(num_rows, num_cols, dtype=out_dtype, device=a.device)
     if num_rows == 0:
         return out
     config = config or _matmul_config(num_rows)
     grid = (triton.cdiv(num_rows, config["BLOCK_M"]) * triton.cdiv(num_cols, config["BLOCK_N"]),)
-    _block_fp8_matmul_kernel[grid](
-        a, a_scale, weight, weight_scale, out, bias if bias is not None else out,
-        num_rows, num_cols, width, a.stride(0), a_scale.stride(0), weight.stride(0), weight_scale.stride(0),
-        out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, BLOCK_K=bk, **config,
+    launch(
+        _block_fp8_matmul_kernel, grid,
+        a, weight_scale if quantize_a else a_scale, weight, weight_scale, out, bias if bias is not None else out,
+        num_rows, num_cols, width, a.stride(0), 0 if quantize_a else a_scale.stride(0), weight.stride(0),
+        weight_scale.stride(0), out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, QUANTIZE_A=quantize_a,
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, **config,
     )
     return out
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, dequantized weight, bias) with x quantized per token group of bk on the fly."""
+               bias: torch.Tensor | None = None, *, quantize_on_load: bool = False,
+               config: dict | None = None) -> torch.Tensor:
+    """F.linear(x, dequantized weight, bias) with x quantized per token group of bk on the fly:
+    by per_token_group_quant first, or inside the GEMM (`quantize_on_load`: one launch)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    values, scales = per_token_group_quant(rows, block[1])
-    out = block_fp8_matmul(values, scales, weight, weight_scale, block, x.dtype, bias)
+    if quantize_on_load:
+        out = block_fp8_matmul(rows, None, weight, weight_scale, block, x.dtype, bias, config)
+    else:
+        values, scales = per_token_group_quant(rows, block[1])
+        out = block_fp8_matmul(values, scales, weight, weight_scale, block, x.dtype, bias, config)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def cublas_weight_scales(weight_scale: torch.Tensor) -> torch.Tensor:
+    """A weight's [N / bn, K / bk] block scales as cuBLAS's 128 x 128 block scaling reads them:
+    K blocks padded to a multiple of 4, laid out K-block-major ([K4, N / bn], strides (1, K4))."""
+    padded = F.pad(weight_scale, (0, -weight_scale.shape[1] % 4))
+    return padded.t()
+
+
+def cublas_fp8_linear(x: torch.Tensor, weight: torch.Tensor, cublas_scales: torch.Tensor, block: tuple[int, int],
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear through cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm, 1 x 128 activation
+    blocks by 128 x 128 weight blocks: Hopper with CUDA 12.9+); cublas_scales from
+    cublas_weight_scales. Raises where this torch or device lacks it."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    values, scales = per_token_group_quant(rows, block[1], rows_major_scales=True)
+    out = F.scaled_mm(values, weight.t(), scales, F.ScalingType.BlockWise1x128, cublas_scales,
+                      F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])

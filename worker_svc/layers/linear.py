@@ -11,6 +11,12 @@ full-precision one), and its matmul is the block-scaled FP8 GEMM; with `kernel=F
 the dequantized weight and computes like an unquantized layer. Every shard boundary (tensor
 parallelism, packing) of an FP8 weight must fall on a block boundary: the layer checks that
 when it is built.
+
+A row-parallel layer built with `input_activation="silu_and_mul"` takes the packed [gate | up]
+projection and multiplies silu(gate) * up itself (the MLP's down projection), so that a kernel
+can apply the activation as it loads its input. On a GPU, linear_selection gives each layer a
+`plan` (linear_methods.LinearPlan) that picks the fastest measured kernel for the step's row
+count; without one (the CPU, or before the choice) a layer computes as described above.
 """
 from __future__ import annotations
 
@@ -19,18 +25,25 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.layers.activation import SiluAndMul
 from worker_svc.layers.fp8 import FP8_DTYPE, BlockFp8Tensor, Fp8Config, as_dense, as_fp8, fill_random_fp8_
 from worker_svc.parallel_state import divide, get_tp_rank, get_tp_size
+
+INPUT_ACTIVATIONS = ("silu_and_mul",)
 
 
 class _ParallelLinear(nn.Module):
     shard_ids: tuple = (None,)   # a plain layer is filled by one checkpoint tensor
+    plan = None                  # linear_methods.LinearPlan, once linear_selection has chosen
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: Fp8Config | None = None, input_activation: str | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_dim = get_tp_rank(), get_tp_size(), tp_dim
         self.quant = quant
+        if input_activation is not None and input_activation not in INPUT_ACTIVATIONS:
+            raise ValueError(f"input_activation {input_activation!r} is not one of {', '.join(INPUT_ACTIVATIONS)}")
+        self.act_fn = SiluAndMul() if input_activation is not None else None
         fp8 = quant is not None and quant.kernel
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE if fp8 else None),
                                    requires_grad=False)
@@ -88,7 +101,19 @@ class _ParallelLinear(nn.Module):
             part = self._rank_slice(as_dense(loaded, param.dtype, self.quant), self.tp_dim)
             param.data.narrow(0, offset, part.shape[0]).copy_(part)
 
+    def operands(self):
+        """What linear_methods computes this layer's product from."""
+        from worker_svc.layers.linear_methods import LinearOperands   # imports Triton
+
+        fp8 = self.weight.dtype == FP8_DTYPE
+        return LinearOperands(self.weight, self.weight_scale_inv if fp8 else None, self.quant.block if fp8 else None,
+                              silu_mul=self.act_fn is not None)
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.plan is not None:
+            return self.plan(x, bias)
+        if self.act_fn is not None:
+            x = self.act_fn(x)
         if self.weight.dtype == FP8_DTYPE:
             from worker_svc.layers import fp8_kernels   # imports Triton
 
@@ -138,8 +163,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant: Fp8Config | None = None) -> None:
-        super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1, quant=quant)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant: Fp8Config | None = None,
+                 input_activation: str | None = None) -> None:
+        """input_activation "silu_and_mul": the input is [gate | up], each input_size wide."""
+        super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1, quant=quant,
+                         input_activation=input_activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.bias if self.tp_rank == 0 else None)

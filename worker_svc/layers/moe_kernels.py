@@ -17,8 +17,11 @@ numbered token * k + slot. One MoE block is:
    (act @ w2[e]^T) * routing weight, and the k rows of each token are summed.
 Roundings follow the reference loop (moe.moe_reference) where it rounds to the model dtype,
 except that a token's k expert outputs are summed in float32 and rounded once.
-With FP8 experts (block scales, fp8.py) the activations are quantized per token group before
-each GEMM and the products scaled per group, as in fp8_kernels.
+With FP8 experts (block scales, fp8.py) the products are scaled per weight block, and the
+activations either stay in the model dtype against the dequantized expert tile (`weight_only`:
+decode, where few rows reach each expert and the weight read is all that counts) or are
+quantized per token group as the GEMM loads them (FP8 x FP8 on the tensor cores, no separate
+quantization kernel); `fp8_activations` picks, by rows per expert unless told.
 """
 from __future__ import annotations
 
@@ -27,7 +30,13 @@ import triton
 import triton.language as tl
 
 from worker_svc.layers import fused_kernels
-from worker_svc.layers.fp8_kernels import per_token_group_quant
+from worker_svc.layers.fp8 import FP8_MAX, MIN_AMAX
+from worker_svc.layers.fp8_kernels import _quantize_tile, per_token_group_quant
+
+FP8_ACTIVATIONS = ("weight_only", "on_load", "given")
+_FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)   # globals a kernel may read
+# Rows per expert up to which FP8 experts multiply bf16 activations (weight-only) by default.
+WEIGHT_ONLY_MAX_ROWS_PER_EXPERT = 16
 
 
 @triton.jit
@@ -146,8 +155,9 @@ def _grouped_gemm_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     N, K, num_assignments,
     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
-    A_ROW_DIVISOR: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_ROW_DIVISOR: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, FP8: tl.constexpr, FP8_ACTIVATIONS: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -169,10 +179,16 @@ def _grouped_gemm_kernel(
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:   # K is whole groups of BLOCK_K; one scale per row and group, per column and group
-            a_s = tl.load(a_s_ptr + a_rows * stride_as + k // BLOCK_K, mask=row_mask, other=0.0)
             b_s = tl.load(b_s_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn + k // BLOCK_K,
                           mask=n_mask, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            if FP8_ACTIVATIONS == "weight_only":
+                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_s[None, :]
+            else:
+                if FP8_ACTIVATIONS == "on_load":
+                    a, a_s = _quantize_tile(a.to(tl.float32), _FP8_MAX, _MIN_AMAX)
+                else:
+                    a_s = tl.load(a_s_ptr + a_rows * stride_as + k // BLOCK_K, mask=row_mask, other=0.0)
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
             acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
@@ -205,33 +221,46 @@ def moe_config(num_assignments: int, num_experts: int, fp8_block_k: int | None =
 def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, config: dict, *,
                  a_per_token: bool, topk_weights: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
-                 weight_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
+                 weight_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                 fp8_activations: str = "given") -> None:
     """out[r] = a[r // top_k if a_per_token else r] @ weight[expert of r]^T (times the routing
-    weight of r when topk_weights is given), for every assignment r listed in sorted_ids."""
+    weight of r when topk_weights is given), for every assignment r listed in sorted_ids. FP8
+    weights (weight_scale): a is FP8 with a_scale ("given"), or in the model dtype and used as
+    it is ("weight_only") or quantized as loaded ("on_load")."""
     num_assignments = out.shape[0]
     num_experts, num_cols, width = weight.shape
-    fp8 = a_scale is not None
+    fp8 = weight_scale is not None
+    assert fp8_activations in FP8_ACTIVATIONS and (a_scale is not None) == (fp8 and fp8_activations == "given")
     block_k = config["BLOCK_K"] if fp8 else max(16, min(config["BLOCK_K"], triton.next_power_of_2(width)))
     assert weight.stride(-1) == 1 and a.stride(-1) == 1 and out.stride(-1) == 1
     grid = (block_expert.shape[0] * triton.cdiv(num_cols, config["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
-        a, a_scale if fp8 else a, weight, weight_scale if fp8 else weight, out,
+        a, a_scale if a_scale is not None else a, weight, weight_scale if fp8 else weight, out,
         topk_weights if topk_weights is not None else out, sorted_ids, block_expert, num_padded,
         num_cols, width, num_assignments,
-        a.stride(0), a_scale.stride(0) if fp8 else 0, weight.stride(0), weight.stride(1),
+        a.stride(0), a_scale.stride(0) if a_scale is not None else 0, weight.stride(0), weight.stride(1),
         weight_scale.stride(0) if fp8 else 0, weight_scale.stride(1) if fp8 else 0, out.stride(0),
         A_ROW_DIVISOR=top_k if a_per_token else 1, MUL_ROUTED_WEIGHT=topk_weights is not None, FP8=fp8,
+        FP8_ACTIVATIONS=fp8_activations,
         GROUP_N=block[0] if fp8 else 1, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
 
+def default_fp8_activations(num_assignments: int, num_experts: int) -> str:
+    """Weight-only while few rows reach each expert (decode), else FP8 x FP8 quantized on load."""
+    per_expert = num_assignments / max(num_experts, 1)
+    return "weight_only" if per_expert <= WEIGHT_ONLY_MAX_ROWS_PER_EXPERT else "on_load"
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                  config: dict | None = None) -> torch.Tensor:
-    """moe.moe_reference's result for x [T, H] routed to topk_ids [T, k] with topk_weights."""
+                  config: dict | None = None, fp8_activations: str | None = None) -> torch.Tensor:
+    """moe.moe_reference's result for x [T, H] routed to topk_ids [T, k] with topk_weights.
+    FP8 experts take the activations as `fp8_activations` says (FP8_ACTIVATIONS; "given":
+    quantized by per_token_group_quant first), by default_fp8_activations unless told."""
     num_tokens, top_k = topk_ids.shape
     num_experts, width13, _ = w13.shape
     hidden = w2.shape[1]
@@ -240,18 +269,20 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return torch.zeros_like(x)
     fp8 = w13_scale is not None
     config = config or moe_config(n, num_experts, block[1] if fp8 else None)
+    mode = (fp8_activations or default_fp8_activations(n, num_experts)) if fp8 else "given"
     sorted_ids, block_expert, num_padded = sort_by_expert(topk_ids, num_experts, config["BLOCK_M"])
     x = x if x.stride(-1) == 1 else x.contiguous()
     routing = (sorted_ids, block_expert, num_padded, top_k, config)
+    fp8_args = dict(block=block, fp8_activations=mode)
 
     gate_up = torch.empty(n, width13, dtype=x.dtype, device=x.device)
-    x_q, x_scale = per_token_group_quant(x, block[1]) if fp8 else (x, None)
-    grouped_gemm(x_q, w13, gate_up, *routing, a_per_token=True, a_scale=x_scale, weight_scale=w13_scale, block=block)
+    x_q, x_scale = per_token_group_quant(x, block[1]) if fp8 and mode == "given" else (x, None)
+    grouped_gemm(x_q, w13, gate_up, *routing, a_per_token=True, a_scale=x_scale, weight_scale=w13_scale, **fp8_args)
     act = fused_kernels.silu_and_mul(gate_up)
-    act_q, act_scale = per_token_group_quant(act, block[1]) if fp8 else (act, None)
+    act_q, act_scale = per_token_group_quant(act, block[1]) if fp8 and mode == "given" else (act, None)
     down = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     grouped_gemm(act_q, w2, down, *routing, a_per_token=False, topk_weights=topk_weights.reshape(-1),
-                 a_scale=act_scale, weight_scale=w2_scale, block=block)
+                 a_scale=act_scale, weight_scale=w2_scale, **fp8_args)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from worker_svc.layers.activation import SiluAndMul
 from worker_svc.layers.attention import AttentionBackend, AttentionMetadata
 from worker_svc.layers.attention.layer import PagedAttention
 from worker_svc.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -62,12 +61,13 @@ class Qwen3MLP(nn.Module):
             raise ValueError(f"Qwen3 uses silu, this checkpoint asks for {config.hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
                                                        quant=_layer_quant(quant, prefix, "gate_proj", "up_proj"))
-        self.act_fn = SiluAndMul()
+        # SwiGLU is the down projection's input activation: a kernel can apply it as it loads.
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
-                                           quant=_layer_quant(quant, prefix, "down_proj"))
+                                           quant=_layer_quant(quant, prefix, "down_proj"),
+                                           input_activation="silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class Qwen3DecoderLayer(nn.Module):

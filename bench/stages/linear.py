@@ -1,0 +1,703 @@
+"""Stage `linear`: decode-shaped linear layers on the GPU, bf16 and FP8, against the weight floor.
+
+Part 1 (sweep), per model (configs/qwen3-0.6b.json, qwen3-8b.json; --tp adds Qwen3-8B's
+tensor-parallel shards) x projection (qkv, o, gate_up, down with SwiGLU on its input, lm_head) x
+rows (1, 4, 16, 64, 256): cuBLAS bf16 (the down projection: SwiGLU kernel + cuBLAS), the best of a
+sweep of GEMV launch settings (bf16 weights), the best FP8 weight-only GEMV, the best FP8 x FP8
+(Triton with activations quantized on load or first, cuBLAS block-scaled), the weight floor
+(weight bytes / measured copy bandwidth), the share of bandwidth of the best bf16 and FP8 paths,
+and what the worker's start-up selection (worker_svc/layers/linear_selection.py) picks among its
+own candidates, from the same measurements. Each time is a CUDA-graph replay of one call per
+weight copy in turn, with enough copies to exceed 4 L2 caches, so weights come from memory as
+in a model. Every setting swept is in linear.json, and the table's end lists the GEMV settings
+that come within 5% of the best most often, to tune the start-up candidates from one run.
+
+Part 2 (decode), Qwen3-8B's config with dummy weights, bf16 and --quantization fp8: one decode
+step (forward + LM head, one CUDA graph) at batch 1, 64, 256 over a short context (the step is
+then about the weights), with the start-up selection and without it (cuBLAS and the FP8 GEMM
+with its quantization kernel, as before), and the kernels per decoder layer at batch 1.
+
+Part 3 (moe): one Qwen3-30B-A3B MoE layer at the decode batches, bf16 experts against FP8
+experts taking bf16 activations (weight-only), quantizing them on load, or quantized first.
+
+    python -m bench.stages.linear --out DIR                 # one H200: < 4 minutes; DIR/linear.json
+    python -m bench.stages.linear --out DIR --device cpu --tiny   # smoke test (Triton interpreter)
+
+On the CPU the Triton kernels run under TRITON_INTERPRET=1, which needs the interpreter fixes of
+the tests' triton_interpreter helper to run them as a GPU would; without them their rows record
+the interpreter's errors (the harness is what the smoke test is for).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODELS = {"0.6b": "qwen3-0.6b.json", "8b": "qwen3-8b.json"}
+FP8_BLOCK = (128, 128)
+TINY_FP8_BLOCK = (32, 32)
+# GEMV settings swept: (block_n, block_k at one row, num_warps) on CUDA cores (block_k shrinks
+# with the rows), (block_n, block_k, num_warps, num_stages) on tensor cores; each at split-K 1,
+# auto_split's and twice that.
+SWEEP_FMA = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
+             (32, 256, 8))
+SWEEP_DOT = ((16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 256, 4, 3),
+             (64, 64, 4, 6), (32, 128, 4, 6), (128, 128, 8, 3))
+# FP8 GEMM tiles swept with activations quantized on load: up to 64 rows, and past it.
+SWEEP_FP8_FEW = ((16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4))
+SWEEP_FP8_MANY = ((64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3),
+                  (64, 256, 8, 3))
+NEAR_BEST = 1.05
+L2_MULTIPLE, MAX_COPIES = 4, 64
+DECODE_REPLAYS = 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=pathlib.Path, required=True, help="writes OUT/linear.json")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test under Triton's interpreter)")
+    p.add_argument("--models", default="8b,0.6b", help="swept in this order, then Qwen3-8B's --tp shards")
+    p.add_argument("--tp", default="2", help="tensor-parallel sizes of Qwen3-8B's shards swept last (0: none)")
+    p.add_argument("--rows", default="1,4,16,64,256")
+    p.add_argument("--parts", default="sweep,decode,moe")
+    p.add_argument("--decode-batches", default="1,64,256")
+    p.add_argument("--decode-context", type=int, default=64)
+    p.add_argument("--sweep-budget-s", type=float, default=120.0,
+                   help="projections not started by then are skipped (the whole stage stays under 4 minutes)")
+
+
+# --- shapes, rates, timing ------------------------------------------------------------------------
+
+def model_config(args: argparse.Namespace, name: str) -> dict:
+    if args.tiny:
+        hidden = 64 if name == "0.6b" else 128
+        return {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                "intermediate_size": 2 * hidden, "vocab_size": 512, "num_hidden_layers": 2}
+    return json.loads((REPO / "configs" / MODELS[name]).read_text())
+
+
+def projection_shapes(config: dict, tp: int) -> dict[str, tuple[int, int, bool]]:
+    """name -> (output columns N, input width K, SwiGLU on the input) on one of tp ranks."""
+    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    return {"qkv": ((heads + 2 * kv) * head_dim // tp, h, False), "o": (h, heads * head_dim // tp, False),
+            "gate_up": (2 * inter // tp, h, False), "down": (h, inter // tp, True), "lm_head": (vocab // tp, h, False)}
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a device-to-device copy, read and write counted (as the floors in PERF_NOTES)."""
+    import torch
+
+    size = (1 << 30) if device.startswith("cuda") else (16 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    if device.startswith("cuda"):
+        import triton.testing
+
+        seconds = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median") / 1e3
+    else:
+        start = time.perf_counter()
+        dst.copy_(src)
+        seconds = time.perf_counter() - start
+    return 2 * size / seconds
+
+
+def measure(method, runners, x) -> float:
+    """ms per call: linear_selection's CUDA-graph timing on a GPU, one wall-clock pass elsewhere."""
+    if x.device.type == "cuda":
+        from worker_svc.layers.linear_selection import graph_time
+
+        return graph_time(method, runners, x)
+    start = time.perf_counter()
+    for run in runners:
+        run(x, None)
+    return (time.perf_counter() - start) * 1e3 / len(runners)
+
+
+def copies_for(num_bytes: int, device: str) -> int:
+    """Weight copies to cycle through so that they exceed L2_MULTIPLE L2 caches."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(MAX_COPIES, math.ceil(L2_MULTIPLE * l2 / num_bytes)))
+
+
+# --- part 1: the sweep ----------------------------------------------------------------------------
+
+def fp8_block(width: int) -> tuple[int, int]:
+    """The official checkpoints' blocks, or smaller ones for the tiny smoke-test shapes."""
+    return FP8_BLOCK if width >= FP8_BLOCK[1] else TINY_FP8_BLOCK
+
+
+def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool, pdl: bool) -> list:
+    """Every GEMV setting swept at this row count (the start-up candidates among them)."""
+    from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, GemvConfig, check_config
+    from worker_svc.layers.linear_selection import MAX_SPLIT, MIN_FMA_BLOCK_K, auto_split, gemv_configs
+
+    block_m = 1 << max(0, (rows - 1).bit_length())
+    bases = []
+    if block_m < DOT_MIN_ROWS:
+        bases += [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)
+                  for n, k, w in SWEEP_FMA]
+    if rows > 1:
+        bases += [GemvConfig(max(block_m, DOT_MIN_ROWS), n, k, num_warps=w, num_stages=s, pdl=pdl)
+                  for n, k, w, s in SWEEP_DOT]
+    configs = {}
+    for base in bases:
+        split = auto_split(num_cols, width, rows, base, sms)
+        k_tiles = math.ceil(width / base.block_k)
+        for s in {1, split, min(2 * split, MAX_SPLIT, max(1, k_tiles // 2))}:
+            config = GemvConfig(**{**base.__dict__, "split_k": s})
+            configs[str(config)] = config
+    for config in gemv_configs(rows, num_cols, width, sms, pdl):
+        configs.setdefault(str(config), config)
+    usable = []
+    for config in configs.values():
+        try:
+            check_config(config, num_cols, width, fp8_block=fp8_block(width) if fp8 else None)
+        except ValueError:
+            continue
+        usable.append(config)
+    return usable
+
+
+def sweep_methods(operands, rows: int, dtype, sms: int, pdl: bool) -> list:
+    """The start-up candidates (linear_selection.candidates) and every other setting swept."""
+    from worker_svc.layers.linear_methods import Fp8Gemm, Gemv
+    from worker_svc.layers.linear_selection import GEMV_MAX_ROWS, candidates
+
+    num_cols, width = operands.weight.shape
+    methods = {str(m): m for m in candidates(operands, rows, dtype, sms, pdl)}
+    extra = []
+    if operands.fp8:
+        tiles = SWEEP_FP8_FEW if rows <= GEMV_MAX_ROWS else SWEEP_FP8_MANY
+        extra += [Fp8Gemm.of(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=1 if rows <= GEMV_MAX_ROWS else 8, num_warps=w,
+                                  num_stages=s)) for bm, bn, w, s in tiles]
+    if rows <= GEMV_MAX_ROWS:
+        extra += [Gemv(c) for c in sweep_gemv_configs(rows, num_cols, width, sms, operands.fp8, pdl)]
+    for method in extra:
+        if method.supports(operands, dtype):
+            methods.setdefault(str(method), method)
+    return list(methods.values())
+
+
+def compile_all(operand_sets, rows_list: list[int], dtype, sms: int, pdl: bool) -> None:
+    """Every Triton method of the sweep at every row count, compiled in parallel."""
+    import torch
+
+    from worker_svc.layers.triton_compile import compile_ahead
+
+    calls = []
+    for operands in operand_sets:
+        for rows in rows_list:
+            x = torch.zeros(rows, operands.input_width, dtype=dtype, device=operands.weight.device)
+            calls += [lambda m=m, op=operands, x=x: m.bind(op, dtype)(x, None)
+                      for m in sweep_methods(operands, rows, dtype, sms, pdl) if m.compiles]
+    started = time.perf_counter()
+    failed = compile_ahead(calls)
+    print(f"   compiled {len(calls)} variants in {time.perf_counter() - started:.1f} s ({failed} failed)", flush=True)
+
+
+def projection_weights(num_cols: int, width: int, silu: bool, device: str, dtype, with_fp8: bool):
+    """(bf16 operands per copy, FP8 operands per copy or None): one random weight, cloned."""
+    import torch
+
+    from worker_svc.layers.fp8 import quantize_blocks
+    from worker_svc.layers.linear_methods import LinearOperands
+
+    g = torch.Generator(device=device).manual_seed(num_cols * 7 + width)
+    weight = (torch.randn(num_cols, width, generator=g, device=device) * 0.02).to(dtype)
+    count = copies_for(weight.numel() * weight.element_size(), device)
+    dense = [LinearOperands(weight if i == 0 else weight.clone(), silu_mul=silu) for i in range(count)]
+    if not with_fp8:
+        return dense, None
+    block = fp8_block(width)
+    values, scale = quantize_blocks(weight, block)
+    count8 = copies_for(values.numel(), device)
+    fp8 = [LinearOperands(values.clone(), scale.clone(), block, silu) for _ in range(count8)]
+    return dense, fp8
+
+
+def time_methods(methods, operands, x, dtype) -> tuple[dict[str, float], dict[str, str]]:
+    """ms per call of each method over the copies; errors by method for those that fail."""
+    from worker_svc.layers.linear_selection import ACTIVATION_QUANT_TOLERANCE, TOLERANCE, relative_error
+
+    times, errors = {}, {}
+    for method in methods:
+        try:
+            runners = [method.bind(op, dtype) for op in operands]
+            error = relative_error(runners[0], operands[0], x)
+            quantizes = str(method).startswith(("fp8-gemm", "fp8-cublas"))
+            if not error <= (ACTIVATION_QUANT_TOLERANCE if quantizes else TOLERANCE):
+                raise ValueError(f"relative error {error:.3g}")
+            times[str(method)] = measure(method, runners, x)
+        except Exception as exc:  # noqa: BLE001 - recorded: the table shows what could not run
+            errors[str(method)] = f"{type(exc).__name__}: {exc}"[:200]
+        runners = None
+    return times, errors
+
+
+def selection_pick(operands, rows: int, dtype, sms: int, pdl: bool,
+                   times: dict[str, float]) -> tuple[str, float] | None:
+    """What linear_selection would run at this row count, from these measurements."""
+    from worker_svc.layers.linear_selection import _fastest, candidates
+
+    methods = {str(m): m for m in candidates(operands, rows, dtype, sms, pdl)}
+    measured = {name: times[name] for name in methods if name in times}
+    if not measured:
+        return None
+    name = _fastest(measured, methods)
+    return name, measured[name]
+
+
+def best(times: dict[str, float], prefix: str) -> tuple[str, float] | None:
+    matching = {n: t for n, t in times.items() if n.startswith(prefix)}
+    if not matching:
+        return None
+    name = min(matching, key=matching.get)
+    return name, matching[name]
+
+
+def sweep_projection(args, label: str, shape: tuple[int, int, bool], rows_list: list[int], bandwidth: float,
+                     sms: int, pdl: bool) -> list[dict]:
+    import torch
+
+    num_cols, width, silu = shape
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    with_fp8 = not label.endswith("lm_head")   # the LM head stays in the model dtype
+    dense, fp8 = projection_weights(num_cols, width, silu, args.device, dtype, with_fp8)
+    if args.device.startswith("cuda"):
+        compile_all([dense[0]] + ([fp8[0]] if fp8 else []), rows_list, dtype, sms, pdl)
+    records = []
+    g = torch.Generator(device=args.device).manual_seed(1)
+    for rows in rows_list:
+        x = torch.randn(rows, dense[0].input_width, generator=g, device=args.device).to(dtype)
+        methods = sweep_methods(dense[0], rows, dtype, sms, pdl)
+        dense_times, dense_errors = time_methods(methods, dense, x, dtype)
+        record = {"projection": label, "N": num_cols, "K": width, "rows": rows, "silu_mul": silu,
+                  "floor_bf16_ms": num_cols * width * 2 / bandwidth * 1e3, "bf16_times": dense_times,
+                  "bf16_errors": dense_errors,
+                  "pick_bf16": selection_pick(dense[0], rows, dtype, sms, pdl, dense_times)}
+        record.update(_pdl_gain(methods, dense, x, dtype, dense_times))
+        if fp8 is not None:
+            fp8_times, fp8_errors = time_methods(sweep_methods(fp8[0], rows, dtype, sms, pdl), fp8, x, dtype)
+            record.update(fp8_times=fp8_times, fp8_errors=fp8_errors,
+                          floor_fp8_ms=num_cols * width * (1 + 4 / math.prod(fp8_block(width))) / bandwidth * 1e3,
+                          pick_fp8=selection_pick(fp8[0], rows, dtype, sms, pdl, fp8_times))
+        records.append(record)
+        print(f"   {label} rows {rows}: {_one_line(record)}", flush=True)
+    return records
+
+
+def _pdl_gain(methods: list, operands, x, dtype, times: dict[str, float]) -> dict:
+    """The best GEMV setting measured again without programmatic dependent launch."""
+    import dataclasses
+
+    from worker_svc.layers.linear_methods import Gemv
+
+    top = best(times, "gemv")
+    if top is None or x.device.type != "cuda":
+        return {}
+    config = next(m.config for m in methods if str(m) == top[0])
+    plain = Gemv(dataclasses.replace(config, pdl=False))
+    no_pdl, _ = time_methods([plain], operands, x, dtype)
+    return {"gemv_best_without_pdl_ms": no_pdl.get(str(plain))}
+
+
+def _one_line(r: dict) -> str:
+    cublas = r["bf16_times"].get("cublas")
+    gemv = best(r["bf16_times"], "gemv")
+    parts = [f"cublas {cublas:.4f}" if cublas else "cublas -", f"gemv {gemv[1]:.4f}" if gemv else "gemv -"]
+    if "fp8_times" in r:
+        wo = best(r["fp8_times"], "gemv")
+        parts.append(f"fp8 w-only {wo[1]:.4f}" if wo else "fp8 w-only -")
+    return ", ".join(parts) + f", floor {r['floor_bf16_ms']:.4f}"
+
+
+def run_sweep(args: argparse.Namespace, bandwidth: float, pdl: bool) -> list[dict]:
+    """Part 1; GEMVs with programmatic dependent launch where graphs replay it (pdl)."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(args.device).multi_processor_count if args.device.startswith("cuda") else 4
+    rows_list = [int(r) for r in args.rows.split(",")]
+    started = time.perf_counter()
+    jobs = [(name, 1) for name in args.models.split(",")]
+    jobs += [("8b", int(tp)) for tp in args.tp.split(",") if int(tp) > 1]
+    records = []
+    for name, tp in jobs:
+        for proj, shape in projection_shapes(model_config(args, name), tp).items():
+            label = f"{'tiny ' if args.tiny else 'Qwen3-'}{name.upper()}{f' tp{tp}' if tp > 1 else ''} {proj}"
+            if time.perf_counter() - started > args.sweep_budget_s:
+                print(f"   {label}: skipped (sweep budget of {args.sweep_budget_s:.0f} s spent)", flush=True)
+                records.append({"projection": label, "skipped": True})
+                continue
+            with torch.inference_mode():
+                records += sweep_projection(args, label, shape, rows_list, bandwidth, sms, pdl)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return records
+
+
+# --- part 2: whole-model decode -------------------------------------------------------------------
+
+def decode_model(args: argparse.Namespace, quantization: str | None):
+    """Qwen3-8B's config (tiny with --tiny) with dummy weights, on the device, bf16."""
+    import torch
+
+    from bench.model_dirs import write_config_dir
+    from worker_svc.layers.attention.registry import get_attention_backend
+    from worker_svc.loader import init_dummy_weights
+    from worker_svc.model_config import load_model_config
+    from worker_svc.models import build_model
+
+    model_dir = args.out / "models" / ("tiny-8b" if args.tiny else "qwen3-8b")
+    if not (model_dir / "config.json").exists():
+        if args.tiny:
+            from common.tiny_model import write_tiny_qwen3
+
+            write_tiny_qwen3(model_dir, hidden_size=128, intermediate_size=256, num_layers=2)
+        else:
+            write_config_dir(model_dir, REPO / "configs" / MODELS["8b"])
+    config = load_model_config(model_dir)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = get_attention_backend("triton" if device.type == "cuda" else "torch", device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(config, backend, 4096, quantization, device).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    init_dummy_weights(model, 0, std=getattr(config, "initializer_range", 0.02))
+    return model, config, dtype
+
+
+def decode_inputs(config, batch: int, context: int, num_blocks: int, block_size: int, device):
+    """input ids, positions and metadata of one decode step of `batch` requests at `context`,
+    their blocks drawn at random from the cache's pool."""
+    import torch
+
+    from worker_svc.layers.attention import AttentionMetadata
+
+    g = torch.Generator().manual_seed(batch)
+    width = math.ceil((context + 1) / block_size)
+    tables = torch.randint(0, num_blocks, (batch, width), generator=g, dtype=torch.int32)
+    positions = torch.full((batch,), context, dtype=torch.int64)
+    slots = tables[:, context // block_size].long() * block_size + context % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device), query_start_loc=torch.arange(batch + 1, dtype=torch.int32).to(device),
+        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32).to(device), block_tables=tables.to(device),
+        max_query_len=1, max_seq_len=context + 1, query_lens_cpu=[1] * batch, seq_lens_cpu=[context + 1] * batch)
+    ids = torch.randint(0, config.vocab_size, (batch,), generator=g).to(device)
+    return ids, positions.to(device), meta
+
+
+def time_step(model, inputs, device) -> tuple[float, object]:
+    """ms per decode step (forward + LM head) as one CUDA graph, and the graph (None on the CPU)."""
+    import torch
+
+    ids, positions, meta = inputs
+    rows = torch.arange(ids.shape[0], device=device)
+
+    def step():
+        return model.compute_logits(model(ids, positions, meta), rows)
+
+    step()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        step()
+        return (time.perf_counter() - start) * 1e3, None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    results = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(DECODE_REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        results.append(start.elapsed_time(end) / DECODE_REPLAYS)
+    return statistics.median(results), graph
+
+
+def kernels_per_layer(graph, num_layers: int) -> dict:
+    """Kernels one replay launches, per decoder layer, and the most frequent names."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    names = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    total = sum(names.values())
+    return {"kernels": total, "per_layer": total / num_layers,
+            "top": [(name[:80], count) for name, count in names.most_common(12)]}
+
+
+def run_decode(args: argparse.Namespace) -> dict:
+    import torch
+
+    from worker_svc import kv_cache
+    from worker_svc.layers.linear_selection import linear_kinds, select_linear_methods
+    from worker_svc.models.qwen3 import head_dim_of
+
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    if args.tiny:
+        batches = [b for b in batches if b <= 8] or [1]
+    device = torch.device(args.device)
+    results = {}
+    for quantization in (None, "fp8"):
+        name = quantization or "bf16"
+        started = time.perf_counter()
+        model, config, dtype = decode_model(args, quantization)
+        block_size, num_blocks = 16, 2048 if not args.tiny else 64
+        kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads, head_dim_of(config),
+                                   dtype, device)
+        row = {"load_s": time.perf_counter() - started}
+        layers = [m for _, group in linear_kinds(model).values() for m in group]
+        with torch.inference_mode():
+            for planned in (False, True):
+                if planned:
+                    started = time.perf_counter()
+                    choices = select_linear_methods(model, device, dtype, max_rows=max(batches))
+                    row["selection_s"] = time.perf_counter() - started
+                    row["selection"] = {label: c.summary() for label, c in choices.items()}
+                else:
+                    for layer in layers:
+                        layer.plan = None
+                key = "selected" if planned else "before"
+                for batch in batches:
+                    inputs = decode_inputs(config, batch, args.decode_context, num_blocks, block_size, device)
+                    ms, graph = time_step(model, inputs, device)
+                    row[f"{key}_ms_b{batch}"] = ms
+                    if batch == batches[0] and graph is not None:
+                        row[f"{key}_kernels_b{batch}"] = kernels_per_layer(graph, config.num_hidden_layers)
+                    del graph
+                    print(f"   decode {name} {key} batch {batch}: {ms:.3f} ms", flush=True)
+        results[name] = row
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"batches": batches, "context": args.decode_context, "rows": results}
+
+
+# --- part 3: one MoE layer -----------------------------------------------------------------------
+
+def run_moe(args: argparse.Namespace) -> dict:
+    """One Qwen3-30B-A3B MoE layer (fused path) at the decode batches: bf16 experts, and FP8
+    experts with each way of taking the activations (moe_kernels.FP8_ACTIVATIONS)."""
+    import torch
+
+    from worker_svc.layers import moe_kernels
+    from worker_svc.layers.fp8 import quantize_blocks
+
+    config = (dict(num_experts=8, num_experts_per_tok=2, hidden_size=64, moe_intermediate_size=64) if args.tiny
+              else json.loads((REPO / "configs" / "qwen3-30b-a3b.json").read_text()))
+    experts, top_k = config["num_experts"], config["num_experts_per_tok"]
+    hidden, width = config["hidden_size"], config["moe_intermediate_size"]
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    block = fp8_block(min(hidden, width))
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(experts, 2 * width, hidden, generator=g, device=device) * 0.02).to(dtype)
+    w2 = (torch.randn(experts, hidden, width, generator=g, device=device) * 0.02).to(dtype)
+    (q13, s13), (q2, s2) = quantize_blocks(w13, block), quantize_blocks(w2, block)
+    rows = []
+    for batch in [int(b) for b in args.decode_batches.split(",")]:
+        x = torch.randn(batch, hidden, generator=g, device=device).to(dtype)
+        logits = torch.randn(batch, experts, generator=g, device=device).to(dtype)
+        runs = {"bf16": lambda x=x, logits=logits: moe_kernels.fused_moe(x, logits, w13, w2, top_k, True)}
+        for mode in moe_kernels.FP8_ACTIVATIONS:
+            runs[f"fp8 {mode}"] = lambda mode=mode, x=x, logits=logits: moe_kernels.fused_experts(
+                x, q13, q2, *moe_kernels.route_topk(logits, top_k, True), w13_scale=s13, w2_scale=s2, block=block,
+                fp8_activations=mode)
+        row = {"batch": batch, "default_fp8": moe_kernels.default_fp8_activations(batch * top_k, experts)}
+        for name, fn in runs.items():
+            try:
+                row[name] = _time_calls(fn, device)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                row[name] = None
+                row[f"{name} error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rows.append(row)
+        print(f"   moe batch {batch}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()
+                                                    if isinstance(v, float)), flush=True)
+    return {"experts": experts, "top_k": top_k, "hidden": hidden, "width": width, "rows": rows}
+
+
+def _time_calls(fn, device) -> float:
+    """ms per call: CUDA-graph replays of 10 calls on a GPU, one wall-clock call elsewhere."""
+    import torch
+
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 50
+
+
+# --- the stage ------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> dict:
+    """Both parts (as --parts says); the result written to OUT/linear.json is returned."""
+    import torch
+
+    started = time.perf_counter()
+    bandwidth = copy_bandwidth(args.device)
+    result = {"device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
+              "copy_bytes_per_s": bandwidth}
+    parts = args.parts.split(",")
+    from worker_svc.layers.gemv_kernels import pdl_in_graphs
+
+    result["pdl_in_graphs"] = pdl = pdl_in_graphs(torch.device(args.device))
+    if "sweep" in parts:
+        result["sweep"] = run_sweep(args, bandwidth, pdl)
+        result["suggested"] = suggested_configs(result["sweep"])
+    if "decode" in parts:
+        result["decode"] = run_decode(args)
+    if "moe" in parts:
+        with torch.inference_mode():
+            result["moe"] = run_moe(args)
+    result["wall_s"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "linear.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def suggested_configs(records: list[dict]) -> dict[str, list[tuple[str, int]]]:
+    """Per row count, GEMV settings (split-K left out) by how often they came within NEAR_BEST of
+    the best GEMV of a projection: what the start-up candidates should be."""
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in records:
+        for key in ("bf16_times", "fp8_times"):
+            times = {n: t for n, t in r.get(key, {}).items() if n.startswith("gemv")}
+            if not times:
+                continue
+            fastest = min(times.values())
+            near = {_without_split(n) for n, t in times.items() if t <= NEAR_BEST * fastest}
+            counts[f"{r['rows']} rows {key.split('_')[0]}"].update(near)
+    return {k: c.most_common(6) for k, c in sorted(counts.items())}
+
+
+def _without_split(name: str) -> str:
+    return " ".join(t for t in name.split() if not t.startswith("split"))
+
+
+def print_report(result: dict) -> None:
+    bw = result["copy_bytes_per_s"]
+    print(f"\n# {result['device']}: copy {bw / 1e12:.2f} TB/s (read + write); floor = weight bytes / that; "
+          f"programmatic dependent launch in graphs: {'yes' if result.get('pdl_in_graphs') else 'no'}")
+    if result.get("sweep"):
+        print("\nlinear layers, ms per call (weights from memory); %bw = floor / time; pick = start-up selection")
+        print(f"{'projection':26s} {'N x K':>13s} {'rows':>4s} {'cublas':>7s} {'gemv':>7s} {'fp8 wo':>7s} "
+              f"{'fp8x8':>7s} {'floor':>7s} {'fp8 fl':>7s} {'%bw':>4s} {'%bw8':>4s}  pick bf16 | pick fp8 | best gemv")
+        for r in result["sweep"]:
+            if r.get("skipped"):
+                print(f"{r['projection']:26s} skipped")
+                continue
+            print(_table_row(r))
+        print("\nGEMV settings most often within 5% of the best (per row count; weights bf16 / fp8):")
+        for key, common in result.get("suggested", {}).items():
+            print(f"  {key:14s} " + "; ".join(f"{name} x{count}" for name, count in common))
+    if result.get("decode"):
+        _print_decode(result["decode"])
+    if result.get("moe"):
+        _print_moe(result["moe"])
+    print(f"\n(stage wall time {result['wall_s']:.0f} s)")
+
+
+def _table_row(r: dict) -> str:
+    def ms(value):
+        return f"{value:7.4f}" if value is not None else f"{'-':>7s}"
+
+    gemv = best(r["bf16_times"], "gemv")
+    fp8 = r.get("fp8_times", {})
+    wo = best(fp8, "gemv")
+    x8 = min((t for n, t in fp8.items() if n.startswith(("fp8-gemm", "fp8-cublas"))), default=None)
+    best16 = min([t for t in [r["bf16_times"].get("cublas"), gemv and gemv[1]] if t is not None], default=None)
+    best8 = min([t for t in [wo and wo[1], x8] if t is not None], default=None)
+    pct = f"{100 * r['floor_bf16_ms'] / best16:4.0f}" if best16 else f"{'-':>4s}"
+    pct8 = f"{100 * r['floor_fp8_ms'] / best8:4.0f}" if best8 and "floor_fp8_ms" in r else f"{'-':>4s}"
+    pick16 = r["pick_bf16"][0] if r.get("pick_bf16") else "-"
+    pick8 = r["pick_fp8"][0] if r.get("pick_fp8") else "-"
+    shape = f"{r['N']}x{r['K']}"
+    return (f"{r['projection']:26s} {shape:>13s} {r['rows']:4d} {ms(r['bf16_times'].get('cublas'))} "
+            f"{ms(gemv and gemv[1])} {ms(wo and wo[1])} {ms(x8)} {ms(r['floor_bf16_ms'])} "
+            f"{ms(r.get('floor_fp8_ms'))} {pct} {pct8}  {pick16} | {pick8} | {gemv[0] if gemv else '-'}")
+
+
+def _print_decode(decode: dict) -> None:
+    batches = decode["batches"]
+    print(f"\nQwen3-8B decode step (forward + LM head, one CUDA graph), context {decode['context']}, ms:")
+    print(f"{'weights':8s} {'selection':10s} " + " ".join(f"{'b=' + str(b):>9s}" for b in batches))
+    rows = decode["rows"]
+    for name, row in rows.items():
+        for key in ("before", "selected"):
+            print(f"{name:8s} {key:10s} " + " ".join(f"{row.get(f'{key}_ms_b{b}', math.nan):9.3f}" for b in batches))
+    if "bf16" in rows and "fp8" in rows:
+        for key in ("before", "selected"):
+            speedup = [rows["bf16"][f"selected_ms_b{b}"] / rows["fp8"][f"{key}_ms_b{b}"] for b in batches]
+            print(f"fp8 {key} vs bf16 selected: " + " ".join(f"{s:8.2f}x" for s in speedup))
+        print("  (targets: fp8 >= 1.7x bf16 at batch 1, >= 1.3x at batch 256)")
+    for name, row in rows.items():
+        for key in ("before", "selected"):
+            counts = row.get(f"{key}_kernels_b{batches[0]}")
+            if counts:
+                print(f"kernels per decoder layer, {name} {key}, batch {batches[0]}: {counts['per_layer']:.1f} "
+                      f"({counts['kernels']} per step); most frequent: "
+                      + ", ".join(f"{n} x{c}" for n, c in counts["top"][:6]))
+        for label, summary in row.get("selection", {}).items():
+            print(f"  {name} {label}: {summary}")
+
+
+def _print_moe(moe: dict) -> None:
+    names = ["bf16", *(f"fp8 {m}" for m in ("weight_only", "on_load", "given"))]
+    print(f"\nMoE layer ({moe['experts']} experts, top-{moe['top_k']}, hidden {moe['hidden']}, width {moe['width']}), "
+          "ms per call; default = moe_kernels' choice for FP8")
+    print(f"{'batch':>5s} " + " ".join(f"{n:>15s}" for n in names) + "  default   fp8 default vs bf16")
+    for r in moe["rows"]:
+        default = r.get(f"fp8 {r['default_fp8']}")
+        ratio = f"{r['bf16'] / default:6.2f}x" if default and r.get("bf16") else "     -"
+        print(f"{r['batch']:5d} " + " ".join(f"{r[n]:15.4f}" if r.get(n) else f"{'-':>15s}" for n in names)
+              + f"  {r['default_fp8']:10s} {ratio}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if not args.device.startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
+    print_report(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

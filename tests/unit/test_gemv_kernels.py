@@ -1,0 +1,178 @@
+"""The few-row GEMV / split-K kernel (worker_svc/layers/gemv_kernels.py) against F.linear on
+fresh random inputs. Without CUDA it runs under Triton's interpreter
+(tests/support/triton_interpreter.py) on small shapes; the CUDA-graph and Qwen3-shaped tests
+need a GPU.
+
+Tolerances, as a fraction of the output's largest magnitude: float32 differs from a float64
+product by the order of its sums (1e-5); bf16 output by one rounding (2^-7; the operands are
+the same bf16 values, summed in float32). An FP8 weight is compared with its dequantized
+values in float64: the same bounds.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.markers import requires_cuda
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
+from worker_svc.layers.fp8 import dequantize_blocks, quantize_blocks
+
+RELATIVE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from worker_svc.layers import fused_kernels, gemv_kernels
+
+    with gpu_faithful():
+        yield gemv_kernels, fused_kernels
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def config(kernels, *args, **kwargs):
+    return kernels[0].GemvConfig(*args, **kwargs)
+
+
+# (block_m, block_n, block_k, split_k), rows, bias, dtype: CUDA-core FMAs for one and a few rows
+# (split or not, partial K tiles, rows over two tiles), tensor cores for 16 rows and more.
+CASES = [
+    ((1, 8, 32, 1), 1, False, torch.float32),
+    ((1, 16, 32, 2), 1, True, torch.bfloat16),
+    ((4, 16, 64, 3), 3, True, torch.bfloat16),    # 96 columns: a partial last K tile
+    ((2, 8, 128, 1), 3, False, torch.float32),    # two row tiles
+    ((16, 16, 32, 2), 17, True, torch.bfloat16),  # tensor cores, two row tiles
+]
+
+
+@pytest.mark.parametrize("tiles,rows,bias,dtype", CASES, ids=lambda v: "m{}n{}k{}s{}".format(*v) if isinstance(v, tuple)
+                         else None)
+def test_gemv_matches_f_linear_on_fresh_random_inputs(kernels, tiles, rows, bias, dtype):
+    """40 columns (a partial last N tile) by 96."""
+    cfg = config(kernels, *tiles)
+    if cfg.use_dot and dtype == torch.float32:
+        pytest.skip("tensor-core tiles take 16-bit activations")
+    g = torch.Generator().manual_seed(rows + tiles[0])
+    x, w = torch.randn(rows, 96, generator=g).to(dtype), torch.randn(40, 96, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype) if bias else None
+    actual = kernels[0].gemv(x.to(DEVICE), w.to(DEVICE), cfg, bias=None if b is None else b.to(DEVICE))
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert actual.dtype == dtype and actual.shape == (rows, 40)
+    assert relative_error(actual, expected) <= RELATIVE[dtype]
+
+
+@pytest.mark.parametrize("tiles", [(4, 8, 64, 2), (16, 16, 32, 1)], ids=["fma", "dot"])
+def test_gemv_applies_silu_mul_exactly_as_the_fused_activation_kernel(kernels, tiles):
+    """x = [gate | up]: the result equals the GEMV of fused_kernels.silu_and_mul's output bit
+    for bit (the activation is rounded to bf16 where that kernel rounds it)."""
+    gemv_kernels, fused_kernels = kernels
+    g = torch.Generator().manual_seed(41)
+    gate_up = (torch.randn(5, 2 * 96, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(24, 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = config(kernels, *tiles)
+    fused = gemv_kernels.gemv(gate_up, w, cfg, silu_mul=True)
+    assert torch.equal(fused, gemv_kernels.gemv(fused_kernels.silu_and_mul(gate_up), w, cfg))
+
+
+@pytest.mark.parametrize("tiles,block,dtype", [
+    ((2, 16, 64, 2), (32, 64), torch.float32),      # FMA, K tiles = scale blocks
+    ((2, 16, 256, 1), (32, 64), torch.bfloat16),    # FMA, a K tile spans four scale blocks
+    ((16, 16, 32, 3), (32, 64), torch.bfloat16),    # tensor cores, two K tiles per scale block
+    ((2, 32, 128, 1), (128, 128), torch.bfloat16),  # the official checkpoints' blocks
+])
+def test_fp8_weight_only_gemv_matches_the_dequantized_reference(kernels, tiles, block, dtype):
+    cfg = config(kernels, *tiles)
+    g = torch.Generator().manual_seed(42)
+    weight, scale = quantize_blocks(torch.randn(80, 256, generator=g) * 0.05, block)   # a partial row block
+    x = torch.randn(2, 256, generator=g).to(dtype)
+    kernels[0].check_config(cfg, 80, 256, fp8_block=block, dtype=dtype)
+    actual = kernels[0].gemv(x.to(DEVICE), weight.to(DEVICE), cfg, weight_scale=scale.to(DEVICE), fp8_block=block)
+    expected = F.linear(x.double(), dequantize_blocks(weight, scale, block, torch.float64))
+    assert relative_error(actual, expected) <= RELATIVE[dtype]
+
+
+def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(kernels):
+    gemv_kernels = kernels[0]
+    g = torch.Generator().manual_seed(43)
+    x = torch.randn(2, 512, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(16, 512, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = config(kernels, 2, 16, 128, split_k=4)
+    first = gemv_kernels.gemv(x, w, cfg)
+    assert torch.equal(first, gemv_kernels.gemv(x, w, cfg))
+    assert not gemv_kernels._split_counters(x.device).any()
+    assert relative_error(first, F.linear(x.cpu().double(), w.cpu().double())) <= 2 ** -7
+
+
+def test_configs_that_cannot_run_a_weight_are_refused(kernels):
+    gemv_kernels = kernels[0]
+    with pytest.raises(ValueError, match="16-bit"):
+        gemv_kernels.check_config(config(kernels, 16, 16, 64), 64, 64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="row blocks"):   # an N tile across two scale blocks
+        gemv_kernels.check_config(config(kernels, 1, 64, 64), 128, 128, fp8_block=(32, 32))
+    with pytest.raises(ValueError, match="column blocks"):   # a tensor-core K tile across two
+        gemv_kernels.check_config(config(kernels, 16, 16, 64), 128, 128, fp8_block=(32, 32))
+    gemv_kernels.check_config(config(kernels, 1, 16, 256), 128, 128, fp8_block=(32, 32))   # FMA: any K tile
+
+
+def test_no_rows_give_an_empty_output(kernels):
+    w = torch.ones(8, 32, device=DEVICE)
+    assert kernels[0].gemv(torch.empty(0, 32, device=DEVICE), w, config(kernels, 1, 8, 32)).shape == (0, 8)
+
+
+@requires_cuda
+def test_programmatic_dependent_launch_replays_in_graphs_on_hopper(kernels):
+    """sm90+ with CUDA 12.3+: chained PDL GEMVs replayed from a graph equal plain launches
+    (otherwise the start-up candidates quietly go without PDL)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm90")
+    assert kernels[0].pdl_in_graphs(torch.device("cuda", torch.cuda.current_device()))
+
+
+@requires_cuda
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("tiles", [(1, 8, 512, 4), (16, 32, 128, 2)], ids=["fma", "dot"])
+def test_gemv_replays_in_a_cuda_graph(kernels, tiles, pdl):
+    """Split-K counters (and programmatic dependent launch) inside a captured graph."""
+    gemv_kernels = kernels[0]
+    g = torch.Generator(device="cuda").manual_seed(44)
+    w = torch.randn(1024, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    x = torch.randn(tiles[0], 2048, generator=g, device="cuda").to(torch.bfloat16)
+    cfg = gemv_kernels.GemvConfig(*tiles, pdl=pdl)
+    gemv_kernels.gemv(x, w, cfg)   # compiles and allocates the counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv_kernels.gemv(x, w, cfg)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        assert torch.equal(out, gemv_kernels.gemv(x, w, cfg))
+        assert relative_error(out, F.linear(x.double(), w.double())) <= 2 ** -7
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+def test_qwen3_8b_shapes_bf16_and_fp8(kernels, rows):
+    """Qwen3-8B's projections, every start-up GEMV candidate, against F.linear in float64."""
+    from worker_svc.layers.linear_selection import gemv_configs
+
+    gemv_kernels = kernels[0]
+    g = torch.Generator(device="cuda").manual_seed(45)
+    for cols, width in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]:
+        w = (torch.randn(cols, width, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+        w8, scale = quantize_blocks(w, (128, 128))
+        x = torch.randn(rows, width, generator=g, device="cuda").to(torch.bfloat16)
+        expected = F.linear(x.double(), w.double())
+        expected8 = F.linear(x.double(), dequantize_blocks(w8, scale, (128, 128), torch.float64))
+        for cfg in gemv_configs(rows, cols, width, torch.cuda.get_device_properties(0).multi_processor_count):
+            assert relative_error(gemv_kernels.gemv(x, w, cfg), expected) <= 2 ** -7, cfg
+            try:
+                gemv_kernels.check_config(cfg, cols, width, fp8_block=(128, 128))
+            except ValueError:
+                continue
+            actual = gemv_kernels.gemv(x, w8, cfg, weight_scale=scale, fp8_block=(128, 128))
+            assert relative_error(actual, expected8) <= 2 ** -7, cfg

@@ -1,0 +1,252 @@
+"""The start-up choice of linear methods (worker_svc/layers/linear_selection.py) and the plans
+it installs (linear_methods.LinearPlan), with injected timings: which method wins each row
+count, which candidates are refused, and that a model whose layers run their plans computes
+what it computes without them. Without CUDA the Triton methods run under Triton's interpreter
+on a tiny model; the last test measures for real on a GPU.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.markers import requires_cuda
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
+from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables
+from worker_svc import kv_cache
+from worker_svc.layers.attention import TorchAttentionBackend
+from worker_svc.layers.fp8 import quantize_blocks
+from worker_svc.loader import load_safetensors
+from worker_svc.model_config import load_model_config
+from worker_svc.models.qwen3 import Qwen3ForCausalLM
+
+
+@pytest.fixture(scope="module")
+def selection():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from worker_svc.layers import linear_methods, linear_selection
+
+    with gpu_faithful():
+        yield linear_selection, linear_methods
+
+
+def timings(table: dict[str, float]):
+    """A measure that reads each method's time from `table` by the start of its name."""
+    def measure(method, runners, x):
+        return next(t for prefix, t in table.items() if str(method).startswith(prefix))
+    return measure
+
+
+def bf16_operands(methods, cols=48, width=64, seed=51):
+    g = torch.Generator().manual_seed(seed)
+    return methods.LinearOperands((torch.randn(cols, width, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE))
+
+
+def test_the_fastest_method_wins_each_row_count(selection):
+    linear_selection, methods = selection
+    gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64))
+    operands = bf16_operands(methods)
+    # The GEMV wins at 1 row, cuBLAS at 2; at 4 and past it only cuBLAS is a candidate (unmeasured).
+    calls = collections.Counter()
+
+    def measure(method, runners, x):
+        calls[x.shape[0]] += 1
+        return 0.5 if x.shape[0] == 1 and str(method).startswith("gemv") else 1.0
+
+    def candidate_methods(op, rows, *args):
+        return [methods.Cublas(), gemv] if rows <= 2 else [methods.Cublas()]
+
+    choice = linear_selection.choose_methods("proj", [operands], torch.bfloat16, DEVICE, max_rows=4, sms=4,
+                                             measure=measure, candidate_methods=candidate_methods)
+    assert list(choice.chosen) == [1, 2, 4]
+    assert [str(m) for m in choice.chosen.values()] == [str(gemv), "cublas", "cublas"]
+    assert str(choice.beyond) == "cublas" and calls == {1: 2, 2: 2}
+    plan = linear_selection.bind_plan(choice, operands, torch.bfloat16)
+    for rows in (1, 2, 3, 4, 9):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEVICE)
+        expected = F.linear(x.double(), operands.weight.double())
+        assert ((plan(x, None).double() - expected).abs().max() / expected.abs().max()).item() <= 2 ** -7
+    assert plan.runner_for(1) is not plan.runner_for(2) is plan.runner_for(3) is plan.runner_for(9)
+    assert choice.summary().startswith("1: gemv(m2 n16 k64") and choice.summary().endswith("4: cublas; >4: cublas")
+
+
+def test_a_method_that_disagrees_with_the_product_is_never_chosen(selection):
+    linear_selection, methods = selection
+
+    @dataclasses.dataclass(frozen=True)
+    class Zeros(methods.Method):
+        name = "zeros"
+
+        def bind(self, operands, dtype):
+            return lambda x, bias: torch.zeros(x.shape[0], operands.weight.shape[0], dtype=x.dtype, device=x.device)
+
+    choice = linear_selection.choose_methods(
+        "proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=2, sms=4,
+        measure=timings({"zeros": 0.1, "cublas": 1.0}), candidate_methods=lambda *a: [Zeros(), methods.Cublas()])
+    assert {str(m) for m in choice.chosen.values()} == {"cublas"}
+    assert "relative error" in choice.rejected["zeros"]
+
+
+@pytest.mark.parametrize("speedup,expected", [(1.05, "fp8-gemm"), (1.25, "bf16-dequantized")])
+def test_fp8_weights_keep_a_bf16_copy_only_where_it_is_clearly_faster(selection, speedup, expected):
+    linear_selection, methods = selection
+    g = torch.Generator().manual_seed(52)
+    values, scale = quantize_blocks(torch.randn(64, 128, generator=g) * 0.05, (32, 64))
+    operands = methods.LinearOperands(values.to(DEVICE), scale.to(DEVICE), (32, 64))
+    fp8_gemm = methods.Fp8Gemm.of(dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=2))
+    choice = linear_selection.choose_methods(
+        "proj", [operands], torch.bfloat16, DEVICE, max_rows=1, sms=4,
+        measure=timings({"fp8-gemm": 1.0, "bf16": 1.0 / speedup}),
+        candidate_methods=lambda *a: [fp8_gemm, methods.Dequantized()])
+    assert str(choice.chosen[1]).startswith(expected) and str(choice.beyond).startswith(expected)
+
+
+def test_auto_split_fills_the_device_with_at_least_two_k_tiles_per_split(selection):
+    linear_selection, _ = selection
+    config = linear_selection.GemvConfig(1, 8, 512)
+    assert linear_selection.auto_split(1024, 2048, 1, config, sms=132) == 2       # 128 programs, 4 K tiles
+    assert linear_selection.auto_split(24576, 4096, 1, config, sms=132) == 1      # 3072 programs already
+    assert linear_selection.auto_split(6144, 4096, 1, config, sms=132) == 2       # 768 programs: 1536
+    assert linear_selection.auto_split(1024, 12288, 1, config, sms=132) == 9      # 24 K tiles: 1152 programs
+    for rows in (1, 3, 8, 16, 64):
+        for cfg in linear_selection.gemv_configs(rows, 1024, 3072, sms=132):
+            assert cfg.block_m >= rows or cfg.block_m == 16 or rows > 16
+            assert cfg.split_k == 1 or 3072 // cfg.block_k // cfg.split_k >= 2
+
+
+def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir):
+    """Every projection kind of a tiny Qwen3 (the down projection with SwiGLU fused, the LM head)
+    planned to run the GEMV for decode-sized steps and cuBLAS for a prompt; the float32 logits
+    match those of the same model without plans up to the order of sums."""
+    linear_selection, methods = selection
+    dtype = torch.float32
+    config = load_model_config(tiny_model_dir)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            model = Qwen3ForCausalLM(config, TorchAttentionBackend()).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_safetensors(model, tiny_model_dir)
+    kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, dtype, DEVICE)
+    gemv = methods.Gemv(linear_selection.GemvConfig(2, 64, 64, split_k=2))
+    kinds = linear_selection.linear_kinds(model)
+    assert sorted(label.split()[0] for label, _ in kinds.values()) == ["down_proj", "gate_up_proj", "lm_head",
+                                                                       "o_proj", "qkv_proj"]
+    for label, layers in kinds.values():
+        operands = [layer.operands() for layer in layers]
+        choice = linear_selection.choose_methods(label, operands, dtype, DEVICE, max_rows=2, sms=4,
+                                                 measure=timings({"gemv": 0.5, "cublas": 1.0}),
+                                                 candidate_methods=lambda *a: [methods.Cublas(), gemv])
+        for layer, op in zip(layers, operands, strict=True):
+            layer.plan = linear_selection.bind_plan(choice, op, dtype)
+    g = torch.Generator().manual_seed(53)
+    seq_lens, query_lens = [9, 5], [1, 1]   # two decodes: 2 rows, the GEMV's
+    meta = paged_metadata(random_block_tables(seq_lens, 8, 32, g), seq_lens, query_lens, 8)
+    meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(DEVICE) for f in dataclasses.fields(meta)
+                                        if torch.is_tensor(getattr(meta, f.name))})
+    input_ids = torch.randint(0, config.vocab_size, (2,), generator=g).to(DEVICE)
+    positions = positions_of(seq_lens, query_lens).to(DEVICE)
+
+    def logits(planned: bool):
+        gemv_calls = collections.Counter()
+        with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+            if not planned:
+                for _, layers in kinds.values():
+                    for layer in layers:
+                        patch.setattr(layer, "plan", None)
+            original = methods.gemv
+            patch.setattr(methods, "gemv", lambda *a, **kw: gemv_calls.update([kw["silu_mul"]]) or original(*a, **kw))
+            if DEVICE.type == "cpu":   # the layers' fused kernels run on "CUDA" tensors only
+                patch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+            hidden = model(input_ids, positions, meta)
+            result = model.compute_logits(hidden, torch.arange(2, device=DEVICE)).float().cpu()
+        return result, gemv_calls
+
+    (expected, unplanned_calls), (actual, planned_calls) = logits(False), logits(True)
+    layers = config.num_hidden_layers
+    assert not unplanned_calls
+    assert planned_calls == {False: 3 * layers + 1, True: layers}   # qkv, o, gate_up, lm_head; down with SwiGLU
+    error = ((actual - expected).norm() / expected.norm()).item()
+    assert error < 1e-5, error
+
+
+def test_nothing_is_chosen_on_the_cpu(selection, tiny_model_dir):
+    linear_selection, _ = selection
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(load_model_config(tiny_model_dir), TorchAttentionBackend())
+    assert linear_selection.select_linear_methods(model, torch.device("cpu"), torch.float32, max_rows=64) == {}
+    assert all(layer.plan is None for _, layers in linear_selection.linear_kinds(model).values() for layer in layers)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_start_up_choice_on_the_gpu_keeps_the_logits(selection, tiny_model_dir, fp8):
+    """The real measurement on a tiny model: every kind gets a plan, and decode batches (GEMV
+    rows) and a prompt give the logits of the unplanned model: bf16 within its rounding; FP8
+    within what quantizing activations (the unplanned path) changes."""
+    linear_selection, _ = selection
+    from worker_svc.layers.fp8 import Fp8Config
+    from worker_svc.loader import init_dummy_weights
+
+    config = load_model_config(tiny_model_dir)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = Qwen3ForCausalLM(config, TorchAttentionBackend(),
+                                     quant=Fp8Config(block=(32, 32)) if fp8 else None).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    init_dummy_weights(model, 0, std=0.1)
+    kv_cache.allocate_kv_cache(model, 64, 8, config.num_key_value_heads, config.head_dim, torch.bfloat16, "cuda")
+    choices = linear_selection.select_linear_methods(model, torch.device("cuda"), torch.bfloat16, max_rows=64)
+    assert len(choices) == 5 and all(c.chosen and c.beyond is not None for c in choices.values())
+    layers = [layer for _, group in linear_selection.linear_kinds(model).values() for layer in group]
+    g = torch.Generator().manual_seed(54)
+    for seq_lens, query_lens in [([9] * 3, [1] * 3), ([9] * 20, [1] * 20), ([40], [40])]:
+        meta = paged_metadata(random_block_tables(seq_lens, 8, 64, g), seq_lens, query_lens, 8)
+        meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).cuda() for f in dataclasses.fields(meta)
+                                            if torch.is_tensor(getattr(meta, f.name))})
+        ids = torch.randint(0, config.vocab_size, (sum(query_lens),), generator=g).cuda()
+        positions = positions_of(seq_lens, query_lens).cuda()
+        rows = torch.arange(len(ids), device="cuda")
+        with torch.inference_mode():
+            planned = model.compute_logits(model(ids, positions, meta), rows).float()
+            with pytest.MonkeyPatch.context() as patch:
+                for layer in layers:
+                    patch.setattr(layer, "plan", None)
+                unplanned = model.compute_logits(model(ids, positions, meta), rows).float()
+        error = ((planned - unplanned).norm() / unplanned.norm()).item()
+        assert error <= (0.15 if fp8 else 2e-2), (query_lens, error)
+
+
+def test_compile_ahead_turns_launches_into_compiles(selection):
+    """Inside compile_ahead a launch only compiles (Triton's warmup), so the variants compile in
+    parallel; outside it launches. A call that raises is counted, not propagated."""
+    from worker_svc.layers import triton_compile
+
+    class Kernel:
+        def __init__(self):
+            self.warmed, self.launched = [], []
+
+        def warmup(self, *args, grid, **kwargs):
+            self.warmed.append((grid, args, kwargs))
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.launched.append((grid, args, kwargs))
+
+    kernel = Kernel()
+
+    def fails():
+        raise ValueError("no such tile")
+
+    calls = [lambda i=i: triton_compile.launch(kernel, (i,), i, BLOCK=16) for i in range(3)] + [fails]
+    assert triton_compile.compile_ahead(calls, threads=2) == 1
+    assert [w[0] for w in kernel.warmed] == [(0,), (1,), (2,)] and not kernel.launched
+    triton_compile.launch(kernel, (7,), 7, BLOCK=16)
+    assert kernel.launched == [((7,), (7,), {"BLOCK": 16})]

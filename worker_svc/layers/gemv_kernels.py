@@ -1,0 +1,287 @@
+"""Few-row linear layers (decode steps): y = x @ W^T (+ bias) by a Triton GEMV / split-K kernel.
+
+At a decode step a projection multiplies a handful of rows by the whole weight, so it is a
+read of the weight and nothing else; this kernel is written for that read. One program owns
+BLOCK_N output columns of BLOCK_M rows and one of `split_k` slices of K, streams its weight
+tile by tile and accumulates in float32:
+- rows < 16: CUDA-core FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator, reduced over K
+  once after the loop (no shuffles inside it);
+- rows >= 16: tensor-core dots of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles.
+With split_k > 1 each program writes its partial tile to a float32 workspace and counts itself
+in a per-tile counter; the last of a tile's programs sums the partials in split order (so the
+result is deterministic), writes the output and resets the counter to 0. One launch, no host
+sync, sizes fixed by the row count: capturable in CUDA graphs. The counters are shared by every
+call on a device, so calls must not run concurrently on two streams.
+
+Options, each a compile-time switch:
+- FP8 weights (float8_e4m3fn with one float32 scale per GROUP_N x GROUP_K block, fp8.py) with
+  bf16 activations (weight-only: no activation quantization). A tile lies in one row of scale
+  blocks; the FMA loop scales x by each column's block scale, the tensor-core loop scales each
+  tile's product (its K tile then lies in one scale block);
+- SILU_MUL: x is [gate | up] (2K wide) and the kernel multiplies silu(gate) * up, rounded to
+  x's dtype exactly as fused_kernels.silu_and_mul rounds it, so the down projection needs no
+  separate activation kernel;
+- a bias, added in float32 before the single rounding to x's dtype;
+- PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the
+  previous kernel (weights never depend on it), and the next kernel may launch at once
+  (`pdl_in_graphs` says whether CUDA graphs replay this here).
+Under TRITON_INTERPRET=1 the kernel runs on the CPU for the tests.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from worker_svc.layers.triton_compile import launch
+
+# Split-K tile counters per device; a launch may use this many (output tiles of one call).
+MAX_SPLIT_TILES = 1 << 14
+DOT_MIN_ROWS = 16   # tl.dot needs 16-row tiles: fewer rows use the FMA loop
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    pdl: bool = False   # programmatic dependent launch: weights are read while the previous kernel ends
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block_m >= DOT_MIN_ROWS
+
+    def __str__(self) -> str:
+        return (f"m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
+                f"w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}")
+
+
+@triton.jit
+def _load_x(x_ptrs, mask, K, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
+    """An activation tile: x, or silu(gate) * up for the gate tile at x_ptrs (up lies K columns
+    later), rounded as fused_kernels.silu_and_mul rounds it."""
+    if SILU_MUL:
+        gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        x = (activated * up).to(dtype)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _tile_mask(rows_mask, k, k_end, offs_k, EVEN_K: tl.constexpr):
+    """Which elements of the tile of these rows at column k lie before k_end (with whole tiles,
+    a mask uniform along K, which keeps loads vectorized)."""
+    if EVEN_K:
+        mask = rows_mask[:, None] & (k < k_end)
+    else:
+        mask = rows_mask[:, None] & ((k + offs_k) < k_end)[None, :]
+    return mask
+
+
+@triton.jit
+def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
+              GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+              PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              dtype: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 sums over this program's K range, on CUDA cores. The next weight
+    tile is loaded before the current one is used (two tiles in flight), and the first before
+    waiting for the previous kernel (PDL): weights never depend on it."""
+    w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k_begin, k_end, offs_k, EVEN_K), other=0.0)
+    if PDL:
+        gdc_wait()
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=_tile_mask(n_mask, k + BLOCK_K, k_end, offs_k, EVEN_K), other=0.0)
+        x = _load_x(x_ptrs, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, dtype).to(tl.float32)
+        if FP8:   # scaling x (BLOCK_M rows) costs less than scaling the tile (BLOCK_N rows)
+            x = x * tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)[None, :]
+        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        w = w_next
+        x_ptrs += BLOCK_K
+    return tl.sum(acc3, axis=2)
+
+
+@triton.jit
+def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
+              GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+              PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              dtype: tl.constexpr):
+    """The same sums on tensor cores (Triton pipelines the loads through shared memory)."""
+    if PDL:
+        gdc_wait()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        x = _load_x(x_ptrs, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, dtype)
+        w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0)
+        product = tl.dot(x, tl.trans(w.to(dtype)))
+        if FP8:   # the K tile lies in one scale block (GROUP_K is a multiple of BLOCK_K)
+            product = product * tl.load(w_scale_row + k // GROUP_K)
+        acc += product
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "split_k", "tiles_per_split"])
+def _gemv_kernel(
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, split_k, tiles_per_split,
+    stride_xm, stride_wn, stride_wsn, stride_om,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:   # a dependent launch may start now: it reads nothing of ours before its own gdc_wait
+        gdc_launch_dependents()
+    dtype = out_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    k_begin = pid_k * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
+    # An FP8 tile lies in one row of scale blocks (GROUP_N is a multiple of BLOCK_N).
+    w_scale_row = w_scale_ptr + (pid_n * BLOCK_N // GROUP_N) * stride_wsn
+    if USE_DOT:
+        acc = _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
+                        SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype)
+    else:
+        acc = _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
+                        SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype)
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if split_k > 1:
+        tile_partial = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_k.to(tl.int64) * M * N + tile_partial, acc, mask=out_mask)
+        tl.debug_barrier()   # every thread's partial is written before the tile is counted
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:   # the tile's last program: sum the partials in split order
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, split_k):
+                acc += tl.load(partial_ptr + s * M * N + tile_partial, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            _store_output(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stride_om, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + tile, 0)
+    else:
+        _store_output(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _store_output(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stride_om, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The device's tile counters: zeros, left at zero by every launch. Allocated by the first
+    eager call, never during a CUDA-graph capture."""
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv's split-K counters must be allocated before a CUDA-graph capture "
+                               "(run the layer once eagerly first)")
+        counters = _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
+@functools.cache
+def pdl_in_graphs(device: torch.device) -> bool:
+    """Whether programmatic dependent launches replay correctly from a CUDA graph here (driver
+    and torch permitting): two chained GEMVs, the second reading the first's output, replayed
+    on a new input, must equal the same chain launched plainly. The start-up candidates use
+    PDL only then."""
+    if device.type != "cuda":
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(1, 256, generator=g, device=device).to(torch.bfloat16)
+        w1 = (torch.randn(256, 256, generator=g, device=device) / 16).to(torch.bfloat16)
+        w2 = (torch.randn(64, 256, generator=g, device=device) / 16).to(torch.bfloat16)
+        plain, pdl = GemvConfig(1, 16, 64, split_k=2), GemvConfig(1, 16, 64, split_k=2, pdl=True)
+        gemv(gemv(x, w1, pdl), w2, pdl)   # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemv(gemv(x, w1, pdl), w2, pdl)
+        x.copy_(torch.randn(1, 256, generator=g, device=device))
+        graph.replay()
+        return torch.equal(out, gemv(gemv(x, w1, plain), w2, plain))
+    except Exception:  # noqa: BLE001 - no PDL in graphs here: GEMVs launch plainly
+        return False
+
+
+def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tuple[int, int] | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+    """Raises ValueError when `config` cannot run a [num_cols, width] weight."""
+    if config.use_dot and (config.block_n < 16 or config.block_k < 16 or dtype == torch.float32):
+        raise ValueError(f"gemv {config}: tensor-core tiles need 16-bit activations and 16-wide N and K tiles")
+    if config.split_k > 1 and triton.cdiv(num_cols, config.block_n) > MAX_SPLIT_TILES:
+        raise ValueError(f"gemv {config}: {num_cols} columns are more split-K tiles than {MAX_SPLIT_TILES}")
+    if fp8_block is not None:
+        bn, bk = fp8_block
+        if bn % config.block_n:
+            raise ValueError(f"gemv {config}: N tiles must divide the FP8 weight's {bn}-row blocks")
+        if config.use_dot and bk % config.block_k:
+            raise ValueError(f"gemv {config}: tensor-core K tiles must divide the FP8 weight's {bk}-column blocks")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: torch.Tensor | None = None,
+         weight_scale: torch.Tensor | None = None, fp8_block: tuple[int, int] | None = None,
+         silu_mul: bool = False) -> torch.Tensor:
+    """F.linear(a, W, bias) in x's dtype, where a = x, or silu(gate) * up for x = [gate | up]
+    with `silu_mul`; W = weight, or, for an FP8 weight, its values times `weight_scale`
+    [ceil(N / bn), K / bk] by `fp8_block` (bn, bk)."""
+    num_cols, width = weight.shape
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    num_rows = rows.shape[0]
+    assert rows.shape[1] == (2 * width if silu_mul else width), (x.shape, weight.shape, silu_mul)
+    assert weight.stride(-1) == 1 and (weight_scale is None) == (fp8_block is None)
+    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out.view(*x.shape[:-1], num_cols)
+    fp8 = weight_scale is not None
+    k_tiles = triton.cdiv(width, config.block_k)
+    split_k = max(1, min(config.split_k, k_tiles))
+    tiles_per_split = triton.cdiv(k_tiles, split_k)
+    split_k = triton.cdiv(k_tiles, tiles_per_split)   # no split without a tile
+    grid = (triton.cdiv(num_cols, config.block_n), split_k, triton.cdiv(num_rows, config.block_m))
+    if split_k > 1:
+        partial = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+        assert grid[0] * grid[2] <= MAX_SPLIT_TILES, (grid, MAX_SPLIT_TILES)
+    else:
+        counters = _split_counters(x.device)
+        partial = counters.view(torch.float32)   # unused; typed as the split launches', so one compile serves both
+    group_n, group_k = fp8_block if fp8 else (1, 1)
+    pdl = config.pdl and x.device.type == "cuda"   # the interpreter runs no PTX
+    launch(
+        _gemv_kernel, grid,
+        rows, weight, weight_scale if fp8 else weight, bias if bias is not None else out, out, partial, counters,
+        num_rows, num_cols, width, split_k, tiles_per_split,
+        rows.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, out.stride(0),
+        GROUP_N=group_n, GROUP_K=group_k, FP8=fp8, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        EVEN_K=width % config.block_k == 0, USE_DOT=config.use_dot, PDL=pdl,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+    )
+    return out.view(*x.shape[:-1], num_cols)

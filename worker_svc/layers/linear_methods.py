@@ -1,0 +1,180 @@
+"""The ways a linear layer can compute its product on a GPU, and the plan that picks one by the
+number of rows.
+
+A layer's operands (`LinearOperands`) are its weight (the model dtype, or FP8 values with
+block scales) and whether its input is [gate | up], to be multiplied as silu(gate) * up first
+(the MLP's down projection). A `Method` binds to operands and returns a runner
+`run(x, bias) -> y`:
+- `Cublas`: F.linear (the activation, if any, by fused_kernels.silu_and_mul first);
+- `Gemv`: gemv_kernels' few-row kernel (FP8 weights dequantized inside it, the activation
+  applied as it loads x);
+- `Fp8Gemm`: fp8_kernels' block-scaled FP8 x FP8 GEMM, activations quantized inside it
+  (`quantize_on_load`) or by their own kernel first;
+- `Fp8Cublas`: cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm);
+- `Dequantized`: F.linear over a bf16 copy of an FP8 weight (costs that copy's memory).
+A `LinearPlan` maps row counts to runners (chosen by linear_selection at start-up); every
+runner is graph-capturable, so the plan runs inside the decode graphs.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.layers import fp8_kernels, fused_kernels
+from worker_svc.layers.fp8 import dequantize_blocks
+from worker_svc.layers.gemv_kernels import GemvConfig, gemv
+
+Runner = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+SILU_AND_MUL = "silu_and_mul"
+
+
+@dataclass(frozen=True)
+class LinearOperands:
+    weight: torch.Tensor                   # [N, K]: the model dtype, or float8_e4m3fn values
+    weight_scale: torch.Tensor | None = None   # FP8: [ceil(N / bn), K / bk] float32
+    block: tuple[int, int] | None = None       # FP8: (bn, bk)
+    silu_mul: bool = False                 # the input is [gate | up] (2K wide)
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    @property
+    def input_width(self) -> int:
+        return self.weight.shape[1] * (2 if self.silu_mul else 1)
+
+    def activate(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_kernels.silu_and_mul(x) if self.silu_mul else x
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` (FP8 values times their scales)."""
+        if not self.fp8:
+            return self.weight.to(dtype)
+        return dequantize_blocks(self.weight, self.weight_scale, self.block, dtype)
+
+
+class Method:
+    """A way to compute a layer's product; `max_rows` None: any number of rows."""
+    name: str = ""
+    max_rows: int | None = None
+    extra_weight_bytes: bool = False   # binding allocates a copy of the weight
+    compiles: bool = False             # runs Triton kernels of its own (compiled ahead at start-up)
+
+    def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
+        return True
+
+    def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Cublas(Method):
+    name = "cublas"
+
+    def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
+        return not operands.fp8
+
+    def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
+        weight = operands.weight
+        return lambda x, bias: F.linear(operands.activate(x), weight, bias)
+
+
+@dataclass(frozen=True)
+class Dequantized(Method):
+    name = "bf16-dequantized"
+    extra_weight_bytes = True
+
+    def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
+        return operands.fp8
+
+    def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
+        weight = operands.dense_weight(dtype)
+        return lambda x, bias: F.linear(operands.activate(x), weight, bias)
+
+
+@dataclass(frozen=True)
+class Gemv(Method):
+    config: GemvConfig
+    max_rows: int = 64
+    compiles = True
+
+    @property
+    def name(self) -> str:
+        return f"gemv({self.config})"
+
+    def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
+        from worker_svc.layers.gemv_kernels import check_config
+
+        try:
+            check_config(self.config, *operands.weight.shape, fp8_block=operands.block, dtype=dtype)
+        except ValueError:
+            return False
+        return True
+
+    def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
+        weight, scale, block, config, silu_mul = (operands.weight, operands.weight_scale, operands.block,
+                                                  self.config, operands.silu_mul)
+        return lambda x, bias: gemv(x, weight, config, bias=bias, weight_scale=scale, fp8_block=block,
+                                    silu_mul=silu_mul)
+
+
+@dataclass(frozen=True)
+class Fp8Gemm(Method):
+    config: tuple[tuple[str, int], ...]   # fp8_kernels tile settings, as sorted items
+    quantize_on_load: bool = True
+    compiles = True
+
+    @classmethod
+    def of(cls, config: dict, quantize_on_load: bool = True) -> "Fp8Gemm":
+        return cls(tuple(sorted(config.items())), quantize_on_load)
+
+    @property
+    def name(self) -> str:
+        settings = dict(self.config)
+        tiles = f"{settings['BLOCK_M']}x{settings['BLOCK_N']} w{settings['num_warps']} s{settings['num_stages']}"
+        return f"fp8-gemm({'on-load' if self.quantize_on_load else 'quant+'} {tiles})"
+
+    def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
+        return operands.fp8
+
+    def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
+        weight, scale, block = operands.weight, operands.weight_scale, operands.block
+        config, on_load = dict(self.config), self.quantize_on_load
+        return lambda x, bias: fp8_kernels.fp8_linear(operands.activate(x), weight, scale, block, bias,
+                                                      quantize_on_load=on_load, config=config)
+
+
+@dataclass(frozen=True)
+class Fp8Cublas(Method):
+    name = "fp8-cublas"
+
+    def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
+        return operands.fp8 and operands.block == (128, 128) and operands.weight.shape[0] % 128 == 0
+
+    def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
+        weight, block = operands.weight, operands.block
+        scales = fp8_kernels.cublas_weight_scales(operands.weight_scale)
+        return lambda x, bias: fp8_kernels.cublas_fp8_linear(operands.activate(x), weight, scales, block, bias)
+
+
+class LinearPlan:
+    """Runs a layer's product with the runner chosen for the row count: runners[i] serves row
+    counts up to bounds[i] (and above bounds[i - 1]); `beyond` serves more rows than the last."""
+
+    def __init__(self, bounds: list[int], runners: list[Runner], beyond: Runner) -> None:
+        assert len(bounds) == len(runners) and bounds == sorted(bounds)
+        self.bounds, self.runners, self.beyond = bounds, runners, beyond
+
+    def runner_for(self, num_rows: int) -> Runner:
+        i = bisect.bisect_left(self.bounds, num_rows)
+        return self.runners[i] if i < len(self.runners) else self.beyond
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.runner_for(x.numel() // x.shape[-1])(x, bias)

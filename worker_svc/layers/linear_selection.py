@@ -1,0 +1,323 @@
+"""Start-up choice of how each kind of linear layer computes its product, by measurement.
+
+A kind is the layers of one name and shape (qkv_proj, o_proj, gate_up_proj, down_proj,
+lm_head; a tensor-parallel rank sees its own shards). At each row count of ROW_BUCKETS up to
+what a step can hold, every candidate method (linear_methods) is first checked against the
+product in float32 on random input, then timed as the decode graphs run it: CUDA-graph
+replays of one call per layer of the kind in turn, so weights stream from memory as they do in
+the model instead of sitting in L2. The fastest wins each row count (ties: the earlier
+candidate; cuBLAS, or for FP8 weights the FP8 GEMM, comes first, so no measured shape is slower
+than it), and each layer gets a LinearPlan that runs the winner for its row count. A bf16 copy
+of FP8 weights is kept only where it beats every FP8 method by DEQUANTIZED_MARGIN.
+
+One log line per kind gives the winners and their times. This runs after the weights are
+loaded and before the KV cache is sized and the graphs are captured; it compiles the Triton
+candidates (Triton keeps them on disk for the next start) and takes a few seconds more.
+Tensor-parallel ranks choose on their own: a choice changes a rank's speed, never its result
+beyond rounding. WORKER_LINEAR_KERNELS=0 in the worker's environment leaves every layer on
+cuBLAS / the FP8 GEMM as before (for comparisons).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.layers import fp8_kernels
+from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, GemvConfig, pdl_in_graphs
+from worker_svc.layers.linear_methods import (Cublas, Dequantized, Fp8Cublas, Fp8Gemm, Gemv, LinearOperands,
+                                              LinearPlan, Method, Runner)
+from worker_svc.layers.triton_compile import compile_ahead
+
+logger = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("WORKER_LINEAR_KERNELS", "1") != "0"
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
+GEMV_MAX_ROWS = 64
+# GEMV tiles tried at start-up: (block_n, block_k, num_warps) for one row, on CUDA-core FMAs
+# (a few rows take block_k / rows: the accumulator holds rows x block_n x block_k floats);
+# (block_n, block_k, num_warps, num_stages) from 16 rows, on tensor cores. Each with split-K as
+# auto_split says and without.
+FMA_TILES = ((8, 512, 4), (16, 256, 4), (4, 1024, 4), (16, 512, 8))
+MIN_FMA_BLOCK_K = 64
+DOT_TILES = ((32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4))
+# FP8 GEMM tiles tried with activations quantized on load, past GEMV_MAX_ROWS rows (fewer rows
+# try fp8_kernels' own choice).
+FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
+                  dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+                  dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3))
+SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
+MAX_SPLIT = 16
+TIMED_CALLS, TIMED_ROUNDS = 24, 3
+L2_MULTIPLE = 4                 # timed layers: enough for their weights to exceed 4 L2 caches
+DEQUANTIZED_MARGIN = 0.9
+# Largest relative L2 error against the float32 product: bf16 rounding of the operands (and of
+# FP8 weights' dequantization) stays far below the first; quantizing activations to FP8
+# (4 mantissa bits) below the second.
+TOLERANCE, ACTIVATION_QUANT_TOLERANCE = 0.02, 0.1
+REFERENCE_COLUMNS = 4096        # output columns the check compares
+
+
+@dataclass
+class KindChoice:
+    """What was measured for one kind of layer and what it runs."""
+    label: str
+    num_layers: int
+    times: dict[int, dict[str, float]] = field(default_factory=dict)   # rows -> method -> ms per call
+    chosen: dict[int, Method] = field(default_factory=dict)             # rows bound -> method
+    beyond: Method | None = None                                         # rows past the last bound
+    rejected: dict[str, str] = field(default_factory=dict)              # method -> why
+
+    def summary(self) -> str:
+        """rows: winner, its ms and the runner-up's, for each row count measured."""
+        parts = []
+        for rows, method in self.chosen.items():
+            ms = self.times.get(rows, {})
+            if not ms:
+                parts.append(f"{rows}: {method}")
+                continue
+            others = [t for name, t in ms.items() if name != str(method)]
+            runner_up = f" (next {min(others):.4f})" if others else ""
+            parts.append(f"{rows}: {method} {ms[str(method)]:.4f}{runner_up}")
+        parts.append(f">{max(self.chosen)}: {self.beyond}")
+        return "; ".join(parts)
+
+
+def auto_split(num_cols: int, width: int, rows: int, config: GemvConfig, sms: int) -> int:
+    """Split-K factor that gives about SPLIT_PROGRAMS_PER_SM programs per SM, each with at least
+    two K tiles."""
+    programs = math.ceil(num_cols / config.block_n) * math.ceil(rows / config.block_m)
+    k_tiles = math.ceil(width / config.block_k)
+    wanted = math.ceil(SPLIT_PROGRAMS_PER_SM * sms / programs)
+    return max(1, min(wanted, k_tiles // 2, MAX_SPLIT))
+
+
+def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True) -> list[GemvConfig]:
+    """The GEMV launch settings tried at this row count (with programmatic dependent launch
+    where the graphs replay it: gemv_kernels.pdl_in_graphs)."""
+    block_m = 1 << max(0, (rows - 1).bit_length())
+    if block_m < DOT_MIN_ROWS:
+        bases = [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)
+                 for n, k, w in FMA_TILES]
+        if rows > 1:   # tensor cores on a 16-row tile may beat CUDA cores on a few rows
+            bases += [GemvConfig(DOT_MIN_ROWS, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
+    else:
+        bases = [GemvConfig(block_m, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
+    configs = []
+    for base in bases:
+        split = auto_split(num_cols, width, rows, base, sms)
+        configs += [GemvConfig(**{**base.__dict__, "split_k": s}) for s in sorted({1, split})]
+    return configs
+
+
+def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int, pdl: bool = True) -> list[Method]:
+    """The methods measured at this row count, the default first."""
+    if operands.fp8:
+        default = fp8_kernels._matmul_config(rows)
+        tiles = [default] if rows <= GEMV_MAX_ROWS else [default, *(t for t in FP8_GEMM_TILES if t != default)]
+        methods: list[Method] = [Fp8Gemm.of(default, quantize_on_load=False),
+                                 *(Fp8Gemm.of(t, quantize_on_load=True) for t in tiles), Fp8Cublas(), Dequantized()]
+    else:
+        methods = [Cublas()]
+    if rows <= GEMV_MAX_ROWS:
+        methods += [Gemv(config) for config in gemv_configs(rows, *operands.weight.shape, sms, pdl)]
+    return [m for m in methods if m.supports(operands, dtype)]
+
+
+Measure = Callable[[Method, list[Runner], torch.Tensor], float]
+
+
+def graph_time(method: Method, runners: list[Runner], x: torch.Tensor) -> float:
+    """Milliseconds per call: one CUDA graph calling each runner in turn (repeated to about
+    TIMED_CALLS calls), the median of TIMED_ROUNDS replays."""
+    repeats = max(1, math.ceil(TIMED_CALLS / len(runners)))
+    for run in runners:
+        run(x, None)
+    torch.cuda.synchronize(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            for run in runners:
+                run(x, None)
+    graph.replay()
+    results = []
+    for _ in range(TIMED_ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        results.append(start.elapsed_time(end) / (repeats * len(runners)))
+    del graph
+    return statistics.median(results)
+
+
+def relative_error(run: Runner, operands: LinearOperands, x: torch.Tensor) -> float:
+    """Relative L2 error of run(x) over the first REFERENCE_COLUMNS columns, against the product
+    in float32 (of the dequantized weight for FP8)."""
+    columns = min(REFERENCE_COLUMNS, operands.weight.shape[0])
+    part = LinearOperands(operands.weight[:columns], silu_mul=operands.silu_mul)
+    if operands.fp8:
+        bn = operands.block[0]
+        part = LinearOperands(operands.weight[:columns], operands.weight_scale[:math.ceil(columns / bn)],
+                              operands.block, operands.silu_mul)
+    expected = F.linear(part.activate(x).float(), part.dense_weight(torch.float32))
+    actual = run(x, None)[:, :columns].float()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def _timed_layers(operands: Sequence[LinearOperands], device: torch.device) -> list[LinearOperands]:
+    """The first layers whose weights together exceed L2_MULTIPLE L2 caches (or all of them)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if device.type == "cuda" else 0
+    chosen, total = [], 0
+    for op in operands:
+        chosen.append(op)
+        total += op.weight.numel() * op.weight.element_size()
+        if total >= L2_MULTIPLE * l2:
+            break
+    return chosen
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """The row counts measured: ROW_BUCKETS up to max_rows, which is always one."""
+    return sorted({b for b in ROW_BUCKETS if b < max_rows} | {min(max_rows, ROW_BUCKETS[-1])})
+
+
+def precompile(kinds: Sequence[LinearOperands], dtype: torch.dtype, device: torch.device, *, max_rows: int,
+               sms: int, candidate_methods: Callable[..., list[Method]] = candidates) -> int:
+    """Compiles every Triton candidate of these kinds (one layer's operands each) at every row
+    count in parallel (triton_compile); returns how many failed to compile."""
+    calls = []
+    for operands in kinds:
+        for rows in row_buckets(max_rows):
+            x = torch.zeros(rows, operands.input_width, dtype=dtype, device=device)
+            calls += [lambda m=method, op=operands, x=x: m.bind(op, dtype)(x, None)
+                      for method in candidate_methods(operands, rows, dtype, sms) if method.compiles]
+    return compile_ahead(calls)
+
+
+def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.dtype, device: torch.device, *,
+                   max_rows: int, sms: int, measure: Measure = graph_time,
+                   candidate_methods: Callable[..., list[Method]] = candidates) -> KindChoice:
+    """Measures the candidates of one kind of layer (operands: every layer of the kind) at each
+    row count up to max_rows; returns what each row count runs."""
+    choice = KindChoice(label, len(operands))
+    timed = _timed_layers(operands, device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    unbounded: dict[str, tuple[Method, float]] = {}
+    for rows in row_buckets(max_rows):
+        x = torch.randn(rows, operands[0].input_width, generator=generator, device=device).to(dtype)
+        times: dict[str, float] = {}
+        methods = {}
+        listed = [m for m in candidate_methods(operands[0], rows, dtype, sms) if str(m) not in choice.rejected]
+        if len(listed) == 1:   # nothing to choose between (cuBLAS past the GEMV's rows)
+            choice.times[rows], choice.chosen[rows] = {}, listed[0]
+            unbounded = {str(listed[0]): (listed[0], 0.0)} if listed[0].max_rows is None else {}
+            continue
+        for method in listed:
+            name = str(method)
+            try:
+                runners = [method.bind(op, dtype) for op in timed]
+                error = relative_error(runners[0], operands[0], x)
+                tolerance = ACTIVATION_QUANT_TOLERANCE if isinstance(method, (Fp8Gemm, Fp8Cublas)) else TOLERANCE
+                if not error <= tolerance:
+                    raise ValueError(f"relative error {error:.3g} > {tolerance}")
+                times[name] = measure(method, runners, x)
+                methods[name] = method
+            except Exception as exc:   # noqa: BLE001 - a candidate that cannot run here is not chosen
+                choice.rejected[name] = f"{type(exc).__name__}: {exc}"[:300]
+                logger.info("linear %s: %s rejected at %d rows (%s)", label, name, rows, choice.rejected[name])
+            finally:
+                runners = None
+        if not times:
+            raise RuntimeError(f"linear {label}: no method runs at {rows} rows ({choice.rejected})")
+        choice.times[rows] = times
+        choice.chosen[rows] = methods[_fastest(times, methods)]
+        unbounded = {n: (m, times[n]) for n, m in methods.items() if m.max_rows is None}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    choice.beyond = unbounded[_fastest({n: t for n, (_, t) in unbounded.items()},
+                                       {n: m for n, (m, _) in unbounded.items()})][0]
+    return choice
+
+
+def _fastest(times: dict[str, float], methods: dict[str, Method]) -> str:
+    """The quickest method; a bf16 copy of FP8 weights only with DEQUANTIZED_MARGIN to spare."""
+    def cost(name: str) -> float:
+        return times[name] / DEQUANTIZED_MARGIN if methods[name].extra_weight_bytes else times[name]
+    return min(times, key=cost)   # min keeps the first of equals: the candidates' order
+
+
+def bind_plan(choice: KindChoice, operands: LinearOperands, dtype: torch.dtype) -> LinearPlan:
+    """A plan for one layer of the kind: each distinct chosen method bound once."""
+    bound: dict[str, Runner] = {}
+
+    def runner(method: Method) -> Runner:
+        if str(method) not in bound:
+            bound[str(method)] = method.bind(operands, dtype)
+        return bound[str(method)]
+
+    bounds = list(choice.chosen)
+    return LinearPlan(bounds, [runner(choice.chosen[b]) for b in bounds], runner(choice.beyond))
+
+
+def linear_kinds(model: nn.Module) -> dict[tuple, tuple[str, list[nn.Module]]]:
+    """The model's planned linear layers grouped by kind: (name, shape, format) -> (label, layers)."""
+    from worker_svc.layers.embed_head import ParallelLMHead
+    from worker_svc.layers.linear import _ParallelLinear
+
+    kinds: dict[tuple, tuple[str, list[nn.Module]]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (_ParallelLinear, ParallelLMHead)):
+            continue
+        operands = module.operands()
+        kind = name.rsplit(".", 1)[-1]
+        num_cols, width = operands.weight.shape
+        key = (kind, num_cols, width, operands.block, operands.silu_mul, operands.weight.dtype)
+        weight_format = "fp8" if operands.fp8 else str(operands.weight.dtype).removeprefix("torch.")
+        label = f"{kind} {num_cols}x{width} {weight_format}"
+        kinds.setdefault(key, (label, []))[1].append(module)
+    return kinds
+
+
+def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.dtype, *, max_rows: int,
+                          measure: Measure = graph_time) -> dict[str, KindChoice]:
+    """Chooses and installs every planned linear layer's methods (see the module docstring);
+    returns the choices by kind. Nothing on the CPU or with WORKER_LINEAR_KERNELS=0."""
+    device = torch.device(device)
+    if device.type != "cuda" or not ENABLED:
+        return {}
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    choices = {}
+    kinds = linear_kinds(model).values()
+    with torch.inference_mode():
+        pdl = pdl_in_graphs(device)
+        candidate_methods = functools.partial(candidates, pdl=pdl)
+        started = time.perf_counter()
+        try:
+            failed = precompile([layers[0].operands() for _, layers in kinds], dtype, device, max_rows=max_rows,
+                                sms=sms, candidate_methods=candidate_methods)
+            logger.info("linear candidates compiled in %.1f s (%d failed)", time.perf_counter() - started, failed)
+        except Exception as exc:  # noqa: BLE001 - the measurement below compiles them one by one instead
+            logger.warning("compiling the linear candidates in parallel failed (%s); they compile one by one", exc)
+        if not pdl:
+            logger.info("programmatic dependent launch does not replay in CUDA graphs here: GEMVs launch without it")
+        for label, layers in kinds:
+            operands = [layer.operands() for layer in layers]
+            choice = choose_methods(label, operands, dtype, device, max_rows=max_rows, sms=sms, measure=measure,
+                                    candidate_methods=candidate_methods)
+            for layer, op in zip(layers, operands, strict=True):
+                layer.plan = bind_plan(choice, op, dtype)
+            choices[label] = choice
+            logger.info("linear %s (%d layers), ms per call by rows: %s", label, len(layers), choice.summary())
+    torch.cuda.empty_cache()
+    return choices
