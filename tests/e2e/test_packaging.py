@@ -70,14 +70,14 @@ def test_pyproject_lists_every_package_and_data_file():
 
 def test_readme_names_every_subcommand_with_its_module():
     """The README's command table: one row per `qwen3-serve` subcommand, naming the module it runs."""
-    from common.commands import SUBCOMMANDS
+    from tools.commands import PROGRAMS, load
 
     readme = (REPO / "README.md").read_text()
-    for name, (module, _) in SUBCOMMANDS.items():
+    for name in PROGRAMS:
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{name}` |")), None)
         assert row is not None, f"README.md has no row for `qwen3-serve {name}`"
         if name != "protos":
-            assert f"python -m {module.removesuffix('.__main__')}`" in row, row
+            assert f"python -m {load(name).__name__.removesuffix('.__main__')}`" in row, row
 
 
 def readme_client_snippet() -> str:
