@@ -60,9 +60,7 @@ DECODE_REPLAYS = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=pathlib.Path, required=True, help="writes OUT/linear.json")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test under Triton's interpreter)")
+    """The stage's own flags (bench/gpu_bench.py adds --out, --device and --tiny, as main does)."""
     p.add_argument("--models", default="8b,0.6b", help="swept in this order, then Qwen3-8B's --tp shards")
     p.add_argument("--tp", default="2", help="tensor-parallel sizes of Qwen3-8B's shards swept last (0: none)")
     p.add_argument("--rows", default="1,4,16,64,256")
@@ -689,8 +687,16 @@ def _print_moe(moe: dict) -> None:
               + f"  {r['default_fp8']:10s} {ratio}")
 
 
+def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    """The stage's tables, from the record bench/gpu_bench.py wrote."""
+    print_report(results["linear"]["result"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="writes OUT/linear.json")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test under Triton's interpreter)")
     add_arguments(parser)
     args = parser.parse_args(argv)
     if not args.device.startswith("cuda"):
