@@ -50,7 +50,7 @@ TINY_FP8_BLOCK = (32, 32)
 # twice that. SWEEP_VARIANTS: the L2 prefetch and chunked split-K sums, on SWEEP_VARIANT_TILES
 # (old loop, row_acc) at auto_split's split, beside the same settings without them.
 SWEEP_FMA = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8))
-SWEEP_ROW_ACC = ((4, 512, 4, 2), (4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (8, 512, 4, 4), (16, 256, 4, 3),
+SWEEP_ROW_ACC = ((4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (8, 512, 4, 4),
                  (16, 512, 8, 3))
 SWEEP_DOT = ((32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 6), (32, 128, 4, 6), (128, 128, 8, 3))
 SWEEP_VARIANT_TILES = (((8, 512, 4, 1), False), ((8, 512, 4, 3), True), ((4, 512, 4, 3), True))
