@@ -20,7 +20,7 @@ with its quantization kernel, as before), and the kernels per decoder layer at b
 Part 3 (moe): one Qwen3-30B-A3B MoE layer at the decode batches, bf16 experts against FP8
 experts taking bf16 activations (weight-only), quantizing them on load, or quantized first.
 
-    python -m bench.stages.linear --out DIR                 # one H200: < 4 minutes; DIR/linear.json
+    python -m bench.stages.linear --out DIR                 # one H200: < 3 minutes; DIR/linear.json
     python -m bench.stages.linear --out DIR --device cpu --tiny   # smoke test (Triton interpreter)
 
 On the CPU the Triton kernels run under TRITON_INTERPRET=1, which needs the interpreter fixes of
@@ -72,8 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="sweep,decode,moe")
     p.add_argument("--decode-batches", default="1,64,256")
     p.add_argument("--decode-context", type=int, default=64)
-    p.add_argument("--sweep-budget-s", type=float, default=120.0,
-                   help="projections not started by then are skipped (the whole stage stays under 4 minutes)")
+    p.add_argument("--sweep-budget-s", type=float, default=100.0,
+                   help="projections not started by then are skipped (the whole stage stays under 3 minutes)")
 
 
 # --- shapes, rates, timing ------------------------------------------------------------------------
