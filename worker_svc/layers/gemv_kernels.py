@@ -10,9 +10,10 @@ tile by tile and accumulates in float32:
 - rows >= 16: tensor-core dots of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles.
 With split_k > 1 each program writes its partial tile to a float32 workspace and counts itself
 in a per-tile counter; the last of a tile's programs sums the partials in split order,
-`split_chunk` of them per load (so the result is deterministic), writes the output and resets the counter to 0. One launch, no host
-sync, sizes fixed by the row count: capturable in CUDA graphs. The counters are shared by every
-call on a device, so calls must not run concurrently on two streams.
+`split_chunk` of them per load (so the result is deterministic), writes the output and resets
+the counter to 0. One launch, no host sync, sizes fixed by the row count: capturable in CUDA
+graphs. The counters are shared by every call on a device, so calls must not run concurrently
+on two streams.
 
 Options, each a compile-time switch:
 - FP8 weights (float8_e4m3fn with one float32 scale per GROUP_N x GROUP_K block, fp8.py) with
@@ -69,7 +70,8 @@ class GemvConfig:
     def __str__(self) -> str:
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}{' rows' if self.row_acc else ''}"
-                f"{f' pf{self.prefetch}' if self.prefetch else ''}{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}")
+                f"{f' pf{self.prefetch}' if self.prefetch else ''}"
+                f"{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}")
 
 
 @triton.jit
@@ -225,7 +227,8 @@ def _gemv_kernel(
     w_scale_row = w_scale_ptr + (pid_n * BLOCK_N // GROUP_N) * stride_wsn
     if PDL and PREFETCH_TILES > 0:   # weights never depend on the previous kernel: start their read now
         rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_begin
-        span = tl.minimum(k_end - k_begin, PREFETCH_TILES * BLOCK_K) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        element_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        span = tl.minimum(k_end - k_begin, PREFETCH_TILES * BLOCK_K) * element_bytes
         _prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     if USE_DOT:
