@@ -121,7 +121,7 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
     """One accumulator per row beside the previous loop up to 4 rows, never past them; the bench
     sweep holds every start-up candidate and names each setting's loop."""
     linear_selection, _ = selection
-    from bench.stages.linear import gemv_family, sweep_gemv_configs
+    from bench.stages.linear import family_bests, gemv_family, sweep_gemv_configs
     from worker_svc.layers.gemv_kernels import check_config
 
     for rows in (1, 2, 4, 8, 16):
@@ -135,6 +135,10 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
     names = {gemv_family(f"gemv({c})") for c in sweep_gemv_configs(1, 4096, 4096, 132, fp8=True, pdl=True)}
     assert names == {"fma", "rows", "pf", "chunk"}
     assert gemv_family("gemv(m16 n32 k128 split1 w4 s4 pdl)") == "dot" and gemv_family("cublas") is None
+    record = {"projection": "p", "rows": 1, "bf16_times": {"cublas": 1.0, "gemv(m1 n8 k512 split1 w4 s1 pdl)": 3.0,
+                                                           "gemv(m1 n4 k512 split1 w4 s1 pdl)": 2.0,
+                                                           "gemv(m1 n8 k512 split2 w4 s3 pdl rows pf2)": 1.5}}
+    assert family_bests([record]) == [{"projection": "p", "rows": 1, "weights": "bf16", "fma": 2.0, "pf": 1.5}]
 
 
 def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir):
