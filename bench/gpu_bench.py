@@ -11,6 +11,7 @@ stage whose inputs OUT lacks (the checkpoint, the measured bandwidth) gets them 
     python -m bench.gpu_bench --out /tmp/bench --stages service,decode --num-requests 64
     python -m bench.gpu_bench --out /tmp/moe-fp8 --stages moe                          # H200: < 6 minutes
     python -m bench.gpu_bench --out /tmp/moe-cpu --stages moe --device cpu --tiny      # smoke test
+    python -m bench.gpu_bench --out /tmp/kernels --stages linear,attention              # H200: < 7 minutes
     python -m bench.stages.decode --out /tmp/bench                                     # one stage alone
 """
 from __future__ import annotations
@@ -24,16 +25,26 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Callable
 
 from bench import options
-from bench.stages import (bandwidth, checkpoint, correctness, decode, fixed_batch, fp8_gemm, hf, host_path,
-                          moe_e2e, moe_kernel, offline, profile, service, structured)
+from bench.stages import (attention, bandwidth, checkpoint, correctness, decode, fixed_batch, fp8_gemm, hf,
+                          host_path, linear, moe_e2e, moe_kernel, offline, profile, service, structured)
 
 
 @dataclass(frozen=True)
 class Stage:
     module: ModuleType
     options: dict = field(default_factory=dict)    # keyword arguments of module.run
+    entry: Callable[..., dict] | None = None       # run(args, **options) for a module of another convention
+
+    def run(self, args: argparse.Namespace) -> dict:
+        return (self.entry or self.module.run)(args, **self.options)
+
+
+def run_attention(args: argparse.Namespace) -> dict:
+    """The attention stage, whose run takes the folder and the device (its tables go to its log)."""
+    return attention.run(args.out, device=args.device)
 
 
 STAGES: dict[str, Stage] = {
@@ -53,11 +64,14 @@ STAGES: dict[str, Stage] = {
     **{fixed_batch.stage_name(m, d): Stage(fixed_batch, {"model": m, "dtype": d})
        for m in fixed_batch.MODELS for d in fixed_batch.DTYPES},
     "host_path": Stage(host_path),
+    "linear": Stage(linear),
+    "attention": Stage(attention, entry=run_attention),
 }
 GROUPS = {
     "headline": ("checkpoint", "bandwidth", "service", "structured", "offline", "hf_default", "hf_tuned", "decode",
                  "profile", "correctness"),
     "moe": ("bandwidth", "moe_kernel", "fp8_gemm", "moe_e2e", *(n for n in STAGES if n.startswith("decode_"))),
+    "kernels": ("linear", "attention"),
     "all": tuple(STAGES),
 }
 # The side-by-side table: (label, stage) of each engine run on the workload.
@@ -111,7 +125,7 @@ def run_stage(args: argparse.Namespace) -> int:
     stage = STAGES[args.run_stage]
     started = time.perf_counter()
     try:
-        record = {"ok": True, "result": stage.module.run(args, **stage.options)}
+        record = {"ok": True, "result": stage.run(args)}
     except Exception as exc:  # recorded, so the table shows why the row is missing
         traceback.print_exc()
         record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}

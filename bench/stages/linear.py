@@ -20,7 +20,7 @@ with its quantization kernel, as before), and the kernels per decoder layer at b
 Part 3 (moe): one Qwen3-30B-A3B MoE layer at the decode batches, bf16 experts against FP8
 experts taking bf16 activations (weight-only), quantizing them on load, or quantized first.
 
-    python -m bench.stages.linear --out DIR                 # one H200: < 4 minutes; DIR/linear.json
+    python -m bench.stages.linear --out DIR                 # one H200: < 3 minutes; DIR/linear.json
     python -m bench.stages.linear --out DIR --device cpu --tiny   # smoke test (Triton interpreter)
 
 On the CPU the Triton kernels run under TRITON_INTERPRET=1, which needs the interpreter fixes of
@@ -43,13 +43,18 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 MODELS = {"0.6b": "qwen3-0.6b.json", "8b": "qwen3-8b.json"}
 FP8_BLOCK = (128, 128)
 TINY_FP8_BLOCK = (32, 32)
-# GEMV settings swept: (block_n, block_k at one row, num_warps) on CUDA cores (block_k shrinks
-# with the rows), (block_n, block_k, num_warps, num_stages) on tensor cores; each at split-K 1,
-# auto_split's and twice that.
-SWEEP_FMA = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
-             (32, 256, 8))
-SWEEP_DOT = ((16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 256, 4, 3),
-             (64, 64, 4, 6), (32, 128, 4, 6), (128, 128, 8, 3))
+# GEMV settings swept (the first H200 run's winners and the new loop beside them):
+# (block_n, block_k at one row, num_warps) on CUDA cores (block_k shrinks with the rows);
+# (block_n, block_k at one row, num_warps, num_stages) with one accumulator per row (row_acc);
+# (block_n, block_k, num_warps, num_stages) on tensor cores; each at split-K 1, auto_split's and
+# twice that. SWEEP_VARIANTS: the L2 prefetch and chunked split-K sums, on SWEEP_VARIANT_TILES
+# (old loop, row_acc) at auto_split's split, beside the same settings without them.
+SWEEP_FMA = ((4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8))
+SWEEP_ROW_ACC = ((4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (8, 512, 4, 4),
+                 (16, 512, 8, 3))
+SWEEP_DOT = ((32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 6), (32, 128, 4, 6), (128, 128, 8, 3))
+SWEEP_VARIANT_TILES = (((8, 512, 4, 1), False), ((8, 512, 4, 3), True), ((4, 512, 4, 3), True))
+SWEEP_VARIANTS = (dict(prefetch=2), dict(split_chunk=4), dict(prefetch=2, split_chunk=4))
 # FP8 GEMM tiles swept with activations quantized on load: up to 64 rows, and past it.
 SWEEP_FP8_FEW = ((16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4))
 SWEEP_FP8_MANY = ((64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3),
@@ -60,17 +65,15 @@ DECODE_REPLAYS = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=pathlib.Path, required=True, help="writes OUT/linear.json")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test under Triton's interpreter)")
+    """The stage's own flags (bench/gpu_bench.py adds --out, --device and --tiny, as main does)."""
     p.add_argument("--models", default="8b,0.6b", help="swept in this order, then Qwen3-8B's --tp shards")
     p.add_argument("--tp", default="2", help="tensor-parallel sizes of Qwen3-8B's shards swept last (0: none)")
     p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--parts", default="sweep,decode,moe")
     p.add_argument("--decode-batches", default="1,64,256")
     p.add_argument("--decode-context", type=int, default=64)
-    p.add_argument("--sweep-budget-s", type=float, default=120.0,
-                   help="projections not started by then are skipped (the whole stage stays under 4 minutes)")
+    p.add_argument("--sweep-budget-s", type=float, default=100.0,
+                   help="projections not started by then are skipped (the whole stage stays under 3 minutes)")
 
 
 # --- shapes, rates, timing ------------------------------------------------------------------------
@@ -141,7 +144,7 @@ def fp8_block(width: int) -> tuple[int, int]:
 
 def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool, pdl: bool) -> list:
     """Every GEMV setting swept at this row count (the start-up candidates among them)."""
-    from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, GemvConfig, check_config
+    from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, GemvConfig, check_config
     from worker_svc.layers.linear_selection import MAX_SPLIT, MIN_FMA_BLOCK_K, auto_split, gemv_configs
 
     block_m = 1 << max(0, (rows - 1).bit_length())
@@ -149,6 +152,9 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
     if block_m < DOT_MIN_ROWS:
         bases += [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)
                   for n, k, w in SWEEP_FMA]
+    if block_m <= ROW_ACC_MAX_ROWS:
+        bases += [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=st, pdl=pdl,
+                             row_acc=True) for n, k, w, st in SWEEP_ROW_ACC]
     if rows > 1:
         bases += [GemvConfig(max(block_m, DOT_MIN_ROWS), n, k, num_warps=w, num_stages=s, pdl=pdl)
                   for n, k, w, s in SWEEP_DOT]
@@ -159,6 +165,15 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
         for s in {1, split, min(2 * split, MAX_SPLIT, max(1, k_tiles // 2))}:
             config = GemvConfig(**{**base.__dict__, "split_k": s})
             configs[str(config)] = config
+    if block_m <= ROW_ACC_MAX_ROWS:
+        for (n, k, w, st), row_acc in SWEEP_VARIANT_TILES:
+            base = GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=st, pdl=pdl,
+                              row_acc=row_acc)
+            base = GemvConfig(**{**base.__dict__, "split_k": auto_split(num_cols, width, rows, base, sms)})
+            for variant in SWEEP_VARIANTS:
+                if pdl or "prefetch" not in variant:
+                    config = GemvConfig(**{**base.__dict__, **variant})
+                    configs[str(config)] = config
     for config in gemv_configs(rows, num_cols, width, sms, pdl):
         configs.setdefault(str(config), config)
     usable = []
@@ -606,6 +621,39 @@ def suggested_configs(records: list[dict]) -> dict[str, list[tuple[str, int]]]:
     return {k: c.most_common(6) for k, c in sorted(counts.items())}
 
 
+GEMV_FAMILIES = ("fma", "rows", "pf", "chunk", "dot")
+
+
+def gemv_family(name: str) -> str | None:
+    """Which loop or variant a swept GEMV setting is (GEMV_FAMILIES); None for other methods."""
+    if not name.startswith("gemv("):
+        return None
+    tokens = name.removeprefix("gemv(").removesuffix(")").split()
+    if any(t.startswith("pf") for t in tokens):
+        return "pf"
+    if any(t.startswith("chunk") for t in tokens):
+        return "chunk"
+    if "rows" in tokens:
+        return "rows"
+    return "dot" if int(tokens[0].removeprefix("m")) >= 16 else "fma"
+
+
+def family_bests(records: list[dict]) -> list[dict]:
+    """Per projection, row count and weight type: the best time of each GEMV family, side by side."""
+    table = []
+    for r in records:
+        for key in ("bf16_times", "fp8_times"):
+            bests: dict[str, float] = {}
+            for name, t in r.get(key, {}).items():
+                family = gemv_family(name)
+                if family is not None and t < bests.get(family, math.inf):
+                    bests[family] = t
+            if bests:
+                table.append({"projection": r["projection"], "rows": r["rows"], "weights": key.split("_")[0],
+                              **bests})
+    return table
+
+
 def _without_split(name: str) -> str:
     return " ".join(t for t in name.split() if not t.startswith("split"))
 
@@ -623,6 +671,15 @@ def print_report(result: dict) -> None:
                 print(f"{r['projection']:26s} skipped")
                 continue
             print(_table_row(r))
+        print("\nbest GEMV per loop, ms: fma (the previous loop), rows (one accumulator per row), pf (+ L2 "
+              "prefetch), chunk (+ chunked split-K sums), dot (tensor cores); new/old = min(rows, pf, chunk) / fma")
+        print(f"{'projection':26s} {'rows':>4s} {'w':4s} " + " ".join(f"{f:>7s}" for f in GEMV_FAMILIES)
+              + f" {'new/old':>7s}")
+        for b in family_bests(result["sweep"]):
+            new = min((b[f] for f in ("rows", "pf", "chunk") if f in b), default=None)
+            ratio = f"{new / b['fma']:7.2f}" if new and b.get("fma") else f"{'-':>7s}"
+            print(f"{b['projection']:26s} {b['rows']:4d} {b['weights']:4s} "
+                  + " ".join(f"{b[f]:7.4f}" if f in b else f"{'-':>7s}" for f in GEMV_FAMILIES) + f" {ratio}")
         print("\nGEMV settings most often within 5% of the best (per row count; weights bf16 / fp8):")
         for key, common in result.get("suggested", {}).items():
             print(f"  {key:14s} " + "; ".join(f"{name} x{count}" for name, count in common))
@@ -689,8 +746,16 @@ def _print_moe(moe: dict) -> None:
               + f"  {r['default_fp8']:10s} {ratio}")
 
 
+def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    """The stage's tables, from the record bench/gpu_bench.py wrote."""
+    print_report(results["linear"]["result"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="writes OUT/linear.json")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test under Triton's interpreter)")
     add_arguments(parser)
     args = parser.parse_args(argv)
     if not args.device.startswith("cuda"):

@@ -52,3 +52,25 @@ def test_a_decode_case_whose_prefill_outlasts_the_timed_steps_still_decodes_its_
     assert pure_decode_steps(16, 1024, warmup + measured + 2, budget) == 0
     case = Case.parse("16x1024", budget, warmup, measured)
     assert pure_decode_steps(case.batch, case.context, case.max_tokens, budget) >= warmup + measured
+
+
+def test_the_kernel_stages_run_through_the_driver_with_the_flags_it_parses(monkeypatch, tmp_path):
+    """`--stages linear,attention`: both are registered, the driver's parser takes the linear
+    stage's own flags beside the shared ones, and each stage's run gets what its module expects
+    (the attention module takes the folder and the device, not the parsed flags)."""
+    from bench import gpu_bench
+    from bench.stages import attention, linear
+
+    assert selected_stages("kernels") == ["linear", "attention"]
+    assert with_requirements(["linear", "attention"], done=set()) == ["linear", "attention"]
+    args = gpu_bench.parse_args(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--parts", "sweep",
+                                 "--rows", "1,4", "--run-stage", "linear"])
+    assert (args.parts, args.rows, args.tiny, args.models) == ("sweep", "1,4", True, "8b,0.6b")
+    calls = []
+    monkeypatch.setattr(linear, "run", lambda a: calls.append(("linear", a.parts)) or {"rows": 2})
+    monkeypatch.setattr(attention, "run", lambda out, *, device: calls.append(("attention", out, device)) or {})
+    assert STAGES["linear"].run(args) == {"rows": 2}
+    assert STAGES["attention"].run(args) == {}
+    assert calls == [("linear", "sweep"), ("attention", tmp_path, "cpu")]
+    assert gpu_bench.run_stage(args) == 0
+    assert '"rows": 2' in (tmp_path / "linear.json").read_text()

@@ -48,13 +48,21 @@ CASES = [
     ((2, 8, 128, 1), 3, False, torch.float32),    # two row tiles
     ((16, 16, 32, 2), 17, True, torch.bfloat16),  # tensor cores, two row tiles
 ]
+# The same sums with one accumulator per row (row_acc, pipelined num_stages deep).
+ROW_ACC_CASES = [
+    ((1, 8, 32, 1), 1, False, torch.float32),
+    ((1, 16, 32, 2), 1, True, torch.bfloat16),
+    ((4, 16, 64, 3), 3, True, torch.bfloat16),    # a partial last K tile, a missing row
+    ((2, 8, 128, 1), 3, False, torch.float32),    # two row tiles
+]
 
 
-@pytest.mark.parametrize("tiles,rows,bias,dtype", CASES, ids=lambda v: "m{}n{}k{}s{}".format(*v) if isinstance(v, tuple)
-                         else None)
-def test_gemv_matches_f_linear_on_fresh_random_inputs(kernels, tiles, rows, bias, dtype):
+@pytest.mark.parametrize("tiles,rows,bias,dtype,row_acc", [(*case, False) for case in CASES]
+                         + [(*case, True) for case in ROW_ACC_CASES],
+                         ids=lambda v: "m{}n{}k{}s{}".format(*v) if isinstance(v, tuple) else None)
+def test_gemv_matches_f_linear_on_fresh_random_inputs(kernels, tiles, rows, bias, dtype, row_acc):
     """40 columns (a partial last N tile) by 96."""
-    cfg = config(kernels, *tiles)
+    cfg = config(kernels, *tiles, row_acc=row_acc)
     if cfg.use_dot and dtype == torch.float32:
         pytest.skip("tensor-core tiles take 16-bit activations")
     g = torch.Generator().manual_seed(rows + tiles[0])
@@ -66,27 +74,31 @@ def test_gemv_matches_f_linear_on_fresh_random_inputs(kernels, tiles, rows, bias
     assert relative_error(actual, expected) <= RELATIVE[dtype]
 
 
-@pytest.mark.parametrize("tiles", [(4, 8, 64, 2), (16, 16, 32, 1)], ids=["fma", "dot"])
-def test_gemv_applies_silu_mul_exactly_as_the_fused_activation_kernel(kernels, tiles):
+@pytest.mark.parametrize("tiles,row_acc", [((4, 8, 64, 2), False), ((4, 8, 64, 2), True), ((16, 16, 32, 1), False)],
+                         ids=["fma", "fma-rows", "dot"])
+def test_gemv_applies_silu_mul_exactly_as_the_fused_activation_kernel(kernels, tiles, row_acc):
     """x = [gate | up]: the result equals the GEMV of fused_kernels.silu_and_mul's output bit
     for bit (the activation is rounded to bf16 where that kernel rounds it)."""
     gemv_kernels, fused_kernels = kernels
     g = torch.Generator().manual_seed(41)
     gate_up = (torch.randn(5, 2 * 96, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
     w = torch.randn(24, 96, generator=g).to(torch.bfloat16).to(DEVICE)
-    cfg = config(kernels, *tiles)
+    cfg = config(kernels, *tiles, row_acc=row_acc)
     fused = gemv_kernels.gemv(gate_up, w, cfg, silu_mul=True)
     assert torch.equal(fused, gemv_kernels.gemv(fused_kernels.silu_and_mul(gate_up), w, cfg))
 
 
-@pytest.mark.parametrize("tiles,block,dtype", [
-    ((2, 16, 64, 2), (32, 64), torch.float32),      # FMA, K tiles = scale blocks
-    ((2, 16, 256, 1), (32, 64), torch.bfloat16),    # FMA, a K tile spans four scale blocks
-    ((16, 16, 32, 3), (32, 64), torch.bfloat16),    # tensor cores, two K tiles per scale block
-    ((2, 32, 128, 1), (128, 128), torch.bfloat16),  # the official checkpoints' blocks
+@pytest.mark.parametrize("tiles,block,dtype,row_acc", [
+    ((2, 16, 64, 2), (32, 64), torch.float32, False),      # FMA, K tiles = scale blocks
+    ((2, 16, 256, 1), (32, 64), torch.bfloat16, False),    # FMA, a K tile spans four scale blocks
+    ((16, 16, 32, 3), (32, 64), torch.bfloat16, False),    # tensor cores, two K tiles per scale block
+    ((2, 32, 128, 1), (128, 128), torch.bfloat16, False),  # the official checkpoints' blocks
+    ((2, 16, 64, 2), (32, 64), torch.float32, True),       # one accumulator per row: the same cases
+    ((2, 16, 256, 1), (32, 64), torch.bfloat16, True),
+    ((2, 32, 128, 1), (128, 128), torch.bfloat16, True),
 ])
-def test_fp8_weight_only_gemv_matches_the_dequantized_reference(kernels, tiles, block, dtype):
-    cfg = config(kernels, *tiles)
+def test_fp8_weight_only_gemv_matches_the_dequantized_reference(kernels, tiles, block, dtype, row_acc):
+    cfg = config(kernels, *tiles, row_acc=row_acc)
     g = torch.Generator().manual_seed(42)
     weight, scale = quantize_blocks(torch.randn(80, 256, generator=g) * 0.05, block)   # a partial row block
     x = torch.randn(2, 256, generator=g).to(dtype)
@@ -108,6 +120,19 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(kernels):
     assert relative_error(first, F.linear(x.cpu().double(), w.cpu().double())) <= 2 ** -7
 
 
+def test_split_k_partials_summed_several_per_load_give_the_same_product(kernels):
+    """split_chunk 4 over 6 splits: a full chunk and a partial one, deterministic, counters at zero."""
+    gemv_kernels = kernels[0]
+    g = torch.Generator().manual_seed(44)
+    x = torch.randn(3, 384, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(24, 384, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = config(kernels, 4, 16, 64, split_k=6, split_chunk=4, row_acc=True)
+    first = gemv_kernels.gemv(x, w, cfg)
+    assert torch.equal(first, gemv_kernels.gemv(x, w, cfg))
+    assert not gemv_kernels._split_counters(x.device).any()
+    assert relative_error(first, F.linear(x.cpu().double(), w.cpu().double())) <= 2 ** -7
+
+
 def test_configs_that_cannot_run_a_weight_are_refused(kernels):
     gemv_kernels = kernels[0]
     with pytest.raises(ValueError, match="16-bit"):
@@ -117,6 +142,12 @@ def test_configs_that_cannot_run_a_weight_are_refused(kernels):
     with pytest.raises(ValueError, match="column blocks"):   # a tensor-core K tile across two
         gemv_kernels.check_config(config(kernels, 16, 16, 64), 128, 128, fp8_block=(32, 32))
     gemv_kernels.check_config(config(kernels, 1, 16, 256), 128, 128, fp8_block=(32, 32))   # FMA: any K tile
+    with pytest.raises(ValueError, match="per row"):   # 8 rows, or tensor cores, with one accumulator per row
+        gemv_kernels.check_config(config(kernels, 8, 16, 64, row_acc=True), 64, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        gemv_kernels.check_config(config(kernels, 1, 16, 64, split_k=4, split_chunk=3), 64, 256)
+    with pytest.raises(ValueError, match="16-byte"):   # a bulk L2 prefetch moves whole 16-byte units
+        gemv_kernels.check_config(config(kernels, 1, 16, 64, pdl=True, prefetch=2), 64, 72)
 
 
 def test_no_rows_give_an_empty_output(kernels):

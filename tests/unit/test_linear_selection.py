@@ -117,6 +117,30 @@ def test_auto_split_fills_the_device_with_at_least_two_k_tiles_per_split(selecti
             assert cfg.split_k == 1 or 3072 // cfg.block_k // cfg.split_k >= 2
 
 
+def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run(selection):
+    """One accumulator per row beside the previous loop up to 4 rows, never past them; the bench
+    sweep holds every start-up candidate and names each setting's loop."""
+    linear_selection, _ = selection
+    from bench.stages.linear import family_bests, gemv_family, sweep_gemv_configs
+    from worker_svc.layers.gemv_kernels import check_config
+
+    for rows in (1, 2, 4, 8, 16):
+        configs = linear_selection.gemv_configs(rows, 4096, 4096, sms=132)
+        looped = {(c.row_acc, c.use_dot) for c in configs}
+        assert ((True, False) in looped) == (rows <= 4) and ((False, False) in looped) == (rows < 16)
+        for cfg in configs:
+            check_config(cfg, 4096, 4096, fp8_block=(128, 128))
+        swept = {str(c) for c in sweep_gemv_configs(rows, 4096, 4096, 132, fp8=True, pdl=True)}
+        assert {str(c) for c in configs} <= swept
+    names = {gemv_family(f"gemv({c})") for c in sweep_gemv_configs(1, 4096, 4096, 132, fp8=True, pdl=True)}
+    assert names == {"fma", "rows", "pf", "chunk"}
+    assert gemv_family("gemv(m16 n32 k128 split1 w4 s4 pdl)") == "dot" and gemv_family("cublas") is None
+    record = {"projection": "p", "rows": 1, "bf16_times": {"cublas": 1.0, "gemv(m1 n8 k512 split1 w4 s1 pdl)": 3.0,
+                                                           "gemv(m1 n4 k512 split1 w4 s1 pdl)": 2.0,
+                                                           "gemv(m1 n8 k512 split2 w4 s3 pdl rows pf2)": 1.5}}
+    assert family_bests([record]) == [{"projection": "p", "rows": 1, "weights": "bf16", "fma": 2.0, "pf": 1.5}]
+
+
 def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir):
     """Every projection kind of a tiny Qwen3 (the down projection with SwiGLU fused, the LM head)
     planned to run the GEMV for decode-sized steps and cuBLAS for a prompt; the float32 logits

@@ -5,13 +5,15 @@ read of the weight and nothing else; this kernel is written for that read. One p
 BLOCK_N output columns of BLOCK_M rows and one of `split_k` slices of K, streams its weight
 tile by tile and accumulates in float32:
 - rows < 16: CUDA-core FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator, reduced over K
-  once after the loop (no shuffles inside it);
+  once after the loop (no shuffles inside it); or, with `row_acc` (up to 4 rows), one
+  [BLOCK_N, BLOCK_K] accumulator per row, the loop pipelined by tl.range num_stages deep;
 - rows >= 16: tensor-core dots of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles.
 With split_k > 1 each program writes its partial tile to a float32 workspace and counts itself
-in a per-tile counter; the last of a tile's programs sums the partials in split order (so the
-result is deterministic), writes the output and resets the counter to 0. One launch, no host
-sync, sizes fixed by the row count: capturable in CUDA graphs. The counters are shared by every
-call on a device, so calls must not run concurrently on two streams.
+in a per-tile counter; the last of a tile's programs sums the partials in split order,
+`split_chunk` of them per load (so the result is deterministic), writes the output and resets
+the counter to 0. One launch, no host sync, sizes fixed by the row count: capturable in CUDA
+graphs. The counters are shared by every call on a device, so calls must not run concurrently
+on two streams.
 
 Options, each a compile-time switch:
 - FP8 weights (float8_e4m3fn with one float32 scale per GROUP_N x GROUP_K block, fp8.py) with
@@ -24,7 +26,8 @@ Options, each a compile-time switch:
 - a bias, added in float32 before the single rounding to x's dtype;
 - PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the
   previous kernel (weights never depend on it), and the next kernel may launch at once
-  (`pdl_in_graphs` says whether CUDA graphs replay this here).
+  (`pdl_in_graphs` says whether CUDA graphs replay this here); with `prefetch`, the first
+  K tiles of the program's weight rows are asked into L2 (sm90's bulk prefetch) before that wait.
 Under TRITON_INTERPRET=1 the kernel runs on the CPU for the tests.
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ from worker_svc.layers.triton_compile import launch
 # Split-K tile counters per device; a launch may use this many (output tiles of one call).
 MAX_SPLIT_TILES = 1 << 14
 DOT_MIN_ROWS = 16   # tl.dot needs 16-row tiles: fewer rows use the FMA loop
+ROW_ACC_MAX_ROWS = 4   # rows the per-row-accumulator FMA loop holds
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -55,6 +59,9 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     pdl: bool = False   # programmatic dependent launch: weights are read while the previous kernel ends
+    row_acc: bool = False   # FMA rows: one accumulator per row, the loop pipelined num_stages deep
+    prefetch: int = 0       # with pdl: K tiles of weights asked into L2 before waiting for the previous kernel
+    split_chunk: int = 1    # split-K partials the tile's last program sums per load
 
     @property
     def use_dot(self) -> bool:
@@ -62,7 +69,9 @@ class GemvConfig:
 
     def __str__(self) -> str:
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
-                f"w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}")
+                f"w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}{' rows' if self.row_acc else ''}"
+                f"{f' pf{self.prefetch}' if self.prefetch else ''}"
+                f"{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}")
 
 
 @triton.jit
@@ -115,6 +124,57 @@ def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
 
 
 @triton.jit
+def _fma_row(x_ptrs, row_ok, k, k_end, offs_k, scale, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+             dtype: tl.constexpr):
+    """One row of the activation tile at column k, in float32, times the weight's scales."""
+    if EVEN_K:
+        mask = row_ok & (k < k_end)
+    else:
+        mask = row_ok & ((k + offs_k) < k_end)
+    return _load_x(x_ptrs, mask, K, SILU_MUL, dtype).to(tl.float32) * scale
+
+
+@triton.jit
+def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs_k, k_begin, k_end, K,
+                   GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   dtype: tl.constexpr):
+    """The FMA loop's sums (ROW_ACC) for up to ROW_ACC_MAX_ROWS rows from x_ptrs, row0's row: each
+    row keeps a [BLOCK_N, BLOCK_K] accumulator in the weight tile's own layout (no data moves
+    between threads inside the loop), reduced over K once after it. tl.range pipelines the loop:
+    NUM_STAGES - 1 tiles of weights, activations and scales in flight."""
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0).to(tl.float32)
+        if FP8:   # one scale per column's block: scaling x (a row) costs less than scaling w (a tile)
+            scale = tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)
+        else:
+            scale = 1.0
+        acc0 += _fma_row(x_ptrs, row0 < M, k, k_end, offs_k, scale, K, SILU_MUL, EVEN_K, dtype)[None, :] * w
+        if BLOCK_M > 1:
+            acc1 += _fma_row(x_ptrs + stride_xm, row0 + 1 < M, k, k_end, offs_k, scale, K, SILU_MUL, EVEN_K,
+                             dtype)[None, :] * w
+        if BLOCK_M > 2:
+            acc2 += _fma_row(x_ptrs + 2 * stride_xm, row0 + 2 < M, k, k_end, offs_k, scale, K, SILU_MUL, EVEN_K,
+                             dtype)[None, :] * w
+            acc3 += _fma_row(x_ptrs + 3 * stride_xm, row0 + 3 < M, k, k_end, offs_k, scale, K, SILU_MUL, EVEN_K,
+                             dtype)[None, :] * w
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if BLOCK_M > 1:
+        acc = tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], acc)
+    if BLOCK_M > 2:
+        acc = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], acc)
+        acc = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
               PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -135,6 +195,13 @@ def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
     return acc
 
 
+@triton.jit
+def _prefetch_rows_l2(row_ptrs, num_bytes):
+    """Asks L2 for num_bytes from each row pointer (sm90's bulk prefetch: a hint, nothing waits)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [row_ptrs, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M", "split_k", "tiles_per_split"])
 def _gemv_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -142,6 +209,7 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_wsn, stride_om,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+    ROW_ACC: tl.constexpr, PREFETCH_TILES: tl.constexpr, SPLIT_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -154,13 +222,24 @@ def _gemv_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     k_begin = pid_k * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
     # An FP8 tile lies in one row of scale blocks (GROUP_N is a multiple of BLOCK_N).
     w_scale_row = w_scale_ptr + (pid_n * BLOCK_N // GROUP_N) * stride_wsn
+    if PDL and PREFETCH_TILES > 0:   # weights never depend on the previous kernel: start their read now
+        rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_begin
+        element_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        span = tl.minimum(k_end - k_begin, PREFETCH_TILES * BLOCK_K) * element_bytes
+        _prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     if USE_DOT:
         acc = _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
                         SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype)
+    elif ROW_ACC:
+        if PDL:
+            gdc_wait()
+        row_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
+        acc = _fma_rows_loop(row_ptrs, stride_xm, w_ptrs, w_scale_row, pid_m * BLOCK_M, M, n_mask, offs_k, k_begin,
+                             k_end, K, GROUP_K, FP8, SILU_MUL, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, dtype)
     else:
         acc = _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
                         SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype)
@@ -172,11 +251,19 @@ def _gemv_kernel(
         tl.debug_barrier()   # every thread's partial is written before the tile is counted
         tile = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:   # the tile's last program: sum the partials in split order
+        if arrived == split_k - 1:   # the tile's last program sums the partials, SPLIT_CHUNK per load
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, split_k):
-                acc += tl.load(partial_ptr + s * M * N + tile_partial, mask=out_mask, other=0.0,
-                               cache_modifier=".cg")
+            if SPLIT_CHUNK == 1:
+                for s in range(0, split_k):
+                    acc += tl.load(partial_ptr + s * M * N + tile_partial, mask=out_mask, other=0.0,
+                                   cache_modifier=".cg")
+            else:
+                offs_s = tl.arange(0, SPLIT_CHUNK)
+                for s in range(0, split_k, SPLIT_CHUNK):
+                    chunk = (s + offs_s).to(tl.int64)[:, None, None] * M * N + tile_partial[None, :, :]
+                    chunk_mask = ((s + offs_s) < split_k)[:, None, None] & out_mask[None, :, :]
+                    acc += tl.sum(tl.load(partial_ptr + chunk, mask=chunk_mask, other=0.0, cache_modifier=".cg"),
+                                  axis=0)
             _store_output(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stride_om, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + tile, 0)
     else:
@@ -233,6 +320,12 @@ def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tu
     """Raises ValueError when `config` cannot run a [num_cols, width] weight."""
     if config.use_dot and (config.block_n < 16 or config.block_k < 16 or dtype == torch.float32):
         raise ValueError(f"gemv {config}: tensor-core tiles need 16-bit activations and 16-wide N and K tiles")
+    if config.row_acc and (config.use_dot or config.block_m > ROW_ACC_MAX_ROWS):
+        raise ValueError(f"gemv {config}: one accumulator per row is for CUDA-core tiles of <= {ROW_ACC_MAX_ROWS} rows")
+    if config.split_chunk & (config.split_chunk - 1) or config.split_chunk < 1:
+        raise ValueError(f"gemv {config}: split_chunk must be a power of two")
+    if config.prefetch and width % 16:
+        raise ValueError(f"gemv {config}: L2 prefetches need rows of whole 16-byte units ({width} columns)")
     if config.split_k > 1 and triton.cdiv(num_cols, config.block_n) > MAX_SPLIT_TILES:
         raise ValueError(f"gemv {config}: {num_cols} columns are more split-K tiles than {MAX_SPLIT_TILES}")
     if fp8_block is not None:
@@ -280,7 +373,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         num_rows, num_cols, width, split_k, tiles_per_split,
         rows.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, out.stride(0),
         GROUP_N=group_n, GROUP_K=group_k, FP8=fp8, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
-        EVEN_K=width % config.block_k == 0, USE_DOT=config.use_dot, PDL=pdl,
+        EVEN_K=width % config.block_k == 0, USE_DOT=config.use_dot, PDL=pdl, ROW_ACC=config.row_acc,
+        PREFETCH_TILES=config.prefetch, SPLIT_CHUNK=config.split_chunk, NUM_STAGES=config.num_stages,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )

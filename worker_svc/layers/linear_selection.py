@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.layers import fp8_kernels
-from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, GemvConfig, pdl_in_graphs
+from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, GemvConfig, pdl_in_graphs
 from worker_svc.layers.linear_methods import (Cublas, Dequantized, Fp8Cublas, Fp8Gemm, Gemv, LinearOperands,
                                               LinearPlan, Method, Runner)
 from worker_svc.layers.triton_compile import compile_ahead
@@ -45,11 +45,14 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 GEMV_MAX_ROWS = 64
 # GEMV tiles tried at start-up: (block_n, block_k, num_warps) for one row, on CUDA-core FMAs
 # (a few rows take block_k / rows: the accumulator holds rows x block_n x block_k floats);
-# (block_n, block_k, num_warps, num_stages) from 16 rows, on tensor cores. Each with split-K as
-# auto_split says and without.
-FMA_TILES = ((8, 512, 4), (16, 256, 4), (4, 1024, 4), (16, 512, 8))
+# (block_n, block_k, num_warps, num_stages) with one accumulator per row (up to
+# ROW_ACC_MAX_ROWS rows) and from 16 rows on tensor cores. Each with split-K as auto_split says
+# and without. The tiles are those the H200 sweep (bench/stages/linear.py) found within 5% of
+# the best most often.
+FMA_TILES = ((4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8))
+ROW_ACC_TILES = ((4, 512, 4, 3), (8, 512, 4, 3), (16, 512, 8, 3))
 MIN_FMA_BLOCK_K = 64
-DOT_TILES = ((32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4))
+DOT_TILES = ((32, 128, 4, 4), (32, 128, 4, 6), (64, 128, 4, 4), (128, 128, 8, 3))
 # FP8 GEMM tiles tried with activations quantized on load, past GEMV_MAX_ROWS rows (fewer rows
 # try fp8_kernels' own choice).
 FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
@@ -108,6 +111,9 @@ def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = Tru
     if block_m < DOT_MIN_ROWS:
         bases = [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)
                  for n, k, w in FMA_TILES]
+        if block_m <= ROW_ACC_MAX_ROWS:
+            bases += [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=s, pdl=pdl,
+                                 row_acc=True) for n, k, w, s in ROW_ACC_TILES]
         if rows > 1:   # tensor cores on a 16-row tile may beat CUDA cores on a few rows
             bases += [GemvConfig(DOT_MIN_ROWS, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
     else:
