@@ -1,6 +1,6 @@
 """bench/stages/attention.py runs end to end on the CPU (tiny shapes, Triton's interpreter): a
-row per case and cache type with a small error against the torch reference, the FP8 sweep's
-best config, and the JSON the driver reads."""
+row per case and cache type with a small error against the torch reference, the FP8 sweeps'
+rows (every kernel and config right) and best decode config, and the JSON the driver reads."""
 from __future__ import annotations
 
 import json
@@ -22,4 +22,7 @@ def test_the_attention_stage_runs_on_the_cpu(tmp_path):
     assert cases == {(name, kv) for name, _ in attention.CPU.cases for kv in ("float32", "float8_e4m3fn")}
     assert all(r["err"] < 1e-5 and r["ms"] > 0 for r in result["cases"]), result["cases"]
     assert len(result["sweep"]) == len(attention.CPU.sweep) * 2   # the decode cases
-    assert result["best_fp8_decode_launch"]["kv_tile"] in {kv for kv, _, _ in attention.CPU.sweep}
+    assert len(result["prefill_sweep"]) == len(attention.CPU.prefill_sweep) * 2   # the mixed case, decodes apart or not
+    assert all(r["err"] < 1e-5 for r in result["sweep"] + result["prefill_sweep"]), result["sweep"]
+    best = result["best_fp8_decode_launch"]
+    assert (best["kernel"], best["kv_tile"], best["num_warps"], best["num_stages"]) in attention.CPU.sweep
