@@ -61,13 +61,14 @@ GPU = Setup(16, 8, 128, torch.bfloat16, 16, (
     ("mixed 512/1k+255 dec", ((1024, 512),) + ((1023, 1),) * 255),
 ), sweep=tuple(("tiles",) + c for c in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4),
                                           (128, 8, 3), (256, 4, 2)))
-  + tuple(("gqa", kv, w, st) for kv in (16, 32, 64, 128) for w in (1, 2, 4) for st in (1, 2)),
+  + tuple(("gqa", kv, w, st) for kv in (16, 32, 64, 128) for w in (1, 2, 4) for st in (1, 2))
+  + tuple(("gqa-fma", kv, w, 1) for kv in (16, 32, 64) for w in (1, 2, 4)),
   prefill_sweep=tuple((r, kv, w, st) for r, kv, w, st in ((64, 64, 4, 3), (64, 32, 4, 3), (64, 128, 4, 3),
                                                           (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 4, 3),
                                                           (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2))))
 CPU = Setup(4, 2, 32, torch.float32, 16, (
     _decode(1, 32), _decode(3, 32), ("mixed 8/16+2 dec", ((16, 8),) + ((15, 1),) * 2),
-), sweep=(("tiles", 32, 4, 2), ("gqa", 16, 1, 1), ("gqa", 32, 4, 1)), prefill_sweep=((64, 32, 4, 2), (16, 16, 4, 1)))
+), sweep=(("tiles", 32, 4, 2), ("gqa", 16, 1, 1), ("gqa", 32, 4, 1), ("gqa-fma", 16, 1, 1)), prefill_sweep=((64, 32, 4, 2), (16, 16, 4, 1)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

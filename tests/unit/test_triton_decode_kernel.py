@@ -1,7 +1,7 @@
 """The Triton decode kernel (triton_decode.py) against the torch reference on fresh random
 inputs: pure decodes over an FP8 cache with and without split-K (merged in the last split or by
 its own launch), a mixed batch whose decodes it takes apart from the tile kernel, CUDA-graph
-padding rows, and a 16-bit cache. Without CUDA the kernels run under Triton's interpreter.
+padding rows, and a 16-bit cache; its products on tensor cores and on CUDA cores. Without CUDA the kernels run under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ def _faithful_interpreter():
         yield
 
 
-def gqa_launch(kv_tile: int, num_warps: int = 4):
+KERNELS = ["gqa", "gqa-fma"]   # triton_kernels.GQA (tensor cores), GQA_FMA (CUDA cores)
+
+
+def gqa_launch(kv_tile: int, num_warps: int = 4, kernel: str = "gqa"):
     k = kernels()
-    return k.LaunchConfig(tile_rows=16, kv_tile=kv_tile, num_warps=num_warps, num_stages=1, kernel=k.GQA)
+    return k.LaunchConfig(tile_rows=16, kv_tile=kv_tile, num_warps=num_warps, num_stages=1, kernel=kernel)
 
 
 def stored_fp8_case(seed: int, batch_kind: str, dtype: torch.dtype, group: int):
@@ -36,24 +39,27 @@ def stored_fp8_case(seed: int, batch_kind: str, dtype: torch.dtype, group: int):
     return case, scales, expected
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [2, 4, 16])
-def test_the_decode_kernel_matches_the_reference_over_an_fp8_cache(dtype, group):
+def test_the_decode_kernel_matches_the_reference_over_an_fp8_cache(dtype, group, kernel):
     """Groups narrower than, as wide as and wider than the kernel's 8 columns."""
     k = kernels()
     seed = draw_seed()
     case, scales, expected = stored_fp8_case(seed, "decode", dtype, group)
     m = case.meta
     out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
-                            case.scale, pure_decode=True, num_splits=1, kv_scales=scales, launch=gqa_launch(16))
+                            case.scale, pure_decode=True, num_splits=1, kv_scales=scales,
+                            launch=gqa_launch(16, kernel=kernel))
     assert out.dtype == dtype and torch.isfinite(out).all(), f"seed {seed}"
     err = relative_error(out, expected)
     assert err < TOLERANCE[dtype], f"seed {seed}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_splits", [2, 8])
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
-def test_the_decode_kernel_split_merges_to_the_same_answer(num_splits, fused_merge):
+def test_the_decode_kernel_split_merges_to_the_same_answer(num_splits, fused_merge, kernel):
     """Some splits see no key; the fused merge leaves its counters at zero for the next launch."""
     k = kernels()
     seed = draw_seed()
@@ -62,7 +68,7 @@ def test_the_decode_kernel_split_merges_to_the_same_answer(num_splits, fused_mer
     for _ in range(2):
         out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
                                 case.scale, pure_decode=True, num_splits=num_splits, kv_scales=scales,
-                                fused_merge=fused_merge, launch=gqa_launch(16, num_warps=1))
+                                fused_merge=fused_merge, launch=gqa_launch(16, num_warps=1, kernel=kernel))
         err = relative_error(out, expected)
         assert err < TOLERANCE[torch.float32], f"seed {seed}: relative error {err:.2e}"
     if fused_merge:
@@ -102,7 +108,8 @@ def test_the_decode_kernel_leaves_zeros_for_a_padded_row(fused_merge):
     assert relative_error(out[:n], expected) < TOLERANCE[torch.float32], f"seed {seed}"
 
 
-def test_the_decode_kernel_reads_a_16_bit_cache_as_the_tile_kernel_does():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_decode_kernel_reads_a_16_bit_cache_as_the_tile_kernel_does(kernel):
     k = kernels()
     seed = draw_seed()
     case, scales, _ = stored_fp8_case(seed, "decode", torch.float32, group=2)
@@ -113,6 +120,6 @@ def test_the_decode_kernel_reads_a_16_bit_cache_as_the_tile_kernel_does():
     q = case.q.to(torch.bfloat16)
     args = (q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, case.scale)
     tiles = k.paged_attention(*args, pure_decode=True, num_splits=1)
-    gqa = k.paged_attention(*args, pure_decode=True, num_splits=1, launch=gqa_launch(32))
+    gqa = k.paged_attention(*args, pure_decode=True, num_splits=1, launch=gqa_launch(32, kernel=kernel))
     err = relative_error(gqa, tiles.double().cpu())
     assert err < TOLERANCE[torch.bfloat16], f"seed {seed}: relative error {err:.2e}"

@@ -10,7 +10,9 @@ rather than for a 16-row query tile. The next K/V tile is loaded into registers 
 one is used, and converted to the dot's type there (e4m3 -> float16: one instruction per pair);
 the converted tiles reach the MMA through shared memory in 16-bit form, as a bfloat16 cache's do.
 The loop-carried tiles are also what lets the compiler lay the dots out for 16-bit operands
-(it sizes a dot's operand layout after the narrowest load that feeds it).
+(it sizes a dot's operand layout after the narrowest load that feeds it). Without USE_DOT the
+products are float32 FMAs on the CUDA cores over exactly the group's heads (COLS = GROUP_PAD),
+with no shared-memory round trip: a GQA-2 decode is 2 MACs per key element.
 
 In a batch that mixes prefill chunks with decodes (PURE_DECODE false) the programs of requests
 computing more than one token return at once: the tile kernel (triton_kernels.py) takes those.
@@ -40,6 +42,26 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_start, kv_hi, kv_hea
     return k, v
 
 
+@triton.jit
+def _scores_t(k, q_t, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """K [KV_TILE, DIM_PAD] @ Q^T [DIM_PAD, COLS], on tensor cores or as float32 FMAs."""
+    if USE_DOT:
+        s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+    else:
+        s_t = tl.sum(k[:, :, None].to(tl.float32) * q_t[None, :, :].to(tl.float32), 1)
+    return s_t
+
+
+@triton.jit
+def _values_t(v, p_t, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """V^T [DIM_PAD, KV_TILE] @ P^T [KV_TILE, COLS], on tensor cores or as float32 FMAs."""
+    if USE_DOT:
+        o_t = tl.dot(tl.trans(v), p_t, input_precision=DOT_PRECISION)
+    else:
+        o_t = tl.sum(v[:, :, None].to(tl.float32) * p_t[:, None, :].to(tl.float32), 0)
+    return o_t
+
+
 @triton.jit(do_not_specialize=["num_requests"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
@@ -52,6 +74,7 @@ def _paged_decode_kernel(
     COLS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,7 +96,9 @@ def _paged_decode_kernel(
                   mask=dim_valid[:, None] & col_valid[None, :], other=0.0)   # [DIM_PAD, COLS]
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    if DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
+    if not USE_DOT:  # CUDA-core products in float32
+        q_t = q_t.to(tl.float32)
+    elif DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
         q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     kv_per_split = tl.cdiv(tl.cdiv(seq_len, KV_TILE), NUM_SPLITS) * KV_TILE
@@ -92,13 +117,13 @@ def _paged_decode_kernel(
         k_next, v_next = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_start + KV_TILE, kv_hi, kv_head,
                                        dims, dim_valid, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, KV_TILE)
         kv_valid = kv_start + tl.arange(0, KV_TILE) < kv_hi
-        s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale   # [KV_TILE, COLS]
+        s_t = _scores_t(k, q_t, USE_DOT, DOT_PRECISION) * qk_scale   # [KV_TILE, COLS]
         s_t = tl.where(kv_valid[:, None], s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, 0))
         p_t = tl.exp2(s_t - m_new[None, :])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(q_t.dtype), input_precision=DOT_PRECISION)
+        acc_t = acc_t * alpha[None, :] + _values_t(v, p_t.to(q_t.dtype), USE_DOT, DOT_PRECISION)
         m_i = m_new
         k = k_next.to(q_t.dtype)   # converted after this tile's work, when the loads have landed
         v = v_next.to(q_t.dtype)

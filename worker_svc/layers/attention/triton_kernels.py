@@ -40,7 +40,8 @@ from worker_svc.layers.attention.triton_decode import F16_MAX, _paged_decode_ker
 from worker_svc.layers.attention.triton_split_merge import _merge_splits_kernel, _write_result
 
 LOG2_E = 1.4426950408889634
-TILES, GQA = "tiles", "gqa"   # the tile kernel; the decode kernel (one-token requests only)
+# The tile kernel; the decode kernel (one-token requests only) on tensor cores, or on CUDA cores.
+TILES, GQA, GQA_FMA = "tiles", "gqa", "gqa-fma"
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,10 @@ class LaunchConfig:
 # entry that covers the batch (None: any batch).
 DECODE_LAUNCHES = ((None, LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=3)),)
 DECODE_LAUNCHES_FP8 = ((None, LaunchConfig(tile_rows=16, kv_tile=128, num_warps=4, num_stages=3)),)
-# The decode kernel's table for an FP8 cache, used instead of DECODE_LAUNCHES_FP8 when
-# FP8_DECODE_KERNEL is GQA: not yet measured on a GPU, so the tile kernel stays the default
-# until bench/stages/attention.py's sweep shows which wins.
-FP8_DECODE_KERNEL = TILES
+# The decode kernel's table (GQA or GQA_FMA entries) for an FP8 cache, used instead of
+# DECODE_LAUNCHES_FP8 when FP8_DECODE_KERNEL: not yet measured on a GPU, so the tile kernel stays
+# the default until bench/stages/attention.py's sweep shows which wins.
+FP8_DECODE_KERNEL = False
 DECODE_LAUNCHES_FP8_GQA = ((16, LaunchConfig(tile_rows=16, kv_tile=32, num_warps=1, num_stages=1, kernel=GQA)),
                            (None, LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=1, kernel=GQA)))
 PREFILL_LAUNCH = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
@@ -301,7 +302,7 @@ def decode_launch(kv_fp8: bool, num_requests: int) -> LaunchConfig:
     """The decode table's config for a batch of num_requests one-token requests."""
     table = DECODE_LAUNCHES
     if kv_fp8:
-        table = DECODE_LAUNCHES_FP8_GQA if FP8_DECODE_KERNEL == GQA else DECODE_LAUNCHES_FP8
+        table = DECODE_LAUNCHES_FP8_GQA if FP8_DECODE_KERNEL else DECODE_LAUNCHES_FP8
     for max_batch, launch in table:
         if max_batch is None or num_requests <= max_batch:
             return launch
@@ -420,12 +421,14 @@ def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, f
         assert pure_decode, "the tile kernel takes a mixed batch's decodes in its own launch"
         _launch_tiles(step, launch, num_splits, fused_merge, pure_decode=True, skip_decodes=False)
         return
-    assert launch.kernel == GQA, f"unknown attention kernel {launch.kernel!r}"
+    assert launch.kernel in (GQA, GQA_FMA), f"unknown attention kernel {launch.kernel!r}"
+    use_dot = launch.kernel == GQA
     buffers = _split_buffers(step, num_splits, fused_merge)
     constants = step.constants()
     _paged_decode_kernel[(step.num_requests, step.num_kv_heads, num_splits)](
-        *step.args(*buffers), **constants,
-        COLS=max(MIN_DECODE_COLS, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile, NUM_SPLITS=num_splits,
+        *step.args(*buffers), **constants, USE_DOT=use_dot,
+        COLS=max(MIN_DECODE_COLS if use_dot else 1, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile,
+        NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
