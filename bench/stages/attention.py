@@ -13,11 +13,12 @@ bfloat16, 16-token blocks, Triton backend) over a bfloat16 and an FP8 KV cache.
 - A sweep of the FP8 decode launch configs (the tile kernel's and the decode kernel's: tile of
   keys, warps, stages) and of the FP8 tile kernel's prefill/mixed configs (a mixed batch's
   decodes also apart, in the decode kernel): per config ms and error, per case the best against
-  the default launch and the bfloat16 cache (what triton_kernels' tables should then say).
+  the default launch and the bfloat16 cache (what triton_kernels' tables should then say). Their
+  kernels (one per config and case) are compiled first by --compile-jobs processes.
 - The engine over each cache (Qwen3-0.6B shapes, seeded random weights): the logits error of FP8
   against bfloat16 KV over a prefill, and their greedy first-32-token match rate.
 
-    python -m bench.stages.attention --out DIR              # H200: < 4 min; writes DIR/attention.json
+    python -m bench.stages.attention --out DIR --no-engine  # H200: < 3 min; writes DIR/attention.json
     python -m bench.stages.attention --out DIR --device cpu # tiny shapes under Triton's interpreter
 """
 from __future__ import annotations
@@ -61,8 +62,8 @@ GPU = Setup(16, 8, 128, torch.bfloat16, 16, (
     ("mixed 512/1k+255 dec", ((1024, 512),) + ((1023, 1),) * 255),
 ), sweep=tuple(("tiles",) + c for c in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4),
                                           (128, 8, 3), (256, 4, 2)))
-  + tuple(("gqa", kv, w, st) for kv in (16, 32, 64, 128) for w in (1, 2, 4) for st in (1, 2))
-  + tuple(("gqa-fma", kv, w, 1) for kv in (16, 32, 64) for w in (1, 2, 4)),
+  + tuple(("gqa", kv, w, st) for kv in (32, 64, 128) for w in (1, 2, 4) for st in (1, 2))
+  + (("gqa-fma", 16, 1, 1), ("gqa-fma", 32, 2, 1), ("gqa-fma", 64, 4, 1)),
   prefill_sweep=tuple((r, kv, w, st) for r, kv, w, st in ((64, 64, 4, 3), (64, 32, 4, 3), (64, 128, 4, 3),
                                                           (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 4, 3),
                                                           (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2))))
@@ -77,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the FP8 decode launch-config sweep")
     p.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine's FP8-KV accuracy")
+    p.add_argument("--compile-jobs", type=int, default=min(12, os.cpu_count() or 1),
+                   help="processes that compile the sweeps' kernels first (1: compile as they run)")
     return p.parse_args(argv)
 
 
@@ -236,9 +239,11 @@ def _launch_key(row: dict) -> tuple:
             row.get("decodes_apart", False))
 
 
-def _time_launches(setup: Setup, device: torch.device, cases, launches, *, pure_decode: bool) -> list[dict]:
+def _time_launches(setup: Setup, device: torch.device, cases, launches, *, pure_decode: bool,
+                   compile_only: bool = False) -> list[dict]:
     """ms and error against the torch reference of each (launch, decodes_apart) on each case
-    over an FP8 cache; a config that does not compile or fit is recorded as such."""
+    over an FP8 cache; a config that does not compile or fit is recorded as such. compile_only:
+    one call of each, for Triton's cache (the rows: only the failed ones)."""
     from worker_svc.layers.attention import triton_kernels as tk
     from worker_svc.layers.attention.kv_quant import FP8_KV_DTYPE
     from worker_svc.layers.attention.selection import synthetic_kv_scales, synthetic_step
@@ -251,7 +256,8 @@ def _time_launches(setup: Setup, device: torch.device, cases, launches, *, pure_
     for seed, (name, requests) in enumerate(cases):
         q, _, _, k_cache, v_cache, meta = synthetic_step(requests, shape, device, seed=seed)
         kv_scales = synthetic_kv_scales(shape, device)
-        ref = TorchAttentionBackend().attend(q.float(), k_cache, v_cache, meta, scale, kv_scales)
+        ref = None if compile_only else TorchAttentionBackend().attend(q.float(), k_cache, v_cache, meta, scale,
+                                                                        kv_scales)
         for launch, apart in launches(name):
             row = dict(case=name, **asdict(launch), decodes_apart=apart)
 
@@ -259,43 +265,96 @@ def _time_launches(setup: Setup, device: torch.device, cases, launches, *, pure_
                 return tk.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale,
                                           pure_decode=pure_decode, kv_scales=s, launch=launch, decodes_apart=apart)
             try:
+                if compile_only:
+                    call()
+                    continue
                 row["err"] = relative_error(call(), ref)
                 row["ms"] = time_ms(call)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
-        print(f"# swept {name}", flush=True)
+        if not compile_only:
+            print(f"# swept {name}", flush=True)
         del q, k_cache, v_cache, meta, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-@torch.inference_mode()
-def sweep_fp8_decode(setup: Setup, device: torch.device) -> list[dict]:
-    """Each FP8 decode launch config (the tile kernel's and the decode kernel's) on each decode
-    case."""
+def decode_launches(setup: Setup, name: str) -> list:
+    """(launch, decodes_apart) of the FP8 decode sweep: the tile kernel's and the decode kernel's."""
     from worker_svc.layers.attention import triton_kernels as tk
 
-    launches = [(tk.LaunchConfig(tile_rows=16, kv_tile=kv, num_warps=w, num_stages=st, kernel=kernel), False)
-                for kernel, kv, w, st in setup.sweep]
-    decodes = [(name, requests) for name, requests in setup.cases if name.startswith("decode")]
-    return _time_launches(setup, device, decodes, lambda name: launches, pure_decode=True)
+    return [(tk.LaunchConfig(tile_rows=16, kv_tile=kv, num_warps=w, num_stages=st, kernel=kernel), False)
+            for kernel, kv, w, st in setup.sweep]
 
 
-@torch.inference_mode()
-def sweep_fp8_prefill(setup: Setup, device: torch.device) -> list[dict]:
-    """Each FP8 tile-kernel launch config on the prefill and mixed cases; the mixed ones also
-    with their decodes apart (the decode kernel's table takes them)."""
+def prefill_launches(setup: Setup, name: str) -> list:
+    """(launch, decodes_apart) of the FP8 tile-kernel sweep; a mixed case also with its decodes
+    apart (the decode kernel's table takes them)."""
     from worker_svc.layers.attention import triton_kernels as tk
 
     configs = [tk.LaunchConfig(tile_rows=r, kv_tile=kv, num_warps=w, num_stages=st)
                for r, kv, w, st in setup.prefill_sweep]
+    return [(c, apart) for c in configs for apart in ((False, True) if name.startswith("mixed") else (False,))]
 
-    def launches(name: str):
-        return [(c, apart) for c in configs for apart in ((False, True) if name.startswith("mixed") else (False,))]
-    cases = [(name, requests) for name, requests in setup.cases if not name.startswith("decode")]
-    return _time_launches(setup, device, cases, launches, pure_decode=False)
+
+def _sweep_cases(setup: Setup, decode: bool) -> list:
+    return [(name, requests) for name, requests in setup.cases if name.startswith("decode") == decode]
+
+
+@torch.inference_mode()
+def sweep_fp8_decode(setup: Setup, device: torch.device) -> list[dict]:
+    return _time_launches(setup, device, _sweep_cases(setup, True), lambda name: decode_launches(setup, name),
+                          pure_decode=True)
+
+
+@torch.inference_mode()
+def sweep_fp8_prefill(setup: Setup, device: torch.device) -> list[dict]:
+    return _time_launches(setup, device, _sweep_cases(setup, False), lambda name: prefill_launches(setup, name),
+                          pure_decode=False)
+
+
+@torch.inference_mode()
+def _compile_some(device_type: str, decode: bool, case_index: int, first: int, count: int) -> list[dict]:
+    """A compile process's share of the sweeps: configs first.. of one case; the failed ones."""
+    setup, device = (GPU if device_type == "cuda" else CPU), torch.device(device_type)
+    name, requests = _sweep_cases(setup, decode)[case_index]
+    launches = (decode_launches if decode else prefill_launches)(setup, name)[first:first + count]
+    return _time_launches(setup, device, [(name, requests)], lambda _: launches, pure_decode=decode,
+                          compile_only=True)
+
+
+def compile_tasks(setup: Setup, device: torch.device, per_task: int = 4) -> list[tuple]:
+    """_compile_some's arguments, covering every config of every sweep case once."""
+    tasks = []
+    for decode in (True, False):
+        for index, (name, _) in enumerate(_sweep_cases(setup, decode)):
+            total = len((decode_launches if decode else prefill_launches)(setup, name))
+            tasks += [(device.type, decode, index, first, per_task) for first in range(0, total, per_task)]
+    return tasks
+
+
+def compile_sweeps(setup: Setup, device: torch.device, jobs: int) -> list[dict]:
+    """Compiles every sweep kernel in `jobs` processes (each launch config and case is its own
+    kernel: tens of compiles, minutes in one process) into Triton's on-disk cache, where the
+    timed runs then find them. Returns the configs that failed (the timed run records them too)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from bench.stages import attention   # this module by its name, also when run as __main__
+
+    tasks = compile_tasks(setup, device)
+    context = multiprocessing.get_context("spawn")
+    failed = []
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(attention._compile_some, *t) for t in tasks]):
+            try:
+                failed += future.result()
+            except Exception as exc:   # a lost process: its configs compile in the timed run
+                failed.append(dict(error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+    print(f"# compiled the sweeps in {jobs} processes; failed: {len(failed)}", flush=True)
+    return failed
 
 
 def best_launch(sweep_rows: list[dict]) -> dict | None:
@@ -453,7 +512,8 @@ def print_tables(result: dict) -> None:
               f"first-32 match {e['greedy_first32_match']:.1%} (leading {e['greedy_leading_matches']})")
 
 
-def run(out: pathlib.Path, *, device: str = "cuda", sweep: bool = True, engine: bool = True) -> dict:
+def run(out: pathlib.Path, *, device: str = "cuda", sweep: bool = True, engine: bool = True,
+        compile_jobs: int = 1) -> dict:
     """Runs the stage, writes out/attention.json, prints the tables; returns the result."""
     device = torch.device(device)
     setup = GPU if device.type == "cuda" else CPU
@@ -461,7 +521,8 @@ def run(out: pathlib.Path, *, device: str = "cuda", sweep: bool = True, engine: 
     result: dict = dict(stage=STAGE, date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         model_dtype=str(setup.dtype).removeprefix("torch."), floor_bandwidth=FLOOR_BANDWIDTH)
-    sections = (("cases", lambda: run_cases(setup, device)), ("kernels", lambda: kernels_per_layer(setup, device)),
+    sections = (("compile", lambda: compile_sweeps(setup, device, compile_jobs) if sweep and compile_jobs > 1 else None),
+                ("cases", lambda: run_cases(setup, device)), ("kernels", lambda: kernels_per_layer(setup, device)),
                 ("sweep", lambda: sweep_fp8_decode(setup, device) if sweep else []),
                 ("prefill_sweep", lambda: sweep_fp8_prefill(setup, device) if sweep else []),
                 ("engine", lambda: engine_accuracy(device) if engine else {}))
@@ -486,7 +547,8 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device: use --device cpu", file=sys.stderr)
         return 1
-    run(args.out, device=args.device, sweep=args.sweep, engine=args.engine)
+    run(args.out, device=args.device, sweep=args.sweep, engine=args.engine,
+        compile_jobs=args.compile_jobs if args.device == "cuda" else 1)
     return 0
 
 
