@@ -10,12 +10,15 @@ bfloat16, 16-token blocks, Triton backend) over a bfloat16 and an FP8 KV cache.
 - Attention-side kernels per decoder layer, before the fusions (q/k norm + RoPE, the K/V store,
   attention, the split-K merge) and after (norm + RoPE + store in one kernel; attention merging
   in its last split), counted by torch.profiler, with their graph time.
-- A sweep of the FP8 decode launch configs (tile of keys, warps, stages): the best per case and
-  the best overall, printed as the line for triton_kernels.DECODE_LAUNCH_FP8.
+- A sweep of the FP8 decode launch configs (the tile kernel's and the decode kernel's: tile of
+  keys, warps, stages) and of the FP8 tile kernel's prefill/mixed configs (a mixed batch's
+  decodes also apart, in the decode kernel): per config ms and error, per case the best against
+  the default launch and the bfloat16 cache (what triton_kernels' tables should then say). Their
+  kernels (one per config and case) are compiled first by --compile-jobs processes.
 - The engine over each cache (Qwen3-0.6B shapes, seeded random weights): the logits error of FP8
   against bfloat16 KV over a prefill, and their greedy first-32-token match rate.
 
-    python -m bench.stages.attention --out DIR              # H200: < 4 min; writes DIR/attention.json
+    python -m bench.stages.attention --out DIR --no-engine  # H200: < 3 min; writes DIR/attention.json
     python -m bench.stages.attention --out DIR --device cpu # tiny shapes under Triton's interpreter
 """
 from __future__ import annotations
@@ -45,7 +48,8 @@ class Setup:
     dtype: torch.dtype
     block_size: int
     cases: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]   # name, (cached, new) per request
-    sweep: tuple[tuple[int, int, int], ...]                       # (kv_tile, num_warps, num_stages)
+    sweep: tuple[tuple[str, int, int, int], ...]           # FP8 decode: (kernel, kv_tile, num_warps, num_stages)
+    prefill_sweep: tuple[tuple[int, int, int, int], ...]   # FP8 tile kernel: (tile_rows, kv_tile, warps, stages)
 
 
 def _decode(batch: int, context: int) -> tuple[str, tuple[tuple[int, int], ...]]:
@@ -56,11 +60,16 @@ GPU = Setup(16, 8, 128, torch.bfloat16, 16, (
     _decode(1, 1024), _decode(16, 1024), _decode(64, 1024), _decode(256, 1024), _decode(256, 4096),
     ("prefill 4x1024", ((0, 1024),) * 4),
     ("mixed 512/1k+255 dec", ((1024, 512),) + ((1023, 1),) * 255),
-), sweep=((32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3),
-          (256, 4, 2), (256, 8, 3)))
+), sweep=tuple(("tiles",) + c for c in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4),
+                                          (128, 8, 3), (256, 4, 2)))
+  + tuple(("gqa", kv, w, st) for kv in (32, 64, 128) for w in (1, 2, 4) for st in (1, 2))
+  + (("gqa-fma", 16, 1, 1), ("gqa-fma", 32, 2, 1), ("gqa-fma", 64, 4, 1)),
+  prefill_sweep=tuple((r, kv, w, st) for r, kv, w, st in ((64, 64, 4, 3), (64, 32, 4, 3), (64, 128, 4, 3),
+                                                          (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 4, 3),
+                                                          (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2))))
 CPU = Setup(4, 2, 32, torch.float32, 16, (
     _decode(1, 32), _decode(3, 32), ("mixed 8/16+2 dec", ((16, 8),) + ((15, 1),) * 2),
-), sweep=((32, 4, 2), (64, 4, 2)))
+), sweep=(("tiles", 32, 4, 2), ("gqa", 16, 1, 1), ("gqa", 32, 4, 1), ("gqa-fma", 16, 1, 1)), prefill_sweep=((64, 32, 4, 2), (16, 16, 4, 1)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the FP8 decode launch-config sweep")
     p.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine's FP8-KV accuracy")
+    p.add_argument("--compile-jobs", type=int, default=min(12, os.cpu_count() or 1),
+                   help="processes that compile the sweeps' kernels first (1: compile as they run)")
     return p.parse_args(argv)
 
 
@@ -223,37 +234,127 @@ def kernels_per_layer(setup: Setup, device: torch.device) -> list[dict]:
     return rows
 
 
-@torch.inference_mode()
-def sweep_fp8_decode(setup: Setup, device: torch.device) -> list[dict]:
-    """ms of each FP8 decode launch config on each decode case (configs that do not compile or
-    fit are recorded as such)."""
+def _launch_key(row: dict) -> tuple:
+    return (row["kernel"], row["tile_rows"], row["kv_tile"], row["num_warps"], row["num_stages"],
+            row.get("decodes_apart", False))
+
+
+def _time_launches(setup: Setup, device: torch.device, cases, launches, *, pure_decode: bool,
+                   compile_only: bool = False) -> list[dict]:
+    """ms and error against the torch reference of each (launch, decodes_apart) on each case
+    over an FP8 cache; a config that does not compile or fit is recorded as such. compile_only:
+    one call of each, for Triton's cache (the rows: only the failed ones)."""
     from worker_svc.layers.attention import triton_kernels as tk
     from worker_svc.layers.attention.kv_quant import FP8_KV_DTYPE
     from worker_svc.layers.attention.selection import synthetic_kv_scales, synthetic_step
+    from worker_svc.layers.attention.torch_backend import TorchAttentionBackend
 
     time_ms = timer(device)
     shape = shape_of(setup, FP8_KV_DTYPE)
     scale = setup.head_dim ** -0.5
-    decodes = [(name, requests) for name, requests in setup.cases if name.startswith("decode")]
     rows = []
-    for seed, (name, requests) in enumerate(decodes):
+    for seed, (name, requests) in enumerate(cases):
         q, _, _, k_cache, v_cache, meta = synthetic_step(requests, shape, device, seed=seed)
         kv_scales = synthetic_kv_scales(shape, device)
-        for kv_tile, warps, stages in setup.sweep:
-            launch = tk.LaunchConfig(tile_rows=16, kv_tile=kv_tile, num_warps=warps, num_stages=stages)
-            row = dict(case=name, **asdict(launch))
+        ref = None if compile_only else TorchAttentionBackend().attend(q.float(), k_cache, v_cache, meta, scale,
+                                                                        kv_scales)
+        for launch, apart in launches(name):
+            row = dict(case=name, **asdict(launch), decodes_apart=apart)
+
+            def call(q=q, k=k_cache, v=v_cache, m=meta, s=kv_scales, launch=launch, apart=apart):
+                return tk.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale,
+                                          pure_decode=pure_decode, kv_scales=s, launch=launch, decodes_apart=apart)
             try:
-                row["ms"] = time_ms(lambda q=q, k=k_cache, v=v_cache, m=meta, s=kv_scales, launch=launch: tk.paged_attention(
-                    q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale,
-                    pure_decode=True, kv_scales=s, launch=launch))
+                if compile_only:
+                    call()
+                    continue
+                row["err"] = relative_error(call(), ref)
+                row["ms"] = time_ms(call)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
-        print(f"# swept {name}", flush=True)
-        del q, k_cache, v_cache, meta
+        if not compile_only:
+            print(f"# swept {name}", flush=True)
+        del q, k_cache, v_cache, meta, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def decode_launches(setup: Setup, name: str) -> list:
+    """(launch, decodes_apart) of the FP8 decode sweep: the tile kernel's and the decode kernel's."""
+    from worker_svc.layers.attention import triton_kernels as tk
+
+    return [(tk.LaunchConfig(tile_rows=16, kv_tile=kv, num_warps=w, num_stages=st, kernel=kernel), False)
+            for kernel, kv, w, st in setup.sweep]
+
+
+def prefill_launches(setup: Setup, name: str) -> list:
+    """(launch, decodes_apart) of the FP8 tile-kernel sweep; a mixed case also with its decodes
+    apart (the decode kernel's table takes them)."""
+    from worker_svc.layers.attention import triton_kernels as tk
+
+    configs = [tk.LaunchConfig(tile_rows=r, kv_tile=kv, num_warps=w, num_stages=st)
+               for r, kv, w, st in setup.prefill_sweep]
+    return [(c, apart) for c in configs for apart in ((False, True) if name.startswith("mixed") else (False,))]
+
+
+def _sweep_cases(setup: Setup, decode: bool) -> list:
+    return [(name, requests) for name, requests in setup.cases if name.startswith("decode") == decode]
+
+
+@torch.inference_mode()
+def sweep_fp8_decode(setup: Setup, device: torch.device) -> list[dict]:
+    return _time_launches(setup, device, _sweep_cases(setup, True), lambda name: decode_launches(setup, name),
+                          pure_decode=True)
+
+
+@torch.inference_mode()
+def sweep_fp8_prefill(setup: Setup, device: torch.device) -> list[dict]:
+    return _time_launches(setup, device, _sweep_cases(setup, False), lambda name: prefill_launches(setup, name),
+                          pure_decode=False)
+
+
+@torch.inference_mode()
+def _compile_some(device_type: str, decode: bool, case_index: int, first: int, count: int) -> list[dict]:
+    """A compile process's share of the sweeps: configs first.. of one case; the failed ones."""
+    setup, device = (GPU if device_type == "cuda" else CPU), torch.device(device_type)
+    name, requests = _sweep_cases(setup, decode)[case_index]
+    launches = (decode_launches if decode else prefill_launches)(setup, name)[first:first + count]
+    return _time_launches(setup, device, [(name, requests)], lambda _: launches, pure_decode=decode,
+                          compile_only=True)
+
+
+def compile_tasks(setup: Setup, device: torch.device, per_task: int = 4) -> list[tuple]:
+    """_compile_some's arguments, covering every config of every sweep case once."""
+    tasks = []
+    for decode in (True, False):
+        for index, (name, _) in enumerate(_sweep_cases(setup, decode)):
+            total = len((decode_launches if decode else prefill_launches)(setup, name))
+            tasks += [(device.type, decode, index, first, per_task) for first in range(0, total, per_task)]
+    return tasks
+
+
+def compile_sweeps(setup: Setup, device: torch.device, jobs: int) -> list[dict]:
+    """Compiles every sweep kernel in `jobs` processes (each launch config and case is its own
+    kernel: tens of compiles, minutes in one process) into Triton's on-disk cache, where the
+    timed runs then find them. Returns the configs that failed (the timed run records them too)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from bench.stages import attention   # this module by its name, also when run as __main__
+
+    tasks = compile_tasks(setup, device)
+    context = multiprocessing.get_context("spawn")
+    failed = []
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(attention._compile_some, *t) for t in tasks]):
+            try:
+                failed += future.result()
+            except Exception as exc:   # a lost process: its configs compile in the timed run
+                failed.append(dict(error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+    print(f"# compiled the sweeps in {jobs} processes; failed: {len(failed)}", flush=True)
+    return failed
 
 
 def best_launch(sweep_rows: list[dict]) -> dict | None:
@@ -264,14 +365,23 @@ def best_launch(sweep_rows: list[dict]) -> dict | None:
             if any("ms" in r for r in sweep_rows if r["case"] == c)}
     scores = {}
     for r in sweep_rows:
-        key = (r["kv_tile"], r["num_warps"], r["num_stages"])
         if "ms" in r and r["case"] in best:
-            scores.setdefault(key, []).append(r["ms"] / best[r["case"]])
+            scores.setdefault(_launch_key(r), []).append(r["ms"] / best[r["case"]])
     complete = {k: sum(v) / len(v) for k, v in scores.items() if len(v) == len(best)}
     if not complete:
         return None
-    kv_tile, warps, stages = min(complete, key=complete.get)
-    return dict(kv_tile=kv_tile, num_warps=warps, num_stages=stages, mean_ratio_to_best=complete[(kv_tile, warps, stages)])
+    key = min(complete, key=complete.get)
+    return dict(zip(("kernel", "tile_rows", "kv_tile", "num_warps", "num_stages", "decodes_apart"), key),
+                mean_ratio_to_best=complete[key])
+
+
+def best_per_case(sweep_rows: list[dict]) -> dict[str, dict]:
+    """Each case's fastest row."""
+    best: dict[str, dict] = {}
+    for r in sweep_rows:
+        if "ms" in r and (r["case"] not in best or r["ms"] < best[r["case"]]["ms"]):
+            best[r["case"]] = r
+    return best
 
 
 @torch.inference_mode()
@@ -322,6 +432,41 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) and not math.isnan(value) else "-"
 
 
+def _config_label(row: dict) -> str:
+    label = f"{row['kernel']} rows {row['tile_rows']} kv {row['kv_tile']} w{row['num_warps']} s{row['num_stages']}"
+    return label + (" apart" if row.get("decodes_apart") else "")
+
+
+def print_sweep(result: dict, rows: list[dict], title: str) -> None:
+    """ms of each config (a line) on each case (a column); then per case the best config against
+    the default launch (the main table's fp8 row) and the bf16 cache's ms."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    best = best_per_case(rows)
+    print(f"\n## {title}, ms (* = best in its column; E = error > 1e-2 against the reference)")
+    print(f"{'config':34s}" + "".join(f" {c.removeprefix('decode '):>10s}" for c in cases))
+    for key in dict.fromkeys(_launch_key(r) for r in rows):
+        line = f"{_config_label(next(r for r in rows if _launch_key(r) == key)):34s}"
+        for c in cases:
+            row = next((r for r in rows if r["case"] == c and _launch_key(r) == key), {})
+            mark = "E" if row.get("err", 0) > 1e-2 else ("*" if best.get(c) is row else " ")
+            line += f" {_fmt(row.get('ms', math.nan), '9.4f') + mark:>10s}"
+        print(line)
+    print(f"{'case':22s} {'default fp8':>11s} {'best fp8':>9s} {'gain':>6s} {base_label(result) + ' ms':>9s} "
+          f"{base_label(result) + '/best':>9s}  best config")
+    table = {(r["case"], r["kv"]): r for r in result["cases"]}
+    for c in cases:
+        default = table.get((c, "float8_e4m3fn"), {}).get("ms", math.nan)
+        base = table.get((c, result["model_dtype"]), {}).get("ms", math.nan)
+        b = best.get(c, {})
+        ms = b.get("ms", math.nan)
+        print(f"{c:22s} {_fmt(default, '11.4f'):>11s} {_fmt(ms, '9.4f'):>9s} {_fmt(default / ms, '6.2f'):>6s} "
+              f"{_fmt(base, '9.4f'):>9s} {_fmt(base / ms, '9.2f'):>9s}  {_config_label(b) if b else '-'}")
+
+
+def base_label(result: dict) -> str:
+    return {"bfloat16": "bf16"}.get(result["model_dtype"], result["model_dtype"])
+
+
 def print_tables(result: dict) -> None:
     by_case: dict[str, dict[str, dict]] = {}
     for r in result["cases"]:
@@ -353,26 +498,13 @@ def print_tables(result: dict) -> None:
                   f"{r['before_ms']:10.4f} {r['after_ms']:10.4f}")
         first = result["kernels"][0]
         print(f"# before: {', '.join(first['before_names'])}\n# after: {', '.join(first['after_names'])}")
-    if result["sweep"]:
-        cases = list(dict.fromkeys(r["case"] for r in result["sweep"]))
-        print("\n## fp8 decode launch configs, ms (* = best in its column)")
-        print(f"{'kv_tile warps stages':22s}" + "".join(f" {c.removeprefix('decode '):>10s}" for c in cases))
-        best = {c: min((r["ms"] for r in result["sweep"] if r["case"] == c and "ms" in r), default=math.nan)
-                for c in cases}
-        configs = list(dict.fromkeys((r["kv_tile"], r["num_warps"], r["num_stages"]) for r in result["sweep"]))
-        for config in configs:
-            line = f"{'%d %d %d' % config:22s}"
-            for c in cases:
-                row = next(r for r in result["sweep"] if r["case"] == c and (r["kv_tile"], r["num_warps"],
-                                                                              r["num_stages"]) == config)
-                ms = row.get("ms", math.nan)
-                line += f" {_fmt(ms, '9.4f') + ('*' if ms == best[c] else ' '):>10s}"
-            print(line)
-        if result["best_fp8_decode_launch"]:
-            b = result["best_fp8_decode_launch"]
-            print(f"# best overall (mean {b['mean_ratio_to_best']:.3f}x of each case's best): DECODE_LAUNCH_FP8 = "
-                  f"LaunchConfig(tile_rows=16, kv_tile={b['kv_tile']}, num_warps={b['num_warps']}, "
-                  f"num_stages={b['num_stages']})")
+    for key, title in (("sweep", "fp8 decode launch configs"), ("prefill_sweep", "fp8 prefill/mixed launch configs")):
+        if result.get(key):
+            print_sweep(result, result[key], title)
+    if result["best_fp8_decode_launch"]:
+        b = result["best_fp8_decode_launch"]
+        print(f"# best decode config overall (mean {b['mean_ratio_to_best']:.3f}x of each case's best): "
+              f"{_config_label(b)}")
     if result["engine"]:
         e = result["engine"]
         print(f"\n## engine, Qwen3-0.6B shapes, random weights: fp8 vs bf16 KV: logits relative error "
@@ -380,7 +512,8 @@ def print_tables(result: dict) -> None:
               f"first-32 match {e['greedy_first32_match']:.1%} (leading {e['greedy_leading_matches']})")
 
 
-def run(out: pathlib.Path, *, device: str = "cuda", sweep: bool = True, engine: bool = True) -> dict:
+def run(out: pathlib.Path, *, device: str = "cuda", sweep: bool = True, engine: bool = True,
+        compile_jobs: int = 1) -> dict:
     """Runs the stage, writes out/attention.json, prints the tables; returns the result."""
     device = torch.device(device)
     setup = GPU if device.type == "cuda" else CPU
@@ -388,8 +521,10 @@ def run(out: pathlib.Path, *, device: str = "cuda", sweep: bool = True, engine: 
     result: dict = dict(stage=STAGE, date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         model_dtype=str(setup.dtype).removeprefix("torch."), floor_bandwidth=FLOOR_BANDWIDTH)
-    sections = (("cases", lambda: run_cases(setup, device)), ("kernels", lambda: kernels_per_layer(setup, device)),
+    sections = (("compile", lambda: compile_sweeps(setup, device, compile_jobs) if sweep and compile_jobs > 1 else None),
+                ("cases", lambda: run_cases(setup, device)), ("kernels", lambda: kernels_per_layer(setup, device)),
                 ("sweep", lambda: sweep_fp8_decode(setup, device) if sweep else []),
+                ("prefill_sweep", lambda: sweep_fp8_prefill(setup, device) if sweep else []),
                 ("engine", lambda: engine_accuracy(device) if engine else {}))
     for name, section in sections:
         begin = time.perf_counter()
@@ -412,7 +547,8 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device: use --device cpu", file=sys.stderr)
         return 1
-    run(args.out, device=args.device, sweep=args.sweep, engine=args.engine)
+    run(args.out, device=args.device, sweep=args.sweep, engine=args.engine,
+        compile_jobs=args.compile_jobs if args.device == "cuda" else 1)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Stage correctness: the service's greedy tokens (from the service stage) against transformers
 bf16 over the first CORRECTNESS_TOKENS tokens, and the engine's logits against transformers fp32
 and bf16 on the same prompts. The engine's logits come from one varlen prefill by the worker's own
-ModelRunner (its model, weights loader and attention backend)."""
+ModelRunner (its model, weights loader and attention backend). The FP8 KV cache's row: the same
+engine over an FP8 cache, its logits against the bf16 cache's and transformers fp32, and its
+greedy tokens (the in-process engine) against transformers bf16."""
 from __future__ import annotations
 
 import argparse
@@ -31,13 +33,15 @@ def run(args: argparse.Namespace) -> dict:
     service_file = args.out / "service.json"
     service = json.loads(service_file.read_text()).get("result", {}) if service_file.exists() else {}
     result: dict = {}
-    references = {}
+    references, hf_greedy = {}, []
     for dtype in (torch.float32, torch.bfloat16):
         model = AutoModelForCausalLM.from_pretrained(model_dir(args), dtype=dtype).to(args.device).eval()
         with torch.inference_mode():
             references[dtype] = [model(torch.tensor([p], device=args.device)).logits[0].float() for p in prompts]
-            if dtype is torch.bfloat16 and service.get("greedy"):
-                result.update(greedy_match(service["greedy"], _hf_greedy(model, prompts, args.device)))
+            if dtype is torch.bfloat16:
+                hf_greedy = _hf_greedy(model, prompts, args.device)
+                if service.get("greedy"):
+                    result.update(greedy_match(service["greedy"], hf_greedy))
         del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -46,7 +50,26 @@ def run(args: argparse.Namespace) -> dict:
     result["engine_vs_hf_fp32"] = logits_agreement(ours, fp32)
     result["hf_bf16_vs_hf_fp32"] = logits_agreement(bf16, fp32)
     result["engine_vs_hf_bf16"] = logits_agreement(ours, bf16)
+    fp8 = engine_logits(model_dir(args), prompts, device=args.device, attention_backend=args.attention_backend,
+                        kv_cache_dtype="fp8")
+    result["engine_fp8_kv_vs_engine"] = logits_agreement(fp8, ours)
+    result["engine_fp8_kv_vs_hf_fp32"] = logits_agreement(fp8, fp32)
+    fp8_greedy = engine_greedy(model_dir(args), prompts, device=args.device,
+                               attention_backend=args.attention_backend, kv_cache_dtype="fp8")
+    result["fp8_kv_greedy"] = greedy_match(fp8_greedy, hf_greedy)
     return result
+
+
+def engine_greedy(path: pathlib.Path, prompts: list[list[int]], *, device: str, attention_backend: str,
+                  kv_cache_dtype: str) -> list[list[int]]:
+    """The in-process engine's greedy first CORRECTNESS_TOKENS tokens of each prompt."""
+    from common.sampling import SamplingParams
+    from tools.offline import LLM
+
+    llm = LLM(str(path), device=device, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
+              max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + CORRECTNESS_TOKENS + 16,
+              num_kv_blocks=sum(-(-(len(p) + CORRECTNESS_TOKENS) // 16) + 1 for p in prompts) + 8)
+    return llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=CORRECTNESS_TOKENS))
 
 
 def _hf_greedy(model, prompts: list[list[int]], device: str) -> list[list[int]]:
@@ -132,9 +155,15 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     if "greedy_match_rate" in c:
         print(f"  greedy, first {CORRECTNESS_TOKENS} tokens vs transformers bf16: match rate "
               f"{c['greedy_match_rate']:.1%}, leading matches {c['greedy_leading_matches']}")
-    for key in ("engine_vs_hf_fp32", "hf_bf16_vs_hf_fp32", "engine_vs_hf_bf16"):
-        print(f"  logits {key:20s} relative error {c[key]['relative_error']:.2e}, "
-              f"top-1 agreement {c[key]['top1_agreement']:.1%}")
+    for key in ("engine_vs_hf_fp32", "hf_bf16_vs_hf_fp32", "engine_vs_hf_bf16", "engine_fp8_kv_vs_engine",
+                "engine_fp8_kv_vs_hf_fp32"):
+        if key in c:
+            print(f"  logits {key:24s} relative error {c[key]['relative_error']:.2e}, "
+                  f"top-1 agreement {c[key]['top1_agreement']:.1%}")
+    if "fp8_kv_greedy" in c:
+        g = c["fp8_kv_greedy"]
+        print(f"  fp8 KV cache: greedy, first {CORRECTNESS_TOKENS} tokens vs transformers bf16: match rate "
+              f"{g['greedy_match_rate']:.1%}, leading matches {g['greedy_leading_matches']}")
 
 
 if __name__ == "__main__":

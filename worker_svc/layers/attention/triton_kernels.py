@@ -1,19 +1,24 @@
-"""This project's Triton kernels for attention over the paged KV cache.
+"""This project's Triton kernels for attention over the paged KV cache, and their launch.
 
 - `_store_kv_kernel`: writes the step's new K/V rows into the cache at their slots (quantized
   for an FP8 cache, see kv_quant.py). On CUDA the model stores through qkv_store.py instead,
   fused with q/k norm and RoPE; this one serves the backends' own `forward`.
-- `_paged_attention_kernel`: causal attention of every query token over its request's paged
-  context. One program handles one kv head for a tile of query tokens of one request, and all
-  the query heads that share that kv head (GQA): the K/V tile it loads is used by the whole
-  group, so KV bytes are read once per kv head rather than once per query head. Rows of the
-  tile are (query token, head in group) pairs, so a decode (one token) still fills a tensor-core
-  tile with its group. Optionally split-K ("flash decoding"): each program covers a slice of
-  the context and writes a partial result with its log-sum-exp; the program that finishes a
-  (request, kv head) last, as counted by an atomic counter, merges the partials (so a split
-  decode is one launch), or, with fused_merge=False, `_merge_splits_kernel` does afterwards.
+- `_paged_attention_kernel` (the tile kernel): causal attention of every query token over its
+  request's paged context. One program handles one kv head for a tile of query tokens of one
+  request, and all the query heads that share that kv head (GQA): the K/V tile it loads is used
+  by the whole group, so KV bytes are read once per kv head rather than once per query head.
+  Rows of the tile are (query token, head in group) pairs, so a decode (one token) still fills a
+  tensor-core tile with its group. Optionally split-K ("flash decoding", triton_split_merge.py).
+- `_paged_decode_kernel` (triton_decode.py): one query token per request, the group's heads as
+  the columns of a transposed tile, the next K/V tile prefetched into registers and converted
+  there. Made for the FP8 cache, whose bytes the tile kernel's compiled code reads one at a time.
 - An FP8 cache is read as e4m3 and converted on load: the kv head's K scale is folded into the
   softmax scale and its V scale into the final division, so the inner loop multiplies nothing.
+
+Which kernel and launch config a step gets depends on the cache's type and the batch: the tables
+below (DECODE_LAUNCHES* by batch size, FP8_DECODE_KERNEL, PREFILL_LAUNCH*, MIXED_DECODES_APART*),
+chosen on an H200 by bench/stages/attention.py's sweep. A batch that mixes prefill chunks with decodes may send its
+one-token requests to the decode kernel and the rest to the tile kernel: two launches.
 
 Pure-decode launches depend only on tensor shapes (never on context lengths known on the host),
 so they are safe to capture in a CUDA graph and replay with other lengths.
@@ -31,35 +36,52 @@ import triton
 import triton.language as tl
 
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
+from worker_svc.layers.attention.triton_decode import F16_MAX, _paged_decode_kernel
+from worker_svc.layers.attention.triton_split_merge import _merge_splits_kernel, _write_result
 
 LOG2_E = 1.4426950408889634
+# The tile kernel; the decode kernel (one-token requests only) on tensor cores, or on CUDA cores.
+TILES, GQA, GQA_FMA = "tiles", "gqa", "gqa-fma"
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchConfig:
-    tile_rows: int   # rows of a query tile: (query token, head in group) pairs; at least 16 (tl.dot)
+    tile_rows: int   # tile kernel: rows of a query tile, (query token, head in group) pairs; >= 16
     kv_tile: int     # keys per inner-loop step; any cache block size works (each key finds its block)
     num_warps: int
     num_stages: int
+    kernel: str = TILES
 
 
-# Chosen on an H200 with bench/attention_microbench.py (docs/PERF_NOTES.md); the FP8 decode's
-# by the sweep of bench/stages/attention.py.
-DECODE_LAUNCH = LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=3)
-DECODE_LAUNCH_FP8 = LaunchConfig(tile_rows=16, kv_tile=128, num_warps=4, num_stages=3)
+# Chosen on an H200 (docs/PERF_NOTES.md, v1 and v11). Decode: (largest batch, config), the first
+# entry that covers the batch (None: any batch).
+DECODE_LAUNCHES = ((None, LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=3)),)
+DECODE_LAUNCHES_FP8 = ((None, LaunchConfig(tile_rows=16, kv_tile=128, num_warps=4, num_stages=3)),)
+# The decode kernel's table (GQA or GQA_FMA entries) for an FP8 cache, used instead of
+# DECODE_LAUNCHES_FP8 when FP8_DECODE_KERNEL: not yet measured on a GPU, so the tile kernel stays
+# the default until bench/stages/attention.py's sweep shows which wins.
+FP8_DECODE_KERNEL = False
+DECODE_LAUNCHES_FP8_GQA = ((16, LaunchConfig(tile_rows=16, kv_tile=32, num_warps=1, num_stages=1, kernel=GQA)),
+                           (None, LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=1, kernel=GQA)))
 PREFILL_LAUNCH = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
+PREFILL_LAUNCH_FP8 = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
+# In a batch mixing prefill chunks with decodes, the one-token requests go to the decode launch
+# (only sensible when that launch is the decode kernel's).
+MIXED_DECODES_APART = False
+MIXED_DECODES_APART_FP8 = False
 # Split decodes merge inside the attention launch (the last split of each kv head merges),
 # reading this many partial elements at a time.
 FUSED_SPLIT_MERGE = True
 MERGE_ELEMENTS = 4096
-# Split-K is sized to give the GPU about this many programs per multiprocessor.
-PROGRAMS_PER_SM = 2
+# Split-K is sized to give the GPU about this many warps per multiprocessor.
+DECODE_WARPS_PER_SM = 8
 MAX_DECODE_SPLITS = 64
 STORE_TOKENS_PER_PROGRAM = 16
+# The decode kernel's narrowest tile of query heads: an MMA's N.
+MIN_DECODE_COLS = 8
 
 
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
-F16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
@@ -131,7 +153,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_DECODES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -148,6 +170,8 @@ def _paged_attention_kernel(
         q_len = tl.load(query_start_loc_ptr + request + 1) - q_start
         q_tile = tile - (q_start // BLOCK_Q + request)
         if q_tile * BLOCK_Q >= q_len:  # an unused tile index between two requests
+            return
+        if SKIP_DECODES and q_len == 1:  # the decode kernel's, in this step
             return
     seq_len = tl.load(seq_lens_ptr + request)
     context_len = seq_len - q_len  # keys already in the cache before this step's tokens
@@ -199,88 +223,13 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_scale = 1.0
     if KV_FP8:
-        out = out * tl.load(v_scale_ptr + kv_head)
-    store_mask = row_valid[:, None] & dim_valid[None, :]
-    out_offset = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:
-        # Partials are contiguous [num_tokens, num_heads, NUM_SPLITS, (HEAD_DIM)] float32.
-        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_valid)
-        if FUSED_MERGE:
-            # Every thread's partials are written before one of them counts this split done
-            # (release); the program that counts last sees them all (acquire) and merges.
-            tl.debug_barrier()
-            counter = counter_ptr + request * NUM_KV_HEADS + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, q_start.to(tl.int64), kv_head, stride_ot, stride_oh,
-                             NUM_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS, MERGE_CHUNK)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next launch
-
-
-@triton.jit
-def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, token, kv_head, stride_ot, stride_oh,
-                 NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
-    """One decode token's output for the query heads of one kv head, from their NUM_SPLITS
-    partials, each weighted by its split's share of the softmax (heads no split saw: 0). The
-    partials are read SPLIT_CHUNK splits at a time, past L1: other programs wrote them during
-    this launch."""
-    g = tl.arange(0, GROUP_PAD)
-    g_valid = g < GROUP
-    head = kv_head * GROUP + g
-    first = (token * NUM_HEADS + head) * NUM_SPLITS   # each head's first partial
-    splits = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse_ptr + first[:, None] + splits[None, :], mask=g_valid[:, None], other=float("-inf"),
-                  cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)   # every split empty (a padded request)
-    total = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    dims = tl.arange(0, DIM_PAD)
-    dim_valid = dims < HEAD_DIM
-    chunk = tl.arange(0, SPLIT_CHUNK)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for start in range(0, NUM_SPLITS, SPLIT_CHUNK):
-        part = first[:, None] + start + chunk[None, :]
-        weight = tl.exp2(tl.load(part_lse_ptr + part, mask=g_valid[:, None], other=float("-inf"),
-                                 cache_modifier=".cg") - m[:, None])
-        partial = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
-                          mask=g_valid[:, None, None] & dim_valid[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(partial * weight[:, :, None], 1)
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None] & dim_valid[None, :])
-
-
-@triton.jit
-def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, NUM_SPLITS)
-    dims = tl.arange(0, DIM_PAD)
-    part = (token * NUM_HEADS + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + part)
-    lse_max = tl.max(lse, 0)
-    # Every split empty (a padded request with no context): weights 0, output 0.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2(lse - lse_max)
-    partial = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-                      mask=(dims < HEAD_DIM)[None, :], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+        out_scale = tl.load(v_scale_ptr + kv_head)
+    _write_result(acc, m_i, l_i, out_scale, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+                  token, head, row_valid, dims, dim_valid, request, kv_head, split, q_start.to(tl.int64),
+                  stride_ot, stride_oh, NUM_HEADS, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS,
+                  FUSED_MERGE, MERGE_CHUNK)
 
 
 def _pow2(n: int) -> int:
@@ -294,10 +243,11 @@ def _multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_num_splits(num_requests: int, num_kv_heads: int, device: torch.device) -> int:
-    """Split-K factor for a pure-decode launch: enough programs to fill the GPU. Depends only on
-    the batch shape, never on context lengths, so a captured CUDA graph stays valid."""
-    target = PROGRAMS_PER_SM * _multiprocessor_count(device)
+def decode_num_splits(num_requests: int, num_kv_heads: int, device: torch.device, num_warps: int = 4) -> int:
+    """Split-K factor for a decode launch of num_warps-warp programs: enough programs to fill the
+    GPU. Depends only on the batch shape, never on context lengths, so a captured CUDA graph
+    stays valid."""
+    target = max(1, DECODE_WARPS_PER_SM // num_warps) * _multiprocessor_count(device)
     splits = 1
     while num_requests * num_kv_heads * splits < target and splits < MAX_DECODE_SPLITS:
         splits *= 2
@@ -310,7 +260,7 @@ def _split_counters(device: torch.device, size: int) -> torch.Tensor:
     before any CUDA-graph capture), and grown only when a launch needs more."""
     counters = _SPLIT_COUNTERS.get(device)
     if counters is None or counters.numel() < size:
-        counters = torch.zeros(max(size, PROGRAMS_PER_SM * _multiprocessor_count(device)), dtype=torch.int32,
+        counters = torch.zeros(max(size, DECODE_WARPS_PER_SM * _multiprocessor_count(device)), dtype=torch.int32,
                                device=device)
         _SPLIT_COUNTERS[device] = counters
     return counters
@@ -348,76 +298,196 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     )
 
 
-def decode_launch(kv_fp8: bool) -> LaunchConfig:
-    return DECODE_LAUNCH_FP8 if kv_fp8 else DECODE_LAUNCH
+def decode_launch(kv_fp8: bool, num_requests: int) -> LaunchConfig:
+    """The decode table's config for a batch of num_requests one-token requests."""
+    table = DECODE_LAUNCHES
+    if kv_fp8:
+        table = DECODE_LAUNCHES_FP8_GQA if FP8_DECODE_KERNEL else DECODE_LAUNCHES_FP8
+    for max_batch, launch in table:
+        if max_batch is None or num_requests <= max_batch:
+            return launch
+    raise ValueError(f"no decode launch config covers a batch of {num_requests}")
+
+
+def gqa_decode_launch(num_requests: int) -> LaunchConfig:
+    """The decode kernel's config for num_requests one-token requests (a mixed batch's, apart)."""
+    for max_batch, launch in DECODE_LAUNCHES_FP8_GQA:
+        if max_batch is None or num_requests <= max_batch:
+            return launch
+    raise ValueError(f"no decode kernel config covers a batch of {num_requests}")
+
+
+def prefill_launch(kv_fp8: bool) -> LaunchConfig:
+    return PREFILL_LAUNCH_FP8 if kv_fp8 else PREFILL_LAUNCH
+
+
+def mixed_decodes_apart(kv_fp8: bool) -> bool:
+    return MIXED_DECODES_APART_FP8 if kv_fp8 else MIXED_DECODES_APART
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every launch of one paged_attention call shares."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    out: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    scale: float
+    scales: KVScales | None
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    def args(self, part_out: torch.Tensor, part_lse: torch.Tensor, counters: torch.Tensor) -> tuple:
+        """The positional arguments both attention kernels take."""
+        q, k_cache, out, scales = self.q, self.k_cache, self.out, self.scales
+        return (q, k_cache, self.v_cache, out, part_out, part_lse, counters,
+                scales.k if scales else out, scales.v if scales else out,
+                self.query_start_loc, self.seq_lens, self.block_tables,
+                self.scale * LOG2_E, self.num_requests,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), self.block_tables.stride(0))
+
+    def constants(self) -> dict:
+        """The compile-time arguments both attention kernels take."""
+        num_heads, head_dim = self.q.shape[1], self.q.shape[2]
+        group = num_heads // self.num_kv_heads
+        return dict(
+            NUM_HEADS=num_heads, NUM_KV_HEADS=self.num_kv_heads, GROUP=group, GROUP_PAD=_pow2(group),
+            HEAD_DIM=head_dim, DIM_PAD=self.dim_pad, BLOCK_SIZE=self.k_cache.shape[1], KV_FP8=self.scales is not None,
+            # An FP8 cache under a 16-bit model multiplies in float16: e4m3 converts exactly, and so
+            # does every bfloat16 q from 6e-5 to 65504 (smaller ones lose bits that cannot move a
+            # score; larger ones saturate); e4m3 -> f16 is the cheap conversion. float32 models
+            # (CPU-style tests, debugging) get exact products, not tf32.
+            DOT_F16=self.scales is not None and self.q.dtype != torch.float32,
+            DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32")
+
+    @property
+    def dim_pad(self) -> int:
+        return max(16, _pow2(self.q.shape[2]))
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, *, pure_decode: bool, num_splits: int | None = None, kv_scales: KVScales | None = None,
-    launch: LaunchConfig | None = None, fused_merge: bool | None = None,
+    launch: LaunchConfig | None = None, fused_merge: bool | None = None, decodes_apart: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache (see base.py).
     pure_decode: every request has exactly one query token (then num_tokens == batch).
-    num_splits: split-K factor; by default chosen from the batch shape for pure decode, 1 otherwise.
-    kv_scales: the layer's scales, for an FP8 cache. launch, fused_merge: override the defaults
-    (DECODE_LAUNCH[_FP8] or PREFILL_LAUNCH; FUSED_SPLIT_MERGE), for benchmarks and tests."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    num_requests = seq_lens.shape[0]
+    num_splits: split-K factor of the decode launch (by default chosen from the batch shape), or
+    of a mixed batch's tile launch (by default 1). kv_scales: the layer's scales, for an FP8 cache.
+    launch, fused_merge, decodes_apart: override the tables (decode_launch, prefill_launch,
+    FUSED_SPLIT_MERGE, mixed_decodes_apart), for benchmarks and tests; in a mixed batch `launch`
+    is the tile launch's."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
+    if q.shape[0] == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.dtype == v_cache.dtype
-    scales = _fp8_scales(k_cache, kv_scales)
-    group = num_heads // num_kv_heads
-    group_pad = _pow2(group)
+    step = _Step(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
+                 _fp8_scales(k_cache, kv_scales))
+    fp8 = step.scales is not None
+    fused_merge = FUSED_SPLIT_MERGE if fused_merge is None else fused_merge
     if pure_decode:
-        assert num_tokens == num_requests
-        launch = launch or decode_launch(scales is not None)
-        block_q = 1
-        num_tiles = num_requests
-    else:
-        launch = launch or PREFILL_LAUNCH
-        block_q = max(1, launch.tile_rows // group_pad)
-        num_tiles = num_tokens // block_q + num_requests  # upper bound, see _find_request
+        assert q.shape[0] == step.num_requests
+        _launch_decodes(step, launch or decode_launch(fp8, step.num_requests), num_splits, fused_merge,
+                        pure_decode=True)
+        return out
+    apart = mixed_decodes_apart(fp8) if decodes_apart is None else decodes_apart
+    # Merging a split tile launch over every token would overwrite the decode launch's outputs.
+    assert not (apart and num_splits and num_splits > 1), "a mixed batch's decodes apart: its tile launch is unsplit"
+    if apart:
+        _launch_decodes(step, gqa_decode_launch(step.num_requests), None, fused_merge, pure_decode=False)
+    _launch_tiles(step, launch or prefill_launch(fp8), num_splits or 1, False, pure_decode=False,
+                  skip_decodes=apart)
+    return out
+
+
+def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, fused_merge: bool, *,
+                    pure_decode: bool) -> None:
+    """The one-token requests of the step (all of them when pure_decode)."""
     if num_splits is None:
-        num_splits = decode_num_splits(num_requests, num_kv_heads, q.device) if pure_decode else 1
-    assert num_splits == _pow2(num_splits), "num_splits must be a power of two"
-    # The merge counts splits per (request, kv head): one query tile per request, so decode only.
-    fused_merge = (FUSED_SPLIT_MERGE if fused_merge is None else fused_merge) and pure_decode
-    counters = part_out = part_lse = out   # unused by the kernel unless it splits
-    if num_splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        if fused_merge:
-            counters = _split_counters(q.device, num_requests * num_kv_heads)
-    dim_pad = max(16, _pow2(head_dim))
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, counters,
-        scales.k if scales else out, scales.v if scales else out,
-        query_start_loc, seq_lens, block_tables,
-        scale * LOG2_E, num_requests,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
-        NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
-        MERGE_CHUNK=min(num_splits, max(1, MERGE_ELEMENTS // (group_pad * dim_pad))), KV_FP8=scales is not None,
-        # An FP8 cache under a 16-bit model multiplies in float16: e4m3 converts exactly, and so does
-        # every bfloat16 q from 6e-5 to 65504 (smaller ones lose bits that cannot move a score;
-        # larger ones saturate); e4m3 -> f16 is the cheap conversion. float32 models (CPU-style
-        # tests, debugging) get exact products, not tf32.
-        DOT_F16=scales is not None and q.dtype != torch.float32,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_splits = decode_num_splits(step.num_requests, step.num_kv_heads, step.q.device, launch.num_warps)
+    if launch.kernel == TILES:
+        assert pure_decode, "the tile kernel takes a mixed batch's decodes in its own launch"
+        _launch_tiles(step, launch, num_splits, fused_merge, pure_decode=True, skip_decodes=False)
+        return
+    assert launch.kernel in (GQA, GQA_FMA), f"unknown attention kernel {launch.kernel!r}"
+    use_dot = launch.kernel == GQA
+    buffers = _split_buffers(step, num_splits, fused_merge)
+    constants = step.constants()
+    _paged_decode_kernel[(step.num_requests, step.num_kv_heads, num_splits)](
+        *step.args(*buffers), **constants, USE_DOT=use_dot,
+        COLS=max(MIN_DECODE_COLS if use_dot else 1, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile,
+        NUM_SPLITS=num_splits,
+        PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    if num_splits > 1 and not fused_merge:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
-        )
-    return out
+    _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=not pure_decode)
+
+
+def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merge: bool, *, pure_decode: bool,
+                  skip_decodes: bool) -> None:
+    """The tile kernel over the step's requests (but its one-token ones when skip_decodes)."""
+    assert launch.kernel == TILES, f"{launch.kernel!r} takes one-token requests only"
+    assert num_splits == _pow2(num_splits), "num_splits must be a power of two"
+    num_tokens = step.q.shape[0]
+    constants = step.constants()
+    group_pad = constants["GROUP_PAD"]
+    if pure_decode:
+        block_q, num_tiles = 1, step.num_requests
+    else:
+        block_q = max(1, launch.tile_rows // group_pad)
+        num_tiles = num_tokens // block_q + step.num_requests  # upper bound, see _find_request
+    # The merge counts splits per (request, kv head): one query tile per request, so decode only.
+    fused_merge = fused_merge and pure_decode
+    buffers = _split_buffers(step, num_splits, fused_merge)
+    _paged_attention_kernel[(num_tiles, step.num_kv_heads, num_splits)](
+        *step.args(*buffers), **constants,
+        BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
+        NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
+        MERGE_CHUNK=_merge_chunk(step, num_splits), SKIP_DECODES=skip_decodes,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=False)
+
+
+def _split_buffers(step: _Step, num_splits: int, fused_merge: bool) -> tuple[torch.Tensor, ...]:
+    """(partial outputs, their log-sum-exps, merge counters); the output stands in for those a
+    launch does not use."""
+    if num_splits == 1:
+        return step.out, step.out, step.out
+    num_tokens, num_heads, head_dim = step.q.shape
+    device = step.q.device
+    part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device)
+    counters = _split_counters(device, step.num_requests * step.num_kv_heads) if fused_merge else step.out
+    return part_out, part_lse, counters
+
+
+def _merge_chunk(step: _Step, num_splits: int) -> int:
+    group_pad = _pow2(step.q.shape[1] // step.num_kv_heads)
+    return min(num_splits, max(1, MERGE_ELEMENTS // (group_pad * step.dim_pad)))
+
+
+def _merge_apart(step: _Step, buffers: tuple[torch.Tensor, ...], num_splits: int, fused_merge: bool, *,
+                 one_token_requests: bool) -> None:
+    """The merge launch of a split launch whose last splits did not merge."""
+    if num_splits == 1 or fused_merge:
+        return
+    part_out, part_lse, _ = buffers
+    rows = step.num_requests if one_token_requests else step.q.shape[0]
+    _merge_splits_kernel[(rows, step.q.shape[1])](
+        part_out, part_lse, step.out, step.query_start_loc, step.out.stride(0), step.out.stride(1),
+        NUM_HEADS=step.q.shape[1], HEAD_DIM=step.q.shape[2], DIM_PAD=step.dim_pad, NUM_SPLITS=num_splits,
+        ONE_TOKEN_REQUESTS=one_token_requests,
+    )

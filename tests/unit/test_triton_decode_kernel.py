@@ -1,0 +1,125 @@
+"""The Triton decode kernel (triton_decode.py) against the torch reference on fresh random
+inputs: pure decodes over an FP8 cache with and without split-K (merged in the last split or by
+its own launch), a mixed batch whose decodes it takes apart from the tile kernel, CUDA-graph
+padding rows, and a 16-bit cache; its products on tensor cores and on CUDA cores. Without CUDA the kernels run under Triton's interpreter.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
+from tests.unit.test_attention_backends import draw_seed, relative_error
+from tests.unit.test_kv_cache_fp8 import TOLERANCE, fp8_case, kernels, reference_attention
+
+
+@pytest.fixture(autouse=True)
+def _faithful_interpreter():
+    with gpu_faithful():
+        yield
+
+
+KERNELS = ["gqa", "gqa-fma"]   # triton_kernels.GQA (tensor cores), GQA_FMA (CUDA cores)
+
+
+def gqa_launch(kv_tile: int, num_warps: int = 4, kernel: str = "gqa"):
+    k = kernels()
+    return k.LaunchConfig(tile_rows=16, kv_tile=kv_tile, num_warps=num_warps, num_stages=1, kernel=kernel)
+
+
+def stored_fp8_case(seed: int, batch_kind: str, dtype: torch.dtype, group: int):
+    """An FP8 case with this step's K/V already in the cache, and its reference output."""
+    k = kernels()
+    case, scales = fp8_case(random.Random(seed), batch_kind, dtype, group=group)
+    expected, _, _ = reference_attention(case, scales)
+    m = case.meta
+    k.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping, scales)
+    return case, scales, expected
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [2, 4, 16])
+def test_the_decode_kernel_matches_the_reference_over_an_fp8_cache(dtype, group, kernel):
+    """Groups narrower than, as wide as and wider than the kernel's 8 columns."""
+    k = kernels()
+    seed = draw_seed()
+    case, scales, expected = stored_fp8_case(seed, "decode", dtype, group)
+    m = case.meta
+    out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
+                            case.scale, pure_decode=True, num_splits=1, kv_scales=scales,
+                            launch=gqa_launch(16, kernel=kernel))
+    assert out.dtype == dtype and torch.isfinite(out).all(), f"seed {seed}"
+    err = relative_error(out, expected)
+    assert err < TOLERANCE[dtype], f"seed {seed}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("num_splits", [2, 8])
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
+def test_the_decode_kernel_split_merges_to_the_same_answer(num_splits, fused_merge, kernel):
+    """Some splits see no key; the fused merge leaves its counters at zero for the next launch."""
+    k = kernels()
+    seed = draw_seed()
+    case, scales, expected = stored_fp8_case(seed, "decode", torch.float32, group=2)
+    m = case.meta
+    for _ in range(2):
+        out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
+                                case.scale, pure_decode=True, num_splits=num_splits, kv_scales=scales,
+                                fused_merge=fused_merge, launch=gqa_launch(16, num_warps=1, kernel=kernel))
+        err = relative_error(out, expected)
+        assert err < TOLERANCE[torch.float32], f"seed {seed}: relative error {err:.2e}"
+    if fused_merge:
+        assert not k._SPLIT_COUNTERS[case.q.device].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_mixed_batch_with_its_decodes_apart_matches_the_reference(dtype):
+    """The decode kernel takes the one-token requests (split, merged in their last split), the
+    tile kernel the chunks; every output row is written by exactly one of them."""
+    k = kernels()
+    seed = draw_seed()
+    case, scales, expected = stored_fp8_case(seed, "mixed", dtype, group=2)
+    m = case.meta
+    out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
+                            case.scale, pure_decode=False, kv_scales=scales, decodes_apart=True)
+    err = relative_error(out, expected)
+    assert err < TOLERANCE[dtype], f"seed {seed}: relative error {err:.2e}"
+    assert not k._SPLIT_COUNTERS.get(case.q.device, torch.zeros(1)).any()
+
+
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
+def test_the_decode_kernel_leaves_zeros_for_a_padded_row(fused_merge):
+    """CUDA-graph padding (seq_len 0) under split-K: every split of the row is empty."""
+    k = kernels()
+    seed = draw_seed()
+    case, scales, expected = stored_fp8_case(seed, "decode", torch.float32, group=2)
+    m = case.meta
+    n = m.seq_lens.shape[0]
+    q = torch.cat([case.q, torch.randn_like(case.q[:1])])
+    seq_lens = torch.cat([m.seq_lens, m.seq_lens.new_zeros(1)])
+    tables = torch.cat([m.block_tables, m.block_tables[:1]])
+    out = k.paged_attention(q, case.k_cache, case.v_cache, torch.arange(n + 2, dtype=torch.int32, device=DEVICE),
+                            seq_lens, tables, case.scale, pure_decode=True, num_splits=4, kv_scales=scales,
+                            fused_merge=fused_merge, launch=gqa_launch(16))
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), f"seed {seed}"
+    assert relative_error(out[:n], expected) < TOLERANCE[torch.float32], f"seed {seed}"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_decode_kernel_reads_a_16_bit_cache_as_the_tile_kernel_does(kernel):
+    k = kernels()
+    seed = draw_seed()
+    case, scales, _ = stored_fp8_case(seed, "decode", torch.float32, group=2)
+    m = case.meta
+    k_cache, v_cache = (c.float() * s[None, None, :, None] for c, s in ((case.k_cache, scales.k),
+                                                                         (case.v_cache, scales.v)))
+    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    q = case.q.to(torch.bfloat16)
+    args = (q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, case.scale)
+    tiles = k.paged_attention(*args, pure_decode=True, num_splits=1)
+    gqa = k.paged_attention(*args, pure_decode=True, num_splits=1, launch=gqa_launch(32, kernel=kernel))
+    err = relative_error(gqa, tiles.double().cpu())
+    assert err < TOLERANCE[torch.bfloat16], f"seed {seed}: relative error {err:.2e}"
