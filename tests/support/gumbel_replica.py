@@ -50,8 +50,12 @@ def gumbel(keys: np.ndarray, counters: np.ndarray, vocab: int) -> np.ndarray:
     groups = np.arange(-(-vocab // 4), dtype=np.uint64)[None, :]
     lanes = philox(keys, groups, counters & _M, counters >> np.uint64(32))
     r = np.stack(lanes, axis=-1).reshape(len(keys), -1)[:, :vocab]
-    u = ((r >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
-    return -np.log(-np.log(u))
+    return -np.log(-np.log(uniform(r)))
+
+
+def uniform(r: np.ndarray) -> np.ndarray:
+    """float32 in (0, 1) from uint32 random bits, as the kernels convert them."""
+    return ((r >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
 
 
 def kept(z: np.ndarray, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:

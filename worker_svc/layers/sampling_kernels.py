@@ -82,14 +82,16 @@ def _load_scores(raw_ptr, processed_ptr, use_processed, offsets, mask):
 @triton.jit
 def _gumbel(key, counter, base, G: tl.constexpr):
     """Gumbel noise [G, 4] of tokens base + 4g + j: Philox-4x32 keyed by the row's key, counting
-    (token // 4, counter); u in (0, 1) from 24 bits, so the noise is finite."""
+    (token // 4, counter). u = (23 random bits + 1/2) / 2**23 lies in [2**-24, 1 - 2**-24], exactly
+    in float32 (with 24 bits the largest would round up to 1.0: infinite noise), so the noise is
+    finite."""
     g = tl.arange(0, G)
     j = tl.arange(0, 4)[None, :]
     c0 = (base // 4 + g).to(tl.uint32)
     zero = c0 * 0
     r0, r1, r2, r3 = tl.philox(key, c0, zero + counter.to(tl.uint32), zero + (counter >> 32).to(tl.uint32), zero)
     r = tl.where(j == 0, r0[:, None], tl.where(j == 1, r1[:, None], tl.where(j == 2, r2[:, None], r3[:, None])))
-    u = ((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return -tl.log(-tl.log(u))
 
 
