@@ -93,9 +93,10 @@ class ModelRunner:
         self.backend = startup.select_backend(self)
         self.model = startup.load_model(self, model_dir)
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens. On a GPU with
-        # one rank the device sampler does (inside the decode graphs), else the torch sampler.
+        # one rank and --sampler kernels/auto the device sampler does (inside the decode graphs), else
+        # the torch sampler.
         self.sampler = self.device_sampler = None
-        if self.tp_rank == 0 and device_sampler.wanted(self.device, self.tp_size):
+        if self.tp_rank == 0 and device_sampler.wanted(config.sampler, self.device, self.tp_size):
             self.device_sampler = device_sampler.DeviceSampler(
                 self.vocab_size, self.device, config.seed, capacity=2 * config.max_num_seqs,
                 max_rows=config.max_num_seqs)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import numpy as np
 import torch
@@ -39,13 +38,10 @@ NUM_PIVOTS = 4        # pivots the search counts per pass over a row
 MAX_ROUNDS = 24       # passes after which the search keeps what it knows is kept
 
 
-def wanted(device: torch.device, tensor_parallel_size: int) -> bool:
-    """Whether a worker samples with these kernels: WORKER_SAMPLER=auto (on a GPU), kernels (also on
-    the CPU, under Triton's interpreter: for tests) or torch (layers/sampler.py, for comparisons).
-    A tensor-parallel group samples with torch on rank 0, eagerly."""
-    mode = os.environ.get("WORKER_SAMPLER", "auto")
-    if mode not in ("auto", "kernels", "torch"):
-        raise ValueError(f"WORKER_SAMPLER must be auto, kernels or torch, got {mode!r}")
+def wanted(mode: str, device: torch.device, tensor_parallel_size: int) -> bool:
+    """Whether a worker samples with these kernels (--sampler): kernels (also on the CPU, under
+    Triton's interpreter: for tests), auto (on a GPU) or torch (layers/sampler.py). A
+    tensor-parallel group samples with torch on rank 0, eagerly."""
     if tensor_parallel_size > 1 or mode == "torch":
         return False
     return mode == "kernels" or device.type == "cuda"
