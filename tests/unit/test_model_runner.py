@@ -12,7 +12,7 @@ import torch
 from common.pb.llm.worker.v1 import worker_pb2 as pb
 from scheduler_svc.frontend.tokenizer import load_tokenizer
 from tests.support.hf_reference import hf_greedy, hf_model
-from tests.support.triton_interpreter import gpu_faithful
+from tests.support.triton_interpreter import INTERPRETED, gpu_faithful
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
 from worker_svc.step_message import parse_step_request
@@ -21,9 +21,11 @@ BLOCK_SIZE = 16
 GREEDY = pb.SamplingOptions(temperature=0.0)
 
 
-@pytest.fixture(params=("torch", "kernels"))
+@pytest.fixture(params=("torch", pytest.param("kernels", marks=pytest.mark.skipif(
+    not INTERPRETED, reason="the runner here is on the CPU: its kernels need Triton's interpreter"))))
 def sampler(request):
-    """The torch sampler, or the device sampler's kernels sampling eagerly (interpreted on the CPU)."""
+    """The torch sampler, or the device sampler's kernels sampling eagerly (interpreted on the CPU;
+    on a GPU, tests/unit/test_gpu_pipelined_runner.py runs them inside the decode graphs)."""
     with gpu_faithful():
         yield request.param
 
