@@ -170,6 +170,7 @@ def make_runner(args: argparse.Namespace, sampler: str, max_batch: int, steps: i
     from worker_svc.model_runner import ModelRunner
 
     config = WorkerConfig(model=str(config_dir(args, "0.6b")), device=args.device, load_format="dummy",
+                          attention_backend=args.attention_backend,
                           sampler=sampler, max_num_seqs=max_batch, max_num_batched_tokens=max(max_batch * PROMPT_LEN, 512),
                           max_model_len=PROMPT_LEN + steps + 32, num_kv_blocks=max_batch * blocks_per_seq(steps) + 16)
     return ModelRunner(config)
