@@ -29,7 +29,7 @@ from typing import Callable
 
 from bench import options
 from bench.stages import (attention, bandwidth, checkpoint, correctness, decode, fixed_batch, fp8_gemm, hf,
-                          host_path, linear, moe_e2e, moe_kernel, offline, profile, service, structured)
+                          host_path, linear, moe_e2e, moe_kernel, offline, profile, sampler, service, structured)
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,13 @@ STAGES: dict[str, Stage] = {
     "host_path": Stage(host_path),
     "linear": Stage(linear),
     "attention": Stage(attention, entry=run_attention),
+    "sampler": Stage(sampler),
 }
 GROUPS = {
     "headline": ("checkpoint", "bandwidth", "service", "structured", "offline", "hf_default", "hf_tuned", "decode",
                  "profile", "correctness"),
     "moe": ("bandwidth", "moe_kernel", "fp8_gemm", "moe_e2e", *(n for n in STAGES if n.startswith("decode_"))),
-    "kernels": ("linear", "attention"),
+    "kernels": ("linear", "attention", "sampler"),
     "all": tuple(STAGES),
 }
 # The side-by-side table: (label, stage) of each engine run on the workload.

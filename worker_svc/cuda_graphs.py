@@ -3,8 +3,14 @@
 A decode step of a small model is dozens of short kernels per layer; launching them one by one
 from Python costs more than running them. So the model's forward is captured once per padded
 batch size (1, 2, 4, 8, then every multiple of 16) and a decode step replays the smallest graph
-that fits: its inputs are copied into static buffers, the padding rows are made inert (slot -1:
-their K/V are not stored; seq_len 0: they attend to nothing), and the graph runs.
+that fits, with the padding rows made inert (slot -1: their K/V are not stored; seq_len 0: they
+attend to nothing). Two ways in:
+- `run`: the step's input tensors are copied into the static buffers, then the graph replays.
+- `replay` (given DecodeInputs): the host has staged the step's columns where the graph reads
+  them (graph_inputs.py), and the graph's first kernel unpacks them; with a `sample` body, a
+  second graph per size takes the hidden states through the LM head and the device sampler
+  (`replay_sample`), so a decode step launches the two replays and nothing else. The sampling
+  graphs are captured again when the sampler's tensors were reallocated (its `graph_key`).
 
 Only backends whose pure-decode path reads lengths from device tensors can be captured (their
 `supports_cuda_graphs`, an attribute of the backend protocol in layers/attention/base.py); a
@@ -13,17 +19,23 @@ backend that reads AttentionMetadata's host lists would replay the lengths it sa
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import Callable
 
 import torch
 
+from worker_svc.graph_inputs import DecodeInputs
 from worker_svc.layers.attention.base import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 # Beyond this many requests a decode step is dominated by its matmuls and attention, not by
 # launch overhead, and the graphs' static buffers would only grow.
 MAX_GRAPH_BATCH_SIZE = 512
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# (hidden states [n, ...], rows [n], tokens out [n], logprobs out [n]) -> None
+Sample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -42,10 +54,13 @@ class DecodeGraphs:
     constructor, after the KV cache is allocated and bound (the graphs read its addresses)."""
 
     def __init__(self, forward: Forward, *, max_batch_size: int, max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device) -> None:
+                 max_model_len: int, device: torch.device, inputs: DecodeInputs | None = None,
+                 sample: Sample | None = None, sample_key: Callable[[], tuple] | None = None) -> None:
         self.forward = forward
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_model_len = max_model_len
+        self.inputs = inputs
+        self.sample, self.sample_key = sample, sample_key
         largest = self.batch_sizes[-1]
         with torch.device(device):
             self.input_ids = torch.zeros(largest, dtype=torch.int64)
@@ -55,18 +70,36 @@ class DecodeGraphs:
             self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32)
             # One query token per request, so the offsets never change.
             self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32)
+            self.rows = torch.zeros(largest, dtype=torch.int64)          # staged steps: the rows that sample
+            self.tokens = torch.zeros(largest, dtype=torch.int64)        # and what they sampled
+            self.logprobs = torch.zeros(largest, dtype=torch.float32)
         self.outputs: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._sampled_key: tuple | None = None
+        self.usable = True   # False once a tensor the graphs read was reallocated under them
         self._capture_all()
+        if sample is not None:
+            self._capture_sampling()
+
+    @property
+    def staged(self) -> bool:
+        """Whether a decode step may stage its inputs for `replay` (and sample with `replay_sample`)."""
+        return self.inputs is not None and self.usable
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.is_pure_decode and meta.seq_lens.shape[0] <= self.batch_sizes[-1]
+        return self.usable and meta.is_pure_decode and meta.seq_lens.shape[0] <= self.batch_sizes[-1]
+
+    def disable(self, why: str) -> None:
+        if self.usable:
+            logger.warning("decode graphs disabled, decoding eagerly from now on: %s", why)
+        self.usable = False
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The forward's output for this decode batch. The returned tensor is a view of a static
         buffer: read it before the next run."""
         n = input_ids.shape[0]
-        padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        padded = self.padded(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -77,6 +110,22 @@ class DecodeGraphs:
         self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.graphs[padded].replay()
         return self.outputs[:n]
+
+    def replay(self, n: int) -> torch.Tensor:
+        """The forward's output for the decode step of n requests staged in `inputs` (a view of a
+        static buffer: read it before the next replay); `rows[:n]` then holds its sampling rows."""
+        self.graphs[self.padded(n)].replay()
+        return self.outputs[:n]
+
+    def replay_sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After `replay(n)`: samples the step's rows; (tokens, logprobs) views of static buffers."""
+        if self.sample_key() != self._sampled_key:
+            self._capture_sampling()
+        self.sample_graphs[self.padded(n)].replay()
+        return self.tokens[:n], self.logprobs[:n]
+
+    def padded(self, n: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
 
     def _static_meta(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -91,20 +140,42 @@ class DecodeGraphs:
             seq_lens_cpu=[self.max_model_len] * batch_size,
         )
 
+    def _body(self, batch_size: int) -> torch.Tensor:
+        """What a forward graph runs: the unpacking of staged inputs, if any, then the forward."""
+        if self.inputs is not None:
+            self.inputs.unpack(batch_size, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                               self.rows, self.block_tables)
+        return self.forward(self.input_ids[:batch_size], self.positions[:batch_size], self._static_meta(batch_size))
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         # Largest first: the smaller graphs then fit in the memory the largest already took.
         for batch_size in reversed(self.batch_sizes):
-            args = (self.input_ids[:batch_size], self.positions[:batch_size], self._static_meta(batch_size))
             # Eager warm-up: compiles this shape's kernels (Triton JIT, cuBLAS plans) outside
             # the capture. Its slots are all -1, so the KV cache is left untouched.
-            warm = self.forward(*args)
+            warm = self._body(batch_size)
             if self.outputs is None:
                 self.outputs = torch.empty((self.batch_sizes[-1], *warm.shape[1:]), dtype=warm.dtype,
                                            device=warm.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[:batch_size] = self.forward(*args)
+                self.outputs[:batch_size] = self._body(batch_size)
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _capture_sampling(self) -> None:
+        """The sampling graphs, in a pool of their own (so capturing them again frees the old)."""
+        self.sample_graphs.clear()
+        pool = torch.cuda.graph_pool_handle()
+        for batch_size in reversed(self.batch_sizes):
+            args = (self.outputs[:batch_size], self.rows[:batch_size], self.tokens[:batch_size],
+                    self.logprobs[:batch_size])
+            self.sample(*args)   # warm-up on the padding rows (the sampler's dummy row)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.sample(*args)
+            self.sample_graphs[batch_size] = graph
+        torch.cuda.synchronize()
+        self._sampled_key = self.sample_key()

@@ -28,6 +28,8 @@ from common.model_dir import read_model_facts
 from worker_svc import kv_cache, parallel_state, startup
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
+from worker_svc.graph_inputs import DecodeLayout
+from worker_svc.layers import device_sampler
 from worker_svc.layers.attention import AttentionMetadata
 from worker_svc.layers.attention.kv_quant import dtype_name, resolve_kv_cache_dtype
 from worker_svc.layers.logprobs import top_logprobs
@@ -49,10 +51,11 @@ __all__ = ["ModelRunner", "InvalidStepError", "StaleMirrorError", "PendingStep",
 
 @dataclass
 class StepBatch:
-    """A launched step's device inputs and the host facts the sampling needs."""
-    input_ids: torch.Tensor         # int64 [num_tokens]
-    positions: torch.Tensor         # int64 [num_tokens]
-    meta: AttentionMetadata
+    """A launched step's device inputs and the host facts the sampling needs. A decode step staged
+    for the graphs (`graph`) has no input tensors: the graph reads its staged columns."""
+    input_ids: torch.Tensor | None  # int64 [num_tokens]
+    positions: torch.Tensor | None  # int64 [num_tokens]
+    meta: AttentionMetadata | None
     logits_indices: torch.Tensor    # int64 [num_sampling]: the last token of each sampling request
     sampling_rows: np.ndarray       # rows that sample, in batch order (host)
     sampling_rows_device: torch.Tensor
@@ -67,6 +70,7 @@ class StepBatch:
     score_indices: torch.Tensor | None = None
     score_targets: torch.Tensor | None = None
     scored: list[tuple[int, int, int, int]] | None = None
+    graph: bool = False
 
 
 class ModelRunner:
@@ -90,8 +94,16 @@ class ModelRunner:
         self.head_dim = head_dim_of(model_config)
         self.backend = startup.select_backend(self)
         self.model = startup.load_model(self, model_dir)
-        # Rank 0 alone samples (and keeps penalty state); the others take its tokens.
-        self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp_rank == 0 else None
+        # Rank 0 alone samples (and keeps penalty state); the others take its tokens. On a GPU with
+        # one rank and --sampler kernels/auto the device sampler does (inside the decode graphs), else
+        # the torch sampler.
+        self.sampler = self.device_sampler = None
+        if self.tp_rank == 0 and device_sampler.wanted(config.sampler, self.device, self.tp_size):
+            self.device_sampler = device_sampler.DeviceSampler(
+                self.vocab_size, self.device, config.seed, capacity=2 * config.max_num_seqs,
+                max_rows=config.max_num_seqs)
+        elif self.tp_rank == 0:
+            self.sampler = Sampler(self.vocab_size, self.device, config.seed)
         self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device)
                            if self.tp_rank == 0 else None)
         if self.structured is not None and self.device.type == "cuda":
@@ -105,8 +117,15 @@ class ModelRunner:
         # them; prompt tokens to score and their targets.
         self._staging = Staging(5 * max_tokens + max_seqs * (self.max_blocks_per_seq + 8) + 1, self.device)
         self._outputs = OutputSlots(max_seqs, self.device)
-        # Each row's newest sampled token, on the device: the next decode's input.
-        self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self._decode_layout = DecodeLayout(max_seqs)
+        # Each row's newest sampled token, on the device: the next decode's input (with the device
+        # sampler, one more entry for its dummy row, which the padding of a graph's batch samples).
+        rows = self.device_sampler.capacity + 1 if self.device_sampler is not None else max_seqs
+        self.last_sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        if self.device_sampler is not None:   # where it samples outside the graphs
+            self._tokens = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
+            self._logprobs = torch.zeros(max_seqs, dtype=torch.float32, device=self.device)
+        self._row_index = torch.arange(max_seqs, device=self.device)   # every row of a decode batch
         self.decode_graphs = None   # captured below, once the KV cache they read exists
         self.num_kv_blocks = startup.size_kv_cache(self)
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
@@ -158,6 +177,8 @@ class ModelRunner:
             raise RuntimeError("the tensor-parallel group is broken; this worker is exiting")
         cached_rows, matchers = check_step(step, self.limits, self.batch, self.structured)
         rows, counts = self._apply(step, cached_rows, matchers)
+        if self.device_sampler is not None:
+            self.device_sampler.flush()
         if not len(rows):
             return PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
         batch = self._prepare(rows, counts)
@@ -200,23 +221,40 @@ class ModelRunner:
         for new in step.new_requests:
             penalty_row = (self.sampler.add_request(new.token_ids, new.num_prompt_tokens, new.sampling)
                            if self.sampler is not None else None)
-            new_rows.append(self.batch.add(new, penalty_row, matchers.get(new.seq_id)))
+            row = self.batch.add(new, penalty_row, matchers.get(new.seq_id))
+            if self.device_sampler is not None:
+                self.device_sampler.add(row, new.token_ids, new.num_prompt_tokens, new.sampling)
+            new_rows.append(row)
         if len(step.new_block_indices):
             self.batch.append_blocks(cached_rows, step.new_block_indices, step.new_block_counts, step.new_block_ids)
-        if self.batch.capacity > len(self.last_sampled):   # the batch grew past max_num_seqs rows
-            grown = self.last_sampled.new_zeros(self.batch.capacity)
-            grown[:len(self.last_sampled)] = self.last_sampled
-            self.last_sampled = grown
+        self._fit_last_sampled()
         if not new_rows:
             return cached_rows, step.num_scheduled
         new_counts = [new.num_scheduled_tokens for new in step.new_requests]
         return (np.concatenate([cached_rows, np.array(new_rows, dtype=np.int64)]),
                 np.concatenate([step.num_scheduled, np.array(new_counts, dtype=np.int64)]))
 
+    def _fit_last_sampled(self) -> None:
+        """Grows last_sampled when the batch (or the device sampler's table, dummy row last) did."""
+        rows = self.batch.capacity
+        if self.device_sampler is not None:
+            rows = self.device_sampler.capacity + 1
+        if rows <= len(self.last_sampled) and (self.device_sampler is None or rows == len(self.last_sampled)):
+            return
+        grown = self.last_sampled.new_zeros(rows)
+        kept = min(rows, len(self.last_sampled)) - (self.device_sampler is not None)
+        grown[:kept] = self.last_sampled[:kept]
+        self.last_sampled = grown
+        if self.decode_graphs is not None:   # they read the old tensor and the old dummy row
+            self.decode_graphs.disable(f"the batch grew to {self.batch.capacity} rows")
+
     def _drop(self, seq_id: int) -> None:
+        row = self.batch.row_of[seq_id]
         penalty_row = self.batch.remove(seq_id)
         if self.sampler is not None:
             self.sampler.remove_request(penalty_row)
+        if self.device_sampler is not None:
+            self.device_sampler.remove(row)
 
     def _prepare(self, rows: np.ndarray, counts: np.ndarray) -> StepBatch:
         """The step's flat inputs, vectorised over rows and scheduled tokens (never over a
@@ -251,6 +289,7 @@ class ModelRunner:
             if meta.seeded:
                 drawing_rows = sampling_rows[meta.drawing]
                 seeded = [int(b.num_tokens[drawing_rows[j]] - b.num_prompt[drawing_rows[j]]) for j, _ in meta.seeded]
+        if self.sampler is not None or self.device_sampler is not None:
             if b.num_constrained:
                 constrained_at = np.flatnonzero(b.constrained[sampling_rows])
                 if len(constrained_at):
@@ -262,6 +301,13 @@ class ModelRunner:
                     top_ks = None
         score_at, score_targets, scored = (plan_prompt_scoring(b, rows, start, seq_lens, query_start)
                                            if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
+        if (self.decode_graphs is not None and self.decode_graphs.staged and num_tokens == len(rows)
+                and len(rows) <= self.decode_graphs.batch_sizes[-1] and samples.all() and not scored):
+            ids = np.where(on_host, input_ids, -1)
+            b.num_computed[rows] = seq_lens
+            b.num_tokens[sampling_rows] += 1
+            return self._stage_decode(ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at,
+                                      constrained, top_at, top_ks)
         parts = [input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices, sampling_rows, gather_at,
                  gather_rows, block_tables.reshape(-1)]
         # What only some requests ask for travels only when asked (a plain step copies nothing more).
@@ -291,6 +337,25 @@ class ModelRunner:
                          score_indices=score_at_d if scored else None,
                          score_targets=score_targets_d if scored else None, scored=scored or None)
 
+    def _stage_decode(self, ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at, constrained,
+                      top_at, top_ks) -> StepBatch:
+        """A pure-decode step whose every row samples, staged where the decode graphs read it
+        (graph_inputs.py): one host-to-device copy, and no work on the device before the replay."""
+        n, width = block_tables.shape
+        parts = [self._decode_layout.header(n, width), ids, positions, slot_mapping, seq_lens, rows,
+                 block_tables.reshape(-1)]
+        offsets = self._decode_layout.offsets(n, width)
+        extras = [part for part in (constrained_at, top_at) if len(part)]
+        for part in extras:
+            offsets.append(offsets[-1] + len(part))
+        views = self._staging.fill(parts + extras, offsets[:len(parts) + len(extras)])
+        extra_views = iter(views[len(parts):])
+        constrained_d = next(extra_views) if len(constrained_at) else None
+        top_d = next(extra_views) if top_ks is not None else None
+        return StepBatch(None, None, None, None, rows, self.decode_graphs.rows[:n], [],
+                         constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
+                         top_ks=top_ks, top_positions=top_d, graph=True)
+
     def _sampling_metadata(self, sampling_rows: np.ndarray) -> SamplingMetadata:
         """The sampler's per-row facts, rebuilt only when the sampling rows or the batch change."""
         key = (self.batch.version, sampling_rows.tobytes())
@@ -308,31 +373,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             device_start = torch.cuda.Event(enable_timing=True)
             device_start.record()
-        hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         extra = None
+        if batch.graph:
+            hidden = self.decode_graphs.replay(len(batch.sampling_rows))
+        else:
+            hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         if batch.scored is not None:
             extra = score_prompt(self.model.compute_logits, hidden, batch.score_indices, batch.score_targets,
                                  batch.scored, self.config.max_num_seqs)
         num_sampled = len(batch.sampling_rows)
         host_tokens = host_logprobs = release = None
         if num_sampled:
-            logits = self.model.compute_logits(hidden, batch.logits_indices)
-            logprobs = None
-            if self.sampler is not None:
-                if batch.constrained is not None:   # waits for the previous step's tokens
-                    self.structured.mask(logits, batch.constrained[0], batch.constrained[1])
-                meta = self._sampling_metadata(batch.sampling_rows)
-                tokens, logprobs = self.sampler.sample(logits, meta, batch.seeded_output_indices)
-                if batch.constrained is not None:
-                    self.structured.record(batch.constrained[1], tokens, batch.constrained[2])
-                if batch.top_ks is not None:
-                    extra = extra or Logprobs()
-                    ids, values = top_logprobs(logits.index_select(0, batch.top_positions), int(batch.top_ks.max()))
-                    extra.top_ks, extra.top_ids, extra.top_values = batch.top_ks, to_host(ids), to_host(values)
-            else:                    # not rank 0: rank 0's tokens keep this rank's rows identical
-                tokens = None
-            tokens = broadcast_tokens(tokens, num_sampled, self.device)
-            self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
+            tokens, logprobs, extra = self._sample(batch, hidden, extra)
             slot = self._outputs.acquire()
             release = lambda: self._outputs.release(slot)  # noqa: E731
             host_tokens = self._outputs.tokens[slot]
@@ -350,3 +402,42 @@ class ModelRunner:
         forward_ms = (time.perf_counter() - launched) * 1e3
         return PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
                            event, release, device_start, extra)
+
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor, extra: Logprobs | None):
+        """(tokens, logprobs or None, extra) of the step's sampling rows, on the device, with each
+        row's newest token stored in last_sampled. A staged decode step without rows that need the
+        host (a grammar's mask, top logprobs) samples inside its graph."""
+        n = len(batch.sampling_rows)
+        if batch.graph and batch.constrained is None and batch.top_ks is None:
+            tokens, logprobs = self.decode_graphs.replay_sample(n)
+            return tokens, logprobs if self.device_sampler.wants_logprobs(batch.sampling_rows) else None, extra
+        logits = self.model.compute_logits(hidden, self._row_index[:n] if batch.graph else batch.logits_indices)
+        if self.sampler is None and self.device_sampler is None:   # not rank 0: rank 0's tokens keep the rows equal
+            tokens = broadcast_tokens(None, n, self.device)
+            self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
+            return tokens, None, extra
+        if batch.constrained is not None:   # waits for the previous step's tokens
+            self.structured.mask(logits, batch.constrained[0], batch.constrained[1])
+        if self.device_sampler is not None:
+            tokens, logprobs = self._tokens[:n], self._logprobs[:n]
+            self.device_sampler.sample(logits, batch.sampling_rows_device, tokens, logprobs, self.last_sampled)
+            if not self.device_sampler.wants_logprobs(batch.sampling_rows):
+                logprobs = None
+        else:
+            meta = self._sampling_metadata(batch.sampling_rows)
+            tokens, logprobs = self.sampler.sample(logits, meta, batch.seeded_output_indices)
+            tokens = broadcast_tokens(tokens, n, self.device)
+            self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
+        if batch.constrained is not None:
+            self.structured.record(batch.constrained[1], tokens, batch.constrained[2])
+        if batch.top_ks is not None:
+            extra = extra or Logprobs()
+            ids, values = top_logprobs(logits.index_select(0, batch.top_positions), int(batch.top_ks.max()))
+            extra.top_ks, extra.top_ids, extra.top_values = batch.top_ks, to_host(ids), to_host(values)
+        return tokens, logprobs, extra
+
+    def sample_in_graph(self, hidden: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                        logprobs: torch.Tensor) -> None:
+        """The decode graphs' sampling body: the LM head over every row, then the device sampler."""
+        logits = self.model.compute_logits(hidden, self._row_index[:len(rows)])
+        self.device_sampler.sample(logits, rows, tokens, logprobs, self.last_sampled)

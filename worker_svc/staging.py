@@ -135,8 +135,9 @@ class Staging:
         self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if self.cuda else None
         self._next = 0
 
-    def fill(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """Copies the parts to the device in one transfer; returns device views of each."""
+    def fill(self, parts: list[np.ndarray], offsets: list[int] | None = None) -> list[torch.Tensor]:
+        """Copies the parts to the device in one transfer; returns device views of each. Parts go
+        one after the other, or each at its offset when given (a layout its reader fixed)."""
         i = self._next
         self._next = (i + 1) % len(self.host)
         if self.events[i] is not None:
@@ -144,20 +145,17 @@ class Staging:
         host = self.host[i]
         view = host.numpy()
         sizes = [len(p) for p in parts]
-        offset = 0
-        for part, size in zip(parts, sizes):
+        if offsets is None:
+            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist() if parts else []
+        end = max((offset + size for offset, size in zip(offsets, sizes)), default=0)
+        for part, offset, size in zip(parts, offsets, sizes):
             view[offset:offset + size] = part
-            offset += size
         if self.cuda:
-            self.on_device[:offset].copy_(host[:offset], non_blocking=True)
+            self.on_device[:end].copy_(host[:end], non_blocking=True)
             event = self.events[i] or torch.cuda.Event()
             event.record()
             self.events[i] = event
             flat = self.on_device
         else:
-            flat = host[:offset].clone()
-        views, offset = [], 0
-        for size in sizes:
-            views.append(flat[offset:offset + size])
-            offset += size
-        return views
+            flat = host[:end].clone()
+        return [flat[offset:offset + size] for offset, size in zip(offsets, sizes)]

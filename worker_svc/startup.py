@@ -137,9 +137,9 @@ def size_kv_cache(runner: ModelRunner) -> int:
 
 
 def warm_up(runner: ModelRunner) -> None:
-    """One step at max_num_batched_tokens and one sampling of max_num_seqs rows (with the sort
-    that top-k/top-p need), through a temporary KV cache, so the memory profile sees the
-    activation peak. Leaves the runner empty and the device's cache allocator flushed."""
+    """One step at max_num_batched_tokens and one sampling of max_num_seqs rows (with top-k, top-p
+    and min-p), through a temporary KV cache, so the memory profile sees the activation peak.
+    Leaves the runner empty and the device's cache allocator flushed."""
     config, device = runner.config, runner.device
     seq_len = min(config.max_num_batched_tokens, runner.max_model_len)
     num_seqs = max(min(config.max_num_batched_tokens // seq_len, config.max_num_seqs), 1)
@@ -154,9 +154,12 @@ def warm_up(runner: ModelRunner) -> None:
     warm = StepInput(0, [], new_requests, [], empty, empty, empty, empty)
     torch.cuda.reset_peak_memory_stats(device)
     runner.run_unchecked(warm)
+    logits = torch.zeros(config.max_num_seqs, runner.vocab_size, device=device, dtype=runner.dtype)
     if runner.sampler is not None:
-        runner.sampler.sample_rows(torch.zeros(config.max_num_seqs, runner.vocab_size, device=device),
-                                   [_WarmRow(warm_options)] * config.max_num_seqs)
+        runner.sampler.sample_rows(logits, [_WarmRow(warm_options)] * config.max_num_seqs)
+    if runner.device_sampler is not None:   # the padding's dummy row: compiles the kernels
+        rows = torch.full((config.max_num_seqs,), runner.device_sampler.dummy_row, device=device)
+        runner.device_sampler.sample(logits, rows, runner._tokens, runner._logprobs, runner.last_sampled)
     runner.reset()
     kv_cache.unbind_kv_cache(runner.model)
     torch.cuda.synchronize(device)
@@ -179,10 +182,17 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
         logger.info("attention backend %s cannot be captured: decoding eagerly", runner.backend.name)
         return None
     from worker_svc.cuda_graphs import DecodeGraphs   # CUDA only
+    from worker_svc.graph_inputs import DecodeInputs
 
     start = time.perf_counter()
+    inputs = sample = sample_key = None
+    if runner.device_sampler is not None:   # the step's inputs staged for the graph, and the sampling in one
+        inputs = DecodeInputs(runner._staging.on_device, runner._decode_layout, runner.last_sampled,
+                              runner.device_sampler.dummy_row)
+        sample, sample_key = runner.sample_in_graph, runner.device_sampler.graph_key
     graphs = DecodeGraphs(runner.model, max_batch_size=runner.config.max_num_seqs,
                           max_blocks_per_seq=runner.max_blocks_per_seq, max_model_len=runner.max_model_len,
-                          device=runner.device)
-    logger.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - start)
+                          device=runner.device, inputs=inputs, sample=sample, sample_key=sample_key)
+    logger.info("captured %d decode graphs%s in %.1f s", len(graphs.graphs),
+                " with the sampling in graphs of their own" if sample else "", time.perf_counter() - start)
     return graphs

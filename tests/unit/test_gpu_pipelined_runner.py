@@ -2,10 +2,14 @@
 (as the gRPC server does), so every decode input is gathered on the device from the step before.
 Greedy tokens of the tiny model in float32 (decode through CUDA graphs, chunked prefill eager)
 equal transformers' on the CPU, and a seeded sampled request gets the same tokens whether its
-steps are pipelined or run one at a time."""
+steps are pipelined or run one at a time; with the torch sampler and with the device sampler
+(--sampler kernels), whose decode steps sample inside the graphs and launch nothing else."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
+import pytest
 import torch
 
 from tests.support.hf_reference import hf_greedy
@@ -54,22 +58,52 @@ def run(runner: ModelRunner, options: SamplingOptions, depth: int) -> dict[int, 
     return {s: v[:NUM_NEW] for s, v in out.items()}
 
 
-def make_runner(model_dir) -> ModelRunner:
+def make_runner(model_dir, sampler: str = "torch", enforce_eager: bool = False) -> ModelRunner:
     return ModelRunner(WorkerConfig(model=str(model_dir), device=DEVICE, dtype="float32", block_size=BLOCK,
                                     num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256,
-                                    max_model_len=256))
+                                    max_model_len=256, sampler=sampler, enforce_eager=enforce_eager))
 
 
-def test_pipelined_greedy_decodes_equal_transformers(tiny_model_dir):
-    runner = make_runner(tiny_model_dir)
+@pytest.mark.parametrize("sampler", ["torch", "kernels"])
+def test_pipelined_greedy_decodes_equal_transformers(tiny_model_dir, sampler):
+    runner = make_runner(tiny_model_dir, sampler)
     assert runner.decode_graphs is not None
+    assert runner.decode_graphs.staged == (sampler == "kernels")
     got = run(runner, SamplingOptions(temperature=0.0), depth=2)
     for seq_id, prompt in PROMPTS.items():
         assert got[seq_id] == hf_greedy(tiny_model_dir, prompt, NUM_NEW), f"sequence {seq_id}"
 
 
-def test_seeded_sampling_is_the_same_pipelined_or_not(tiny_model_dir):
+@pytest.mark.parametrize("sampler", ["torch", "kernels"])
+def test_seeded_sampling_is_the_same_pipelined_or_not(tiny_model_dir, sampler):
     options = SamplingOptions(temperature=0.9, top_k=50, seed=7, repetition_penalty=1.2)
-    ahead = run(make_runner(tiny_model_dir), options, depth=3)
-    one_by_one = run(make_runner(tiny_model_dir), options, depth=1)
+    ahead = run(make_runner(tiny_model_dir, sampler), options, depth=3)
+    one_by_one = run(make_runner(tiny_model_dir, sampler), options, depth=1)
     assert ahead == one_by_one
+
+
+def test_the_kernels_draw_the_same_tokens_inside_the_graphs_as_eagerly(tiny_model_dir):
+    options = SamplingOptions(temperature=0.8, top_p=0.9, min_p=0.02, seed=11, presence_penalty=0.5)
+    assert run(make_runner(tiny_model_dir, "kernels"), options, depth=2) == \
+        run(make_runner(tiny_model_dir, "kernels", enforce_eager=True), options, depth=2)
+
+
+def test_a_graph_decode_step_launches_two_replays_and_two_copies(tiny_model_dir):
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = make_runner(tiny_model_dir, "kernels")
+    options = SamplingOptions(temperature=0.7, top_k=20, top_p=0.9, seed=3)
+    new = [NewRequest(s, p, len(p), 0, len(p), [3 * s, 3 * s + 1, 3 * s + 2], options)
+           for s, p in PROMPTS.items() if len(p) < 40]
+    runner.step(step_input(1, new=new))
+    runner.step(step_input(2, cached=[n.seq_id for n in new]))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.step(step_input(3, cached=[n.seq_id for n in new]))
+    calls = collections.Counter(e.name for e in prof.events() if e.name.startswith(("cuda", "cu")))
+
+    def count(part: str) -> int:
+        return sum(n for name, n in calls.items() if part in name)
+
+    # The two replays (forward, sampling), no kernel launched alone, the staged inputs in and the tokens out.
+    assert (count("GraphLaunch"), count("LaunchKernel"), count("Memcpy")) == (2, 0, 2), calls

@@ -1,6 +1,7 @@
 """ModelRunner driven step by step as the scheduler would: greedy generation equals
 transformers' generate token for token through chunked prefill, prefix-cache hits, decodes and
-growing block tables; seeded sampling survives preemption; bad steps are refused untouched."""
+growing block tables; seeded sampling survives preemption; bad steps are refused untouched; with
+the torch sampler and with the device sampler's kernels."""
 from __future__ import annotations
 
 import json
@@ -11,12 +12,22 @@ import torch
 from common.pb.llm.worker.v1 import worker_pb2 as pb
 from scheduler_svc.frontend.tokenizer import load_tokenizer
 from tests.support.hf_reference import hf_greedy, hf_model
+from tests.support.triton_interpreter import INTERPRETED, gpu_faithful
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
 from worker_svc.step_message import parse_step_request
 
 BLOCK_SIZE = 16
 GREEDY = pb.SamplingOptions(temperature=0.0)
+
+
+@pytest.fixture(params=("torch", pytest.param("kernels", marks=pytest.mark.skipif(
+    not INTERPRETED, reason="the runner here is on the CPU: its kernels need Triton's interpreter"))))
+def sampler(request):
+    """The torch sampler, or the device sampler's kernels sampling eagerly (interpreted on the CPU;
+    on a GPU, tests/unit/test_gpu_pipelined_runner.py runs them inside the decode graphs)."""
+    with gpu_faithful():
+        yield request.param
 
 
 class Driver:
@@ -101,8 +112,8 @@ def prompt(seed: int, length: int) -> list[int]:
     return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_greedy_generation_equals_transformers(tiny_model_dir):
-    d = Driver(make_runner(tiny_model_dir))
+def test_greedy_generation_equals_transformers(tiny_model_dir, sampler):
+    d = Driver(make_runner(tiny_model_dir, sampler=sampler))
     a, b = prompt(1, 37), prompt(2, 11)
     c = a[:32] + prompt(3, 6)       # shares a's first two full blocks: a prefix-cache hit
     num_new = 10
@@ -139,17 +150,17 @@ def test_repetition_penalty_equals_transformers(tiny_model_dir):
     assert d.tokens[1][9:] == expected
 
 
-def test_seeded_sampling_survives_preemption_and_batch_changes(tiny_model_dir):
+def test_seeded_sampling_survives_preemption_and_batch_changes(tiny_model_dir, sampler):
     options = pb.SamplingOptions(temperature=1.0, top_k=40, seed=1234, frequency_penalty=0.5, logprobs=True)
     p = prompt(5, 21)
 
-    alone = Driver(make_runner(tiny_model_dir, seed=1))
+    alone = Driver(make_runner(tiny_model_dir, seed=1, sampler=sampler))
     alone.step(new=[alone.new(7, p, 21, options)])
     for _ in range(9):
         alone.step(cached=[alone.cached(7)])
     reference = alone.tokens[7][21:]
 
-    d = Driver(make_runner(tiny_model_dir, seed=2))
+    d = Driver(make_runner(tiny_model_dir, seed=2, sampler=sampler))
     d.step(new=[d.new(7, p, 21, options), d.new(8, prompt(6, 5), 5, pb.SamplingOptions(temperature=1.0))])
     for _ in range(3):
         d.step(cached=[d.cached(7), d.cached(8)])
@@ -165,8 +176,8 @@ def test_seeded_sampling_survives_preemption_and_batch_changes(tiny_model_dir):
     assert d.tokens[7][21:] == reference
 
 
-def test_logprobs_are_returned_when_asked(tiny_model_dir):
-    runner = make_runner(tiny_model_dir)
+def test_logprobs_are_returned_when_asked(tiny_model_dir, sampler):
+    runner = make_runner(tiny_model_dir, sampler=sampler)
     d = Driver(runner)
     p = prompt(8, 12)
     d.step(new=[d.new(1, p, 12, pb.SamplingOptions(temperature=0.0, logprobs=True))])
@@ -313,12 +324,12 @@ def check_top(tops, reference: torch.Tensor, k: int) -> None:
         assert got_values == pytest.approx(want_values, abs=1e-4)
 
 
-def test_constrained_rows_follow_their_grammar_and_leave_free_neighbours_untouched(tiny_model_dir):
+def test_constrained_rows_follow_their_grammar_and_leave_free_neighbours_untouched(tiny_model_dir, sampler):
     import re
 
     free = pb.SamplingOptions(temperature=1.0, seed=5)
     constrained = pb.Constraint(kind="regex", text=r"(ab|[0-9]{2,4}-)+x")
-    alone, mixed = Driver(make_runner(tiny_model_dir)), Driver(make_runner(tiny_model_dir))
+    alone, mixed = Driver(make_runner(tiny_model_dir, sampler=sampler)), Driver(make_runner(tiny_model_dir, sampler=sampler))
     alone.step(new=[alone.new(1, prompt(12, 9), 9, free)])
     mixed.step(new=[mixed.new(1, prompt(12, 9), 9, free),
                     mixed.new(2, prompt(13, 7), 7, pb.SamplingOptions(temperature=1.0, seed=6), constraint=constrained),

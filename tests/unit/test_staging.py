@@ -22,6 +22,12 @@ def test_every_part_comes_back_intact_from_one_buffer():
     assert {v.untyped_storage().data_ptr() for v in views} == {views[0].untyped_storage().data_ptr()}
 
 
+def test_parts_given_offsets_land_there():
+    staging = Staging(64, torch.device("cpu"))
+    views = staging.fill([np.array([1, 2]), np.array([3]), np.array([4, 5, 6])], [0, 10, 3])
+    assert [v.tolist() for v in views] == [[1, 2], [3], [4, 5, 6]]
+
+
 def test_a_steps_views_survive_the_next_steps_fill():
     staging = Staging(16, CPU)
     first = staging.fill([np.arange(4), np.arange(4, 8)])

@@ -204,20 +204,11 @@ class Sampler:
         argmax (over the logits as given: the same token as in float32); only the rows that draw
         go through temperature, truncation and the race."""
         raw = logits   # logprobs are those of the raw model distribution
-        if meta.bias_values is not None:
-            logits = logits.to(torch.float32, copy=True)
-            logits.index_put_((meta.bias_rows, meta.bias_ids), meta.bias_values, accumulate=True)
-        if meta.penalized_index is not None:
-            if logits is raw:
-                logits = logits.to(torch.float32, copy=True)
-            self.penalties.apply(logits, meta.penalized_index, meta.penalty_rows,
-                                 meta.repetition, meta.presence, meta.frequency)
-            logits = with_unusable_rows_raw(logits, raw)   # a penalty made a row non-finite: skip it
+        logits = adjusted_logits(logits, meta, self.penalties)
         token_ids = logits.argmax(-1) if len(meta.drawing) < meta.num_rows else None
         if meta.drawing:
             index = meta.drawing_index
-            processed = self._process(logits if index is None else logits[index], meta)
-            probs = processed.softmax(-1, dtype=torch.float32)
+            probs = truncated(logits if index is None else logits[index], meta).softmax(-1, dtype=torch.float32)
             drawable = drawable_rows(probs)   # before the race overwrites probs
             drawn = self._race(probs, meta, seeded_output_indices)
             raw_drawing = raw if index is None else raw[index]
@@ -233,40 +224,10 @@ class Sampler:
         logprobs.index_copy_(0, rows, raw[rows].float().log_softmax(-1).gather(1, chosen).squeeze(1))
         return token_ids, logprobs
 
-    def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Temperature, top-k, top-p and min-p of rows that draw (no greedy rows); excluded
-        tokens get -inf. Each step is skipped when no row asks for it, so plain sampling never
-        sorts the vocabulary; the result is float32 unless no step applied (then it is `logits`,
-        whose softmax the caller takes in float32)."""
-        if meta.temperature is not None:   # float32 / float32 of the upcast logits
-            logits = logits / meta.temperature
-        if meta.top_k is not None:
-            logits = self._top_k_top_p(logits.float(), meta.top_k, meta.top_k_tensor, meta.top_p)
-        if meta.min_p is not None:
-            logits = logits.float()
-            probs = logits.softmax(-1)
-            threshold = meta.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        return logits
-
-    @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_k_tensor: torch.Tensor,
-                     top_p: torch.Tensor) -> torch.Tensor:
-        """One descending sort serves both. Top-k keeps ties with the k-th logit; top-p keeps
-        the smallest prefix whose probability reaches p (always at least the top token). When
-        every row has a top-k, only the largest max(k) candidates are sorted, not the vocabulary
-        (then a tie with the k-th logit outside those candidates is dropped)."""
-        candidates = max(top_k)
-        if candidates < logits.shape[-1]:
-            sorted_logits, order = logits.topk(candidates, dim=-1)
-        else:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-        kth = sorted_logits.gather(1, (top_k_tensor - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-        probs = sorted_logits.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-        return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+    @torch.inference_mode()
+    def probabilities(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row draws from (the module's `probabilities`); counts nothing."""
+        return probabilities(logits, meta, self.penalties)
 
     def _race(self, probs: torch.Tensor, meta: SamplingMetadata, output_indices: Sequence[int]) -> torch.Tensor:
         """argmax(p / E), E ~ Exp(1) per token: a draw from p without a cumulative sum."""
@@ -279,3 +240,73 @@ class Sampler:
         # A zero draw would turn an excluded token (p = 0) into 0/0; the floor keeps it at 0.
         # probs is the caller's scratch: dividing in place saves a vocabulary-sized buffer.
         return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
+
+
+def adjusted_logits(logits: torch.Tensor, meta: SamplingMetadata, penalties: PenaltyTable) -> torch.Tensor:
+    """The logits with the rows' biases, then their penalties (a row they make unusable keeps its
+    raw logits: layers/logits_guard.py); `logits` itself when no row has either."""
+    raw = logits
+    if meta.bias_values is not None:
+        logits = logits.to(torch.float32, copy=True)
+        logits.index_put_((meta.bias_rows, meta.bias_ids), meta.bias_values, accumulate=True)
+    if meta.penalized_index is not None:
+        if logits is raw:
+            logits = logits.to(torch.float32, copy=True)
+        penalties.apply(logits, meta.penalized_index, meta.penalty_rows, meta.repetition, meta.presence,
+                        meta.frequency)
+        logits = with_unusable_rows_raw(logits, raw)   # a penalty made a row non-finite: skip it
+    return logits
+
+
+def truncated(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p of rows that draw (no greedy rows); excluded
+    tokens get -inf. Each step is skipped when no row asks for it, so plain sampling never
+    sorts the vocabulary; the result is float32 unless no step applied (then it is `logits`,
+    whose softmax the caller takes in float32)."""
+    if meta.temperature is not None:   # float32 / float32 of the upcast logits
+        logits = logits / meta.temperature
+    if meta.top_k is not None:
+        logits = _top_k_top_p(logits.float(), meta.top_k, meta.top_k_tensor, meta.top_p)
+    if meta.min_p is not None:
+        logits = logits.float()
+        probs = logits.softmax(-1)
+        threshold = meta.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_k_tensor: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """One descending sort serves both. Top-k keeps ties with the k-th logit; top-p keeps
+    the smallest prefix whose probability reaches p (always at least the top token). When
+    every row has a top-k, only the largest max(k) candidates are sorted, not the vocabulary
+    (then a tie with the k-th logit outside those candidates is dropped)."""
+    candidates = max(top_k)
+    if candidates < logits.shape[-1]:
+        sorted_logits, order = logits.topk(candidates, dim=-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(1, (top_k_tensor - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+@torch.inference_mode()
+def probabilities(logits: torch.Tensor, meta: SamplingMetadata, penalties: PenaltyTable) -> torch.Tensor:
+    """The distribution each row draws from, [meta.num_rows, vocab] float32: its logits after the
+    bias, the penalties (read from `penalties`, not counted), temperature, top-k, top-p and min-p,
+    softmaxed; one-hot at the token where the row takes an argmax (greedy rows, and rows whose
+    processing broke). Speculative decoding's rejection sampler compares against these."""
+    raw = logits
+    logits = adjusted_logits(logits, meta, penalties)
+    probs = torch.zeros(meta.num_rows, logits.shape[-1], dtype=torch.float32, device=logits.device)
+    probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    if meta.drawing:
+        index = torch.tensor(meta.drawing, dtype=torch.long, device=logits.device)
+        drawing = truncated(logits[index], meta).softmax(-1, dtype=torch.float32)
+        one_hot = torch.zeros_like(drawing).scatter_(1, raw[index].argmax(-1, keepdim=True), 1.0)
+        probs[index] = torch.where(drawable_rows(drawing).unsqueeze(1), drawing, one_hot)
+    return probs

@@ -1,0 +1,256 @@
+"""The device sampler (worker_svc/layers/device_sampler.py and its kernels) against the torch
+sampler, which is the reference (layers/sampler.py).
+
+The distribution: the kernels' draw, replayed in numpy (tests/support/gumbel_replica.py), is
+drawn 20,000 times on a small vocabulary per truncation mode and compared with the reference's
+probabilities by a chi-square test (fixed keys, so the statistic is the same every run; alpha
+1e-4). The kernels are held to that replay token for token, on random rows that take every path
+(several chunks, the first draw outside the kept set, a search of several rounds, ties).
+Without CUDA the kernels run under Triton's interpreter, whose float32 arithmetic is numpy's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support import gumbel_replica as replica
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
+from worker_svc.layers.sampler import Sampler, SamplingOptions
+
+ALPHA = 1e-4
+DRAWS = 20_000
+MODES = {
+    "temperature": dict(temperature=0.7),
+    "top-k": dict(top_k=4),
+    "top-p": dict(top_p=0.75),
+    "min-p": dict(min_p=0.15),
+    "all": dict(temperature=1.3, top_k=6, top_p=0.8, min_p=0.05),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted_like_a_gpu():
+    with gpu_faithful():
+        yield
+
+
+def device_sampler(vocab: int, **settings):
+    from worker_svc.layers.device_sampler import DeviceSampler
+
+    return DeviceSampler(vocab, DEVICE, **({"capacity": 32, "max_rows": 32, "chunk": 16, "gather_cap": 8} | settings))
+
+
+def sample(sampler, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float], torch.Tensor]:
+    """Flushes and samples logits [len(rows), vocab] of those table rows; (tokens, logprobs, last_sampled)."""
+    n = len(rows)
+    tokens = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    logprobs = torch.zeros(n, dtype=torch.float32, device=DEVICE)
+    last_sampled = torch.full((sampler.capacity + 1,), -1, dtype=torch.int64, device=DEVICE)
+    sampler.flush()
+    sampler.sample(logits.to(DEVICE), torch.tensor(rows, device=DEVICE), tokens, logprobs, last_sampled)
+    return tokens.tolist(), logprobs.tolist(), last_sampled.cpu()
+
+
+def reference_probabilities(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    s = Sampler(logits.shape[-1], torch.device("cpu"))
+    return s.probabilities(logits[None], s.metadata([options], [None]))[0]
+
+
+def chi_square_p_value(tokens: np.ndarray, probs: torch.Tensor) -> float:
+    support = probs > 0
+    counts = torch.bincount(torch.from_numpy(tokens), minlength=len(probs)).double()
+    assert counts[~support].sum() == 0, "drew a token the reference never draws"
+    expected = probs.double()[support] * len(tokens)
+    statistic = ((counts[support] - expected) ** 2 / expected).sum()
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), statistic / 2)) if df else 1.0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_drawn_tokens_follow_the_reference_distribution(mode):
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.007, 0.003])
+    order = torch.randperm(len(probs), generator=torch.Generator().manual_seed(7))   # kept tokens anywhere
+    logits = probs[order].log()
+    options = SamplingOptions(**MODES[mode])
+    keys = np.random.default_rng(0).integers(0, 2 ** 63, DRAWS)
+    truncation = {k: v for k, v in MODES[mode].items() if k != "temperature"}
+    tokens = replica.draw(logits.numpy(), options.temperature, keys, np.zeros(DRAWS, np.int64), **truncation)
+    expected = reference_probabilities(logits, options)
+    assert chi_square_p_value(tokens, expected) > ALPHA
+    # A draw per output index of one seeded request follows it too.
+    seeded = replica.draw(logits.numpy(), options.temperature, np.full(DRAWS, replica.row_key(5)), np.arange(DRAWS),
+                          **truncation)
+    assert chi_square_p_value(seeded, expected) > ALPHA
+
+
+def test_the_noise_is_finite_for_every_random_pattern():
+    extremes = np.array([0, 1, 511, 512, 2 ** 31, 2 ** 32 - 513, 2 ** 32 - 1], np.uint32)
+    u = replica.uniform(extremes)
+    assert np.all((u > 0) & (u < 1))
+    assert np.all(np.isfinite(-np.log(-np.log(u))))
+
+
+def random_rows(modes: list[dict], vocab: int, rows_per_mode: int, seed: int, dtype=torch.float32, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    options = [SamplingOptions(seed=100 + i, **m) for i, m in enumerate(m for m in modes for _ in range(rows_per_mode))]
+    logits = (torch.randn(len(options), vocab, generator=g) * scale).to(dtype)
+    return options, logits
+
+
+def replica_token(logits_row: torch.Tensor, options: SamplingOptions, counter: int) -> int:
+    truncation = dict(top_k=options.top_k, top_p=options.top_p, min_p=options.min_p)
+    return int(replica.draw(logits_row.float().numpy(), options.temperature, [replica.row_key(options.seed)],
+                            [counter], **truncation)[0])
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 2.0), (torch.bfloat16, 2.0), (torch.bfloat16, 0.3)],
+                         ids=["float32", "bfloat16", "bfloat16-flat-with-ties"])
+def test_the_kernels_draw_the_replicas_token(dtype, scale):
+    """Rows of 40 tokens in chunks of 16 (the last one short), a search that gathers at most 8
+    candidates: the draw outside the kept set, several search rounds and ties at the cut occur."""
+    modes = [*MODES.values(), dict(top_k=1, temperature=2.0), dict(top_p=0.3, min_p=0.2)]
+    options, logits = random_rows(modes, 40, 2, seed=11, dtype=dtype, scale=scale)
+    sampler = device_sampler(40)
+    for row, o in enumerate(options):
+        sampler.add(row, [1] * (3 + row), 3, o)   # output index `row`: the counters differ
+    tokens, _, _ = sample(sampler, logits, list(range(len(options))))
+    assert tokens == [replica_token(logits[r], o, r) for r, o in enumerate(options)]
+
+
+def test_greedy_rows_take_the_first_argmax_among_drawing_rows():
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    logits[1, 5] = logits[1, 37] = 9.0        # a tie across chunks: the first wins, as torch.argmax
+    options = [SamplingOptions(temperature=0.0, top_k=3, top_p=0.1), SamplingOptions(temperature=0.0),
+               SamplingOptions(temperature=0.9, seed=1), SamplingOptions(temperature=0.0, min_p=0.9),
+               SamplingOptions(top_k=2, seed=2), SamplingOptions(temperature=1e-6)]
+    sampler = device_sampler(40)
+    for row, o in enumerate(options):
+        sampler.add(row, [1, 2], 2, o)
+    tokens, _, _ = sample(sampler, logits, list(range(6)))
+    argmax = logits.float().argmax(-1).tolist()
+    assert [tokens[i] for i in (0, 1, 3, 5)] == [argmax[i] for i in (0, 1, 3, 5)]
+    assert tokens[1] == 5
+
+
+def test_a_seeded_rows_tokens_depend_only_on_its_seed_and_output_index():
+    g = torch.Generator().manual_seed(13)
+    row = torch.randn(40, generator=g)
+    seeded = SamplingOptions(temperature=0.8, top_p=0.9, seed=42)
+    alone = device_sampler(40, seed=1)
+    alone.add(0, [1, 2, 3, 4, 5], 2, seeded)   # output index 3
+    first, _, _ = sample(alone, row[None], [0])
+    # Other neighbours, another row of the table, another worker seed, other chunks: the same token.
+    crowded = device_sampler(40, seed=2, chunk=8)
+    for r in range(5):
+        crowded.add(r, [1, 2, 3, 4, 5], 2, SamplingOptions(temperature=1.0) if r != 3 else seeded)
+    logits = torch.randn(5, 40, generator=g)
+    logits[3] = row
+    tokens, _, _ = sample(crowded, logits, [0, 1, 2, 3, 4])
+    assert tokens[3] == first[0]
+    # Each step advances the output index, and the draws change with it.
+    draws = [sample(alone, torch.zeros(1, 40), [0])[0][0] for _ in range(12)]
+    assert len(set(draws)) > 4
+
+
+def test_logprobs_are_of_the_raw_logits_and_zero_where_not_asked():
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(14)) * 3
+    options = [SamplingOptions(temperature=0.5, top_k=3, logprobs=True, seed=1), SamplingOptions(temperature=0.0),
+               SamplingOptions(temperature=0.0, logprobs=True), SamplingOptions(min_p=0.3, top_logprobs=2, seed=2)]
+    sampler = device_sampler(40)
+    for row, o in enumerate(options):
+        sampler.add(row, [1, 2], 2, o)
+    tokens, logprobs, _ = sample(sampler, logits, [0, 1, 2, 3])
+    raw = logits.log_softmax(-1)
+    for i in (0, 2, 3):
+        assert logprobs[i] == pytest.approx(float(raw[i, tokens[i]]), abs=1e-5)
+    assert logprobs[1] == 0.0
+    assert sampler.wants_logprobs(np.array([1, 2])) and not sampler.wants_logprobs(np.array([1]))
+
+
+def test_penalties_and_bias_sample_as_the_torch_path_step_after_step():
+    """Greedy rows pick the torch path's tokens while the kernels count what they sampled into the
+    penalty state; a drawing row draws the replica's token from the torch path's adjusted logits."""
+    from worker_svc.layers.sampler import adjusted_logits
+
+    g = torch.Generator().manual_seed(15)
+    prompt, output = [1, 2, 2, 9, 30], [3, 3, 33]
+    options = [SamplingOptions(temperature=0.0, repetition_penalty=1.7, presence_penalty=0.4, frequency_penalty=0.3),
+               SamplingOptions(temperature=0.0, logit_bias=((4, 3.0), (20, -100.0), (35, 2.5))),
+               SamplingOptions(temperature=0.0, repetition_penalty=1.3, logit_bias=((3, 1.5), (17, 4.0))),
+               SamplingOptions(temperature=0.8, top_k=5, frequency_penalty=0.7, logit_bias=((8, 2.0),), seed=9),
+               SamplingOptions(temperature=0.0)]
+    kernels, torch_path = device_sampler(40), Sampler(40, torch.device("cpu"))
+    penalty_rows = []
+    for row, o in enumerate(options):
+        kernels.add(row, prompt + output, len(prompt), o)
+        penalty_rows.append(torch_path.add_request(prompt + output, len(prompt), o))
+    for step in range(3):
+        logits = torch.randn(len(options), 40, generator=g) * 3
+        meta = torch_path.metadata(options, penalty_rows)
+        adjusted = adjusted_logits(logits, meta, torch_path.penalties)
+        tokens, _, _ = sample(kernels, logits, list(range(len(options))))
+        assert [tokens[i] for i in (0, 1, 2, 4)] == adjusted[[0, 1, 2, 4]].argmax(-1).tolist(), f"step {step}"
+        assert tokens[3] == replica_token(adjusted[3], options[3], len(output) + step)
+        torch_path.penalties.record(meta.penalty_rows, torch.tensor([tokens[i] for i in (0, 2, 3)]))
+    assert torch.equal(kernels.penalties.output_counts[:3].cpu(), torch_path.penalties.output_counts[:3])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "drawing"])
+def test_rows_whose_processing_broke_take_the_raw_logits(temperature):
+    logits = torch.rand(3, 40, generator=torch.Generator().manual_seed(16)) + 1.0
+    logits[:, 7] = 5.0
+    logits[2, 9] = 1e35   # / 1.1e-5 overflows float32
+    options = [SamplingOptions(temperature=temperature, top_k=1, repetition_penalty=1e-45),   # +inf scores
+               SamplingOptions(temperature=temperature, top_k=1, presence_penalty=math.nan),
+               SamplingOptions(temperature=1.1e-5, logprobs=True)]
+    sampler = device_sampler(40)
+    for row, o in enumerate(options):
+        sampler.add(row, [0, 1, 2, 3, 7], 2, o)
+    tokens, logprobs, _ = sample(sampler, logits, [0, 1, 2])
+    assert tokens == [7, 7, 9]
+    assert math.isfinite(logprobs[2])
+
+
+def test_sampling_counts_each_draw_and_stores_each_rows_newest_token():
+    sampler = device_sampler(40)
+    sampler.add(3, [1, 2, 3], 1, SamplingOptions(temperature=0.0))
+    sampler.add(5, [1, 2], 2, SamplingOptions(temperature=1.0, seed=3))
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(17))
+    rows = [3, 5, sampler.dummy_row, sampler.dummy_row]   # a captured batch's padding
+    tokens, _, last_sampled = sample(sampler, logits, rows)
+    assert last_sampled[3] == tokens[0] and last_sampled[5] == tokens[1]
+    assert sampler.counters[[3, 5]].tolist() == [3, 1]
+    assert tokens[2] == int(logits[2].argmax())   # the dummy row is greedy, and harmless
+    sampler.remove(5)
+    sampler.add(5, [1, 2, 3, 4], 2, SamplingOptions(temperature=1.0, seed=3))   # re-admitted: index 2 again
+    sample(sampler, logits[1:2], [5])
+    assert sampler.counters[5] == 3
+
+
+def test_the_distribution_for_speculative_decoding_is_the_torch_paths():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(18))
+    options = [SamplingOptions(temperature=0.0), SamplingOptions(top_k=4, frequency_penalty=0.5),
+               SamplingOptions(top_p=0.8, logit_bias=((2, 1.0),))]
+    kernels, torch_path = device_sampler(40), Sampler(40, torch.device("cpu"))
+    penalty_rows = []
+    for row, o in enumerate(options):
+        kernels.add(row, [1, 2, 5, 5], 2, o)
+        penalty_rows.append(torch_path.add_request([1, 2, 5, 5], 2, o))
+    expected = torch_path.probabilities(logits, torch_path.metadata(options, penalty_rows))
+    actual = kernels.probabilities(logits.to(DEVICE), np.arange(3)).cpu()
+    torch.testing.assert_close(actual, expected)
+    assert torch.equal(actual[0], torch.nn.functional.one_hot(logits[0].argmax(), 40).float())
+    assert (actual[1] > 0).sum() == 4 and actual.sum(-1).allclose(torch.ones(3))
+
+
+def test_options_that_keep_everything_do_not_truncate():
+    sampler = device_sampler(40)
+    sampler.add(0, [1], 1, SamplingOptions(top_k=40, top_p=1.0, min_p=0.0, seed=1))
+    assert sampler._table[0, 0] == 0   # no flag: a plain draw
+    plain = dataclasses.replace(SamplingOptions(seed=1))
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(19))
+    assert sample(sampler, logits, [0])[0][0] == replica_token(logits[0], plain, 0)

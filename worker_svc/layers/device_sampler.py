@@ -1,0 +1,247 @@
+"""Sampling on the device, from per-row options kept in device tensors (the Triton kernels are
+layers/sampling_kernels.py; layers/sampler.py is the torch path and the reference).
+
+The runner's persistent batch gives each request a row. `add` and `remove` write a row's options
+into a host table; `flush` copies the rows that changed to the device, before the step that
+needs them. A steady decode step, whose rows do not change, copies nothing: `sample` reads the
+options by row, and the kernels advance each row's draw counter, store its token as the row's
+newest (the next decode's input) and count it for its penalties, all on the device. `sample`
+allocates nothing and never waits for the device, so a CUDA graph can capture it; `graph_key`
+changes whenever a tensor it reads is reallocated (the table or the penalty state grew), and a
+captured graph must then be captured again.
+
+Draws are Gumbel-max with Philox noise keyed per row: a seeded request's key comes from its seed
+and its counter starts at its output index, so its tokens depend on (seed, output index) and its
+logits only, whatever else is in the batch, across preemptions too; an unseeded request's key
+comes from the worker's seeded generator when it is admitted.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+import triton
+
+from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, seed_hash
+from worker_svc.layers import sampling_kernels as kernels
+from worker_svc.layers.penalties import PenaltyTable
+from worker_svc.layers.sampler import SamplingMetadata, SamplingOptions, probabilities
+from worker_svc.row_pool import RowPool, grown_capacity
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 8192          # tokens of a row per program of the vocabulary-wide passes
+GATHER_CAP = 2048     # candidates the threshold search sorts once it has narrowed to them
+NUM_PIVOTS = 4        # pivots the search counts per pass over a row
+MAX_ROUNDS = 24       # passes after which the search keeps what it knows is kept
+
+
+def wanted(mode: str, device: torch.device, tensor_parallel_size: int) -> bool:
+    """Whether a worker samples with these kernels (--sampler): kernels (also on the CPU, under
+    Triton's interpreter: for tests), auto (on a GPU) or torch (layers/sampler.py). A
+    tensor-parallel group samples with torch on rank 0, eagerly."""
+    if tensor_parallel_size > 1 or mode == "torch":
+        return False
+    return mode == "kernels" or device.type == "cuda"
+
+
+def _bits(value: float) -> int:
+    return int(np.float32(value).view(np.int32))
+
+
+class DeviceSampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, capacity: int = 256,
+                 max_rows: int = 256, chunk: int = CHUNK, gather_cap: int = GATHER_CAP) -> None:
+        if chunk % 4:
+            raise ValueError(f"chunk must be a multiple of 4, got {chunk}")
+        self.vocab_size, self.device = vocab_size, device
+        self.chunk = min(chunk, -(-vocab_size // 4) * 4)
+        self.gather_cap = gather_cap
+        self.num_chunks = -(-vocab_size // self.chunk)
+        self._tile = min(256, triton.next_power_of_2(self.chunk) // 4)   # [tile, 4] tokens per step
+        self._rng = np.random.default_rng(seed)
+        self.penalties = PenaltyTable(vocab_size, device)
+        self._slots = RowPool()
+        self.processed = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+        self._options: list[SamplingOptions | None] = []
+        self.capacity = 0
+        self._grow_table(capacity)
+        self.max_rows = 0
+        self._grow_scratch(max_rows)
+
+    # --- rows ------------------------------------------------------------------------------------
+
+    @property
+    def dummy_row(self) -> int:
+        """A greedy row with no options, for the padding of a captured batch."""
+        return self.capacity
+
+    def add(self, row: int, token_ids: list[int], num_prompt_tokens: int, options: SamplingOptions) -> None:
+        """The request now in `row`: its options, penalty state and draw counter (its output index)."""
+        if row >= self.capacity:
+            self._grow_table(grown_capacity(max(self.capacity, 1), row + 1))
+        entry = np.zeros(kernels.NUM_COLUMNS, np.int32)
+        flags = kernels.F_GREEDY.value if options.greedy else 0
+        if options.logprobs:
+            flags |= kernels.F_LOGPROB.value
+        penalty_row = slot = -1
+        if options.has_penalties:
+            flags |= kernels.F_PENALTY.value | kernels.F_PROCESSED.value
+            penalty_row = self.penalties.add(token_ids[:num_prompt_tokens], token_ids[num_prompt_tokens:])
+        if options.logit_bias:
+            flags |= kernels.F_PROCESSED.value
+            ids, values = zip(*options.logit_bias)
+            self._bias_ids[row, :len(ids)] = ids
+            self._bias_values[row, :len(ids)] = values
+        if flags & kernels.F_PROCESSED.value:
+            slot = self._slots.acquire()
+            self._ensure_processed(self._slots.high_water)
+        if not options.greedy:
+            flags |= self._truncation(options, entry)
+        entry[[kernels.C_FLAGS.value, kernels.C_PENALTY_ROW.value, kernels.C_SLOT.value,
+               kernels.C_NUM_BIAS.value]] = (flags, penalty_row, slot, len(options.logit_bias))
+        entry[kernels.C_INV_TEMPERATURE.value] = _bits(1.0 if options.greedy else 1.0 / options.temperature)
+        entry[kernels.C_REPETITION.value] = _bits(options.repetition_penalty)
+        entry[kernels.C_PRESENCE.value] = _bits(options.presence_penalty)
+        entry[kernels.C_FREQUENCY.value] = _bits(options.frequency_penalty)
+        self._table[row] = entry
+        self._keys[row] = self._key(options.seed)
+        self._counters[row] = len(token_ids) - num_prompt_tokens
+        self._options[row] = options
+        self._dirty.add(row)
+
+    def remove(self, row: int) -> None:
+        entry = self._table[row]
+        if entry[kernels.C_PENALTY_ROW.value] >= 0:
+            self.penalties.release(int(entry[kernels.C_PENALTY_ROW.value]))
+        if entry[kernels.C_SLOT.value] >= 0:
+            self._slots.release(int(entry[kernels.C_SLOT.value]))
+        self._table[row] = self._table[self.dummy_row]
+        self._options[row] = None
+
+    def flush(self) -> None:
+        """Copies the rows added since the last flush to the device (stream-ordered before what
+        is enqueued next; nothing waits)."""
+        if not self._dirty:
+            return
+        rows = np.array(sorted(self._dirty), dtype=np.int64)
+        self._dirty.clear()
+        index = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        for device_table, host_table in ((self.table, self._table), (self.keys, self._keys),
+                                         (self.counters, self._counters), (self.bias_ids, self._bias_ids),
+                                         (self.bias_values, self._bias_values)):
+            device_table.index_copy_(0, index, torch.from_numpy(host_table[rows]).to(self.device, non_blocking=True))
+
+    def wants_logprobs(self, rows: np.ndarray) -> bool:
+        return bool(np.any(self._table[rows, kernels.C_FLAGS.value] & kernels.F_LOGPROB.value))
+
+    def graph_key(self) -> tuple:
+        """Changes whenever a tensor that `sample` reads is reallocated."""
+        return (self.table.data_ptr(), self.processed.data_ptr(), self.penalties.prompt_mask.data_ptr(),
+                self.penalties.output_counts.data_ptr(), self.part_f.data_ptr())
+
+    # --- sampling --------------------------------------------------------------------------------
+
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+               last_sampled: torch.Tensor) -> None:
+        """Samples logits [n, vocab] (any float dtype; not modified) of the batch rows `rows` (int64
+        [n], on the device) into tokens (int64 [n]) and logprobs (float32 [n]: of the logits as
+        given; 0 where not asked), and stores each token at last_sampled[row]. Rows must be flushed."""
+        n, vocab = logits.shape
+        if logits.stride(1) != 1:
+            raise ValueError("logits must be contiguous along the vocabulary")
+        if n > self.max_rows:
+            self._grow_scratch(n)
+        grid = (n, self.num_chunks)
+        chunks = triton.next_power_of_2(self.num_chunks)
+        kernels._penalize_kernel[grid](
+            logits, logits.stride(0), self.processed, rows, self.table, self.penalties.prompt_mask,
+            self.penalties.output_counts, self.bias_ids, self.bias_values, vocab, self.chunk,
+            MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=min(1024, 4 * self._tile), num_warps=4)
+        kernels._scan_kernel[grid](
+            logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
+            self.part_f, self.part_i, vocab, self.chunk, self.num_chunks, G=self._tile,
+            BLOCK=min(1024, 4 * self._tile), num_warps=8)
+        kernels._verify_kernel[grid](
+            logits, logits.stride(0), self.processed, rows, self.table, self.part_f, self.part_i, self.part_v,
+            vocab, self.chunk, self.num_chunks, CHUNKS=chunks, BLOCK=min(1024, 4 * self._tile), num_warps=4)
+        kernels._finish_kernel[(n,)](
+            logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
+            self.penalties.output_counts, self.part_f, self.part_i, self.part_v, self.gather, tokens, logprobs,
+            last_sampled, vocab, self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, 4 * self._tile),
+            NUM_PIVOTS=NUM_PIVOTS, CAP=self.gather_cap, MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
+
+    def probabilities(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """The distribution each row would draw from ([n, vocab] float32; greedy rows one-hot), by
+        the torch reference (layers/sampler.py) with this sampler's penalty state."""
+        options = [self._options[r] for r in rows.tolist()]
+        penalty_rows = [int(self._table[r, kernels.C_PENALTY_ROW.value]) for r in rows.tolist()]
+        meta = SamplingMetadata.build(options, [p if p >= 0 else None for p in penalty_rows], self.vocab_size,
+                                      self.device)
+        return probabilities(logits, meta, self.penalties)
+
+    # --- storage ---------------------------------------------------------------------------------
+
+    def _truncation(self, options: SamplingOptions, entry: np.ndarray) -> int:
+        flags = 0
+        if 0 < options.top_k < self.vocab_size:
+            flags |= kernels.F_TOP_K.value
+            entry[kernels.C_TOP_K.value] = options.top_k
+        if options.top_p < 1.0:
+            flags |= kernels.F_TOP_P.value
+            entry[kernels.C_TOP_P.value] = _bits(options.top_p)
+        if options.min_p > 0.0:
+            flags |= kernels.F_MIN_P.value
+            entry[kernels.C_LOG_MIN_P.value] = _bits(math.log(options.min_p))
+        return flags
+
+    def _key(self, seed: int | None) -> int:
+        """The row's Philox key: from the seed, or a fresh draw of the worker's generator."""
+        if seed is None:
+            return int(self._rng.integers(0, 2 ** 63))
+        return seed_hash(seed, 2 ** 64 - 1) & (2 ** 63 - 1)
+
+    def _grow_table(self, capacity: int) -> None:
+        """Room for `capacity` rows and the dummy row after them."""
+        old = self.capacity
+        rows = capacity + 1
+        host = np.zeros((rows, kernels.NUM_COLUMNS), np.int32)
+        keys, counters = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+        bias_ids = np.zeros((rows, MAX_LOGIT_BIAS_ENTRIES), np.int32)
+        bias_values = np.zeros((rows, MAX_LOGIT_BIAS_ENTRIES), np.float32)
+        host[capacity, kernels.C_FLAGS.value] = kernels.F_GREEDY.value
+        host[capacity, kernels.C_INV_TEMPERATURE.value] = _bits(1.0)
+        host[capacity, [kernels.C_PENALTY_ROW.value, kernels.C_SLOT.value]] = -1
+        device_counters = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        if old:
+            host[:old], keys[:old], counters[:old] = self._table[:old], self._keys[:old], self._counters[:old]
+            bias_ids[:old], bias_values[:old] = self._bias_ids[:old], self._bias_values[:old]
+            device_counters[:old] = self.counters[:old]   # the device advances them: keep its values
+        self._table, self._keys, self._counters = host, keys, counters
+        self._bias_ids, self._bias_values = bias_ids, bias_values
+        self._options += [None] * (rows - len(self._options))
+        self.capacity = capacity
+        self.table = torch.from_numpy(host).to(self.device)
+        self.keys = torch.from_numpy(keys).to(self.device)
+        self.counters = device_counters
+        self.bias_ids = torch.from_numpy(bias_ids).to(self.device)
+        self.bias_values = torch.from_numpy(bias_values).to(self.device)
+        if not old:
+            self._dirty: set[int] = set()
+        if old:
+            logger.info("sampling table grew to %d rows", capacity)
+
+    def _ensure_processed(self, slots: int) -> None:
+        if slots > self.processed.shape[0]:
+            grown = grown_capacity(self.processed.shape[0], slots)
+            self.processed = torch.zeros(grown, self.vocab_size, dtype=torch.float32, device=self.device)
+
+    def _grow_scratch(self, rows: int) -> None:
+        self.max_rows = rows
+        parts = rows * self.num_chunks * kernels.NUM_PARTS
+        self.part_f = torch.zeros(parts, dtype=torch.float32, device=self.device)
+        self.part_i = torch.zeros(parts, dtype=torch.int32, device=self.device)
+        self.part_v = torch.zeros(parts, dtype=torch.float32, device=self.device)
+        self.gather = torch.zeros(rows * self.gather_cap, dtype=torch.float32, device=self.device)
