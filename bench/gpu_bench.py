@@ -72,7 +72,7 @@ GROUPS = {
     "headline": ("checkpoint", "bandwidth", "service", "structured", "offline", "hf_default", "hf_tuned", "decode",
                  "profile", "correctness"),
     "moe": ("bandwidth", "moe_kernel", "fp8_gemm", "moe_e2e", *(n for n in STAGES if n.startswith("decode_"))),
-    "kernels": ("linear", "attention", "sampler"),
+    "kernels": ("linear", "attention"),
     "all": tuple(STAGES),
 }
 # The side-by-side table: (label, stage) of each engine run on the workload.
