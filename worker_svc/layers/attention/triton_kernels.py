@@ -57,18 +57,18 @@ class LaunchConfig:
 # entry that covers the batch (None: any batch).
 DECODE_LAUNCHES = ((None, LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=3)),)
 DECODE_LAUNCHES_FP8 = ((None, LaunchConfig(tile_rows=16, kv_tile=128, num_warps=4, num_stages=3)),)
-# The decode kernel's table (GQA or GQA_FMA entries) for an FP8 cache, used instead of
-# DECODE_LAUNCHES_FP8 when FP8_DECODE_KERNEL: not yet measured on a GPU, so the tile kernel stays
-# the default until bench/stages/attention.py's sweep shows which wins.
-FP8_DECODE_KERNEL = False
-DECODE_LAUNCHES_FP8_GQA = ((16, LaunchConfig(tile_rows=16, kv_tile=32, num_warps=1, num_stages=1, kernel=GQA)),
-                           (None, LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=1, kernel=GQA)))
+# The decode kernel's table for an FP8 cache (bench/stages/attention.py on an H200, 2026-12-04:
+# 1.16-1.31x the tile kernel at 1..256 x 1024, 1.42x bf16 KV at 256 x 1024).
+FP8_DECODE_KERNEL = True
+DECODE_LAUNCHES_FP8_GQA = ((1, LaunchConfig(tile_rows=16, kv_tile=32, num_warps=2, num_stages=1, kernel=GQA)),
+                           (16, LaunchConfig(tile_rows=16, kv_tile=32, num_warps=4, num_stages=2, kernel=GQA)),
+                           (None, LaunchConfig(tile_rows=16, kv_tile=32, num_warps=1, num_stages=2, kernel=GQA)))
 PREFILL_LAUNCH = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
-PREFILL_LAUNCH_FP8 = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
+PREFILL_LAUNCH_FP8 = LaunchConfig(tile_rows=64, kv_tile=128, num_warps=4, num_stages=3)
 # In a batch mixing prefill chunks with decodes, the one-token requests go to the decode launch
 # (only sensible when that launch is the decode kernel's).
 MIXED_DECODES_APART = False
-MIXED_DECODES_APART_FP8 = False
+MIXED_DECODES_APART_FP8 = True
 # Split decodes merge inside the attention launch (the last split of each kv head merges),
 # reading this many partial elements at a time.
 FUSED_SPLIT_MERGE = True
