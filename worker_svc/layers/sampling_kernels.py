@@ -55,11 +55,13 @@ C_LOG_MIN_P = tl.constexpr(7)
 C_REPETITION = tl.constexpr(8)
 C_PRESENCE = tl.constexpr(9)
 C_FREQUENCY = tl.constexpr(10)
-NUM_COLUMNS = 16
+NUM_COLUMNS = 16                    # the host's view; kernels read ROW_COLUMNS
+ROW_COLUMNS = tl.constexpr(NUM_COLUMNS)
 
 SEARCH_DEPTH = tl.constexpr(30.0)   # nats below the top where a truncating row stops looking
 NO_TOKEN = tl.constexpr(2 ** 30)
 NUM_PARTS = 4                       # values per (row, chunk) in each partials buffer
+PARTS = tl.constexpr(NUM_PARTS)
 
 
 # --- shared pieces ------------------------------------------------------------------------------
@@ -334,7 +336,7 @@ def _penalize_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_p
     start = tl.program_id(1) * chunk
     end = tl.minimum(start + chunk, vocab)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    entry = table_ptr + row * NUM_COLUMNS
+    entry = table_ptr + row * ROW_COLUMNS
     flags = tl.load(entry + C_FLAGS)
     if (flags & F_PROCESSED) != 0:
         penalize = (flags & F_PENALTY) != 0
@@ -376,7 +378,7 @@ def _scan_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, 
     start = c * chunk
     end = tl.minimum(start + chunk, vocab)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    entry = table_ptr + row * NUM_COLUMNS
+    entry = table_ptr + row * ROW_COLUMNS
     flags = tl.load(entry + C_FLAGS)
     use_processed = (flags & F_PROCESSED) != 0
     raw = logits_ptr + i.to(tl.int64) * stride_logits
@@ -394,7 +396,7 @@ def _scan_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, 
     raw_sum = 0.0
     if (flags & F_LOGPROB) != 0:
         raw_top, raw_sum = _log_sum_exp_parts(raw, start, end, BLOCK)
-    out = (i * num_chunks + c) * NUM_PARTS
+    out = (i * num_chunks + c) * PARTS
     tl.store(part_f_ptr + out, best)
     tl.store(part_f_ptr + out + 1, top)
     tl.store(part_f_ptr + out + 2, raw_top)
@@ -408,7 +410,7 @@ def _combined_scan(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS: tl.constexpr):
     """The row's scan over all its chunks: (its token, top z, bad, raw max, raw sum of exp)."""
     c = tl.arange(0, CHUNKS)
     valid = c < num_chunks
-    at = (i * num_chunks + c) * NUM_PARTS
+    at = (i * num_chunks + c) * PARTS
     best = tl.load(part_f_ptr + at, mask=valid, other=float("-inf"))
     winner = tl.max(best)
     token = tl.min(tl.where(valid & (best == winner), tl.load(part_i_ptr + at, mask=valid, other=NO_TOKEN), NO_TOKEN))
@@ -427,7 +429,7 @@ def _verify_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
     i = tl.program_id(0)
     c = tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    entry = table_ptr + row * NUM_COLUMNS
+    entry = table_ptr + row * ROW_COLUMNS
     flags = tl.load(entry + C_FLAGS)
     if ((flags & F_GREEDY) == 0) & ((flags & (F_TOP_K | F_TOP_P)) != 0):
         drawn, top, bad, _, _ = _combined_scan(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
@@ -446,7 +448,7 @@ def _verify_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
             else:
                 beaten, above, at_least, total = _count_above(raw, processed, use_processed, start, end, inv_t,
                                                               z_drawn, top, False, BLOCK)
-            out = (i * num_chunks + c) * NUM_PARTS
+            out = (i * num_chunks + c) * PARTS
             tl.store(part_v_ptr + out, beaten.to(tl.float32))
             tl.store(part_v_ptr + out + 1, above)
             tl.store(part_v_ptr + out + 2, at_least)
@@ -485,7 +487,7 @@ def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
                    NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_ROUNDS: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    entry = table_ptr + row * NUM_COLUMNS
+    entry = table_ptr + row * ROW_COLUMNS
     flags = tl.load(entry + C_FLAGS)
     raw = logits_ptr + i.to(tl.int64) * stride_logits
     processed = processed_ptr + tl.load(entry + C_SLOT).to(tl.int64) * vocab
@@ -517,7 +519,7 @@ def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
             token = _raw_argmax(raw, processed, vocab, G)
     elif (flags & (F_TOP_K | F_TOP_P | F_MIN_P)) != 0:
         c = tl.arange(0, CHUNKS)
-        at = (i * num_chunks + c) * NUM_PARTS
+        at = (i * num_chunks + c) * PARTS
         valid = c < num_chunks
         beaten = tl.sum(tl.load(part_v_ptr + at, mask=valid, other=0.0)).to(tl.int32)
         above = tl.sum(tl.load(part_v_ptr + at + 1, mask=valid, other=0.0))
