@@ -13,7 +13,7 @@ import grpc
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-def _client_main(addr: str, prompts, id_prefix: str, start_at: float, connections: int, queue) -> None:
+def _client_main(addr: str, prompts, id_prefix: str, go, connections: int, queue) -> None:
     from tools.loadtest.client import LoadClient
 
     async def run():
@@ -24,7 +24,8 @@ def _client_main(addr: str, prompts, id_prefix: str, start_at: float, connection
         for ch in channels:
             await ch.channel_ready()
         clients = [LoadClient(ch, timeout_s=None, token=None) for ch in channels]
-        await asyncio.sleep(max(0.0, start_at - time.time()))
+        queue.put("ready")
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
         started = time.perf_counter()
         records = await asyncio.gather(*(clients[i % connections].send(p, f"{id_prefix}-{i}", started)
                                          for i, p in enumerate(prompts)))
@@ -42,16 +43,20 @@ def send_from_processes(addr: str, prompts, *, processes: int, connections_per_p
     returns the request records (RequestRecord.to_json() dicts), the wall time from the common start to
     the last reply, and the client pids. on_start(pids) is called once they run (for CPU sampling)."""
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    start_at = time.time() + 3.0 + 0.5 * processes       # every process connected by then
+    queue, go = ctx.Queue(), ctx.Event()
     shares = [prompts[i::processes] for i in range(processes)]
-    procs = [ctx.Process(target=_client_main, args=(addr, share, f"{id_prefix}{i}", start_at,
+    procs = [ctx.Process(target=_client_main, args=(addr, share, f"{id_prefix}{i}", go,
                                                    connections_per_process, queue), daemon=True)
              for i, share in enumerate(shares) if share]
     for p in procs:
         p.start()
+    for _ in procs:   # a process's start-up (imports, connections) is never part of the timed run
+        if queue.get(timeout=600) != "ready":
+            raise RuntimeError("a client process failed before it was ready")
     if on_start is not None:
         on_start([p.pid for p in procs])
+    start_at = time.time()
+    go.set()
     records, finished = [], start_at
     for _ in procs:
         share, ended = queue.get()
