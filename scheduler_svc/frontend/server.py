@@ -9,6 +9,7 @@ as a Generate of the rendered tokens; its output text goes through one ChatOutpu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -154,8 +155,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except Refused as e:
             await self._refuse(context, _REFUSAL_CODES[e.code], str(e))
         log.info("admitted: %d prompt tokens, max_tokens %d, n %d", len(prompt_ids), params.max_tokens, params.n)
-        async for out in stream:
-            yield to_response(request_id, out)
+        async with contextlib.aclosing(stream):   # a cancelled call ends its request at once
+            async for out in stream:
+                yield to_response(request_id, out)
 
     async def Chat(self, request: generation_pb2.ChatRequest, context: grpc.aio.ServicerContext):
         status = self.frontend.status
@@ -176,17 +178,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         log.info("admitted chat: %d prompt tokens, max_tokens %d, n %d, tools %d (%s)", len(prompt.token_ids),
                  params.max_tokens, params.n, len(request.tools), request.tool_choice or "auto")
         parsers: dict[int, ChatOutputParser] = {}
-        async for out in stream:
-            parser = parsers.get(out.index)
-            if parser is None:
-                parser = parsers[out.index] = ChatOutputParser(reasoning_open=prompt.reasoning_open,
-                                                               parse_tool_calls=prompt.parse_tool_calls)
-            delta = parser.feed(out.text)
-            if out.finished:
-                tail = parser.finish()
-                delta = ChatDelta(delta.reasoning + tail.reasoning, delta.text + tail.text,
-                                  delta.tool_calls + tail.tool_calls)
-            yield to_chat_response(request_id, out, delta, parser.num_tool_calls)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                parser = parsers.get(out.index)
+                if parser is None:
+                    parser = parsers[out.index] = ChatOutputParser(reasoning_open=prompt.reasoning_open,
+                                                                   parse_tool_calls=prompt.parse_tool_calls)
+                delta = parser.feed(out.text)
+                if out.finished:
+                    tail = parser.finish()
+                    delta = ChatDelta(delta.reasoning + tail.reasoning, delta.text + tail.text,
+                                      delta.tool_calls + tail.tool_calls)
+                yield to_chat_response(request_id, out, delta, parser.num_tool_calls)
 
     def _prepare_chat(self, request: generation_pb2.ChatRequest, max_model_len: int
                       ) -> tuple[ChatPrompt, SamplingParams]:

@@ -199,17 +199,41 @@ class Frontend:
             samples.append(req)
             adds.append(self.core.add(CoreRequest(seq_id, request_id, prompt_token_ids, sample, index)))
         # Issued in one turn of the event loop: a core client sends them as one batch, in order.
-        results = await asyncio.gather(*adds)
+        added = asyncio.gather(*adds)
+        try:
+            # Shielded: a client that goes away meanwhile must not lose the core's answer, or a
+            # request the core admitted would run (and hold its blocks) with nobody to end it.
+            results = await asyncio.shield(added)
+        except asyncio.CancelledError:
+            self._drop(samples)
+            asyncio.ensure_future(self._abort_once_added(samples, added))
+            raise
         refused = [r for r in results if r.code != AddCode.OK]
         if refused:
-            for req in samples:
-                self._requests.pop(req.seq_id, None)
-                req.done = True
-            admitted = [req.seq_id for req, r in zip(samples, results) if r.code == AddCode.OK]
-            if admitted:
-                await self._abort(admitted, FinishReason.ABORT, notify=False)
+            self._drop(samples)
+            await self._abort_admitted(samples, results)
             raise Refused(refused[0].code, refused[0].message)
         return self._stream(samples, queue)
+
+    def _drop(self, samples: list[_Request]) -> None:
+        for req in samples:
+            self._requests.pop(req.seq_id, None)
+            req.done = True
+
+    async def _abort_admitted(self, samples: list[_Request], results) -> None:
+        admitted = [req.seq_id for req, r in zip(samples, results) if r.code == AddCode.OK]
+        if admitted:
+            await self._abort(admitted, FinishReason.ABORT, notify=False)
+
+    async def _abort_once_added(self, samples: list[_Request], added: asyncio.Future) -> None:
+        """Aborts what the core admitted of a request whose client left during its admission:
+        after the core's answer, so the abort cannot overtake the add."""
+        try:
+            results = await added
+        except Exception as e:    # noqa: BLE001 - the adds failed: nothing was admitted
+            log.debug("the adds of a cancelled request failed: %s", e)
+            return
+        await self._abort_admitted(samples, results)
 
     async def _stream(self, samples: list[_Request], queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         remaining = len(samples)
