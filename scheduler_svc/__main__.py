@@ -29,6 +29,7 @@ from scheduler_svc.engine.server import build_core_server
 from scheduler_svc.frontend.process import Stop, drain_frontend, frontend_process_main, start_frontend
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.worker_client import GrpcWorkerClient, WorkerGroupClient
+from scheduler_svc.frontend.limit_flags import add_limit_arguments, check_limit_arguments
 
 # Seconds a frontend that died waits before it is started again (a crash loop stays slow).
 FRONTEND_RESTART_DELAY_S = 1.0
@@ -80,8 +81,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-lease", type=float, default=EngineConfig.worker_lease_s,
                    help="seconds a worker stays leased to this scheduler without a step or renewal; another "
                         "scheduler can take it over only after that")
+    p.add_argument("--priority-aging", type=float, default=EngineConfig.priority_aging_s, metavar="SECONDS",
+                   help="seconds of waiting one priority level is worth: a waiting request is admitted before any "
+                        "that arrives more than (its priority - theirs) x this later, so with priorities in "
+                        "-N..N (--max-priority) none waits behind later arrivals for more than 2N x this "
+                        "(0: strict priority)")
+    p.add_argument("--max-request-failures", type=int, default=EngineConfig.max_request_failures,
+                   help="a request in this many failed steps (the worker reset each time) is failed alone, "
+                        "with INTERNAL naming the worker's error, instead of being re-sent again")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM lets running requests finish")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics over HTTP on this port (0: off)")
+    add_limit_arguments(p)
+    p.add_argument("--allow-chat-special-tokens", action="store_true",
+                   help="let the text of chat messages write special tokens (<|im_start|>, ...) as control tokens, "
+                        "for trusted clients that write template structure on purpose; without it they are "
+                        "tokenized as plain text")
     add_logging_arguments(p)
     add_server_security_arguments(p, "clients of the public API")
     add_client_security_arguments(p, "worker-", "the workers", "worker security",
@@ -98,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stream-window must be 0 or at least twice --stream-interval ({2 * args.stream_interval})")
     if not args.worker_lease > 0:
         p.error("--worker-lease must be positive")
+    if not args.priority_aging >= 0:
+        p.error("--priority-aging must not be negative")
+    if args.max_request_failures < 1:
+        p.error("--max-request-failures must be at least 1")
+    check_limit_arguments(p, args)
     if args.instance_id is None:
         args.instance_id = f"{socket.gethostname()}:{args.port}"
     if not args.instance_id:
@@ -166,7 +185,8 @@ async def serve(args: argparse.Namespace, security) -> None:
         config=EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                             step_timeout_s=args.step_timeout, async_scheduling=args.async_scheduling,
-                            instance_id=args.instance_id, worker_lease_s=args.worker_lease))
+                            instance_id=args.instance_id, worker_lease_s=args.worker_lease,
+                            priority_aging_s=args.priority_aging, max_request_failures=args.max_request_failures))
     stop = Stop()
     stop.install()
     if args.metrics_port:

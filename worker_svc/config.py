@@ -34,6 +34,9 @@ class WorkerConfig:
     dist_init_addr: str | None = None           # HOST:PORT of rank 0's rendezvous store
     dist_backend: str = "auto"                  # auto: nccl on CUDA, gloo on the CPU
     dist_timeout: float = 60.0                  # seconds a collective (or a silent peer) may take
+    grammar_compile_timeout: float = 10.0       # seconds one grammar may take to compile, else refused
+    grammar_compile_processes: int = 1          # processes compiling grammars side by side
+    max_mask_ms: float = 50.0                   # CPU ms a request's token mask may cost in one step
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +65,17 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds unseeded sampling and dummy weights")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step (sizes the CUDA graphs)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="most tokens in one step (sizes the warm-up)")
+    so = parser.add_argument_group("structured output", "grammars compile in processes of their own, each "
+                                   "within a time budget, before their request's first step")
+    so.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="a constraint whose grammar takes longer to compile is refused (INVALID_ARGUMENT naming "
+                         "it); the compiling process is killed and replaced")
+    so.add_argument("--grammar-compile-processes", type=int, default=1,
+                    help="processes compiling grammars side by side")
+    so.add_argument("--max-mask-ms", type=float, default=50.0, metavar="MS",
+                    help="CPU time a request's token mask may cost in one step (accepting the last token and "
+                         "filling the mask); a request over it is ended (INVALID_ARGUMENT naming its constraint) "
+                         "rather than slowing the batch")
     tp = parser.add_argument_group("tensor parallelism", "one worker process per rank; the scheduler "
                                    "lists the group's addresses, rank 0 first, with --tensor-parallel-size")
     tp.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks in this worker's group")
@@ -78,7 +92,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     config = WorkerConfig(**{f.name: getattr(args, f.name) for f in fields(WorkerConfig)})
     positive = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout")
+                "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout", "grammar_compile_timeout",
+                "grammar_compile_processes", "max_mask_ms")
     for name in positive:
         value = getattr(config, name)
         if value is not None and value <= 0:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.constraint import Constraint
+from common.features import check_features
 from common.model_dir import read_model_facts
 from common.pb.llm.worker.v1 import worker_pb2
 from worker_svc import kv_cache, parallel_state
@@ -39,8 +41,8 @@ from worker_svc.model_config import load_model_config
 from worker_svc.models import build_model
 from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, broadcast_tokens, get_tp_rank, get_tp_size
-from worker_svc.step_message import (InvalidStepError, NewRequest, PromptLogprobs, StaleMirrorError, StepInput,
-                                     StepOutput, TopLogprobs)
+from worker_svc.step_message import (InvalidStepError, NewRequest, PromptLogprobs, RequestFailure, StaleMirrorError,
+                                     StepInput, StepOutput, TopLogprobs)
 from worker_svc.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -133,6 +135,7 @@ class PendingStep:
         self._tokens, self._logprobs, self._event, self._release = tokens, logprobs, event, release
         self._device_start = device_start
         self._extra = extra
+        self.failed: list[RequestFailure] = []     # requests given up on in this step
 
     def result(self) -> StepOutput:
         try:
@@ -150,7 +153,7 @@ class PendingStep:
                 self._release = None
         device_ms = self._device_start.elapsed_time(self._event) if self._device_start is not None else 0.0
         return StepOutput(self.step_id, tokens, logprobs, self._prepare_ms, self._forward_ms,
-                          (time.perf_counter() - self._started) * 1e3, device_ms, top, prompt)
+                          (time.perf_counter() - self._started) * 1e3, device_ms, top, prompt, tuple(self.failed))
 
 
 class _OutputSlots:
@@ -271,7 +274,11 @@ class ModelRunner:
         parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens.
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp_rank == 0 else None
-        self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device)
+        self.features = check_features()
+        self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device,
+                                            feature=self.features[0], compile_timeout_s=config.grammar_compile_timeout,
+                                            compile_processes=config.grammar_compile_processes,
+                                            mask_budget_ms=config.max_mask_ms)
                            if self.tp_rank == 0 else None)
         if self.structured is not None and self.device.type == "cuda":
             self.structured.load_in_background()
@@ -315,6 +322,7 @@ class ModelRunner:
             instance_id=self.instance_id,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            features=[worker_pb2.Feature(name=f.name, available=f.available, detail=f.detail) for f in self.features],
         )
 
     def step(self, step: StepInput) -> StepOutput:
@@ -330,19 +338,27 @@ class ModelRunner:
         started = time.perf_counter()
         if parallel_state.group_broken().is_set():
             raise RuntimeError("the tensor-parallel group is broken; this worker is exiting")
-        cached_rows, matchers = self._validate(step)
+        cached_rows, matchers, failed = self._validate(step)
         rows, counts = self._apply(step, cached_rows, matchers)
         if not len(rows):
-            return PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
-        batch = self._prepare(rows, counts)
-        prepared = time.perf_counter()
-        try:
-            pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
-        except Exception as exc:
-            if self.tp_size > 1:   # the other ranks are left waiting in a collective
-                parallel_state.mark_broken(f"step {step.step_id} failed: {exc!r}")
-            raise
+            pending = PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
+        else:
+            batch = self._prepare(rows, counts)
+            prepared = time.perf_counter()
+            try:
+                pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
+            except Exception as exc:
+                if self.tp_size > 1:   # the other ranks are left waiting in a collective
+                    parallel_state.mark_broken(f"step {step.step_id} failed: {exc!r}")
+                raise
+        pending.failed += failed
         return pending
+
+    def prepare_grammar(self, constraint: Constraint) -> None:
+        """Compiles a constraint before its request's first step (StructuredOutput.prepare)."""
+        if self.structured is None:
+            raise InvalidStepError("only rank 0 of a group prepares grammars")
+        self.structured.prepare(constraint)
 
     def reset(self) -> None:
         for seq_id in self.batch.seq_ids():
@@ -359,9 +375,10 @@ class ModelRunner:
 
     # --- a step ------------------------------------------------------------------------------
 
-    def _validate(self, step: StepInput) -> tuple[np.ndarray, dict]:
-        """Checks the whole step against the batch; returns the cached requests' rows and the
-        new requests' grammar matchers (by seq_id), made here so a bad constraint changes nothing."""
+    def _validate(self, step: StepInput) -> tuple[np.ndarray, dict, list[RequestFailure]]:
+        """Checks the whole step against the batch; returns the cached requests' rows, the new
+        requests' grammar matchers (by seq_id), and the new requests whose grammar failed: those
+        run unconstrained in this step, their tokens void, and the scheduler ends them."""
         sid = step.step_id
         if step.num_requests > self.config.max_num_seqs:
             raise InvalidStepError(f"step {sid}: {step.num_requests} requests exceed max_num_seqs "
@@ -387,15 +404,17 @@ class ModelRunner:
                                    f"{self.config.max_num_batched_tokens}")
         if len(rows):
             self._check_cached(step, rows)
-        matchers = {}
+        matchers, failed = {}, []
         if self.structured is not None:
             for new in step.new_requests:
                 if new.constraint is not None:
-                    try:
-                        matchers[new.seq_id] = self.structured.matcher(new.constraint, new.output_token_ids)
-                    except ValueError as exc:   # GrammarError: a bad constraint, or tokens not following it
-                        raise InvalidStepError(f"step {sid}, new request {new.seq_id}: {exc}") from None
-        return rows, matchers
+                    matcher_or_failure = self.structured.matcher_or_failure(new.seq_id, new.constraint,
+                                                                            new.output_token_ids)
+                    if isinstance(matcher_or_failure, RequestFailure):
+                        failed.append(matcher_or_failure)
+                    else:
+                        matchers[new.seq_id] = matcher_or_failure
+        return rows, matchers, failed
 
     def _check_new(self, sid: int, new: NewRequest, seen: set[int], finished: set[int]) -> int:
         where = f"step {sid}, new request {new.seq_id}"
@@ -609,16 +628,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             device_start = torch.cuda.Event(enable_timing=True)
             device_start.record()
+        # Constrained rows' masks are filled in the background while the forward runs.
+        fill = self.structured.start_fill(batch.constrained[1]) if batch.constrained is not None else None
         hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         extra = self._score_prompt(hidden, batch) if batch.scored is not None else None
         num_sampled = len(batch.sampling_rows)
         host_tokens = host_logprobs = release = None
+        failed: list[RequestFailure] = []
         if num_sampled:
             logits = self.model.compute_logits(hidden, batch.logits_indices)
             logprobs = None
             if self.sampler is not None:
-                if batch.constrained is not None:   # waits for the previous step's tokens
-                    self.structured.mask(logits, batch.constrained[0], batch.constrained[1])
+                if batch.constrained is not None:   # waits for the masks started before the forward
+                    failed = self.structured.mask(logits, batch.constrained[0], fill)
                 meta = self._sampling_metadata(batch.sampling_rows)
                 tokens, logprobs = self.sampler.sample(logits, meta, batch.seeded_output_indices)
                 if batch.constrained is not None:
@@ -646,8 +668,10 @@ class ModelRunner:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         forward_ms = (time.perf_counter() - launched) * 1e3
-        return PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
-                           event, release, device_start, extra)
+        pending = PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
+                              event, release, device_start, extra)
+        pending.failed += failed
+        return pending
 
     def _score_prompt(self, hidden: torch.Tensor, batch: StepBatch) -> _Logprobs | None:
         """Scores the step's prompt tokens (on every rank: the LM head is a collective; rank 0

@@ -80,6 +80,16 @@ class PromptLogprobs:
     top: TopLogprobs | None         # one entry per scored token, when any of them asked
 
 
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """A request this worker cannot go on with (its grammar does not compile, its masks cost more
+    than the budget, ...): the scheduler ends it with this status; its token in the step is void."""
+    seq_id: int
+    code: str                       # a gRPC status code name, e.g. "INVALID_ARGUMENT"
+    message: str
+    about_constraint: bool = False  # the message reads after the constraint field's name
+
+
 @dataclass(slots=True)
 class StepOutput:
     """A step's sampled tokens, in batch order (one per request that samples), on the host."""
@@ -92,6 +102,7 @@ class StepOutput:
     device_ms: float = 0.0
     top_logprobs: TopLogprobs | None = None       # parallel to token_ids, when any request asked
     prompt_logprobs: PromptLogprobs | None = None
+    failed: tuple[RequestFailure, ...] = ()
 
 
 def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptions:
@@ -199,4 +210,6 @@ def build_step_response(output: StepOutput) -> worker_pb2.StepResponse:
         target.logprobs.extend(prompt.logprobs)
         if prompt.top is not None:
             _top_to_proto(prompt.top, target.top)
+    for f in output.failed:
+        msg.failed.add(seq_id=f.seq_id, code=f.code, message=f.message, about_constraint=f.about_constraint)
     return msg

@@ -25,6 +25,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from common.constraint import Constraint
+from common.features import Feature
+from common.pb.llm.worker.v1 import worker_pb2
+from scheduler_svc.engine.api import RequestError
 from scheduler_svc.engine.block_manager import BlockManager
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -65,6 +69,15 @@ class EngineConfig:
     # workers at once; another identity waits until worker_lease_s pass without a step or renewal.
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     worker_lease_s: float = 10.0
+    # Seconds of waiting one priority level is worth: a waiting request is served before any that
+    # arrives more than (its priority - theirs) * this later (scheduler_svc/engine/waiting_queue.py).
+    priority_aging_s: float = 0.01
+    # Grammars the group's rank 0 compiles at once for requests about to be queued (it has a pool
+    # of processes for them); the others wait their turn in the core.
+    grammar_prepare_concurrency: int = 2
+    # A request blamed for this many failed steps is failed alone rather than re-sent once more
+    # (the suspects of a failed step come back one at a time, so the next failure is one's own).
+    max_request_failures: int = 2
 
 
 def new_lease_epoch() -> int:
@@ -80,6 +93,8 @@ class GroupHooks:
     on_step: Callable[["GroupRunner", SchedulerOutput, list[Sequence], StepResult], None]
     on_down: Callable[["GroupRunner"], None]
     on_waiting: Callable[["GroupRunner"], None] = lambda group: None   # down_reason changed
+    # A request failed for good (it made the worker fail --max-request-failures times).
+    on_failed: Callable[["GroupRunner", Sequence, RequestError], None] = lambda group, seq, error: None
 
 
 class GroupRunner:
@@ -105,6 +120,7 @@ class GroupRunner:
         # The requests the worker was computing when the group went down: its restart loses
         # their KV and mirrors, so they are the ones re-sent in full.
         self._lost_seq_ids: set[int] = set()
+        self._prepare_slots = asyncio.Semaphore(config.grammar_prepare_concurrency)
 
     # -- connection -----------------------------------------------------------------------
     async def connect(self) -> None:
@@ -161,6 +177,7 @@ class GroupRunner:
                                        info.max_num_batched_tokens or self.config.max_num_batched_tokens),
             max_model_len=self.max_model_len_for(info),
             block_size=info.block_size,
+            priority_aging_s=self.config.priority_aging_s,
         )
 
     def max_model_len_for(self, info) -> int:
@@ -179,6 +196,31 @@ class GroupRunner:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len if self.scheduler else 0
+
+    @property
+    def features(self) -> tuple[Feature, ...]:
+        """What the group's rank 0 said it can serve of the optional features (none known yet: ())."""
+        if self.info is None:
+            return ()
+        return tuple(Feature(f.name, f.available, f.detail) for f in self.info.features)
+
+    async def prepare_grammar(self, constraint: Constraint) -> RequestError | None:
+        """Has rank 0 compile a request's constraint before the request is queued, so no step
+        waits for it. Returns why the request must fail (the constraint does not compile, or not
+        within the worker's budget; no structured output there), or None to queue it, also when
+        the group could not be asked (down, or restarted: a step then compiles it)."""
+        async with self._prepare_slots:
+            if not self.healthy:
+                return None
+            try:
+                await self.client.prepare_grammar(worker_pb2.Constraint(kind=constraint.kind, text=constraint.text),
+                                                  self._lease_epoch, timeout=self.config.step_timeout_s)
+            except WorkerError as e:
+                if e.code in ("INVALID_ARGUMENT", "UNIMPLEMENTED"):
+                    return RequestError(e.code, e.details, about_constraint=e.code == "INVALID_ARGUMENT")
+                log.warning("group %d could not prepare a %s grammar (%s); its first step compiles it", self.index,
+                            constraint.kind, e)
+        return None
 
     # -- step loop ------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,7 +265,12 @@ class GroupRunner:
                     # worker when the reconnect resets it; their results are void.
                     await asyncio.gather(*(r for _, r, _ in in_flight), return_exceptions=True)
                     in_flight.clear()
+                    blamed = self._blame(output)
                     self._mark_down(f"step failed ({e})")
+                    for seq in blamed:
+                        self.hooks.on_failed(self, seq, RequestError(
+                            "INTERNAL", f"the worker failed {seq.num_failures} times while computing this request "
+                                        f"(last: {e.details or e}); it is not sent again"))
         finally:
             for _, reply, _ in in_flight:
                 reply.cancel()
@@ -235,6 +282,21 @@ class GroupRunner:
         resent = sum(1 for seq in waiting if seq.seq_id in self._lost_seq_ids)
         log.warning("group %d: worker restarted; re-sending in full the %d requests it was computing "
                     "(%d more waiting were not on it yet)", self.index, resent, len(waiting) - resent)
+
+    def _blame(self, failed: SchedulerOutput) -> list[Sequence]:
+        """Counts a failed step against its suspects (requests of an earlier failed step, which
+        come back one at a time: see scheduler.py) and makes its other requests suspects.
+        Returns the requests that have now failed max_request_failures times."""
+        blamed = []
+        for seq in failed.seqs:
+            if seq.is_finished:
+                continue
+            if seq.suspect:
+                seq.num_failures += 1
+                if seq.num_failures >= self.config.max_request_failures:
+                    blamed.append(seq)
+            seq.suspect = True
+        return blamed
 
     def _mark_down(self, why: str) -> None:
         log.error("group %d: %s; marking it down", self.index, why)
@@ -277,6 +339,8 @@ class GroupRunner:
             received = self.scheduler.update(output, result.token_ids)
         except ValueError as e:       # the reply lacks tokens the step had to sample
             raise WorkerError(f"group {self.index}: {e}") from e
+        for seq in output.seqs:       # a step that went through clears its requests of suspicion
+            seq.suspect = False
         self.hooks.on_step(self, output, received, result)
 
     # -- load -----------------------------------------------------------------------------

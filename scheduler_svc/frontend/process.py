@@ -14,12 +14,13 @@ import grpc
 from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import AsyncTokenAuthInterceptor, server_security_from_args
+from common.status_guard import AsyncStatusGuardInterceptor
 from scheduler_svc.frontend.core_client import CoreClient, GrpcCoreClient
 from scheduler_svc.frontend.decode_guard import DecodeGuardInterceptor
+from scheduler_svc.frontend.limit_flags import limits_from_args
 from scheduler_svc.frontend.streams import Frontend
 from scheduler_svc.frontend.server import GenerationService, build_server, keep_health_current
 from scheduler_svc.frontend.tokenizer import load_tokenizer
-from scheduler_svc.frontend.validation import Limits
 
 # The public API takes prompts of up to max_model_len tokens as ids (~5 bytes each) or text
 # (Limits.max_prompt_bytes); anything far larger is refused by gRPC before it is buffered.
@@ -57,8 +58,10 @@ async def start_frontend(args: argparse.Namespace, core: CoreClient, security) -
     frontend = Frontend(core, load_tokenizer(args.model), stream_interval=args.stream_interval,
                         stream_window=args.stream_window, eos_token_ids=facts.eos_token_ids)
     service = GenerationService(frontend, model_name=args.served_model_name or facts.name, vocab_size=facts.vocab_size,
-                                eos_token_ids=facts.eos_token_ids, limits=Limits())
-    interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
+                                eos_token_ids=facts.eos_token_ids, limits=limits_from_args(args),
+                                allow_chat_special_tokens=args.allow_chat_special_tokens)
+    interceptors = (([AsyncTokenAuthInterceptor(token)] if token else []) +
+                    [DecodeGuardInterceptor(), AsyncStatusGuardInterceptor()])
     server, health_servicer = build_server(
         service, interceptors=interceptors,
         # Every frontend process binds the same public port; the kernel spreads connections.

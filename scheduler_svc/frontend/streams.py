@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from scheduler_svc.frontend.core_client import CoreClient, CoreUnreachable
-from scheduler_svc.engine.api import AddCode, CoreInfo, CoreRequest, CoreStatus, StepOutputs, make_seq_id
+from scheduler_svc.engine.api import (AddCode, CoreInfo, CoreRequest, CoreStatus, RequestError, StepOutputs,
+                                      make_seq_id)
 from scheduler_svc.frontend.output_stream import OutputStream, RequestOutput
 from common.sampling import SamplingParams
 from scheduler_svc.engine.sequence import FinishReason
@@ -40,6 +41,15 @@ class Refused(Exception):
     def __init__(self, code: AddCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class RequestFailed(Exception):
+    """A request (one of its samples) failed after admission: its stream raises this, and the
+    request's other samples are aborted."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 @dataclass(slots=True)
@@ -136,7 +146,11 @@ class Frontend:
                     self._set_paused(req, True)
         for finished in out.finished:
             req = requests.get(finished.seq_id)
-            if req is not None:
+            if req is None:
+                continue
+            if finished.error is not None:
+                self._deliver_end(req, RequestFailed(finished.error))
+            else:
                 self._deliver_end(req, req.stream.finish(finished.reason, finished.num_cached_prompt_tokens))
         for req in touched:
             if not req.done:
@@ -159,7 +173,7 @@ class Frontend:
                                                tops[offset:offset + count] if tops is not None else None)
             offset += count
 
-    def _deliver_end(self, req: _Request, message: RequestOutput) -> None:
+    def _deliver_end(self, req: _Request, message: RequestOutput | RequestFailed) -> None:
         self._requests.pop(req.seq_id, None)
         req.done = True
         req.queue.put_nowait(message)
@@ -240,6 +254,8 @@ class Frontend:
         try:
             while remaining:
                 message = await queue.get()
+                if isinstance(message, RequestFailed):
+                    raise message
                 yield message
                 remaining -= message.finished
                 if not message.finished and self.stream_window:

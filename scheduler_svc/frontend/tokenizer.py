@@ -12,7 +12,11 @@ admission can refuse a text that could never fit the context without tokenizing 
 Encoding a long text must not stop the other threads of the process (the frontend's event loop
 writes every client's stream): the backend's `encode` holds the GIL throughout (~1 s per MiB), its
 `encode_batch` releases it, so texts past GIL_FREE_CHARS take that path, and a text longer than
-the caller's token bound is refused by its count, without building a list of its ids.
+the caller's token bound is refused by its count, without building a list of its ids. Decoding
+many ids takes the same care (`decode_batch` releases the GIL, `decode` does not).
+
+`encode_plain` encodes text in which special tokens (<|im_start|>, ...: the added tokens marked
+special) are ordinary text, as a chat's user-supplied text is tokenized (scheduler_svc/frontend/chat.py).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import json
 import pathlib
 from collections.abc import Sequence
 
+from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -52,7 +57,13 @@ class Tokenizer:
         # prompts here; transformers resets them on each of its own calls, so clearing them is safe.
         self._backend.no_truncation()
         self._backend.no_padding()
-        self.max_input_bytes_per_token = max_input_bytes_per_token(json.loads(self._backend.to_str()))
+        spec = self._backend.to_str()
+        self.max_input_bytes_per_token = max_input_bytes_per_token(json.loads(spec))
+        # A second backend (never switched back and forth: threads share both) that reads special tokens as text.
+        self._plain = RustTokenizer.from_str(spec)
+        self._plain.encode_special_tokens = True
+        self.special_tokens: dict[str, int] = {token.content: token_id for token_id, token in
+                                               hf_tokenizer.added_tokens_decoder.items() if token.special}
 
     @property
     def backend(self):
@@ -64,17 +75,20 @@ class Tokenizer:
         no chat template. A rendered chat template passes add_special_tokens=False: it already
         holds every special token the model expects. With max_tokens, a longer encoding raises
         TooManyTokens. A long text releases the GIL while it is encoded (see the module's doc)."""
-        if len(text) <= GIL_FREE_CHARS:
-            encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
-        else:
-            encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        if max_tokens is not None and len(encoding) > max_tokens:
-            raise TooManyTokens(len(encoding), max_tokens)
-        return encoding.ids
+        return _encode(self._backend, text, add_special_tokens, max_tokens)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of text in which special tokens are plain text (a user's "<|im_start|>" is
+        the characters, not the control token); nothing is added."""
+        return _encode(self._plain, text, False, None)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of `token_ids`; ids the vocabulary lacks (the model's padded rows) decode to nothing."""
-        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        """Text of `token_ids`; ids the vocabulary lacks (the model's padded rows) decode to nothing.
+        Many ids are decoded with the GIL released."""
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        if len(ids) <= GIL_FREE_CHARS:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def decode_each(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> list[str]:
         """The text of each token on its own (one batch call, which releases the GIL)."""
@@ -83,6 +97,16 @@ class Tokenizer:
     def __len__(self) -> int:
         """Ids the tokenizer knows, added tokens included; may be below the model's vocab_size."""
         return len(self.hf)
+
+
+def _encode(backend: RustTokenizer, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[int]:
+    if len(text) <= GIL_FREE_CHARS:
+        encoding = backend.encode(text, add_special_tokens=add_special_tokens)
+    else:
+        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    if max_tokens is not None and len(encoding) > max_tokens:
+        raise TooManyTokens(len(encoding), max_tokens)
+    return encoding.ids
 
 
 def max_input_bytes_per_token(spec: dict) -> int | None:

@@ -8,43 +8,54 @@ Every float has a closed range in which the sampler's arithmetic stays finite fo
 (a repetition penalty near 0 would divide logits by it); the proto documents the ranges. A refused
 float is printed as the client wrote it: the shortest decimal that is the same float32.
 
-A constraint (json_schema, regex, grammar, json_object) is turned into its grammar here, without
-the tokenizer (cheap, and cached by its text), so a bad one is refused naming the problem before
-the request is scheduled; the worker compiles its token masks.
+A constraint (json_schema, regex, grammar, json_object) is checked here by its size only (bytes;
+a schema's depth and number of values), which bounds what building its grammar can cost. The
+worker builds and compiles it, in a pool of its own with a time budget, before the request is
+scheduled (worker_svc/grammar_pool.py); a constraint that does not compile is refused from there,
+naming the problem.
 """
 from __future__ import annotations
 
-import functools
 import math
 import struct
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from common.constraint import Constraint, GrammarError, to_grammar
+from common.constraint import Constraint, GrammarError
 from common.pb.llm.v1 import generation_pb2
 from common.sampling import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from scheduler_svc.frontend.bounded_json import JsonProblem, parse_schema
+from scheduler_svc.frontend.invalid_request import InvalidRequest
 from scheduler_svc.frontend.tokenizer import TooManyTokens
 
-
-class InvalidRequest(ValueError):
-    """A request the service refuses; str() is the whole message, starting with the field's path."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
+__all__ = ["InvalidRequest", "Limits", "DEFAULT_LIMITS", "validate_request", "validate_chat_sampling",
+           "check_constraint"]
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Bounds on what one request may ask for, so that no client can make admission expensive."""
-    max_prompt_bytes: int = 1 << 20          # UTF-8 bytes of a text prompt, checked before tokenizing
+    """Bounds on what one request may ask for, each checked before the work it bounds (tokenizing,
+    rendering, compiling, decoding), so that no client can make admission expensive. The
+    scheduler's flags set the ones an operator may want to change (scheduler_svc/__main__.py)."""
+    max_prompt_bytes: int = 1 << 20          # UTF-8 bytes of a text prompt, or of all of a chat's text
     max_stop_strings: int = 16
     max_stop_string_len: int = 256           # characters; the matcher holds back up to this many
     max_stop_token_ids: int = 256            # a chat template ends on a handful; each is a set lookup
     max_request_id_len: int = 256            # characters
-    max_constraint_bytes: int = 128 << 10    # UTF-8 bytes of a json_schema, regex or grammar
+    max_constraint_bytes: int = 128 << 10    # UTF-8 bytes of a json_schema or grammar
+    max_regex_bytes: int = 4 << 10           # UTF-8 bytes of a regex
+    max_json_depth: int = 32                 # nesting of a schema, tool parameters or tool-call arguments
+    max_json_schema_nodes: int = 4096        # JSON values in a json_schema or a tool's parameters
     max_logit_bias: int = 1024               # entries of logit_bias
+    max_chat_messages: int = 1024
+    max_tools: int = 128
+    max_tool_call_argument_bytes: int = 64 << 10   # UTF-8 bytes of one tool call's arguments_json
+    max_detokenize_ids: int = 1 << 18        # token ids of one Detokenize call
+    max_priority: int = 100                  # priorities -N..N are accepted; 0: priority is off
+
+
+DEFAULT_LIMITS = Limits()
 
 
 def validate_request(
@@ -53,7 +64,7 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     tokenize: Callable[[str], list[int]],
-    limits: Limits = Limits(),
+    limits: Limits = DEFAULT_LIMITS,
     max_input_bytes_per_token: int | None = None,
 ) -> tuple[list[int], SamplingParams]:
     """Returns the prompt's token ids and the resolved sampling parameters, or raises InvalidRequest.
@@ -68,7 +79,7 @@ def validate_request(
 
 
 def validate_chat_sampling(request_id: str, msg: generation_pb2.SamplingParams, num_prompt_tokens: int, *,
-                           vocab_size: int, max_model_len: int, limits: Limits = Limits()) -> SamplingParams:
+                           vocab_size: int, max_model_len: int, limits: Limits = DEFAULT_LIMITS) -> SamplingParams:
     """The resolved sampling parameters of a chat request whose prompt (rendered by the chat
     template) has num_prompt_tokens tokens, or InvalidRequest. Special tokens are always left out
     of a chat's text (the template's turn markers are not content)."""
@@ -131,7 +142,7 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
         top_logprobs=_bounded_int(msg.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS),
         prompt_logprobs=msg.prompt_logprobs,
         constraint=_constraint(msg, limits),
-        priority=msg.priority,
+        priority=_priority(msg, limits),
         logit_bias=_logit_bias(msg.logit_bias, vocab_size, limits),
     )
 
@@ -156,28 +167,45 @@ def _bounded_int(value: int, name: str, low: int, high: int) -> int:
     return value
 
 
+def _priority(msg: generation_pb2.SamplingParams, limits: Limits) -> int:
+    if not msg.priority:
+        return 0
+    if not limits.max_priority:
+        raise InvalidRequest("sampling.priority", f"sampling.priority is off on this server (--max-priority 0); "
+                                                  f"send 0 or leave it unset, got {msg.priority}")
+    return _bounded_int(msg.priority, "priority", -limits.max_priority, limits.max_priority)
+
+
 def _constraint(msg: generation_pb2.SamplingParams, limits: Limits) -> Constraint | None:
     kind = msg.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not msg.json_object):
         return None
     field = f"sampling.{kind}"
     text = "" if kind == "json_object" else getattr(msg, kind)
-    size = len(text.encode("utf-8"))
-    if size > limits.max_constraint_bytes:
-        raise InvalidRequest(field, f"{field} is {size} bytes, more than the limit of {limits.max_constraint_bytes}")
     try:
         constraint = Constraint(kind, text)
-        check_constraint(constraint)
     except GrammarError as e:
         raise InvalidRequest(field, f"{field} is invalid: {e.problem}") from None
+    check_constraint(constraint, limits, field)
     return constraint
 
 
-@functools.lru_cache(maxsize=1024)
-def check_constraint(constraint: Constraint) -> None:
-    """Builds the constraint's grammar (no tokenizer: no token masks), or raises GrammarError.
-    Repeated constraints (one schema for many requests) are checked once."""
-    to_grammar(constraint)
+def check_constraint(constraint: Constraint, limits: Limits = DEFAULT_LIMITS, field: str | None = None) -> None:
+    """Refuses (InvalidRequest naming `field`) a constraint whose grammar would be costly to build
+    by its size alone: bytes, and for a schema its depth and number of values. Whether it compiles
+    is the worker's to say: it builds grammars in a pool of its own, within a time budget."""
+    field = field or f"sampling.{constraint.kind}"
+    limit = limits.max_regex_bytes if constraint.kind == "regex" else limits.max_constraint_bytes
+    if len(constraint.text) > limit:            # characters: no more than bytes, and free to count
+        raise InvalidRequest(field, f"{field} is over {limit} bytes, the limit")
+    size = len(constraint.text.encode("utf-8"))
+    if size > limit:
+        raise InvalidRequest(field, f"{field} is {size} bytes, more than the limit of {limit}")
+    if constraint.kind == "json_schema":
+        try:
+            parse_schema(constraint.text, max_depth=limits.max_json_depth, max_nodes=limits.max_json_schema_nodes)
+        except JsonProblem as e:
+            raise InvalidRequest(field, f"{field} is invalid: {e}") from None
 
 
 def _bounded_float(

@@ -117,6 +117,10 @@ class FakeWorkerClient:
             raise WorkerError(f"worker {self.address}: FAILED_PRECONDITION: {e}") from e
         return str(self.restarts)
 
+    async def prepare_grammar(self, constraint: worker_pb2.Constraint, lease_epoch: int, timeout: float) -> None:
+        """Grammars are not this fake's business: each compiles at once."""
+        self._check_lease(lease_epoch, "prepare grammar")
+
     def _check_lease(self, epoch: int, what: str) -> None:
         try:
             self.lease.check(epoch, what)
