@@ -24,7 +24,7 @@ from common.features import STRUCTURED_OUTPUT, unavailable
 from scheduler_svc.frontend.admission_pool import (INLINE_TEXT_CHARS, INLINE_TOKEN_IDS, AdmissionPool, admits_inline,
                                                    chat_admits_inline)
 from scheduler_svc.frontend.chat import (ChatMessage, ChatPrompt, Tool, ToolCall, chat_text_bytes, check_chat_counts,
-                                         render_chat)
+                                         check_chat_size, render_chat)
 from scheduler_svc.frontend.chat_parser import ChatDelta, ChatOutputParser
 from scheduler_svc.frontend.core_client import CoreUnreachable
 from scheduler_svc.engine.api import AddCode, CoreInfo, RequestError
@@ -216,11 +216,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         InvalidRequest. Runs in a thread: rendering and tokenizing a long chat take a while."""
         check_chat_counts(len(request.messages), len(request.tools), self.limits)
         messages, tools = chat_from_proto(request)
+        check_chat_size(messages, tools, self.limits)
         max_tokens = max_model_len - 1
         per_token = self.frontend.tokenizer.max_input_bytes_per_token
-        if per_token is not None and chat_text_bytes(messages) > max_tokens * per_token:
-            raise InvalidRequest("prompt", f"the messages hold more text than max_model_len {max_model_len} tokens can "
-                                           f"cover (a token covers at most {per_token} bytes)")
+        size = chat_text_bytes(messages)
+        if per_token is not None and size > max_tokens * per_token:
+            raise InvalidRequest("prompt", f"prompt would be longer than max_model_len {max_model_len} tokens: the "
+                                           f"messages hold {size} bytes of text, and a token covers at most "
+                                           f"{per_token} bytes")
         try:
             prompt = render_chat(self.frontend.tokenizer, messages, tools, request.tool_choice,
                                  request.enable_thinking if request.HasField("enable_thinking") else None,
