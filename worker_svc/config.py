@@ -36,7 +36,7 @@ class WorkerConfig:
     dist_timeout: float = 60.0                  # seconds a collective (or a silent peer) may take
     grammar_compile_timeout: float = 10.0       # seconds one grammar may take to compile, else refused
     grammar_compile_processes: int = 1          # processes compiling grammars side by side
-    max_mask_ms: float = 50.0                   # CPU ms a request's token mask may cost in one step
+    max_mask_ms: float = 10.0                   # CPU ms a request's token mask may cost in one step
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +72,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                          "it); the compiling process is killed and replaced")
     so.add_argument("--grammar-compile-processes", type=int, default=1,
                     help="processes compiling grammars side by side")
-    so.add_argument("--max-mask-ms", type=float, default=50.0, metavar="MS",
+    so.add_argument("--max-mask-ms", type=float, default=10.0, metavar="MS",
                     help="CPU time a request's token mask may cost in one step (accepting the last token and "
                          "filling the mask); a request over it is ended (INVALID_ARGUMENT naming its constraint) "
                          "rather than slowing the batch")

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 # Threads compiling one grammar's masks and filling a large batch's bitmask.
 _MAX_THREADS = 8
-DEFAULT_MASK_BUDGET_MS = 50.0
+DEFAULT_MASK_BUDGET_MS = 10.0
 
 
 class FeatureUnavailable(RuntimeError):

@@ -19,12 +19,14 @@ from scheduler_svc.frontend.core_client import CoreClient, GrpcCoreClient
 from scheduler_svc.frontend.decode_guard import DecodeGuardInterceptor
 from scheduler_svc.frontend.limit_flags import limits_from_args
 from scheduler_svc.frontend.streams import Frontend
-from scheduler_svc.frontend.server import GenerationService, build_server, keep_health_current
+from scheduler_svc.frontend.server import SERVICE_NAME, GenerationService, build_server, keep_health_current
 from scheduler_svc.frontend.tokenizer import load_tokenizer
 
 # The public API takes prompts of up to max_model_len tokens as ids (~5 bytes each) or text
-# (Limits.max_prompt_bytes); anything far larger is refused by gRPC before it is buffered.
-MAX_PUBLIC_MESSAGE_BYTES = 64 * 1024 * 1024
+# (Limits.max_prompt_bytes), and each method refuses a request longer than the limits allow
+# before decoding it (GenerationService.max_request_bytes); anything far larger than the longest
+# of them is refused by gRPC from its length alone, before it is even received (RESOURCE_EXHAUSTED).
+MIN_PUBLIC_MESSAGE_BYTES = 8 * 1024 * 1024
 
 log = logging.getLogger("scheduler.frontend")
 
@@ -60,13 +62,15 @@ async def start_frontend(args: argparse.Namespace, core: CoreClient, security) -
     service = GenerationService(frontend, model_name=args.served_model_name or facts.name, vocab_size=facts.vocab_size,
                                 eos_token_ids=facts.eos_token_ids, limits=limits_from_args(args),
                                 allow_chat_special_tokens=args.allow_chat_special_tokens)
+    max_message = max(MIN_PUBLIC_MESSAGE_BYTES, *(service.max_request_bytes(f"/{SERVICE_NAME}/{method}") or 0
+                                                  for method in ("Generate", "Chat", "Tokenize", "Detokenize")))
     interceptors = (([AsyncTokenAuthInterceptor(token)] if token else []) +
-                    [DecodeGuardInterceptor(), AsyncStatusGuardInterceptor()])
+                    [DecodeGuardInterceptor(service.max_request_bytes), AsyncStatusGuardInterceptor()])
     server, health_servicer = build_server(
         service, interceptors=interceptors,
         # Every frontend process binds the same public port; the kernel spreads connections.
-        options=[("grpc.max_receive_message_length", MAX_PUBLIC_MESSAGE_BYTES),
-                 ("grpc.max_send_message_length", MAX_PUBLIC_MESSAGE_BYTES), ("grpc.so_reuseport", 1)])
+        options=[("grpc.max_receive_message_length", max_message),
+                 ("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 1)])
     listen = f"{args.host}:{args.port}"
     bound = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     if bound == 0:

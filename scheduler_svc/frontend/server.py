@@ -40,6 +40,14 @@ log = logging.getLogger("scheduler.server")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
+# What a request's fields can take in bytes beyond its text (max_request_bytes): a varint id, a
+# chat message's or tool's framing (tags, lengths, role, a few tool calls), sampling's fields
+# (stop strings of up to 4-byte characters, logit_bias, ids), and spare room.
+_VARINT_BYTES = 5
+_MESSAGE_BYTES = 256
+_SAMPLING_BYTES = 64 << 10
+_SLACK_BYTES = 64 << 10
+
 _FINISH_TO_PROTO = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
@@ -278,6 +286,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return await self.admission.run(count <= INLINE_TOKEN_IDS // 8, decode)
         except InvalidRequest as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def max_request_bytes(self, method: str) -> int | None:
+        """The most bytes a request of `method` (a full method name) can take within the limits,
+        with room to spare; a longer one is refused before it is decoded (decode_guard.py)."""
+        limits, name = self.limits, method.rsplit("/", 1)[-1]
+        sampling = _SAMPLING_BYTES + limits.max_constraint_bytes
+        if name == "Detokenize":
+            return _VARINT_BYTES * limits.max_detokenize_ids + _SLACK_BYTES
+        if name == "Tokenize":
+            return limits.max_prompt_bytes + _SLACK_BYTES
+        if name == "Chat":
+            return (limits.max_prompt_bytes + _MESSAGE_BYTES * (limits.max_chat_messages + limits.max_tools) +
+                    sampling + _SLACK_BYTES)
+        if name == "Generate":
+            ids = _VARINT_BYTES * max(self.frontend.status.max_model_len, 1 << 17)
+            return max(limits.max_prompt_bytes, ids) + sampling + _SLACK_BYTES
+        return None
 
     async def _check_features(self, params: SamplingParams, context: grpc.aio.ServicerContext) -> None:
         """Refuses (UNIMPLEMENTED, naming the missing package) what the workers cannot serve."""

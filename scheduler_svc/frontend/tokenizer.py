@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer as RustTokenizer
@@ -36,6 +37,7 @@ _NORMALIZER_SHRINK = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4}
 # Texts longer than this (characters) are encoded with the GIL released. Below it, encode's GIL
 # hold (~1 us per byte) costs less than the batch path's extra work.
 GIL_FREE_CHARS = 512
+_TABLE_CHUNK = 4096       # ids decoded per call while the table of every token's text is made
 
 
 class TooManyTokens(ValueError):
@@ -64,6 +66,8 @@ class Tokenizer:
         self._plain.encode_special_tokens = True
         self.special_tokens: dict[str, int] = {token.content: token_id for token_id, token in
                                                hf_tokenizer.added_tokens_decoder.items() if token.special}
+        self._tables: dict[bool, list[str]] = {}      # skip_special_tokens -> each id's text alone
+        self._tables_lock = threading.Lock()
 
     @property
     def backend(self):
@@ -91,8 +95,22 @@ class Tokenizer:
         return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def decode_each(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> list[str]:
-        """The text of each token on its own (one batch call, which releases the GIL)."""
-        return self._backend.decode_batch([[t] for t in token_ids], skip_special_tokens=skip_special_tokens)
+        """The text of each token on its own. A token's text alone never changes, so it comes from
+        a table of the whole vocabulary's, made at the first call (a lookup per id after that,
+        where decoding each id costs a list and a string per id)."""
+        table = self._token_texts(skip_special_tokens)
+        return [table[t] if t < len(table) else "" for t in token_ids]
+
+    def _token_texts(self, skip_special_tokens: bool) -> list[str]:
+        with self._tables_lock:
+            table = self._tables.get(skip_special_tokens)
+            if table is None:
+                size, table = self._backend.get_vocab_size(with_added_tokens=True), []
+                for start in range(0, size, _TABLE_CHUNK):    # chunks: each batch call releases the GIL
+                    table += self._backend.decode_batch([[t] for t in range(start, min(start + _TABLE_CHUNK, size))],
+                                                        skip_special_tokens=skip_special_tokens)
+                self._tables[skip_special_tokens] = table
+            return table
 
     def __len__(self) -> int:
         """Ids the tokenizer knows, added tokens included; may be below the model's vocab_size."""

@@ -51,7 +51,7 @@ class Limits:
     max_chat_messages: int = 1024
     max_tools: int = 128
     max_tool_call_argument_bytes: int = 64 << 10   # UTF-8 bytes of one tool call's arguments_json
-    max_detokenize_ids: int = 1 << 18        # token ids of one Detokenize call
+    max_detokenize_ids: int = 1 << 17        # token ids of one Detokenize call (128k: a long context)
     max_priority: int = 100                  # priorities -N..N are accepted; 0: priority is off
 
 
