@@ -55,6 +55,11 @@ class GrammarPool:
         self._refused: OrderedDict[Constraint, GrammarError] = OrderedDict()
         self.num_timeouts = 0
 
+    @property
+    def started(self) -> int:
+        """Compiling processes started (or starting) now."""
+        return self._started
+
     def start(self) -> None:
         """Starts the children now (in the background) rather than at the first compilation."""
         with self._lock:

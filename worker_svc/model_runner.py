@@ -280,8 +280,8 @@ class ModelRunner:
                                             compile_processes=config.grammar_compile_processes,
                                             mask_budget_ms=config.max_mask_ms)
                            if self.tp_rank == 0 else None)
-        if self.structured is not None and self.device.type == "cuda":
-            self.structured.load_in_background()
+        if self.structured is not None:   # CUDA: beside the graph capture; CPU: now, before any step
+            self.structured.load_in_background() if self.device.type == "cuda" else self.structured.load()
         self.batch = InputBatch(self.max_model_len, self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self._sampling_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs

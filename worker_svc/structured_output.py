@@ -22,7 +22,10 @@ the batch at most one budget, once, and never holds up the sampling of the other
 
 Whether structured output is available at all (xgrammar and pydantic import) is checked at
 start-up (common/features.py); without it, a constrained request fails with UNIMPLEMENTED naming
-the package, and nothing here imports xgrammar.
+the package, and nothing here imports xgrammar. With it, the worker's own compiler (the tokenizer
+tables that deserialized grammars and matchers use) is made at start-up too (in the background
+on CUDA, beside the graph capture): made by a first constrained request, it would hold the
+interpreter lock against the steps running meanwhile.
 """
 from __future__ import annotations
 
@@ -134,6 +137,14 @@ class StructuredOutput:
         self.num_refused = 0      # sampled tokens a matcher refused (a bug if ever non-zero)
         self.num_over_budget = 0  # requests failed for their masks' cost
 
+    def load(self) -> None:
+        """Makes the compiler now (the worker's tokenizer tables), so that the first constrained
+        request does not: made while steps run, it would hold the interpreter lock against them
+        (a third of a second for the tiny model, seconds for a real vocabulary). The compiling
+        processes still start at the first grammar."""
+        if self.pool is not None:
+            self._load_quietly()
+
     def load_in_background(self) -> None:
         """Starts making the compiler and the compiling processes now, on a thread of its own (a
         first constrained request then waits only for what is left of it)."""
@@ -216,8 +227,13 @@ class StructuredOutput:
 
     @property
     def loaded(self) -> bool:
-        """Whether a constrained request has come (the compiler exists)."""
+        """Whether the compiler exists (made at start-up, see load)."""
         return self._compiler is not None
+
+    @property
+    def masked(self) -> bool:
+        """Whether a step has had constrained rows (their masks' buffer exists)."""
+        return self._bitmask is not None
 
     def clear(self) -> None:
         """Forgets tokens not accepted yet (the batch was reset: their matchers are gone)."""

@@ -22,6 +22,7 @@ their blocks stay text; "auto" (or empty) renders them and parses whatever calls
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from scheduler_svc.frontend.bounded_json import JsonProblem, measure, parse_json
 from scheduler_svc.frontend.chat_tokens import escaper_for, tokenize_rendered
 from scheduler_svc.frontend.tokenizer import Tokenizer, TooManyTokens
 from scheduler_svc.frontend.validation import DEFAULT_LIMITS, InvalidRequest, Limits
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -190,6 +193,15 @@ def _escaped(message: dict[str, Any], escape) -> dict[str, Any]:
                               "function": {name: escape(value) for name, value in call["function"].items()}}
                              for call in out["tool_calls"]]
     return out
+
+
+def warm_up_chat(tokenizer: Tokenizer) -> None:
+    """Renders a chat once, at start-up: the first render compiles the chat template (a tenth of
+    a second and more), which a first Chat would otherwise do on the event loop."""
+    try:
+        render_chat(tokenizer, [ChatMessage("user", "Hi")])
+    except InvalidRequest as e:     # a model without a chat template: Chat is refused, naming why
+        log.info("no chat: %s", e)
 
 
 def tool_call_constraint(tools: Sequence[Tool], *, single: bool, reasoning: str = "closed") -> Constraint:

@@ -15,6 +15,7 @@ from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import AsyncTokenAuthInterceptor, server_security_from_args
 from common.status_guard import AsyncStatusGuardInterceptor
+from scheduler_svc.frontend.chat import warm_up_chat
 from scheduler_svc.frontend.core_client import CoreClient, GrpcCoreClient
 from scheduler_svc.frontend.decode_guard import DecodeGuardInterceptor
 from scheduler_svc.frontend.limit_flags import limits_from_args
@@ -57,7 +58,9 @@ async def start_frontend(args: argparse.Namespace, core: CoreClient, security) -
     """The frontend and its public server, started; returns them and its background tasks."""
     token, credentials = security
     facts = read_model_facts(args.model)
-    frontend = Frontend(core, load_tokenizer(args.model), stream_interval=args.stream_interval,
+    tokenizer = load_tokenizer(args.model)
+    warm_up_chat(tokenizer)
+    frontend = Frontend(core, tokenizer, stream_interval=args.stream_interval,
                         stream_window=args.stream_window, eos_token_ids=facts.eos_token_ids)
     service = GenerationService(frontend, model_name=args.served_model_name or facts.name, vocab_size=facts.vocab_size,
                                 eos_token_ids=facts.eos_token_ids, limits=limits_from_args(args),

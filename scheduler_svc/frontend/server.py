@@ -41,10 +41,13 @@ log = logging.getLogger("scheduler.server")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 # What a request's fields can take in bytes beyond its text (max_request_bytes): a varint id, a
-# chat message's or tool's framing (tags, lengths, role, a few tool calls), sampling's fields
-# (stop strings of up to 4-byte characters, logit_bias, ids), and spare room.
+# chat message's or tool's framing (tags, lengths, role; its strings count as text), sampling's
+# fields (stop strings of up to 4-byte characters, logit_bias, ids), and spare room. The bound is
+# tight on purpose: decoding costs by the number of values, and 200,000 chat messages fit in less
+# than 2 MB.
 _VARINT_BYTES = 5
-_MESSAGE_BYTES = 256
+_COPY_CHUNK = 4096        # strings copied into a message per call, off the event loop
+_MESSAGE_BYTES = 32
 _SAMPLING_BYTES = 64 << 10
 _SLACK_BYTES = 64 << 10
 
@@ -278,9 +281,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 index = next(i for i, token_id in enumerate(ids) if token_id >= vocab_size)
                 raise InvalidRequest("token_ids", f"token_ids[{index}] = {ids[index]} is out of range: vocab_size is "
                                                   f"{vocab_size}")
-            return generation_pb2.DetokenizeResponse(
-                text=tokenizer.decode(ids, skip_special_tokens=skip),
-                token_texts=tokenizer.decode_each(ids, skip_special_tokens=skip) if each_token else ())
+            response = generation_pb2.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
+            if each_token:
+                texts = tokenizer.decode_each(ids, skip_special_tokens=skip)
+                for start in range(0, len(texts), _COPY_CHUNK):   # each copy holds the GIL: short ones
+                    response.token_texts.extend(texts[start:start + _COPY_CHUNK])
+            return response
 
         try:
             return await self.admission.run(count <= INLINE_TOKEN_IDS // 8, decode)

@@ -118,7 +118,7 @@ def test_greedy_generation_equals_transformers(tiny_model_dir):
         assert d.tokens[seq_id][len(p):][:num_new] == hf_greedy(tiny_model_dir, p, num_new), f"sequence {seq_id}"
     assert len(d.blocks[2]) == 2   # b grew into a second block while decoding
     # Nothing here asked for a grammar or extra logprobs: none of that machinery ran.
-    assert not d.runner.structured.loaded
+    assert d.runner.structured.pool.started == 0 and not d.runner.structured.masked
     assert all(o.top_logprobs is None and o.prompt_logprobs is None and o.logprobs is None for o in d.outputs)
 
 
