@@ -3,14 +3,18 @@ they slow anyone else.
 
 Probe streams are well-behaved greedy requests, back to back; the time between two messages of a
 request is an inter-token gap. The probes run alone (quiet windows) and beside the hostile clients
-(hostile windows), in turn, in one run on one machine: the ratio of the worst gap of the hostile
-windows to the worst of the quiet ones says what the hostile requests cost everyone else, whatever
-the machine's speed. Each hostile client sends one kind of request again and again for
+(hostile windows), in turn, in one run on one machine: the ratio of the worst gap of a hostile
+window to the worst of the quiet one before it says what the hostile requests cost everyone else,
+whatever the machine's speed. The median of the rounds' ratios is the verdict: a hostile request
+that slows the service does so in every round, a neighbour's burst on a shared machine in one.
+The hostile clients share the machine's CPUs with the service here, so the verdict wants a machine
+of its own (max_gap_ratio 0 reports the ratio without judging it, for busy shared machines). Each hostile client sends one kind of request again and again for
 the hostile phase, each built to cost the service as much as one request can:
 
   ambiguous_regex    a regex with nested stars, whose token masks grow costlier with every token
   wide_schema        a json_schema of 2,000 properties
   deep_schema        a json_schema of arrays nested 600 deep
+  long_prompt        32 KiB of text: tokenized in full (the soak's context is short), then refused
   huge_chat          a chat of 200,000 empty messages
   huge_arguments     a chat whose one tool call has 20 MB of arguments
   nested_arguments   a chat whose tool-call arguments are nested 30,000 deep
@@ -28,9 +32,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
 import pathlib
+import statistics
 import sys
 import time
 from collections import Counter
@@ -48,6 +55,7 @@ EXPECTED = {
     "ambiguous_regex": QUEUED | {"INVALID_ARGUMENT"},
     "wide_schema": {"INVALID_ARGUMENT"},
     "deep_schema": {"INVALID_ARGUMENT"},
+    "long_prompt": {"INVALID_ARGUMENT"},
     "huge_chat": {"INVALID_ARGUMENT"},
     "huge_arguments": {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"},     # past the transport's bound
     "nested_arguments": {"INVALID_ARGUMENT"},
@@ -58,7 +66,7 @@ EXPECTED = {
     "early_cancel": {"CANCELLED", "RESOURCE_EXHAUSTED"},
     "priority_flood": QUEUED,
 }
-CONCURRENCY = {"priority_flood": 3, "slow_client": 2}
+CONCURRENCY = {"priority_flood": 2}
 
 
 @dataclass
@@ -68,11 +76,12 @@ class HostileSettings:
     rounds: int = 3                   # quiet and hostile windows, in turn
     probes: int = 3
     probe_tokens: int = 120           # per probe request; probes send one after another
-    max_gap_ratio: float = 3.0
+    max_gap_ratio: float = 3.0        # 0: the ratio is reported, not judged
     max_priority: int = 100           # the service's --max-priority: the floods ask for the most urgent
     max_detokenize_ids: int = 1 << 17
     eos_token_ids: tuple[int, ...] = (0, 2)
     slow_read_delay_s: float = 0.05
+    pause_s: float = 0.2              # between two requests of one client: hostile, not a flood of them
     request_timeout_s: float = 120.0
     kinds: tuple[str, ...] = tuple(EXPECTED)     # which hostile clients run
 
@@ -131,6 +140,9 @@ class HostileOutcomes:
             self.details[kind] = f"{status}: {detail}"[:300]
 
 
+_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "serving", "tokens")
+
+
 def _nested_arrays(depth: int) -> str:
     schema = '{"type": "string"}'
     for _ in range(depth):
@@ -171,6 +183,8 @@ class HostileClients:
                                                                                   max_tokens=8)),
             "priority_flood": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[9, 10]), sampling=pb.SamplingParams(
                 max_tokens=8, ignore_eos=True, priority=-s.max_priority)),
+            "long_prompt": pb.GenerateRequest(text=" ".join(_WORDS[i % len(_WORDS)] for i in range(8192))[:32 << 10],
+                                              sampling=pb.SamplingParams(max_tokens=1)),
         }
         chats = {
             "huge_chat": _chat([_user("")] * 200_000, max_tokens=4),
@@ -208,7 +222,7 @@ class HostileClients:
                 self.outcomes.record(kind, await self._send[kind]())
             except grpc.aio.AioRpcError as e:
                 self.outcomes.record(kind, e.code().name, e.details() or "")
-            await asyncio.sleep(0.05)       # one request after another, not a busy loop
+            await asyncio.sleep(self.settings.pause_s)
 
     def _streamed(self, method, payload: bytes, delay_s: float = 0.0):
         async def send() -> str:
@@ -267,15 +281,19 @@ async def measure(target: str, fast: GenerationStub, settings: HostileSettings, 
     outcomes = HostileOutcomes({kind: Counter(c) for kind, c in report["statuses"].items()}, report["details"])
     quiet, quiet_gaps = _worst(probes, quiet_windows)
     loaded, loaded_gaps = _worst(probes, hostile_windows)
-    ratio = loaded / quiet
+    ratios = [_worst(probes, [h])[0] / _worst(probes, [q])[0] for q, h in zip(quiet_windows, hostile_windows)]
+    ratio = statistics.median(ratios)
     figures = {"quiet_worst_gap_ms": round(quiet * 1e3, 1), "hostile_worst_gap_ms": round(loaded * 1e3, 1),
-               "gap_ratio": round(ratio, 2), "probe_gaps": quiet_gaps + loaded_gaps,
+               "round_gap_ratios": [round(r, 2) for r in ratios], "gap_ratio": round(ratio, 2),
+               "probe_gaps": quiet_gaps + loaded_gaps,
+               "min_hostile_window_gaps": min(_worst(probes, [h])[1] for h in hostile_windows),
                "hostile_requests": sum(sum(c.values()) for c in outcomes.statuses.values()),
                "hostile_outcomes": {kind: dict(c) for kind, c in sorted(outcomes.statuses.items())}}
     failures = list(probes.errors)
-    if not ratio <= settings.max_gap_ratio:
-        failures.append(f"the hostile requests slowed the probes: worst gap {loaded * 1e3:.0f} ms against "
-                        f"{quiet * 1e3:.0f} ms without them (x{ratio:.2f}, more than x{settings.max_gap_ratio:g})")
+    if settings.max_gap_ratio > 0 and not ratio <= settings.max_gap_ratio:
+        failures.append(f"the hostile requests slowed the probes: their worst gap beside them against alone, by "
+                        f"round, x{', x'.join(f'{r:.2f}' for r in ratios)} (median more than "
+                        f"x{settings.max_gap_ratio:g})")
     for kind, detail in outcomes.details.items():
         failures.append(f"hostile {kind} ended without the status it expects: {detail}")
     never = [kind for kind in settings.kinds if kind not in outcomes.statuses]
@@ -301,7 +319,11 @@ async def _expect(child: asyncio.subprocess.Process, word: str) -> None:
 
 async def _run_clients(target: str, settings: HostileSettings) -> None:
     """The child process: a hostile window per "go" on stdin (hostile_s / rounds long; then it
-    waits for the requests in flight), the outcomes as one JSON line after "done"."""
+    waits for the requests in flight), the outcomes as one JSON line after "done". At a lower
+    priority: hostile clients are other machines, here only for convenience, and what they cost
+    the service must not be their own CPU."""
+    with contextlib.suppress(OSError):
+        os.nice(10)
     small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0),
                     ("grpc.use_local_subchannel_pool", 1)]
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as fast, \

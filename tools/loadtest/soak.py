@@ -4,7 +4,8 @@ first --burst requests arrive at once (more than the batch and the waiting queue
 refused however fast the machine), the rest at --rate. Then hostile clients (an ambiguous regex,
 a wide schema, a huge chat, a huge Detokenize, slow clients, early cancels, priority floods, ...)
 run beside well-behaved probe streams: the probes' worst inter-token gap with them, against the
-same without them in the same run, must stay within --max-gap-ratio (tools/loadtest/hostile.py).
+same without them in the same run (the median over rounds), must stay within --max-gap-ratio
+(tools/loadtest/hostile.py).
 
     python -m tools.loadtest.soak [--model DIR] [--duration 60] [--rate 12] [--out FILE]
 
@@ -181,8 +182,9 @@ class SoakSettings:
     device: str = "cpu"
     request_timeout_s: float = 300.0
     # After the load above: probe streams alone (quiet_s), then beside hostile clients
-    # (hostile_s); their worst inter-token gaps' ratio must stay within max_gap_ratio
-    # (tools/loadtest/hostile.py). hostile_s 0: no such phase.
+    # (hostile_s), in `rounds` turns; the median of the rounds' worst inter-token gap ratios
+    # must stay within max_gap_ratio (tools/loadtest/hostile.py; 0: reported, not judged).
+    # hostile_s 0: no such phase.
     quiet_s: float = 4.0
     hostile_s: float = 4.0
     rounds: int = 3
