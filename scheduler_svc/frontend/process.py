@@ -68,7 +68,8 @@ async def start_frontend(args: argparse.Namespace, core: CoreClient, security) -
     max_message = max(MIN_PUBLIC_MESSAGE_BYTES, *(service.max_request_bytes(f"/{SERVICE_NAME}/{method}") or 0
                                                   for method in ("Generate", "Chat", "Tokenize", "Detokenize")))
     interceptors = (([AsyncTokenAuthInterceptor(token)] if token else []) +
-                    [DecodeGuardInterceptor(service.max_request_bytes), AsyncStatusGuardInterceptor()])
+                    [DecodeGuardInterceptor(service.max_request_bytes, service.long_request_field),
+                     AsyncStatusGuardInterceptor()])
     server, health_servicer = build_server(
         service, interceptors=interceptors,
         # Every frontend process binds the same public port; the kernel spreads connections.

@@ -50,6 +50,8 @@ _COPY_CHUNK = 4096        # strings copied into a message per call, off the even
 _MESSAGE_BYTES = 32
 _SAMPLING_BYTES = 64 << 10
 _SLACK_BYTES = 64 << 10
+# The field a request longer than its method can be is refused for (decode_guard.py).
+_LONG_FIELDS = {"Generate": "prompt", "Chat": "messages", "Tokenize": "text", "Detokenize": "token_ids"}
 
 _FINISH_TO_PROTO = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
@@ -309,6 +311,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             ids = _VARINT_BYTES * max(self.frontend.status.max_model_len, 1 << 17)
             return max(limits.max_prompt_bytes, ids) + sampling + _SLACK_BYTES
         return None
+
+    @staticmethod
+    def long_request_field(method: str) -> str | None:
+        """The field that makes a request of `method` (a full method name) longer than
+        max_request_bytes allows."""
+        return _LONG_FIELDS.get(method.rsplit("/", 1)[-1])
 
     async def _check_features(self, params: SamplingParams, context: grpc.aio.ServicerContext) -> None:
         """Refuses (UNIMPLEMENTED, naming the missing package) what the workers cannot serve."""

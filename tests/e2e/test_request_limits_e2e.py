@@ -47,8 +47,10 @@ WIDE_SCHEMA = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "st
                           "required": [f"p{i}" for i in range(2000)]})
 
 CHATS = {
-    "200k empty messages": ([_user("")] * 200_000, "messages", "more than the limit of 1024"),
-    "20 MB of tool-call arguments": ([_user("hi"), _call('{"a": "' + "x" * (20 << 20) + '"}')],
+    "2,000 empty messages": ([_user("")] * 2_000, "messages", "more than the limit of 1024"),
+    # Longer than any chat within the limits can be: refused before it is decoded.
+    "200k empty messages": ([_user("")] * 200_000, "messages", "more than a Chat request within this server's limits"),
+    "1 MiB of tool-call arguments": ([_user("hi"), _call('{"a": "' + "x" * (1 << 20) + '"}')],
                                      "messages[1].tool_calls[0].arguments_json", "more than the limit of 65536"),
     "deeply nested arguments": ([_user("hi"), _call("[" * 30_000 + "]" * 30_000)],
                                 "messages[1].tool_calls[0].arguments_json", "nested"),
@@ -89,11 +91,16 @@ def test_a_constraint_or_priority_over_a_limit_is_refused_naming_the_field(servi
 
 def test_a_huge_detokenize_is_refused_by_its_count(services):
     stub = generation_pb2_grpc.GenerationStub(services.channel())
+    # Longer than any Detokenize within the limits can be: refused before it is decoded.
     refused = _refusal(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[5] * 3_000_000), timeout=60))
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.details() == "token_ids has 3000000 ids, more than the limit of 262144"
-    long = stub.Detokenize(pb.DetokenizeRequest(token_ids=[70, 71] * 100_000, each_token=True), timeout=60)
-    assert len(long.token_texts) == 200_000 and long.text == "".join(long.token_texts)
+    assert refused.details().startswith("token_ids: the request is 3000005 bytes, more than a Detokenize request")
+    # Short enough to decode (one byte per id), too many ids.
+    refused = _refusal(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[5] * 200_000), timeout=60))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details() == "token_ids has 200000 ids, more than the limit of 131072"
+    long = stub.Detokenize(pb.DetokenizeRequest(token_ids=[70, 71] * 60_000, each_token=True), timeout=60)
+    assert len(long.token_texts) == 120_000 and long.text == "".join(long.token_texts)
 
 
 def test_special_tokens_written_in_a_chat_are_tokenized_as_text(services, tiny_model_dir):
