@@ -29,8 +29,9 @@ from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.server import build_core_server
 from scheduler_svc.engine.worker_client import GrpcWorkerClient, WorkerGroupClient
-from scheduler_svc.frontend.config import FRONTENDS, FrontendConfig
+from scheduler_svc.frontend.config import FRONTENDS, FrontendConfig, frontend_config_from_args
 from scheduler_svc.frontend.core_client import LocalCoreClient
+from scheduler_svc.frontend.limit_flags import add_limit_arguments, check_limit_arguments
 from scheduler_svc.frontend.process import Stop, drain_frontend, frontend_process_main, start_frontend
 
 # Seconds a frontend that died waits before it is started again (a crash loop stays slow).
@@ -51,6 +52,7 @@ def build_parser() -> ArgumentParser:
     add_config_arguments(p, ServiceConfig)
     add_config_arguments(p, FrontendConfig, {FRONTENDS: "the processes that serve the public API"})
     add_config_arguments(p, EngineConfig, {ENGINE: "scheduling and the workers"})
+    add_limit_arguments(p)
     add_logging_arguments(p)
     add_server_security_arguments(p, "clients of the public API")
     add_client_security_arguments(p, "worker-", "the workers", "worker security",
@@ -72,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stream-window must be 0 or at least twice --stream-interval ({2 * args.stream_interval})")
     if not args.worker_lease_s > 0:
         p.error("--worker-lease must be positive")
+    if not args.priority_aging_s >= 0:
+        p.error("--priority-aging must not be negative")
+    if args.max_request_failures < 1:
+        p.error("--max-request-failures must be at least 1")
+    check_limit_arguments(p, args)
     if args.instance_id is None:
         args.instance_id = f"{socket.gethostname()}:{args.port}"
     if not args.instance_id:
@@ -133,7 +140,7 @@ class FrontendProcesses:
 
 
 async def serve(args: argparse.Namespace, security) -> None:
-    service, frontend = config_from_args(ServiceConfig, args), config_from_args(FrontendConfig, args)
+    service, frontend = config_from_args(ServiceConfig, args), frontend_config_from_args(args)
     facts = read_model_facts(service.model)
     metrics = SchedulerMetrics()
     core = EngineCore(worker_groups(args), eos_token_ids=facts.eos_token_ids, metrics=metrics,

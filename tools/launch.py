@@ -59,9 +59,11 @@ class Proc:
     args: list[str]
     log: pathlib.Path
     popen: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)     # on top of this process's environment
 
     def start(self) -> "Proc":
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   **self.env)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as log:
             self.popen = subprocess.Popen([sys.executable, "-m", *self.args], cwd=REPO, env=env,
@@ -107,11 +109,11 @@ class Services:
 
 
 def worker_proc(model_dir: pathlib.Path, log_dir: pathlib.Path, *extra: str, port: int | None = None,
-                module: str = "worker_svc") -> Proc:
+                module: str = "worker_svc", env: dict[str, str] | None = None) -> Proc:
     """A worker on the CPU unless `extra` names another --device (the last flag given wins)."""
     port = port or free_port()
     args = [module, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *extra]
-    return Proc(f"worker-{port}", f"127.0.0.1:{port}", args, log_dir / f"worker-{port}.log")
+    return Proc(f"worker-{port}", f"127.0.0.1:{port}", args, log_dir / f"worker-{port}.log", env=env or {})
 
 
 def scheduler_proc(model_dir: pathlib.Path, log_dir: pathlib.Path, worker_addrs: list[str], *extra: str) -> Proc:
@@ -128,10 +130,11 @@ def tensor_parallel_args(group_size: int, rank: int, init_addr: str) -> tuple[st
 
 @contextlib.contextmanager
 def running_services(model_dir: pathlib.Path, log_dir: pathlib.Path, *, worker_args: tuple[str, ...] = (),
-                     scheduler_args: tuple[str, ...] = (), num_workers: int = 1, tensor_parallel_size: int = 1):
+                     scheduler_args: tuple[str, ...] = (), num_workers: int = 1, tensor_parallel_size: int = 1,
+                     worker_env: dict[str, str] | None = None):
     """Starts num_workers workers and a scheduler over them; stops all on exit. With
     tensor_parallel_size N, each N consecutive workers are the ranks of one group (so
-    num_workers / N groups serve in data parallel)."""
+    num_workers / N groups serve in data parallel). `worker_env` adds to the workers' environment."""
     if num_workers % tensor_parallel_size:
         raise ValueError(f"{num_workers} workers do not split into groups of {tensor_parallel_size}")
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +144,8 @@ def running_services(model_dir: pathlib.Path, log_dir: pathlib.Path, *, worker_a
         init_addrs = [f"127.0.0.1:{free_port()}" for _ in range(num_workers // tensor_parallel_size)]
         rank_args = [tensor_parallel_args(tensor_parallel_size, i % tensor_parallel_size,
                                           init_addrs[i // tensor_parallel_size]) for i in range(num_workers)]
-    workers = [worker_proc(model_dir, log_dir, *worker_args, *rank_args[i]).start() for i in range(num_workers)]
+    workers = [worker_proc(model_dir, log_dir, *worker_args, *rank_args[i], env=worker_env).start()
+               for i in range(num_workers)]
     services = Services(scheduler_proc(model_dir, log_dir, [w.addr for w in workers], *scheduler_args), workers)
     try:
         for w in workers:

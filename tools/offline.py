@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 
+from common.constraint import Constraint, GrammarError
 from common.model_dir import read_model_facts
 from common.pb.llm.worker.v1 import worker_pb2
 from scheduler_svc.engine.core import EngineConfig, EngineCore
@@ -24,6 +25,7 @@ from scheduler_svc.engine.worker_client import WorkerError, WorkerGroupClient
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import ModelRunner
 from worker_svc.step_message import build_step_response, build_worker_info, parse_step_request
+from worker_svc.structured_output import FeatureUnavailable
 
 _WORKER_FIELDS = {f.name for f in dataclasses.fields(WorkerConfig)} - {"model"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -60,6 +62,15 @@ class LocalWorkerClient:
     async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
         """The runner lives in this engine's process: nobody else can drive it, so no lease."""
         return self._runner.instance_id
+
+    async def prepare_grammar(self, constraint: Constraint, lease_epoch: int, timeout: float) -> None:
+        """Compiles it in the runner's grammar pool, on a thread of its own (never the step's)."""
+        try:
+            await asyncio.to_thread(self._runner.prepare_grammar, constraint)
+        except FeatureUnavailable as e:
+            raise WorkerError(f"local worker: {e}", "UNIMPLEMENTED", str(e)) from e
+        except GrammarError as e:
+            raise WorkerError(f"local worker: {e}", "INVALID_ARGUMENT", f"is invalid: {e.problem}") from e
 
     async def close(self) -> None:
         self._launcher.shutdown(wait=True)

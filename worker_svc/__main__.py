@@ -13,10 +13,11 @@ import signal
 import sys
 import threading
 
-from common.cli import ArgumentParser, add_logging_arguments, warn_if_exposed
+from common.cli import ArgumentParser, add_logging_arguments, is_loopback, warn_if_exposed
 from common.logging_setup import setup_logging
 from common.security import add_server_security_arguments, server_security_from_args
 from worker_svc.config import DEFAULT_PORT, add_worker_arguments, worker_config_from_args
+from worker_svc.lease import DEFAULT_MAX_DURATION_S
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,15 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m worker_svc", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port of the llm.worker.v1 API")
+    parser.add_argument("--max-lease", type=float, default=DEFAULT_MAX_DURATION_S, metavar="SECONDS",
+                        help="the longest lease a scheduler's claim is granted (a longer one is cut to this): once "
+                             "its owner falls silent, nobody can keep the worker from other schedulers for longer")
     add_logging_arguments(parser)
     add_server_security_arguments(parser, "the scheduler")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="listen beyond loopback without --auth-token(-file) or --tls-client-ca: anyone who "
+                             "reaches the port can drive the worker (only behind a network policy that keeps "
+                             "everyone else out); without it such a worker refuses to start")
     add_worker_arguments(parser)
     return parser
 
@@ -42,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         auth_token, credentials = server_security_from_args(args, logger)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    if not args.max_lease > 0:
+        parser.error(f"--max-lease must be positive, got {args.max_lease}")
+    authenticated = bool(auth_token) or bool(args.tls_client_ca)   # a token, or mutual TLS
+    if not (authenticated or args.allow_unauthenticated or is_loopback(args.host)):
+        parser.error(f"--host {args.host} is reachable beyond this machine, and without --auth-token-file (or "
+                     f"--tls-client-ca) anyone who reaches the port can drive this worker: give it a token, or "
+                     f"--allow-unauthenticated if a network policy keeps everyone else out")
     warn_if_exposed(args.host, args.port, has_token=bool(auth_token), has_tls=credentials is not None, log=logger,
                     what="this worker (it runs any step the caller sends)")
 
@@ -54,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from worker_svc.model_runner import ModelRunner
     from worker_svc.server import WorkerServer
 
-    server = WorkerServer(args.host, args.port, auth_token=auth_token, credentials=credentials)
+    server = WorkerServer(args.host, args.port, auth_token=auth_token, credentials=credentials,
+                          max_lease_s=args.max_lease)
     server.start()
     threading.Thread(target=_exit_when_group_breaks, args=(server, parallel_state.group_broken()), daemon=True,
                      name="tp-exit").start()

@@ -15,6 +15,7 @@ ATTENTION_BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
 # The KV cache's element types (worker_svc/layers/attention/kv_quant.py: fp8 is e4m3 with scales).
 KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8")
 TENSOR_PARALLEL = "tensor parallelism"
+STRUCTURED_OUTPUT = "structured output"
 SAMPLER_NAMES = ("torch", "kernels", "auto")
 
 
@@ -56,6 +57,15 @@ class WorkerConfig:
     max_num_batched_tokens: int | None = flag(
         None, help="most tokens in one step: sizes the warm-up (its memory is not the KV cache's); the scheduler's "
                    f"step budget unless told less (unset: {describe_defaults()})")
+    grammar_compile_timeout: float = flag(10.0, group=STRUCTURED_OUTPUT, metavar="SECONDS",
+                                          help="a constraint whose grammar takes longer to compile is refused "
+                                               "(INVALID_ARGUMENT naming it); the compiling process is killed and "
+                                               "replaced")
+    grammar_compile_processes: int = flag(1, group=STRUCTURED_OUTPUT, help="processes compiling grammars side by side")
+    max_mask_ms: float = flag(10.0, group=STRUCTURED_OUTPUT, metavar="MS",
+                              help="CPU time a request's token mask may cost in one step (accepting the last token "
+                                   "and filling the mask); a request over it is ended (INVALID_ARGUMENT naming its "
+                                   "constraint) rather than slowing the batch")
     tensor_parallel_size: int = flag(1, group=TENSOR_PARALLEL, help="ranks in this worker's group")
     rank: int = flag(0, group=TENSOR_PARALLEL, help="this process's rank in its group, 0..size-1")
     dist_init_addr: str | None = flag(None, group=TENSOR_PARALLEL, metavar="HOST:PORT",
@@ -69,6 +79,8 @@ class WorkerConfig:
 
 def add_worker_arguments(parser: ArgumentParser) -> None:
     add_config_arguments(parser, WorkerConfig, {
+        STRUCTURED_OUTPUT: "grammars compile in processes of their own, each within a time budget, before their "
+                           "request's first step",
         TENSOR_PARALLEL: "one worker process per rank; the scheduler lists the group's addresses, rank 0 first, "
                          "with --tensor-parallel-size"})
 
@@ -76,7 +88,8 @@ def add_worker_arguments(parser: ArgumentParser) -> None:
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     config = config_from_args(WorkerConfig, args)
     positive = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout")
+                "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout", "grammar_compile_timeout",
+                "grammar_compile_processes", "max_mask_ms")
     for name in positive:
         value = getattr(config, name)
         if value is not None and value <= 0:

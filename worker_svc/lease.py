@@ -11,6 +11,10 @@ epoch) claims at once, and the epoch change fences off whatever its previous lif
 
 A lapsed lease that nobody else claimed is still honoured: its owner's steps renew it, since no
 one else can have touched the worker meanwhile.
+
+A lease lasts at most `max_duration_s` (the worker's --max-lease): a longer claim is granted that
+long, so nobody who reaches the port once an owner falls silent can keep every scheduler out for
+longer than that without renewing.
 """
 from __future__ import annotations
 
@@ -43,11 +47,20 @@ class Lease:
     duration_s: float
 
 
+# The longest lease a claim is granted: the scheduler's own (--worker-lease, 10 s) and a few
+# seconds of its renewals' slack (an idle scheduler renews every second, a busy one every step).
+DEFAULT_MAX_DURATION_S = 15.0
+
+
 class WorkerLease:
     """Thread-safe: the gRPC server calls it from several threads."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_duration_s: float = DEFAULT_MAX_DURATION_S) -> None:
+        if not max_duration_s > 0:
+            raise ValueError(f"a lease's upper bound must be positive, got {max_duration_s} s")
         self._clock = clock
+        self.max_duration_s = max_duration_s
         self._lock = threading.Lock()
         self._lease: Lease | None = None
         self._expires_at = 0.0
@@ -56,15 +69,17 @@ class WorkerLease:
     def lease(self) -> Lease | None:
         return self._lease
 
-    def claim(self, owner: str, epoch: int, duration_s: float) -> None:
-        """Takes the lease for (owner, epoch), or renews it when that is the lease held.
-        Raises ValueError for a malformed claim and LeaseHeld while another owner's lease lives."""
+    def claim(self, owner: str, epoch: int, duration_s: float) -> float:
+        """Takes the lease for (owner, epoch), or renews it when that is the lease held; returns
+        the duration granted (at most max_duration_s). Raises ValueError for a malformed claim and
+        LeaseHeld while another owner's lease lives."""
         if not owner:
             raise ValueError("a claim needs the scheduler's identity (owner)")
         if epoch <= 0:
             raise ValueError(f"a claim needs a positive epoch, got {epoch}")
         if not duration_s > 0:
             raise ValueError(f"a lease needs a positive duration, got {duration_s} s")
+        duration_s = min(duration_s, self.max_duration_s)
         with self._lock:
             now = self._clock()
             held = self._lease
@@ -76,6 +91,7 @@ class WorkerLease:
             self._expires_at = now + duration_s
         if held is None or (held.owner, held.epoch) != (owner, epoch):
             self._log_change(held, self._lease)
+        return duration_s
 
     def check(self, epoch: int, what: str) -> None:
         """Lets a step or reset of the lease's epoch through, renewing the lease; raises

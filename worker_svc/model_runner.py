@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.constraint import Constraint
+from common.features import check_features
 from common.model_dir import read_model_facts
 from worker_svc import kv_cache, parallel_state, startup
 from worker_svc.config import WorkerConfig
@@ -38,11 +40,11 @@ from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import broadcast_tokens
 from worker_svc.prompt_scoring import plan_prompt_scoring, score_prompt
-from worker_svc.runner_io import InvalidStepError, StaleMirrorError, StepInput, StepOutput, WorkerInfo
+from worker_svc.runner_io import InvalidStepError, RequestFailure, StaleMirrorError, StepInput, StepOutput, WorkerInfo
 from worker_svc.staging import EMPTY_PART, Logprobs, OutputSlots, PendingStep, Staging, to_host
 from worker_svc.step_checks import StepLimits, check_step
 from worker_svc.step_limits import with_step_limits
-from worker_svc.structured_output import StructuredOutput
+from worker_svc.structured_output import MaskFill, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +106,14 @@ class ModelRunner:
                 max_rows=config.max_num_seqs)
         elif self.tp_rank == 0:
             self.sampler = Sampler(self.vocab_size, self.device, config.seed)
-        self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device)
+        self.features = check_features()
+        self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device,
+                                            feature=self.features[0], compile_timeout_s=config.grammar_compile_timeout,
+                                            compile_processes=config.grammar_compile_processes,
+                                            mask_budget_ms=config.max_mask_ms)
                            if self.tp_rank == 0 else None)
-        if self.structured is not None and self.device.type == "cuda":
-            self.structured.load_in_background()
+        if self.structured is not None:   # CUDA: beside the graph capture; CPU: now, before any step
+            self.structured.load_in_background() if self.device.type == "cuda" else self.structured.load()
         self.batch = InputBatch(self.max_model_len, self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
         self._sampling_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
@@ -160,6 +166,7 @@ class ModelRunner:
             instance_id=self.instance_id,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            features=self.features,
         )
 
     def step(self, step: StepInput) -> StepOutput:
@@ -175,21 +182,29 @@ class ModelRunner:
         started = time.perf_counter()
         if parallel_state.group_broken().is_set():
             raise RuntimeError("the tensor-parallel group is broken; this worker is exiting")
-        cached_rows, matchers = check_step(step, self.limits, self.batch, self.structured)
+        cached_rows, matchers, failed = check_step(step, self.limits, self.batch, self.structured)
         rows, counts = self._apply(step, cached_rows, matchers)
         if self.device_sampler is not None:
             self.device_sampler.flush()
         if not len(rows):
-            return PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
-        batch = self._prepare(rows, counts)
-        prepared = time.perf_counter()
-        try:
-            pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
-        except Exception as exc:
-            if self.tp_size > 1:   # the other ranks are left waiting in a collective
-                parallel_state.mark_broken(f"step {step.step_id} failed: {exc!r}")
-            raise
+            pending = PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
+        else:
+            batch = self._prepare(rows, counts)
+            prepared = time.perf_counter()
+            try:
+                pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
+            except Exception as exc:
+                if self.tp_size > 1:   # the other ranks are left waiting in a collective
+                    parallel_state.mark_broken(f"step {step.step_id} failed: {exc!r}")
+                raise
+        pending.failed += failed
         return pending
+
+    def prepare_grammar(self, constraint: Constraint) -> None:
+        """Compiles a constraint before its request's first step (StructuredOutput.prepare)."""
+        if self.structured is None:
+            raise InvalidStepError("only rank 0 of a group prepares grammars")
+        self.structured.prepare(constraint)
 
     def reset(self) -> None:
         for seq_id in self.batch.seq_ids():
@@ -373,6 +388,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             device_start = torch.cuda.Event(enable_timing=True)
             device_start.record()
+        # Constrained rows' masks are filled in the background while the forward runs.
+        fill = self.structured.start_fill(batch.constrained[1]) if batch.constrained is not None else None
         extra = None
         if batch.graph:
             hidden = self.decode_graphs.replay(len(batch.sampling_rows))
@@ -383,8 +400,9 @@ class ModelRunner:
                                  batch.scored, self.config.max_num_seqs)
         num_sampled = len(batch.sampling_rows)
         host_tokens = host_logprobs = release = None
+        failed: list[RequestFailure] = []
         if num_sampled:
-            tokens, logprobs, extra = self._sample(batch, hidden, extra)
+            tokens, logprobs, extra, failed = self._sample(batch, hidden, extra, fill)
             slot = self._outputs.acquire()
             release = lambda: self._outputs.release(slot)  # noqa: E731
             host_tokens = self._outputs.tokens[slot]
@@ -400,24 +418,28 @@ class ModelRunner:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         forward_ms = (time.perf_counter() - launched) * 1e3
-        return PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
-                           event, release, device_start, extra)
+        pending = PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
+                              event, release, device_start, extra)
+        pending.failed += failed
+        return pending
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor, extra: Logprobs | None):
-        """(tokens, logprobs or None, extra) of the step's sampling rows, on the device, with each
-        row's newest token stored in last_sampled. A staged decode step without rows that need the
-        host (a grammar's mask, top logprobs) samples inside its graph."""
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor, extra: Logprobs | None, fill: MaskFill | None):
+        """(tokens, logprobs or None, extra, failed) of the step's sampling rows, on the device, with
+        each row's newest token stored in last_sampled; failed: the constrained requests given up on
+        (their masks cost more than the budget), whose tokens are void. A staged decode step without
+        rows that need the host (a grammar's mask, top logprobs) samples inside its graph."""
         n = len(batch.sampling_rows)
+        failed: list[RequestFailure] = []
         if batch.graph and batch.constrained is None and batch.top_ks is None:
             tokens, logprobs = self.decode_graphs.replay_sample(n)
-            return tokens, logprobs if self.device_sampler.wants_logprobs(batch.sampling_rows) else None, extra
+            return tokens, logprobs if self.device_sampler.wants_logprobs(batch.sampling_rows) else None, extra, failed
         logits = self.model.compute_logits(hidden, self._row_index[:n] if batch.graph else batch.logits_indices)
         if self.sampler is None and self.device_sampler is None:   # not rank 0: rank 0's tokens keep the rows equal
             tokens = broadcast_tokens(None, n, self.device)
             self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
-            return tokens, None, extra
-        if batch.constrained is not None:   # waits for the previous step's tokens
-            self.structured.mask(logits, batch.constrained[0], batch.constrained[1])
+            return tokens, None, extra, failed
+        if batch.constrained is not None:   # waits for the masks started before the forward
+            failed = self.structured.mask(logits, batch.constrained[0], fill)
         if self.device_sampler is not None:
             tokens, logprobs = self._tokens[:n], self._logprobs[:n]
             self.device_sampler.sample(logits, batch.sampling_rows_device, tokens, logprobs, self.last_sampled)
@@ -434,7 +456,7 @@ class ModelRunner:
             extra = extra or Logprobs()
             ids, values = top_logprobs(logits.index_select(0, batch.top_positions), int(batch.top_ks.max()))
             extra.top_ks, extra.top_ids, extra.top_values = batch.top_ks, to_host(ids), to_host(values)
-        return tokens, logprobs, extra
+        return tokens, logprobs, extra, failed
 
     def sample_in_graph(self, hidden: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
                         logprobs: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.features import Feature
 from worker_svc.layers.sampler import SamplingOptions
 
 
@@ -72,6 +73,16 @@ class PromptLogprobs:
     top: TopLogprobs | None         # one entry per scored token, when any of them asked
 
 
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """A request this worker cannot go on with (its grammar does not compile, its masks cost more
+    than the budget, ...): the scheduler ends it with this status; its token in the step is void."""
+    seq_id: int
+    code: str                       # a gRPC status code name, e.g. "INVALID_ARGUMENT"
+    message: str
+    about_constraint: bool = False  # the message reads after the constraint field's name
+
+
 @dataclass(slots=True)
 class StepOutput:
     """A step's sampled tokens, in batch order (one per request that samples), on the host."""
@@ -84,6 +95,7 @@ class StepOutput:
     device_ms: float = 0.0
     top_logprobs: TopLogprobs | None = None       # parallel to token_ids, when any request asked
     prompt_logprobs: PromptLogprobs | None = None
+    failed: tuple[RequestFailure, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +116,4 @@ class WorkerInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_dtype: str             # "bfloat16", "float32", or "float8_e4m3fn" (an FP8 cache)
+    features: tuple[Feature, ...] = ()   # the optional features and whether this worker serves each

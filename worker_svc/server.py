@@ -19,10 +19,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.reflection import enable_server_reflection
 from common.security import TokenAuthInterceptor
-from worker_svc.lease import LeaseHeld, StaleLease, WorkerLease
+from common.status_guard import StatusGuardInterceptor
+from common.constraint import Constraint, GrammarError
+from worker_svc.lease import DEFAULT_MAX_DURATION_S, LeaseHeld, StaleLease, WorkerLease
 from worker_svc.model_runner import ModelRunner
 from worker_svc.runner_io import InvalidStepError, StaleMirrorError
 from worker_svc.step_message import build_step_response, build_worker_info, parse_step_request
+from worker_svc.structured_output import FeatureUnavailable
 from worker_svc.step_order import StepOrder
 
 logger = logging.getLogger(__name__)
@@ -30,13 +33,14 @@ logger = logging.getLogger(__name__)
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # A NewRequest carries a whole prompt: 128k tokens of varint ids fit well within this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+RPC_THREADS = 8
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self) -> None:
+    def __init__(self, max_lease_s: float = DEFAULT_MAX_DURATION_S) -> None:
         self._runner: ModelRunner | None = None
         self._order = StepOrder()
-        self.lease = WorkerLease()
+        self.lease = WorkerLease(max_duration_s=max_lease_s)
 
     def attach(self, runner: ModelRunner) -> None:
         self._runner = runner
@@ -117,23 +121,47 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Claim(self, request, context):
         runner = self._ready_runner(context)
+        code = message = None
         try:
-            self.lease.claim(request.owner, request.epoch, request.lease_ms / 1000)
+            granted_s = self.lease.claim(request.owner, request.epoch, request.lease_ms / 1000)
         except LeaseHeld as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return worker_pb2.ClaimResponse(instance_id=runner.instance_id)
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        if code is not None:
+            context.abort(code, message)
+        return worker_pb2.ClaimResponse(instance_id=runner.instance_id, lease_ms=round(granted_s * 1000))
+
+    def PrepareGrammar(self, request, context):
+        """Compiles a request's constraint ahead of its first step (in the runner's grammar pool,
+        within its time budget); waits here, in an RPC thread, never in a step."""
+        runner = self._ready_runner(context)
+        self._check_lease(request.lease_epoch, "prepare grammar", context)
+        code = message = None
+        try:
+            runner.prepare_grammar(Constraint(request.constraint.kind, request.constraint.text))
+        except FeatureUnavailable as exc:
+            code, message = grpc.StatusCode.UNIMPLEMENTED, str(exc)
+        except GrammarError as exc:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, f"is invalid: {exc.problem}"
+        except InvalidStepError as exc:
+            code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+        if code is not None:
+            context.abort(code, message)
+        return worker_pb2.PrepareGrammarResponse()
 
 
 class WorkerServer:
     def __init__(self, host: str, port: int, *, auth_token: str | None = None,
-                 credentials: grpc.ServerCredentials | None = None) -> None:
-        self.servicer = WorkerServicer()
+                 credentials: grpc.ServerCredentials | None = None,
+                 max_lease_s: float = DEFAULT_MAX_DURATION_S) -> None:
+        self.servicer = WorkerServicer(max_lease_s)
         self.health = health.HealthServicer()
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-rpc"),
-            interceptors=[TokenAuthInterceptor(auth_token)] if auth_token else None,
+            # Two steps in flight, claims and health, and grammar preparations waiting on their
+            # compilation (the scheduler runs a few at a time).
+            futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="worker-rpc"),
+            interceptors=([TokenAuthInterceptor(auth_token)] if auth_token else []) + [StatusGuardInterceptor()],
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                      # The scheduler pings every 10 s, calls or not, to notice a dead worker

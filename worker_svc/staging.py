@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker_svc.runner_io import PromptLogprobs, StepOutput, TopLogprobs
+from worker_svc.runner_io import PromptLogprobs, RequestFailure, StepOutput, TopLogprobs
 
 EMPTY_PART = np.zeros(0, np.int64)   # a staging part with nothing in it
 # Launched steps whose tokens may not be read yet: the server has at most two (the one whose
@@ -79,6 +79,7 @@ class PendingStep:
         self._tokens, self._logprobs, self._event, self._release = tokens, logprobs, event, release
         self._device_start = device_start
         self._extra = extra
+        self.failed: list[RequestFailure] = []     # requests given up on in this step
 
     def result(self) -> StepOutput:
         try:
@@ -96,7 +97,7 @@ class PendingStep:
                 self._release = None
         device_ms = self._device_start.elapsed_time(self._event) if self._device_start is not None else 0.0
         return StepOutput(self.step_id, tokens, logprobs, self._prepare_ms, self._forward_ms,
-                          (time.perf_counter() - self._started) * 1e3, device_ms, top, prompt)
+                          (time.perf_counter() - self._started) * 1e3, device_ms, top, prompt, tuple(self.failed))
 
 
 class OutputSlots:

@@ -4,7 +4,8 @@
 InvalidStepError naming the step, the request and the field (a StaleMirrorError when the batch
 and the scheduler's view differ: a request not held, or held twice). The cached requests are
 checked as columns, vectorised over rows; new requests one by one. A new request's grammar
-matcher is made here, so that a bad constraint is refused like any other field.
+matcher is made here; a request whose grammar fails comes back as a RequestFailure (run
+unconstrained in this step, its token void, the scheduler ends it) and the rest of the step goes on.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker_svc.input_batch import InputBatch
-from worker_svc.runner_io import InvalidStepError, NewRequest, StaleMirrorError, StepInput
+from worker_svc.runner_io import InvalidStepError, NewRequest, RequestFailure, StaleMirrorError, StepInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +29,11 @@ class StepLimits:
     max_blocks_per_seq: int          # max_model_len / block_size, rounded up
 
 
-def check_step(step: StepInput, limits: StepLimits, batch: InputBatch, structured) -> tuple[np.ndarray, dict]:
-    """Checks the whole step; returns the cached requests' rows and the new requests' grammar
-    matchers by seq_id (`structured` makes them; None on ranks that do not sample)."""
+def check_step(step: StepInput, limits: StepLimits, batch: InputBatch,
+               structured) -> tuple[np.ndarray, dict, list[RequestFailure]]:
+    """Checks the whole step; returns the cached requests' rows, the new requests' grammar
+    matchers by seq_id (`structured` makes them; None on ranks that do not sample), and the new
+    requests whose grammar failed."""
     sid = step.step_id
     if step.num_requests > limits.max_num_seqs:
         raise InvalidStepError(f"step {sid}: {step.num_requests} requests exceed max_num_seqs {limits.max_num_seqs}")
@@ -55,7 +58,9 @@ def check_step(step: StepInput, limits: StepLimits, batch: InputBatch, structure
                                f"{limits.max_num_batched_tokens}")
     if len(rows):
         _check_cached(step, rows, limits, batch)
-    return rows, (_matchers(step, structured) if structured is not None else {})
+    if structured is None:
+        return rows, {}, []
+    return rows, *_matchers(step, structured)
 
 
 def _check_new(sid: int, new: NewRequest, limits: StepLimits, batch: InputBatch, seen: set[int],
@@ -133,13 +138,15 @@ def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: 
         refuse(short, lambda i: f"{num_blocks[i]} blocks of {limits.block_size} cannot hold {end[i]} tokens")
 
 
-def _matchers(step: StepInput, structured) -> dict:
-    """Grammar matchers of the new requests that carry a constraint, by seq_id."""
-    matchers = {}
+def _matchers(step: StepInput, structured) -> tuple[dict, list[RequestFailure]]:
+    """Grammar matchers of the new requests that carry a constraint, by seq_id, and the requests
+    whose grammar failed."""
+    matchers, failed = {}, []
     for new in step.new_requests:
         if new.sampling.constraint is not None:
-            try:
-                matchers[new.seq_id] = structured.matcher(new.sampling.constraint, new.output_token_ids)
-            except ValueError as exc:   # GrammarError: a bad constraint, or tokens not following it
-                raise InvalidStepError(f"step {step.step_id}, new request {new.seq_id}: {exc}") from None
-    return matchers
+            matcher = structured.matcher_or_failure(new.seq_id, new.sampling.constraint, new.output_token_ids)
+            if isinstance(matcher, RequestFailure):
+                failed.append(matcher)
+            else:
+                matchers[new.seq_id] = matcher
+    return matchers, failed

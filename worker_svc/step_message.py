@@ -88,8 +88,12 @@ def build_step_response(output: StepOutput) -> worker_pb2.StepResponse:
         target.logprobs.extend(prompt.logprobs)
         if prompt.top is not None:
             _top_to_proto(prompt.top, target.top)
+    for f in output.failed:
+        msg.failed.add(seq_id=f.seq_id, code=f.code, message=f.message, about_constraint=f.about_constraint)
     return msg
 
 
 def build_worker_info(info: WorkerInfo) -> worker_pb2.WorkerInfo:
-    return worker_pb2.WorkerInfo(**dataclasses.asdict(info))
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.name != "features"}
+    return worker_pb2.WorkerInfo(**fields, features=[worker_pb2.Feature(name=f.name, available=f.available,
+                                                                        detail=f.detail) for f in info.features])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from common.features import Feature
 from common.sampling import SamplingParams
 from scheduler_svc.engine.sequence import FinishReason
 
@@ -51,12 +52,23 @@ class AddResult:
 ADDED = AddResult(AddCode.OK)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why a request failed (its grammar does not compile, it made the worker fail, ...): the gRPC
+    status code name its client gets, and the message; a message `about_constraint` reads after
+    the name of the request's constraint field ("is invalid: ...")."""
+    code: str
+    message: str
+    about_constraint: bool = False
+
+
 @dataclass(slots=True)
 class FinishedRequest:
     seq_id: int
     reason: FinishReason
     num_output_tokens: int
     num_cached_prompt_tokens: int
+    error: RequestError | None = None     # set when the request failed
 
 
 @dataclass(slots=True)
@@ -108,6 +120,7 @@ class CoreStatus:
     accepting: bool            # a worker group is up and the core is not draining
     reason: str                # why not, when not
     max_model_len: int         # of the groups up (0 while none has been)
+    features: tuple[Feature, ...] = ()   # the optional features, as the workers can serve them
 
 
 @dataclass(slots=True)

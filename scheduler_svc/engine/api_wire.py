@@ -3,10 +3,12 @@ wire, used by the core's server and the frontends' client alike."""
 from __future__ import annotations
 
 from common.pb.llm.engine.v1 import engine_pb2 as pb
+from common.features import Feature
 from common.record_codec import decode, encode
 from common.sampling import SamplingParams
 from scheduler_svc.engine.api import (AddCode, AddResult, CoreEvent, CoreInfo, CoreRequest, CoreStatus,
-                                      FinishedRequest, GroupState, PromptLogprobs, StepOutputs, TopLogprobColumns)
+                                      FinishedRequest, GroupState, PromptLogprobs, RequestError, StepOutputs,
+                                      TopLogprobColumns)
 from scheduler_svc.engine.sequence import FinishReason
 
 _REASON_TO_PB = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -48,11 +50,14 @@ def add_results_from_pb(msg: pb.AddRequestsResponse) -> list[AddResult]:
 
 # -- events -----------------------------------------------------------------------------------
 def status_to_pb(s: CoreStatus) -> pb.CoreStatus:
-    return pb.CoreStatus(accepting=s.accepting, reason=s.reason, max_model_len=s.max_model_len)
+    return pb.CoreStatus(accepting=s.accepting, reason=s.reason, max_model_len=s.max_model_len,
+                         features=[pb.Feature(name=f.name, available=f.available, detail=f.detail)
+                                   for f in s.features])
 
 
 def status_from_pb(msg: pb.CoreStatus) -> CoreStatus:
-    return CoreStatus(msg.accepting, msg.reason, msg.max_model_len)
+    return CoreStatus(msg.accepting, msg.reason, msg.max_model_len,
+                      tuple(Feature(f.name, f.available, f.detail) for f in msg.features))
 
 
 def event_to_pb(event: CoreEvent) -> pb.CoreEvent:
@@ -66,9 +71,12 @@ def event_to_pb(event: CoreEvent) -> pb.CoreEvent:
         if out.logprobs is not None:
             msg.outputs.logprobs.extend(out.logprobs)
         for f in out.finished:
-            msg.outputs.finished.add(seq_id=f.seq_id, reason=_REASON_TO_PB[f.reason],
-                                     num_output_tokens=f.num_output_tokens,
-                                     num_cached_prompt_tokens=f.num_cached_prompt_tokens)
+            finished = msg.outputs.finished.add(seq_id=f.seq_id, reason=_REASON_TO_PB[f.reason],
+                                                num_output_tokens=f.num_output_tokens,
+                                                num_cached_prompt_tokens=f.num_cached_prompt_tokens)
+            if f.error is not None:
+                finished.error_code, finished.error_message = f.error.code, f.error.message
+                finished.error_about_constraint = f.error.about_constraint
         if out.top_logprobs is not None:
             _top_to_pb(out.top_logprobs, msg.outputs.top_logprobs)
         prompt = out.prompt_logprobs
@@ -80,6 +88,12 @@ def event_to_pb(event: CoreEvent) -> pb.CoreEvent:
             if prompt.top is not None:
                 _top_to_pb(prompt.top, target.top)
     return msg
+
+
+def _error_from_pb(f: pb.FinishedRequest) -> RequestError | None:
+    if not f.error_code:
+        return None
+    return RequestError(f.error_code, f.error_message, f.error_about_constraint)
 
 
 def _top_to_pb(top: TopLogprobColumns, msg: pb.TopLogprobColumns) -> None:
@@ -104,7 +118,7 @@ def event_from_pb(msg: pb.CoreEvent) -> CoreEvent:
             seq_ids=list(out.seq_ids), token_ids=list(out.token_ids),
             logprobs=list(out.logprobs) if len(out.logprobs) else None,
             finished=[FinishedRequest(f.seq_id, reason_from_pb(f.reason), f.num_output_tokens,
-                                      f.num_cached_prompt_tokens) for f in out.finished],
+                                      f.num_cached_prompt_tokens, _error_from_pb(f)) for f in out.finished],
             top_logprobs=_top_from_pb(out.top_logprobs))
         if len(out.prompt_logprobs.seq_ids):
             p = out.prompt_logprobs

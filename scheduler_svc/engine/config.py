@@ -41,6 +41,19 @@ class EngineConfig:
     worker_lease_s: float = flag(10.0, name="--worker-lease", group=ENGINE,
                                  help="seconds a worker stays leased to this scheduler without a step or renewal; "
                                       "another scheduler can take it over only after that")
+    priority_aging_s: float = flag(
+        0.01, name="--priority-aging", group=ENGINE, metavar="SECONDS",
+        help="seconds of waiting one priority level is worth: a waiting request is admitted before any that arrives "
+             "more than (its priority - theirs) x this later, so with priorities in -N..N (--max-priority) none "
+             "waits behind later arrivals for more than 2N x this (0: strict priority)")
+    # Grammars the group's rank 0 compiles at once for requests about to be queued (it has a pool
+    # of processes for them); the others wait their turn in the core.
+    grammar_prepare_concurrency: int = 2
+    # A request blamed for this many failed steps is failed alone rather than re-sent once more
+    # (the suspects of a failed step come back one at a time, so the next failure is one's own).
+    max_request_failures: int = flag(
+        2, group=ENGINE, help="a request in this many failed steps (the worker reset each time) is failed alone, with "
+                              "INTERNAL naming the worker's error, instead of being re-sent again")
 
     def __post_init__(self) -> None:
         if self.instance_id is None:

@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler_svc.engine.api import (ADDED, AddCode, AddResult, CoreEvent, CoreInfo, CoreRequest, CoreStatus,
-                                      FinishedRequest, GroupState, PromptLogprobs, StepOutputs, TopLogprobColumns,
-                                      frontend_of)
+                                      FinishedRequest, GroupState, PromptLogprobs, RequestError, StepOutputs,
+                                      TopLogprobColumns, frontend_of)
+from common.features import Feature
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.group_runner import GroupHooks, GroupRunner
 from scheduler_svc.engine.metrics import SchedulerMetrics
@@ -45,6 +46,7 @@ class _Active:
     deferred: list[Sequence] = field(default_factory=list)
     waits_for: int | None = None
     prompt_scored: int = 0       # prompt tokens whose logprobs were sent (prompt_logprobs)
+    preparing: bool = False      # its grammar is being compiled: not queued yet
 
 
 class EngineCore:
@@ -56,7 +58,7 @@ class EngineCore:
         self.eos_token_ids = list(eos_token_ids)
         self.metrics = metrics or SchedulerMetrics()
         hooks = GroupHooks(on_connected=self._on_connected, on_step=self._on_step, on_down=self._on_down,
-                           on_waiting=lambda group: self._publish_status())
+                           on_waiting=lambda group: self._publish_status(), on_failed=self._on_failed)
         self.groups = [GroupRunner(i, g, self.config, self.eos_token_ids, self.metrics, hooks)
                        for i, g in enumerate(groups)]
         self._active: dict[int, _Active] = {}                  # seq_id -> request in flight
@@ -102,8 +104,9 @@ class EngineCore:
     def _compute_status(self) -> CoreStatus:
         up = [g for g in self.groups if g.healthy]
         max_model_len = min((g.max_model_len for g in up), default=0)
+        features = self._features()
         if self._draining:
-            return CoreStatus(False, "the server is shutting down", max_model_len)
+            return CoreStatus(False, "the server is shutting down", max_model_len, features)
         if not up:
             if any(g.scheduler for g in self.groups):
                 reason = "every worker group is down; requests wait for one to come back"
@@ -112,8 +115,19 @@ class EngineCore:
             # Why each waits, e.g. a worker leased to another scheduler (which one says who).
             reason += "".join(f"; group {g.index}: {g.down_reason}" for g in self.groups if g.down_reason)
             known = min((g.max_model_len for g in self.groups if g.scheduler), default=0)
-            return CoreStatus(False, reason, known)
-        return CoreStatus(True, "", max_model_len)
+            return CoreStatus(False, reason, known, features)
+        return CoreStatus(True, "", max_model_len, features)
+
+    def _features(self) -> tuple[Feature, ...]:
+        """Each optional feature, available when every group that has described itself serves it
+        (a request may go to any of them); else the first group's reason."""
+        per_group = [g.features for g in self.groups if g.info is not None]
+        merged: dict[str, Feature] = {}
+        for features in per_group:
+            for feature in features:
+                if feature.name not in merged or (merged[feature.name].available and not feature.available):
+                    merged[feature.name] = feature
+        return tuple(merged.values())
 
     def _publish_status(self) -> None:
         status = self._compute_status()
@@ -172,10 +186,15 @@ class EngineCore:
             entry.waits_for = leader.seq.seq_id
         else:
             try:
-                group.scheduler.add(seq)
+                group.scheduler.check_new(seq)
             except ValueError as e:      # longer than this group's context limit
                 return AddResult(AddCode.INVALID_ARGUMENT, str(e))
-            group.wake()
+            if seq.sampling.constraint is not None:
+                entry.preparing = True   # queued once the worker has compiled its grammar
+                asyncio.ensure_future(self._prepare_then_queue(entry))
+            else:
+                group.scheduler.add(seq)
+                group.wake()
         self._active[seq.seq_id] = entry
         self._by_request_id.setdefault(seq.request_id, []).append(seq.seq_id)
         return ADDED
@@ -191,6 +210,23 @@ class EngineCore:
                     and not entry.seq.num_output_tokens and entry.seq.token_ids == request.prompt_token_ids):
                 return entry
         return None
+
+    async def _prepare_then_queue(self, entry: _Active) -> None:
+        """Queues a constrained request once its group's worker has compiled its grammar (off
+        every step), or fails it naming why the grammar cannot be had."""
+        seq = entry.seq
+        error = await entry.group.prepare_grammar(seq.sampling.constraint)
+        if self._active.get(seq.seq_id) is not entry:
+            return                       # ended (aborted) meanwhile
+        entry.preparing = False
+        if error is None:
+            try:
+                entry.group.scheduler.add(seq)
+                entry.group.wake()
+                return
+            except ValueError as e:      # the group's context limit changed meanwhile
+                error = RequestError("INVALID_ARGUMENT", str(e))
+        self._end(seq.seq_id, FinishReason.ABORT, notify=True, error=error)
 
     def _release_deferred(self, entry: _Active) -> None:
         """The samples that waited for entry's prompt join its group's queue."""
@@ -296,11 +332,16 @@ class EngineCore:
         if moved:
             logger.warning("group %d is down: %d requests moved to healthy groups", down.index, len(moved))
 
+    def _on_failed(self, group: GroupRunner, seq: Sequence, error: RequestError) -> None:
+        if seq.seq_id in self._active:
+            logger.error("failed alone: %s", error.message, extra={"request_id": seq.request_id})
+            self._end(seq.seq_id, FinishReason.ABORT, notify=True, error=error)
+
     def _on_step(self, group: GroupRunner, output: SchedulerOutput, received: list[Sequence],
                  result: StepResult) -> None:
         """Packs what a step brought (prompt tokens scored, sampled tokens, endings) into one
         StepOutputs per frontend."""
-        if not received and result.prompt_logprobs is None:
+        if not received and result.prompt_logprobs is None and not result.failed:
             return
         self.metrics.observe_sampled(len(received))
         now = time.monotonic()
@@ -315,6 +356,12 @@ class EngineCore:
                                top_logprobs=TopLogprobColumns() if top_of is not None else None)
 
         active = self._active
+        failed = result.failed
+        for seq_id, error in failed.items():     # their tokens are void
+            if seq_id in active:
+                logger.warning("failed by the worker: %s: %s", error.code, error.message,
+                            extra={"request_id": active[seq_id].seq.request_id})
+                self._end(seq_id, FinishReason.ABORT, notify=True, error=error)
         if result.prompt_logprobs is not None:
             self._add_prompt_logprobs(result.prompt_logprobs, per_frontend, new_outputs)
         for seq in received:
@@ -375,15 +422,20 @@ class EngineCore:
             entry.prompt_scored += count - skip
 
     # -- endings ----------------------------------------------------------------------------
-    def _end(self, seq_id: int, reason: FinishReason, *, notify: bool) -> None:
-        """Ends a request the scheduler still runs, or one deferred (abort, stop string, shutdown)."""
+    def _end(self, seq_id: int, reason: FinishReason, *, notify: bool, error: RequestError | None = None) -> None:
+        """Ends a request the scheduler still runs, or one deferred or preparing (abort, stop
+        string, shutdown, failure: with `error`, which its samples waiting for it share)."""
         entry = self._active[seq_id]
+        if error is not None:
+            for sample in list(entry.deferred):
+                self._end(sample.seq_id, reason, notify=notify, error=error)
         if entry.waits_for is None:
             entry.group.scheduler.finish(seq_id, reason)
         else:
             entry.seq.finish_reason = reason
         entry.group.wake()
         finished = self._forget(seq_id)
+        finished.error = error
         if notify:
             queue = self._subscribers.get(frontend_of(seq_id))
             if queue is not None:

@@ -23,6 +23,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from common.constraint import Constraint
+from common.features import Feature
+from scheduler_svc.engine.api import RequestError
 from scheduler_svc.engine.block_manager import BlockManager
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.metrics import SchedulerMetrics
@@ -62,6 +65,8 @@ class GroupHooks:
     on_step: Callable[["GroupRunner", SchedulerOutput, list[Sequence], StepResult], None]
     on_down: Callable[["GroupRunner"], None]
     on_waiting: Callable[["GroupRunner"], None] = lambda group: None   # down_reason changed
+    # A request failed for good (it made the worker fail --max-request-failures times).
+    on_failed: Callable[["GroupRunner", Sequence, RequestError], None] = lambda group, seq, error: None
 
 
 class GroupRunner:
@@ -87,6 +92,7 @@ class GroupRunner:
         # The requests the worker was computing when the group went down: its restart loses
         # their KV and mirrors, so they are the ones re-sent in full.
         self._lost_seq_ids: set[int] = set()
+        self._prepare_slots = asyncio.Semaphore(config.grammar_prepare_concurrency)
 
     # -- connection -----------------------------------------------------------------------
     async def connect(self) -> None:
@@ -144,6 +150,7 @@ class GroupRunner:
             max_num_batched_tokens=self._step_limit("max_num_batched_tokens", infos),
             max_model_len=self.max_model_len_for(infos[0]),
             block_size=infos[0].block_size,
+            priority_aging_s=self.config.priority_aging_s,
         )
 
     def _step_limit(self, name: str, infos: list) -> int:
@@ -179,6 +186,30 @@ class GroupRunner:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len if self.scheduler else 0
+
+    @property
+    def features(self) -> tuple[Feature, ...]:
+        """What the group's rank 0 said it can serve of the optional features (none known yet: ())."""
+        if self.info is None:
+            return ()
+        return tuple(Feature(f.name, f.available, f.detail) for f in self.info.features)
+
+    async def prepare_grammar(self, constraint: Constraint) -> RequestError | None:
+        """Has rank 0 compile a request's constraint before the request is queued, so no step
+        waits for it. Returns why the request must fail (the constraint does not compile, or not
+        within the worker's budget; no structured output there), or None to queue it, also when
+        the group could not be asked (down, or restarted: a step then compiles it)."""
+        async with self._prepare_slots:
+            if not self.healthy:
+                return None
+            try:
+                await self.client.prepare_grammar(constraint, self._lease_epoch, timeout=self.config.step_timeout_s)
+            except WorkerError as e:
+                if e.code in ("INVALID_ARGUMENT", "UNIMPLEMENTED"):
+                    return RequestError(e.code, e.details, about_constraint=e.code == "INVALID_ARGUMENT")
+                logger.warning("group %d could not prepare a %s grammar (%s); its first step compiles it",
+                               self.index, constraint.kind, e)
+        return None
 
     # -- step loop ------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,7 +254,12 @@ class GroupRunner:
                     # worker when the reconnect resets it; their results are void.
                     await asyncio.gather(*(r for _, r, _ in in_flight), return_exceptions=True)
                     in_flight.clear()
+                    blamed = self._blame(output)
                     self._mark_down(f"step failed ({e})")
+                    for seq in blamed:
+                        self.hooks.on_failed(self, seq, RequestError(
+                            "INTERNAL", f"the worker failed {seq.num_failures} times while computing this request "
+                                        f"(last: {e.details or e}); it is not sent again"))
         finally:
             for _, reply, _ in in_flight:
                 reply.cancel()
@@ -235,6 +271,21 @@ class GroupRunner:
         resent = sum(1 for seq in waiting if seq.seq_id in self._lost_seq_ids)
         logger.warning("group %d: worker restarted; re-sending in full the %d requests it was computing "
                        "(%d more waiting were not on it yet)", self.index, resent, len(waiting) - resent)
+
+    def _blame(self, failed: SchedulerOutput) -> list[Sequence]:
+        """Counts a failed step against its suspects (requests of an earlier failed step, which
+        come back one at a time: see scheduler.py) and makes its other requests suspects.
+        Returns the requests that have now failed max_request_failures times."""
+        blamed = []
+        for seq in failed.seqs:
+            if seq.is_finished:
+                continue
+            if seq.suspect:
+                seq.num_failures += 1
+                if seq.num_failures >= self.config.max_request_failures:
+                    blamed.append(seq)
+            seq.suspect = True
+        return blamed
 
     def _mark_down(self, why: str) -> None:
         logger.error("group %d: %s; marking it down", self.index, why)
@@ -277,6 +328,8 @@ class GroupRunner:
             received = self.scheduler.update(output, result.token_ids)
         except ValueError as e:       # the reply lacks tokens the step had to sample
             raise WorkerError(f"group {self.index}: {e}") from e
+        for seq in output.seqs:       # a step that went through clears its requests of suspicion
+            seq.suspect = False
         self.hooks.on_step(self, output, received, result)
 
     # -- load -----------------------------------------------------------------------------

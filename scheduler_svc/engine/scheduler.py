@@ -3,9 +3,9 @@
 One unified step in the style of vLLM V1: every request simply has some tokens left to
 compute. Running requests go first (a decode takes one token, an unfinished prefill the
 next chunk), preempting the lowest-priority, most recently admitted ones when KV blocks run out;
-then waiting requests are admitted by priority, then first come, first served, with the remaining
-token budget, chunked when their prompt does not fit. So one step can mix a long prompt's chunk
-with many decodes. With one priority (the default) this is plain FCFS.
+then waiting requests are admitted by priority (aged by their wait, see waiting_queue.py), then
+first come, first served, with the remaining token budget, chunked when their prompt does not fit.
+So one step can mix a long prompt's chunk with many decodes. With one priority (the default) this is plain FCFS.
 
 Steps may be scheduled ahead (vLLM's async scheduling): schedule() for step N+1 may run before
 update() of step N, since the worker runs steps in order and appends the tokens it samples. A
@@ -18,6 +18,10 @@ batch but keeps its blocks and its worker mirror, so it resumes where it stopped
 steps in flight still reach it. Its blocks are the first taken back when a running or waiting
 request needs blocks (before any running request is preempted); it is then recomputed when it
 resumes, like a preempted one. Paused requests take no slot of max_num_seqs.
+
+After a failed step (the worker reset), the requests it held are suspects: they come back one at a
+time (a suspect is admitted only while no other runs), so that a request that makes the worker
+fail is alone among the suspects of the next failure and can be blamed for it (GroupRunner).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ class SchedulerConfig:
     max_model_len: int                  # prompt plus output at most (else finish "length")
     block_size: int
     long_prefill_token_threshold: int = 0   # >0: a prefill takes at most this many per step
+    priority_aging_s: float = 0.0       # seconds of waiting one priority level is worth (waiting_queue.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -46,6 +51,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must not be negative")
+        if not self.priority_aging_s >= 0:
+            raise ValueError("priority_aging_s must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +153,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting = WaitingQueue()
+        self.waiting = WaitingQueue(config.priority_aging_s)
         # By priority (highest first), then admission order: the end is preempted first, and
         # _schedule_running, going front to back, never preempts a sequence it already scheduled.
         self.running: list[Sequence] = []
@@ -160,8 +167,8 @@ class Scheduler:
         self.num_preemptions = 0                # since start, for ModelInfo and metrics
 
     # -- queue -----------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queues a new sequence."""
+    def check_new(self, seq: Sequence) -> None:
+        """Raises ValueError when add(seq) would."""
         if seq.seq_id in self._unfinished:
             raise ValueError(f"seq_id {seq.seq_id} is already queued")
         if seq.status is not SequenceStatus.WAITING:
@@ -171,6 +178,10 @@ class Scheduler:
                              f"{self.config.max_model_len}")
         if seq.sampling.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence."""
+        self.check_new(seq)
         self.waiting.push(seq)
         self._unfinished[seq.seq_id] = seq
 
@@ -340,6 +351,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.head()
+            if seq.suspect and any(s.suspect for s in self.running):
+                break                         # suspects of a failed step come back one at a time
             # A prompt whose logprobs are asked is computed in full the first time: the cache
             # holds KV, not the logits that score each token.
             cached = [] if seq.sampling.prompt_logprobs and not seq.num_output_tokens else bm.match_prefix(seq)

@@ -7,6 +7,7 @@ import logging
 import grpc
 
 from common.pb.llm.engine.v1 import engine_pb2, engine_pb2_grpc
+from common.status_guard import AsyncStatusGuardInterceptor
 from scheduler_svc.engine import api_wire as core_wire
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.metrics import SchedulerMetrics
@@ -59,7 +60,7 @@ class EngineCoreService(engine_pb2_grpc.EngineCoreServicer):
 def build_core_server(core: EngineCore, metrics: SchedulerMetrics, address: str) -> grpc.aio.Server:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", 0)], interceptors=[AsyncStatusGuardInterceptor()])
     engine_pb2_grpc.add_EngineCoreServicer_to_server(EngineCoreService(core, metrics), server)
     if server.add_insecure_port(address) == 0:
         raise OSError(f"the engine core cannot listen on {address}")

@@ -8,11 +8,11 @@ entry in the sparse columns when it computes more than one token or gains blocks
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.pb.llm.worker.v1 import worker_pb2
 from common.record_codec import encode
-from scheduler_svc.engine.api import TopLogprobColumns
+from scheduler_svc.engine.api import RequestError, TopLogprobColumns
 from scheduler_svc.engine.scheduler import NewRequestData, SchedulerOutput
 
 
@@ -73,6 +73,8 @@ class StepResult:
     device_ms: float                 # the step's device time (0 on the CPU)
     top_logprobs: TopLogprobColumns | None = None   # parallel to token_ids, when any asked
     prompt_logprobs: StepPromptLogprobs | None = None
+    # Requests the worker cannot go on with (seq_id -> why): their token in this step is void.
+    failed: dict[int, RequestError] = field(default_factory=dict)
 
 
 def _top_columns(msg: worker_pb2.TopLogprobColumns) -> TopLogprobColumns | None:
@@ -88,5 +90,6 @@ def parse_step_response(response: worker_pb2.StepResponse) -> StepResult:
     if len(p.seq_ids):
         prompt = StepPromptLogprobs(list(p.seq_ids), list(p.first_positions), list(p.counts), list(p.logprobs),
                                 _top_columns(p.top))
+    failed = {f.seq_id: RequestError(f.code, f.message, f.about_constraint) for f in response.failed}
     return StepResult(list(response.token_ids), list(response.logprobs) or None, t.forward_ms, t.device_ms,
-                      _top_columns(response.top_logprobs), prompt)
+                      _top_columns(response.top_logprobs), prompt, failed)

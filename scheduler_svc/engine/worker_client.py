@@ -10,6 +10,7 @@ from typing import Protocol, Sequence
 
 import grpc
 
+from common.constraint import Constraint
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 # A NewRequest carries a whole prompt once: leave room for long-context prompts.
@@ -17,7 +18,12 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 class WorkerError(RuntimeError):
-    """A worker did not answer a step: down, restarted, timed out or refused the step."""
+    """A worker did not answer a call: down, restarted, timed out or refused it. `code` is the
+    gRPC status code name of its answer ("" when the call never reached it); `details` its message."""
+
+    def __init__(self, message: str, code: str = "", details: str = "") -> None:
+        super().__init__(message)
+        self.code, self.details = code, details
 
 
 class WorkerClient(Protocol):
@@ -28,6 +34,8 @@ class WorkerClient(Protocol):
     async def reset(self, lease_epoch: int, timeout: float) -> None: ...
     async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
         """Takes or renews the worker's lease (worker_svc/lease.py); returns its instance id."""
+    async def prepare_grammar(self, constraint: Constraint, lease_epoch: int, timeout: float) -> None:
+        """Has the worker compile a constraint before its request's first step."""
     async def close(self) -> None: ...
 
 
@@ -57,7 +65,8 @@ class GrpcWorkerClient:
         try:
             return await method(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
-            raise WorkerError(f"worker {self.address}: {e.code().name}: {e.details()}") from e
+            raise WorkerError(f"worker {self.address}: {e.code().name}: {e.details()}", e.code().name,
+                              e.details() or "") from e
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return await self._call(self._stub.Describe, worker_pb2.DescribeRequest(), timeout)
@@ -72,6 +81,11 @@ class GrpcWorkerClient:
         reply = await self._call(self._stub.Claim, worker_pb2.ClaimRequest(
             owner=owner, epoch=epoch, lease_ms=max(1, round(lease_s * 1000))), timeout)
         return reply.instance_id
+
+    async def prepare_grammar(self, constraint: Constraint, lease_epoch: int, timeout: float) -> None:
+        message = worker_pb2.Constraint(kind=constraint.kind, text=constraint.text)
+        await self._call(self._stub.PrepareGrammar,
+                         worker_pb2.PrepareGrammarRequest(constraint=message, lease_epoch=lease_epoch), timeout)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -102,6 +116,10 @@ class WorkerGroupClient:
     async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> list[str]:
         """Claims (or renews) every rank under one epoch; returns their instance ids."""
         return list(await asyncio.gather(*(r.claim(owner, epoch, lease_s, timeout) for r in self.ranks)))
+
+    async def prepare_grammar(self, constraint: Constraint, lease_epoch: int, timeout: float) -> None:
+        """Rank 0 samples, so it alone holds grammars."""
+        await self.ranks[0].prepare_grammar(constraint, lease_epoch, timeout)
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.ranks), return_exceptions=True)

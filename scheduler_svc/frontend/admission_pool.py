@@ -34,7 +34,7 @@ POOL_NICENESS = 10
 
 def admits_inline(request: generation_pb2.GenerateRequest) -> bool:
     """Whether admitting the request costs less than a thread hop (by its prompt's size). A
-    constrained one never is: its grammar may have to be built first."""
+    constrained one never is: its constraint is parsed and measured first."""
     if request.sampling.WhichOneof("constraint") is not None:
         return False
     kind = request.WhichOneof("prompt")
@@ -46,9 +46,12 @@ def admits_inline(request: generation_pb2.GenerateRequest) -> bool:
 
 
 def chat_admits_inline(request: generation_pb2.ChatRequest) -> bool:
-    """Whether rendering and tokenizing the chat costs less than a thread hop (by its content)."""
+    """Whether rendering and tokenizing the chat costs less than a thread hop (by its content;
+    the number of messages is bounded before this is asked)."""
     if request.tools or request.sampling.WhichOneof("constraint") is not None:
-        return False              # tools and constraints may need a grammar built
+        return False              # tools and constraints are checked at length
+    if any(m.tool_calls or m.reasoning_content for m in request.messages):
+        return False
     return sum(len(m.content) for m in request.messages) <= INLINE_TEXT_CHARS
 
 

@@ -22,13 +22,18 @@ their blocks stay text; "auto" (or empty) renders them and parses whatever calls
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from common.constraint import TOOL_ARGUMENTS_MAX_WHITESPACE, Constraint
-from scheduler_svc.frontend.tokenizer import Tokenizer
-from scheduler_svc.frontend.validation import InvalidRequest
+from scheduler_svc.frontend.bounded_json import JsonProblem, measure, parse_json_object
+from scheduler_svc.frontend.chat_tokens import escaper_for, tokenize_rendered
+from scheduler_svc.frontend.tokenizer import Tokenizer, TooManyTokens
+from scheduler_svc.frontend.validation import DEFAULT_LIMITS, InvalidRequest, Limits
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -78,12 +83,20 @@ def render_chat(
     tools: Sequence[Tool] = (),
     tool_choice: str = "auto",
     enable_thinking: bool | None = None,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    allow_special_tokens: bool = False,
+    max_tokens: int | None = None,
 ) -> ChatPrompt:
-    """The prompt of a chat request. enable_thinking None leaves the template's default."""
+    """The prompt of a chat request. enable_thinking None leaves the template's default. Sizes
+    are checked against `limits` before anything is rendered. Special tokens written in the
+    client's text are tokenized as text unless `allow_special_tokens` (chat_tokens.py).
+    `max_tokens`: a longer prompt raises TooManyTokens (its ids never listed)."""
     if not messages:
         raise InvalidRequest("messages", "messages is empty")
-    template_messages = [_message_dict(i, m) for i, m in enumerate(messages)]
-    tool_dicts = [_tool_dict(i, t) for i, t in enumerate(tools)]
+    check_chat_size(messages, tools, limits)
+    template_messages = [_message_dict(i, m, limits) for i, m in enumerate(messages)]
+    tool_dicts = _tool_dicts(tools, limits)
     _check_tool_names(tools)
     tool_choice = tool_choice or "auto"
     if tool_choice not in ("auto", "none", "required") and tool_choice not in {t.name for t in tools}:
@@ -92,12 +105,19 @@ def render_chat(
     if tool_choice == "required" and not tools:
         raise InvalidRequest("tool_choice", 'tool_choice "required" needs at least one tool')
     rendered_tools = tool_dicts if tools and tool_choice != "none" else None
+    escaper = None if allow_special_tokens else escaper_for(tokenizer, _client_strings(template_messages))
+    if escaper is not None:
+        template_messages = [_escaped(m, escaper.escape) for m in template_messages]
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     try:
-        text = tokenizer.hf.apply_chat_template(template_messages, tools=rendered_tools, add_generation_prompt=True,
-                                                tokenize=False, **kwargs)
+        rendered = tokenizer.hf.apply_chat_template(template_messages, tools=rendered_tools,
+                                                    add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:   # noqa: BLE001 - a template raises whatever its author chose (often TemplateError)
         raise InvalidRequest("messages", f"the model's chat template refused these messages: {exc}") from None
+    text, token_ids = tokenize_rendered(
+        tokenizer, rendered, escaper, lambda t: tokenizer.encode(t, add_special_tokens=False, max_tokens=max_tokens))
+    if max_tokens is not None and len(token_ids) > max_tokens:
+        raise TooManyTokens(len(token_ids), max_tokens)
     reasoning_open = _leaves_reasoning_open(text)
     constraint = None
     if tool_choice == "required" or (rendered_tools and tool_choice != "auto"):
@@ -105,12 +125,83 @@ def render_chat(
         reasoning = "open" if reasoning_open else ("closed" if _closed_reasoning(text) else "optional")
         constraint = tool_call_constraint(chosen, single=tool_choice != "required", reasoning=reasoning)
     return ChatPrompt(
-        token_ids=tokenizer.encode(text, add_special_tokens=False),
+        token_ids=token_ids,
         text=text,
         reasoning_open=reasoning_open,
         parse_tool_calls=rendered_tools is not None,
         constraint=constraint,
     )
+
+
+def check_chat_counts(num_messages: int, num_tools: int, limits: Limits) -> None:
+    """The counts, checked before a single message is looked at."""
+    if num_messages > limits.max_chat_messages:
+        raise InvalidRequest("messages", f"messages has {num_messages} messages, more than the limit of "
+                                         f"{limits.max_chat_messages}")
+    if num_tools > limits.max_tools:
+        raise InvalidRequest("tools", f"tools has {num_tools} tools, more than the limit of {limits.max_tools}")
+
+
+def check_chat_size(messages: Sequence[ChatMessage], tools: Sequence[Tool], limits: Limits) -> None:
+    """Counts, each tool call's arguments, and all the chat's text together (UTF-8 bytes), before
+    anything is parsed or rendered."""
+    check_chat_counts(len(messages), len(tools), limits)
+    total = 0
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.tool_calls):
+            size = _utf8_len(call.arguments_json)
+            if size > limits.max_tool_call_argument_bytes:
+                where = f"messages[{i}].tool_calls[{j}].arguments_json"
+                raise InvalidRequest(where, f"{where} is {size} bytes, more than the limit of "
+                                            f"{limits.max_tool_call_argument_bytes}")
+            total += size + _utf8_len(call.name) + _utf8_len(call.id)
+        total += sum(_utf8_len(text) for text in (message.role, message.content, message.tool_call_id,
+                                                  message.reasoning_content or ""))
+        if total > limits.max_prompt_bytes:
+            break
+    total += sum(_utf8_len(t.name) + _utf8_len(t.description) + _utf8_len(t.parameters_json) for t in tools)
+    if total > limits.max_prompt_bytes:
+        raise InvalidRequest("messages", f"the messages and tools hold over {limits.max_prompt_bytes} bytes of text, "
+                                         f"the limit")
+
+
+def chat_text_bytes(messages: Sequence[ChatMessage]) -> int:
+    """UTF-8 bytes of the messages' text: the rendered prompt holds at least as many."""
+    return sum(_utf8_len(m.content) + _utf8_len(m.reasoning_content or "") +
+               sum(_utf8_len(c.arguments_json) for c in m.tool_calls) for m in messages)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8")) if not text.isascii() else len(text)
+
+
+def _client_strings(template_messages: list[dict[str, Any]]) -> list[str]:
+    strings: list[str] = []
+    for message in template_messages:
+        _escaped(message, lambda text: strings.append(text) or text)
+    return strings
+
+
+def _escaped(message: dict[str, Any], escape) -> dict[str, Any]:
+    """The message dict with `escape` applied to every string the client wrote in it."""
+    out = dict(message)
+    for key in ("content", "reasoning_content", "tool_call_id"):
+        if isinstance(out.get(key), str):
+            out[key] = escape(out[key])
+    if "tool_calls" in out:
+        out["tool_calls"] = [{**call, "id": escape(call["id"]),
+                              "function": {name: escape(value) for name, value in call["function"].items()}}
+                             for call in out["tool_calls"]]
+    return out
+
+
+def warm_up_chat(tokenizer: Tokenizer) -> None:
+    """Renders a chat once, at start-up: the first render compiles the chat template (a tenth of
+    a second and more), which a first Chat would otherwise do on the event loop."""
+    try:
+        render_chat(tokenizer, [ChatMessage("user", "Hi")])
+    except InvalidRequest as e:     # a model without a chat template: Chat is refused, naming why
+        log.info("no chat: %s", e)
 
 
 def tool_call_constraint(tools: Sequence[Tool], *, single: bool, reasoning: str = "closed") -> Constraint:
@@ -140,7 +231,7 @@ def tool_call_constraint(tools: Sequence[Tool], *, single: bool, reasoning: str 
     return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": calls}))
 
 
-def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+def _message_dict(index: int, message: ChatMessage, limits: Limits) -> dict[str, Any]:
     where = f"messages[{index}]"
     if message.role not in ROLES:
         raise InvalidRequest(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, got {message.role!r}")
@@ -148,7 +239,8 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     if message.tool_calls:
         if message.role != "assistant":
             raise InvalidRequest(f"{where}.tool_calls", f"{where}.tool_calls: only assistant messages make tool calls")
-        out["tool_calls"] = [_tool_call_dict(f"{where}.tool_calls[{j}]", call) for j, call in enumerate(message.tool_calls)]
+        out["tool_calls"] = [_tool_call_dict(f"{where}.tool_calls[{j}]", call, limits)
+                             for j, call in enumerate(message.tool_calls)]
     if message.role == "tool":
         out["tool_call_id"] = message.tool_call_id
     if message.reasoning_content is not None and message.role == "assistant":
@@ -156,41 +248,57 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _tool_call_dict(where: str, call: ToolCall) -> dict[str, Any]:
+def _tool_call_dict(where: str, call: ToolCall, limits: Limits) -> dict[str, Any]:
     if not call.name:
         raise InvalidRequest(f"{where}.name", f"{where}.name is empty")
     # Checked, then passed as the string: the template writes it as given, so the prompt holds the
     # model's earlier output as it was (and the prefix cache still matches it).
-    _json_object(f"{where}.arguments_json", call.arguments_json or "{}")
+    _json_object(f"{where}.arguments_json", call.arguments_json or "{}", limits)
     return {"id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments_json or "{}"}}
 
 
-def _tool_dict(index: int, tool: Tool) -> dict[str, Any]:
+def _tool_dicts(tools: Sequence[Tool], limits: Limits) -> list[dict[str, Any]]:
+    """The tools as the template takes them; their parameters schemas hold at most
+    max_json_schema_nodes values together (they make one grammar when a call is required)."""
+    dicts, nodes = [], 0
+    for i, tool in enumerate(tools):
+        dicts.append(_tool_dict(i, tool, limits))
+        nodes += measure(dicts[-1]["function"]["parameters"])[1]
+        if nodes > limits.max_json_schema_nodes:
+            raise InvalidRequest("tools", f"the tools' parameters hold {nodes} JSON values, more than the limit of "
+                                          f"{limits.max_json_schema_nodes}")
+    return dicts
+
+
+def _tool_dict(index: int, tool: Tool, limits: Limits) -> dict[str, Any]:
     where = f"tools[{index}]"
     if not tool.name:
         raise InvalidRequest(f"{where}.name", f"{where}.name is empty")
     function: dict[str, Any] = {"name": tool.name}
     if tool.description:
         function["description"] = tool.description
-    function["parameters"] = _parameters(tool, where)
+    function["parameters"] = _parameters(tool, limits, where)
     return {"type": "function", "function": function}
 
 
-def _parameters(tool: Tool, where: str = "tool") -> dict[str, Any]:
+def _parameters(tool: Tool, limits: Limits = DEFAULT_LIMITS, where: str = "tool") -> dict[str, Any]:
     if not tool.parameters_json:
         return {"type": "object", "properties": {}}
-    return _json_object(f"{where}.parameters_json", tool.parameters_json)
+    return _json_object(f"{where}.parameters_json", tool.parameters_json, limits)
 
 
-def _json_object(where: str, text: str) -> dict[str, Any]:
+def _json_object(where: str, text: str, limits: Limits) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(where, f"{where} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidRequest(where, f"{where} must be a JSON object, got {type(value).__name__}")
-    return value
+        return parse_json_object(text, max_depth=limits.max_json_depth)
+    except JsonProblem as exc:
+        raise InvalidRequest(where, f"{where} {_is(exc)}") from None
+
+
+def _is(problem: JsonProblem) -> str:
+    """The problem as it reads after a field's name ("is not valid JSON: ...", "must be ...")."""
+    text = str(problem)
+    return text if text.startswith(("must ", "has ")) else f"is {text}"
 
 
 def _check_tool_names(tools: Sequence[Tool]) -> None:

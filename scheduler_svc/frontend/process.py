@@ -11,21 +11,23 @@ import signal
 
 import grpc
 
-from common.cli import config_from_args
 from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import AsyncTokenAuthInterceptor, server_security_from_args
-from scheduler_svc.frontend.config import FrontendConfig
+from common.status_guard import AsyncStatusGuardInterceptor
+from scheduler_svc.frontend.chat import warm_up_chat
+from scheduler_svc.frontend.config import FrontendConfig, frontend_config_from_args
 from scheduler_svc.frontend.core_client import CoreClient, GrpcCoreClient
 from scheduler_svc.frontend.decode_guard import DecodeGuardInterceptor
 from scheduler_svc.frontend.streams import Frontend
-from scheduler_svc.frontend.server import GenerationService, build_server, keep_health_current
+from scheduler_svc.frontend.server import SERVICE_NAME, GenerationService, build_server, keep_health_current
 from scheduler_svc.frontend.tokenizer import load_tokenizer
-from scheduler_svc.frontend.validation import Limits
 
 # The public API takes prompts of up to max_model_len tokens as ids (~5 bytes each) or text
-# (Limits.max_prompt_bytes); anything far larger is refused by gRPC before it is buffered.
-MAX_PUBLIC_MESSAGE_BYTES = 64 * 1024 * 1024
+# (Limits.max_prompt_bytes), and each method refuses a request longer than the limits allow
+# before decoding it (GenerationService.max_request_bytes); anything far larger than the longest
+# of them is refused by gRPC from its length alone, before it is even received (RESOURCE_EXHAUSTED).
+MIN_PUBLIC_MESSAGE_BYTES = 8 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +59,23 @@ async def start_frontend(config: FrontendConfig, model: str, core: CoreClient,
     """The frontend of `model` and its public server, started; returns them and its background tasks."""
     token, credentials = security
     facts = read_model_facts(model)
-    frontend = Frontend(core, load_tokenizer(model), stream_interval=config.stream_interval,
+    tokenizer = load_tokenizer(model)
+    warm_up_chat(tokenizer)
+    frontend = Frontend(core, tokenizer, stream_interval=config.stream_interval,
                         stream_window=config.stream_window, eos_token_ids=facts.eos_token_ids)
     service = GenerationService(frontend, model_name=config.served_model_name or facts.name,
-                                vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids, limits=Limits())
-    interceptors = ([AsyncTokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
+                                vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids, limits=config.limits,
+                                allow_chat_special_tokens=config.allow_chat_special_tokens)
+    max_message = max(MIN_PUBLIC_MESSAGE_BYTES, *(service.max_request_bytes(f"/{SERVICE_NAME}/{method}") or 0
+                                                  for method in ("Generate", "Chat", "Tokenize", "Detokenize")))
+    interceptors = (([AsyncTokenAuthInterceptor(token)] if token else []) +
+                    [DecodeGuardInterceptor(service.max_request_bytes, service.long_request_field),
+                     AsyncStatusGuardInterceptor()])
     server, health_servicer = build_server(
         service, interceptors=interceptors,
         # Every frontend process binds the same public port; the kernel spreads connections.
-        options=[("grpc.max_receive_message_length", MAX_PUBLIC_MESSAGE_BYTES),
-                 ("grpc.max_send_message_length", MAX_PUBLIC_MESSAGE_BYTES), ("grpc.so_reuseport", 1)])
+        options=[("grpc.max_receive_message_length", max_message),
+                 ("grpc.max_send_message_length", max_message), ("grpc.so_reuseport", 1)])
     listen = f"{config.host}:{config.port}"
     bound = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     if bound == 0:
@@ -92,7 +101,7 @@ async def drain_frontend(frontend: Frontend, server: grpc.aio.Server, tasks: lis
 async def serve_frontend_process(args: argparse.Namespace, frontend_id: int, core_address: str) -> None:
     security = server_security_from_args(args, logger)
     core = GrpcCoreClient(core_address, frontend_id)
-    frontend, server, tasks = await start_frontend(config_from_args(FrontendConfig, args), args.model, core,
+    frontend, server, tasks = await start_frontend(frontend_config_from_args(args), args.model, core,
                                                    security)
     logger.info("frontend %d serving on %s:%d", frontend_id, args.host, args.port)
     stop = Stop()

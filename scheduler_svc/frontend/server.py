@@ -8,7 +8,7 @@ as a Generate of the rendered tokens; its output text goes through one ChatOutpu
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -20,13 +20,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.logging_setup import bind_request_id
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from common.reflection import enable_server_reflection
-from common.constraint import GrammarError
-from scheduler_svc.frontend.admission_pool import AdmissionPool, admits_inline, chat_admits_inline
-from scheduler_svc.frontend.chat import ChatMessage, ChatPrompt, Tool, ToolCall, render_chat
+from common.features import STRUCTURED_OUTPUT, unavailable
+from scheduler_svc.frontend.admission_pool import (INLINE_TEXT_CHARS, INLINE_TOKEN_IDS, AdmissionPool, admits_inline,
+                                                   chat_admits_inline)
+from scheduler_svc.frontend.chat import (ChatMessage, ChatPrompt, Tool, ToolCall, chat_text_bytes, check_chat_counts,
+                                         check_chat_size, render_chat)
 from scheduler_svc.frontend.chat_parser import ChatDelta, ChatOutputParser
 from scheduler_svc.frontend.core_client import CoreUnreachable
-from scheduler_svc.engine.api import AddCode, CoreInfo
-from scheduler_svc.frontend.streams import Frontend, Refused
+from scheduler_svc.engine.api import AddCode, CoreInfo, RequestError
+from scheduler_svc.frontend.streams import Frontend, Refused, RequestFailed
+from scheduler_svc.frontend.tokenizer import TooManyTokens
 from scheduler_svc.frontend.output_stream import RequestOutput, TopLogprobs
 from common.sampling import SamplingParams
 from scheduler_svc.engine.sequence import FinishReason
@@ -36,6 +39,19 @@ from scheduler_svc.frontend.validation import (InvalidRequest, Limits, check_con
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+# What a request's fields can take in bytes beyond its text (max_request_bytes): a varint id, a
+# chat message's or tool's framing (tags, lengths, role; its strings count as text), sampling's
+# fields (stop strings of up to 4-byte characters, logit_bias, ids), and spare room. The bound is
+# tight on purpose: decoding costs by the number of values, and 200,000 chat messages fit in less
+# than 2 MB.
+_VARINT_BYTES = 5
+_COPY_CHUNK = 4096        # strings copied into a message per call, off the event loop
+_MESSAGE_BYTES = 32
+_SAMPLING_BYTES = 64 << 10
+_SLACK_BYTES = 64 << 10
+# The field a request longer than its method can be is refused for (decode_guard.py).
+_LONG_FIELDS = {"Generate": "prompt", "Chat": "messages", "Tokenize": "text", "Detokenize": "token_ids"}
 
 _FINISH_TO_PROTO = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
@@ -118,17 +134,22 @@ def to_model_info(info: CoreInfo, *, model_name: str, vocab_size: int, eos_token
     return generation_pb2.ModelInfo(
         model=model_name, max_model_len=info.status.max_model_len, vocab_size=vocab_size,
         eos_token_ids=eos_token_ids, block_size=up[0].block_size if up else 0,
-        num_kv_blocks=sum(g.num_kv_blocks for g in info.groups), worker_groups=groups)
+        num_kv_blocks=sum(g.num_kv_blocks for g in info.groups), worker_groups=groups,
+        features=[generation_pb2.Feature(name=f.name, available=f.available, detail=f.detail)
+                  for f in info.status.features])
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend, *, model_name: str, vocab_size: int, eos_token_ids: list[int],
-                 limits: Limits) -> None:
+                 limits: Limits, allow_chat_special_tokens: bool = False) -> None:
+        """`allow_chat_special_tokens`: a chat's text may write special tokens (trusted clients);
+        by default they are tokenized as text (scheduler_svc/frontend/chat_tokens.py)."""
         self.frontend = frontend
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.limits = limits
+        self.allow_chat_special_tokens = allow_chat_special_tokens
         self.admission = AdmissionPool()
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -146,6 +167,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prompt_ids, params = await self.admission.run(admits_inline(request), admit)
         except InvalidRequest as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        field = f"sampling.{params.constraint.kind}" if params.constraint is not None else ""
+        await self._check_features(params, context)
         request_id = request.request_id or uuid.uuid4().hex
         bind_request_id(request_id)   # this handler's task ends with the request
         # Which frontend process serves the stream (several share the port): for operators and tests.
@@ -155,18 +178,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except Refused as e:
             await self._refuse(context, _REFUSAL_CODES[e.code], str(e))
         logger.info("admitted: %d prompt tokens, max_tokens %d, n %d", len(prompt_ids), params.max_tokens, params.n)
-        async for out in stream:
-            yield to_response(request_id, out)
+        try:
+            async with contextlib.aclosing(stream):   # a cancelled call ends its request at once
+                async for out in stream:
+                    yield to_response(request_id, out)
+        except RequestFailed as e:
+            await self._fail(context, e.error, field)
 
     async def Chat(self, request: generation_pb2.ChatRequest, context: grpc.aio.ServicerContext):
         status = self.frontend.status
         if not status.max_model_len:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, status.reason or "no worker group is ready")
         try:
+            check_chat_counts(len(request.messages), len(request.tools), self.limits)   # before looking at any
             prompt, params = await self.admission.run(
                 chat_admits_inline(request), functools.partial(self._prepare_chat, request, status.max_model_len))
         except InvalidRequest as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        field = ("tools" if prompt.constraint is not None
+                 else f"sampling.{params.constraint.kind}" if params.constraint is not None else "")
+        await self._check_features(params, context)
         request_id = request.request_id or uuid.uuid4().hex
         bind_request_id(request_id)
         await context.send_initial_metadata((("frontend-id", str(self.frontend.core.frontend_id)),))
@@ -177,67 +208,129 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         logger.info("admitted chat: %d prompt tokens, max_tokens %d, n %d, tools %d (%s)", len(prompt.token_ids),
                     params.max_tokens, params.n, len(request.tools), request.tool_choice or "auto")
         parsers: dict[int, ChatOutputParser] = {}
-        async for out in stream:
-            parser = parsers.get(out.index)
-            if parser is None:
-                parser = parsers[out.index] = ChatOutputParser(reasoning_open=prompt.reasoning_open,
-                                                               parse_tool_calls=prompt.parse_tool_calls)
-            delta = parser.feed(out.text)
-            if out.finished:
-                tail = parser.finish()
-                delta = ChatDelta(delta.reasoning + tail.reasoning, delta.text + tail.text,
-                                  delta.tool_calls + tail.tool_calls)
-            yield to_chat_response(request_id, out, delta, parser.num_tool_calls)
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    parser = parsers.get(out.index)
+                    if parser is None:
+                        parser = parsers[out.index] = ChatOutputParser(reasoning_open=prompt.reasoning_open,
+                                                                       parse_tool_calls=prompt.parse_tool_calls)
+                    delta = parser.feed(out.text)
+                    if out.finished:
+                        tail = parser.finish()
+                        delta = ChatDelta(delta.reasoning + tail.reasoning, delta.text + tail.text,
+                                          delta.tool_calls + tail.tool_calls)
+                    yield to_chat_response(request_id, out, delta, parser.num_tool_calls)
+        except RequestFailed as e:
+            await self._fail(context, e.error, field)
 
     def _prepare_chat(self, request: generation_pb2.ChatRequest, max_model_len: int
                       ) -> tuple[ChatPrompt, SamplingParams]:
         """The rendered prompt and the resolved sampling (with the tool_choice's constraint), or
         InvalidRequest. Runs in a thread: rendering and tokenizing a long chat take a while."""
-        size = sum(len(m.content.encode("utf-8")) for m in request.messages)
-        if size > self.limits.max_prompt_bytes:
-            raise InvalidRequest("messages", f"messages hold {size} bytes of content, more than the limit of "
-                                             f"{self.limits.max_prompt_bytes}")
+        check_chat_counts(len(request.messages), len(request.tools), self.limits)
         messages, tools = chat_from_proto(request)
-        prompt = render_chat(self.frontend.tokenizer, messages, tools, request.tool_choice,
-                             request.enable_thinking if request.HasField("enable_thinking") else None)
+        check_chat_size(messages, tools, self.limits)
+        max_tokens = max_model_len - 1
+        per_token = self.frontend.tokenizer.max_input_bytes_per_token
+        size = chat_text_bytes(messages)
+        if per_token is not None and size > max_tokens * per_token:
+            raise InvalidRequest("prompt", f"prompt would be longer than max_model_len {max_model_len} tokens: the "
+                                           f"messages hold {size} bytes of text, and a token covers at most "
+                                           f"{per_token} bytes")
+        try:
+            prompt = render_chat(self.frontend.tokenizer, messages, tools, request.tool_choice,
+                                 request.enable_thinking if request.HasField("enable_thinking") else None,
+                                 limits=self.limits, allow_special_tokens=self.allow_chat_special_tokens,
+                                 max_tokens=max_tokens)
+        except TooManyTokens as e:
+            raise InvalidRequest("prompt", f"prompt has {e.num_tokens} tokens; max_model_len {max_model_len} leaves "
+                                           f"no room for a generated token") from None
         params = validate_chat_sampling(request.request_id, request.sampling, len(prompt.token_ids),
                                         vocab_size=self.vocab_size, max_model_len=max_model_len, limits=self.limits)
         if prompt.constraint is not None:
             if params.constraint is not None:
                 raise InvalidRequest("sampling", f"sampling.{params.constraint.kind} cannot go with tool_choice "
                                                  f"{request.tool_choice!r}, which constrains the output to tool calls")
-            try:
-                check_constraint(prompt.constraint)
-            except GrammarError as e:   # a tool's parameters schema that cannot be compiled
-                raise InvalidRequest("tools", f"the tools' parameters cannot constrain a call: {e.problem}") from None
+            check_constraint(prompt.constraint, self.limits, "tools")
             params = dataclasses.replace(params, constraint=prompt.constraint)
         return prompt, params
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context) -> generation_pb2.TokenizeResponse:
-        size = len(request.text.encode("utf-8"))
-        if size > self.limits.max_prompt_bytes:
+        text, limit = request.text, self.limits.max_prompt_bytes
+        if len(text) > limit:       # characters: no more than bytes, and free to count
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"text is over {limit} bytes, the limit")
+        size = len(text.encode("utf-8"))
+        if size > limit:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"text is {size} bytes, more than the limit of {self.limits.max_prompt_bytes}")
-        ids = await asyncio.to_thread(self.frontend.tokenizer.encode, request.text,
-                                      add_special_tokens=request.add_special_tokens)
+                               f"text is {size} bytes, more than the limit of {limit}")
+        ids = await self.admission.run(len(text) <= INLINE_TEXT_CHARS, functools.partial(
+            self.frontend.tokenizer.encode, text, add_special_tokens=request.add_special_tokens))
         return generation_pb2.TokenizeResponse(token_ids=ids, count=len(ids),
                                                max_model_len=self.frontend.status.max_model_len)
 
     async def Detokenize(self, request: generation_pb2.DetokenizeRequest, context
                          ) -> generation_pb2.DetokenizeResponse:
-        ids = list(request.token_ids)
-        if ids and max(ids) >= self.vocab_size:
-            index = next(i for i, token_id in enumerate(ids) if token_id >= self.vocab_size)
+        count, limit = len(request.token_ids), self.limits.max_detokenize_ids
+        if count > limit:           # before a single id is copied
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"token_ids[{index}] = {ids[index]} is out of range: vocab_size is {self.vocab_size}")
-        tokenizer, skip, each_token = self.frontend.tokenizer, request.skip_special_tokens, request.each_token
+                               f"token_ids has {count} ids, more than the limit of {limit}")
+        tokenizer, skip, each_token, vocab_size = (self.frontend.tokenizer, request.skip_special_tokens,
+                                                   request.each_token, self.vocab_size)
 
-        def decode() -> generation_pb2.DetokenizeResponse:   # one trip to a thread for both decodes
-            return generation_pb2.DetokenizeResponse(
-                text=tokenizer.decode(ids, skip_special_tokens=skip),
-                token_texts=tokenizer.decode_each(ids, skip_special_tokens=skip) if each_token else ())
+        def decode() -> generation_pb2.DetokenizeResponse:   # one trip to a thread for the checks and both decodes
+            ids = list(request.token_ids)
+            if ids and max(ids) >= vocab_size:
+                index = next(i for i, token_id in enumerate(ids) if token_id >= vocab_size)
+                raise InvalidRequest("token_ids", f"token_ids[{index}] = {ids[index]} is out of range: vocab_size is "
+                                                  f"{vocab_size}")
+            response = generation_pb2.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
+            if each_token:
+                texts = tokenizer.decode_each(ids, skip_special_tokens=skip)
+                for start in range(0, len(texts), _COPY_CHUNK):   # each copy holds the GIL: short ones
+                    response.token_texts.extend(texts[start:start + _COPY_CHUNK])
+            return response
 
-        return await asyncio.to_thread(decode)
+        try:
+            return await self.admission.run(count <= INLINE_TOKEN_IDS // 8, decode)
+        except InvalidRequest as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def max_request_bytes(self, method: str) -> int | None:
+        """The most bytes a request of `method` (a full method name) can take within the limits,
+        with room to spare; a longer one is refused before it is decoded (decode_guard.py)."""
+        limits, name = self.limits, method.rsplit("/", 1)[-1]
+        sampling = _SAMPLING_BYTES + limits.max_constraint_bytes
+        if name == "Detokenize":
+            return _VARINT_BYTES * limits.max_detokenize_ids + _SLACK_BYTES
+        if name == "Tokenize":
+            return limits.max_prompt_bytes + _SLACK_BYTES
+        if name == "Chat":
+            return (limits.max_prompt_bytes + _MESSAGE_BYTES * (limits.max_chat_messages + limits.max_tools) +
+                    sampling + _SLACK_BYTES)
+        if name == "Generate":
+            ids = _VARINT_BYTES * max(self.frontend.status.max_model_len, 1 << 17)
+            return max(limits.max_prompt_bytes, ids) + sampling + _SLACK_BYTES
+        return None
+
+    @staticmethod
+    def long_request_field(method: str) -> str | None:
+        """The field that makes a request of `method` (a full method name) longer than
+        max_request_bytes allows."""
+        return _LONG_FIELDS.get(method.rsplit("/", 1)[-1])
+
+    async def _check_features(self, params: SamplingParams, context: grpc.aio.ServicerContext) -> None:
+        """Refuses (UNIMPLEMENTED, naming the missing package) what the workers cannot serve."""
+        if params.constraint is not None:
+            missing = unavailable(self.frontend.status.features, STRUCTURED_OUTPUT)
+            if missing is not None:
+                await self._refuse(context, grpc.StatusCode.UNIMPLEMENTED, missing.detail)
+
+    async def _fail(self, context: grpc.aio.ServicerContext, error: RequestError, field: str) -> None:
+        """Ends the call with the status of a request that failed after admission."""
+        message = f"{field or 'the constraint'} {error.message}" if error.about_constraint else error.message
+        code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL)
+        await self._refuse(context, code, message)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.frontend.count_rejection(code.name)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from scheduler_svc.frontend.core_client import CoreClient, CoreUnreachable
-from scheduler_svc.engine.api import AddCode, CoreInfo, CoreRequest, CoreStatus, StepOutputs, make_seq_id
+from scheduler_svc.engine.api import (AddCode, CoreInfo, CoreRequest, CoreStatus, RequestError, StepOutputs,
+                                      make_seq_id)
 from scheduler_svc.frontend.output_stream import OutputStream, RequestOutput
 from common.sampling import SamplingParams
 from scheduler_svc.engine.sequence import FinishReason
@@ -40,6 +41,15 @@ class Refused(Exception):
     def __init__(self, code: AddCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class RequestFailed(Exception):
+    """A request (one of its samples) failed after admission: its stream raises this, and the
+    request's other samples are aborted."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 @dataclass(slots=True)
@@ -136,7 +146,11 @@ class Frontend:
                     self._set_paused(req, True)
         for finished in out.finished:
             req = requests.get(finished.seq_id)
-            if req is not None:
+            if req is None:
+                continue
+            if finished.error is not None:
+                self._deliver_end(req, RequestFailed(finished.error))
+            else:
                 self._deliver_end(req, req.stream.finish(finished.reason, finished.num_cached_prompt_tokens))
         for req in touched:
             if not req.done:
@@ -159,7 +173,7 @@ class Frontend:
                                                tops[offset:offset + count] if tops is not None else None)
             offset += count
 
-    def _deliver_end(self, req: _Request, message: RequestOutput) -> None:
+    def _deliver_end(self, req: _Request, message: RequestOutput | RequestFailed) -> None:
         self._requests.pop(req.seq_id, None)
         req.done = True
         req.queue.put_nowait(message)
@@ -199,23 +213,49 @@ class Frontend:
             samples.append(req)
             adds.append(self.core.add(CoreRequest(seq_id, request_id, prompt_token_ids, sample, index)))
         # Issued in one turn of the event loop: a core client sends them as one batch, in order.
-        results = await asyncio.gather(*adds)
+        added = asyncio.gather(*adds)
+        try:
+            # Shielded: a client that goes away meanwhile must not lose the core's answer, or a
+            # request the core admitted would run (and hold its blocks) with nobody to end it.
+            results = await asyncio.shield(added)
+        except asyncio.CancelledError:
+            self._drop(samples)
+            asyncio.ensure_future(self._abort_once_added(samples, added))
+            raise
         refused = [r for r in results if r.code != AddCode.OK]
         if refused:
-            for req in samples:
-                self._requests.pop(req.seq_id, None)
-                req.done = True
-            admitted = [req.seq_id for req, r in zip(samples, results) if r.code == AddCode.OK]
-            if admitted:
-                await self._abort(admitted, FinishReason.ABORT, notify=False)
+            self._drop(samples)
+            await self._abort_admitted(samples, results)
             raise Refused(refused[0].code, refused[0].message)
         return self._stream(samples, queue)
+
+    def _drop(self, samples: list[_Request]) -> None:
+        for req in samples:
+            self._requests.pop(req.seq_id, None)
+            req.done = True
+
+    async def _abort_admitted(self, samples: list[_Request], results) -> None:
+        admitted = [req.seq_id for req, r in zip(samples, results) if r.code == AddCode.OK]
+        if admitted:
+            await self._abort(admitted, FinishReason.ABORT, notify=False)
+
+    async def _abort_once_added(self, samples: list[_Request], added: asyncio.Future) -> None:
+        """Aborts what the core admitted of a request whose client left during its admission:
+        after the core's answer, so the abort cannot overtake the add."""
+        try:
+            results = await added
+        except Exception as e:    # noqa: BLE001 - the adds failed: nothing was admitted
+            logger.debug("the adds of a cancelled request failed: %s", e)
+            return
+        await self._abort_admitted(samples, results)
 
     async def _stream(self, samples: list[_Request], queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         remaining = len(samples)
         try:
             while remaining:
                 message = await queue.get()
+                if isinstance(message, RequestFailed):
+                    raise message
                 yield message
                 remaining -= message.finished
                 if not message.finished and self.stream_window:

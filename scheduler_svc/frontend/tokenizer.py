@@ -12,14 +12,20 @@ admission can refuse a text that could never fit the context without tokenizing 
 Encoding a long text must not stop the other threads of the process (the frontend's event loop
 writes every client's stream): the backend's `encode` holds the GIL throughout (~1 s per MiB), its
 `encode_batch` releases it, so texts past GIL_FREE_CHARS take that path, and a text longer than
-the caller's token bound is refused by its count, without building a list of its ids.
+the caller's token bound is refused by its count, without building a list of its ids. Decoding
+many ids takes the same care (`decode_batch` releases the GIL, `decode` does not).
+
+`encode_plain` encodes text in which special tokens (<|im_start|>, ...: the added tokens marked
+special) are ordinary text, as a chat's user-supplied text is tokenized (scheduler_svc/frontend/chat.py).
 """
 from __future__ import annotations
 
 import json
 import pathlib
+import threading
 from collections.abc import Sequence
 
+from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -31,6 +37,7 @@ _NORMALIZER_SHRINK = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4}
 # Texts longer than this (characters) are encoded with the GIL released. Below it, encode's GIL
 # hold (~1 us per byte) costs less than the batch path's extra work.
 GIL_FREE_CHARS = 512
+_TABLE_CHUNK = 4096       # ids decoded per call while the table of every token's text is made
 
 
 class TooManyTokens(ValueError):
@@ -52,7 +59,15 @@ class Tokenizer:
         # prompts here; transformers resets them on each of its own calls, so clearing them is safe.
         self._backend.no_truncation()
         self._backend.no_padding()
-        self.max_input_bytes_per_token = max_input_bytes_per_token(json.loads(self._backend.to_str()))
+        spec = self._backend.to_str()
+        self.max_input_bytes_per_token = max_input_bytes_per_token(json.loads(spec))
+        # A second backend (never switched back and forth: threads share both) that reads special tokens as text.
+        self._plain = RustTokenizer.from_str(spec)
+        self._plain.encode_special_tokens = True
+        self.special_tokens: dict[str, int] = {token.content: token_id for token_id, token in
+                                               hf_tokenizer.added_tokens_decoder.items() if token.special}
+        self._tables: dict[bool, list[str]] = {}      # skip_special_tokens -> each id's text alone
+        self._tables_lock = threading.Lock()
 
     @property
     def backend(self):
@@ -64,25 +79,52 @@ class Tokenizer:
         no chat template. A rendered chat template passes add_special_tokens=False: it already
         holds every special token the model expects. With max_tokens, a longer encoding raises
         TooManyTokens. A long text releases the GIL while it is encoded (see the module's doc)."""
-        if len(text) <= GIL_FREE_CHARS:
-            encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
-        else:
-            encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        if max_tokens is not None and len(encoding) > max_tokens:
-            raise TooManyTokens(len(encoding), max_tokens)
-        return encoding.ids
+        return _encode(self._backend, text, add_special_tokens, max_tokens)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of text in which special tokens are plain text (a user's "<|im_start|>" is
+        the characters, not the control token); nothing is added."""
+        return _encode(self._plain, text, False, None)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of `token_ids`; ids the vocabulary lacks (the model's padded rows) decode to nothing."""
-        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        """Text of `token_ids`; ids the vocabulary lacks (the model's padded rows) decode to nothing.
+        Many ids are decoded with the GIL released."""
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        if len(ids) <= GIL_FREE_CHARS:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def decode_each(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> list[str]:
-        """The text of each token on its own (one batch call, which releases the GIL)."""
-        return self._backend.decode_batch([[t] for t in token_ids], skip_special_tokens=skip_special_tokens)
+        """The text of each token on its own. A token's text alone never changes, so it comes from
+        a table of the whole vocabulary's, made at the first call (a lookup per id after that,
+        where decoding each id costs a list and a string per id)."""
+        table = self._token_texts(skip_special_tokens)
+        return [table[t] if t < len(table) else "" for t in token_ids]
+
+    def _token_texts(self, skip_special_tokens: bool) -> list[str]:
+        with self._tables_lock:
+            table = self._tables.get(skip_special_tokens)
+            if table is None:
+                size, table = self._backend.get_vocab_size(with_added_tokens=True), []
+                for start in range(0, size, _TABLE_CHUNK):    # chunks: each batch call releases the GIL
+                    table += self._backend.decode_batch([[t] for t in range(start, min(start + _TABLE_CHUNK, size))],
+                                                        skip_special_tokens=skip_special_tokens)
+                self._tables[skip_special_tokens] = table
+            return table
 
     def __len__(self) -> int:
         """Ids the tokenizer knows, added tokens included; may be below the model's vocab_size."""
         return len(self.hf)
+
+
+def _encode(backend: RustTokenizer, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[int]:
+    if len(text) <= GIL_FREE_CHARS:
+        encoding = backend.encode(text, add_special_tokens=add_special_tokens)
+    else:
+        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    if max_tokens is not None and len(encoding) > max_tokens:
+        raise TooManyTokens(len(encoding), max_tokens)
+    return encoding.ids
 
 
 def max_input_bytes_per_token(spec: dict) -> int | None:

@@ -8,44 +8,67 @@ Every bound (float ranges, counts, sizes) is common/sampling_bounds.py's, which 
 gateway read too; the proto documents them. A refused float is printed as the client wrote it: the
 shortest decimal that is the same float32. An unset field takes the SamplingParams default.
 
-A constraint (json_schema, regex, grammar, json_object) is turned into its grammar here, without
-the tokenizer (cheap, and cached by its text), so a bad one is refused naming the problem before
-the request is scheduled; the worker compiles its token masks.
+A constraint (json_schema, regex, grammar, json_object) is checked here by its size only (bytes;
+a schema's depth and number of values), which bounds what building its grammar can cost. The
+worker builds and compiles it, in a pool of its own with a time budget, before the request is
+scheduled (worker_svc/grammar_pool.py); a constraint that does not compile is refused from there,
+naming the problem.
 """
 from __future__ import annotations
 
-import functools
 import math
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from common.constraint import Constraint, GrammarError, to_grammar
+from common.constraint import Constraint, GrammarError
 from common.pb.llm.v1 import generation_pb2
+from common.cli import flag
 from common.sampling import SamplingParams
 from common.sampling_bounds import (FLOAT_RANGES, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, FloatRange, to_float32)
+from scheduler_svc.frontend.bounded_json import JsonProblem, parse_schema
+from scheduler_svc.frontend.invalid_request import InvalidRequest
 from scheduler_svc.frontend.tokenizer import TooManyTokens
 
+__all__ = ["InvalidRequest", "Limits", "DEFAULT_LIMITS", "validate_request", "validate_chat_sampling",
+           "check_constraint"]
 
-class InvalidRequest(ValueError):
-    """A request the service refuses; str() is the whole message, starting with the field's path."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
+REQUEST_LIMITS = "request limits"
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Bounds on what one request may ask for, so that no client can make admission expensive."""
-    max_prompt_bytes: int = 1 << 20          # UTF-8 bytes of a text prompt, checked before tokenizing
+    """Bounds on what one request may ask for, each checked before the work it bounds (tokenizing,
+    rendering, compiling, decoding), so that no client can make admission expensive. The flag()
+    fields are the scheduler's flags (scheduler_svc/frontend/limit_flags.py); a request past one is
+    INVALID_ARGUMENT naming the field."""
+    max_prompt_bytes: int = flag(1 << 20, group=REQUEST_LIMITS,
+                                 help="UTF-8 bytes of a text prompt (before tokenizing), of a Tokenize text, and of "
+                                      "all the text of a chat (before rendering)")
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_string_len: int = MAX_STOP_STRING_LEN
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     max_request_id_len: int = 256            # characters
-    max_constraint_bytes: int = 128 << 10    # UTF-8 bytes of a json_schema, regex or grammar
+    max_chat_messages: int = flag(1024, group=REQUEST_LIMITS, help="messages in one chat request")
+    max_tools: int = flag(128, group=REQUEST_LIMITS, help="tools in one chat request")
+    max_tool_call_argument_bytes: int = flag(64 << 10, group=REQUEST_LIMITS,
+                                             help="UTF-8 bytes of one tool call's arguments")
+    max_json_depth: int = flag(32, group=REQUEST_LIMITS,
+                               help="nesting depth of a json_schema, a tool's parameters or a tool call's arguments")
+    max_json_schema_nodes: int = flag(4096, group=REQUEST_LIMITS,
+                                      help="JSON values in a json_schema, or in the tools' parameters together")
+    max_constraint_bytes: int = flag(128 << 10, group=REQUEST_LIMITS, help="UTF-8 bytes of a json_schema or grammar")
+    max_regex_bytes: int = flag(4 << 10, group=REQUEST_LIMITS, help="UTF-8 bytes of a regex")
+    max_detokenize_ids: int = flag(1 << 17, group=REQUEST_LIMITS, help="token ids of one Detokenize call")
+    max_priority: int = flag(100, group=REQUEST_LIMITS,
+                             help="priorities -N..N are accepted (lower first); 0: priority is off, a request "
+                                  "setting one is refused")
     max_logit_bias: int = MAX_LOGIT_BIAS_ENTRIES
+
+
+DEFAULT_LIMITS = Limits()
 
 
 def validate_request(
@@ -54,7 +77,7 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     tokenize: Callable[[str], list[int]],
-    limits: Limits = Limits(),
+    limits: Limits = DEFAULT_LIMITS,
     max_input_bytes_per_token: int | None = None,
 ) -> tuple[list[int], SamplingParams]:
     """Returns the prompt's token ids and the resolved sampling parameters, or raises InvalidRequest.
@@ -69,7 +92,7 @@ def validate_request(
 
 
 def validate_chat_sampling(request_id: str, msg: generation_pb2.SamplingParams, num_prompt_tokens: int, *,
-                           vocab_size: int, max_model_len: int, limits: Limits = Limits()) -> SamplingParams:
+                           vocab_size: int, max_model_len: int, limits: Limits = DEFAULT_LIMITS) -> SamplingParams:
     """The resolved sampling parameters of a chat request whose prompt (rendered by the chat
     template) has num_prompt_tokens tokens, or InvalidRequest. Special tokens are always left out
     of a chat's text (the template's turn markers are not content)."""
@@ -129,7 +152,7 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
         top_logprobs=_bounded_int(msg.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS),
         prompt_logprobs=msg.prompt_logprobs,
         constraint=_constraint(msg, limits),
-        priority=msg.priority,
+        priority=_priority(msg, limits),
         logit_bias=_logit_bias(msg.logit_bias, vocab_size, limits),
     )
 
@@ -154,28 +177,45 @@ def _bounded_int(value: int, name: str, low: int, high: int) -> int:
     return value
 
 
+def _priority(msg: generation_pb2.SamplingParams, limits: Limits) -> int:
+    if not msg.priority:
+        return 0
+    if not limits.max_priority:
+        raise InvalidRequest("sampling.priority", f"sampling.priority is off on this server (--max-priority 0); "
+                                                  f"send 0 or leave it unset, got {msg.priority}")
+    return _bounded_int(msg.priority, "priority", -limits.max_priority, limits.max_priority)
+
+
 def _constraint(msg: generation_pb2.SamplingParams, limits: Limits) -> Constraint | None:
     kind = msg.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not msg.json_object):
         return None
     field = f"sampling.{kind}"
     text = "" if kind == "json_object" else getattr(msg, kind)
-    size = len(text.encode("utf-8"))
-    if size > limits.max_constraint_bytes:
-        raise InvalidRequest(field, f"{field} is {size} bytes, more than the limit of {limits.max_constraint_bytes}")
     try:
         constraint = Constraint(kind, text)
-        check_constraint(constraint)
     except GrammarError as e:
         raise InvalidRequest(field, f"{field} is invalid: {e.problem}") from None
+    check_constraint(constraint, limits, field)
     return constraint
 
 
-@functools.lru_cache(maxsize=1024)
-def check_constraint(constraint: Constraint) -> None:
-    """Builds the constraint's grammar (no tokenizer: no token masks), or raises GrammarError.
-    Repeated constraints (one schema for many requests) are checked once."""
-    to_grammar(constraint)
+def check_constraint(constraint: Constraint, limits: Limits = DEFAULT_LIMITS, field: str | None = None) -> None:
+    """Refuses (InvalidRequest naming `field`) a constraint whose grammar would be costly to build
+    by its size alone: bytes, and for a schema its depth and number of values. Whether it compiles
+    is the worker's to say: it builds grammars in a pool of its own, within a time budget."""
+    field = field or f"sampling.{constraint.kind}"
+    limit = limits.max_regex_bytes if constraint.kind == "regex" else limits.max_constraint_bytes
+    if len(constraint.text) > limit:            # characters: no more than bytes, and free to count
+        raise InvalidRequest(field, f"{field} is over {limit} bytes, the limit")
+    size = len(constraint.text.encode("utf-8"))
+    if size > limit:
+        raise InvalidRequest(field, f"{field} is {size} bytes, more than the limit of {limit}")
+    if constraint.kind == "json_schema":
+        try:
+            parse_schema(constraint.text, max_depth=limits.max_json_depth, max_nodes=limits.max_json_schema_nodes)
+        except JsonProblem as e:
+            raise InvalidRequest(field, f"{field} is invalid: {e}") from None
 
 
 def _bounded_float(msg: generation_pb2.SamplingParams, name: str, bounds: FloatRange) -> float | None:

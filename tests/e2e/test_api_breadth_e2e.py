@@ -226,7 +226,9 @@ def test_chat_without_tool_calls_streams_text_and_ends_with_stop_or_length(servi
 
 
 def test_a_high_priority_request_behind_a_full_queue_finishes_before_earlier_low_ones(launch_services):
-    with launch_services(scheduler_args=("--max-num-seqs", "1")) as svc, svc.channel() as ch:
+    # Without aging: the order is the priorities' alone, however the arrivals are spaced.
+    with launch_services(scheduler_args=("--max-num-seqs", "1", "--priority-aging", "0")) as svc, \
+            svc.channel() as ch:
         finished: list[str] = []
 
         def run(name: str, **sampling) -> None:

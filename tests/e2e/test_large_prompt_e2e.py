@@ -1,8 +1,10 @@
 """A 1 MiB text prompt does not pause the other streams (real processes): while it is tokenized
-(about a second of work), the worst gap between two tokens of four running streams stays within a
-small multiple of their worst gap without it, measured in the same run. The context is long enough
-(67k tokens) that the text passes the byte bound and must be tokenized; it is then refused by its
-token count, as a prompt of 500k tokens should be."""
+(a second or more of work), each of four running streams keeps receiving tokens, in the first half
+of its admission already (a paused event loop delivers nothing until it is free again, then all at
+once), however busy the machine. The context is long enough (67k tokens) that the text passes the
+byte bound and must be tokenized; it is then refused by its token count, as a prompt of 500k
+tokens should be. How much the other streams slow down is measured as a ratio by the soak's
+hostile phase (tools/loadtest/hostile.py), not here."""
 from __future__ import annotations
 
 import threading
@@ -48,10 +50,9 @@ class Streams:
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.CANCELLED, e
 
-    def worst_gap(self, start: float, end: float) -> float:
-        gaps = [b - a for times in self.arrivals for a, b in zip(times, times[1:]) if start <= b and a <= end]
-        assert len(gaps) > 20, f"too few tokens between {start} and {end}: {len(gaps)}"
-        return max(gaps)
+    def tokens_between(self, start: float, end: float) -> list[int]:
+        """How many tokens each stream received within [start, end]."""
+        return [sum(start <= t <= end for t in times) for times in self.arrivals]
 
     def stop(self) -> None:
         for call in self.calls:
@@ -69,23 +70,16 @@ def test_a_one_mib_prompt_does_not_pause_the_other_streams(tmp_path):
         try:
             while min(len(a) for a in streams.arrivals) < 20:    # all four decoding
                 time.sleep(0.05)
-            quiet_start = time.monotonic()
-            time.sleep(2.0)
-            quiet = streams.worst_gap(quiet_start, time.monotonic())
-
             sent = time.monotonic()
             with pytest.raises(grpc.RpcError) as refused:
                 generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
                     text=text, sampling=generation_pb2.SamplingParams(max_tokens=1)), timeout=60).next()
             answered = time.monotonic()
-            time.sleep(0.3)
-            loaded = streams.worst_gap(sent, answered + 0.3)
         finally:
             streams.stop()
     # It was tokenized (not refused by its byte length), and then refused by its token count.
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tokens" in refused.value.details() and "max_model_len" in refused.value.details()
-    ratio = loaded / quiet
-    print(f"worst inter-token gap: {quiet * 1e3:.1f} ms without, {loaded * 1e3:.1f} ms while the 1 MiB prompt "
-          f"was admitted ({answered - sent:.2f} s): x{ratio:.2f}")
-    assert ratio < 3.0, f"the 1 MiB prompt paused the streams: worst gap {loaded * 1e3:.0f} ms vs {quiet * 1e3:.0f} ms"
+    first_half = streams.tokens_between(sent, sent + (answered - sent) / 2)
+    print(f"admitted in {answered - sent:.2f} s; tokens per stream in its first half: {first_half}")
+    assert all(count >= 1 for count in first_half), f"a stream got no token while the prompt was admitted: {first_half}"

@@ -91,3 +91,43 @@ def test_a_worker_serves_one_scheduler_and_the_other_takes_over_once_its_lease_l
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_a_lease_is_granted_at_most_max_lease_so_a_stranger_cannot_keep_the_worker(tiny_model_dir, tmp_path):
+    """Anyone who reaches a worker whose owner fell silent may claim it, but not for 49.7 days:
+    the claim is cut to --max-lease, after which another scheduler takes the worker."""
+    from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    worker = worker_proc(tiny_model_dir, logs, "--max-lease", "2").start()
+    try:
+        worker.wait_serving()
+        with grpc.insecure_channel(worker.addr) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            claimed = stub.Claim(worker_pb2.ClaimRequest(owner="stranger", epoch=1, lease_ms=2**32 - 1), timeout=10)
+            assert claimed.lease_ms == 2000
+            claimed_at = time.monotonic()
+            with pytest.raises(grpc.RpcError) as held:
+                stub.Claim(worker_pb2.ClaimRequest(owner="scheduler", epoch=2, lease_ms=10_000), timeout=10)
+            assert held.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'stranger'" in held.value.details()
+            time.sleep(max(0.0, claimed_at + 2.2 - time.monotonic()))
+            taken = stub.Claim(worker_pb2.ClaimRequest(owner="scheduler", epoch=2, lease_ms=10_000), timeout=10)
+            assert taken.lease_ms == 2000
+    finally:
+        worker.kill()
+
+
+def test_a_worker_beyond_loopback_without_a_token_refuses_to_start_unless_told(tiny_model_dir, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    exposed = worker_proc(tiny_model_dir, logs, "--host", "0.0.0.0").start()
+    assert exposed.popen.wait(120) == 2
+    assert "--allow-unauthenticated" in exposed.log.read_text()
+    allowed = worker_proc(tiny_model_dir, logs, "--host", "0.0.0.0", "--allow-unauthenticated")
+    allowed.addr = allowed.addr.replace("127.0.0.1", "localhost")
+    try:
+        allowed.start().wait_serving()
+        assert "WITHOUT authentication" in allowed.log.read_text()     # and it still says so loudly
+    finally:
+        allowed.kill()

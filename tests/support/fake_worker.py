@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable
 
+from common.constraint import Constraint
 from common.pb.llm.worker.v1 import worker_pb2
 from scheduler_svc.engine.block_manager import hash_block
 from scheduler_svc.engine.worker_client import WorkerError
@@ -99,13 +100,16 @@ class FakeWorkerClient:
 
     def __init__(self, die_at: set[int] = frozenset(), *, num_blocks: int = 12, block_size: int = 2,
                  vocab_size: int = 6, step_s: float = 0.002, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, poison: set[int] = frozenset()) -> None:
+        """`poison`: a step holding a request whose prompt starts with one of these tokens makes
+        the worker crash, every time (a request that makes the worker fail)."""
         self.worker = FakeWorker(num_blocks, block_size)
         self.max_num_seqs = max_num_seqs                       # what it reports taking in one step
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
         self.step_s = step_s
         self.die_at = die_at
+        self.poison = poison
         self.dead = False
         self.restarts = 0
         self.num_steps = 0
@@ -119,6 +123,10 @@ class FakeWorkerClient:
         except LeaseError as e:
             raise WorkerError(f"worker {self.address}: FAILED_PRECONDITION: {e}") from e
         return str(self.restarts)
+
+    async def prepare_grammar(self, constraint: Constraint, lease_epoch: int, timeout: float) -> None:
+        """Grammars are not this fake's business: each compiles at once."""
+        self._check_lease(lease_epoch, "prepare grammar")
 
     def _check_lease(self, epoch: int, what: str) -> None:
         try:
@@ -139,7 +147,7 @@ class FakeWorkerClient:
             async with self._turn:
                 await asyncio.sleep(self.step_s)     # the forward pass
                 self.num_steps += 1
-                if self.num_steps in self.die_at:
+                if self.num_steps in self.die_at or self._poisoned(request):
                     self.dead = True
                     self.restarts += 1
                     self.worker.reset()
@@ -151,6 +159,11 @@ class FakeWorkerClient:
             return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled)
         finally:
             self.num_in_flight -= 1
+
+    def _poisoned(self, request: worker_pb2.StepRequest) -> bool:
+        firsts = [new.token_ids[0] for new in request.new_requests]
+        firsts += [self.worker.mirrors[s].token_ids[0] for s in request.cached.seq_ids if s in self.worker.mirrors]
+        return any(first in self.poison for first in firsts)
 
     async def reset(self, lease_epoch: int, timeout: float) -> None:
         self._check_lease(lease_epoch, "reset")

@@ -61,10 +61,10 @@ for _name, _handler in HANDLERS.items():
                                         response_serializer=Response.SerializeToString)
 
 
-async def _serve(test):
+async def _serve(test, guard: DecodeGuardInterceptor | None = None):
     """Runs `test(channel, health_servicer)` against a guarded server holding HANDLERS and grpc.health.v1."""
     pool = ThreadPoolExecutor(2, thread_name_prefix="guard-test")   # runs the plain functions
-    server = grpc.aio.server(interceptors=[DecodeGuardInterceptor()], migration_thread_pool=pool)
+    server = grpc.aio.server(interceptors=[guard or DecodeGuardInterceptor()], migration_thread_pool=pool)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Guarded", HANDLERS)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -110,6 +110,26 @@ def test_every_handler_kind_refuses_an_undecodable_request(method, payload):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "HealthCheckRequest" in err.value.details() or "UTF-8" in err.value.details()
     asyncio.run(_serve(test))
+
+
+@pytest.mark.parametrize("method", list(HANDLERS))
+def test_a_request_longer_than_its_method_allows_is_refused_naming_its_field(method):
+    guard = DecodeGuardInterceptor(lambda name: 16 if name.startswith("/test.") else None,
+                                   lambda name: "service" if name.startswith("/test.") else None)
+
+    async def test(channel, _):
+        call = _call(channel, method)(Request(service="x" * 32).SerializeToString(), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            if method.endswith("Stream"):
+                [r async for r in call]
+            else:
+                await call
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (f"service: the request is 34 bytes, more than a {method} request within "
+                                       f"this server's limits can be (16 bytes)")
+        assert (await _call(channel, "CoroutineUnary")(Request(service="up").SerializeToString(), timeout=10)
+                ).status == SERVING
+    asyncio.run(_serve(test, guard))
 
 
 def test_health_check_and_watch_pass_the_guard():

@@ -1,5 +1,6 @@
 """A worker group's step loop around what goes wrong with its workers: what it logs when one
-restarts, and how it claims, renews and loses a worker's lease. The engine core runs in this
+restarts, how it claims, renews and loses a worker's lease, and how a request that makes the
+worker fail is failed alone after a bounded number of tries. The engine core runs in this
 process over fake worker clients (tests/support/fake_worker.py)."""
 from __future__ import annotations
 
@@ -153,3 +154,49 @@ def test_a_groups_step_limits_are_its_tightest_ranks():
                                    max_num_batched_tokens=tokens) for seqs, tokens in ((8, 512), (6, 1024))]
     config = runner.scheduler_config(infos)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (6, 512)
+
+
+def test_a_request_that_makes_the_worker_fail_is_failed_alone_after_bounded_retries():
+    """Every step holding the poisoned request crashes the worker. After the first crash its
+    requests come back one at a time, so the poisoned one is blamed alone; at
+    max_request_failures it is failed (INTERNAL), and the others finish with the tokens they get
+    when there is no poison at all."""
+    def requests(poisoned: bool) -> list[CoreRequest]:
+        prompts = [[1, 2, 3], [2, 2, 3], [5, 2, 3] if poisoned else [4, 4, 4], [3, 2, 3], [6, 2, 3]]
+        return [CoreRequest(make_seq_id(0, i + 1), f"r{i}", p, SamplingParams(max_tokens=10, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+
+    async def scenario(poisoned: bool) -> tuple[dict, dict, int]:
+        client = FakeWorkerClient(num_blocks=64, block_size=4, vocab_size=50, poison={5})
+        core = EngineCore([WorkerGroupClient([client])], eos_token_ids=[0], config=EngineConfig(
+            max_num_seqs=8, reconnect_interval_s=0.001, max_request_failures=2))
+        await core.start()
+        assert await core.wait_ready(timeout_s=10)
+        queue = core.attach(0)
+        batch = requests(poisoned)
+        assert all(r.code == 0 for r in core.add_requests(batch))
+        tokens = {r.seq_id: [] for r in batch}
+        errors, done = {}, set()
+        try:
+            while len(done) < len(batch):
+                event = await asyncio.wait_for(queue.get(), 30)
+                if event.outputs is None:
+                    continue
+                for seq_id, token_id in zip(event.outputs.seq_ids, event.outputs.token_ids):
+                    tokens[seq_id].append(token_id)
+                for f in event.outputs.finished:
+                    done.add(f.seq_id)
+                    if f.error is not None:
+                        errors[f.seq_id] = f.error
+        finally:
+            await core.shutdown(grace_s=0)
+        return tokens, errors, client.restarts
+
+    clean, no_errors, no_restarts = asyncio.run(scenario(False))
+    tokens, errors, restarts = asyncio.run(scenario(True))
+    poisoned = make_seq_id(0, 3)
+    assert no_errors == {} and no_restarts == 0
+    assert list(errors) == [poisoned] and errors[poisoned].code == "INTERNAL"
+    assert "failed 2 times while computing this request" in errors[poisoned].message
+    assert restarts == 3        # the first crash, then two that it alone was blamed for
+    assert {s: t for s, t in tokens.items() if s != poisoned} == {s: t for s, t in clean.items() if s != poisoned}

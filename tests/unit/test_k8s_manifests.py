@@ -6,9 +6,10 @@ and QWEN3_SERVE_* variables are accepted by the real argument parsers of the ser
 wiring is checked too: ports, probes, mounted secrets, the scheduler's worker list against the
 pods' DNS names, Service and NetworkPolicy selectors.
 
-A layout is assembled as `kubectl apply -k` would, by a small emulation of kustomize for exactly
-the features the layouts use (resources, ConfigMap patches, labels, images); a kustomization
-using anything else fails here rather than being half-understood.
+A layout is assembled by `kubectl kustomize` where kubectl is installed (CI has it); elsewhere by
+a small emulation of kustomize for exactly the features the layouts use (resources, ConfigMap
+patches, labels, images), where a kustomization using anything else fails rather than being
+half-understood. Where both exist, they must assemble every layout alike.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
+import subprocess
 
 import pytest
 
@@ -36,6 +39,7 @@ LWS_SCHEMA = json.loads((REPO / "tests" / "support" / "schemas" / "leaderworkers
 # What the LeaderWorkerSet controller sets in each pod (for group g, pod i of `size`).
 LWS_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
 KUSTOMIZE_KEYS = {"apiVersion", "kind", "resources", "patches", "labels", "images"}
+KUBECTL = shutil.which("kubectl")
 
 
 def load(path: pathlib.Path) -> list[dict]:
@@ -43,12 +47,26 @@ def load(path: pathlib.Path) -> list[dict]:
 
 
 def build(directory: pathlib.Path) -> list[dict]:
+    """A layout's objects, as `kubectl apply -k` would create them."""
+    return kustomize(directory) if KUBECTL else emulate(directory)
+
+
+def kustomize(directory: pathlib.Path) -> list[dict]:
+    """A layout assembled by kubectl's own kustomize."""
+    out = subprocess.run([KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, f"kubectl kustomize {directory}: {out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def emulate(directory: pathlib.Path) -> list[dict]:
+    """A layout assembled by the emulation, for machines without kubectl."""
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     assert set(kustomization) <= KUSTOMIZE_KEYS, f"{directory}: kustomize features this test cannot emulate"
     docs: list[dict] = []
     for entry in kustomization.get("resources", []):
         path = (directory / entry).resolve()
-        docs += build(path) if path.is_dir() else load(path)
+        docs += emulate(path) if path.is_dir() else load(path)
     for patch in kustomization.get("patches", []):
         assert set(patch) == {"path"}, patch
         for change in load(directory / patch["path"]):
@@ -91,6 +109,15 @@ def selects(selector: dict, labels: dict) -> bool:
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: layout or "default")
 def layout(request) -> tuple[str, list[dict]]:
     return request.param, build(K8S / request.param)
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("directory", LAYOUTS + ("gateway",), ids=lambda layout: layout or "default")
+def test_the_emulation_assembles_each_layout_as_kubectl_does(directory):
+    def by_name(docs: list[dict]) -> dict:
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+    assert by_name(emulate(K8S / directory)) == by_name(kustomize(K8S / directory))
 
 
 def test_every_object_is_valid_for_kubernetes(layout):

@@ -1,7 +1,8 @@
 """ModelRunner driven step by step as the scheduler would: greedy generation equals
 transformers' generate token for token through chunked prefill, prefix-cache hits, decodes and
-growing block tables; seeded sampling survives preemption; bad steps are refused untouched; with
-the torch sampler and with the device sampler's kernels."""
+growing block tables; seeded sampling survives preemption; bad steps are refused untouched; a
+request whose grammar fails (or costs too much) fails alone; with the torch sampler and with the
+device sampler's kernels."""
 from __future__ import annotations
 
 import json
@@ -131,7 +132,7 @@ def test_greedy_generation_equals_transformers(tiny_model_dir, sampler):
         assert d.tokens[seq_id][len(p):][:num_new] == hf_greedy(tiny_model_dir, p, num_new), f"sequence {seq_id}"
     assert len(d.blocks[2]) == 2   # b grew into a second block while decoding
     # Nothing here asked for a grammar or extra logprobs: none of that machinery ran.
-    assert not d.runner.structured.loaded
+    assert d.runner.structured.pool.started == 0 and not d.runner.structured.masked
     assert all(o.top_logprobs is None and o.prompt_logprobs is None and o.logprobs is None for o in d.outputs)
 
 
@@ -369,10 +370,36 @@ def test_a_re_sent_constrained_request_continues_its_grammar(tiny_model_dir):
     assert d.tokens[1][:len(so_far)] == so_far and 0 <= json.loads(text)["n"] <= 99
 
 
-def test_a_bad_constraint_is_refused_before_anything_changes(tiny_model_dir):
-    runner = make_runner(tiny_model_dir)
-    d = Driver(runner)
+def test_a_bad_constraint_fails_its_request_alone_and_the_batch_goes_on(tiny_model_dir):
+    free = pb.SamplingOptions(temperature=1.0, seed=5)
+    alone, mixed = Driver(make_runner(tiny_model_dir)), Driver(make_runner(tiny_model_dir))
     bad = pb.Constraint(kind="json_schema", text='{"type": "object", "properties": 3}')
-    with pytest.raises(InvalidStepError, match="json_schema"):
-        runner.step(parse_step_request(step_request(1, new=[d.new(1, prompt(16, 4), 4, constraint=bad)])))
-    assert len(runner.batch) == 0
+    alone.step(new=[alone.new(1, prompt(16, 4), 4, free)])
+    mixed.step(new=[mixed.new(1, prompt(16, 4), 4, free), mixed.new(2, prompt(17, 4), 4, constraint=bad)])
+    [failure] = mixed.outputs[0].failed
+    assert (failure.seq_id, failure.code, failure.about_constraint) == (2, "INVALID_ARGUMENT", True)
+    assert failure.message.startswith("is invalid: ")
+    for _ in range(3):
+        alone.step(cached=[alone.cached(1)])
+        mixed.step(cached=[mixed.cached(1)], finished=[2] if 2 in mixed.tokens else [])
+        mixed.tokens.pop(2, None)
+    assert mixed.tokens[1] == alone.tokens[1] and len(mixed.runner.batch) == 1
+
+
+def test_a_grammar_whose_masks_cost_more_than_the_budget_fails_its_request_alone(tiny_model_dir):
+    free = pb.SamplingOptions(temperature=1.0, seed=5)
+    costly = pb.Constraint(kind="regex", text="(a*a*a*a*)*b")
+    alone = Driver(make_runner(tiny_model_dir))
+    mixed = Driver(make_runner(tiny_model_dir, max_mask_ms=1e-6))    # every mask costs more than that
+    alone.step(new=[alone.new(1, prompt(18, 4), 4, free)])
+    mixed.step(new=[mixed.new(1, prompt(18, 4), 4, free), mixed.new(2, prompt(19, 4), 4, GREEDY, constraint=costly)])
+    [failure] = mixed.outputs[0].failed
+    assert (failure.seq_id, failure.code, failure.about_constraint) == (2, "INVALID_ARGUMENT", True)
+    assert "too costly" in failure.message and "--max-mask-ms" in failure.message
+    # Until the scheduler drops it, the request stays in the batch, allowed only its stop tokens.
+    sampled = mixed.step(cached=[mixed.cached(1), mixed.cached(2)])
+    assert sampled[2] in (0, 2) and not mixed.outputs[-1].failed
+    mixed.step(cached=[mixed.cached(1)], finished=[2])
+    alone.step(cached=[alone.cached(1)])
+    alone.step(cached=[alone.cached(1)])
+    assert mixed.tokens[1] == alone.tokens[1] and mixed.runner.structured.num_over_budget == 1

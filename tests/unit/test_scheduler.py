@@ -443,3 +443,28 @@ def test_a_prompt_whose_logprobs_are_asked_skips_the_prefix_cache_until_it_has_b
     out, _ = step(sched)
     assert {r.seq_id: r.num_computed_tokens for r in out.new_requests} == {plain.seq_id: 8, scored.seq_id: 0}
     assert first.is_finished and scored.num_cached_prompt_tokens == 0
+
+
+def test_a_waiting_request_is_served_before_later_arrivals_of_any_priority_once_it_has_aged():
+    """priority_aging_s 0.01: priority -100 is worth one second of waiting. A priority-0 request
+    that arrived at t=0 goes before a -100 one that arrived after t=1, and behind one before."""
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256, block_size=4,
+                             priority_aging_s=0.01)
+    sched = Scheduler(config, BlockManager(64, 4), eos_token_ids=[EOS])
+
+    def arrive(t: float, priority: int) -> Sequence:
+        seq = Sequence(next(_ids), f"t{t}", [int(t * 10) + 3], SamplingParams(max_tokens=1, priority=priority),
+                       arrival_time=t)
+        sched.add(seq)
+        return seq
+
+    patient = arrive(0.0, 0)
+    early = [arrive(t, -100) for t in (0.2, 0.9)]
+    late = [arrive(t, -100) for t in (1.2, 5.0)]
+    urgent_late = arrive(1.5, -100)
+    assert list(sched.waiting) == [*early, patient, *late[:1], urgent_late, late[1]]
+    strict = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256, block_size=4),
+                       BlockManager(64, 4), eos_token_ids=[EOS])
+    for seq in (patient, *early, *late):
+        strict.add(Sequence(next(_ids), seq.request_id, seq.token_ids, seq.sampling, arrival_time=seq.arrival_time))
+    assert [s.request_id for s in strict.waiting][-1] == patient.request_id   # without aging: last, whenever

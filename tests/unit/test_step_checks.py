@@ -12,7 +12,7 @@ import pytest
 
 from worker_svc.input_batch import InputBatch
 from worker_svc.layers.sampler import SamplingOptions
-from worker_svc.runner_io import InvalidStepError, NewRequest, StaleMirrorError, StepInput
+from worker_svc.runner_io import InvalidStepError, NewRequest, RequestFailure, StaleMirrorError, StepInput
 from worker_svc.step_checks import StepLimits, check_step
 
 LIMITS = StepLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, vocab_size=100, block_size=4,
@@ -118,7 +118,7 @@ def test_a_malformed_step_is_refused_naming_what_is_wrong_and_changes_nothing(ca
 def test_a_step_may_compute_the_newest_sampled_token_but_no_older_one():
     batch = held_batch()
     row = batch.row_of[1]
-    rows, _ = check_step(step(cached=[(1, 1)], new_blocks={0: [3]}), LIMITS, batch, None)
+    rows, _, _ = check_step(step(cached=[(1, 1)], new_blocks={0: [3]}), LIMITS, batch, None)
     assert rows.tolist() == [row]
     batch.num_tokens[row] = 14        # two sampled tokens the host has not seen
     with pytest.raises(InvalidStepError, match=r"positions 12..12 include sampled tokens older than the newest"):
@@ -126,11 +126,11 @@ def test_a_step_may_compute_the_newest_sampled_token_but_no_older_one():
 
 
 class FakeStructured:
-    """Makes a matcher per constraint; a constraint "bad" is refused as a grammar would be."""
+    """Makes a matcher per constraint; a constraint "bad" fails as a grammar would."""
 
-    def matcher(self, constraint, output_token_ids):
+    def matcher_or_failure(self, seq_id, constraint, output_token_ids):
         if constraint == "bad":
-            raise ValueError("json_schema: properties must be an object")
+            return RequestFailure(seq_id, "INVALID_ARGUMENT", "is invalid: properties must be an object", True)
         return (constraint, tuple(output_token_ids))
 
 
@@ -138,15 +138,18 @@ def test_a_well_formed_step_passes_with_its_rows_and_its_grammar_matchers():
     batch = held_batch()
     ok = step([new(2, [5, 6, 7, 8], num_prompt=3, blocks=(4,), constraint="regex"), new(3, blocks=(5,))],
               cached=[(1, 1)], new_blocks={0: [3]})
-    rows, matchers = check_step(ok, LIMITS, batch, FakeStructured())
+    rows, matchers, failed = check_step(ok, LIMITS, batch, FakeStructured())
     assert rows.tolist() == [batch.row_of[1]]
     assert matchers == {2: ("regex", (8,))}            # made over the output so far
+    assert failed == []
     assert check_step(ok, LIMITS, batch, None)[1] == {}   # ranks that do not sample make none
     # A request finished in this step may come back in it as new (a re-send after preemption).
     assert check_step(step([new(1, blocks=(6,))], finished=[1]), LIMITS, batch, None)[0].tolist() == []
 
 
-def test_a_bad_constraint_is_refused_naming_its_request():
+def test_a_bad_constraint_fails_its_request_alone_and_the_step_goes_on():
     batch = held_batch()
-    with pytest.raises(InvalidStepError, match="step 7, new request 2: json_schema: properties must be an object"):
-        check_step(step([new(constraint="bad")]), LIMITS, batch, FakeStructured())
+    rows, matchers, failed = check_step(step([new(constraint="bad"), new(3, blocks=(5,), constraint="regex")]),
+                                        LIMITS, batch, FakeStructured())
+    assert failed == [RequestFailure(2, "INVALID_ARGUMENT", "is invalid: properties must be an object", True)]
+    assert list(matchers) == [3]

@@ -263,3 +263,55 @@ def test_logit_bias_is_bounded_sorted_and_drops_zeros():
         with pytest.raises(InvalidRequest) as caught:
             validate(request(logit_bias=bias))
         assert caught.value.field == "sampling.logit_bias" and fragment in str(caught.value), caught.value
+
+
+def nested_arrays(depth: int) -> str:
+    schema = '{"type": "string"}'
+    for _ in range(depth):
+        schema = '{"type": "array", "items": ' + schema + "}"
+    return schema
+
+
+@pytest.mark.parametrize("sampling, field, problem", [
+    (dict(json_schema=nested_arrays(40)), "sampling.json_schema", "nested 41 levels deep, more than the limit of 32"),
+    (dict(json_schema="[" * 60_000 + "]" * 60_000), "sampling.json_schema", "nested"),
+    (dict(json_schema='{"type": "object", "properties": {' + ", ".join(f'"p{i}": {{"type": "string"}}'
+                                                                          for i in range(3000)) + "}}"),
+     "sampling.json_schema", "JSON values, more than the limit of 4096"),
+    (dict(json_schema='{"type": '), "sampling.json_schema", "sampling.json_schema is invalid: not valid JSON"),
+    (dict(regex="a" * 5000), "sampling.regex", "over 4096 bytes"),
+    (dict(grammar="x" * (200 << 10)), "sampling.grammar", "over 131072 bytes"),
+    (dict(regex=""), "sampling.regex", "sampling.regex is invalid: empty"),
+])
+def test_a_constraint_too_large_to_build_cheaply_is_refused_by_its_size(sampling, field, problem):
+    with pytest.raises(InvalidRequest) as caught:
+        validate_request(request(**sampling), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, tokenize=utf8_tokenize)
+    assert caught.value.field == field and problem in str(caught.value)
+
+
+def test_a_constraint_within_the_limits_passes_unbuilt():
+    """The frontend parses and measures a constraint; the worker builds it (and refuses a bad one)."""
+    _, params = validate(request(json_schema=nested_arrays(20)))
+    assert params.constraint.kind == "json_schema"
+    _, params = validate(request(regex="(a*a*a*)*b"))
+    assert params.constraint.text == "(a*a*a*)*b"
+
+
+@pytest.mark.parametrize("priority, ok", [(0, True), (-100, True), (100, True), (-101, False), (1000, False),
+                                          (-1000, False)])
+def test_priority_is_bounded_by_max_priority(priority, ok):
+    if ok:
+        assert validate(request(priority=priority))[1].priority == priority
+        return
+    with pytest.raises(InvalidRequest, match=r"sampling.priority must be in \[-100, 100\]") as caught:
+        validate(request(priority=priority))
+    assert caught.value.field == "sampling.priority"
+
+
+def test_with_max_priority_0_priority_is_off():
+    off = Limits(max_priority=0)
+    assert validate_request(request(priority=0), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN,
+                            tokenize=utf8_tokenize, limits=off)[1].priority == 0
+    with pytest.raises(InvalidRequest, match="priority is off on this server"):
+        validate_request(request(priority=-1), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN,
+                         tokenize=utf8_tokenize, limits=off)

@@ -1,7 +1,11 @@
 """Soak test: runs a worker and a scheduler, drives them above capacity with random client
 cancels, slow readers and one worker SIGKILL + restart, then checks that nothing was lost. The
 first --burst requests arrive at once (more than the batch and the waiting queue hold, so some are
-refused however fast the machine), the rest at --rate.
+refused however fast the machine), the rest at --rate. Then hostile clients (an ambiguous regex,
+a wide schema, a huge chat, a huge Detokenize, slow clients, early cancels, priority floods, ...)
+run beside well-behaved probe streams: the probes' worst inter-token gap with them, against the
+same without them in the same run (the median over rounds), must stay within --max-gap-ratio
+(tools/loadtest/hostile.py).
 
     python -m tools.loadtest.soak [--model DIR] [--duration 60] [--rate 12] [--out FILE]
 
@@ -42,6 +46,8 @@ from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1.generation_pb2_grpc import GenerationStub
 from tools.launch import free_port, scheduler_proc, worker_proc
 from tools.loadtest.arrivals import arrival_offsets
+from tools.loadtest.hostile import HostileSettings
+from tools.loadtest.hostile import measure as measure_hostile
 
 # Outcomes of one request, as the client saw it.
 COMPLETED, CANCELLED, REFUSED, DEADLINE, ERROR = "completed", "cancelled", "refused", "deadline", "error"
@@ -142,6 +148,15 @@ class SoakSettings:
     frontends: int = 0
     device: str = "cpu"
     request_timeout_s: float = 300.0
+    # After the load above: probe streams alone (quiet_s), then beside hostile clients
+    # (hostile_s), in `rounds` turns; the median of the rounds' worst inter-token gap ratios
+    # must stay within max_gap_ratio (tools/loadtest/hostile.py; 0: reported, not judged).
+    # hostile_s 0: no such phase.
+    quiet_s: float = 4.0
+    hostile_s: float = 4.0
+    rounds: int = 3
+    probes: int = 3
+    max_gap_ratio: float = 3.0
 
 
 def _specs(settings: SoakSettings, vocab_size: int) -> list[Spec]:
@@ -325,9 +340,27 @@ async def soak(settings: SoakSettings, model: pathlib.Path, logs: pathlib.Path) 
             await asyncio.sleep(1.5)        # frontends report rejections once a second
             run_figures, failures = check(outcomes, references, group, procs.metrics(), len(specs))
             figures.update(run_figures)
+            if settings.hostile_s > 0:
+                hostile_figures, hostile_failures = await _hostile_phase(settings, procs, info)
+                figures.update(hostile_figures)
+                failures += hostile_failures
+                group = await _settle(stub, procs)
+                leaked = group.num_kv_blocks - group.num_free_kv_blocks
+                if leaked or group.num_running:
+                    failures.append(f"{leaked} KV blocks and {group.num_running} running requests left after the "
+                                    f"hostile phase")
     finally:
         procs.stop()
     return figures, failures
+
+
+async def _hostile_phase(settings: SoakSettings, procs: Processes, info: pb.ModelInfo) -> tuple[dict, list[str]]:
+    """Probe streams alone, then beside the hostile clients (tools/loadtest/hostile.py)."""
+    hostile = HostileSettings(quiet_s=settings.quiet_s, hostile_s=settings.hostile_s, rounds=settings.rounds,
+                              probes=settings.probes, max_gap_ratio=settings.max_gap_ratio,
+                              eos_token_ids=tuple(info.eos_token_ids))
+    async with grpc.aio.insecure_channel(procs.address) as channel:
+        return await measure_hostile(procs.address, GenerationStub(channel), hostile, info.vocab_size)
 
 
 async def _reference(stub: GenerationStub, spec: Spec) -> list[int]:

@@ -36,7 +36,8 @@ import xgrammar as xgr
 
 from common.constraint import Constraint, GrammarError, to_grammar
 
-__all__ = ["Constraint", "GrammarError", "GrammarCompiler", "GrammarMatcher", "GrammarBitmask", "apply_bitmask"]
+__all__ = ["Constraint", "GrammarError", "GrammarCompiler", "GrammarMatcher", "GrammarBitmask", "apply_bitmask",
+           "allow_only"]
 
 BITS = 32   # xgrammar's bitmask: int32 words, bit j of word w is token 32 * w + j
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -90,13 +91,33 @@ class GrammarCompiler:
         self._remember(constraint, compiled)
         return compiled
 
+    def cached(self, constraint: Constraint) -> xgr.CompiledGrammar | None:
+        """The compiled grammar of `constraint` if it is in the cache (made most recently used)."""
+        with self._lock:
+            compiled = self._cache.get(constraint)
+            if compiled is not None:
+                self._cache.move_to_end(constraint)
+            return compiled
+
+    def adopt(self, constraint: Constraint, serialized: str) -> xgr.CompiledGrammar:
+        """Caches and returns a grammar compiled elsewhere (CompiledGrammar.serialize_json of a
+        compiler built from the same tokenizer and vocabulary, e.g. worker_svc/grammar_pool.py's)."""
+        compiled = xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+        self._remember(constraint, compiled)
+        return compiled
+
     def matcher(self, constraint: Constraint, accepted_ids: Sequence[int] = (), *,
                 stop_token_ids: Sequence[int] | None = None) -> "GrammarMatcher":
         """A fresh matcher for one request, advanced over `accepted_ids` (the output tokens it
         already has, when it is rebuilt). `stop_token_ids` replaces the compiler's stop tokens
         for this request. Raises GrammarError when the constraint is bad or the ids do not
         follow it."""
-        matcher = GrammarMatcher(self.compile(constraint), stop_token_ids or self.stop_token_ids)
+        return self.matcher_of(constraint, self.compile(constraint), accepted_ids, stop_token_ids=stop_token_ids)
+
+    def matcher_of(self, constraint: Constraint, compiled: xgr.CompiledGrammar, accepted_ids: Sequence[int] = (), *,
+                   stop_token_ids: Sequence[int] | None = None) -> "GrammarMatcher":
+        """As matcher(), from a grammar compiled already."""
+        matcher = GrammarMatcher(compiled, stop_token_ids or self.stop_token_ids)
         for i, token_id in enumerate(accepted_ids):
             if not matcher.accept_token(token_id):
                 raise GrammarError(constraint.kind, f"output token {i} (id {token_id}) does not follow the grammar")
@@ -165,7 +186,7 @@ class GrammarMatcher:
     def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into bitmask[row] (a CPU int32 tensor)."""
         if self._matcher.is_terminated():
-            _allow_only(bitmask[row], self.stop_token_ids)
+            allow_only(bitmask[row], self.stop_token_ids)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -199,6 +220,16 @@ class GrammarBitmask:
             for i, matcher in enumerate(matchers):
                 matcher.fill_row(self._buffer, i)
         return bitmask
+
+    def rows(self, num_rows: int) -> torch.Tensor:
+        """The buffer's first num_rows rows (grown as needed), for rows filled one by one."""
+        if num_rows > self._buffer.shape[0]:
+            self._buffer = self._allocate(max(num_rows, 2 * self._buffer.shape[0]))
+        return self._buffer[:num_rows]
+
+    def abandon(self) -> None:
+        """Takes a new buffer: the old one may still be written by a fill that was given up on."""
+        self._buffer = self._allocate(self._buffer.shape[0])
 
     def _allocate(self, rows: int) -> torch.Tensor:
         return torch.empty((rows, self.words), dtype=torch.int32, pin_memory=self._pin)
@@ -243,7 +274,8 @@ def _tokenizer_info(hf_tokenizer, vocab_size: int, stop_token_ids: Sequence[int]
                              stop_token_ids=list(stop_token_ids), add_prefix_space=detected.add_prefix_space)
 
 
-def _allow_only(row: torch.Tensor, token_ids: Sequence[int]) -> None:
+def allow_only(row: torch.Tensor, token_ids: Sequence[int]) -> None:
+    """Writes a bitmask row that allows exactly `token_ids`."""
     words: dict[int, int] = {}
     for token_id in token_ids:
         word, bit = divmod(token_id, BITS)

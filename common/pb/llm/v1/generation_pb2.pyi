@@ -274,7 +274,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "worker_groups")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "worker_groups", "features")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +282,7 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -289,7 +290,18 @@ class ModelInfo(_message.Message):
     block_size: int
     num_kv_blocks: int
     worker_groups: _containers.RepeatedCompositeFieldContainer[WorkerGroupInfo]
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., worker_groups: _Optional[_Iterable[_Union[WorkerGroupInfo, _Mapping]]] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[Feature]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., worker_groups: _Optional[_Iterable[_Union[WorkerGroupInfo, _Mapping]]] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ...) -> None: ...
+
+class Feature(_message.Message):
+    __slots__ = ("name", "available", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    available: bool
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class WorkerGroupInfo(_message.Message):
     __slots__ = ("addresses", "healthy", "num_kv_blocks", "num_free_kv_blocks", "num_running", "device", "attention_backend", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "tensor_parallel_size", "kv_cache_dtype")

@@ -25,14 +25,26 @@ class AttachRequest(_message.Message):
     def __init__(self, frontend_id: _Optional[int] = ...) -> None: ...
 
 class CoreStatus(_message.Message):
-    __slots__ = ("accepting", "reason", "max_model_len")
+    __slots__ = ("accepting", "reason", "max_model_len", "features")
     ACCEPTING_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     accepting: bool
     reason: str
     max_model_len: int
-    def __init__(self, accepting: _Optional[bool] = ..., reason: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[Feature]
+    def __init__(self, accepting: _Optional[bool] = ..., reason: _Optional[str] = ..., max_model_len: _Optional[int] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ...) -> None: ...
+
+class Feature(_message.Message):
+    __slots__ = ("name", "available", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    available: bool
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class CoreEvent(_message.Message):
     __slots__ = ("status", "outputs")
@@ -81,16 +93,22 @@ class PromptLogprobs(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Union[TopLogprobColumns, _Mapping]] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("seq_id", "reason", "num_output_tokens", "num_cached_prompt_tokens")
+    __slots__ = ("seq_id", "reason", "num_output_tokens", "num_cached_prompt_tokens", "error_code", "error_message", "error_about_constraint")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_ABOUT_CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     reason: FinishReason
     num_output_tokens: int
     num_cached_prompt_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    error_code: str
+    error_message: str
+    error_about_constraint: bool
+    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., error_about_constraint: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "prompt_logprobs", "constraint", "priority", "logit_bias")

@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "rank", "world_size", "device", "attention_backend", "dtype", "instance_id", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype")
+    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "rank", "world_size", "device", "attention_backend", "dtype", "instance_id", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "features")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class WorkerInfo(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -40,7 +41,18 @@ class WorkerInfo(_message.Message):
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_dtype: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[Feature]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ...) -> None: ...
+
+class Feature(_message.Message):
+    __slots__ = ("name", "available", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    available: bool
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias", "constraint")
@@ -148,20 +160,34 @@ class StepTimings(_message.Message):
     def __init__(self, prepare_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., device_ms: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "token_ids", "logprobs", "timings", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("step_id", "token_ids", "logprobs", "timings", "top_logprobs", "prompt_logprobs", "failed")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     timings: StepTimings
     top_logprobs: TopLogprobColumns
     prompt_logprobs: PromptLogprobs
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., top_logprobs: _Optional[_Union[TopLogprobColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    failed: _containers.RepeatedCompositeFieldContainer[FailedRequest]
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., top_logprobs: _Optional[_Union[TopLogprobColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ...) -> None: ...
+
+class FailedRequest(_message.Message):
+    __slots__ = ("seq_id", "code", "message", "about_constraint")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ABOUT_CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    code: str
+    message: str
+    about_constraint: bool
+    def __init__(self, seq_id: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., about_constraint: _Optional[bool] = ...) -> None: ...
 
 class TopLogprobColumns(_message.Message):
     __slots__ = ("counts", "token_ids", "logprobs")
@@ -208,7 +234,21 @@ class ClaimRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
-    __slots__ = ("instance_id",)
+    __slots__ = ("instance_id", "lease_ms")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
-    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, instance_id: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class PrepareGrammarRequest(_message.Message):
+    __slots__ = ("constraint", "lease_epoch")
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    constraint: Constraint
+    lease_epoch: int
+    def __init__(self, constraint: _Optional[_Union[Constraint, _Mapping]] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
+
+class PrepareGrammarResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

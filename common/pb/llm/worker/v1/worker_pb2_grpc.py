@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.SerializeToString,
                 response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/llm.worker.v1.Worker/PrepareGrammar',
+                request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+                response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -91,6 +96,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Compiles a request's constraint before its first step (in a pool of processes, within a time
+        budget; compiled grammars are cached), so that a step never waits for a compilation.
+        INVALID_ARGUMENT: the constraint does not compile, or not within the budget; UNIMPLEMENTED:
+        this worker lacks the package structured output needs; FAILED_PRECONDITION: a stale lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +128,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Claim,
                     request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.FromString,
                     response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.FromString,
+                    response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +243,33 @@ class Worker:
             '/llm.worker.v1.Worker/Claim',
             common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.SerializeToString,
             common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llm.worker.v1.Worker/PrepareGrammar',
+            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,65 @@
+"""JSON from clients (schemas, tool parameters, tool-call arguments), parsed with bounds: its
+nesting depth and, for a schema, its number of values. Whatever the text, a problem is a
+JsonProblem saying what is wrong (the caller names the field), never a RecursionError: the
+parser's own recursion limit is met only by texts far deeper than any bound here, and that too is
+reported as too deep.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class JsonProblem(ValueError):
+    """Why a text is refused, e.g. "not valid JSON: ..." or "nested 40 levels deep, ..."."""
+
+
+def parse_json(text: str, *, max_depth: int) -> Any:
+    """The value of `text`; JsonProblem for invalid JSON or nesting deeper than max_depth."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise JsonProblem(f"nested more than {max_depth} levels deep, the limit") from None
+    except ValueError as exc:     # JSONDecodeError, or a number too long to convert
+        raise JsonProblem(f"not valid JSON: {exc}") from None
+    depth, _ = measure(value)
+    if depth > max_depth:
+        raise JsonProblem(f"nested {depth} levels deep, more than the limit of {max_depth}")
+    return value
+
+
+def parse_json_object(text: str, *, max_depth: int) -> dict[str, Any]:
+    value = parse_json(text, max_depth=max_depth)
+    if not isinstance(value, dict):
+        raise JsonProblem(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def parse_schema(text: str, *, max_depth: int, max_nodes: int) -> dict[str, Any]:
+    """A JSON schema (an object) of at most max_nodes values (every object, array, member value
+    and item counts), nested at most max_depth deep: what a grammar is built from, so its size
+    bounds the build's cost."""
+    value = parse_json_object(text, max_depth=max_depth)
+    _, nodes = measure(value)
+    if nodes > max_nodes:
+        raise JsonProblem(f"has {nodes} JSON values, more than the limit of {max_nodes}")
+    return value
+
+
+def measure(value: Any) -> tuple[int, int]:
+    """(nesting depth, number of values) of a parsed JSON value, without recursion: a scalar is
+    depth 0, [] and {} depth 1."""
+    depth = nodes = 0
+    stack = [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        nodes += 1
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth = max(depth, level + 1)
+        stack.extend((child, level + 1) for child in children)
+    return depth, nodes
