@@ -650,7 +650,7 @@ def family_bests(records: list[dict]) -> list[dict]:
                     bests[family] = t
             if bests:
                 table.append({"projection": r["projection"], "rows": r["rows"], "weights": key.split("_")[0],
-                              **bests})
+                              "best": bests})
     return table
 
 
@@ -676,10 +676,11 @@ def print_report(result: dict) -> None:
         print(f"{'projection':26s} {'rows':>4s} {'w':4s} " + " ".join(f"{f:>7s}" for f in GEMV_FAMILIES)
               + f" {'new/old':>7s}")
         for b in family_bests(result["sweep"]):
-            new = min((b[f] for f in ("rows", "pf", "chunk") if f in b), default=None)
-            ratio = f"{new / b['fma']:7.2f}" if new and b.get("fma") else f"{'-':>7s}"
+            best = b["best"]
+            new = min((best[f] for f in ("rows", "pf", "chunk") if f in best), default=None)
+            ratio = f"{new / best['fma']:7.2f}" if new and best.get("fma") else f"{'-':>7s}"
             print(f"{b['projection']:26s} {b['rows']:4d} {b['weights']:4s} "
-                  + " ".join(f"{b[f]:7.4f}" if f in b else f"{'-':>7s}" for f in GEMV_FAMILIES) + f" {ratio}")
+                  + " ".join(f"{best[f]:7.4f}" if f in best else f"{'-':>7s}" for f in GEMV_FAMILIES) + f" {ratio}")
         print("\nGEMV settings most often within 5% of the best (per row count; weights bf16 / fp8):")
         for key, common in result.get("suggested", {}).items():
             print(f"  {key:14s} " + "; ".join(f"{name} x{count}" for name, count in common))

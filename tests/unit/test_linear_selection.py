@@ -137,8 +137,10 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
     assert gemv_family("gemv(m16 n32 k128 split1 w4 s4 pdl)") == "dot" and gemv_family("cublas") is None
     record = {"projection": "p", "rows": 1, "bf16_times": {"cublas": 1.0, "gemv(m1 n8 k512 split1 w4 s1 pdl)": 3.0,
                                                            "gemv(m1 n4 k512 split1 w4 s1 pdl)": 2.0,
-                                                           "gemv(m1 n8 k512 split2 w4 s3 pdl rows pf2)": 1.5}}
-    assert family_bests([record]) == [{"projection": "p", "rows": 1, "weights": "bf16", "fma": 2.0, "pf": 1.5}]
+                                                           "gemv(m1 n8 k512 split2 w4 s3 pdl rows pf2)": 1.5,
+                                                           "gemv(m1 n8 k512 split1 w4 s3 pdl rows)": 1.8}}
+    assert family_bests([record]) == [{"projection": "p", "rows": 1, "weights": "bf16",
+                                       "best": {"fma": 2.0, "pf": 1.5, "rows": 1.8}}]
 
 
 def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir):
