@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 python -m ruff check .
-python -m pytest -q "$@"
+# Two test processes (TEST_WORKERS), each running whole files: a file's services start once.
+python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
