@@ -103,31 +103,27 @@ def write_tiny_qwen3(
 ) -> pathlib.Path:
     """Writes the checkpoint into `out` and returns it. The defaults exercise GQA (4:2) and a
     head_dim that is not hidden_size / num_heads, as Qwen3 allows."""
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _write_checkpoint(
+        out, Qwen3Config, Qwen3ForCausalLM, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, initializer_range=init_std)
+
+
+def _write_checkpoint(out: pathlib.Path, config_class, model_class, *, seed: int, vocab_size: int,
+                      **config_fields) -> pathlib.Path:
+    """The tiny tokenizer, a seeded float32 model of config_class(**config_fields) and a greedy
+    generation config, written into `out`."""
+    import torch
 
     tokenizer = save_tiny_tokenizer(out, vocab_size)
     eos_ids = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie_word_embeddings,
-        initializer_range=init_std,
-        bos_token_id=None,
-        eos_token_id=eos_ids[0],
-        pad_token_id=eos_ids[1],
-    )
+    config = config_class(vocab_size=vocab_size, rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=None,
+                          eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], **config_fields)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model = model_class(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos_ids, "pad_token_id": eos_ids[1], "do_sample": False}, indent=2) + "\n"
@@ -194,41 +190,16 @@ def write_tiny_qwen3_moe(
     layout, mlp.experts.{i}.gate_proj/up_proj/down_proj and mlp.gate, as the released models
     have it). The defaults mix a dense layer (mlp_only_layers) with sparse ones; same arguments
     => identical weights."""
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    tokenizer = save_tiny_tokenizer(out, vocab_size)
-    eos_ids = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-    config = Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        moe_intermediate_size=moe_intermediate_size,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
-        num_hidden_layers=num_layers,
-        decoder_sparse_step=decoder_sparse_step,
-        mlp_only_layers=list(mlp_only_layers),
-        norm_topk_prob=norm_topk_prob,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie_word_embeddings,
-        initializer_range=init_std,
-        bos_token_id=None,
-        eos_token_id=eos_ids[0],
-        pad_token_id=eos_ids[1],
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": eos_ids, "pad_token_id": eos_ids[1], "do_sample": False}, indent=2) + "\n"
-    )
-    return out
+    return _write_checkpoint(
+        out, Qwen3MoeConfig, Qwen3MoeForCausalLM, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, num_hidden_layers=num_layers,
+        decoder_sparse_step=decoder_sparse_step, mlp_only_layers=list(mlp_only_layers),
+        norm_topk_prob=norm_topk_prob, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, initializer_range=init_std)
 
 
 # The linear layers the official -FP8 checkpoints quantize: attention, dense MLP and expert
