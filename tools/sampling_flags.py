@@ -52,7 +52,9 @@ def _flag(hint: Any, metadata: Mapping[str, Any]) -> dict[str, Any]:
     member = _member(hint)
     origin, args = typing.get_origin(member), typing.get_args(member)
     if member is bool:
-        return dict(action="store_true")
+        # A switch; a bool that may be unset (the server's default) also has its --no- form.
+        return dict(action=argparse.BooleanOptionalAction, default=None) if member is not hint else dict(
+            action="store_true")
     if origin is abc.Mapping:
         metavar = metadata.get("metavar", "KEY=VALUE")
         return dict(nargs="+", default=[], type=_pair(*args, metavar), metavar=metavar)

@@ -13,6 +13,8 @@ DEFAULT_PORT = 50061
 # their modules). Named here, so that parsing a command line imports no torch.
 ATTENTION_BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
 TENSOR_PARALLEL = "tensor parallelism"
+SPECULATIVE = "speculative decoding"
+SPECULATIVE_METHODS = ("ngram", "eagle3", "draft")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,15 @@ class WorkerConfig:
     max_num_batched_tokens: int | None = flag(
         None, help="most tokens in one step: sizes the warm-up (its memory is not the KV cache's); the scheduler's "
                    f"step budget unless told less (unset: {describe_defaults()})")
+    speculative_method: str | None = flag(
+        None, group=SPECULATIVE, choices=SPECULATIVE_METHODS,
+        help="propose draft tokens for the scheduler to verify: ngram (prompt lookup in the request's own tokens), "
+             "eagle3 (an EAGLE-3 head, --speculative-model) or draft (a smaller Qwen3 with the same tokenizer, "
+             "--speculative-model); unset: none")
+    speculative_model: str | None = flag(None, group=SPECULATIVE, metavar="DIR",
+                                         help="the EAGLE-3 head's or the draft model's directory")
+    num_speculative_tokens: int = flag(4, group=SPECULATIVE,
+                                       help="most draft tokens proposed per request and verified in one step")
     tensor_parallel_size: int = flag(1, group=TENSOR_PARALLEL, help="ranks in this worker's group")
     rank: int = flag(0, group=TENSOR_PARALLEL, help="this process's rank in its group, 0..size-1")
     dist_init_addr: str | None = flag(None, group=TENSOR_PARALLEL, metavar="HOST:PORT",
@@ -59,13 +70,14 @@ class WorkerConfig:
 def add_worker_arguments(parser: ArgumentParser) -> None:
     add_config_arguments(parser, WorkerConfig, {
         TENSOR_PARALLEL: "one worker process per rank; the scheduler lists the group's addresses, rank 0 first, "
-                         "with --tensor-parallel-size"})
+                         "with --tensor-parallel-size",
+        SPECULATIVE: "what this worker proposes; the scheduler decides when to verify (docs/SPECULATIVE.md)"})
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     config = config_from_args(WorkerConfig, args)
     positive = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout")
+                "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout", "num_speculative_tokens")
     for name in positive:
         value = getattr(config, name)
         if value is not None and value <= 0:
@@ -78,4 +90,15 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError("--tensor-parallel-size > 1 needs --dist-init-addr HOST:PORT (rank 0's rendezvous address)")
     if config.dist_init_addr and not config.dist_init_addr.rpartition(":")[2].isdigit():
         raise ValueError(f"--dist-init-addr must be HOST:PORT, got {config.dist_init_addr!r}")
+    _check_speculative(config)
     return config
+
+
+def _check_speculative(config: WorkerConfig) -> None:
+    method, model = config.speculative_method, config.speculative_model
+    if method in ("eagle3", "draft") and not model:
+        raise ValueError(f"--speculative-method {method} needs --speculative-model DIR")
+    if model and method not in ("eagle3", "draft"):
+        raise ValueError("--speculative-model needs --speculative-method eagle3 or draft")
+    if method in ("eagle3", "draft") and config.tensor_parallel_size > 1:
+        raise ValueError(f"--speculative-method {method} runs with --tensor-parallel-size 1 only (ngram runs with any)")

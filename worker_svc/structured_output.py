@@ -39,11 +39,12 @@ _MAX_THREADS = 8
 
 
 class _PendingTokens:
-    """Constrained rows' tokens of one launched step, on their way to the host."""
-    __slots__ = ("matchers", "tokens", "event")
+    """Constrained rows' tokens of one launched step, on their way to the host (and, for a step
+    that verified drafts, which of them were emitted)."""
+    __slots__ = ("matchers", "tokens", "keep", "event")
 
-    def __init__(self, matchers: list, tokens: torch.Tensor, event) -> None:
-        self.matchers, self.tokens, self.event = matchers, tokens, event
+    def __init__(self, matchers: list, tokens: torch.Tensor, keep: torch.Tensor | None, event) -> None:
+        self.matchers, self.tokens, self.keep, self.event = matchers, tokens, keep, event
 
 
 class StructuredOutput:
@@ -70,24 +71,34 @@ class StructuredOutput:
         GrammarError (a ValueError) for a bad constraint or tokens that do not follow it."""
         return self._compiler_or_load().matcher(constraint, output_token_ids)
 
-    def mask(self, logits: torch.Tensor, positions: list[int], matchers: list) -> None:
+    def mask(self, logits: torch.Tensor, positions: list[int], matchers: list,
+             next_drafts: list[int] | None = None) -> None:
         """Sets every token that matchers[i] does not allow next to -inf in logits[positions[i]],
-        after the tokens of earlier steps are accepted (waiting for them)."""
+        after the tokens of earlier steps are accepted (waiting for them). With `next_drafts`
+        the positions are a verification's: a matcher repeats over its request's positions and
+        allows at each what follows the drafts before it (next_drafts[i]: the draft after
+        position i, -1 after the last)."""
         self.accept_pending()
         grammar = _grammar()
         if self._bitmask is None:   # made here, in the step's thread: it allocates pinned memory
             self._bitmask = grammar.GrammarBitmask(self.vocab_size, self.device, max_threads=self._threads)
-        grammar.apply_bitmask(logits, positions, self._bitmask.fill(matchers))
+        bitmask = (self._bitmask.fill(matchers) if next_drafts is None
+                   else self._bitmask.fill_along(matchers, next_drafts))
+        grammar.apply_bitmask(logits, positions, bitmask)
 
-    def record(self, matchers: list, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """Queues the tokens a step sampled at `positions` (device) for matchers (in order)."""
+    def record(self, matchers: list, tokens: torch.Tensor, positions: torch.Tensor,
+               keep: torch.Tensor | None = None) -> None:
+        """Queues the tokens a step sampled at `positions` (device) for matchers (in order); with
+        `keep` (bool per sampled position, device), only those it marks."""
         chosen = tokens.index_select(0, positions)
+        kept = keep.index_select(0, positions) if keep is not None else None
         event = None
         if chosen.device.type == "cuda":
             chosen = chosen.to("cpu", non_blocking=True)
+            kept = kept.to("cpu", non_blocking=True) if kept is not None else None
             event = torch.cuda.Event()
             event.record()
-        self._pending.append(_PendingTokens(matchers, chosen, event))
+        self._pending.append(_PendingTokens(matchers, chosen, kept, event))
 
     def accept_pending(self) -> None:
         """Feeds every recorded step's tokens to its matchers, oldest step first, waiting for
@@ -96,9 +107,10 @@ class StructuredOutput:
             pending = self._pending.popleft()
             if pending.event is not None:
                 pending.event.synchronize()
-            for matcher, token in zip(pending.matchers, pending.tokens.tolist()):
+            keep = pending.keep.tolist() if pending.keep is not None else [True] * len(pending.matchers)
+            for matcher, token, kept in zip(pending.matchers, pending.tokens.tolist(), keep):
                 # A matcher whose request was dropped meanwhile accepts into nothing: harmless.
-                if not matcher.accept_token(token):
+                if kept and not matcher.accept_token(token):
                     self.num_refused += 1
                     logger.error("a grammar refused token %d that was sampled under its mask", token)
 

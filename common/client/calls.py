@@ -154,4 +154,4 @@ def _model_info(info: pb.ModelInfo) -> ModelInfo:
         prefix_cache_queried_tokens=g.prefix_cache_queried_tokens, prefix_cache_hit_tokens=g.prefix_cache_hit_tokens,
     ) for g in info.worker_groups]
     return ModelInfo(info.model, info.max_model_len, info.vocab_size, list(info.eos_token_ids), info.block_size,
-                     info.num_kv_blocks, groups)
+                     info.num_kv_blocks, groups, info.speculative_method, info.num_speculative_tokens)

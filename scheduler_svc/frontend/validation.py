@@ -131,6 +131,7 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
         constraint=_constraint(msg, limits),
         priority=msg.priority,
         logit_bias=_logit_bias(msg.logit_bias, vocab_size, limits),
+        speculative=msg.speculative if msg.HasField("speculative") else None,
     )
 
 

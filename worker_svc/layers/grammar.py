@@ -200,6 +200,26 @@ class GrammarBitmask:
                 matcher.fill_row(self._buffer, i)
         return bitmask
 
+    def fill_along(self, matchers: Sequence[GrammarMatcher], next_token_ids: Sequence[int]) -> torch.Tensor | None:
+        """fill() for rows that are consecutive positions of some requests: after row i, matchers[i]
+        advances over next_token_ids[i] (-1: none) before its next row, and once past its rows it is
+        rolled back to where it was. A token it refuses leaves it where it is for its later rows."""
+        if not matchers:
+            return None
+        if len(matchers) > self._buffer.shape[0]:
+            self._buffer = self._allocate(max(len(matchers), 2 * self._buffer.shape[0]))
+        start: dict[int, tuple[GrammarMatcher, int]] = {}
+        refused: set[int] = set()
+        for i, (matcher, token_id) in enumerate(zip(matchers, next_token_ids)):
+            matcher.fill_row(self._buffer, i)
+            key = id(matcher)
+            start.setdefault(key, (matcher, matcher.num_accepted))
+            if token_id >= 0 and key not in refused and not matcher.accept_token(token_id):
+                refused.add(key)
+        for matcher, num_accepted in start.values():
+            matcher.rollback(matcher.num_accepted - num_accepted)
+        return self._buffer[: len(matchers)]
+
     def _allocate(self, rows: int) -> torch.Tensor:
         return torch.empty((rows, self.words), dtype=torch.int32, pin_memory=self._pin)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$common/pb/llm/worker/v1/worker.proto\x12\rllm.worker.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x98\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\"\xf1\x03\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12\x41\n\nlogit_bias\x18\x0e \x03(\x0b\x32-.llm.worker.v1.SamplingOptions.LogitBiasEntry\x12-\n\nconstraint\x18\x0f \x01(\x0b\x32\x19.llm.worker.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xd0\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x30\n\x08sampling\x18\x07 \x01(\x0b\x32\x1e.llm.worker.v1.SamplingOptionsJ\x04\x08\x08\x10\t\"\xa6\x01\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1b\n\x13multi_token_indices\x18\x02 \x03(\r\x12\x1a\n\x12multi_token_counts\x18\x03 \x03(\r\x12\x19\n\x11new_block_indices\x18\x04 \x03(\r\x12\x18\n\x10new_block_counts\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\"\xb3\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_seq_ids\x18\x02 \x03(\x04\x12/\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x19.llm.worker.v1.NewRequest\x12-\n\x06\x63\x61\x63hed\x18\x05 \x01(\x0b\x32\x1d.llm.worker.v1.CachedRequests\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04J\x04\x08\x04\x10\x05\"Z\n\x0bStepTimings\x12\x12\n\nprepare_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\x12\x11\n\tdevice_ms\x18\x04 \x01(\x02\"\xe7\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.llm.worker.v1.StepTimings\x12\x36\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.llm.worker.v1.PromptLogprobsJ\x04\x08\x02\x10\x03\"H\n\x11TopLogprobColumns\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x8b\x01\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x17\n\x0f\x66irst_positions\x18\x02 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x03top\x18\x05 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\"#\n\x0cResetRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x0f\n\rResetResponse\">\n\x0c\x43laimRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"$\n\rClaimResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t2\x98\x02\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.llm.worker.v1.DescribeRequest\x1a\x19.llm.worker.v1.WorkerInfo\x12?\n\x04Step\x12\x1a.llm.worker.v1.StepRequest\x1a\x1b.llm.worker.v1.StepResponse\x12\x42\n\x05Reset\x12\x1b.llm.worker.v1.ResetRequest\x1a\x1c.llm.worker.v1.ResetResponse\x12\x42\n\x05\x43laim\x12\x1b.llm.worker.v1.ClaimRequest\x1a\x1c.llm.worker.v1.ClaimResponseBr\n\x1bio.qwen3serve.llm.worker.v1B\x0bWorkerProtoP\x01Z)qwen3-serve/gen/go/llm/worker/v1;workerv1\xaa\x02\x18Qwen3Serve.Llm.Worker.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$common/pb/llm/worker/v1/worker.proto\x12\rllm.worker.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xd4\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x1a\n\x12speculative_method\x18\x0e \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x0f \x01(\r\"\x9b\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12\x41\n\nlogit_bias\x18\x0e \x03(\x0b\x32-.llm.worker.v1.SamplingOptions.LogitBiasEntry\x12-\n\nconstraint\x18\x0f \x01(\x0b\x32\x19.llm.worker.v1.Constraint\x12\x18\n\x0bspeculative\x18\x10 \x01(\x08H\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_speculativeJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xd0\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x30\n\x08sampling\x18\x07 \x01(\x0b\x32\x1e.llm.worker.v1.SamplingOptionsJ\x04\x08\x08\x10\t\"\xd3\x01\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1b\n\x13multi_token_indices\x18\x02 \x03(\r\x12\x1a\n\x12multi_token_counts\x18\x03 \x03(\r\x12\x19\n\x11new_block_indices\x18\x04 \x03(\r\x12\x18\n\x10new_block_counts\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x15\n\rdraft_indices\x18\x07 \x03(\r\x12\x14\n\x0c\x64raft_counts\x18\x08 \x03(\r\"\xcb\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_seq_ids\x18\x02 \x03(\x04\x12/\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x19.llm.worker.v1.NewRequest\x12-\n\x06\x63\x61\x63hed\x18\x05 \x01(\x0b\x32\x1d.llm.worker.v1.CachedRequests\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x16\n\x0epropose_drafts\x18\x07 \x01(\x08J\x04\x08\x04\x10\x05\"Z\n\x0bStepTimings\x12\x12\n\nprepare_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\x12\x11\n\tdevice_ms\x18\x04 \x01(\x02\"\x91\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.llm.worker.v1.StepTimings\x12\x36\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.llm.worker.v1.PromptLogprobs\x12\x14\n\x0ctoken_counts\x18\x08 \x03(\r\x12\x12\n\nnum_drafts\x18\t \x03(\rJ\x04\x08\x02\x10\x03\"H\n\x11TopLogprobColumns\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x8b\x01\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x17\n\x0f\x66irst_positions\x18\x02 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x03top\x18\x05 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\"#\n\x0cResetRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x0f\n\rResetResponse\">\n\x0c\x43laimRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"$\n\rClaimResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t2\x98\x02\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.llm.worker.v1.DescribeRequest\x1a\x19.llm.worker.v1.WorkerInfo\x12?\n\x04Step\x12\x1a.llm.worker.v1.StepRequest\x1a\x1b.llm.worker.v1.StepResponse\x12\x42\n\x05Reset\x12\x1b.llm.worker.v1.ResetRequest\x1a\x1c.llm.worker.v1.ResetResponse\x12\x42\n\x05\x43laim\x12\x1b.llm.worker.v1.ClaimRequest\x1a\x1c.llm.worker.v1.ClaimResponseBr\n\x1bio.qwen3serve.llm.worker.v1B\x0bWorkerProtoP\x01Z)qwen3-serve/gen/go/llm/worker/v1;workerv1\xaa\x02\x18Qwen3Serve.Llm.Worker.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=55
   _globals['_DESCRIBEREQUEST']._serialized_end=72
   _globals['_WORKERINFO']._serialized_start=75
-  _globals['_WORKERINFO']._serialized_end=355
-  _globals['_SAMPLINGOPTIONS']._serialized_start=358
-  _globals['_SAMPLINGOPTIONS']._serialized_end=855
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=737
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=785
-  _globals['_CONSTRAINT']._serialized_start=857
-  _globals['_CONSTRAINT']._serialized_end=897
-  _globals['_NEWREQUEST']._serialized_start=900
-  _globals['_NEWREQUEST']._serialized_end=1108
-  _globals['_CACHEDREQUESTS']._serialized_start=1111
-  _globals['_CACHEDREQUESTS']._serialized_end=1277
-  _globals['_STEPREQUEST']._serialized_start=1280
-  _globals['_STEPREQUEST']._serialized_end=1459
-  _globals['_STEPTIMINGS']._serialized_start=1461
-  _globals['_STEPTIMINGS']._serialized_end=1551
-  _globals['_STEPRESPONSE']._serialized_start=1554
-  _globals['_STEPRESPONSE']._serialized_end=1785
-  _globals['_TOPLOGPROBCOLUMNS']._serialized_start=1787
-  _globals['_TOPLOGPROBCOLUMNS']._serialized_end=1859
-  _globals['_PROMPTLOGPROBS']._serialized_start=1862
-  _globals['_PROMPTLOGPROBS']._serialized_end=2001
-  _globals['_RESETREQUEST']._serialized_start=2003
-  _globals['_RESETREQUEST']._serialized_end=2038
-  _globals['_RESETRESPONSE']._serialized_start=2040
-  _globals['_RESETRESPONSE']._serialized_end=2055
-  _globals['_CLAIMREQUEST']._serialized_start=2057
-  _globals['_CLAIMREQUEST']._serialized_end=2119
-  _globals['_CLAIMRESPONSE']._serialized_start=2121
-  _globals['_CLAIMRESPONSE']._serialized_end=2157
-  _globals['_WORKER']._serialized_start=2160
-  _globals['_WORKER']._serialized_end=2440
+  _globals['_WORKERINFO']._serialized_end=415
+  _globals['_SAMPLINGOPTIONS']._serialized_start=418
+  _globals['_SAMPLINGOPTIONS']._serialized_end=957
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=823
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=871
+  _globals['_CONSTRAINT']._serialized_start=959
+  _globals['_CONSTRAINT']._serialized_end=999
+  _globals['_NEWREQUEST']._serialized_start=1002
+  _globals['_NEWREQUEST']._serialized_end=1210
+  _globals['_CACHEDREQUESTS']._serialized_start=1213
+  _globals['_CACHEDREQUESTS']._serialized_end=1424
+  _globals['_STEPREQUEST']._serialized_start=1427
+  _globals['_STEPREQUEST']._serialized_end=1630
+  _globals['_STEPTIMINGS']._serialized_start=1632
+  _globals['_STEPTIMINGS']._serialized_end=1722
+  _globals['_STEPRESPONSE']._serialized_start=1725
+  _globals['_STEPRESPONSE']._serialized_end=1998
+  _globals['_TOPLOGPROBCOLUMNS']._serialized_start=2000
+  _globals['_TOPLOGPROBCOLUMNS']._serialized_end=2072
+  _globals['_PROMPTLOGPROBS']._serialized_start=2075
+  _globals['_PROMPTLOGPROBS']._serialized_end=2214
+  _globals['_RESETREQUEST']._serialized_start=2216
+  _globals['_RESETREQUEST']._serialized_end=2251
+  _globals['_RESETRESPONSE']._serialized_start=2253
+  _globals['_RESETRESPONSE']._serialized_end=2268
+  _globals['_CLAIMREQUEST']._serialized_start=2270
+  _globals['_CLAIMREQUEST']._serialized_end=2332
+  _globals['_CLAIMRESPONSE']._serialized_start=2334
+  _globals['_CLAIMRESPONSE']._serialized_end=2370
+  _globals['_WORKER']._serialized_start=2373
+  _globals['_WORKER']._serialized_end=2653
 # @@protoc_insertion_point(module_scope)
