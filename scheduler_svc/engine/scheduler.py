@@ -326,9 +326,11 @@ class Scheduler:
 
     @property
     def speculating(self) -> bool:
-        """Whether decodes may verify drafts now: speculation is on and the batch is small enough."""
+        """Whether decodes may verify drafts now: speculation is on and the batch, with the requests
+        waiting to join it, is small enough."""
         spec = self.config.speculation
-        return spec.num_speculative_tokens > 0 and len(self.running) <= spec.max_batch_size
+        batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return spec.num_speculative_tokens > 0 and batch <= spec.max_batch_size
 
     def may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the last one's result is applied: not
@@ -370,8 +372,11 @@ class Scheduler:
     def _schedule_decode_with_drafts(self, output: SchedulerOutput, seq: Sequence, budget: int) -> int:
         """Schedules seq's decode with as many of its drafts as may be verified and have KV slots
         without preempting anyone (else as a plain decode); returns the tokens it takes."""
+        bm = self.block_manager
         k = num_drafts_to_verify(seq, self.config.speculation, budget - 1, self.config.max_model_len)
-        if k and self.block_manager.append_slots(seq, 1 + k):
+        # As many as the free blocks hold: drafts never take a block from another request.
+        k = min(k, (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens - 1)
+        if k > 0 and bm.append_slots(seq, 1 + k):
             self._add_cached(output, seq, 1, seq.num_computed_tokens, True, k)
             return 1 + k
         if self._reserve_slots(seq, 1):

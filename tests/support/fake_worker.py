@@ -141,8 +141,9 @@ class FakeWorkerClient:
 
     def __init__(self, die_at: set[int] = frozenset(), *, num_blocks: int = 12, block_size: int = 2,
                  vocab_size: int = 6, step_s: float = 0.002, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048) -> None:
-        self.worker = FakeWorker(num_blocks, block_size)
+                 max_num_batched_tokens: int = 2048, num_speculative_tokens: int = 0,
+                 propose: Callable[[list[int]], list[int]] | None = None) -> None:
+        self.worker = FakeWorker(num_blocks, block_size, num_speculative_tokens, propose)
         self.max_num_seqs = max_num_seqs                       # what it reports taking in one step
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
@@ -172,7 +173,9 @@ class FakeWorkerClient:
         return worker_pb2.WorkerInfo(max_model_len=len(self.worker.kv) * self.worker.block_size,
                                      block_size=self.worker.block_size, num_kv_blocks=len(self.worker.kv),
                                      instance_id=str(self.restarts), max_num_seqs=self.max_num_seqs,
-                                     max_num_batched_tokens=self.max_num_batched_tokens)
+                                     max_num_batched_tokens=self.max_num_batched_tokens,
+                                     speculative_method="ngram" if self.worker.num_speculative_tokens else "",
+                                     num_speculative_tokens=self.worker.num_speculative_tokens)
 
     async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
         self.num_in_flight += 1
@@ -190,7 +193,8 @@ class FakeWorkerClient:
                     raise WorkerError(f"worker died before step {request.step_id}")
                 self._check_lease(request.lease_epoch, f"step {request.step_id}")
                 sampled = self.worker.step(request, lambda tokens: prefix_token(tokens, self.vocab_size))
-            return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled)
+            return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled,
+                                           token_counts=self.worker.token_counts, num_drafts=self.worker.num_drafts)
         finally:
             self.num_in_flight -= 1
 
