@@ -27,7 +27,7 @@ from types import ModuleType
 
 from bench import options
 from bench.stages import (bandwidth, checkpoint, correctness, decode, fixed_batch, fp8_gemm, hf, host_path,
-                          moe_e2e, moe_kernel, offline, profile, service, structured)
+                          moe_e2e, moe_kernel, offline, profile, service, spec, structured)
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ STAGES: dict[str, Stage] = {
     **{fixed_batch.stage_name(m, d): Stage(fixed_batch, {"model": m, "dtype": d})
        for m in fixed_batch.MODELS for d in fixed_batch.DTYPES},
     "host_path": Stage(host_path),
+    "spec": Stage(spec),
 }
 GROUPS = {
     "headline": ("checkpoint", "bandwidth", "service", "structured", "offline", "hf_default", "hf_tuned", "decode",
