@@ -52,4 +52,5 @@ class NgramProposer:
 def build_proposer(runner: ModelRunner, config: WorkerConfig) -> Proposer:
     if config.speculative_method == "ngram":
         return NgramProposer(runner, config.num_speculative_tokens)
-    raise ValueError(f"unknown --speculative-method {config.speculative_method!r}")
+    raise ValueError(f"--speculative-method {config.speculative_method}: this worker proposes with ngram only "
+                     "so far (docs/SPECULATIVE.md)")
