@@ -110,7 +110,7 @@ def test_max_tokens_bounds_the_drafts_verified():
 def test_no_drafts_over_the_batch_threshold_for_opted_out_requests_or_without_room():
     sched = make_scheduler(max_batch_size=2)
     a = add(sched, [1, 2, 3])
-    b = add(sched, [4, 5, 6], speculative=False)
+    add(sched, [4, 5, 6], speculative=False)
     out = sched.schedule()
     sched.update(out, [7, 7], (), [3, 3])
     out = sched.schedule()
