@@ -4,6 +4,7 @@ for token; seeded sampling with every option, and its logprobs, equal the plain 
 grammar holds over accepted runs; steps that ask for drafts the worker does not hold are refused."""
 from __future__ import annotations
 
+import argparse
 import re
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.support.hf_reference import hf_greedy
 from tests.unit.test_model_runner import BLOCK_SIZE, GREEDY, make_runner, prompt
+from worker_svc.config import add_worker_arguments, worker_config_from_args
 from worker_svc.model_runner import InvalidStepError, ModelRunner
 from worker_svc.step_message import parse_step_request
 
@@ -206,3 +208,14 @@ def test_steps_asking_for_drafts_the_worker_does_not_hold_are_refused(tiny_model
                                                                              draft_counts=[0])))
     loop.decode()                                       # and both carry on
     assert loop.tokens[1][18:] == hf_greedy(tiny_model_dir, repeating(8, 3, 6), len(loop.tokens[1]) - 18)
+
+
+def test_a_speculating_worker_samples_with_the_torch_sampler():
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    with pytest.raises(ValueError, match="--sampler torch or auto"):
+        worker_config_from_args(parser.parse_args(["--model", "m", "--speculative-method", "ngram",
+                                                   "--sampler", "kernels"]))
+    config = worker_config_from_args(parser.parse_args(["--model", "m", "--speculative-method", "ngram",
+                                                        "--sampler", "auto"]))
+    assert config.speculative_method == "ngram" and config.sampler == "auto"
