@@ -29,7 +29,8 @@ from typing import Callable
 
 from bench import options
 from bench.stages import (attention, bandwidth, checkpoint, correctness, decode, fixed_batch, fp8_gemm, hf,
-                          host_path, linear, moe_e2e, moe_kernel, offline, profile, sampler, service, structured)
+                          host_path, linear, moe_e2e, moe_kernel, offline, profile, sampler, service, spec,
+                          structured)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ STAGES: dict[str, Stage] = {
     "linear": Stage(linear),
     "attention": Stage(attention, entry=run_attention),
     "sampler": Stage(sampler),
+    "spec": Stage(spec),
 }
 GROUPS = {
     "headline": ("checkpoint", "bandwidth", "service", "structured", "offline", "hf_default", "hf_tuned", "decode",

@@ -37,6 +37,7 @@ class SamplingParams:
     constraint: Constraint | None = None
     priority: int = 0                 # lower first
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids ascending, no zero bias
+    speculative: bool = True          # speculative decoding may serve it (where configured)
 
     def __post_init__(self) -> None:
         # Any iterable of ids is accepted (frozenset() of a frozenset returns it as is).

@@ -46,12 +46,16 @@ worker)
     flag kv-cache-dtype "${KV_CACHE_DTYPE:-}"
     flag kernel-cache-dir "${KERNEL_CACHE_DIR:-}"
     flag seed "${SEED:-}"
+    flag speculative-method "${SPECULATIVE_METHOD:-}"
+    flag num-speculative-tokens "${NUM_SPECULATIVE_TOKENS:-}"
+    flag speculative-model "${SPECULATIVE_MODEL:-}"
     exec python -m worker_svc --model "$MODEL_DIR" --host 0.0.0.0 --port 50061 "${args[@]}" "$@"
     ;;
 scheduler)
     flag max-model-len "${MAX_MODEL_LEN:-}"
     flag max-num-seqs "${MAX_NUM_SEQS:-}"
     flag max-num-batched-tokens "${MAX_NUM_BATCHED_TOKENS:-}"
+    flag speculative-max-batch-size "${SPECULATIVE_MAX_BATCH_SIZE:-}"
     exec python -m scheduler_svc --model "$MODEL_DIR" --host 0.0.0.0 --port 50051 \
         --workers "${WORKERS:-dns:///worker:50061}" "${args[@]}" "$@"
     ;;

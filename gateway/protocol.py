@@ -102,6 +102,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None              # lower is served first
+    speculative: bool | None = None          # false: kept out of speculative decoding
     structured_outputs: StructuredOutputs | None = None
     request_id: str | None = None            # the id the scheduler logs it under (unset: a fresh one)
 

@@ -71,7 +71,7 @@ def _common_options(req: _Sampling) -> dict[str, Any]:
         min_p=req.min_p, repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
         ignore_eos=bool(req.ignore_eos), stop_token_ids=list(req.stop_token_ids or ()), priority=req.priority,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
-        logit_bias=_logit_bias(req.logit_bias))
+        logit_bias=_logit_bias(req.logit_bias), speculative=req.speculative)
     options.update(_response_format(req))
     return options
 

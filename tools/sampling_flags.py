@@ -40,6 +40,12 @@ def _pair(key_type: type, value_type: type, metavar: str):
     return parse
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def _member(hint: Any) -> Any:
     """The type a flag parses for a field of type `hint`: `int | None` -> int; a JSON schema as a
     dict or its text -> str."""
@@ -52,7 +58,9 @@ def _flag(hint: Any, metadata: Mapping[str, Any]) -> dict[str, Any]:
     member = _member(hint)
     origin, args = typing.get_origin(member), typing.get_args(member)
     if member is bool:
-        return dict(action="store_true")
+        # A switch; a bool that may be unset (the server's default) takes true or false.
+        return dict(action="store_true") if member is hint else dict(default=None, type=_boolean,
+                                                                     metavar="{true,false}")
     if origin is abc.Mapping:
         metavar = metadata.get("metavar", "KEY=VALUE")
         return dict(nargs="+", default=[], type=_pair(*args, metavar), metavar=metavar)

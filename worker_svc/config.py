@@ -17,6 +17,8 @@ KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8")
 TENSOR_PARALLEL = "tensor parallelism"
 STRUCTURED_OUTPUT = "structured output"
 SAMPLER_NAMES = ("torch", "kernels", "auto")
+SPECULATIVE = "speculative decoding"
+SPECULATIVE_METHODS = ("ngram", "eagle3", "draft")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,15 @@ class WorkerConfig:
                               help="CPU time a request's token mask may cost in one step (accepting the last token "
                                    "and filling the mask); a request over it is ended (INVALID_ARGUMENT naming its "
                                    "constraint) rather than slowing the batch")
+    speculative_method: str | None = flag(
+        None, group=SPECULATIVE, choices=SPECULATIVE_METHODS,
+        help="propose draft tokens for the scheduler to verify: ngram (prompt lookup in the request's own tokens), "
+             "eagle3 (an EAGLE-3 head, --speculative-model) or draft (a smaller Qwen3 with the same tokenizer, "
+             "--speculative-model); unset: none")
+    speculative_model: str | None = flag(None, group=SPECULATIVE, metavar="DIR",
+                                         help="the EAGLE-3 head's or the draft model's directory")
+    num_speculative_tokens: int = flag(4, group=SPECULATIVE,
+                                       help="most draft tokens proposed per request and verified in one step")
     tensor_parallel_size: int = flag(1, group=TENSOR_PARALLEL, help="ranks in this worker's group")
     rank: int = flag(0, group=TENSOR_PARALLEL, help="this process's rank in its group, 0..size-1")
     dist_init_addr: str | None = flag(None, group=TENSOR_PARALLEL, metavar="HOST:PORT",
@@ -82,14 +93,15 @@ def add_worker_arguments(parser: ArgumentParser) -> None:
         STRUCTURED_OUTPUT: "grammars compile in processes of their own, each within a time budget, before their "
                            "request's first step",
         TENSOR_PARALLEL: "one worker process per rank; the scheduler lists the group's addresses, rank 0 first, "
-                         "with --tensor-parallel-size"})
+                         "with --tensor-parallel-size",
+        SPECULATIVE: "what this worker proposes; the scheduler decides when to verify (docs/SPECULATIVE.md)"})
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     config = config_from_args(WorkerConfig, args)
     positive = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout", "grammar_compile_timeout",
-                "grammar_compile_processes", "max_mask_ms")
+                "grammar_compile_processes", "max_mask_ms", "num_speculative_tokens")
     for name in positive:
         value = getattr(config, name)
         if value is not None and value <= 0:
@@ -102,4 +114,18 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError("--tensor-parallel-size > 1 needs --dist-init-addr HOST:PORT (rank 0's rendezvous address)")
     if config.dist_init_addr and not config.dist_init_addr.rpartition(":")[2].isdigit():
         raise ValueError(f"--dist-init-addr must be HOST:PORT, got {config.dist_init_addr!r}")
+    _check_speculative(config)
     return config
+
+
+def _check_speculative(config: WorkerConfig) -> None:
+    method, model = config.speculative_method, config.speculative_model
+    if method in ("eagle3", "draft") and not model:
+        raise ValueError(f"--speculative-method {method} needs --speculative-model DIR")
+    if model and method not in ("eagle3", "draft"):
+        raise ValueError("--speculative-model needs --speculative-method eagle3 or draft")
+    if method in ("eagle3", "draft") and config.tensor_parallel_size > 1:
+        raise ValueError(f"--speculative-method {method} runs with --tensor-parallel-size 1 only (ngram runs with any)")
+    if method and config.sampler == "kernels":
+        raise ValueError("--speculative-method needs --sampler torch or auto: verifying drafts samples with the "
+                         "torch sampler")

@@ -15,6 +15,10 @@ a decode's input is always the newest sampled token, gathered on the device.
 
 What only some requests ask for (a grammar matcher, top logprobs, prompt scoring) is counted over
 the rows, so a step whose batch asks for none of it learns so in O(1) and does no work for it.
+
+Speculative decoding keeps, per row, the draft tokens proposed for its next step (`num_drafts` of
+them; their values in `draft_tokens` when the proposer works on the host) and a generation that
+changes whenever the row changes hands, so a step's late bookkeeping never lands on a new occupant.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from worker_svc.runner_io import NewRequest
 
 
 class InputBatch:
-    def __init__(self, max_model_len: int, max_blocks_per_seq: int, initial_rows: int = 64) -> None:
+    def __init__(self, max_model_len: int, max_blocks_per_seq: int, initial_rows: int = 64,
+                 max_drafts: int = 0) -> None:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = max_blocks_per_seq
         self.row_of: dict[int, int] = {}         # seq_id -> row
@@ -46,6 +51,9 @@ class InputBatch:
         self.constrained = np.zeros(initial_rows, dtype=bool)             # has a matcher
         self.top_logprobs = np.zeros(initial_rows, dtype=np.int64)        # 0: none asked
         self.scores_prompt = np.zeros(initial_rows, dtype=bool)           # prompt tokens still to score
+        self.num_drafts = np.zeros(initial_rows, dtype=np.int64)          # drafts held for the next step
+        self.draft_tokens = np.zeros((initial_rows, max(max_drafts, 1)), dtype=np.int64)
+        self.generation = np.zeros(initial_rows, dtype=np.int64)          # bumped when the row changes hands
         self.num_constrained = self.num_top_logprobs = self.num_scoring = 0
         # Bumped whenever a row changes hands, so cached per-row-set data (the sampler's
         # metadata) is rebuilt exactly when the batch changes.
@@ -97,6 +105,8 @@ class InputBatch:
         scores = new.sampling.prompt_logprobs and new.num_computed_tokens < new.num_prompt_tokens - 1
         self.scores_prompt[row] = scores
         self.num_scoring += int(scores)
+        self.num_drafts[row] = 0
+        self.generation[row] += 1
         self.version += 1
         return row
 
@@ -119,6 +129,8 @@ class InputBatch:
         self.num_top_logprobs -= int(self.top_logprobs[row] > 0)
         self.top_logprobs[row] = 0
         self.prompt_scored(row)
+        self.num_drafts[row] = 0
+        self.generation[row] += 1
         self._free_rows.append(row)
         self.version += 1
         return penalty_row
@@ -133,6 +145,12 @@ class InputBatch:
             self.num_blocks[row] = start + count
             offset += count
 
+    def cut_blocks(self, row: int, num_blocks: int) -> None:
+        """Keeps only the row's first num_blocks block ids (those of rejected drafts go)."""
+        if num_blocks < self.num_blocks[row]:
+            self.block_tables[row, num_blocks:self.num_blocks[row]] = 0
+            self.num_blocks[row] = num_blocks
+
     def _grow(self, capacity: int) -> None:
         def grown(array: np.ndarray) -> np.ndarray:
             out = np.zeros((capacity, *array.shape[1:]), dtype=array.dtype)
@@ -140,7 +158,8 @@ class InputBatch:
             return out
 
         for name in ("token_ids", "block_tables", "num_host_tokens", "num_tokens", "num_computed", "num_prompt",
-                     "num_blocks", "seq_id_of", "constrained", "top_logprobs", "scores_prompt"):
+                     "num_blocks", "seq_id_of", "constrained", "top_logprobs", "scores_prompt", "num_drafts",
+                     "draft_tokens", "generation"):
             setattr(self, name, grown(getattr(self, name)))
         extra = capacity - len(self.options)
         self.options += [None] * extra

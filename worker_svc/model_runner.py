@@ -12,11 +12,19 @@ N+1's decode inputs are N's sampled tokens, gathered on the device from the rows
 What only some requests ask for costs only the steps that hold such requests: a grammar's token
 mask (structured_output.py: the one place a step waits for the step before it), the top
 logprobs of sampled tokens (layers/logprobs.py) and the scores of prompt tokens (prompt_scoring.py).
+
+Speculative decoding (spec_decode/): a decode may compute draft tokens after its newest token and
+sample at each of them (spec_decode/verification.py says how that stays exact); the persistent
+batch learns what was accepted once the step's tokens are back (spec_decode/bookkeeping.py), so a
+step that verifies drafts waits for the steps before it.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import pathlib
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +49,9 @@ from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import broadcast_tokens
 from worker_svc.prompt_scoring import plan_prompt_scoring, score_prompt
 from worker_svc.runner_io import InvalidStepError, RequestFailure, StaleMirrorError, StepInput, StepOutput, WorkerInfo
+from worker_svc.spec_decode.bookkeeping import Bookkeeping, SpecStep
+from worker_svc.spec_decode.proposers import build_proposer
+from worker_svc.spec_decode.verification import DeviceLayout, VerifyLayout, accept, preceding_drafts
 from worker_svc.staging import EMPTY_PART, Logprobs, OutputSlots, PendingStep, Staging, to_host
 from worker_svc.step_checks import StepLimits, check_step
 from worker_svc.step_limits import with_step_limits
@@ -58,12 +69,14 @@ class StepBatch:
     input_ids: torch.Tensor | None  # int64 [num_tokens]
     positions: torch.Tensor | None  # int64 [num_tokens]
     meta: AttentionMetadata | None
-    logits_indices: torch.Tensor    # int64 [num_sampling]: the last token of each sampling request
+    logits_indices: torch.Tensor    # int64 [sampled positions]: the last token of each sampling request
     sampling_rows: np.ndarray       # rows that sample, in batch order (host)
     sampling_rows_device: torch.Tensor
-    seeded_output_indices: list[int]   # the output index each seeded sampling row draws
+    position_rows: np.ndarray       # the row of each sampled position (sampling_rows, unless drafts are verified)
+    seeded_output_indices: list[int]   # the output index each seeded sampled position draws
     # Sampling positions whose rows have a grammar matcher, the matchers, and the positions on the device.
     constrained: tuple[list[int], list, torch.Tensor] | None = None
+    constrained_next_drafts: list[int] | None = None   # when drafts are verified: the draft after each
     # Top logprobs: each sampling position's k (0: not asked), and the positions that asked (device).
     top_ks: np.ndarray | None = None
     top_positions: torch.Tensor | None = None
@@ -73,6 +86,9 @@ class StepBatch:
     score_targets: torch.Tensor | None = None
     scored: list[tuple[int, int, int, int]] | None = None
     graph: bool = False
+    # Speculative decoding: the verification's layout on the device, and the step's bookkeeping.
+    verify: DeviceLayout | None = None
+    spec: SpecStep | None = None
 
 
 class ModelRunner:
@@ -99,8 +115,10 @@ class ModelRunner:
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens. On a GPU with
         # one rank and --sampler kernels/auto the device sampler does (inside the decode graphs), else
         # the torch sampler.
+        # Verifying drafts samples with the torch sampler (WorkerConfig refuses --sampler kernels).
+        self.num_speculative_tokens = k = config.num_speculative_tokens if config.speculative_method else 0
         self.sampler = self.device_sampler = None
-        if self.tp_rank == 0 and device_sampler.wanted(config.sampler, self.device, self.tp_size):
+        if self.tp_rank == 0 and not k and device_sampler.wanted(config.sampler, self.device, self.tp_size):
             self.device_sampler = device_sampler.DeviceSampler(
                 self.vocab_size, self.device, config.seed, capacity=2 * config.max_num_seqs,
                 max_rows=config.max_num_seqs)
@@ -114,16 +132,24 @@ class ModelRunner:
                            if self.tp_rank == 0 else None)
         if self.structured is not None:   # CUDA: beside the graph capture; CPU: now, before any step
             self.structured.load_in_background() if self.device.type == "cuda" else self.structured.load()
-        self.batch = InputBatch(self.max_model_len, self.max_blocks_per_seq, initial_rows=config.max_num_seqs)
+        self.batch = InputBatch(self.max_model_len, self.max_blocks_per_seq, initial_rows=config.max_num_seqs,
+                                max_drafts=k)
         self._sampling_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
         # The step's integer inputs: input ids, positions and slots per token; query starts,
         # lengths and block tables per request; logits indices, sampling rows and the decode
         # tokens to gather per sampling request; constrained and top-logprob positions among
-        # them; prompt tokens to score and their targets.
-        self._staging = Staging(5 * max_tokens + max_seqs * (self.max_blocks_per_seq + 8) + 1, self.device)
-        self._outputs = OutputSlots(max_seqs, self.device)
+        # them; prompt tokens to score and their targets; a verification's layout.
+        self._staging = Staging((10 if k else 5) * max_tokens + max_seqs * (self.max_blocks_per_seq + 10) + 1,
+                                self.device)
+        self._outputs = OutputSlots(max_seqs * (k + 1), self.device)
         self._decode_layout = DecodeLayout(max_seqs)
+        # Speculative decoding: the proposer, and the bookkeeping of steps whose tokens are not
+        # back yet, which changes the batch from the thread that reads a step's result.
+        self.proposer = build_proposer(self, config) if k else None
+        self._batch_lock = threading.Lock()
+        self.bookkeeping = (Bookkeeping(self.batch, self.block_size, self.max_model_len, self._batch_lock,
+                                        self.proposer.propose_on_host) if k else None)
         # Each row's newest sampled token, on the device: the next decode's input (with the device
         # sampler, one more entry for its dummy row, which the padding of a graph's batch samples).
         rows = self.device_sampler.capacity + 1 if self.device_sampler is not None else max_seqs
@@ -167,6 +193,8 @@ class ModelRunner:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             features=self.features,
+            speculative_method=self.config.speculative_method or "",
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     def step(self, step: StepInput) -> StepOutput:
@@ -182,14 +210,17 @@ class ModelRunner:
         started = time.perf_counter()
         if parallel_state.group_broken().is_set():
             raise RuntimeError("the tensor-parallel group is broken; this worker is exiting")
-        cached_rows, matchers, failed = check_step(step, self.limits, self.batch, self.structured)
-        rows, counts = self._apply(step, cached_rows, matchers)
-        if self.device_sampler is not None:
-            self.device_sampler.flush()
-        if not len(rows):
+        with self._batch_lock if self.bookkeeping is not None else contextlib.nullcontext():
+            if self.bookkeeping is not None and (step.num_drafts is not None or self.bookkeeping.must_settle):
+                self.bookkeeping.settle_all()
+            cached_rows, matchers, failed = check_step(step, self.limits, self.batch, self.structured)
+            rows, counts, drafts = self._apply(step, cached_rows, matchers)
+            if self.device_sampler is not None:
+                self.device_sampler.flush()
+            batch = self._prepare(rows, counts, drafts, step.propose_drafts) if len(rows) else None
+        if batch is None:
             pending = PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
         else:
-            batch = self._prepare(rows, counts)
             prepared = time.perf_counter()
             try:
                 pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
@@ -207,15 +238,17 @@ class ModelRunner:
         self.structured.prepare(constraint)
 
     def reset(self) -> None:
-        for seq_id in self.batch.seq_ids():
-            self._drop(seq_id)
+        with self._batch_lock:
+            for seq_id in self.batch.seq_ids():
+                self._drop(seq_id)
         if self.structured is not None:
             self.structured.clear()
 
     def run_unchecked(self, step: StepInput) -> StepOutput:
         """Runs a step the runner made itself (start-up's warm-up), without the step checks."""
-        rows, counts = self._apply(step, np.zeros(0, np.int64), {})
-        return self._execute(step.step_id, self._prepare(rows, counts), time.perf_counter(), 0.0).result()
+        rows, counts, drafts = self._apply(step, np.zeros(0, np.int64), {})
+        batch = self._prepare(rows, counts, drafts, step.propose_drafts)
+        return self._execute(step.step_id, batch, time.perf_counter(), 0.0).result()
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -226,9 +259,10 @@ class ModelRunner:
 
     # --- a step ------------------------------------------------------------------------------
 
-    def _apply(self, step: StepInput, cached_rows: np.ndarray, matchers: dict) -> tuple[np.ndarray, np.ndarray]:
-        """Drops finished requests, admits new ones, appends blocks. Returns the step's rows and
-        token counts in batch order: the cached requests, then the new ones."""
+    def _apply(self, step: StepInput, cached_rows: np.ndarray,
+               matchers: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Drops finished requests, admits new ones, appends blocks. Returns the step's rows, token
+        counts and drafts to verify (None: none) in batch order: the cached requests, then the new ones."""
         for seq_id in step.finished_seq_ids:
             if seq_id in self.batch:     # unknown ids were never sent here or already dropped
                 self._drop(seq_id)
@@ -243,11 +277,14 @@ class ModelRunner:
         if len(step.new_block_indices):
             self.batch.append_blocks(cached_rows, step.new_block_indices, step.new_block_counts, step.new_block_ids)
         self._fit_last_sampled()
+        drafts = step.num_drafts
         if not new_rows:
-            return cached_rows, step.num_scheduled
+            return cached_rows, step.num_scheduled, drafts
         new_counts = [new.num_scheduled_tokens for new in step.new_requests]
+        if drafts is not None:
+            drafts = np.concatenate([drafts, np.zeros(len(new_rows), dtype=np.int64)])
         return (np.concatenate([cached_rows, np.array(new_rows, dtype=np.int64)]),
-                np.concatenate([step.num_scheduled, np.array(new_counts, dtype=np.int64)]))
+                np.concatenate([step.num_scheduled, np.array(new_counts, dtype=np.int64)]), drafts)
 
     def _fit_last_sampled(self) -> None:
         """Grows last_sampled when the batch (or the device sampler's table, dummy row last) did."""
@@ -271,52 +308,75 @@ class ModelRunner:
         if self.device_sampler is not None:
             self.device_sampler.remove(row)
 
-    def _prepare(self, rows: np.ndarray, counts: np.ndarray) -> StepBatch:
+    def _prepare(self, rows: np.ndarray, counts: np.ndarray, drafts: np.ndarray | None = None,
+                 propose: bool = False) -> StepBatch:
         """The step's flat inputs, vectorised over rows and scheduled tokens (never over a
         request's whole context), in one host-to-device copy. Advances the rows' counts: the
-        computed tokens, and the token each sampling row is about to get."""
+        computed tokens, and the token each sampling row is about to get. `drafts`: per row, the
+        drafts it verifies after its scheduled tokens (their values are on the host)."""
         b, bs = self.batch, self.block_size
         start = b.num_computed[rows]
-        seq_lens = start + counts
+        known_end = start + counts
+        sizes = counts if drafts is None else counts + drafts
+        seq_lens = start + sizes
         query_start = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(counts, out=query_start[1:])
+        np.cumsum(sizes, out=query_start[1:])
         num_tokens = int(query_start[-1])
-        positions = np.arange(num_tokens) + np.repeat(start - query_start[:-1], counts)
-        token_rows = np.repeat(rows, counts)
+        positions = np.arange(num_tokens) + np.repeat(start - query_start[:-1], sizes)
+        token_rows = np.repeat(rows, sizes)
         # A position the host knows reads its token here; the one past them (a decode of the
         # newest sampled token) is gathered on the device from the row's last sample.
         on_host = positions < b.num_host_tokens[token_rows]
         input_ids = np.where(on_host, b.token_ids[token_rows, np.minimum(positions, self.max_model_len - 1)], 0)
+        if drafts is not None:               # drafts follow the known tokens
+            draft_at = positions - np.repeat(known_end, sizes)
+            is_draft = draft_at >= 0
+            width = b.draft_tokens.shape[1]
+            input_ids = np.where(is_draft, b.draft_tokens[token_rows, np.clip(draft_at, 0, width - 1)], input_ids)
+            on_host |= is_draft
         gather_at = np.flatnonzero(~on_host)
         gather_rows = token_rows[gather_at]
         slot_mapping = b.block_tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // bs)
         block_tables = b.block_tables[rows, :width]
-        samples = seq_lens == b.num_tokens[rows]     # a chunk ending mid-prompt samples nothing
-        logits_indices = query_start[1:][samples] - 1
+        samples = known_end == b.num_tokens[rows]     # a chunk ending mid-prompt samples nothing
         sampling_rows = rows[samples]
+        layout = None
+        if drafts is not None:               # every position of a verified run samples
+            layout = VerifyLayout.build(drafts[samples], b.draft_tokens[sampling_rows])
+            position_rows = sampling_rows[layout.owner]
+            offsets = layout.offset
+            logits_indices = query_start[1:][samples][layout.owner] - 1 - layout.num_drafts[layout.owner] + offsets
+        else:
+            position_rows, offsets = sampling_rows, None
+            logits_indices = query_start[1:][samples] - 1
         seeded = []
-        constrained = top_ks = None
+        constrained = top_ks = next_drafts = None
         constrained_at = top_at = EMPTY_PART
         if self.sampler is not None:
-            meta = self._sampling_metadata(sampling_rows)
+            meta = self._sampling_metadata(position_rows)
             if meta.seeded:
-                drawing_rows = sampling_rows[meta.drawing]
-                seeded = [int(b.num_tokens[drawing_rows[j]] - b.num_prompt[drawing_rows[j]]) for j, _ in meta.seeded]
+                output_index = b.num_tokens[position_rows] - b.num_prompt[position_rows]
+                if offsets is not None:
+                    output_index = output_index + offsets
+                seeded = [int(output_index[meta.drawing[j]]) for j, _ in meta.seeded]
         if self.sampler is not None or self.device_sampler is not None:
             if b.num_constrained:
-                constrained_at = np.flatnonzero(b.constrained[sampling_rows])
+                constrained_at = np.flatnonzero(b.constrained[position_rows])
                 if len(constrained_at):
-                    constrained = [b.matchers[r] for r in sampling_rows[constrained_at].tolist()]
+                    constrained = [b.matchers[r] for r in position_rows[constrained_at].tolist()]
+                    if layout is not None:
+                        next_drafts = layout.next_drafts[constrained_at].tolist()
             if b.num_top_logprobs:
-                top_ks = b.top_logprobs[sampling_rows]
+                top_ks = b.top_logprobs[position_rows]
                 top_at = np.flatnonzero(top_ks)
                 if not len(top_at):
                     top_ks = None
         score_at, score_targets, scored = (plan_prompt_scoring(b, rows, start, seq_lens, query_start)
                                            if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
-        if (self.decode_graphs is not None and self.decode_graphs.staged and num_tokens == len(rows)
+        if (self.decode_graphs is not None and self.decode_graphs.staged and self.bookkeeping is None
+                and num_tokens == len(rows)
                 and len(rows) <= self.decode_graphs.batch_sizes[-1] and samples.all() and not scored):
             ids = np.where(on_host, input_ids, -1)
             b.num_computed[rows] = seq_lens
@@ -325,15 +385,22 @@ class ModelRunner:
                                       constrained, top_at, top_ks)
         parts = [input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices, sampling_rows, gather_at,
                  gather_rows, block_tables.reshape(-1)]
+        if layout is not None:
+            parts += [layout.first, layout.num_drafts, layout.owner, layout.offset, layout.next_drafts]
         # What only some requests ask for travels only when asked (a plain step copies nothing more).
         extras = (constrained_at, top_at, score_at, score_targets)
         asked = any(len(part) for part in extras)
         views = self._staging.fill(parts + list(extras) if asked else parts)
         (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
          tables_d) = views[:10]
+        verify = None
+        if layout is not None:
+            verify = DeviceLayout(*views[10:15], layout.max_drafts)
+            views = views[:10] + views[15:]
         constrained_d, top_d, score_at_d, score_targets_d = views[10:] if asked else (None,) * 4
         if len(gather_at):
             ids_d.index_copy_(0, gather_at_d, self.last_sampled.index_select(0, gather_rows_d))
+        spec = self._spec_step(sampling_rows, layout, propose) if self.bookkeeping is not None else None
         b.num_computed[rows] = seq_lens
         b.num_tokens[sampling_rows] += 1
         meta = AttentionMetadata(
@@ -341,16 +408,26 @@ class ModelRunner:
             query_start_loc=query_start_d.to(torch.int32),
             seq_lens=seq_lens_d.to(torch.int32),
             block_tables=tables_d.view(len(rows), width).to(torch.int32),
-            max_query_len=int(counts.max()),
+            max_query_len=int(sizes.max()),
             max_seq_len=max_seq_len,
-            query_lens_cpu=counts.tolist(),
+            query_lens_cpu=sizes.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, seeded,
+        return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, position_rows, seeded,
                          constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
+                         constrained_next_drafts=next_drafts,
                          top_ks=top_ks, top_positions=top_d if top_ks is not None else None,
                          score_indices=score_at_d if scored else None,
-                         score_targets=score_targets_d if scored else None, scored=scored or None)
+                         score_targets=score_targets_d if scored else None, scored=scored or None,
+                         verify=verify, spec=spec)
+
+    def _spec_step(self, sampling_rows: np.ndarray, layout: VerifyLayout | None, propose: bool) -> SpecStep:
+        """The bookkeeping record of a step (before its counts advance)."""
+        b = self.batch
+        proposable = (np.array([b.options[r].speculative for r in sampling_rows.tolist()], dtype=bool) if propose
+                      else np.zeros(len(sampling_rows), dtype=bool))
+        return SpecStep(sampling_rows, b.generation[sampling_rows], b.num_tokens[sampling_rows], layout, propose,
+                        proposable)
 
     def _stage_decode(self, ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at, constrained,
                       top_at, top_ks) -> StepBatch:
@@ -367,7 +444,7 @@ class ModelRunner:
         extra_views = iter(views[len(parts):])
         constrained_d = next(extra_views) if len(constrained_at) else None
         top_d = next(extra_views) if top_ks is not None else None
-        return StepBatch(None, None, None, None, rows, self.decode_graphs.rows[:n], [],
+        return StepBatch(None, None, None, None, rows, self.decode_graphs.rows[:n], rows, [],
                          constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
                          top_ks=top_ks, top_positions=top_d, graph=True)
 
@@ -389,7 +466,8 @@ class ModelRunner:
             device_start = torch.cuda.Event(enable_timing=True)
             device_start.record()
         # Constrained rows' masks are filled in the background while the forward runs.
-        fill = self.structured.start_fill(batch.constrained[1]) if batch.constrained is not None else None
+        fill = (self.structured.start_fill(batch.constrained[1], batch.constrained_next_drafts)
+                if batch.constrained is not None else None)
         extra = None
         if batch.graph:
             hidden = self.decode_graphs.replay(len(batch.sampling_rows))
@@ -398,11 +476,14 @@ class ModelRunner:
         if batch.scored is not None:
             extra = score_prompt(self.model.compute_logits, hidden, batch.score_indices, batch.score_targets,
                                  batch.scored, self.config.max_num_seqs)
-        num_sampled = len(batch.sampling_rows)
+        num_sampled = len(batch.position_rows)
         host_tokens = host_logprobs = release = None
         failed: list[RequestFailure] = []
+        spec = batch.spec if num_sampled else None
         if num_sampled:
             tokens, logprobs, extra, failed = self._sample(batch, hidden, extra, fill)
+            if spec is not None and spec.propose and self.proposer.on_device:
+                spec.drafts, spec.draft_counts = self.proposer.propose(self, batch, hidden, spec)
             slot = self._outputs.acquire()
             release = lambda: self._outputs.release(slot)  # noqa: E731
             host_tokens = self._outputs.tokens[slot]
@@ -417,18 +498,24 @@ class ModelRunner:
         if device_start is not None:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
+        finish = None
+        if spec is not None:
+            spec.tokens, spec.event = host_tokens, event
+            with self._batch_lock:
+                self.bookkeeping.track(spec)
+            finish = functools.partial(self.bookkeeping.finish, spec)
         forward_ms = (time.perf_counter() - launched) * 1e3
         pending = PendingStep(step_id, started, prepare_ms, forward_ms, num_sampled, host_tokens, host_logprobs,
-                              event, release, device_start, extra)
+                              event, release, device_start, extra, finish)
         pending.failed += failed
         return pending
 
     def _sample(self, batch: StepBatch, hidden: torch.Tensor, extra: Logprobs | None, fill: MaskFill | None):
-        """(tokens, logprobs or None, extra, failed) of the step's sampling rows, on the device, with
-        each row's newest token stored in last_sampled; failed: the constrained requests given up on
-        (their masks cost more than the budget), whose tokens are void. A staged decode step without
-        rows that need the host (a grammar's mask, top logprobs) samples inside its graph."""
-        n = len(batch.sampling_rows)
+        """(tokens, logprobs or None, extra, failed) of the step's sampled positions, on the device,
+        with each row's newest token stored in last_sampled; failed: the constrained requests given
+        up on (their masks cost more than the budget), whose tokens are void. A staged decode step
+        without rows that need the host (a grammar's mask, top logprobs) samples inside its graph."""
+        n = len(batch.position_rows)
         failed: list[RequestFailure] = []
         if batch.graph and batch.constrained is None and batch.top_ks is None:
             tokens, logprobs = self.decode_graphs.replay_sample(n)
@@ -436,7 +523,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, self._row_index[:n] if batch.graph else batch.logits_indices)
         if self.sampler is None and self.device_sampler is None:   # not rank 0: rank 0's tokens keep the rows equal
             tokens = broadcast_tokens(None, n, self.device)
-            self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
+            self._keep_newest(batch, None, tokens)
             return tokens, None, extra, failed
         if batch.constrained is not None:   # waits for the masks started before the forward
             failed = self.structured.mask(logits, batch.constrained[0], fill)
@@ -446,17 +533,41 @@ class ModelRunner:
             if not self.device_sampler.wants_logprobs(batch.sampling_rows):
                 logprobs = None
         else:
-            meta = self._sampling_metadata(batch.sampling_rows)
-            tokens, logprobs = self.sampler.sample(logits, meta, batch.seeded_output_indices)
+            meta = self._sampling_metadata(batch.position_rows)
+            preceding = (preceding_drafts(batch.verify) if batch.verify is not None and meta.penalized_index is not None
+                         else None)
+            tokens, logprobs = self.sampler.sample(logits, meta, batch.seeded_output_indices, preceding,
+                                                   record=batch.verify is None)
             tokens = broadcast_tokens(tokens, n, self.device)
-            self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
-        if batch.constrained is not None:
+            self._keep_newest(batch, meta, tokens)
+        if batch.constrained is not None and batch.verify is None:
             self.structured.record(batch.constrained[1], tokens, batch.constrained[2])
         if batch.top_ks is not None:
             extra = extra or Logprobs()
             ids, values = top_logprobs(logits.index_select(0, batch.top_positions), int(batch.top_ks.max()))
             extra.top_ks, extra.top_ids, extra.top_values = batch.top_ks, to_host(ids), to_host(values)
         return tokens, logprobs, extra, failed
+
+    def _keep_newest(self, batch: StepBatch, meta: SamplingMetadata | None, tokens: torch.Tensor) -> None:
+        """Stores each sampling row's newest token in last_sampled (after a verification, its last
+        emitted one)."""
+        if batch.verify is None:
+            self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens)
+        else:
+            self._apply_verification(batch, meta, tokens, batch.spec)
+
+    def _apply_verification(self, batch: StepBatch, meta: SamplingMetadata | None, tokens: torch.Tensor,
+                            spec: SpecStep | None) -> None:
+        """After a step sampled every verified position: each row's newest token is its last
+        emitted one, and only emitted tokens count for penalties and grammars."""
+        accepted, emitted, last = accept(tokens, batch.verify)
+        self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens.index_select(0, last))
+        if self.sampler is not None:
+            self.sampler.record(meta, tokens, emitted)
+            if batch.constrained is not None:
+                self.structured.record(batch.constrained[1], tokens, batch.constrained[2], emitted)
+        if spec is not None:
+            spec.accepted = to_host(accepted)
 
     def sample_in_graph(self, hidden: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
                         logprobs: torch.Tensor) -> None:

@@ -48,6 +48,10 @@ class StepInput:
     new_block_indices: np.ndarray   # int64: cached entries whose block table grows, ascending
     new_block_counts: np.ndarray    # int64: how many ids each of those gets
     new_block_ids: np.ndarray       # int64: the ids, concatenated
+    # Speculative decoding: drafts each cached request verifies after its decode token (0: none),
+    # and whether to propose drafts for the next step.
+    num_drafts: np.ndarray | None = None    # int64 [len(cached_seq_ids)]; None: no drafts
+    propose_drafts: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -96,6 +100,10 @@ class StepOutput:
     top_logprobs: TopLogprobs | None = None       # parallel to token_ids, when any request asked
     prompt_logprobs: PromptLogprobs | None = None
     failed: tuple[RequestFailure, ...] = ()
+    # Speculative decoding: tokens per sampling request when the step verified drafts (None: one
+    # each), and the drafts held for each for the next step when it proposed (None: none).
+    token_counts: list[int] | None = None
+    num_drafts: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +125,5 @@ class WorkerInfo:
     max_num_batched_tokens: int
     kv_cache_dtype: str             # "bfloat16", "float32", or "float8_e4m3fn" (an FP8 cache)
     features: tuple[Feature, ...] = ()   # the optional features and whether this worker serves each
+    speculative_method: str = ""    # the proposer; empty: none
+    num_speculative_tokens: int = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -71,7 +72,8 @@ class PendingStep:
 
     def __init__(self, step_id: int, started: float, prepare_ms: float, forward_ms: float, num_sampled: int,
                  tokens: torch.Tensor | None, logprobs: torch.Tensor | None, event, release,
-                 device_start=None, extra: Logprobs | None = None) -> None:
+                 device_start=None, extra: Logprobs | None = None,
+                 finish: Callable[[StepOutput], StepOutput] | None = None) -> None:
         self.step_id = step_id
         self._started = started
         self._prepare_ms, self._forward_ms = prepare_ms, forward_ms
@@ -80,6 +82,7 @@ class PendingStep:
         self._device_start = device_start
         self._extra = extra
         self.failed: list[RequestFailure] = []     # requests given up on in this step
+        self._finish = finish       # turns a speculative step's sampled positions into its reply
 
     def result(self) -> StepOutput:
         try:
@@ -91,13 +94,16 @@ class PendingStep:
             extra = self._extra
             top = extra.top() if extra is not None else None
             prompt = extra.prompt() if extra is not None else None
+            device_ms = self._device_start.elapsed_time(self._event) if self._device_start is not None else 0.0
+            output = StepOutput(self.step_id, tokens, logprobs, self._prepare_ms, self._forward_ms,
+                                (time.perf_counter() - self._started) * 1e3, device_ms, top, prompt, tuple(self.failed))
+            if self._finish is not None:   # before the slot is released: it reads the tokens there
+                output = self._finish(output)
         finally:
             if self._release is not None:
                 self._release()
                 self._release = None
-        device_ms = self._device_start.elapsed_time(self._event) if self._device_start is not None else 0.0
-        return StepOutput(self.step_id, tokens, logprobs, self._prepare_ms, self._forward_ms,
-                          (time.perf_counter() - self._started) * 1e3, device_ms, top, prompt, tuple(self.failed))
+        return output
 
 
 class OutputSlots:

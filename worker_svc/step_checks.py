@@ -51,6 +51,8 @@ def check_step(step: StepInput, limits: StepLimits, batch: InputBatch,
     if len(seen) != len(cached_ids):
         raise InvalidStepError(f"step {sid}: a cached request is listed twice in one step")
     num_tokens = int(step.num_scheduled.sum())
+    if step.num_drafts is not None:
+        num_tokens += int(step.num_drafts.sum())
     for new in step.new_requests:
         num_tokens += _check_new(sid, new, limits, batch, seen, finished)
     if num_tokens > limits.max_num_batched_tokens:
@@ -122,6 +124,8 @@ def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: 
     if np.any(unknown):
         refuse(unknown, lambda i: f"positions {max(start[i], num_host[i])}..{end[i] - 1} include sampled tokens "
                                   f"older than the newest (re-send it as a NewRequest)")
+    if step.num_drafts is not None:
+        end = end + _check_drafts(step, rows, limits, batch, start, counts, refuse)
     num_blocks = b.num_blocks[rows].copy()
     if len(step.new_block_indices):
         ids = step.new_block_ids
@@ -136,6 +140,26 @@ def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: 
     short = num_blocks * limits.block_size < end
     if np.any(short):
         refuse(short, lambda i: f"{num_blocks[i]} blocks of {limits.block_size} cannot hold {end[i]} tokens")
+
+
+def _check_drafts(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: InputBatch, start: np.ndarray,
+                  counts: np.ndarray, refuse) -> np.ndarray:
+    """Entries that verify drafts: each a decode of its newest token, verifying at most the drafts
+    this worker holds for it, within max_model_len. Returns the drafts per entry."""
+    drafts = step.num_drafts
+    drafted = drafts > 0
+    not_decode = drafted & ((counts != 1) | (start + counts != batch.num_tokens[rows]))
+    if np.any(not_decode):
+        refuse(not_decode, lambda i: "verifies drafts but does not decode its newest token")
+    held = batch.num_drafts[rows]
+    too_many = drafts > held
+    if np.any(too_many):
+        refuse(too_many, lambda i: f"verifies {drafts[i]} drafts; this worker holds {held[i]} for it")
+    too_long = start + counts + drafts > limits.max_model_len
+    if np.any(too_long):
+        refuse(too_long, lambda i: f"{drafts[i]} drafts from position {start[i] + 1} pass max_model_len "
+                                   f"{limits.max_model_len}")
+    return drafts
 
 
 def _matchers(step: StepInput, structured) -> tuple[dict, list[RequestFailure]]:

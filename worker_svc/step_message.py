@@ -59,8 +59,16 @@ def parse_step_request(req: worker_pb2.StepRequest) -> StepInput:
     if np.any(block_cnt < 1) or int(block_cnt.sum()) != len(block_ids):
         raise InvalidStepError(f"step {step_id}: new_block_counts (sum {int(block_cnt.sum())}) must be positive "
                                f"and add up to the {len(block_ids)} new_block_ids")
+    num_drafts = None
+    if len(cached.draft_indices) or len(cached.draft_counts):
+        draft_idx, draft_cnt = _sparse_indices("draft", cached.draft_indices, cached.draft_counts, len(seq_ids),
+                                               step_id)
+        if np.any(draft_cnt < 1):
+            raise InvalidStepError(f"step {step_id}: draft_counts must be positive")
+        num_drafts = np.zeros(len(seq_ids), dtype=np.int64)
+        num_drafts[draft_idx] = draft_cnt
     return StepInput(step_id, list(req.finished_seq_ids), new_requests, seq_ids, num_scheduled,
-                     block_idx, block_cnt, block_ids)
+                     block_idx, block_cnt, block_ids, num_drafts, req.propose_drafts)
 
 
 def _top_to_proto(top: TopLogprobs, msg: worker_pb2.TopLogprobColumns) -> None:
@@ -76,6 +84,8 @@ def build_step_response(output: StepOutput) -> worker_pb2.StepResponse:
         logprobs=output.logprobs or (),
         timings=worker_pb2.StepTimings(prepare_ms=output.prepare_ms, forward_ms=output.forward_ms,
                                        total_ms=output.total_ms, device_ms=output.device_ms),
+        token_counts=output.token_counts or (),
+        num_drafts=output.num_drafts or (),
     )
     if output.top_logprobs is not None:
         _top_to_proto(output.top_logprobs, msg.top_logprobs)

@@ -65,29 +65,35 @@ class _Failure(NamedTuple):
 
 
 class _PendingTokens:
-    """Constrained rows' tokens of one launched step, on their way to the host."""
-    __slots__ = ("tokens", "event", "_values", "_lock")
+    """Constrained rows' tokens of one launched step, on their way to the host (and, for a step
+    that verified drafts, which of them were emitted)."""
+    __slots__ = ("tokens", "keep", "event", "_values", "_kept", "_lock")
 
-    def __init__(self, tokens: torch.Tensor, event) -> None:
-        self.tokens, self.event = tokens, event
+    def __init__(self, tokens: torch.Tensor, keep: torch.Tensor | None, event) -> None:
+        self.tokens, self.keep, self.event = tokens, keep, event
         self._values: list[int] | None = None
+        self._kept: list[bool] | None = None
         self._lock = threading.Lock()
 
-    def values(self) -> list[int]:
+    def values(self) -> tuple[list[int], list[bool] | None]:
+        """The tokens, and whether each was emitted (None: all were)."""
         with self._lock:
             if self._values is None:
                 if self.event is not None:
                     self.event.synchronize()
                 self._values = self.tokens.tolist()
-            return self._values
+                self._kept = self.keep.tolist() if self.keep is not None else None
+            return self._values, self._kept
 
 
 class _RowFill:
-    """One row's mask task of one step: accept the row's pending tokens, fill its bitmask row."""
-    __slots__ = ("matcher", "row", "future", "clock", "cpu_start", "cost_ms")
+    """One request's mask task of one step: accept its pending tokens, fill its bitmask rows (one,
+    or a verification's positions: after each row the matcher advances over the draft that follows
+    it, next_tokens[i], -1 after the last, and is rolled back once past its rows)."""
+    __slots__ = ("matcher", "rows", "next_tokens", "future", "clock", "cpu_start", "cost_ms")
 
-    def __init__(self, matcher, row: int) -> None:
-        self.matcher, self.row = matcher, row
+    def __init__(self, matcher, rows: list[int], next_tokens: list[int] | None = None) -> None:
+        self.matcher, self.rows, self.next_tokens = matcher, rows, next_tokens
         self.future: Future | None = None
         self.clock = None            # the running thread's CPU clock, once started
         self.cpu_start = 0.0
@@ -184,18 +190,22 @@ class StructuredOutput:
             return RequestFailure(seq_id, "INTERNAL", f"its grammar matcher could not be made: {exc!r}")
 
     # -- a step's masks ---------------------------------------------------------------------------
-    def start_fill(self, matchers: list) -> MaskFill:
+    def start_fill(self, matchers: list, next_drafts: list[int] | None = None) -> MaskFill:
         """Starts filling the masks of a step's constrained rows (matchers[i] is row i) in the
-        background; call before the step's forward, then `mask`."""
+        background; call before the step's forward, then `mask`. With `next_drafts` the rows are a
+        verification's: a matcher repeats over its request's consecutive positions and allows at
+        each what follows the drafts before it (next_drafts[i]: the draft after row i, -1 after
+        the last)."""
         self._hand_out_pending()
         grammar = _grammar()
         if self._bitmask is None:   # made here, in the step's thread: it allocates pinned memory
             self._bitmask = grammar.GrammarBitmask(self.vocab_size, self.device)
         bitmask = self._bitmask.rows(len(matchers))
-        rows = [_RowFill(matcher, i) for i, matcher in enumerate(matchers)]
+        rows = _row_tasks(matchers, next_drafts)
         for row in sorted(rows, key=lambda r: r.matcher.last_cost_ms):   # the cheap ones first
             if row.matcher.failed:      # given up on: allows only the stop tokens until it is dropped
-                grammar.allow_only(bitmask[row.row], self.stop_token_ids)
+                for i in row.rows:
+                    grammar.allow_only(bitmask[i], self.stop_token_ids)
                 row.future = _done()
             else:
                 row.future = self._fillers.submit(self._fill_row, row, bitmask)
@@ -211,19 +221,24 @@ class StructuredOutput:
             grammar = _grammar()
             bitmask = bitmask.clone()          # a given-up task may still write the shared buffer
             for row in failed:
-                grammar.allow_only(bitmask[row.row], self.stop_token_ids)
+                for i in row.rows:
+                    grammar.allow_only(bitmask[i], self.stop_token_ids)
         _grammar().apply_bitmask(logits, positions, bitmask)
         return [RequestFailure(row.matcher.seq_id, *row.matcher.failed) for row in failed]
 
-    def record(self, matchers: list, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """Queues the tokens a step sampled at `positions` (device) for matchers (in order)."""
+    def record(self, matchers: list, tokens: torch.Tensor, positions: torch.Tensor,
+               keep: torch.Tensor | None = None) -> None:
+        """Queues the tokens a step sampled at `positions` (device) for matchers (in order); with
+        `keep` (bool per sampled position, device), only those it marks."""
         chosen = tokens.index_select(0, positions)
+        kept = keep.index_select(0, positions) if keep is not None else None
         event = None
         if chosen.device.type == "cuda":
             chosen = chosen.to("cpu", non_blocking=True)
+            kept = kept.to("cpu", non_blocking=True) if kept is not None else None
             event = torch.cuda.Event()
             event.record()
-        self._pending.append((matchers, _PendingTokens(chosen, event)))
+        self._pending.append((matchers, _PendingTokens(chosen, kept, event)))
 
     @property
     def loaded(self) -> bool:
@@ -253,13 +268,16 @@ class StructuredOutput:
         row.cpu_start, row.clock = _cpu_time(clock), clock
         matcher = row.matcher
         for pending, index in matcher.pending:
-            token = pending.values()[index]
+            tokens, kept = pending.values()
             # A matcher whose request was dropped meanwhile accepts into nothing: harmless.
-            if not matcher.accept_token(token):
+            if (kept is None or kept[index]) and not matcher.accept_token(tokens[index]):
                 self.num_refused += 1
-                logger.error("a grammar refused token %d that was sampled under its mask", token)
+                logger.error("a grammar refused token %d that was sampled under its mask", tokens[index])
         matcher.pending = []
-        matcher.fill_row(bitmask, row.row)
+        if row.next_tokens is None:
+            matcher.fill_row(bitmask, row.rows[0])
+        else:
+            _fill_along(matcher, row.rows, row.next_tokens, bitmask)
         row.cost_ms = matcher.last_cost_ms = (_cpu_time(clock) - row.cpu_start) * 1e3
 
     def _wait(self, fill: MaskFill) -> list[_RowFill]:
@@ -330,6 +348,30 @@ class StructuredOutput:
                     self.model_dir, self.vocab_size, self.stop_token_ids, max_threads=1)
                 logger.info("structured output ready in %.2f s (xgrammar)", time.perf_counter() - started)
             return self._compiler
+
+
+def _row_tasks(matchers: list, next_drafts: list[int] | None) -> list[_RowFill]:
+    """One task per row, or with next_drafts one per run of consecutive rows of one matcher."""
+    if next_drafts is None:
+        return [_RowFill(matcher, [i]) for i, matcher in enumerate(matchers)]
+    tasks: list[_RowFill] = []
+    for i, (matcher, token) in enumerate(zip(matchers, next_drafts)):
+        if not tasks or tasks[-1].matcher is not matcher:
+            tasks.append(_RowFill(matcher, [], []))
+        tasks[-1].rows.append(i)
+        tasks[-1].next_tokens.append(token)
+    return tasks
+
+
+def _fill_along(matcher, rows: list[int], next_tokens: list[int], bitmask: torch.Tensor) -> None:
+    """Fills a verification's rows of one matcher, advancing it over each draft in between (a draft
+    it refuses leaves it where it is for its later rows), then rolls it back to where it was."""
+    start, refused = matcher.num_accepted, False
+    for row, token in zip(rows, next_tokens):
+        matcher.fill_row(bitmask, row)
+        if token >= 0 and not refused and not matcher.accept_token(token):
+            refused = True
+    matcher.rollback(matcher.num_accepted - start)
 
 
 def _done() -> Future:

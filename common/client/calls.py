@@ -158,4 +158,4 @@ def _model_info(info: pb.ModelInfo) -> ModelInfo:
         kv_cache_dtype=g.kv_cache_dtype,
     ) for g in info.worker_groups]
     return ModelInfo(info.model, info.max_model_len, info.vocab_size, list(info.eos_token_ids), info.block_size,
-                     info.num_kv_blocks, groups)
+                     info.num_kv_blocks, groups, info.speculative_method, info.num_speculative_tokens)

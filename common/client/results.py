@@ -128,6 +128,8 @@ class ModelInfo:
     block_size: int
     num_kv_blocks: int
     worker_groups: list[WorkerGroupInfo] = field(default_factory=list)
+    speculative_method: str = ""          # ngram, eagle3 or draft; empty: off
+    num_speculative_tokens: int = 0       # the most drafts a request verifies in one step
 
 
 class RequestError(Exception):

@@ -56,6 +56,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = _option(
         None, f"token id -> {LOGIT_BIAS_RANGE} added to its logit (at most {MAX_LOGIT_BIAS_ENTRIES} ids)",
         metavar="ID=BIAS")
+    speculative: bool | None = _option(None, "false: keep this request out of speculative decoding (unset: true)")
 
     def to_proto(self) -> pb.SamplingParams:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -95,6 +96,7 @@ class SamplingOptions(TypedDict, total=False):
     json_object: bool
     priority: int
     logit_bias: Mapping[int, float]
+    speculative: bool
 
 
 def with_options(sampling: SamplingParams | None, options: Mapping[str, Any]) -> SamplingParams:

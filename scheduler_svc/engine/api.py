@@ -105,8 +105,9 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class StepOutputs:
-    """One step's news for one frontend: prompt tokens scored, a token per entry (a request at
-    most once), then the requests that ended in the step."""
+    """One step's news for one frontend: prompt tokens scored, a token per entry (a request once
+    per token it got, in order: several when speculative decoding accepted drafts), then the
+    requests that ended in the step."""
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None          # parallel to token_ids when any request asked
@@ -146,6 +147,8 @@ class GroupState:
     max_model_len: int
     num_paused: int = 0        # out of the batch until their clients read again
     kv_cache_dtype: str = ""   # the workers' WorkerInfo.kv_cache_dtype ("" while none is up)
+    speculative_method: str = ""       # ngram, eagle3 or draft; empty: off
+    num_speculative_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

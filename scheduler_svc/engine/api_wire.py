@@ -136,7 +136,8 @@ def info_to_pb(info: CoreInfo) -> pb.CoreInfo:
             device=g.device, attention_backend=g.attention_backend, num_preemptions=g.num_preemptions,
             prefix_cache_queried_tokens=g.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=g.prefix_cache_hit_tokens, block_size=g.block_size, max_model_len=g.max_model_len,
-            num_paused=g.num_paused, kv_cache_dtype=g.kv_cache_dtype)
+            num_paused=g.num_paused, kv_cache_dtype=g.kv_cache_dtype, speculative_method=g.speculative_method,
+            num_speculative_tokens=g.num_speculative_tokens)
         for g in info.groups])
 
 
@@ -144,5 +145,6 @@ def info_from_pb(msg: pb.CoreInfo) -> CoreInfo:
     return CoreInfo(status_from_pb(msg.status), [
         GroupState(list(g.addresses), g.healthy, g.num_kv_blocks, g.num_free_kv_blocks, g.num_running, g.num_waiting,
                    g.device, g.attention_backend, g.num_preemptions, g.prefix_cache_queried_tokens,
-                   g.prefix_cache_hit_tokens, g.block_size, g.max_model_len, g.num_paused, g.kv_cache_dtype)
+                   g.prefix_cache_hit_tokens, g.block_size, g.max_model_len, g.num_paused, g.kv_cache_dtype,
+                   g.speculative_method, g.num_speculative_tokens)
         for g in msg.groups])

@@ -177,6 +177,18 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_computed_tokens = 0
 
+    def free_tail(self, seq: Sequence, num_blocks: int) -> None:
+        """Gives back seq's blocks past its first num_blocks (slots reserved for draft tokens that
+        were rejected: they hold no computed token, so no cached block is among them)."""
+        for block_id in reversed(seq.block_table[num_blocks:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.forget()
+                self.free_block_ids[block_id] = None
+                self.free_block_ids.move_to_end(block_id, last=False)
+        del seq.block_table[num_blocks:]
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (the worker lost its KV). Every sequence must be freed."""
         if self.num_used_blocks:

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from common.cli import flag
+from scheduler_svc.engine.speculation import DEFAULT_MAX_BATCH_SIZE, METHODS
 
 ENGINE = "engine core"
 
@@ -54,6 +55,20 @@ class EngineConfig:
     max_request_failures: int = flag(
         2, group=ENGINE, help="a request in this many failed steps (the worker reset each time) is failed alone, with "
                               "INTERNAL naming the worker's error, instead of being re-sent again")
+
+    # Speculative decoding: the workers propose drafts (their --speculative-method); these choose
+    # how the scheduler uses them.
+    speculative_method: str | None = flag(
+        None, group=ENGINE, choices=(*METHODS, "off"),
+        help="speculative decoding: the workers' proposer, checked against what they report (unset: whatever "
+             "they propose, if anything; off: never speculate)")
+    num_speculative_tokens: int | None = flag(
+        None, group=ENGINE, help="most draft tokens a decode verifies in one step (unset: the workers' "
+                                 "--num-speculative-tokens; more is refused when they connect)")
+    speculative_max_batch_size: int = flag(
+        DEFAULT_MAX_BATCH_SIZE, group=ENGINE,
+        help="a step speculates only while at most this many requests run; larger batches decode one token "
+             "per step, scheduled ahead (docs/SPECULATIVE.md has the measurement)")
 
     def __post_init__(self) -> None:
         if self.instance_id is None:

@@ -27,6 +27,7 @@ from scheduler_svc.engine.group_runner import GroupHooks, GroupRunner
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.scheduler import SchedulerOutput
 from scheduler_svc.engine.sequence import FinishReason, Sequence
+from scheduler_svc.engine.speculation import SpeculationConfig
 from scheduler_svc.engine.step_message import StepPromptLogprobs, StepResult
 from scheduler_svc.engine.worker_client import WorkerGroupClient
 
@@ -289,6 +290,7 @@ class EngineCore:
                 prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens if bm else 0,
                 block_size=info.block_size if info else 0, max_model_len=g.max_model_len,
                 num_paused=s.num_paused if s else 0, kv_cache_dtype=info.kv_cache_dtype if info else "",
+                **_speculation_state(s.config.speculation if s else None),
             ))
         return CoreInfo(self._status, groups)
 
@@ -343,17 +345,18 @@ class EngineCore:
         StepOutputs per frontend."""
         if not received and result.prompt_logprobs is None and not result.failed:
             return
-        self.metrics.observe_sampled(len(received))
+        counts = output.received_counts
+        self.metrics.observe_sampled(sum(counts) if counts is not None else len(received))
         now = time.monotonic()
         per_frontend: dict[int, StepOutputs] = {}
-        sampled_ids = [s.seq_id for s in output.sampling_seqs] if result.logprobs is not None else None
-        logprob_of = dict(zip(sampled_ids, result.logprobs)) if sampled_ids is not None else None
-        top_of = (dict(zip(sampled_ids, result.top_logprobs.entries()))
-                  if sampled_ids is not None and result.top_logprobs is not None else None)
+        # Where each sampling sequence's tokens start in the reply's columns, when any asked logprobs.
+        first_of = _first_token_index(output, result) if result.logprobs is not None else None
+        logprobs = result.logprobs
+        tops = result.top_logprobs.entries() if first_of is not None and result.top_logprobs is not None else None
 
         def new_outputs() -> StepOutputs:
-            return StepOutputs(logprobs=[] if logprob_of is not None else None,
-                               top_logprobs=TopLogprobColumns() if top_of is not None else None)
+            return StepOutputs(logprobs=[] if first_of is not None else None,
+                               top_logprobs=TopLogprobColumns() if tops is not None else None)
 
         active = self._active
         failed = result.failed
@@ -364,7 +367,7 @@ class EngineCore:
                 self._end(seq_id, FinishReason.ABORT, notify=True, error=error)
         if result.prompt_logprobs is not None:
             self._add_prompt_logprobs(result.prompt_logprobs, per_frontend, new_outputs)
-        for seq in received:
+        for i, seq in enumerate(received):
             seq_id = seq.seq_id
             entry = active.get(seq_id)
             if entry is None:
@@ -372,12 +375,15 @@ class EngineCore:
             outputs = per_frontend.get(frontend_of(seq_id))
             if outputs is None:
                 outputs = per_frontend[frontend_of(seq_id)] = new_outputs()
-            outputs.seq_ids.append(seq_id)
-            outputs.token_ids.append(seq.token_ids[-1])
-            if logprob_of is not None:
-                outputs.logprobs.append(logprob_of[seq_id])
-            if top_of is not None:
-                outputs.top_logprobs.append(*top_of[seq_id])
+            n = counts[i] if counts is not None else 1
+            outputs.seq_ids += [seq_id] * n
+            outputs.token_ids += seq.token_ids[-n:]
+            if first_of is not None:
+                first = first_of[seq_id]
+                outputs.logprobs += logprobs[first:first + n]
+                if tops is not None:
+                    for top in tops[first:first + n]:
+                        outputs.top_logprobs.append(*top)
             if entry.first_token_at is None:
                 entry.first_token_at = now
                 if entry.deferred:       # its prompt's blocks are cached now
@@ -462,3 +468,22 @@ class EngineCore:
         logger.info("finished (%s): %d prompt tokens (%d cached), %d generated", reason.value, seq.num_prompt_tokens,
                     seq.num_cached_prompt_tokens, seq.num_output_tokens, extra={"request_id": seq.request_id})
         return FinishedRequest(seq_id, reason, seq.num_output_tokens, seq.num_cached_prompt_tokens)
+
+
+def _first_token_index(output: SchedulerOutput, result: StepResult) -> dict[int, int]:
+    """seq_id -> the index of its first token in the reply's token columns."""
+    seq_ids = [s.seq_id for s in output.sampling_seqs]
+    if not result.token_counts:
+        return {seq_id: i for i, seq_id in enumerate(seq_ids)}
+    firsts, offset = {}, 0
+    for seq_id, count in zip(seq_ids, result.token_counts):
+        firsts[seq_id] = offset
+        offset += count
+    return firsts
+
+
+def _speculation_state(config: SpeculationConfig | None) -> dict:
+    """GroupState's speculative-decoding fields: the method and drafts per step, when on."""
+    if config is None or not config.num_speculative_tokens:
+        return {}
+    return dict(speculative_method=config.method, num_speculative_tokens=config.num_speculative_tokens)

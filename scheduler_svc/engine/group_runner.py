@@ -31,6 +31,7 @@ from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.engine.sequence import Sequence
+from scheduler_svc.engine.speculation import SpeculationConfig
 from scheduler_svc.engine.step_message import StepResult, build_step_request, parse_step_response
 from scheduler_svc.engine.worker_client import WorkerError, WorkerGroupClient
 
@@ -151,7 +152,28 @@ class GroupRunner:
             max_model_len=self.max_model_len_for(infos[0]),
             block_size=infos[0].block_size,
             priority_aging_s=self.config.priority_aging_s,
+            speculation=self._speculation(infos),
         )
+
+    def _speculation(self, infos: list) -> SpeculationConfig:
+        """Speculative decoding as configured, within what the workers propose: unset follows them,
+        `off` turns it off, and a method or more drafts than they serve is refused."""
+        where = f"the workers of group {self.index} ({','.join(self.client.addresses)})"
+        served = {(info.speculative_method, info.num_speculative_tokens) for info in infos}
+        if len(served) > 1:
+            raise StepLimitError(f"{where} disagree on speculative decoding: {sorted(served)}")
+        ((method, most),) = served
+        wanted, k = self.config.speculative_method, self.config.num_speculative_tokens
+        if wanted == "off" or (not method and wanted is None):
+            return SpeculationConfig(0, self.config.speculative_max_batch_size)
+        if wanted is not None and wanted != method:
+            raise StepLimitError(f"--speculative-method {wanted}, but {where} propose "
+                                 f"{'with ' + method if method else 'no drafts'}: start them with "
+                                 f"--speculative-method {wanted} (or leave it unset here to follow them)")
+        if k is not None and k > most:
+            raise StepLimitError(f"--num-speculative-tokens {k} is more than the {most} drafts {where} propose: "
+                                 "lower it or leave it unset to follow them")
+        return SpeculationConfig(most if k is None else k, self.config.speculative_max_batch_size, method)
 
     def _step_limit(self, name: str, infos: list) -> int:
         """The configured limit, or when unset the least any rank takes in one step. A worker
@@ -233,7 +255,8 @@ class GroupRunner:
             while True:
                 if not self.healthy:
                     await self._reconnect()
-                if len(in_flight) < depth and self.scheduler.has_unfinished():
+                if (len(in_flight) < depth and self.scheduler.has_unfinished()
+                        and (not in_flight or self.scheduler.may_schedule_ahead())):
                     output = self.scheduler.schedule()
                     if not output.is_empty:
                         in_flight.append(self._send(output))
@@ -325,11 +348,14 @@ class GroupRunner:
         self.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms,
                                  result.device_ms or result.forward_ms)
         try:
-            received = self.scheduler.update(output, result.token_ids)
+            received = self.scheduler.update(output, result.token_ids, result.token_counts, result.num_drafts)
         except ValueError as e:       # the reply lacks tokens the step had to sample
             raise WorkerError(f"group {self.index}: {e}") from e
         for seq in output.seqs:       # a step that went through clears its requests of suspicion
             seq.suspect = False
+        if output.num_verifications:
+            self.metrics.observe_spec_decode(output.num_verifications, output.num_draft_tokens,
+                                             output.num_accepted_tokens)
         self.hooks.on_step(self, output, received, result)
 
     # -- load -----------------------------------------------------------------------------

@@ -69,6 +69,12 @@ class SchedulerMetrics:
         self.generated_tokens = Counter("llm_generated_tokens", "Output tokens of finished requests", registry=r)
         self.sampled_tokens = Counter("llm_sampled_tokens", "Output tokens as each step brings them (requests in "
                                       "flight included; a recomputed request's tokens count once)", registry=r)
+        # Speculative decoding; mean acceptance length = 1 + accepted / verifications.
+        self.spec_verifications = Counter("llm_spec_decode_verifications", "Decodes that verified draft tokens",
+                                          registry=r)
+        self.spec_draft_tokens = Counter("llm_spec_decode_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("llm_spec_decode_accepted_tokens", "Draft tokens accepted (output "
+                                            "tokens beyond the one each verification brings anyway)", registry=r)
         self.worker_failures = Counter("llm_worker_failures", "Steps that failed because a worker was down", ["group"], registry=r)
 
     def watch(self, snapshot) -> None:
@@ -98,6 +104,11 @@ class SchedulerMetrics:
 
     def observe_sampled(self, num_tokens: int) -> None:
         self.sampled_tokens.inc(num_tokens)
+
+    def observe_spec_decode(self, num_verifications: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.spec_verifications.inc(num_verifications)
+        self.spec_draft_tokens.inc(num_draft_tokens)
+        self.spec_accepted_tokens.inc(num_accepted_tokens)
 
     def observe_rejection(self, code: str, count: int = 1) -> None:
         self.rejected.labels(code).inc(count)

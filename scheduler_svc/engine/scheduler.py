@@ -22,10 +22,16 @@ resumes, like a preempted one. Paused requests take no slot of max_num_seqs.
 After a failed step (the worker reset), the requests it held are suspects: they come back one at a
 time (a suspect is admitted only while no other runs), so that a request that makes the worker
 fail is alone among the suspects of the next failure and can be blamed for it (GroupRunner).
+
+Speculative decoding (speculation.py has the rules): a decode whose worker holds draft tokens for
+it may verify some of them in its step, with KV slots reserved for each; the step then brings
+it the accepted drafts and one more token, cut at a stop, and the blocks only rejected drafts used
+go back. A step whose drafts depend on the previous step's result is never scheduled ahead of it.
 """
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence as Sequence_
@@ -33,6 +39,7 @@ from typing import Iterable, Sequence as Sequence_
 from scheduler_svc.engine.block_manager import BlockManager
 from common.sampling import SamplingParams
 from scheduler_svc.engine.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.engine.speculation import SpeculationConfig, check_reply, num_drafts_to_verify
 from scheduler_svc.engine.waiting_queue import WaitingQueue
 
 
@@ -44,6 +51,7 @@ class SchedulerConfig:
     block_size: int
     long_prefill_token_threshold: int = 0   # >0: a prefill takes at most this many per step
     priority_aging_s: float = 0.0       # seconds of waiting one priority level is worth (waiting_queue.py)
+    speculation: SpeculationConfig = SpeculationConfig()   # off unless given
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -113,10 +121,22 @@ class SchedulerOutput:
     new_block_indices: list[int] = field(default_factory=list)
     new_block_counts: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
+    # Cached entries that verify drafts (index into the cached columns) and how many.
+    draft_indices: list[int] = field(default_factory=list)
+    draft_counts: list[int] = field(default_factory=list)
+    # The same by position in sampling_seqs, for update().
+    sampling_draft_indices: list[int] = field(default_factory=list)
+    propose_drafts: bool = False   # the worker proposes drafts for the next step
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)    # finished or aborted
     preempted_seq_ids: list[int] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
+    num_scheduled_tokens: int = 0      # drafts included
+    # Set by update(): tokens each received sequence got (None: one each, in the usual case), and
+    # the drafts verified and accepted for sequences still running.
+    received_counts: list[int] | None = None
+    num_verifications: int = 0         # sequences that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -137,6 +157,11 @@ class SchedulerOutput:
             offset += count
         return [CachedRequestData(seq_id, counts.get(i, 1), blocks.get(i, []))
                 for i, seq_id in enumerate(self.cached_seq_ids)]
+
+    @property
+    def num_drafts(self) -> dict[int, int]:
+        """Drafts verified per cached entry that has any (a view for tests and logs)."""
+        return dict(zip(self.draft_indices, self.draft_counts))
 
 
 class Scheduler:
@@ -296,6 +321,7 @@ class Scheduler:
         # Preempted requests head the queue. One comes back in this same step only when
         # others still hold its prefix blocks; the worker drops the old mirror first.
         self._schedule_waiting(output, budget)
+        output.propose_drafts = self.speculating
         if output.seqs:
             # Sent with this step; when nothing is scheduled no step is sent, so they wait.
             output.finished_seq_ids, self._finished_ids = self._finished_ids, []
@@ -309,11 +335,26 @@ class Scheduler:
             num_uncomputed = min(num_uncomputed, threshold)
         return min(num_uncomputed, budget)
 
+    @property
+    def speculating(self) -> bool:
+        """Whether decodes may verify drafts now: speculation is on and the batch, with the requests
+        waiting to join it, is small enough."""
+        spec = self.config.speculation
+        batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return spec.num_speculative_tokens > 0 and batch <= spec.max_batch_size
+
+    def may_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the last one's result is applied: not
+        after a step that verifies or proposes drafts (the next one's drafts depend on it)."""
+        last = self._in_flight[-1] if self._in_flight else None
+        return last is None or not (last.propose_drafts or last.draft_indices)
+
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Every running sequence gets its next tokens while the budget lasts. The common case,
         a decode that stays inside its last block, touches nothing but the output's columns."""
         bs = self.block_manager.block_size
         running = self.running
+        speculating = self.speculating
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -323,6 +364,10 @@ class Scheduler:
                 continue
             num_computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids) + placeholders - num_computed
+            if speculating and seq.num_drafts and num_tokens == 1 and not placeholders:
+                budget -= self._schedule_decode_with_drafts(output, seq, budget)
+                i += 1
+                continue
             if num_tokens == 1 and num_computed < len(seq.block_table) * bs:
                 self._add_cached(output, seq, 1, num_computed, False)   # the decode fast path
                 budget -= 1
@@ -334,6 +379,21 @@ class Scheduler:
                 budget -= num_tokens
                 i += 1
         return budget
+
+    def _schedule_decode_with_drafts(self, output: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        """Schedules seq's decode with as many of its drafts as may be verified and have KV slots
+        without preempting anyone (else as a plain decode); returns the tokens it takes."""
+        bm = self.block_manager
+        k = num_drafts_to_verify(seq, self.config.speculation, budget - 1, self.config.max_model_len)
+        # As many as the free blocks hold: drafts never take a block from another request.
+        k = min(k, (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens - 1)
+        if k > 0 and bm.append_slots(seq, 1 + k):
+            self._add_cached(output, seq, 1, seq.num_computed_tokens, True, k)
+            return 1 + k
+        if self._reserve_slots(seq, 1):
+            self._add_cached(output, seq, 1, seq.num_computed_tokens, True)
+            return 1
+        return 0
 
     def _reserve_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Preempts from the end of the running list (the lowest priority, most recently admitted)
@@ -380,7 +440,7 @@ class Scheduler:
             bisect.insort_right(running, seq, key=_priority)
 
     def _add_cached(self, output: SchedulerOutput, seq: Sequence, num_tokens: int, num_computed: int,
-                    may_have_new_blocks: bool) -> None:
+                    may_have_new_blocks: bool, num_drafts: int = 0) -> None:
         """Appends a sequence the worker holds: its columns, and the blocks it gained since the
         worker last heard of it (none on the decode fast path, which stays inside its block)."""
         index = len(output.cached_seq_ids)
@@ -388,6 +448,11 @@ class Scheduler:
         if num_tokens != 1:
             output.multi_token_indices.append(index)
             output.multi_token_counts.append(num_tokens)
+        if num_drafts:
+            output.draft_indices.append(index)
+            output.draft_counts.append(num_drafts)
+            output.sampling_draft_indices.append(len(output.sampling_seqs))   # a decode: it samples
+            output.num_scheduled_tokens += num_drafts
         if may_have_new_blocks and len(seq.block_table) > seq.num_blocks_on_worker:
             new_blocks = seq.block_table[seq.num_blocks_on_worker:]
             output.new_block_indices.append(index)
@@ -401,6 +466,7 @@ class Scheduler:
             seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
             num_tokens, list(seq.block_table), seq.sampling))
         seq.on_worker = True
+        seq.num_drafts = 0                    # a fresh mirror holds none
         seq.num_blocks_on_worker = len(seq.block_table)
         self._add_scheduled(output, seq, num_tokens, seq.num_computed_tokens)
 
@@ -421,6 +487,7 @@ class Scheduler:
         """Gives back seq's blocks; what steps in flight compute or sample for it is dropped."""
         self.block_manager.free(seq)
         seq.num_placeholder_tokens = 0
+        seq.num_drafts = 0
 
     def _requeue(self, seq: Sequence) -> None:
         """Recompute-style preemption: free everything, wait at the front of the queue."""
@@ -448,39 +515,51 @@ class Scheduler:
             seq.on_worker = False
 
     # -- results -----------------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, token_ids: Sequence_[int]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, token_ids: Sequence_[int], token_counts: Sequence_[int] = (),
+               num_drafts: Sequence_[int] = ()) -> list[Sequence]:
         """Applies the result of the oldest step in flight: `token_ids` holds one token per
-        entry of output.sampling_seqs, in that order. Registers the blocks the step filled,
-        appends each sampled token and checks the stop conditions, freeing finished sequences
-        at once. Returns the sequences that received a token (finished ones included, with
-        finish_reason set), in batch order. An output no longer in flight (applied already, or
-        dropped by a reset) is ignored."""
+        entry of output.sampling_seqs, in that order, or `token_counts[i]` for entry i when the
+        step verified drafts (1 + its accepted drafts); `num_drafts[i]`, when given, is how many
+        drafts the worker now holds for entry i. Registers the blocks the step filled, appends
+        each sampled token and checks the stop conditions (a stop inside a run cuts it there),
+        freeing finished sequences at once. Returns the sequences that received tokens (finished
+        ones included, with finish_reason set), in batch order; output.received_counts says how
+        many each got when the step verified drafts. An output no longer in flight (applied
+        already, or dropped by a reset) is ignored."""
         if not any(o is output for o in self._in_flight):
             return []
         if output is not self._in_flight[0]:
             raise RuntimeError("step results must be applied in the order the steps were scheduled")
         # Check before changing anything, so a bad reply leaves every sequence as it was.
-        if len(token_ids) != len(output.sampling_seqs):
-            raise ValueError(f"the step returned {len(token_ids)} tokens for "
-                             f"{len(output.sampling_seqs)} sampling requests")
+        check_reply(output.sampling_seqs, output.sampling_draft_indices, output.draft_counts, len(token_ids),
+                    token_counts, num_drafts, self.config.speculation.num_speculative_tokens)
         self._in_flight.popleft()
         bs = self.block_manager.block_size
         running = SequenceStatus.RUNNING
+        drafted = set(output.draft_indices) if output.draft_indices else None
         # Blocks first: a block the step filled is registered once its KV exists. Most entries
-        # stay inside their block and cost one comparison.
-        for seq, n, start, admission in zip(output.seqs, output.num_scheduled, output.num_computed,
-                                            output.admissions):
-            if (start + n) // bs != start // bs and seq.status is running and seq.num_admissions == admission:
+        # stay inside their block and cost one comparison. Entries that verified drafts register
+        # theirs once their accepted run is known.
+        for index, (seq, n, start, admission) in enumerate(zip(output.seqs, output.num_scheduled, output.num_computed,
+                                                               output.admissions)):
+            if ((start + n) // bs != start // bs and seq.status is running and seq.num_admissions == admission
+                    and not (drafted and index in drafted)):
                 self.block_manager.cache_computed_blocks(seq, start, start + n)
+        if drafted:
+            return self._apply_runs(output, token_ids, token_counts or [1] * len(output.sampling_seqs), num_drafts)
         received: list[Sequence] = []
         finished = False
         eos, max_model_len = self.eos_token_ids, self.config.max_model_len
-        for seq, admission, token in zip(output.sampling_seqs, output.sampling_admissions, token_ids):
+        drafts = iter(num_drafts) if num_drafts else itertools.repeat(0)
+        speculation = self.config.speculation.num_speculative_tokens > 0
+        for seq, admission, token, held in zip(output.sampling_seqs, output.sampling_admissions, token_ids, drafts):
             if seq.status is not running or seq.num_admissions != admission:
                 continue                      # finished, preempted or reset meanwhile: stale
             tokens = seq.token_ids
             tokens.append(token)
             seq.num_placeholder_tokens -= 1
+            if speculation:
+                seq.num_drafts = held
             received.append(seq)
             params = seq.sampling
             num_output = len(tokens) - seq.num_prompt_tokens
@@ -494,6 +573,65 @@ class Scheduler:
         if finished:
             self.running = [seq for seq in self.running if seq.status is running]
         return received
+
+    def _apply_runs(self, output: SchedulerOutput, token_ids: Sequence_[int], counts: Sequence_[int],
+                    num_drafts: Sequence_[int]) -> list[Sequence]:
+        """update() for a step that verified drafts: each sampling sequence gets a run of tokens."""
+        running = SequenceStatus.RUNNING
+        drafts_of = dict(zip(output.sampling_draft_indices, output.draft_counts))
+        entry_of = dict(zip(output.sampling_draft_indices, output.draft_indices))
+        received: list[Sequence] = []
+        received_counts: list[int] = []
+        offset = 0
+        for j, (seq, admission, n) in enumerate(zip(output.sampling_seqs, output.sampling_admissions, counts)):
+            run = token_ids[offset:offset + n]
+            offset += n
+            if seq.status is not running or seq.num_admissions != admission:
+                continue                      # finished, preempted or reset meanwhile: stale
+            seq.num_placeholder_tokens -= 1
+            appended = self._append_run(seq, run)
+            received.append(seq)
+            received_counts.append(appended)
+            k = drafts_of.get(j, 0)
+            if k:
+                output.num_verifications += 1
+                output.num_draft_tokens += k
+                output.num_accepted_tokens += appended - 1
+            if seq.status is running:
+                seq.num_drafts = num_drafts[j] if num_drafts else 0
+                if k:
+                    self._keep_accepted(seq, output.num_computed[entry_of[j]], n)
+        self.running = [seq for seq in self.running if seq.status is running]
+        output.received_counts = received_counts
+        return received
+
+    def _append_run(self, seq: Sequence, run: Sequence_[int]) -> int:
+        """Appends tokens to seq up to the first that finishes it (then releasing it); returns
+        how many it appended."""
+        params, tokens = seq.sampling, seq.token_ids
+        for i, token in enumerate(run):
+            tokens.append(token)
+            num_output = len(tokens) - seq.num_prompt_tokens
+            if num_output >= params.min_tokens and (
+                    (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
+                self._release(seq, FinishReason.STOP)
+                return i + 1
+            if num_output >= params.max_tokens or len(tokens) >= self.config.max_model_len:
+                self._release(seq, FinishReason.LENGTH)
+                return i + 1
+        return len(run)
+
+    def _keep_accepted(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        """After a verification from position `start` that brought num_tokens tokens: the accepted
+        drafts' KV counts as computed, the blocks it filled are registered, and the blocks past the
+        next decode's slot (which only rejected drafts used) go back; the worker cuts its table alike."""
+        seq.num_computed_tokens = start + num_tokens
+        end = start + num_tokens
+        if end // self.block_manager.block_size != start // self.block_manager.block_size:
+            self.block_manager.cache_computed_blocks(seq, start, end)
+        keep = self.block_manager.blocks_for(seq.num_computed_tokens + 1)
+        self.block_manager.free_tail(seq, keep)
+        seq.num_blocks_on_worker = min(seq.num_blocks_on_worker, keep)
 
     def _finishes_by_length(self, seq: Sequence, num_more_tokens: int) -> bool:
         """Whether seq reaches max_tokens or max_model_len once num_more_tokens are appended."""

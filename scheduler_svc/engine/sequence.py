@@ -34,7 +34,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_prompt_tokens", "block_table", "block_hashes", "status", "finish_reason",
         "sampling", "arrival_time", "num_admissions", "on_worker", "num_blocks_on_worker",
-        "num_placeholder_tokens", "arrival_order", "paused", "suspect", "num_failures",
+        "num_placeholder_tokens", "arrival_order", "paused", "suspect", "num_failures", "num_drafts",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -79,6 +79,8 @@ class Sequence:
         # (num_failures counts those; GroupRunner fails it at --max-request-failures).
         self.suspect = False
         self.num_failures = 0
+        # Draft tokens its worker mirror holds for its next decode to verify (speculative decoding).
+        self.num_drafts = 0
 
     @property
     def priority(self) -> int:

@@ -48,7 +48,10 @@ def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.Step
             new_block_indices=output.new_block_indices,
             new_block_counts=output.new_block_counts,
             new_block_ids=output.new_block_ids,
+            draft_indices=output.draft_indices,
+            draft_counts=output.draft_counts,
         ),
+        propose_drafts=output.propose_drafts,
     )
 
 
@@ -66,7 +69,7 @@ class StepPromptLogprobs:
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """A worker's answer to one step: a token (and, when asked, a logprob) per sampling
-    sequence of the step, in its order."""
+    sequence of the step, in its order, or token_counts[i] of them for sequence i."""
     token_ids: list[int]
     logprobs: list[float] | None     # None when no request of the step asked
     forward_ms: float                # the worker's host time launching the forward
@@ -75,6 +78,10 @@ class StepResult:
     prompt_logprobs: StepPromptLogprobs | None = None
     # Requests the worker cannot go on with (seq_id -> why): their token in this step is void.
     failed: dict[int, RequestError] = field(default_factory=dict)
+    # Speculative decoding: tokens per sampling sequence (empty: one each), and the drafts the
+    # worker holds for each for the next step (empty: none).
+    token_counts: list[int] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)
 
 
 def _top_columns(msg: worker_pb2.TopLogprobColumns) -> TopLogprobColumns | None:
@@ -92,4 +99,5 @@ def parse_step_response(response: worker_pb2.StepResponse) -> StepResult:
                                 _top_columns(p.top))
     failed = {f.seq_id: RequestError(f.code, f.message, f.about_constraint) for f in response.failed}
     return StepResult(list(response.token_ids), list(response.logprobs) or None, t.forward_ms, t.device_ms,
-                      _top_columns(response.top_logprobs), prompt, failed)
+                      _top_columns(response.top_logprobs), prompt, failed, list(response.token_counts),
+                      list(response.num_drafts))

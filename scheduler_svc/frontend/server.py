@@ -131,12 +131,15 @@ def to_model_info(info: CoreInfo, *, model_name: str, vocab_size: int, eos_token
         for g in info.groups
     ]
     up = [g for g in info.groups if g.block_size]
+    speculating = next((g for g in up if g.healthy and g.speculative_method), None)
     return generation_pb2.ModelInfo(
         model=model_name, max_model_len=info.status.max_model_len, vocab_size=vocab_size,
         eos_token_ids=eos_token_ids, block_size=up[0].block_size if up else 0,
         num_kv_blocks=sum(g.num_kv_blocks for g in info.groups), worker_groups=groups,
         features=[generation_pb2.Feature(name=f.name, available=f.available, detail=f.detail)
-                  for f in info.status.features])
+                  for f in info.status.features],
+        speculative_method=speculating.speculative_method if speculating else "",
+        num_speculative_tokens=speculating.num_speculative_tokens if speculating else 0)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):

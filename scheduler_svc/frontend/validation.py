@@ -154,6 +154,7 @@ def _resolve_sampling(msg: generation_pb2.SamplingParams, vocab_size: int, limit
         constraint=_constraint(msg, limits),
         priority=_priority(msg, limits),
         logit_bias=_logit_bias(msg.logit_bias, vocab_size, limits),
+        speculative=msg.speculative if msg.HasField("speculative") else None,
     )
 
 

@@ -5,7 +5,7 @@ a mirror out of step with the scheduler) shows up as a wrong slot."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from common.constraint import Constraint
@@ -28,13 +28,25 @@ class Mirror:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    drafts: list[int] = field(default_factory=list)   # proposed for its next step
 
 
 class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """With num_speculative_tokens, it proposes drafts (`propose(tokens)`) when a step asks and
+    verifies them as the real worker does: it samples at the newest token and at each draft, and
+    a request gets its samples up to the first that differs from the next draft."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_speculative_tokens: int = 0,
+                 propose: Callable[[list[int]], list[int]] | None = None) -> None:
         self.block_size = block_size
         self.kv: list[list] = [[None] * block_size for _ in range(num_blocks)]
         self.mirrors: dict[int, Mirror] = {}
+        self.num_speculative_tokens = num_speculative_tokens
+        self.propose = propose
+        # The last step's reply beyond its tokens: tokens per sampling request (empty: one each)
+        # and drafts held per sampling request (empty: none proposed).
+        self.token_counts: list[int] = []
+        self.num_drafts: list[int] = []
 
     def slot(self, block_ids: list[int], position: int):
         return self.kv[block_ids[position // self.block_size]][position % self.block_size]
@@ -45,12 +57,14 @@ class FakeWorker:
             assert self.slot(mirror.block_ids, p) == tuple(mirror.token_ids[:p + 1]), p
 
     def step(self, request: worker_pb2.StepRequest, sample: Callable[[list[int]], int]) -> list[int]:
-        """Runs a step as the real worker does; sample(tokens) picks the next token. Returns one
-        token per request that samples, in batch order (cached requests, then new ones)."""
+        """Runs a step as the real worker does; sample(tokens) picks the next token. Returns the
+        tokens of each request that samples, in batch order (cached requests, then new ones):
+        one each, or token_counts[i] for request i when the step verified drafts."""
         for seq_id in request.finished_seq_ids:
             del self.mirrors[seq_id]
         cached = request.cached
         counts = dict(zip(cached.multi_token_indices, cached.multi_token_counts))
+        drafts = dict(zip(cached.draft_indices, cached.draft_counts))
         new_blocks, offset = {}, 0
         for index, count in zip(cached.new_block_indices, cached.new_block_counts):
             new_blocks[index] = list(cached.new_block_ids[offset:offset + count])
@@ -58,30 +72,58 @@ class FakeWorker:
         scheduled = []
         for i, seq_id in enumerate(cached.seq_ids):
             self.mirrors[seq_id].block_ids.extend(new_blocks.get(i, []))
-            scheduled.append((seq_id, counts.get(i, 1)))
+            scheduled.append((seq_id, counts.get(i, 1), drafts.get(i, 0)))
         for new in request.new_requests:
             assert new.seq_id not in self.mirrors
             mirror = Mirror(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
             self.assert_kv(mirror)                       # the prefix-cache hit it relies on
             self.mirrors[new.seq_id] = mirror
-            scheduled.append((new.seq_id, new.num_scheduled_tokens))
-        for seq_id, n in scheduled:                      # write every slot, then read
+            scheduled.append((new.seq_id, new.num_scheduled_tokens, 0))
+        for seq_id, n, k in scheduled:                   # write every slot, then read
             mirror = self.mirrors[seq_id]
             start = mirror.num_computed_tokens
             assert n >= 1 and start + n <= len(mirror.token_ids)
-            assert start + n <= len(mirror.block_ids) * self.block_size
-            for p in range(start, start + n):
-                self.kv[mirror.block_ids[p // self.block_size]][p % self.block_size] = \
-                    tuple(mirror.token_ids[:p + 1])
+            assert k <= len(mirror.drafts) and (not k or start + n == len(mirror.token_ids))
+            assert start + n + k <= len(mirror.block_ids) * self.block_size
+            tokens = mirror.token_ids + mirror.drafts[:k]
+            for p in range(start, start + n + k):
+                self.kv[mirror.block_ids[p // self.block_size]][p % self.block_size] = tuple(tokens[:p + 1])
             mirror.num_computed_tokens += n
-        sampled = []
-        for seq_id, _ in scheduled:
+        sampled, self.token_counts, self.num_drafts = [], [], []
+        for seq_id, _, k in scheduled:
             mirror = self.mirrors[seq_id]
             self.assert_kv(mirror)
             if mirror.num_computed_tokens == len(mirror.token_ids):
-                sampled.append(sample(mirror.token_ids))
-                mirror.token_ids.append(sampled[-1])
+                run = self._verify(mirror, sample, k)
+                sampled += run
+                self.token_counts.append(len(run))
+                self.num_drafts.append(self._propose(mirror) if request.propose_drafts else 0)
+        if all(c == 1 for c in self.token_counts):
+            self.token_counts = []
+        if not request.propose_drafts:
+            self.num_drafts = []
         return sampled
+
+    def _verify(self, mirror: Mirror, sample: Callable[[list[int]], int], k: int) -> list[int]:
+        """The samples at the newest token and at each of k drafts, up to the first that differs
+        from the next draft; the accepted drafts' KV counts as computed, and the block table keeps
+        the blocks of its computed tokens plus one, as the scheduler's does."""
+        run = []
+        for j in range(k + 1):
+            run.append(sample(mirror.token_ids + run))
+            if j == k or run[-1] != mirror.drafts[j]:
+                break
+        mirror.token_ids += run
+        if k:
+            mirror.num_computed_tokens += len(run) - 1
+            del mirror.block_ids[-(-(mirror.num_computed_tokens + 1) // self.block_size):]
+        mirror.drafts = []
+        return run
+
+    def _propose(self, mirror: Mirror) -> int:
+        room = len(self.kv) * self.block_size - len(mirror.token_ids)
+        mirror.drafts = list(self.propose(mirror.token_ids))[:min(self.num_speculative_tokens, max(room, 0))]
+        return len(mirror.drafts)
 
     def reset(self) -> None:
         self.mirrors.clear()
@@ -100,10 +142,11 @@ class FakeWorkerClient:
 
     def __init__(self, die_at: set[int] = frozenset(), *, num_blocks: int = 12, block_size: int = 2,
                  vocab_size: int = 6, step_s: float = 0.002, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, poison: set[int] = frozenset()) -> None:
+                 max_num_batched_tokens: int = 2048, poison: set[int] = frozenset(),
+                 num_speculative_tokens: int = 0, propose: Callable[[list[int]], list[int]] | None = None) -> None:
         """`poison`: a step holding a request whose prompt starts with one of these tokens makes
         the worker crash, every time (a request that makes the worker fail)."""
-        self.worker = FakeWorker(num_blocks, block_size)
+        self.worker = FakeWorker(num_blocks, block_size, num_speculative_tokens, propose)
         self.max_num_seqs = max_num_seqs                       # what it reports taking in one step
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
@@ -138,7 +181,9 @@ class FakeWorkerClient:
         return worker_pb2.WorkerInfo(max_model_len=len(self.worker.kv) * self.worker.block_size,
                                      block_size=self.worker.block_size, num_kv_blocks=len(self.worker.kv),
                                      instance_id=str(self.restarts), max_num_seqs=self.max_num_seqs,
-                                     max_num_batched_tokens=self.max_num_batched_tokens)
+                                     max_num_batched_tokens=self.max_num_batched_tokens,
+                                     speculative_method="ngram" if self.worker.num_speculative_tokens else "",
+                                     num_speculative_tokens=self.worker.num_speculative_tokens)
 
     async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
         self.num_in_flight += 1
@@ -156,7 +201,8 @@ class FakeWorkerClient:
                     raise WorkerError(f"worker died before step {request.step_id}")
                 self._check_lease(request.lease_epoch, f"step {request.step_id}")
                 sampled = self.worker.step(request, lambda tokens: prefix_token(tokens, self.vocab_size))
-            return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled)
+            return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled,
+                                           token_counts=self.worker.token_counts, num_drafts=self.worker.num_drafts)
         finally:
             self.num_in_flight -= 1
 

@@ -3,7 +3,9 @@ whose model KV cache records, in every slot, the token prefix that produced it: 
 from a stale hash entry, a shared block overwritten, or a worker mirror out of step with the
 scheduler shows up as a wrong slot. Block accounting is checked after every rule. The machine runs synchronously (each step's result applied before the next is
 scheduled) and with a step in flight (the next one scheduled first, as the engine's async
-scheduling does); a last property checks that both give every request the same tokens."""
+scheduling does); a last property checks that both give every request the same tokens. Both run
+again with speculative decoding: the fake worker proposes drafts, some right and some wrong, and
+verifies them as the real one does (a step with drafts is applied before the next is scheduled)."""
 from __future__ import annotations
 
 import random
@@ -16,6 +18,7 @@ from scheduler_svc.engine.block_manager import BlockManager, hash_block
 from common.sampling import SamplingParams
 from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.engine.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.engine.speculation import SpeculationConfig
 from scheduler_svc.engine.step_message import build_step_request
 from tests.support.fake_worker import FakeWorker, prefix_token
 
@@ -23,23 +26,38 @@ EOS = 0
 VOCAB = range(6)          # few token ids: prompts share prefixes often
 
 
+def guess(tokens: list[int], k: int, seed: int) -> list[int]:
+    """k drafts for a worker whose sampler is prefix_token: its true continuation, with one token
+    (chosen by the seed and the prefix) wrong unless that choice falls past the k."""
+    drafts = []
+    wrong_at = hash_block(seed, tokens) % (k + 2)
+    for j in range(k):
+        true = prefix_token(tokens + drafts, len(VOCAB))
+        drafts.append((true + 1) % len(VOCAB) if j == wrong_at else true)
+    return drafts
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     # Steps scheduled before the oldest result is applied: 1 is synchronous.
     depth = 1
+    num_speculative_tokens = 0
 
     @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 4),
                 budget=st.integers(1, 12), max_num_seqs=st.integers(1, 6),
-                threshold=st.integers(0, 3))
-    def setup(self, num_blocks, block_size, budget, max_num_seqs, threshold):
+                threshold=st.integers(0, 3), max_speculative_batch=st.integers(1, 6))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, threshold, max_speculative_batch):
         self.block_size = block_size
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                  max_model_len=num_blocks * block_size, block_size=block_size,
-                                 long_prefill_token_threshold=threshold)
+                                 long_prefill_token_threshold=threshold,
+                                 speculation=SpeculationConfig(self.num_speculative_tokens, max_speculative_batch))
         self.bm = BlockManager(num_blocks, block_size)
         self.sched = Scheduler(config, self.bm, eos_token_ids=[EOS])
-        self.worker = FakeWorker(num_blocks, block_size)
-        # Steps the worker has run (it runs each when it is sent) whose results are not applied.
-        self.in_flight: list[tuple[SchedulerOutput, list[int]]] = []
+        self.worker = FakeWorker(num_blocks, block_size, self.num_speculative_tokens,
+                                 lambda tokens: guess(tokens, self.num_speculative_tokens, len(tokens)))
+        # Steps the worker has run (it runs each when it is sent) whose results are not applied:
+        # the output, the tokens, the tokens per sampling request and the drafts it holds.
+        self.in_flight: list[tuple[SchedulerOutput, list[int], list[int], list[int]]] = []
         self.running_since_sent: set[int] = set()
         self.seqs: list[Sequence] = []
         self.prefix_by_hash: dict[int, tuple[int, ...]] = {}
@@ -69,6 +87,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         flight, or when nothing more could be scheduled."""
         # A step that schedules nothing sends nothing: its preemptions go with the next one.
         self.note_on_worker()
+        if self.in_flight and not self.sched.may_schedule_ahead():
+            self.apply_oldest()
         output = self.sched.schedule()
         if output.is_empty:
             if not self.in_flight:
@@ -80,11 +100,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert set(output.preempted_seq_ids) <= self.running_since_sent
             self.running_since_sent = set()
             rng = random.Random(seed)
-            sampled = self.worker.step(build_step_request(1, output), lambda _: rng.choice(VOCAB))
-            self.in_flight.append((output, sampled))
+            # Mostly the prefix's own token, so that drafts (its true continuation) are often right.
+            sampled = self.worker.step(build_step_request(1, output), lambda tokens: rng.choice(
+                [prefix_token(tokens, len(VOCAB))] * 3 + list(VOCAB)))
+            self.in_flight.append((output, sampled, self.worker.token_counts, self.worker.num_drafts))
         if abort_in_flight is not None and self.sched.running:
             self.sched.abort(self.sched.running[abort_in_flight % self.sched.num_running].seq_id)
         if output.is_empty or len(self.in_flight) == self.depth:
+            self.apply_oldest()
+        # A step that verified drafts is ahead on the worker by its accepted ones: apply it now.
+        while any(o.draft_indices for o, *_ in self.in_flight):
             self.apply_oldest()
 
     def note_on_worker(self) -> None:
@@ -93,15 +118,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.running_since_sent |= {s.seq_id for s in self.unfinished if s.on_worker}
 
     def apply_oldest(self) -> None:
-        output, sampled = self.in_flight.pop(0)
+        output, sampled, counts, drafts = self.in_flight.pop(0)
         lengths = {s.seq_id: s.num_tokens for s in self.seqs}
-        received = self.sched.update(output, sampled)
-        by_seq = {seq.seq_id: token for seq, token in zip(output.sampling_seqs, sampled)}
+        received = self.sched.update(output, sampled, counts, drafts)
+        runs, offset = {}, 0
+        for seq, n in zip(output.sampling_seqs, counts or [1] * len(output.sampling_seqs)):
+            runs[seq.seq_id] = sampled[offset:offset + n]
+            offset += n
+        got = dict(zip([s.seq_id for s in received], output.received_counts or [1] * len(received)))
         for seq in self.seqs:
-            got = seq in received
-            assert seq.num_tokens == lengths[seq.seq_id] + got
-            if got:
-                assert seq.token_ids[-1] == by_seq[seq.seq_id]
+            n = got.get(seq.seq_id, 0)
+            assert seq.num_tokens == lengths[seq.seq_id] + n
+            if n:
+                assert seq.token_ids[-n:] == runs[seq.seq_id][:n]
+                # A run is cut only where the request finished.
+                assert n == len(runs[seq.seq_id]) or seq.is_finished
         for seq in received:
             self.record_prefixes(seq)
 
@@ -190,7 +221,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert mirror.block_ids == seq.block_table
             assert mirror.num_computed_tokens == seq.num_computed_tokens < len(mirror.token_ids)
             assert seq.num_placeholder_tokens == sum(
-                1 for output, _ in self.in_flight for s in output.scheduled
+                1 for output, *_ in self.in_flight for s in output.scheduled
                 if s.seq is seq and s.num_admissions == seq.num_admissions and s.samples)
         released = [s for s in self.sched.paused.values() if s.status is not SequenceStatus.RUNNING]
         for seq in list(self.sched.waiting) + released:
@@ -204,41 +235,68 @@ class AsyncSchedulerMachine(SchedulerMachine):
     depth = 2
 
 
+class SpeculativeSchedulerMachine(SchedulerMachine):
+    num_speculative_tokens = 3
+
+
+class AsyncSpeculativeSchedulerMachine(SpeculativeSchedulerMachine):
+    depth = 2
+
+
 _machine_settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
-SchedulerMachine.TestCase.settings = _machine_settings
-AsyncSchedulerMachine.TestCase.settings = _machine_settings
+for _machine in (SchedulerMachine, AsyncSchedulerMachine, SpeculativeSchedulerMachine,
+                 AsyncSpeculativeSchedulerMachine):
+    _machine.TestCase.settings = _machine_settings
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestAsyncSchedulerMachine = AsyncSchedulerMachine.TestCase
+TestSpeculativeSchedulerMachine = SpeculativeSchedulerMachine.TestCase
+TestAsyncSpeculativeSchedulerMachine = AsyncSpeculativeSchedulerMachine.TestCase
 
 
 def run_to_completion(requests, arrivals, num_blocks: int, block_size: int, budget: int,
-                      depth: int) -> list[tuple[list[int], FinishReason]]:
+                      depth: int, num_speculative_tokens: int = 0) -> list[tuple[list[int], FinishReason]]:
     """Runs the requests (prompt, params, stop_after) through a scheduler and a fake worker,
     each arriving before the step numbered in arrivals, with `depth` steps in flight at most.
-    stop_after finishes a request as a stop string would, once it has that many tokens."""
+    stop_after finishes a request as a stop string would, once it has that many tokens (tokens a
+    run brought past it are the frontend's to drop, as it drops the text after a stop string)."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
-                             max_model_len=num_blocks * block_size, block_size=block_size)
+                             max_model_len=num_blocks * block_size, block_size=block_size,
+                             speculation=SpeculationConfig(num_speculative_tokens, max_batch_size=3))
     sched = Scheduler(config, BlockManager(num_blocks, block_size), eos_token_ids=[EOS])
-    worker = FakeWorker(num_blocks, block_size)
+    worker = FakeWorker(num_blocks, block_size, num_speculative_tokens,
+                        lambda tokens: guess(tokens, num_speculative_tokens, 7))
     seqs = [Sequence(i, f"r{i}", prompt, params) for i, (prompt, params, _) in enumerate(requests)]
-    in_flight: list[tuple[SchedulerOutput, list[int]]] = []
+    in_flight: list[tuple[SchedulerOutput, list[int], list[int], list[int]]] = []
+
+    def apply_oldest() -> None:
+        output, sampled, counts, drafts = in_flight.pop(0)
+        for seq in sched.update(output, sampled, counts, drafts):
+            stop_after = requests[seq.seq_id][2]
+            if not seq.is_finished and stop_after is not None and seq.num_output_tokens >= stop_after:
+                sched.finish(seq.seq_id)
+
     for step_index in range(10_000):
         for seq, arrival in zip(seqs, arrivals):
             if arrival == step_index:
                 sched.add(seq)
         if not sched.has_unfinished() and not in_flight and step_index > max(arrivals):
             break
+        if in_flight and not sched.may_schedule_ahead():
+            apply_oldest()
         output = sched.schedule()
         if not output.is_empty:
-            in_flight.append((output, worker.step(build_step_request(step_index, output), lambda tokens: prefix_token(tokens, len(VOCAB)))))
+            sampled = worker.step(build_step_request(step_index, output), lambda t: prefix_token(t, len(VOCAB)))
+            in_flight.append((output, sampled, worker.token_counts, worker.num_drafts))
         if in_flight and (output.is_empty or len(in_flight) == depth):
-            output, sampled = in_flight.pop(0)
-            for seq in sched.update(output, sampled):
-                stop_after = requests[seq.seq_id][2]
-                if not seq.is_finished and seq.num_output_tokens == stop_after:
-                    sched.finish(seq.seq_id)
+            apply_oldest()
     assert all(seq.is_finished for seq in seqs)
-    return [(seq.output_token_ids, seq.finish_reason) for seq in seqs]
+    outputs = []
+    for seq, (_, _, stop_after) in zip(seqs, requests):
+        if stop_after is not None and seq.num_output_tokens >= stop_after:   # as the client sees it
+            outputs.append((seq.output_token_ids[:stop_after], FinishReason.STOP))
+        else:
+            outputs.append((seq.output_token_ids, seq.finish_reason))
+    return outputs
 
 
 _request = st.tuples(
@@ -260,3 +318,21 @@ def test_a_step_in_flight_changes_no_request_s_tokens(requests, data, num_blocks
     arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
     sync = run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth=1)
     assert run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth=2) == sync
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(_request, min_size=1, max_size=8), data=st.data(),
+       num_blocks=st.integers(5, 10), block_size=st.integers(1, 4), budget=st.integers(1, 12),
+       num_speculative_tokens=st.integers(1, 4))
+def test_speculative_decoding_changes_no_request_s_tokens(requests, data, num_blocks, block_size, budget,
+                                                          num_speculative_tokens):
+    """With drafts proposed and verified (some right, some wrong), scheduled ahead or not, with
+    preemptions, stops inside accepted runs and early stops, each request gets the same tokens
+    and the same finish reason as without."""
+    max_len = num_blocks * block_size
+    requests = [(prompt[:max_len], params, stop_after) for prompt, params, stop_after in requests]
+    arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
+    plain = run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth=1)
+    for depth in (1, 2):
+        assert run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth,
+                                 num_speculative_tokens) == plain

@@ -31,19 +31,25 @@ class PenaltyTable:
     def release(self, row: int) -> None:
         self.rows.release(row)
 
-    def record(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Counts one newly sampled token per row."""
-        ones = torch.ones_like(token_ids, dtype=torch.int32)
+    def record(self, rows: torch.Tensor, token_ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Counts one newly sampled token per entry (a row may repeat); `keep` (bool, per entry)
+        leaves out the entries it is False for."""
+        ones = torch.ones_like(token_ids, dtype=torch.int32) if keep is None else keep.to(torch.int32)
         self.output_counts.index_put_((rows, token_ids), ones, accumulate=True)
 
     def apply(self, logits: torch.Tensor, batch_rows: torch.Tensor, table_rows: torch.Tensor,
-              repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> None:
+              repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+              preceding: torch.Tensor | None = None) -> None:
         """Penalises logits[batch_rows] in place; the penalty tensors are per batch row [n, 1].
 
         Repetition (transformers' semantics, over prompt and output): a seen token's logit is
         divided by the penalty when positive, multiplied when negative. Presence and frequency
-        (OpenAI's, over output only): subtract presence once and frequency per occurrence."""
+        (OpenAI's, over output only): subtract presence once and frequency per occurrence.
+        `preceding` [n, m] (-1 padded): output tokens not recorded yet that come before each row's
+        position (the drafts before a verified position), counted as output too."""
         counts = self.output_counts[table_rows]
+        if preceding is not None:
+            counts.scatter_add_(1, preceding.clamp_min(0), (preceding >= 0).to(torch.int32))
         in_output = counts > 0
         seen = self.prompt_mask[table_rows] | in_output
         selected = logits[batch_rows]

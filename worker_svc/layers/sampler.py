@@ -42,6 +42,7 @@ class SamplingOptions:
     prompt_logprobs: bool = False     # the runner scores the prompt
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added before penalties, ids ascending
     constraint: Constraint | None = None             # the runner's grammar matcher (structured_output.py)
+    speculative: bool = True          # the runner proposes drafts for it (when it speculates)
 
     def __post_init__(self) -> None:
         if self.top_logprobs:
@@ -194,17 +195,28 @@ class Sampler:
         token_ids, logprobs = self.sample(logits, meta, output_indices)
         return token_ids.tolist(), logprobs.tolist() if logprobs is not None else [0.0] * len(rows)
 
+    def record(self, meta: SamplingMetadata, token_ids: torch.Tensor, keep: torch.Tensor) -> None:
+        """Counts into the penalty state the tokens of a sample(record=False) call that `keep`
+        (bool per row) marks as emitted."""
+        if meta.penalized_index is not None:
+            index = meta.penalized_index
+            self.penalties.record(meta.penalty_rows, token_ids[index], keep[index])
+
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
-               seeded_output_indices: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata, seeded_output_indices: Sequence[int] = (),
+               preceding: torch.Tensor | None = None,
+               record: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [meta.num_rows, vocab] (any float dtype; not modified) -> (token ids int64,
         logprobs float32 of the logits as given, 0 where not asked, or None when no row asked),
         both on the device: nothing here waits for the device. seeded_output_indices: the output index each of meta.seeded is
         sampling. Counts the sampled tokens into the rows' penalty state. Greedy rows cost one
         argmax (over the logits as given: the same token as in float32); only the rows that draw
-        go through temperature, truncation and the race."""
+        go through temperature, truncation and the race. Speculative verification samples several
+        positions of one request as rows: `preceding` [rows, m] (-1 padded) holds the draft tokens
+        before each position, which its penalties count, and record=False leaves the counting of
+        the tokens to record(), once the emitted ones are known."""
         raw = logits   # logprobs are those of the raw model distribution
-        logits = adjusted_logits(logits, meta, self.penalties)
+        logits = adjusted_logits(logits, meta, self.penalties, preceding)
         token_ids = logits.argmax(-1) if len(meta.drawing) < meta.num_rows else None
         if meta.drawing:
             index = meta.drawing_index
@@ -214,7 +226,7 @@ class Sampler:
             raw_drawing = raw if index is None else raw[index]
             drawn = torch.where(drawable, drawn, raw_drawing.argmax(-1))
             token_ids = drawn if index is None else token_ids.index_copy_(0, index, drawn)
-        if meta.penalized_index is not None:
+        if meta.penalized_index is not None and record:
             self.penalties.record(meta.penalty_rows, token_ids[meta.penalized_index])
         if not meta.logprobs:
             return token_ids, None
@@ -242,9 +254,11 @@ class Sampler:
         return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
-def adjusted_logits(logits: torch.Tensor, meta: SamplingMetadata, penalties: PenaltyTable) -> torch.Tensor:
+def adjusted_logits(logits: torch.Tensor, meta: SamplingMetadata, penalties: PenaltyTable,
+                    preceding: torch.Tensor | None = None) -> torch.Tensor:
     """The logits with the rows' biases, then their penalties (a row they make unusable keeps its
-    raw logits: layers/logits_guard.py); `logits` itself when no row has either."""
+    raw logits: layers/logits_guard.py); `logits` itself when no row has either. `preceding`: a
+    verification's draft tokens before each row (Sampler.sample), which the penalties count."""
     raw = logits
     if meta.bias_values is not None:
         logits = logits.to(torch.float32, copy=True)
@@ -253,7 +267,7 @@ def adjusted_logits(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pen
         if logits is raw:
             logits = logits.to(torch.float32, copy=True)
         penalties.apply(logits, meta.penalized_index, meta.penalty_rows, meta.repetition, meta.presence,
-                        meta.frequency)
+                        meta.frequency, preceding[meta.penalized_index] if preceding is not None else None)
         logits = with_unusable_rows_raw(logits, raw)   # a penalty made a row non-finite: skip it
     return logits
 

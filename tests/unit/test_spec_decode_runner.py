@@ -1,0 +1,221 @@
+"""ModelRunner with speculative decoding (ngram), driven as the scheduler would drive it: every
+decode verifies all the drafts the worker holds for it. Greedy output equals transformers' token
+for token; seeded sampling with every option, and its logprobs, equal the plain runner's; a
+grammar holds over accepted runs; steps that ask for drafts the worker does not hold are refused."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import numpy as np
+import pytest
+
+from common.pb.llm.worker.v1 import worker_pb2 as pb
+from tests.support.hf_reference import hf_greedy
+from tests.unit.test_model_runner import BLOCK_SIZE, GREEDY, make_runner, prompt
+from worker_svc.config import add_worker_arguments, worker_config_from_args
+from worker_svc.model_runner import InvalidStepError, ModelRunner
+from worker_svc.step_message import parse_step_request
+
+
+class Loop:
+    """A scheduler in miniature for whole requests: the first step computes every prompt, then
+    each step decodes every request, verifying all the drafts the worker holds for it."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.free_blocks = list(range(runner.num_kv_blocks))[::-1]
+        self.tokens: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.held: dict[int, int] = {}
+        self.logprobs: dict[int, list[float]] = {}
+        self.tops: dict[int, list[int]] = {}
+        self.step_id = 0
+        self.num_verified = self.num_accepted = 0
+
+    def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
+        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
+        fresh = [self.free_blocks.pop() for _ in range(max(needed, 0))]
+        self.blocks[seq_id] += fresh
+        return fresh
+
+    def start(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]]) -> None:
+        new = []
+        for seq_id, (token_ids, sampling) in requests.items():
+            self.tokens[seq_id], self.blocks[seq_id], self.computed[seq_id] = list(token_ids), [], 0
+            self.logprobs[seq_id], self.tops[seq_id] = [], []
+            self._grow(seq_id, len(token_ids))
+            new.append(pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
+                                     num_scheduled_tokens=len(token_ids), block_ids=self.blocks[seq_id],
+                                     sampling=sampling))
+            self.computed[seq_id] = len(token_ids)
+        self._apply(list(requests), {}, pb.StepRequest(new_requests=new, propose_drafts=True))
+
+    def decode(self) -> None:
+        order = list(self.tokens)
+        columns = pb.CachedRequests(seq_ids=order)
+        drafts = {}
+        for i, seq_id in enumerate(order):
+            k = drafts[seq_id] = self.held.get(seq_id, 0)
+            fresh = self._grow(seq_id, self.computed[seq_id] + 1 + k)
+            if k:
+                columns.draft_indices.append(i)
+                columns.draft_counts.append(k)
+            if fresh:
+                columns.new_block_indices.append(i)
+                columns.new_block_counts.append(len(fresh))
+                columns.new_block_ids.extend(fresh)
+        self._apply(order, drafts, pb.StepRequest(cached=columns, propose_drafts=True))
+
+    def _apply(self, order: list[int], drafts: dict[int, int], request: pb.StepRequest) -> None:
+        self.step_id += 1
+        request.step_id = self.step_id
+        output = self.runner.step(parse_step_request(request))
+        counts = output.token_counts or [1] * len(order)
+        held_drafts = output.num_drafts or [0] * len(order)     # a plain runner proposes none
+        assert len(output.token_ids) == sum(counts) and len(held_drafts) == len(order)
+        offset = 0
+        for seq_id, n, held in zip(order, counts, held_drafts):
+            run = output.token_ids[offset:offset + n]
+            if output.logprobs is not None:
+                self.logprobs[seq_id] += output.logprobs[offset:offset + n]
+            if output.top_logprobs is not None:
+                self.tops[seq_id] += output.top_logprobs.token_ids[offset * 3:(offset + n) * 3]
+            offset += n
+            assert 1 <= n <= drafts.get(seq_id, 0) + 1
+            if drafts.get(seq_id):
+                self.num_verified += 1
+                self.num_accepted += n - 1
+                self.computed[seq_id] += n       # the decode and the accepted drafts
+                keep = -(-(self.computed[seq_id] + 1) // BLOCK_SIZE)
+                self.free_blocks += self.blocks[seq_id][keep:]
+                del self.blocks[seq_id][keep:]
+            elif self.computed[seq_id] < len(self.tokens[seq_id]):
+                self.computed[seq_id] += 1
+            self.tokens[seq_id] += run
+            self.held[seq_id] = held
+            row = self.runner.batch.row_of[seq_id]
+            assert self.runner.batch.num_blocks[row] == len(self.blocks[seq_id])
+            assert self.runner.batch.num_computed[row] == self.computed[seq_id]
+
+    def run(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]], num_new: int) -> dict[int, list[int]]:
+        self.start(requests)
+        while min(len(self.tokens[s]) - len(p) for s, (p, _) in requests.items()) < num_new:
+            self.decode()
+        return {s: self.tokens[s][len(p):len(p) + num_new] for s, (p, _) in requests.items()}
+
+
+def ngram_runner(model_dir, **overrides) -> ModelRunner:
+    return make_runner(model_dir, speculative_method="ngram", num_speculative_tokens=4, **overrides)
+
+
+def repeating(seed: int, period: int, repeats: int) -> list[int]:
+    return prompt(seed, period) * repeats
+
+
+def test_greedy_with_ngram_drafts_equals_transformers(tiny_model_dir):
+    requests = {1: (repeating(1, 7, 4), GREEDY), 2: (prompt(2, 9), GREEDY), 3: (repeating(3, 3, 5), GREEDY)}
+    loop = Loop(ngram_runner(tiny_model_dir))
+    outputs = loop.run(requests, 30)
+    for seq_id, (p, _) in requests.items():
+        assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 30), f"sequence {seq_id}"
+    assert loop.num_verified > 10 and loop.num_accepted > 0
+    assert loop.runner.describe().speculative_method == "ngram"
+
+
+def oracle(runner: ModelRunner, reference: dict[int, list[int]]):
+    """A host proposer that knows each request's plain output: it proposes the next 4 tokens of
+    it, the third of them wrong every other time (so runs are accepted whole and in part)."""
+    b = runner.batch
+
+    def propose(rows):
+        proposals = []
+        for row in rows.tolist():
+            n = int(b.num_tokens[row])
+            drafts = list(reference[int(b.seq_id_of[row])][n:n + 4])
+            if n % 2 and len(drafts) > 2:
+                drafts[2] = (drafts[2] + 1) % 500
+            proposals.append(np.array(drafts, dtype=np.int64))
+        return proposals
+    return propose
+
+
+@pytest.mark.parametrize("options", [
+    pb.SamplingOptions(temperature=0.8, top_p=0.9, top_k=30, min_p=0.02, seed=7, repetition_penalty=1.2,
+                       presence_penalty=0.3, frequency_penalty=0.2, logit_bias={5: 2.0, 9: -3.0}, logprobs=True,
+                       top_logprobs=3),
+    pb.SamplingOptions(temperature=0.0, repetition_penalty=1.3, logprobs=True, top_logprobs=3),
+], ids=["seeded", "greedy-penalized"])
+def test_sampling_with_drafts_equals_plain_sampling_with_its_logprobs(tiny_model_dir, options):
+    requests = {1: (prompt(4, 9), options), 2: (repeating(5, 2, 8), options)}
+    plain = Loop(make_runner(tiny_model_dir))
+    expected = plain.run(requests, 25)
+    speculative = Loop(ngram_runner(tiny_model_dir))
+    speculative.runner.bookkeeping.propose_on_host = oracle(speculative.runner, plain.tokens)
+    assert speculative.run(requests, 25) == expected
+    assert speculative.num_accepted > 10 and plain.num_verified == 0
+    for seq_id in requests:
+        assert speculative.logprobs[seq_id][:25] == pytest.approx(plain.logprobs[seq_id][:25], abs=1e-4)
+        assert speculative.tops[seq_id][:75] == plain.tops[seq_id][:75]
+
+
+def test_a_grammar_holds_over_accepted_runs(tiny_model_dir):
+    pattern = r"(ab|[0-9]{2,4}-)+x"
+    constraint = pb.Constraint(kind="regex", text=pattern)
+    options = pb.SamplingOptions(temperature=0.0, constraint=constraint)
+    seeded = pb.SamplingOptions(temperature=1.0, seed=3, constraint=constraint)
+    requests = {1: (repeating(6, 4, 4), options), 2: (repeating(7, 3, 4), seeded)}
+    speculative = Loop(ngram_runner(tiny_model_dir))
+    outputs = speculative.run(requests, 20)
+    assert outputs == Loop(make_runner(tiny_model_dir)).run(requests, 20)
+    assert speculative.num_verified > 0 and speculative.runner.structured.num_refused == 0
+    from scheduler_svc.frontend.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    for output in outputs.values():
+        stop = [i for i, t in enumerate(output) if t in (0, 2)]
+        if stop:
+            assert re.fullmatch(pattern, tokenizer.decode(output[:stop[0]]))
+
+
+def test_steps_asking_for_drafts_the_worker_does_not_hold_are_refused(tiny_model_dir):
+    runner = ngram_runner(tiny_model_dir)
+    loop = Loop(runner)
+    loop.start({1: (repeating(8, 3, 6), GREEDY), 2: (prompt(9, 20), GREEDY)})
+    while not loop.held[1]:
+        loop.decode()
+    held = loop.held[1]
+
+    def refused(match: str, index: int, count: int) -> None:
+        columns = pb.CachedRequests(seq_ids=[1, 2], draft_indices=[index], draft_counts=[count])
+        with pytest.raises(InvalidStepError, match=match):
+            runner.step(parse_step_request(pb.StepRequest(step_id=loop.step_id + 1, cached=columns)))
+
+    refused(f"verifies {held + 1} drafts; this worker holds {held}", 0, held + 1)
+    # A request halfway through its prompt: nothing to verify drafts after.
+    loop.step_id += 1
+    half = pb.NewRequest(seq_id=3, token_ids=prompt(10, 20), num_prompt_tokens=20, num_scheduled_tokens=8,
+                         block_ids=[loop.free_blocks.pop(), loop.free_blocks.pop()], sampling=GREEDY)
+    runner.step(parse_step_request(pb.StepRequest(step_id=loop.step_id, new_requests=[half])))
+    with pytest.raises(InvalidStepError, match="request 3: verifies drafts but does not decode its newest token"):
+        runner.step(parse_step_request(pb.StepRequest(step_id=loop.step_id + 1, cached=pb.CachedRequests(
+            seq_ids=[3], multi_token_indices=[0], multi_token_counts=[8], draft_indices=[0], draft_counts=[1]))))
+    loop.step_id += 1
+    runner.step(parse_step_request(pb.StepRequest(step_id=loop.step_id, finished_seq_ids=[3])))
+    with pytest.raises(InvalidStepError, match="draft_counts must be positive"):
+        parse_step_request(pb.StepRequest(step_id=9, cached=pb.CachedRequests(seq_ids=[1], draft_indices=[0],
+                                                                             draft_counts=[0])))
+    loop.decode()                                       # and both carry on
+    assert loop.tokens[1][18:] == hf_greedy(tiny_model_dir, repeating(8, 3, 6), len(loop.tokens[1]) - 18)
+
+
+def test_a_speculating_worker_samples_with_the_torch_sampler():
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    with pytest.raises(ValueError, match="--sampler torch or auto"):
+        worker_config_from_args(parser.parse_args(["--model", "m", "--speculative-method", "ngram",
+                                                   "--sampler", "kernels"]))
+    config = worker_config_from_args(parser.parse_args(["--model", "m", "--speculative-method", "ngram",
+                                                        "--sampler", "auto"]))
+    assert config.speculative_method == "ngram" and config.sampler == "auto"
