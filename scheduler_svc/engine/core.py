@@ -25,7 +25,7 @@ from common.features import Feature
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.group_runner import GroupHooks, GroupRunner
 from scheduler_svc.engine.metrics import SchedulerMetrics
-from scheduler_svc.engine.scheduler import SchedulerOutput
+from scheduler_svc.engine.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.sequence import FinishReason, Sequence
 from scheduler_svc.engine.speculation import SpeculationConfig
 from scheduler_svc.engine.step_message import StepPromptLogprobs, StepResult

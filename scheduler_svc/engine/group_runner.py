@@ -29,7 +29,8 @@ from scheduler_svc.engine.api import RequestError
 from scheduler_svc.engine.block_manager import BlockManager
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.metrics import SchedulerMetrics
-from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.sequence import Sequence
 from scheduler_svc.engine.speculation import SpeculationConfig
 from scheduler_svc.engine.step_message import StepResult, build_step_request, parse_step_response

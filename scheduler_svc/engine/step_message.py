@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from common.pb.llm.worker.v1 import worker_pb2
 from common.record_codec import encode
 from scheduler_svc.engine.api import RequestError, TopLogprobColumns
-from scheduler_svc.engine.scheduler import NewRequestData, SchedulerOutput
+from scheduler_svc.engine.scheduler_output import NewRequestData, SchedulerOutput
 
 
 def _new_request(r: NewRequestData) -> worker_pb2.NewRequest:

@@ -8,7 +8,8 @@ import pytest
 
 from scheduler_svc.engine.block_manager import BlockManager
 from common.sampling import SamplingParams
-from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 EOS = 0

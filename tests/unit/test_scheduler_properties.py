@@ -16,7 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from scheduler_svc.engine.block_manager import BlockManager, hash_block
 from common.sampling import SamplingParams
-from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_svc.engine.speculation import SpeculationConfig
 from scheduler_svc.engine.step_message import build_step_request
