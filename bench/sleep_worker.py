@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from worker_svc.model_runner import ModelRunner, StepBatch
+from worker_svc.model_runner import ModelRunner
+from worker_svc.step_batch import StepBatch
 from worker_svc.runner_io import StepOutput
 from worker_svc.staging import PendingStep
 

@@ -27,7 +27,6 @@ import pathlib
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,6 +52,7 @@ from worker_svc.spec_decode.bookkeeping import Bookkeeping, SpecStep
 from worker_svc.spec_decode.proposers import build_proposer
 from worker_svc.spec_decode.verification import DeviceLayout, VerifyLayout, accept, preceding_drafts
 from worker_svc.staging import EMPTY_PART, Logprobs, OutputSlots, PendingStep, Staging, to_host
+from worker_svc.step_batch import StepBatch
 from worker_svc.step_checks import StepLimits, check_step
 from worker_svc.step_limits import with_step_limits
 from worker_svc.structured_output import MaskFill, StructuredOutput
@@ -60,35 +60,6 @@ from worker_svc.structured_output import MaskFill, StructuredOutput
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "InvalidStepError", "StaleMirrorError", "PendingStep", "StepBatch"]
-
-
-@dataclass
-class StepBatch:
-    """A launched step's device inputs and the host facts the sampling needs. A decode step staged
-    for the graphs (`graph`) has no input tensors: the graph reads its staged columns."""
-    input_ids: torch.Tensor | None  # int64 [num_tokens]
-    positions: torch.Tensor | None  # int64 [num_tokens]
-    meta: AttentionMetadata | None
-    logits_indices: torch.Tensor    # int64 [sampled positions]: the last token of each sampling request
-    sampling_rows: np.ndarray       # rows that sample, in batch order (host)
-    sampling_rows_device: torch.Tensor
-    position_rows: np.ndarray       # the row of each sampled position (sampling_rows, unless drafts are verified)
-    seeded_output_indices: list[int]   # the output index each seeded sampled position draws
-    # Sampling positions whose rows have a grammar matcher, the matchers, and the positions on the device.
-    constrained: tuple[list[int], list, torch.Tensor] | None = None
-    constrained_next_drafts: list[int] | None = None   # when drafts are verified: the draft after each
-    # Top logprobs: each sampling position's k (0: not asked), and the positions that asked (device).
-    top_ks: np.ndarray | None = None
-    top_positions: torch.Tensor | None = None
-    # Prompt scoring: flat token indices and the prompt tokens they predict (device), and per
-    # scored request (seq_id, first position scored, count, k).
-    score_indices: torch.Tensor | None = None
-    score_targets: torch.Tensor | None = None
-    scored: list[tuple[int, int, int, int]] | None = None
-    graph: bool = False
-    # Speculative decoding: the verification's layout on the device, and the step's bookkeeping.
-    verify: DeviceLayout | None = None
-    spec: SpecStep | None = None
 
 
 class ModelRunner:

@@ -16,7 +16,8 @@ from worker_svc.config import WorkerConfig
 from worker_svc.spec_decode.ngram import propose_ngram
 
 if TYPE_CHECKING:
-    from worker_svc.model_runner import ModelRunner, StepBatch
+    from worker_svc.model_runner import ModelRunner
+    from worker_svc.step_batch import StepBatch
     from worker_svc.spec_decode.bookkeeping import SpecStep
 
 
