@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import queue as queue_module
 import time
 
 import grpc
@@ -50,9 +51,13 @@ def send_from_processes(addr: str, prompts, *, processes: int, connections_per_p
              for i, share in enumerate(shares) if share]
     for p in procs:
         p.start()
-    for _ in procs:   # a process's start-up (imports, connections) is never part of the timed run
-        if queue.get(timeout=600) != "ready":
-            raise RuntimeError("a client process failed before it was ready")
+    ready = 0
+    while ready < len(procs):   # a process's start-up (imports, connections) is never part of the timed run
+        try:
+            ready += queue.get(timeout=1.0) == "ready"
+        except queue_module.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a client process failed before it was ready") from None
     if on_start is not None:
         on_start([p.pid for p in procs])
     start_at = time.time()
