@@ -107,14 +107,18 @@ def sampling_case(logits, mode: str, iters: int) -> dict:
 
 
 def agrees(old, meta, logits, tokens, mode: str) -> bool:
-    """Greedy: the torch sampler's token; any mode: a token of nonzero reference probability."""
+    """Greedy: the torch sampler's token; any mode: a token of nonzero reference probability, or one
+    whose logit ties the smallest kept logit (top-k/top-p keep one of equal logits at their edge by
+    position; the kernels keep every tie, as vLLM does)."""
     import torch
 
     probs = old.probabilities(logits, meta)
     picked = probs.gather(1, tokens[:, None]).squeeze(1)
     if mode == "greedy" and not torch.equal(tokens, logits.argmax(-1)):
         return False
-    return bool((picked > 0).all())
+    edge = logits.float().masked_fill(probs <= 0, float("inf")).amin(-1)
+    at_edge = logits.float().gather(1, tokens[:, None]).squeeze(1) >= edge
+    return bool(((picked > 0) | at_edge).all())
 
 
 def timed(device, fn, iters: int) -> float:

@@ -211,10 +211,11 @@ def _eagle3_dir(args: argparse.Namespace):
         source = config_dir(args, "8b")
         out.mkdir(parents=True, exist_ok=True)
         for f in source.iterdir():
-            if f.is_file():
+            if f.is_file() and f.name != "generation_config.json":
                 (out / f.name).write_bytes(f.read_bytes())
         config = json.loads((source / "config.json").read_text())
-        config.update(num_hidden_layers=1, max_window_layers=1, vocab_size=min(DRAFT_VOCAB, config["vocab_size"]))
+        config.update(num_hidden_layers=1, max_window_layers=1, vocab_size=min(DRAFT_VOCAB, config["vocab_size"]),
+                      bos_token_id=0, eos_token_id=0)     # the target's ids lie beyond the draft vocabulary
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
