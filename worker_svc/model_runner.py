@@ -88,6 +88,7 @@ class ModelRunner:
         # the torch sampler.
         # Verifying drafts samples with the torch sampler (WorkerConfig refuses --sampler kernels).
         self.num_speculative_tokens = k = config.num_speculative_tokens if config.speculative_method else 0
+        self.verify_as_decodes = True     # a decode-only verifying step replays the decode graphs
         self.sampler = self.device_sampler = None
         if self.tp_rank == 0 and not k and device_sampler.wanted(config.sampler, self.device, self.tp_size):
             self.device_sampler = device_sampler.DeviceSampler(
@@ -354,8 +355,15 @@ class ModelRunner:
             b.num_tokens[sampling_rows] += 1
             return self._stage_decode(ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at,
                                       constrained, top_at, top_ks)
-        parts = [input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices, sampling_rows, gather_at,
-                 gather_rows, block_tables.reshape(-1)]
+        attn_query_start, attn_seq_lens, attn_tables, attn_sizes = query_start, seq_lens, block_tables, sizes
+        if layout is not None and self._verifies_as_decodes(counts, num_tokens):
+            # Each token of a verified run attends as a decode row over its own prefix (the store
+            # writes every token's KV before the attention reads): the decode graphs' shape.
+            attn_sizes = np.ones(num_tokens, np.int64)
+            attn_query_start, attn_seq_lens = np.arange(num_tokens + 1), positions + 1
+            attn_tables = b.block_tables[token_rows, :width]
+        parts = [input_ids, positions, slot_mapping, attn_query_start, attn_seq_lens, logits_indices, sampling_rows,
+                 gather_at, gather_rows, attn_tables.reshape(-1)]
         if layout is not None:
             parts += [layout.first, layout.num_drafts, layout.owner, layout.offset, layout.next_drafts]
         # What only some requests ask for travels only when asked (a plain step copies nothing more).
@@ -378,11 +386,11 @@ class ModelRunner:
             slot_mapping=slots_d,
             query_start_loc=query_start_d.to(torch.int32),
             seq_lens=seq_lens_d.to(torch.int32),
-            block_tables=tables_d.view(len(rows), width).to(torch.int32),
-            max_query_len=int(sizes.max()),
+            block_tables=tables_d.view(len(attn_sizes), width).to(torch.int32),
+            max_query_len=int(attn_sizes.max()),
             max_seq_len=max_seq_len,
-            query_lens_cpu=sizes.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            query_lens_cpu=attn_sizes.tolist(),
+            seq_lens_cpu=attn_seq_lens.tolist(),
         )
         return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, position_rows, seeded,
                          constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
@@ -391,6 +399,12 @@ class ModelRunner:
                          score_indices=score_at_d if scored else None,
                          score_targets=score_targets_d if scored else None, scored=scored or None,
                          verify=verify, spec=spec)
+
+    def _verifies_as_decodes(self, counts: np.ndarray, num_tokens: int) -> bool:
+        """A step of decodes and their drafts only, which the decode graphs can take as decode rows."""
+        graphs = self.decode_graphs
+        return (self.verify_as_decodes and bool((counts == 1).all())
+                and (graphs is None or (graphs.usable and num_tokens <= graphs.batch_sizes[-1])))
 
     def _spec_step(self, sampling_rows: np.ndarray, layout: VerifyLayout | None, propose: bool) -> SpecStep:
         """The bookkeeping record of a step (before its counts advance)."""

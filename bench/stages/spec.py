@@ -73,6 +73,7 @@ class ReplayProposer:
         self.batch, self.prompt_len, self.continuations = batch, prompt_len, continuations
         self.num_drafts, self.p, self.vocab_size = num_drafts, p, vocab_size
         self.rng = np.random.default_rng(0)
+        self.right: dict[int, np.ndarray] = {}     # row -> which of its latest drafts are right
 
     def propose_on_host(self, rows: np.ndarray) -> list[np.ndarray]:
         b, out = self.batch, []
@@ -81,8 +82,31 @@ class ReplayProposer:
             full = self.continuations.get(b.token_ids[row, :self.prompt_len].tobytes())
             truth = full[n:n + self.num_drafts] if full is not None else np.zeros(0, np.int64)
             right = self.rng.random(len(truth)) < self.p
+            self.right[row] = right
             out.append(np.where(right, truth, (truth + 1) % self.vocab_size))
         return out
+
+
+def force_acceptance(runner) -> None:
+    """A verified position whose draft the replay proposer made right samples that draft. Random
+    weights' argmax is fragile (bf16 chunk and decode kernels round differently), so without this
+    the oracle's drafts are rejected for numerics; with it the acceptance timed is the one intended."""
+    import torch
+
+    apply = runner._apply_verification
+
+    def forced(batch, meta, tokens, spec):
+        layout = spec.layout if spec is not None else None
+        if layout is not None and isinstance(runner.proposer, ReplayProposer):
+            right = np.zeros(layout.num_positions, bool)
+            for i, row in enumerate(spec.rows.tolist()):
+                n = int(layout.num_drafts[i])
+                right[layout.first[i]:layout.first[i] + n] = runner.proposer.right.get(row, np.ones(n, bool))[:n]
+            mask = torch.from_numpy(right).to(tokens.device)
+            tokens.copy_(torch.where(mask, batch.verify.next_drafts.to(tokens.dtype), tokens))
+        apply(batch, meta, tokens, spec)
+
+    runner._apply_verification = forced
 
     def propose(self, runner, batch, hidden, spec):
         raise NotImplementedError("the replay proposer proposes on the host")
@@ -182,6 +206,7 @@ def _target_rows(args: argparse.Namespace, shape: Shape) -> list[dict]:
             full = np.asarray(prompt + output, np.int64)
             continuations[full[:shape.prompt].astype(runner.batch.token_ids.dtype).tobytes()] = full
     runner.bookkeeping = bookkeeping
+    force_acceptance(runner)
 
     def speculating(k: int, p: float, max_batch: int):
         proposer = ReplayProposer(runner.batch, shape.prompt, continuations, k, p, vocab)

@@ -114,9 +114,12 @@ def repeating(seed: int, period: int, repeats: int) -> list[int]:
     return prompt(seed, period) * repeats
 
 
-def test_greedy_with_ngram_drafts_equals_transformers(tiny_model_dir):
+@pytest.mark.parametrize("as_decodes", [True, False], ids=["decode-rows", "chunks"])
+def test_greedy_with_ngram_drafts_equals_transformers(tiny_model_dir, as_decodes):
     requests = {1: (repeating(1, 7, 4), GREEDY), 2: (prompt(2, 9), GREEDY), 3: (repeating(3, 3, 5), GREEDY)}
-    loop = Loop(ngram_runner(tiny_model_dir))
+    runner = ngram_runner(tiny_model_dir)
+    runner.verify_as_decodes = as_decodes   # each verified token a decode row (the graphs' shape) or one chunk
+    loop = Loop(runner)
     outputs = loop.run(requests, 30)
     for seq_id, (p, _) in requests.items():
         assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 30), f"sequence {seq_id}"
