@@ -1,7 +1,9 @@
 """Captured decode graphs replay the eager forward: the project's Qwen3 model with each
 graph-capable backend (Triton, FlashAttention-4) on the tiny checkpoint, at block sizes 16 and
 128, random paged decode batches of sizes that hit and miss the captured sizes, against the same
-model run eagerly on a copy of the same KV cache. A backend that cannot run here is skipped."""
+model run eagerly on a copy of the same KV cache. A backend that cannot run here is skipped.
+On the CPU (graph captures that run their body once, replays that run nothing): capturing the
+sampling graphs again leaves every row of the staged step as it was."""
 from __future__ import annotations
 
 import contextlib
