@@ -56,6 +56,8 @@ class DecodeGraphs:
     def __init__(self, forward: Forward, *, max_batch_size: int, max_blocks_per_seq: int,
                  max_model_len: int, device: torch.device, inputs: DecodeInputs | None = None,
                  sample: Sample | None = None, sample_key: Callable[[], tuple] | None = None) -> None:
+        if sample is not None and inputs is None:
+            raise ValueError("sampling inside the graphs needs staged inputs (their rows and dummy row)")
         self.forward = forward
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_model_len = max_model_len
@@ -166,16 +168,21 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_sampling(self) -> None:
-        """The sampling graphs, in a pool of their own (so capturing them again frees the old)."""
+        """The sampling graphs, in a pool of their own (so capturing them again frees the old). Their
+        warm-ups run eagerly and draw for the dummy row only: a draw for a row of the staged step
+        would advance its counter and count a token into its penalties that it never got."""
         self.sample_graphs.clear()
+        staged_rows = self.rows.clone()
+        self.rows.fill_(self.inputs.dummy_row)
         pool = torch.cuda.graph_pool_handle()
         for batch_size in reversed(self.batch_sizes):
             args = (self.outputs[:batch_size], self.rows[:batch_size], self.tokens[:batch_size],
                     self.logprobs[:batch_size])
-            self.sample(*args)   # warm-up on the padding rows (the sampler's dummy row)
+            self.sample(*args)   # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.sample(*args)
             self.sample_graphs[batch_size] = graph
+        self.rows.copy_(staged_rows)
         torch.cuda.synchronize()
         self._sampled_key = self.sample_key()

@@ -1,16 +1,22 @@
 """Captured decode graphs replay the eager forward: the project's Qwen3 model with each
 graph-capable backend (Triton, FlashAttention-4) on the tiny checkpoint, at block sizes 16 and
 128, random paged decode batches of sizes that hit and miss the captured sizes, against the same
-model run eagerly on a copy of the same KV cache. A backend that cannot run here is skipped."""
+model run eagerly on a copy of the same KV cache. A backend that cannot run here is skipped.
+On the CPU (graph captures that run their body once, replays that run nothing): capturing the
+sampling graphs again leaves every row of the staged step as it was."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 
+from tests.support.triton_interpreter import gpu_faithful
 from worker_svc.cuda_graphs import MAX_GRAPH_BATCH_SIZE, DecodeGraphs, graph_batch_sizes
+from worker_svc.graph_inputs import DecodeInputs, DecodeLayout
 from worker_svc.layers.attention.base import AttentionMetadata
+from worker_svc.layers.sampler import SamplingOptions
 from tests.support.markers import requires_cuda
 
 MAX_BATCH = 20
@@ -127,3 +133,54 @@ def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dt
                               max_query_len=2, max_seq_len=meta.max_seq_len,
                               query_lens_cpu=meta.query_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
     assert not graphs.can_run(mixed)
+
+
+class UnreplayedGraph:
+    """A CUDA graph on the CPU: its capture runs the body once, eagerly; its replay runs nothing."""
+
+    def replay(self) -> None:
+        pass
+
+
+@pytest.fixture
+def graphs_on_the_cpu(monkeypatch):
+    """torch.cuda's graph calls as UnreplayedGraph, so DecodeGraphs captures on the CPU."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", UnreplayedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    with gpu_faithful():
+        yield
+
+
+def test_capturing_the_sampling_again_draws_for_no_row_of_the_step(graphs_on_the_cpu):
+    from worker_svc.layers.device_sampler import DeviceSampler
+
+    vocab, max_batch = 64, 8
+    cpu = torch.device("cpu")
+    sampler = DeviceSampler(vocab, cpu, capacity=max_batch, max_rows=max_batch, chunk=16, gather_cap=8)
+    last_sampled = torch.full((sampler.capacity + 1,), -1, dtype=torch.int64)
+    layout = DecodeLayout(max_batch)
+    staged = torch.zeros(layout.offsets(max_batch, 4)[-1], dtype=torch.int64)
+    inputs = DecodeInputs(staged, layout, last_sampled, sampler.dummy_row)
+    weights = torch.randn(vocab, vocab)
+    graphs = DecodeGraphs(lambda ids, positions, meta: weights[ids], max_batch_size=max_batch,
+                          max_blocks_per_seq=4, max_model_len=64, device=cpu, inputs=inputs,
+                          sample=lambda *args: sampler.sample(*args, last_sampled), sample_key=sampler.graph_key)
+    # Requests with penalties admitted after start-up grow the sampler's tensors: the next
+    # sampling replay captures its graphs again.
+    for row in range(3):
+        options = SamplingOptions(temperature=0.8, top_p=0.9, seed=11 + row, presence_penalty=0.5)
+        sampler.add(row, list(range(5)), 5, options)
+    sampler.flush()
+    assert sampler.graph_key() != graphs._sampled_key
+    graphs.rows[:4] = torch.tensor([0, 1, 2, sampler.dummy_row])   # the step's rows, as its forward unpacked them
+    counters, counts = sampler.counters.clone(), sampler.penalties.output_counts.clone()
+
+    graphs.replay_sample(3)
+
+    assert graphs._sampled_key == sampler.graph_key()
+    assert torch.equal(sampler.counters[:3], counters[:3]), "a warm-up advanced a row's draw counter"
+    assert torch.equal(sampler.penalties.output_counts, counts), "a warm-up counted a token into a row's penalties"
+    assert torch.equal(last_sampled[:3], torch.full((3,), -1)), "a warm-up stored a row's newest token"
+    assert graphs.rows[:4].tolist() == [0, 1, 2, sampler.dummy_row]
