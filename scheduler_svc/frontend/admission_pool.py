@@ -2,20 +2,17 @@
 pauses the streams of the others, which the same event loop writes.
 
 A small request is admitted inline on the event loop: tokenizing a short text takes less time
-than a hop to a thread and back. A large one (a long text, many token ids) goes to a small pool
-of threads of lower OS priority (nice +10, on Linux): the tokenizer releases the GIL while it
-encodes a long text (Tokenizer.encode), so the event loop runs on meanwhile, and at the lower
-priority that work yields the CPU to the event loop and to the workers on a busy machine instead
-of competing with them. Pure-Python work on a pool thread (copying token ids) still holds the GIL,
-but only for one switch interval (5 ms) at a time.
+than a hop to a thread and back. A large one (a long text, many token ids, a schema) goes to a
+small pool of threads: the tokenizer releases the GIL while it encodes a long text
+(Tokenizer.encode), so the event loop runs on meanwhile. Pure-Python work on a pool thread
+(checking a schema, copying token ids) holds the GIL for one switch interval (5 ms) at a time, so
+the pool's threads keep the event loop's OS priority: a thread of lower priority holding the GIL
+is descheduled on a busy machine while the event loop waits for it (docs/PERF_NOTES.md).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -29,7 +26,6 @@ T = TypeVar("T")
 INLINE_TEXT_CHARS = 1024
 INLINE_TOKEN_IDS = 8192
 POOL_THREADS = 2
-POOL_NICENESS = 10
 
 
 def admits_inline(request: generation_pb2.GenerateRequest) -> bool:
@@ -55,22 +51,9 @@ def chat_admits_inline(request: generation_pb2.ChatRequest) -> bool:
     return sum(len(m.content) for m in request.messages) <= INLINE_TEXT_CHARS
 
 
-def _lower_priority(niceness: int) -> None:
-    """Lowers the calling thread's priority. Linux only, where a thread has a nice value of its
-    own (elsewhere setpriority on a thread id would renice the whole process)."""
-    if sys.platform != "linux":
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
-    except OSError as e:      # e.g. a sandbox that forbids it: the work runs, at normal priority
-        logger.debug("could not lower the admission thread's priority: %s", e)
-
-
 class AdmissionPool:
-    def __init__(self, max_workers: int = POOL_THREADS, niceness: int = POOL_NICENESS) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="admission",
-                                            initializer=_lower_priority, initargs=(niceness,))
+    def __init__(self, max_workers: int = POOL_THREADS) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="admission")
 
     async def run(self, inline: bool, admit: Callable[[], T]) -> T:
         """admit() inline, or on the pool, whose threads wait for nothing else."""

@@ -16,31 +16,24 @@ class JsonProblem(ValueError):
 
 def parse_json(text: str, *, max_depth: int) -> Any:
     """The value of `text`; JsonProblem for invalid JSON or nesting deeper than max_depth."""
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise JsonProblem(f"nested more than {max_depth} levels deep, the limit") from None
-    except ValueError as exc:     # JSONDecodeError, or a number too long to convert
-        raise JsonProblem(f"not valid JSON: {exc}") from None
+    value = _loads(text, max_depth)
     depth, _ = measure(value)
-    if depth > max_depth:
-        raise JsonProblem(f"nested {depth} levels deep, more than the limit of {max_depth}")
+    _check_depth(depth, max_depth)
     return value
 
 
 def parse_json_object(text: str, *, max_depth: int) -> dict[str, Any]:
-    value = parse_json(text, max_depth=max_depth)
-    if not isinstance(value, dict):
-        raise JsonProblem(f"must be a JSON object, got {type(value).__name__}")
-    return value
+    return _object(parse_json(text, max_depth=max_depth))
 
 
 def parse_schema(text: str, *, max_depth: int, max_nodes: int) -> dict[str, Any]:
     """A JSON schema (an object) of at most max_nodes values (every object, array, member value
     and item counts), nested at most max_depth deep: what a grammar is built from, so its size
     bounds the build's cost."""
-    value = parse_json_object(text, max_depth=max_depth)
-    _, nodes = measure(value)
+    value = _loads(text, max_depth)
+    depth, nodes = measure(value)
+    _check_depth(depth, max_depth)
+    value = _object(value)
     if nodes > max_nodes:
         raise JsonProblem(f"has {nodes} JSON values, more than the limit of {max_nodes}")
     return value
@@ -48,18 +41,40 @@ def parse_schema(text: str, *, max_depth: int, max_nodes: int) -> dict[str, Any]
 
 def measure(value: Any) -> tuple[int, int]:
     """(nesting depth, number of values) of a parsed JSON value, without recursion: a scalar is
-    depth 0, [] and {} depth 1."""
+    depth 0, [] and {} depth 1. One level at a time, so the work per value is one C-level extend."""
     depth = nodes = 0
-    stack = [(value, 0)]
-    while stack:
-        item, level = stack.pop()
-        nodes += 1
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        depth = max(depth, level + 1)
-        stack.extend((child, level + 1) for child in children)
+    level = [value]
+    while level:
+        nodes += len(level)
+        children: list[Any] = []
+        containers = False
+        for item in level:
+            if isinstance(item, dict):
+                children.extend(item.values())
+                containers = True
+            elif isinstance(item, list):
+                children.extend(item)
+                containers = True
+        depth += containers
+        level = children
     return depth, nodes
+
+
+def _loads(text: str, max_depth: int) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise JsonProblem(f"nested more than {max_depth} levels deep, the limit") from None
+    except ValueError as exc:     # JSONDecodeError, or a number too long to convert
+        raise JsonProblem(f"not valid JSON: {exc}") from None
+
+
+def _check_depth(depth: int, max_depth: int) -> None:
+    if depth > max_depth:
+        raise JsonProblem(f"nested {depth} levels deep, more than the limit of {max_depth}")
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise JsonProblem(f"must be a JSON object, got {type(value).__name__}")
+    return value

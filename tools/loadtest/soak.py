@@ -4,8 +4,9 @@ first --burst requests arrive at once (more than the batch and the waiting queue
 refused however fast the machine), the rest at --rate. Then hostile clients (an ambiguous regex,
 a wide schema, a huge chat, a huge Detokenize, slow clients, early cancels, priority floods, ...)
 run beside well-behaved probe streams: the probes' worst inter-token gap with them, against the
-same without them in the same run (the median over rounds), must stay within --max-gap-ratio
-(tools/loadtest/hostile.py).
+same without them in the same run (the median over rounds), must stay within --max-gap-ratio, that
+worst gap in units of its window's median within --max-stall-ratio, and the median gap within
+--max-slowdown-ratio (tools/loadtest/hostile.py says what each catches).
 
     python -m tools.loadtest.soak [--model DIR] [--duration 60] [--rate 12] [--out FILE]
 
@@ -149,14 +150,16 @@ class SoakSettings:
     device: str = "cpu"
     request_timeout_s: float = 300.0
     # After the load above: probe streams alone (quiet_s), then beside hostile clients
-    # (hostile_s), in `rounds` turns; the median of the rounds' worst inter-token gap ratios
-    # must stay within max_gap_ratio (tools/loadtest/hostile.py; 0: reported, not judged).
+    # (hostile_s), in `rounds` turns; the medians of the rounds' ratios must stay within the
+    # max_*_ratio bounds (tools/loadtest/hostile.py; 0: reported, not judged).
     # hostile_s 0: no such phase.
     quiet_s: float = 4.0
     hostile_s: float = 4.0
     rounds: int = 3
     probes: int = 3
     max_gap_ratio: float = 3.0
+    max_stall_ratio: float = 3.0
+    max_slowdown_ratio: float = 10.0
 
 
 def _specs(settings: SoakSettings, vocab_size: int) -> list[Spec]:
@@ -358,6 +361,7 @@ async def _hostile_phase(settings: SoakSettings, procs: Processes, info: pb.Mode
     """Probe streams alone, then beside the hostile clients (tools/loadtest/hostile.py)."""
     hostile = HostileSettings(quiet_s=settings.quiet_s, hostile_s=settings.hostile_s, rounds=settings.rounds,
                               probes=settings.probes, max_gap_ratio=settings.max_gap_ratio,
+                              max_stall_ratio=settings.max_stall_ratio, max_slowdown_ratio=settings.max_slowdown_ratio,
                               eos_token_ids=tuple(info.eos_token_ids))
     async with grpc.aio.insecure_channel(procs.address) as channel:
         return await measure_hostile(procs.address, GenerationStub(channel), hostile, info.vocab_size)
