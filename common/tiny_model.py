@@ -141,16 +141,9 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    TINY_KINDS[args.kind](
-        args.out,
-        seed=args.seed,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        hidden_size=args.hidden_size,
-        tie_word_embeddings=not args.untied,
-    )
+    shape = {name: getattr(args, name) for name in ("seed", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                                    "hidden_size")}
+    TINY_KINDS[args.kind](args.out, tie_word_embeddings=not args.untied, **shape)
     print(f"wrote tiny Qwen3 checkpoint ({args.kind}) to {args.out}")
     return 0
 
