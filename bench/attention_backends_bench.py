@@ -34,13 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.stages.attention import Heads
+
 
 @dataclass(frozen=True)
-class Setup:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+class Setup(Heads):
     block_sizes: tuple[int, ...]
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]

@@ -20,6 +20,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256         # characters; the stop-string matcher holds back up to this many
 MAX_STOP_TOKEN_IDS = 256          # a chat template ends on a handful; each is a set lookup
 SEED_LIMIT = 2 ** 64              # seeds are uint64
+# Encoded llm.v1 sampling options within the bounds above, a constraint aside, take less than
+# half of this (their strings in 4-byte characters, every id a 5-byte varint).
+MAX_SAMPLING_BYTES = 64 << 10
 
 
 def to_float32(value: float) -> float:

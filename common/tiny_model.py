@@ -86,30 +86,22 @@ def save_tiny_tokenizer(out: pathlib.Path, vocab_size: int = 512):
     return tokenizer
 
 
-def write_tiny_qwen3(
-    out: pathlib.Path,
-    *,
-    seed: int = 0,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 32,
-    max_position_embeddings: int = 4096,
-    tie_word_embeddings: bool = True,
-    init_std: float = 0.25,
-) -> pathlib.Path:
-    """Writes the checkpoint into `out` and returns it. The defaults exercise GQA (4:2) and a
-    head_dim that is not hidden_size / num_heads, as Qwen3 allows."""
+def _qwen3_fields(*, vocab_size: int = 512, hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
+                  num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32, max_position_embeddings: int = 4096,
+                  tie_word_embeddings: bool = True, init_std: float = 0.25) -> dict:
+    """The config fields of every tiny model, by transformers' names. The defaults exercise GQA
+    (4:2) and a head_dim that is not hidden_size / num_heads, as Qwen3 allows."""
+    return dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                tie_word_embeddings=tie_word_embeddings, initializer_range=init_std)
+
+
+def write_tiny_qwen3(out: pathlib.Path, *, seed: int = 0, **shape) -> pathlib.Path:
+    """Writes the checkpoint into `out` and returns it; `shape` takes _qwen3_fields' arguments."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return _write_checkpoint(
-        out, Qwen3Config, Qwen3ForCausalLM, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size,
-        intermediate_size=intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, initializer_range=init_std)
+    return _write_checkpoint(out, Qwen3Config, Qwen3ForCausalLM, seed=seed, **_qwen3_fields(**shape))
 
 
 def _write_checkpoint(out: pathlib.Path, config_class, model_class, *, seed: int, vocab_size: int,
@@ -149,16 +141,9 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    TINY_KINDS[args.kind](
-        args.out,
-        seed=args.seed,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        hidden_size=args.hidden_size,
-        tie_word_embeddings=not args.untied,
-    )
+    shape = {name: getattr(args, name) for name in ("seed", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                                    "hidden_size")}
+    TINY_KINDS[args.kind](args.out, tie_word_embeddings=not args.untied, **shape)
     print(f"wrote tiny Qwen3 checkpoint ({args.kind}) to {args.out}")
     return 0
 
@@ -169,37 +154,26 @@ def write_tiny_qwen3_moe(
     out: pathlib.Path,
     *,
     seed: int = 0,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
+    num_layers: int = 4,
     moe_intermediate_size: int = 32,
     num_experts: int = 8,
     num_experts_per_tok: int = 2,
-    num_layers: int = 4,
     decoder_sparse_step: int = 1,
     mlp_only_layers: tuple[int, ...] = (0,),
     norm_topk_prob: bool = True,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 32,
-    max_position_embeddings: int = 4096,
-    tie_word_embeddings: bool = True,
-    init_std: float = 0.25,
+    **shape,
 ) -> pathlib.Path:
     """A tiny Qwen3MoeForCausalLM checkpoint in `out` (transformers writes the per-expert
     layout, mlp.experts.{i}.gate_proj/up_proj/down_proj and mlp.gate, as the released models
-    have it). The defaults mix a dense layer (mlp_only_layers) with sparse ones; same arguments
-    => identical weights."""
+    have it); `shape` takes _qwen3_fields' other arguments. The defaults mix a dense layer
+    (mlp_only_layers) with sparse ones; same arguments => identical weights."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     return _write_checkpoint(
-        out, Qwen3MoeConfig, Qwen3MoeForCausalLM, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size,
-        intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size, num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok, num_hidden_layers=num_layers,
-        decoder_sparse_step=decoder_sparse_step, mlp_only_layers=list(mlp_only_layers),
-        norm_topk_prob=norm_topk_prob, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, initializer_range=init_std)
+        out, Qwen3MoeConfig, Qwen3MoeForCausalLM, seed=seed, moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=list(mlp_only_layers), norm_topk_prob=norm_topk_prob,
+        **_qwen3_fields(num_layers=num_layers, **shape))
 
 
 # The linear layers the official -FP8 checkpoints quantize: attention, dense MLP and expert

@@ -5,4 +5,5 @@ what bench/gpu_bench.py writes to OUT/<stage>.json. It may also expose `add_argu
 own flags), `report(args, results)` (prints its table from every stage's record) and `REQUIRES`
 (stages whose results it reads, run first when OUT lacks them). Registering a module in
 gpu_bench.STAGES makes it a stage; `python -m bench.stages.<module> --out DIR` runs its stages alone.
+A large stage keeps its parts in modules named after it (linear_sweep.py beside linear.py).
 """

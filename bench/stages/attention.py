@@ -41,11 +41,16 @@ TARGET_CASE, TARGET_SPEEDUP = "decode 256x1024", 1.6
 
 
 @dataclass(frozen=True)
-class Setup:
+class Heads:
+    """An attention layer's heads and the dtype of its activations."""
     num_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Setup(Heads):
     block_size: int
     cases: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]   # name, (cached, new) per request
     sweep: tuple[tuple[str, int, int, int], ...]           # FP8 decode: (kernel, kv_tile, num_warps, num_stages)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -57,6 +57,12 @@ class SamplingParams:
         None, f"token id -> {LOGIT_BIAS_RANGE} added to its logit (at most {MAX_LOGIT_BIAS_ENTRIES} ids)",
         metavar="ID=BIAS")
     speculative: bool | None = _option(None, "false: keep this request out of speculative decoding (unset: true)")
+
+    def banning(self, token_ids: Iterable[int]) -> "SamplingParams":
+        """These options with the lowest bias the server takes on each of `token_ids`."""
+        bias = dict(self.logit_bias or {})
+        bias.update((token_id, LOGIT_BIAS_RANGE.low) for token_id in token_ids)
+        return dataclasses.replace(self, logit_bias=bias)
 
     def to_proto(self) -> pb.SamplingParams:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

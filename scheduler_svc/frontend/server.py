@@ -32,6 +32,7 @@ from scheduler_svc.frontend.streams import Frontend, Refused, RequestFailed
 from scheduler_svc.frontend.tokenizer import TooManyTokens
 from scheduler_svc.frontend.output_stream import RequestOutput, TopLogprobs
 from common.sampling import SamplingParams
+from common.sampling_bounds import MAX_SAMPLING_BYTES
 from scheduler_svc.engine.sequence import FinishReason
 from scheduler_svc.frontend.validation import (InvalidRequest, Limits, check_constraint, validate_chat_sampling,
                                       validate_request)
@@ -41,14 +42,12 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 # What a request's fields can take in bytes beyond its text (max_request_bytes): a varint id, a
-# chat message's or tool's framing (tags, lengths, role; its strings count as text), sampling's
-# fields (stop strings of up to 4-byte characters, logit_bias, ids), and spare room. The bound is
-# tight on purpose: decoding costs by the number of values, and 200,000 chat messages fit in less
-# than 2 MB.
+# chat message's or tool's framing (tags, lengths, role; its strings count as text), its sampling
+# options (MAX_SAMPLING_BYTES and a constraint), and spare room. The bound is tight on purpose:
+# decoding costs by the number of values, and 200,000 chat messages fit in less than 2 MB.
 _VARINT_BYTES = 5
 _COPY_CHUNK = 4096        # strings copied into a message per call, off the event loop
 _MESSAGE_BYTES = 32
-_SAMPLING_BYTES = 64 << 10
 _SLACK_BYTES = 64 << 10
 # The field a request longer than its method can be is refused for (decode_guard.py).
 _LONG_FIELDS = {"Generate": "prompt", "Chat": "messages", "Tokenize": "text", "Detokenize": "token_ids"}
@@ -303,7 +302,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """The most bytes a request of `method` (a full method name) can take within the limits,
         with room to spare; a longer one is refused before it is decoded (decode_guard.py)."""
         limits, name = self.limits, method.rsplit("/", 1)[-1]
-        sampling = _SAMPLING_BYTES + limits.max_constraint_bytes
+        sampling = MAX_SAMPLING_BYTES + limits.max_constraint_bytes
         if name == "Detokenize":
             return _VARINT_BYTES * limits.max_detokenize_ids + _SLACK_BYTES
         if name == "Tokenize":

@@ -121,7 +121,7 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
     """One accumulator per row beside the previous loop up to 4 rows, never past them; the bench
     sweep holds every start-up candidate and names each setting's loop."""
     linear_selection, _ = selection
-    from bench.stages.linear import family_bests, gemv_family, sweep_gemv_configs
+    from bench.stages.linear_sweep import family_bests, gemv_family, sweep_gemv_configs
     from worker_svc.layers.gemv_kernels import check_config
 
     for rows in (1, 2, 4, 8, 16):

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.client.sampling import SamplingParams
 from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1.generation_pb2_grpc import GenerationStub
 
@@ -188,9 +189,9 @@ class HostileClients:
         wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)},
                 "required": [f"p{i}" for i in range(2000)]}
         generate = {
-            "ambiguous_regex": pb.GenerateRequest(text="a", sampling=pb.SamplingParams(
-                regex="(a*a*a*a*a*a*)*", ignore_eos=True, max_tokens=300, temperature=0.0,
-                logit_bias={eos: -100.0 for eos in s.eos_token_ids})),
+            "ambiguous_regex": pb.GenerateRequest(text="a", sampling=SamplingParams(
+                regex="(a*a*a*a*a*a*)*", ignore_eos=True, max_tokens=300,
+                temperature=0.0).banning(s.eos_token_ids).to_proto()),
             "wide_schema": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(json_schema=json.dumps(wide),
                                                                                   max_tokens=8)),
             "deep_schema": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(json_schema=_nested_arrays(600),

@@ -90,9 +90,9 @@ class DeviceSampler:
         if options.has_penalties:
             flags |= kernels.F_PENALTY.value | kernels.F_PROCESSED.value
             penalty_row = self.penalties.add(token_ids[:num_prompt_tokens], token_ids[num_prompt_tokens:])
-        if options.logit_bias:
+        ids, values = options.bias_entries
+        if ids:
             flags |= kernels.F_PROCESSED.value
-            ids, values = zip(*options.logit_bias)
             self._bias_ids[row, :len(ids)] = ids
             self._bias_values[row, :len(ids)] = values
         if flags & kernels.F_PROCESSED.value:
@@ -101,7 +101,7 @@ class DeviceSampler:
         if not options.greedy:
             flags |= self._truncation(options, entry)
         entry[[kernels.C_FLAGS.value, kernels.C_PENALTY_ROW.value, kernels.C_SLOT.value,
-               kernels.C_NUM_BIAS.value]] = (flags, penalty_row, slot, len(options.logit_bias))
+               kernels.C_NUM_BIAS.value]] = (flags, penalty_row, slot, len(ids))
         entry[kernels.C_INV_TEMPERATURE.value] = _bits(1.0 if options.greedy else 1.0 / options.temperature)
         entry[kernels.C_REPETITION.value] = _bits(options.repetition_penalty)
         entry[kernels.C_PRESENCE.value] = _bits(options.presence_penalty)

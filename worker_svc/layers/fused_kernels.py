@@ -62,6 +62,30 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl
 
 
 @triton.jit
+def qk_norm_rope_tile(first, mask, heads, cols, q_weight_ptr, k_weight_ptr, cos_sin_row, q_eps, k_eps,
+                      NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr):
+    """One token's q heads then k heads, normalised and rotated: `first` points at the first half
+    of each head (rows) by column; returns the two halves in the model dtype."""
+    dtype = first.dtype.element_ty
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    is_q = (heads < NUM_Q_HEADS)[:, None]
+    eps = tl.where(heads < NUM_Q_HEADS, q_eps, k_eps)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    col_mask = cols < HALF
+    w1 = tl.where(is_q, tl.load(q_weight_ptr + cols, mask=col_mask, other=0.0)[None, :],
+                  tl.load(k_weight_ptr + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
+    w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :],
+                  tl.load(k_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
+    # RMSNorm as layernorm.py rounds it (normed, then times the weight), then RoPE in float32.
+    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    cos = tl.load(cos_sin_row + cols, mask=col_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_row + HALF + cols, mask=col_mask, other=0.0)[None, :]
+    return (n1 * cos - n2 * sin).to(dtype), (n2 * cos + n1 * sin).to(dtype)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr,
     stride_qkv, stride_cs, q_eps, k_eps,
@@ -74,26 +98,11 @@ def _qk_norm_rope_kernel(
     heads = tl.arange(0, HEADS_PAD)
     cols = tl.arange(0, HALF_PAD)
     mask = (heads < NUM_HEADS)[:, None] & (cols < HALF)[None, :]
-    dtype = qkv_ptr.dtype.element_ty
     first = qkv_ptr + token * stride_qkv + (heads * (2 * HALF))[:, None] + cols[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-
-    is_q = (heads < NUM_Q_HEADS)[:, None]
-    eps = tl.where(heads < NUM_Q_HEADS, q_eps, k_eps)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-    col_mask = cols < HALF
-    w1 = tl.where(is_q, tl.load(q_weight_ptr + cols, mask=col_mask, other=0.0)[None, :],
-                  tl.load(k_weight_ptr + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
-    w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :],
-                  tl.load(k_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
-    # RMSNorm as layernorm.py rounds it (normed, then times the weight), then RoPE in float32.
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    cos = tl.load(cos_sin_ptr + token * stride_cs + cols, mask=col_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + token * stride_cs + HALF + cols, mask=col_mask, other=0.0)[None, :]
-    tl.store(first, (n1 * cos - n2 * sin).to(dtype), mask=mask)
-    tl.store(first + HALF, (n2 * cos + n1 * sin).to(dtype), mask=mask)
+    y1, y2 = qk_norm_rope_tile(first, mask, heads, cols, q_weight_ptr, k_weight_ptr, cos_sin_ptr + token * stride_cs,
+                               q_eps, k_eps, NUM_Q_HEADS, HALF)
+    tl.store(first, y1, mask=mask)
+    tl.store(first + HALF, y2, mask=mask)
 
 
 def _pow2(n: int) -> int:

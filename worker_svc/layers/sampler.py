@@ -73,6 +73,14 @@ class SamplingOptions:
         return self.temperature < _GREEDY_BELOW
 
     @property
+    def bias_entries(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The logit bias as (token ids ascending, their biases); two empty tuples when none."""
+        if not self.logit_bias:
+            return (), ()
+        ids, values = zip(*self.logit_bias)
+        return ids, values
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

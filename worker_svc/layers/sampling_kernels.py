@@ -181,6 +181,12 @@ def _mass_from(raw_ptr, processed_ptr, use_processed, vocab, inv_t, cut, top, BL
 # --- the threshold search (one program, one row) -------------------------------------------------
 
 @triton.jit
+def _bands(z, lo, hi, floor_z):
+    """Which tokens are kept for sure (z >= hi) and which are candidates (in (lo, hi), >= floor_z)."""
+    return z >= hi, (z > lo) & (z < hi) & (z >= floor_z)
+
+
+@triton.jit
 def _pivot_counts(raw_ptr, processed_ptr, use_processed, vocab, inv_t, top, lo, hi, floor_z, pivots,
                   MASS: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """One pass: tokens with z >= hi (count, mass), candidates in (lo, hi) above floor_z (count),
@@ -193,8 +199,7 @@ def _pivot_counts(raw_ptr, processed_ptr, use_processed, vocab, inv_t, top, lo, 
     for base in range(0, vocab, BLOCK):
         tokens = base + tl.arange(0, BLOCK)
         z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < vocab) * inv_t
-        above = z >= hi
-        between = (z > lo) & (z < hi) & (z >= floor_z)
+        above, between = _bands(z, lo, hi, floor_z)
         n_above += above.to(tl.int32)
         n_between += between.to(tl.int32)
         beats = between[:, None] & (z[:, None] > pivots[None, :])
@@ -217,8 +222,7 @@ def _resolve(raw_ptr, processed_ptr, use_processed, vocab, inv_t, top, lo, hi, f
     for base in range(0, vocab, BLOCK):
         tokens = base + tl.arange(0, BLOCK)
         z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < vocab) * inv_t
-        above = z >= hi
-        between = (z > lo) & (z < hi) & (z >= floor_z)
+        above, between = _bands(z, lo, hi, floor_z)
         n_above += above.to(tl.int32)
         if MASS:
             m_above += tl.where(above, tl.exp(z - top), 0.0)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from worker_svc.layers.attention.kv_quant import KVScales, is_fp8
 from worker_svc.layers.attention.triton_kernels import _to_cache
+from worker_svc.layers.fused_kernels import qk_norm_rope_tile
 
 
 @triton.jit
@@ -29,30 +30,13 @@ def _qk_norm_rope_store_kernel(
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
     cols = tl.arange(0, HALF_PAD)
-    col_mask = cols < HALF
     num_heads = NUM_Q_HEADS + NUM_KV_HEADS
-    mask = (heads < num_heads)[:, None] & col_mask[None, :]
-    dtype = qkv_ptr.dtype.element_ty
+    mask = (heads < num_heads)[:, None] & (cols < HALF)[None, :]
     row = qkv_ptr + token * stride_qkv
     first = row + (heads * (2 * HALF))[:, None] + cols[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-
-    is_q = (heads < NUM_Q_HEADS)[:, None]
-    eps = tl.where(heads < NUM_Q_HEADS, q_eps, k_eps)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.where(is_q, tl.load(q_weight_ptr + cols, mask=col_mask, other=0.0)[None, :],
-                  tl.load(k_weight_ptr + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
-    w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :],
-                  tl.load(k_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
-    # RMSNorm as layernorm.py rounds it (normed, then times the weight), then RoPE in float32.
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    cos = tl.load(cos_sin_ptr + token * stride_cs + cols, mask=col_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + token * stride_cs + HALF + cols, mask=col_mask, other=0.0)[None, :]
-    y1 = (n1 * cos - n2 * sin).to(dtype)
-    y2 = (n2 * cos + n1 * sin).to(dtype)
-    q_mask = mask & is_q
+    y1, y2 = qk_norm_rope_tile(first, mask, heads, cols, q_weight_ptr, k_weight_ptr, cos_sin_ptr + token * stride_cs,
+                               q_eps, k_eps, NUM_Q_HEADS, HALF)
+    q_mask = mask & (heads < NUM_Q_HEADS)[:, None]
     tl.store(first, y1, mask=q_mask)
     tl.store(first + HALF, y2, mask=q_mask)
 
