@@ -123,7 +123,7 @@ def test_a_worker_restarted_with_fp8_finishes_every_stream_unchanged(tiny_model_
 
 def test_two_ranks_over_fp8_serve_like_one(tiny_model_dir, launch_services):
     requests = _requests(3)
-    with launch_services(num_workers=2, tensor_parallel_size=2, worker_args=(*FP8, "--dist-timeout", "5"),
+    with launch_services(num_workers=2, tensor_parallel_size=2, worker_args=(*FP8, "--dist-timeout", "60"),
                          scheduler_args=("--max-num-batched-tokens", "48")) as svc, svc.channel() as ch:
         tp2 = generate_many(ch, requests)
         [group] = model_info(ch).worker_groups

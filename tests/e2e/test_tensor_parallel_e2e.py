@@ -42,7 +42,7 @@ def _describe(addr: str) -> worker_pb2.WorkerInfo:
 def test_two_ranks_serve_like_one_worker_and_transformers(tiny_model_dir, launch_services):
     requests = _requests()
     metrics_port = free_port()
-    with launch_services(num_workers=2, tensor_parallel_size=2, worker_args=("--dist-timeout", "5"),
+    with launch_services(num_workers=2, tensor_parallel_size=2, worker_args=("--dist-timeout", "60"),
                          scheduler_args=(*SCHEDULER_ARGS, "--metrics-port", str(metrics_port))) as svc, \
             svc.channel() as channel:
         tp2 = generate_many(channel, requests)
