@@ -3,7 +3,7 @@ runs the model and samples. The scheduler decides everything; the runner checks 
 (step_checks.py) and executes it. Its start-up (backend, weights, KV cache, graphs) is startup.py.
 
 A step is launched, then awaited (`launch(step).result()`): launching checks and applies the
-step, prepares its inputs with vectorised host work and one host-to-device copy (staging.py),
+step, prepares its inputs with vectorised host work and one host-to-device copy (batch_prep.py),
 and enqueues the forward and the sampling on the device; the sampled tokens are copied back
 behind an event. `result()` waits for that event. So a caller that launches step N+1 right after
 N (the gRPC server does, from another thread) prepares N+1 while the device still runs N, and
@@ -35,6 +35,7 @@ from common.constraint import Constraint
 from common.features import check_features
 from common.model_dir import read_model_facts
 from worker_svc import kv_cache, parallel_state, startup
+from worker_svc.batch_prep import prepare_batch
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
 from worker_svc.graph_inputs import DecodeLayout
@@ -46,12 +47,12 @@ from worker_svc.layers.sampler import Sampler, SamplingMetadata
 from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import broadcast_tokens
-from worker_svc.prompt_scoring import plan_prompt_scoring, score_prompt
+from worker_svc.prompt_scoring import score_prompt
 from worker_svc.runner_io import InvalidStepError, RequestFailure, StaleMirrorError, StepInput, StepOutput, WorkerInfo
 from worker_svc.spec_decode.bookkeeping import Bookkeeping, SpecStep
 from worker_svc.spec_decode.proposers import build_proposer
-from worker_svc.spec_decode.verification import DeviceLayout, VerifyLayout, accept, preceding_drafts
-from worker_svc.staging import EMPTY_PART, Logprobs, OutputSlots, PendingStep, Staging, to_host
+from worker_svc.spec_decode.verification import accept, preceding_drafts
+from worker_svc.staging import Logprobs, OutputSlots, PendingStep, Staging, to_host
 from worker_svc.step_batch import StepBatch
 from worker_svc.step_checks import StepLimits, check_step
 from worker_svc.step_limits import with_step_limits
@@ -188,7 +189,7 @@ class ModelRunner:
             rows, counts, drafts = self._apply(step, cached_rows, matchers)
             if self.device_sampler is not None:
                 self.device_sampler.flush()
-            batch = self._prepare(rows, counts, drafts, step.propose_drafts) if len(rows) else None
+            batch = prepare_batch(self, rows, counts, drafts, step.propose_drafts) if len(rows) else None
         if batch is None:
             pending = PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
         else:
@@ -218,7 +219,7 @@ class ModelRunner:
     def run_unchecked(self, step: StepInput) -> StepOutput:
         """Runs a step the runner made itself (start-up's warm-up), without the step checks."""
         rows, counts, drafts = self._apply(step, np.zeros(0, np.int64), {})
-        batch = self._prepare(rows, counts, drafts, step.propose_drafts)
+        batch = prepare_batch(self, rows, counts, drafts, step.propose_drafts)
         return self._execute(step.step_id, batch, time.perf_counter(), 0.0).result()
 
     @torch.inference_mode()
@@ -278,146 +279,6 @@ class ModelRunner:
             self.sampler.remove_request(penalty_row)
         if self.device_sampler is not None:
             self.device_sampler.remove(row)
-
-    def _prepare(self, rows: np.ndarray, counts: np.ndarray, drafts: np.ndarray | None = None,
-                 propose: bool = False) -> StepBatch:
-        """The step's flat inputs, vectorised over rows and scheduled tokens (never over a
-        request's whole context), in one host-to-device copy. Advances the rows' counts: the
-        computed tokens, and the token each sampling row is about to get. `drafts`: per row, the
-        drafts it verifies after its scheduled tokens (their values are on the host)."""
-        b, bs = self.batch, self.block_size
-        start = b.num_computed[rows]
-        known_end = start + counts
-        sizes = counts if drafts is None else counts + drafts
-        seq_lens = start + sizes
-        query_start = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(sizes, out=query_start[1:])
-        num_tokens = int(query_start[-1])
-        positions = np.arange(num_tokens) + np.repeat(start - query_start[:-1], sizes)
-        token_rows = np.repeat(rows, sizes)
-        # A position the host knows reads its token here; the one past them (a decode of the
-        # newest sampled token) is gathered on the device from the row's last sample.
-        on_host = positions < b.num_host_tokens[token_rows]
-        input_ids = np.where(on_host, b.token_ids[token_rows, np.minimum(positions, self.max_model_len - 1)], 0)
-        if drafts is not None:               # drafts follow the known tokens
-            draft_at = positions - np.repeat(known_end, sizes)
-            is_draft = draft_at >= 0
-            width = b.draft_tokens.shape[1]
-            input_ids = np.where(is_draft, b.draft_tokens[token_rows, np.clip(draft_at, 0, width - 1)], input_ids)
-            on_host |= is_draft
-        gather_at = np.flatnonzero(~on_host)
-        gather_rows = token_rows[gather_at]
-        slot_mapping = b.block_tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        max_seq_len = int(seq_lens.max())
-        width = -(-max_seq_len // bs)
-        block_tables = b.block_tables[rows, :width]
-        samples = known_end == b.num_tokens[rows]     # a chunk ending mid-prompt samples nothing
-        sampling_rows = rows[samples]
-        layout = None
-        if drafts is not None:               # every position of a verified run samples
-            layout = VerifyLayout.build(drafts[samples], b.draft_tokens[sampling_rows])
-            position_rows = sampling_rows[layout.owner]
-            offsets = layout.offset
-            logits_indices = query_start[1:][samples][layout.owner] - 1 - layout.num_drafts[layout.owner] + offsets
-        else:
-            position_rows, offsets = sampling_rows, None
-            logits_indices = query_start[1:][samples] - 1
-        seeded = []
-        constrained = top_ks = next_drafts = None
-        constrained_at = top_at = EMPTY_PART
-        if self.sampler is not None:
-            meta = self._sampling_metadata(position_rows)
-            if meta.seeded:
-                output_index = b.num_tokens[position_rows] - b.num_prompt[position_rows]
-                if offsets is not None:
-                    output_index = output_index + offsets
-                seeded = [int(output_index[meta.drawing[j]]) for j, _ in meta.seeded]
-        if self.sampler is not None or self.device_sampler is not None:
-            if b.num_constrained:
-                constrained_at = np.flatnonzero(b.constrained[position_rows])
-                if len(constrained_at):
-                    constrained = [b.matchers[r] for r in position_rows[constrained_at].tolist()]
-                    if layout is not None:
-                        next_drafts = layout.next_drafts[constrained_at].tolist()
-            if b.num_top_logprobs:
-                top_ks = b.top_logprobs[position_rows]
-                top_at = np.flatnonzero(top_ks)
-                if not len(top_at):
-                    top_ks = None
-        score_at, score_targets, scored = (plan_prompt_scoring(b, rows, start, seq_lens, query_start)
-                                           if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
-        if (self.decode_graphs is not None and self.decode_graphs.staged and self.bookkeeping is None
-                and num_tokens == len(rows)
-                and len(rows) <= self.decode_graphs.batch_sizes[-1] and samples.all() and not scored):
-            ids = np.where(on_host, input_ids, -1)
-            b.num_computed[rows] = seq_lens
-            b.num_tokens[sampling_rows] += 1
-            return self._stage_decode(ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at,
-                                      constrained, top_at, top_ks)
-        parts = [input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices, sampling_rows, gather_at,
-                 gather_rows, block_tables.reshape(-1)]
-        if layout is not None:
-            parts += [layout.first, layout.num_drafts, layout.owner, layout.offset, layout.next_drafts]
-        # What only some requests ask for travels only when asked (a plain step copies nothing more).
-        extras = (constrained_at, top_at, score_at, score_targets)
-        asked = any(len(part) for part in extras)
-        views = self._staging.fill(parts + list(extras) if asked else parts)
-        (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
-         tables_d) = views[:10]
-        verify = None
-        if layout is not None:
-            verify = DeviceLayout(*views[10:15], layout.max_drafts)
-            views = views[:10] + views[15:]
-        constrained_d, top_d, score_at_d, score_targets_d = views[10:] if asked else (None,) * 4
-        if len(gather_at):
-            ids_d.index_copy_(0, gather_at_d, self.last_sampled.index_select(0, gather_rows_d))
-        spec = self._spec_step(sampling_rows, layout, propose) if self.bookkeeping is not None else None
-        b.num_computed[rows] = seq_lens
-        b.num_tokens[sampling_rows] += 1
-        meta = AttentionMetadata(
-            slot_mapping=slots_d,
-            query_start_loc=query_start_d.to(torch.int32),
-            seq_lens=seq_lens_d.to(torch.int32),
-            block_tables=tables_d.view(len(rows), width).to(torch.int32),
-            max_query_len=int(sizes.max()),
-            max_seq_len=max_seq_len,
-            query_lens_cpu=sizes.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, position_rows, seeded,
-                         constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
-                         constrained_next_drafts=next_drafts,
-                         top_ks=top_ks, top_positions=top_d if top_ks is not None else None,
-                         score_indices=score_at_d if scored else None,
-                         score_targets=score_targets_d if scored else None, scored=scored or None,
-                         verify=verify, spec=spec)
-
-    def _spec_step(self, sampling_rows: np.ndarray, layout: VerifyLayout | None, propose: bool) -> SpecStep:
-        """The bookkeeping record of a step (before its counts advance)."""
-        b = self.batch
-        proposable = (np.array([b.options[r].speculative for r in sampling_rows.tolist()], dtype=bool) if propose
-                      else np.zeros(len(sampling_rows), dtype=bool))
-        return SpecStep(sampling_rows, b.generation[sampling_rows], b.num_tokens[sampling_rows], layout, propose,
-                        proposable)
-
-    def _stage_decode(self, ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at, constrained,
-                      top_at, top_ks) -> StepBatch:
-        """A pure-decode step whose every row samples, staged where the decode graphs read it
-        (graph_inputs.py): one host-to-device copy, and no work on the device before the replay."""
-        n, width = block_tables.shape
-        parts = [self._decode_layout.header(n, width), ids, positions, slot_mapping, seq_lens, rows,
-                 block_tables.reshape(-1)]
-        offsets = self._decode_layout.offsets(n, width)
-        extras = [part for part in (constrained_at, top_at) if len(part)]
-        for part in extras:
-            offsets.append(offsets[-1] + len(part))
-        views = self._staging.fill(parts + extras, offsets[:len(parts) + len(extras)])
-        extra_views = iter(views[len(parts):])
-        constrained_d = next(extra_views) if len(constrained_at) else None
-        top_d = next(extra_views) if top_ks is not None else None
-        return StepBatch(None, None, None, None, rows, self.decode_graphs.rows[:n], rows, [],
-                         constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
-                         top_ks=top_ks, top_positions=top_d, graph=True)
 
     def _sampling_metadata(self, sampling_rows: np.ndarray) -> SamplingMetadata:
         """The sampler's per-row facts, rebuilt only when the sampling rows or the batch change."""

@@ -1,5 +1,5 @@
 """A launched step's device inputs and the host facts its sampling needs, as the model runner
-prepares them (ModelRunner._prepare) and reads them while it executes and samples."""
+prepares them (batch_prep.py) and reads them while it executes and samples."""
 from __future__ import annotations
 
 from dataclasses import dataclass
