@@ -115,6 +115,9 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     if len(gather_at):
         ids_d.index_copy_(0, gather_at_d, runner.last_sampled.index_select(0, gather_rows_d))
     spec = _spec_step(b, sampling_rows, layout, propose) if runner.bookkeeping is not None else None
+    draft_plan = (runner.drafter.plan(b, rows, seq_lens, query_start, samples,
+                                      layout.num_drafts if layout is not None else None)
+                  if runner.drafter is not None else None)
     b.num_computed[rows] = seq_lens
     b.num_tokens[sampling_rows] += 1
     meta = AttentionMetadata(
@@ -133,7 +136,7 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
                      top_ks=top_ks, top_positions=top_d if top_ks is not None else None,
                      score_indices=score_at_d if scored else None,
                      score_targets=score_targets_d if scored else None, scored=scored or None,
-                     verify=verify, spec=spec)
+                     verify=verify, spec=spec, draft_plan=draft_plan)
 
 
 def _spec_step(b: InputBatch, sampling_rows: np.ndarray, layout: VerifyLayout | None, propose: bool) -> SpecStep:

@@ -118,10 +118,12 @@ class ModelRunner:
         self._decode_layout = DecodeLayout(max_seqs)
         # Speculative decoding: the proposer, and the bookkeeping of steps whose tokens are not
         # back yet, which changes the batch from the thread that reads a step's result.
+        # A proposer on the device (eagle3, draft: the drafter) runs in every step, after the sampling.
         self.proposer = build_proposer(self, config) if k else None
+        self.drafter = self.proposer if k and self.proposer.on_device else None
         self._batch_lock = threading.Lock()
         self.bookkeeping = (Bookkeeping(self.batch, self.block_size, self.max_model_len, self._batch_lock,
-                                        self.proposer.propose_on_host) if k else None)
+                                        None if self.drafter else self.proposer.propose_on_host) if k else None)
         # Each row's newest sampled token, on the device: the next decode's input (with the device
         # sampler, one more entry for its dummy row, which the padding of a graph's batch samples).
         rows = self.device_sampler.capacity + 1 if self.device_sampler is not None else max_seqs
@@ -134,6 +136,8 @@ class ModelRunner:
         self.num_kv_blocks = startup.size_kv_cache(self)
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
                                                    self.num_kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(self.num_kv_blocks)
         self.decode_graphs = startup.capture_decode_graphs(self)
         self.limits = StepLimits(max_seqs, max_tokens, self.max_model_len, self.vocab_size, self.block_size,
                                  self.num_kv_blocks, self.max_blocks_per_seq)
@@ -300,9 +304,11 @@ class ModelRunner:
         # Constrained rows' masks are filled in the background while the forward runs.
         fill = (self.structured.start_fill(batch.constrained[1], batch.constrained_next_drafts)
                 if batch.constrained is not None else None)
-        extra = None
+        extra = aux = tokens = None
         if batch.graph:
             hidden = self.decode_graphs.replay(len(batch.sampling_rows))
+        elif self.drafter is not None and self.drafter.aux_layers:
+            hidden, aux = self.model(batch.input_ids, batch.positions, batch.meta, self.drafter.aux_layers)
         else:
             hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         if batch.scored is not None:
@@ -314,8 +320,11 @@ class ModelRunner:
         spec = batch.spec if num_sampled else None
         if num_sampled:
             tokens, logprobs, extra, failed = self._sample(batch, hidden, extra, fill)
-            if spec is not None and spec.propose and self.proposer.on_device:
-                spec.drafts, spec.draft_counts = self.proposer.propose(self, batch, hidden, spec)
+        if self.drafter is not None:
+            drafts = self.drafter.run(self, batch, aux, tokens, spec is not None and spec.propose)
+            if drafts is not None:
+                spec.drafts, spec.draft_counts = drafts
+        if num_sampled:
             slot = self._outputs.acquire()
             release = lambda: self._outputs.release(slot)  # noqa: E731
             host_tokens = self._outputs.tokens[slot]
@@ -393,6 +402,7 @@ class ModelRunner:
         """After a step sampled every verified position: each row's newest token is its last
         emitted one, and only emitted tokens count for penalties and grammars."""
         accepted, emitted, last = accept(tokens, batch.verify)
+        batch.accepted = accepted
         self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens.index_select(0, last))
         if self.sampler is not None:
             self.sampler.record(meta, tokens, emitted)

@@ -84,7 +84,7 @@ class ReplayProposer:
             out.append(np.where(right, truth, (truth + 1) % self.vocab_size))
         return out
 
-    def propose(self, runner, batch, hidden, spec):
+    def run(self, runner, batch, aux, tokens, propose):
         raise NotImplementedError("the replay proposer proposes on the host")
 
 
