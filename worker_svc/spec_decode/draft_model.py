@@ -15,7 +15,7 @@ import torch
 from worker_svc.model_config import load_model_config
 from worker_svc.models import build_model
 from worker_svc.models.qwen3 import head_dim_of
-from worker_svc.loader import load_safetensors
+from worker_svc.loader import init_dummy_weights, load_safetensors
 from worker_svc.spec_decode.drafter import ModelProposer
 
 if TYPE_CHECKING:
@@ -34,7 +34,10 @@ def load_draft_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.M
                          f"{runner.vocab_size}; a draft model shares the target's tokenizer")
     with torch.device(runner.device), default_dtype(runner.dtype):
         model = build_model(config, runner.backend, runner.max_model_len, None, runner.device).eval()
-    load_safetensors(model, model_dir)
+    if runner.config.load_format == "dummy":   # random weights for the config (benchmarks)
+        init_dummy_weights(model, runner.config.seed + 1, std=config.initializer_range)
+    else:
+        load_safetensors(model, model_dir)
     logger.info("draft model %s: %d layers, hidden %d", model_dir, config.num_hidden_layers, config.hidden_size)
     return model
 

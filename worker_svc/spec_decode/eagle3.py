@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker_svc.loader import init_dummy_weights
 from worker_svc.models.eagle3 import Eagle3Head, eagle3_checkpoint, load_eagle3_config, load_eagle3_weights
 from worker_svc.spec_decode.drafter import ModelProposer
 
@@ -25,18 +26,23 @@ logger = logging.getLogger(__name__)
 
 
 def load_eagle3_head(runner: ModelRunner, head_dir: pathlib.Path) -> Eagle3Head:
-    """The head on the runner's device and dtype, its embeddings the checkpoint's or the target's."""
+    """The head on the runner's device and dtype, its embeddings the checkpoint's or the target's
+    (with --load-format dummy: random weights, the identity d2t, the target's embeddings)."""
     from worker_svc.startup import default_dtype
 
     config = load_eagle3_config(head_dir, runner.model_config)
-    tensors = eagle3_checkpoint(head_dir)
+    dummy = runner.config.load_format == "dummy"   # random weights for the config (benchmarks)
+    tensors = {} if dummy else eagle3_checkpoint(head_dir)
     own_embeddings = "embed_tokens.weight" in tensors
     if not own_embeddings and config.hidden_size != runner.model_config.hidden_size:
         raise ValueError(f"{head_dir}: a head without embed_tokens shares the target's, which are "
                          f"{runner.model_config.hidden_size} wide, not {config.hidden_size}")
     with torch.device(runner.device), default_dtype(runner.dtype):
         head = Eagle3Head(config, runner.backend, runner.max_model_len, own_embeddings).eval()
-    load_eagle3_weights(head, tensors, str(head_dir))
+    if dummy:
+        init_dummy_weights(head, runner.config.seed + 1)
+    else:
+        load_eagle3_weights(head, tensors, str(head_dir))
     if not own_embeddings:
         head.share_embeddings(runner.model.model.embed_tokens)
     logger.info("EAGLE-3 head %s: draft vocabulary %d, aux layers %s", head_dir, config.draft_vocab_size,
