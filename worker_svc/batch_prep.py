@@ -65,28 +65,12 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     else:
         position_rows, offsets = sampling_rows, None
         logits_indices = query_start[1:][samples] - 1
-    seeded = []
+    seeded = _seeded_output_indices(runner, position_rows, offsets) if runner.sampler is not None else []
     constrained = top_ks = next_drafts = None
     constrained_at = top_at = EMPTY_PART
-    if runner.sampler is not None:
-        meta = runner._sampling_metadata(position_rows)
-        if meta.seeded:
-            output_index = b.num_tokens[position_rows] - b.num_prompt[position_rows]
-            if offsets is not None:
-                output_index = output_index + offsets
-            seeded = [int(output_index[meta.drawing[j]]) for j, _ in meta.seeded]
     if runner.sampler is not None or runner.device_sampler is not None:
-        if b.num_constrained:
-            constrained_at = np.flatnonzero(b.constrained[position_rows])
-            if len(constrained_at):
-                constrained = [b.matchers[r] for r in position_rows[constrained_at].tolist()]
-                if layout is not None:
-                    next_drafts = layout.next_drafts[constrained_at].tolist()
-        if b.num_top_logprobs:
-            top_ks = b.top_logprobs[position_rows]
-            top_at = np.flatnonzero(top_ks)
-            if not len(top_at):
-                top_ks = None
+        constrained_at, constrained, next_drafts = _constrained(b, position_rows, layout)
+        top_at, top_ks = _top_logprobs(b, position_rows)
     score_at, score_targets, scored = (plan_prompt_scoring(b, rows, start, seq_lens, query_start)
                                        if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
     if (runner.decode_graphs is not None and runner.decode_graphs.staged and runner.bookkeeping is None
@@ -96,7 +80,7 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
         b.num_computed[rows] = seq_lens
         b.num_tokens[sampling_rows] += 1
         return _stage_decode(runner, ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at,
-                                  constrained, top_at, top_ks)
+                             constrained, top_at, top_ks)
     parts = [input_ids, positions, slot_mapping, query_start, seq_lens, logits_indices, sampling_rows, gather_at,
              gather_rows, block_tables.reshape(-1)]
     if layout is not None:
@@ -137,6 +121,38 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
                      score_indices=score_at_d if scored else None,
                      score_targets=score_targets_d if scored else None, scored=scored or None,
                      verify=verify, spec=spec, draft_plan=draft_plan)
+
+
+def _seeded_output_indices(runner: ModelRunner, position_rows: np.ndarray, offsets: np.ndarray | None) -> list[int]:
+    """The output index each seeded sampled position draws (offsets: its place in a verified run)."""
+    b = runner.batch
+    meta = runner._sampling_metadata(position_rows)
+    if not meta.seeded:
+        return []
+    output_index = b.num_tokens[position_rows] - b.num_prompt[position_rows]
+    if offsets is not None:
+        output_index = output_index + offsets
+    return [int(output_index[meta.drawing[j]]) for j, _ in meta.seeded]
+
+
+def _constrained(b: InputBatch, position_rows: np.ndarray, layout: VerifyLayout | None):
+    """(sampled positions with a grammar, their matchers or None, the draft after each or None)."""
+    if not b.num_constrained:
+        return EMPTY_PART, None, None
+    at = np.flatnonzero(b.constrained[position_rows])
+    if not len(at):
+        return at, None, None
+    matchers = [b.matchers[r] for r in position_rows[at].tolist()]
+    return at, matchers, layout.next_drafts[at].tolist() if layout is not None else None
+
+
+def _top_logprobs(b: InputBatch, position_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(sampled positions that asked for top logprobs, each sampled position's k or None)."""
+    if not b.num_top_logprobs:
+        return EMPTY_PART, None
+    top_ks = b.top_logprobs[position_rows]
+    top_at = np.flatnonzero(top_ks)
+    return top_at, top_ks if len(top_at) else None
 
 
 def _spec_step(b: InputBatch, sampling_rows: np.ndarray, layout: VerifyLayout | None, propose: bool) -> SpecStep:
