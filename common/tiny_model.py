@@ -9,7 +9,7 @@ switch), and fewer ids than the model's vocab_size, so the padded embedding rows
 checkpoints have (151669 tokens, 151936 rows) exist here too.
 Same arguments => byte-identical weights and tokenizer.
 
-    python -m common.tiny_model --out models/tiny-qwen3 [--kind moe|fp8|moe-fp8]
+    python -m common.tiny_model --out models/tiny-qwen3 [--kind moe|fp8|moe-fp8|draft|eagle3]
 """
 from __future__ import annotations
 
@@ -134,8 +134,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--untied", action="store_true", help="separate lm_head weights")
-    parser.add_argument("--kind", choices=["dense", "moe", "fp8", "moe-fp8"], default="dense",
-                        help="dense Qwen3, Qwen3-MoE, or either in the block-FP8 checkpoint format")
+    parser.add_argument("--kind", choices=["dense", "moe", "fp8", "moe-fp8", "draft", "eagle3"], default="dense",
+                        help="dense Qwen3, Qwen3-MoE, or either in the block-FP8 checkpoint format; draft: a dense model "
+                             "with the same tokenizer, to draft for another (pick --seed and --num-layers); eagle3: "
+                             "an EAGLE-3 head for the default dense model")
     return parser
 
 
@@ -227,8 +229,61 @@ def write_tiny_qwen3_fp8(out: pathlib.Path, *, moe: bool = False, weight_block_s
     return out
 
 
+# --- speculative decoding's proposers: a draft model and an EAGLE-3 head for the tiny model ------
+
+def write_tiny_draft(out: pathlib.Path, *, seed: int = 1, num_layers: int = 1, **model_args) -> pathlib.Path:
+    """A second tiny Qwen3 with the tiny model's tokenizer and vocabulary (other weights, one
+    layer): the draft model of the tiny model."""
+    return write_tiny_qwen3(out, seed=seed, num_layers=num_layers, **model_args)
+
+
+def write_tiny_eagle3(out: pathlib.Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 64,
+                      intermediate_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32,
+                      draft_vocab_size: int = 256, aux_layer_ids: tuple[int, int, int] = (0, 1, 1),
+                      embed_tokens: bool = False, init_std: float = 0.25, **_) -> pathlib.Path:
+    """A random EAGLE-3 head for the tiny model in the published layout (LlamaForCausalLMEagle3's
+    config.json keys; midlayer.*, fc, norm, lm_head, d2t and t2d tensors; embed_tokens only with
+    `embed_tokens`): its draft vocabulary is a seeded sorted subset of the target's ids, and its
+    aux layers (the tiny model has two) are named in eagle_config. Same arguments => same bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator) * init_std
+
+    tensors = {f"midlayer.self_attn.{p}_proj.weight": rand(n * head_dim, 2 * hidden_size) for p, n in heads.items()}
+    tensors["midlayer.self_attn.o_proj.weight"] = rand(hidden_size, num_heads * head_dim)
+    tensors |= {f"midlayer.mlp.{p}_proj.weight": rand(intermediate_size, hidden_size) for p in ("gate", "up")}
+    tensors["midlayer.mlp.down_proj.weight"] = rand(hidden_size, intermediate_size)
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden_size, generator=generator)
+    tensors["fc.weight"] = rand(hidden_size, 3 * hidden_size)
+    tensors["lm_head.weight"] = rand(draft_vocab_size, hidden_size)
+    if embed_tokens:
+        tensors["embed_tokens.weight"] = rand(vocab_size, hidden_size)
+    kept = torch.randperm(vocab_size, generator=generator)[:draft_vocab_size].sort().values
+    tensors["d2t"] = kept - torch.arange(draft_vocab_size)
+    tensors["t2d"] = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, kept, True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "attention_bias": False,
+              "hidden_act": "silu", "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+              "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
+              "num_hidden_layers": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+              "rope_theta": 1_000_000.0, "rope_scaling": None, "tie_word_embeddings": False,
+              "torch_dtype": "float32", "vocab_size": vocab_size, "draft_vocab_size": draft_vocab_size,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True}}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 TINY_KINDS = {"dense": write_tiny_qwen3, "moe": write_tiny_qwen3_moe,
-              "fp8": write_tiny_qwen3_fp8, "moe-fp8": lambda out, **kw: write_tiny_qwen3_fp8(out, moe=True, **kw)}
+              "fp8": write_tiny_qwen3_fp8, "moe-fp8": lambda out, **kw: write_tiny_qwen3_fp8(out, moe=True, **kw),
+              "draft": write_tiny_draft, "eagle3": write_tiny_eagle3}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Next: without CUDA it sets TRITON_INTERPRET, which triton reads once, when it is first imported
 # (importing transformers' MoE model imports it), so the Triton kernels' tests run interpreted.
 from tests.support import triton_interpreter  # noqa: E402,F401,I001
-from common.tiny_model import write_tiny_qwen3  # noqa: E402
+from common.tiny_model import write_tiny_draft, write_tiny_eagle3, write_tiny_qwen3  # noqa: E402
 from tests.support.procs import running_services  # noqa: E402
 
 
@@ -39,6 +39,26 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model_dir(tmp_path_factory) -> pathlib.Path:
     """The embedded default checkpoint, written afresh for this test session."""
     return write_tiny_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3_dir(tmp_path_factory) -> pathlib.Path:
+    """A random EAGLE-3 head for the tiny model, in the published layout."""
+    return write_tiny_eagle3(tmp_path_factory.mktemp("models") / "tiny-eagle3")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> pathlib.Path:
+    """A second tiny Qwen3 (other weights, one layer) with the tiny model's tokenizer."""
+    return write_tiny_draft(tmp_path_factory.mktemp("models") / "tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def tiny_self_draft_dir(tiny_model_dir, tmp_path_factory) -> pathlib.Path:
+    """The tiny model itself, copied, as a draft model: it drafts what the target samples greedily."""
+    import shutil
+
+    return pathlib.Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("models") / "tiny-self-draft"))
 
 
 @pytest.fixture(scope="session")

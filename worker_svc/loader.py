@@ -46,7 +46,7 @@ def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) ->
     param.data.copy_(loaded)
 
 
-def _expected_parts(model: nn.Module) -> set[tuple[str, object]]:
+def expected_parts(model: nn.Module) -> set[tuple[str, object]]:
     """(parameter name, shard id) of every part the checkpoint must fill; a parameter shared by
     two modules (tied embeddings) counts once, under its first name. A parameter's own
     `shard_ids` wins over its module's; `()` means it has no tensor of its own (an FP8 scale,
@@ -128,7 +128,7 @@ def load_safetensors(model: nn.Module, model_dir: pathlib.Path) -> None:
             param = params[target]
             getattr(param, "weight_loader", _default_loader)(param, checkpoint.weight(name, block), shard_id)
             filled.add((target, shard_id))
-    missing = _expected_parts(model) - filled
+    missing = expected_parts(model) - filled
     if missing:
         listed = ", ".join(sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)[:8])
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. {listed}")

@@ -3,7 +3,7 @@ runs the model and samples. The scheduler decides everything; the runner checks 
 (step_checks.py) and executes it. Its start-up (backend, weights, KV cache, graphs) is startup.py.
 
 A step is launched, then awaited (`launch(step).result()`): launching checks and applies the
-step, prepares its inputs with vectorised host work and one host-to-device copy (staging.py),
+step, prepares its inputs with vectorised host work and one host-to-device copy (batch_prep.py),
 and enqueues the forward and the sampling on the device; the sampled tokens are copied back
 behind an event. `result()` waits for that event. So a caller that launches step N+1 right after
 N (the gRPC server does, from another thread) prepares N+1 while the device still runs N, and
@@ -16,7 +16,8 @@ logprobs of sampled tokens (layers/logprobs.py) and the scores of prompt tokens 
 Speculative decoding (spec_decode/): a decode may compute draft tokens after its newest token and
 sample at each of them (spec_decode/verification.py says how that stays exact); the persistent
 batch learns what was accepted once the step's tokens are back (spec_decode/bookkeeping.py), so a
-step that verifies drafts waits for the steps before it.
+step that verifies drafts waits for the steps before it. A proposer on the device (eagle3, draft:
+spec_decode/drafter.py) runs in every step after the sampling, on the same batch.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from common.constraint import Constraint
 from common.features import check_features
 from common.model_dir import read_model_facts
 from worker_svc import kv_cache, parallel_state, startup
+from worker_svc.batch_prep import prepare_batch
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
 from worker_svc.graph_inputs import DecodeLayout
@@ -46,12 +48,12 @@ from worker_svc.layers.sampler import Sampler, SamplingMetadata
 from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import broadcast_tokens
-from worker_svc.prompt_scoring import plan_prompt_scoring, score_prompt
+from worker_svc.prompt_scoring import score_prompt
 from worker_svc.runner_io import InvalidStepError, RequestFailure, StaleMirrorError, StepInput, StepOutput, WorkerInfo
 from worker_svc.spec_decode.bookkeeping import Bookkeeping, SpecStep
 from worker_svc.spec_decode.proposers import build_proposer
-from worker_svc.spec_decode.verification import DeviceLayout, VerifyLayout, accept, preceding_drafts
-from worker_svc.staging import EMPTY_PART, Logprobs, OutputSlots, PendingStep, Staging, to_host
+from worker_svc.spec_decode.verification import accept, preceding_drafts
+from worker_svc.staging import Logprobs, OutputSlots, PendingStep, Staging, to_host
 from worker_svc.step_batch import StepBatch
 from worker_svc.step_checks import StepLimits, check_step
 from worker_svc.step_limits import with_step_limits
@@ -118,10 +120,12 @@ class ModelRunner:
         self._decode_layout = DecodeLayout(max_seqs)
         # Speculative decoding: the proposer, and the bookkeeping of steps whose tokens are not
         # back yet, which changes the batch from the thread that reads a step's result.
+        # A proposer on the device (eagle3, draft: the drafter) runs in every step, after the sampling.
         self.proposer = build_proposer(self, config) if k else None
+        self.drafter = self.proposer if k and self.proposer.on_device else None
         self._batch_lock = threading.Lock()
         self.bookkeeping = (Bookkeeping(self.batch, self.block_size, self.max_model_len, self._batch_lock,
-                                        self.proposer.propose_on_host) if k else None)
+                                        None if self.drafter else self.proposer.propose_on_host) if k else None)
         # Each row's newest sampled token, on the device: the next decode's input (with the device
         # sampler, one more entry for its dummy row, which the padding of a graph's batch samples).
         rows = self.device_sampler.capacity + 1 if self.device_sampler is not None else max_seqs
@@ -134,6 +138,8 @@ class ModelRunner:
         self.num_kv_blocks = startup.size_kv_cache(self)
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
                                                    self.num_kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(self.num_kv_blocks)
         self.decode_graphs = startup.capture_decode_graphs(self)
         self.limits = StepLimits(max_seqs, max_tokens, self.max_model_len, self.vocab_size, self.block_size,
                                  self.num_kv_blocks, self.max_blocks_per_seq)
@@ -189,7 +195,7 @@ class ModelRunner:
             rows, counts, drafts = self._apply(step, cached_rows, matchers)
             if self.device_sampler is not None:
                 self.device_sampler.flush()
-            batch = self._prepare(rows, counts, drafts, step.propose_drafts) if len(rows) else None
+            batch = prepare_batch(self, rows, counts, drafts, step.propose_drafts) if len(rows) else None
         if batch is None:
             pending = PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
         else:
@@ -219,7 +225,7 @@ class ModelRunner:
     def run_unchecked(self, step: StepInput) -> StepOutput:
         """Runs a step the runner made itself (start-up's warm-up), without the step checks."""
         rows, counts, drafts = self._apply(step, np.zeros(0, np.int64), {})
-        batch = self._prepare(rows, counts, drafts, step.propose_drafts)
+        batch = prepare_batch(self, rows, counts, drafts, step.propose_drafts)
         return self._execute(step.step_id, batch, time.perf_counter(), 0.0).result()
 
     @torch.inference_mode()
@@ -280,159 +286,6 @@ class ModelRunner:
         if self.device_sampler is not None:
             self.device_sampler.remove(row)
 
-    def _prepare(self, rows: np.ndarray, counts: np.ndarray, drafts: np.ndarray | None = None,
-                 propose: bool = False) -> StepBatch:
-        """The step's flat inputs, vectorised over rows and scheduled tokens (never over a
-        request's whole context), in one host-to-device copy. Advances the rows' counts: the
-        computed tokens, and the token each sampling row is about to get. `drafts`: per row, the
-        drafts it verifies after its scheduled tokens (their values are on the host)."""
-        b, bs = self.batch, self.block_size
-        start = b.num_computed[rows]
-        known_end = start + counts
-        sizes = counts if drafts is None else counts + drafts
-        seq_lens = start + sizes
-        query_start = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(sizes, out=query_start[1:])
-        num_tokens = int(query_start[-1])
-        positions = np.arange(num_tokens) + np.repeat(start - query_start[:-1], sizes)
-        token_rows = np.repeat(rows, sizes)
-        # A position the host knows reads its token here; the one past them (a decode of the
-        # newest sampled token) is gathered on the device from the row's last sample.
-        on_host = positions < b.num_host_tokens[token_rows]
-        input_ids = np.where(on_host, b.token_ids[token_rows, np.minimum(positions, self.max_model_len - 1)], 0)
-        if drafts is not None:               # drafts follow the known tokens
-            draft_at = positions - np.repeat(known_end, sizes)
-            is_draft = draft_at >= 0
-            width = b.draft_tokens.shape[1]
-            input_ids = np.where(is_draft, b.draft_tokens[token_rows, np.clip(draft_at, 0, width - 1)], input_ids)
-            on_host |= is_draft
-        gather_at = np.flatnonzero(~on_host)
-        gather_rows = token_rows[gather_at]
-        slot_mapping = b.block_tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        max_seq_len = int(seq_lens.max())
-        width = -(-max_seq_len // bs)
-        block_tables = b.block_tables[rows, :width]
-        samples = known_end == b.num_tokens[rows]     # a chunk ending mid-prompt samples nothing
-        sampling_rows = rows[samples]
-        layout = None
-        if drafts is not None:               # every position of a verified run samples
-            layout = VerifyLayout.build(drafts[samples], b.draft_tokens[sampling_rows])
-            position_rows = sampling_rows[layout.owner]
-            offsets = layout.offset
-            logits_indices = query_start[1:][samples][layout.owner] - 1 - layout.num_drafts[layout.owner] + offsets
-        else:
-            position_rows, offsets = sampling_rows, None
-            logits_indices = query_start[1:][samples] - 1
-        seeded = []
-        constrained = top_ks = next_drafts = None
-        constrained_at = top_at = EMPTY_PART
-        if self.sampler is not None:
-            meta = self._sampling_metadata(position_rows)
-            if meta.seeded:
-                output_index = b.num_tokens[position_rows] - b.num_prompt[position_rows]
-                if offsets is not None:
-                    output_index = output_index + offsets
-                seeded = [int(output_index[meta.drawing[j]]) for j, _ in meta.seeded]
-        if self.sampler is not None or self.device_sampler is not None:
-            if b.num_constrained:
-                constrained_at = np.flatnonzero(b.constrained[position_rows])
-                if len(constrained_at):
-                    constrained = [b.matchers[r] for r in position_rows[constrained_at].tolist()]
-                    if layout is not None:
-                        next_drafts = layout.next_drafts[constrained_at].tolist()
-            if b.num_top_logprobs:
-                top_ks = b.top_logprobs[position_rows]
-                top_at = np.flatnonzero(top_ks)
-                if not len(top_at):
-                    top_ks = None
-        score_at, score_targets, scored = (plan_prompt_scoring(b, rows, start, seq_lens, query_start)
-                                           if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
-        if (self.decode_graphs is not None and self.decode_graphs.staged and self.bookkeeping is None
-                and num_tokens == len(rows)
-                and len(rows) <= self.decode_graphs.batch_sizes[-1] and samples.all() and not scored):
-            ids = np.where(on_host, input_ids, -1)
-            b.num_computed[rows] = seq_lens
-            b.num_tokens[sampling_rows] += 1
-            return self._stage_decode(ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at,
-                                      constrained, top_at, top_ks)
-        attn_query_start, attn_seq_lens, attn_tables, attn_sizes = query_start, seq_lens, block_tables, sizes
-        if layout is not None and self._verifies_as_decodes(counts, num_tokens):
-            # Each token of a verified run attends as a decode row over its own prefix (the store
-            # writes every token's KV before the attention reads): the decode graphs' shape.
-            attn_sizes = np.ones(num_tokens, np.int64)
-            attn_query_start, attn_seq_lens = np.arange(num_tokens + 1), positions + 1
-            attn_tables = b.block_tables[token_rows, :width]
-        parts = [input_ids, positions, slot_mapping, attn_query_start, attn_seq_lens, logits_indices, sampling_rows,
-                 gather_at, gather_rows, attn_tables.reshape(-1)]
-        if layout is not None:
-            parts += [layout.first, layout.num_drafts, layout.owner, layout.offset, layout.next_drafts]
-        # What only some requests ask for travels only when asked (a plain step copies nothing more).
-        extras = (constrained_at, top_at, score_at, score_targets)
-        asked = any(len(part) for part in extras)
-        views = self._staging.fill(parts + list(extras) if asked else parts)
-        (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
-         tables_d) = views[:10]
-        verify = None
-        if layout is not None:
-            verify = DeviceLayout(*views[10:15], layout.max_drafts)
-            views = views[:10] + views[15:]
-        constrained_d, top_d, score_at_d, score_targets_d = views[10:] if asked else (None,) * 4
-        if len(gather_at):
-            ids_d.index_copy_(0, gather_at_d, self.last_sampled.index_select(0, gather_rows_d))
-        spec = self._spec_step(sampling_rows, layout, propose) if self.bookkeeping is not None else None
-        b.num_computed[rows] = seq_lens
-        b.num_tokens[sampling_rows] += 1
-        meta = AttentionMetadata(
-            slot_mapping=slots_d,
-            query_start_loc=query_start_d.to(torch.int32),
-            seq_lens=seq_lens_d.to(torch.int32),
-            block_tables=tables_d.view(len(attn_sizes), width).to(torch.int32),
-            max_query_len=int(attn_sizes.max()),
-            max_seq_len=max_seq_len,
-            query_lens_cpu=attn_sizes.tolist(),
-            seq_lens_cpu=attn_seq_lens.tolist(),
-        )
-        return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, position_rows, seeded,
-                         constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
-                         constrained_next_drafts=next_drafts,
-                         top_ks=top_ks, top_positions=top_d if top_ks is not None else None,
-                         score_indices=score_at_d if scored else None,
-                         score_targets=score_targets_d if scored else None, scored=scored or None,
-                         verify=verify, spec=spec)
-
-    def _verifies_as_decodes(self, counts: np.ndarray, num_tokens: int) -> bool:
-        """A step of decodes and their drafts only, which the decode graphs can take as decode rows."""
-        graphs = self.decode_graphs
-        return (self.verify_as_decodes and bool((counts == 1).all())
-                and (graphs is None or (graphs.usable and num_tokens <= graphs.batch_sizes[-1])))
-
-    def _spec_step(self, sampling_rows: np.ndarray, layout: VerifyLayout | None, propose: bool) -> SpecStep:
-        """The bookkeeping record of a step (before its counts advance)."""
-        b = self.batch
-        proposable = (np.array([b.options[r].speculative for r in sampling_rows.tolist()], dtype=bool) if propose
-                      else np.zeros(len(sampling_rows), dtype=bool))
-        return SpecStep(sampling_rows, b.generation[sampling_rows], b.num_tokens[sampling_rows], layout, propose,
-                        proposable)
-
-    def _stage_decode(self, ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at, constrained,
-                      top_at, top_ks) -> StepBatch:
-        """A pure-decode step whose every row samples, staged where the decode graphs read it
-        (graph_inputs.py): one host-to-device copy, and no work on the device before the replay."""
-        n, width = block_tables.shape
-        parts = [self._decode_layout.header(n, width), ids, positions, slot_mapping, seq_lens, rows,
-                 block_tables.reshape(-1)]
-        offsets = self._decode_layout.offsets(n, width)
-        extras = [part for part in (constrained_at, top_at) if len(part)]
-        for part in extras:
-            offsets.append(offsets[-1] + len(part))
-        views = self._staging.fill(parts + extras, offsets[:len(parts) + len(extras)])
-        extra_views = iter(views[len(parts):])
-        constrained_d = next(extra_views) if len(constrained_at) else None
-        top_d = next(extra_views) if top_ks is not None else None
-        return StepBatch(None, None, None, None, rows, self.decode_graphs.rows[:n], rows, [],
-                         constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
-                         top_ks=top_ks, top_positions=top_d, graph=True)
-
     def _sampling_metadata(self, sampling_rows: np.ndarray) -> SamplingMetadata:
         """The sampler's per-row facts, rebuilt only when the sampling rows or the batch change."""
         key = (self.batch.version, sampling_rows.tobytes())
@@ -453,9 +306,11 @@ class ModelRunner:
         # Constrained rows' masks are filled in the background while the forward runs.
         fill = (self.structured.start_fill(batch.constrained[1], batch.constrained_next_drafts)
                 if batch.constrained is not None else None)
-        extra = None
+        extra = aux = tokens = None
         if batch.graph:
             hidden = self.decode_graphs.replay(len(batch.sampling_rows))
+        elif self.drafter is not None and self.drafter.aux_layers:
+            hidden, aux = self.model(batch.input_ids, batch.positions, batch.meta, self.drafter.aux_layers)
         else:
             hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         if batch.scored is not None:
@@ -467,8 +322,11 @@ class ModelRunner:
         spec = batch.spec if num_sampled else None
         if num_sampled:
             tokens, logprobs, extra, failed = self._sample(batch, hidden, extra, fill)
-            if spec is not None and spec.propose and self.proposer.on_device:
-                spec.drafts, spec.draft_counts = self.proposer.propose(self, batch, hidden, spec)
+        if self.drafter is not None:
+            drafts = self.drafter.run(self, batch, aux, tokens, spec is not None and spec.propose)
+            if drafts is not None:
+                spec.drafts, spec.draft_counts = drafts
+        if num_sampled:
             slot = self._outputs.acquire()
             release = lambda: self._outputs.release(slot)  # noqa: E731
             host_tokens = self._outputs.tokens[slot]
@@ -546,6 +404,7 @@ class ModelRunner:
         """After a step sampled every verified position: each row's newest token is its last
         emitted one, and only emitted tokens count for penalties and grammars."""
         accepted, emitted, last = accept(tokens, batch.verify)
+        batch.accepted = accepted
         self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens.index_select(0, last))
         if self.sampler is not None:
             self.sampler.record(meta, tokens, emitted)

@@ -119,13 +119,17 @@ def size_kv_cache(runner: ModelRunner) -> int:
     config = runner.config
     per_block = kv_cache.block_bytes(runner.model_config.num_hidden_layers, runner.block_size, runner.num_kv_heads,
                                      runner.head_dim, runner.kv_cache_dtype)
+    reserved = 0
+    if runner.drafter is not None:   # its cache has a block beside each of the target's, and scratch blocks
+        per_block += runner.drafter.block_bytes()
+        reserved = -(-runner.drafter.scratch_bytes() // per_block)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory_gb is not None:
-        num_blocks = kv_cache.blocks_for_memory(config.kv_cache_memory_gb, per_block)
+        num_blocks = kv_cache.blocks_for_memory(config.kv_cache_memory_gb, per_block) - reserved
     elif runner.device.type == "cuda":
         warm_up(runner)
-        num_blocks = kv_cache.cuda_free_blocks(runner.device, per_block, config.gpu_memory_utilization)
+        num_blocks = kv_cache.cuda_free_blocks(runner.device, per_block, config.gpu_memory_utilization) - reserved
     else:
         num_blocks = kv_cache.cpu_default_blocks(per_block)
     # The scheduler hands out one set of block ids for the whole group: every rank holds
@@ -146,6 +150,8 @@ def warm_up(runner: ModelRunner) -> None:
     blocks_per_seq = -(-seq_len // runner.block_size)
     kv_cache.allocate_kv_cache(runner.model, num_seqs * blocks_per_seq, runner.block_size,
                                runner.num_kv_heads, runner.head_dim, runner.kv_cache_dtype, device)
+    if runner.drafter is not None:
+        runner.drafter.allocate_kv_cache(num_seqs * blocks_per_seq)
     warm_options = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)
     new_requests = [NewRequest(-1 - i, [0] * seq_len, seq_len, 0, seq_len,
                                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), warm_options)
@@ -162,6 +168,8 @@ def warm_up(runner: ModelRunner) -> None:
         runner.device_sampler.sample(logits, rows, runner._tokens, runner._logprobs, runner.last_sampled)
     runner.reset()
     kv_cache.unbind_kv_cache(runner.model)
+    if runner.drafter is not None:
+        runner.drafter.release_kv_cache()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
 
@@ -177,6 +185,9 @@ class _WarmRow:
 def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
     """CUDA graphs of the decode forward, where the device and the backend allow them."""
     if runner.device.type != "cuda" or runner.config.enforce_eager:
+        return None
+    if runner.drafter is not None:
+        logger.info("--speculative-method %s drafts in every step: decoding eagerly", runner.drafter.method)
         return None
     if not runner.backend.supports_cuda_graphs:
         logger.info("attention backend %s cannot be captured: decoding eagerly", runner.backend.name)

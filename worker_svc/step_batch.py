@@ -1,5 +1,5 @@
 """A launched step's device inputs and the host facts its sampling needs, as the model runner
-prepares them (ModelRunner._prepare) and reads them while it executes and samples."""
+prepares them (batch_prep.py) and reads them while it executes and samples."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +11,7 @@ import torch
 if TYPE_CHECKING:
     from worker_svc.layers.attention import AttentionMetadata
     from worker_svc.spec_decode.bookkeeping import SpecStep
+    from worker_svc.spec_decode.drafter import DraftPlan
     from worker_svc.spec_decode.verification import DeviceLayout
 
 
@@ -41,3 +42,5 @@ class StepBatch:
     # Speculative decoding: the verification's layout on the device, and the step's bookkeeping.
     verify: DeviceLayout | None = None
     spec: SpecStep | None = None
+    accepted: torch.Tensor | None = None   # drafts each sampling request accepted (device), once sampled
+    draft_plan: DraftPlan | None = None    # a device proposer's drafting plan

@@ -4,12 +4,13 @@ engine, greedy, against the same engine without speculation.
 Two bench-only host proposers stand in for a real one: `oracle` replays the target's own greedy
 continuation (recorded by the baseline run), so drafts are right at no drafting cost and its
 speedup bounds every method; `p=X` proposes each replayed token with probability X (else a wrong
-one), giving speedup against the measured acceptance length. The drafting cost of the real device
-methods is measured apart, as the device time of a decode step of their shapes at each batch (they
-would run on the device inside the target's step): eagle3 (one decoder layer of Qwen3-8B's width
-over a 32k draft vocabulary, plus its fc over three hidden states) and draft (Qwen3-0.6B).
-Predicted speedup of a method at acceptance length L with k drafts:
-    L * baseline step / (verify step at k + k * drafting step)
+one), giving speedup against the measured acceptance length. The real device methods run too, with
+random weights (their drafts are rejected, so each step emits one token, but a step's work is the
+same whatever is accepted): the worker's eagle3 proposer with an EAGLE-3 head of the published
+Qwen3-8B layout (one decoder layer, fc over three hidden states, a 32k draft vocabulary) and its
+draft proposer with Qwen3-0.6B, both at k = 4, inside the target's steps. Their step time is the
+verify step plus their drafting; predicted speedup of a method at acceptance length L:
+    L * baseline step / the method's step
 `default` runs batch 64 with the scheduler's default --speculative-max-batch-size (it does not
 speculate there): the cost of a speculating worker when the threshold turns speculation off.
 """
@@ -86,6 +87,9 @@ class ReplayProposer:
             out.append(np.where(right, truth, (truth + 1) % self.vocab_size))
         return out
 
+    def run(self, runner, batch, aux, tokens, propose):
+        raise NotImplementedError("the replay proposer proposes on the host")
+
 
 def force_acceptance(runner) -> None:
     """A verified position whose draft the replay proposer made right samples that draft. Random
@@ -107,9 +111,6 @@ def force_acceptance(runner) -> None:
         apply(batch, meta, tokens, spec)
 
     runner._apply_verification = forced
-
-    def propose(self, runner, batch, hidden, spec):
-        raise NotImplementedError("the replay proposer proposes on the host")
 
 
 class Counters:
@@ -141,14 +142,21 @@ class Counters:
         return self.launches, self.verifications, self.drafts, self.accepted
 
 
+METHOD_K = 4              # the real methods' --num-speculative-tokens
+
+
 def run(args: argparse.Namespace) -> dict:
     shape = Shape.of(args)
-    drafting = {"eagle3": _drafting_ms(args, shape, _eagle3_dir(args)), "draft": _drafting_ms(args, shape, None)}
-    eagle_fc = _eagle3_fc_ms(args, shape)
-    for kind in ("step", "device"):
-        drafting["eagle3"][kind] = {b: ms + eagle_fc[b] if ms else 0.0 for b, ms in drafting["eagle3"][kind].items()}
-    return {"rows": _target_rows(args, shape), "drafting_ms": drafting,
-            "shape": dataclasses.asdict(shape)}
+    rows = _target_rows(args, shape)
+    for method, model_dir in (("eagle3", _eagle3_dir(args)), ("draft", config_dir(args, "0.6b"))):
+        rows += _method_rows(args, shape, method, model_dir)
+    return {"rows": rows, "shape": dataclasses.asdict(shape)}
+
+
+def _prompts(shape: "Shape", vocab: int) -> dict[int, list[list[int]]]:
+    rng = random.Random(0)
+    return {b: [[rng.randrange(3, min(vocab, 10000)) for _ in range(shape.prompt)] for _ in range(b)]
+            for b in shape.batches}
 
 
 # --- the target, with and without drafts -------------------------------------------------------
@@ -164,9 +172,7 @@ def _target_rows(args: argparse.Namespace, shape: Shape) -> list[dict]:
                     speculative_max_batch_size=max(shape.batches))
     runner, counters = llm.runner, Counters(llm.runner)
     bookkeeping, engine = runner.bookkeeping, llm._engine_config
-    rng = random.Random(0)
-    prompts = {b: [[rng.randrange(3, min(vocab, 10000)) for _ in range(shape.prompt)] for _ in range(b)]
-               for b in shape.batches}
+    prompts = _prompts(shape, vocab)
     continuations: dict[bytes, np.ndarray] = {}
     rows, baseline = [], {}
 
@@ -227,92 +233,58 @@ def _target_rows(args: argparse.Namespace, shape: Shape) -> list[dict]:
     return rows
 
 
-# --- drafting costs ----------------------------------------------------------------------------
+# --- the real methods --------------------------------------------------------------------------
 
 def _eagle3_dir(args: argparse.Namespace):
-    """Qwen3-8B's config cut to the EAGLE-3 head's decoder: one layer, the draft vocabulary."""
+    """An EAGLE-3 head's config.json for the 8b target in the published layout (no weights: the
+    worker draws them with --load-format dummy)."""
     out = args.out / "models" / "eagle3-head"
     if not (out / "config.json").exists():
-        source = config_dir(args, "8b")
+        target = load_config(args, "8b")
+        n = target["num_hidden_layers"]
+        config = {key: target[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                               "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+                                               "vocab_size", "max_position_embeddings") if key in target}
+        config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                      hidden_act="silu", draft_vocab_size=min(DRAFT_VOCAB, target["vocab_size"]),
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3] if n >= 4
+                                    else [0, n // 2, n - 1]})
         out.mkdir(parents=True, exist_ok=True)
-        for f in source.iterdir():
-            if f.is_file() and f.name != "generation_config.json":
-                (out / f.name).write_bytes(f.read_bytes())
-        config = json.loads((source / "config.json").read_text())
-        config.update(num_hidden_layers=1, max_window_layers=1, vocab_size=min(DRAFT_VOCAB, config["vocab_size"]),
-                      bos_token_id=0, eos_token_id=0)     # the target's ids lie beyond the draft vocabulary
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
-def _drafting_ms(args: argparse.Namespace, shape: Shape, model_dir) -> dict[str, dict[int, float]]:
-    """A draft model's (model_dir; None: Qwen3-0.6B) decode step at each batch, ms: "step" between
-    replies of the engine, "device" the median device time of its steps (CUDA events; 0 on the CPU)."""
-    import statistics
-
+def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir) -> list[dict]:
+    """The target's decode with the worker's real `method` proposer (random weights) at k = 4."""
     from bench.stages.moe_e2e import dummy_llm
     from common.sampling import SamplingParams
-    from tools.offline import LLM
 
-    options = dict(max_num_seqs=max(shape.batches), max_num_batched_tokens=max(4096, max(shape.batches) * 16),
-                   max_model_len=shape.max_model_len, num_kv_blocks=shape.kv_blocks())
-    llm = (LLM(str(model_dir), device=args.device, load_format="dummy", **options) if model_dir is not None
-           else dummy_llm(args, "0.6b", **options))
-    device_ms: list[float] = []
-    _record_device_ms(llm.runner, device_ms)
-    vocab = llm.runner.vocab_size
-    rng = random.Random(1)
-    result: dict[str, dict[int, float]] = {"step": {}, "device": {}}
-    for b in [max(shape.batches), *shape.batches]:      # the first run compiles and warms
-        prompts = [[rng.randrange(3, min(vocab, 10000)) for _ in range(shape.prompt)] for _ in range(b)]
-        times = []
-        for max_tokens in (1, 1 + shape.tokens):
-            device_ms.clear()
-            started = time.perf_counter()
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-            times.append(time.perf_counter() - started)
-        result["step"][b] = (times[1] - times[0]) / shape.tokens * 1e3
-        result["device"][b] = statistics.median(device_ms) if device_ms else 0.0   # decode steps dominate
-    _release(llm)
-    return result
+    vocab = load_config(args, "8b")["vocab_size"]
+    llm = dummy_llm(args, "8b", speculative_method=method, speculative_model=str(model_dir),
+                    num_speculative_tokens=METHOD_K, max_num_seqs=max(shape.batches),
+                    max_num_batched_tokens=max(4096, max(shape.batches) * 16), max_model_len=shape.max_model_len,
+                    num_kv_blocks=shape.kv_blocks(), speculative_max_batch_size=max(shape.batches))
+    counters, prompts = Counters(llm.runner), _prompts(shape, vocab)
 
+    def timed(b: int, max_tokens: int) -> tuple[float, tuple]:
+        before = counters.snapshot()
+        started = time.perf_counter()
+        llm.generate(prompts[b], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        return time.perf_counter() - started, tuple(a - c for a, c in zip(counters.snapshot(), before))
 
-def _record_device_ms(runner, sink: list[float]) -> None:
-    """Appends each step's device time to sink as its result is read."""
-    launch = runner.launch
-
-    class Recorded:
-        def __init__(self, pending) -> None:
-            self.pending = pending
-
-        def result(self):
-            output = self.pending.result()
-            sink.append(output.device_ms)
-            return output
-
-    runner.launch = lambda step: Recorded(launch(step))
-
-
-def drafting_cost_ms(measured: dict[str, dict[int, float]], batch: int) -> float:
-    """A draft step's cost inside the worker: its device time (the proposers run on the device
-    right after the target's sampling), or its engine step where there is no device timing."""
-    return measured["device"][batch] or measured["step"][batch]
-
-
-def _eagle3_fc_ms(args: argparse.Namespace, shape: Shape) -> dict[int, float]:
-    """ms of the EAGLE-3 fc (three hidden states to one) at each batch."""
-    import torch
-
-    from bench.timing import timer
-
-    hidden = load_config(args, "8b")["hidden_size"]
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    weight = torch.randn(hidden, 3 * hidden, device=args.device, dtype=dtype) * 0.02
-    timed, result = timer(args.device), {}
+    timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles and warms
+    rows = []
     for b in shape.batches:
-        x = torch.randn(b, 3 * hidden, device=args.device, dtype=dtype)
-        result[b] = timed(lambda: torch.nn.functional.linear(x, weight)) * 1e3   # noqa: B023 (called at once)
-    return result
+        prefill_s, (prefill_launches, *_) = min((timed(b, 1) for _ in range(REPEATS)), key=lambda run: run[0])
+        seconds, (launches, verifications, drafts, accepted) = min(
+            (timed(b, 1 + shape.tokens) for _ in range(REPEATS)), key=lambda run: run[0])
+        decode_s, steps = seconds - prefill_s, max(launches - prefill_launches, 1)
+        rows.append({"proposer": method, "k": METHOD_K, "batch": b, "decode_s": decode_s, "steps": steps,
+                     "step_ms": decode_s / steps * 1e3, "tok_per_s": b * shape.tokens / decode_s,
+                     "verifications": verifications, "drafts": drafts, "accepted": accepted,
+                     "acceptance_length": 1 + accepted / verifications if verifications else 1.0})
+    _release(llm)
+    return rows
 
 
 def _release(llm) -> None:
@@ -328,36 +300,31 @@ def _release(llm) -> None:
 
 # --- the table ---------------------------------------------------------------------------------
 
-def predicted_speedup(row: dict, base_step_ms: float, drafting_ms: float, length: float) -> float:
-    """Speedup of a method drafting row["k"] tokens at drafting_ms each, at acceptance length `length`."""
-    return length * base_step_ms / (row["step_ms"] + row["k"] * drafting_ms)
+def predicted_speedup(method_step_ms: float, base_step_ms: float, length: float) -> float:
+    """Speedup of a method whose steps (verify and drafting) take method_step_ms, at acceptance
+    length `length` (tokens emitted per step)."""
+    return length * base_step_ms / method_step_ms
 
 
 def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
-    r = results["spec"]["result"]
-    drafting = {m: {kind: {int(b): ms for b, ms in d.items()} for kind, d in kinds.items()}
-                for m, kinds in r["drafting_ms"].items()}
-    rows = r["rows"]
+    rows = results["spec"]["result"]["rows"]
     base = {row["batch"]: row for row in rows if row["proposer"] == "none"}
     model = "tiny 8b" if args.tiny else "Qwen3-8B"
     print(f"\nspeculative decoding, {model} shapes (dummy weights), greedy, in-process engine; speedup against "
           f"the same batch without speculation")
     print(f"{'proposer':9s} {'k':>2s} {'batch':>5s} {'step ms':>8s} {'tok/s':>9s} {'speedup':>8s} {'accept len':>10s} "
-          f"{'same out':>8s} {'eagle3 @3':>9s} {'draft @3':>9s}")
+          f"{'same out':>8s} {'@ len 3':>8s}")
     for row in rows:
         b = row["batch"]
-        speedup = f"{row['speedup']:7.2f}x" if "speedup" in row else f"{'-':>8s}"
+        speedup = f"{row['tok_per_s'] / base[b]['tok_per_s']:7.2f}x" if row["proposer"] != "none" else f"{'-':>8s}"
         same = f"{row['same_output']:8.0%}" if "same_output" in row else f"{'-':>8s}"
-        at3 = [f"{'-':>9s}"] * 2
-        if row["proposer"] == "oracle" and row["k"] >= 2:
-            at3 = [f"{predicted_speedup(row, base[b]['step_ms'], drafting_cost_ms(drafting[m], b), 3.0):8.2f}x" for m in ("eagle3", "draft")]
+        at3 = (f"{predicted_speedup(row['step_ms'], base[b]['step_ms'], 3.0):7.2f}x"
+               if row["proposer"] in ("eagle3", "draft") else f"{'-':>8s}")
         print(f"{row['proposer']:9s} {row['k']:2d} {b:5d} {row['step_ms']:8.2f} {row['tok_per_s']:9.0f} {speedup} "
-              f"{row['acceptance_length']:10.2f} {same} {at3[0]} {at3[1]}")
-    for m, kinds in drafting.items():
-        print(f"{m} drafting step ms (device / engine step): " + ", ".join(
-            f"b{b} {kinds['device'][b]:.2f} / {kinds['step'][b]:.2f}" for b in kinds["step"]))
-    print("  (eagle3/draft @3: predicted at acceptance length 3 from the oracle's verify step and the measured "
-          "drafting step; targets: eagle3 >= 2.0x at batch 1, and batch >= 64 never below 0.98x)")
+              f"{row['acceptance_length']:10.2f} {same} {at3}")
+    print("  (eagle3, draft: the worker's proposers with random weights, so their drafts are rejected; '@ len 3' "
+          "predicts their speedup at acceptance length 3 from their measured step; targets: eagle3 >= 2.0x at "
+          "batch 1, and batch >= 64 never below 0.98x)")
 
 
 if __name__ == "__main__":

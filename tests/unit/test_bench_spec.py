@@ -1,6 +1,6 @@
 """The spec bench stage's replay proposer: at p = 1 it proposes the recorded greedy continuation
 from where each row stands, at p = 0 none of its drafts is right, and a row it has no record of
-gets no drafts."""
+gets no drafts; a method's predicted speedup."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,6 +39,5 @@ def test_a_replay_that_is_never_right_proposes_only_wrong_tokens():
     assert drafts.tolist() == [41, 42, 43, 0]
 
 
-def test_the_predicted_speedup_charges_each_draft_its_drafting_step():
-    row = {"k": 4, "step_ms": 12.0}
-    assert predicted_speedup(row, base_step_ms=10.0, drafting_ms=2.0, length=3.0) == 30.0 / 20.0
+def test_the_predicted_speedup_is_the_tokens_per_step_over_the_methods_step():
+    assert predicted_speedup(method_step_ms=20.0, base_step_ms=10.0, length=3.0) == 30.0 / 20.0

@@ -1,7 +1,8 @@
-"""ModelRunner with speculative decoding (ngram), driven as the scheduler would drive it: every
-decode verifies all the drafts the worker holds for it. Greedy output equals transformers' token
-for token; seeded sampling with every option, and its logprobs, equal the plain runner's; a
-grammar holds over accepted runs; steps that ask for drafts the worker does not hold are refused."""
+"""ModelRunner with speculative decoding (ngram, eagle3, draft), driven as the scheduler would
+drive it: every decode verifies all the drafts the worker holds for it. Greedy output equals
+transformers' token for token; seeded sampling with every option, and its logprobs, equal the
+plain runner's; a grammar holds over accepted runs; a draft model that is the target has its
+drafts accepted; steps that ask for drafts the worker does not hold are refused."""
 from __future__ import annotations
 
 import argparse
@@ -125,6 +126,31 @@ def test_greedy_with_ngram_drafts_equals_transformers(tiny_model_dir, as_decodes
         assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 30), f"sequence {seq_id}"
     assert loop.num_verified > 10 and loop.num_accepted > 0
     assert loop.runner.describe().speculative_method == "ngram"
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft"])
+def test_greedy_with_drafts_of_a_model_on_the_device_equals_transformers(tiny_model_dir, tiny_eagle3_dir,
+                                                                         tiny_draft_dir, method):
+    head = tiny_eagle3_dir if method == "eagle3" else tiny_draft_dir
+    runner = make_runner(tiny_model_dir, speculative_method=method, speculative_model=str(head),
+                         num_speculative_tokens=3)
+    requests = {1: (prompt(1, 40), GREEDY), 2: (prompt(2, 9), GREEDY), 3: (repeating(3, 3, 5), GREEDY)}
+    loop = Loop(runner)
+    outputs = loop.run(requests, 20)
+    for seq_id, (p, _) in requests.items():
+        assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 20), f"sequence {seq_id}"
+    assert loop.num_verified > 10 and runner.describe().speculative_method == method
+
+
+def test_a_draft_model_that_is_the_target_has_its_greedy_drafts_accepted(tiny_model_dir, tiny_self_draft_dir):
+    runner = make_runner(tiny_model_dir, speculative_method="draft", speculative_model=str(tiny_self_draft_dir),
+                         num_speculative_tokens=3)
+    requests = {1: (prompt(4, 30), GREEDY), 2: (prompt(5, 7), GREEDY)}
+    loop = Loop(runner)
+    outputs = loop.run(requests, 24)
+    for seq_id, (p, _) in requests.items():
+        assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 24), f"sequence {seq_id}"
+    assert loop.num_accepted >= 0.9 * 3 * loop.num_verified > 0
 
 
 def oracle(runner: ModelRunner, reference: dict[int, list[int]]):

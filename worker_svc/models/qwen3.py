@@ -105,12 +105,19 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(*inverse_frequencies(config, head_dim_of(config)), max_position)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final hidden states; with aux_layers, also the residual stream entering each of those
+        layers (what an EAGLE-3 head reads), in their order."""
         cos_sin = self.rotary_emb(positions)   # looked up once, shared by every layer
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        entering = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                entering[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, cos_sin, meta)
-        return self.norm(hidden, residual)[0]
+        hidden = self.norm(hidden, residual)[0]
+        return (hidden, [entering[i] for i in aux_layers]) if aux_layers else hidden
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -136,9 +143,11 @@ class Qwen3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states of every token: [num_tokens, hidden]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final hidden states of every token: [num_tokens, hidden] (and, with aux_layers, the
+        hidden states entering those layers: Qwen3Model.forward)."""
+        return self.model(input_ids, positions, meta, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
         """Logits of the rows that sample only: [len(logits_indices), vocab], on tensor-parallel

@@ -1,0 +1,134 @@
+"""What the proposers that run a model on the device (eagle3, draft) share: their own KV cache on
+the target's block tables, each step's drafting plan, and the drafting passes' attention metadata.
+
+The drafter's cache has as many blocks as the target's, at the same ids, so a step's slot mapping
+and block tables serve both: the drafter computes every position the target computes (prefill
+chunks, decodes, verified runs), and positions of rejected drafts are written again when their
+real tokens are computed. Its drafting passes run past the newest token, where the target may
+hold no block yet: there each sampling row of the step borrows scratch blocks of its own, after
+the shared ones (`plan`), and what it writes there is never read by a later step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from worker_svc import kv_cache
+from worker_svc.input_batch import InputBatch
+from worker_svc.layers.attention import AttentionMetadata
+from worker_svc.staging import Staging, to_host
+
+if TYPE_CHECKING:
+    from worker_svc.model_runner import ModelRunner
+    from worker_svc.step_batch import StepBatch
+
+
+@dataclass
+class DraftPlan:
+    """A step's drafting facts, on the device."""
+    last_index: torch.Tensor       # int64 [requests]: each request's last token in the step
+    next_host_ids: torch.Tensor    # int64 [requests]: the known token after it (0: not known on the host)
+    tables: torch.Tensor           # int64 [sampling rows, width]: block tables, scratch past each row's blocks
+    base_positions: torch.Tensor   # int64 [sampling rows]: the newest token's position when no draft is accepted
+    max_seq_len: int               # bound of the drafting passes' context lengths
+
+
+class ModelProposer:
+    """A proposer running `module` (attention_layers() like a model's) on the device."""
+    on_device = True
+    aux_layers: tuple[int, ...] = ()   # target layers whose entering hidden states it reads
+
+    def __init__(self, runner: ModelRunner, module: nn.Module, num_kv_heads: int, head_dim: int,
+                 num_drafts: int) -> None:
+        self.module, self.num_kv_heads, self.head_dim, self.num_drafts = module, num_kv_heads, head_dim, num_drafts
+        self.device, self.dtype, self.block_size = runner.device, runner.dtype, runner.block_size
+        self.max_model_len, self.max_rows = runner.max_model_len, runner.config.max_num_seqs
+        self.host_lengths = not runner.backend.supports_cuda_graphs   # its attention reads the host lists
+        self.scratch_per_row = num_drafts // runner.block_size + 2
+        self.num_shared_blocks = 0
+        self._staging = Staging(self.max_rows * (runner.max_blocks_per_seq + 3) + 1, runner.device)
+        self._arange = torch.arange(self.max_rows + 1, device=runner.device)
+
+    def propose_on_host(self, rows: np.ndarray) -> list[np.ndarray]:
+        raise NotImplementedError(f"{self.method} proposes on the device")
+
+    # --- its KV cache --------------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """Bytes of one block of its cache (beside each of the target's)."""
+        return kv_cache.block_bytes(len(self.module.attention_layers()), self.block_size, self.num_kv_heads,
+                                    self.head_dim, self.dtype)
+
+    def scratch_bytes(self) -> int:
+        return self.max_rows * self.scratch_per_row * self.block_bytes()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """num_blocks shared with the target (the same ids), then every row's scratch blocks."""
+        self.num_shared_blocks = num_blocks
+        kv_cache.allocate_kv_cache(self.module, num_blocks + self.max_rows * self.scratch_per_row, self.block_size,
+                                   self.num_kv_heads, self.head_dim, self.dtype, self.device)
+
+    def release_kv_cache(self) -> None:
+        kv_cache.unbind_kv_cache(self.module)
+
+    # --- a step ----------------------------------------------------------------------------------
+
+    def plan(self, b: InputBatch, rows: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray,
+             samples: np.ndarray, num_drafts: np.ndarray | None) -> DraftPlan:
+        """The step's drafting plan, from the batch before the step's counts advance: `seq_lens`
+        per row after the step, `num_drafts` per sampling row (None: none verified)."""
+        bs, k = self.block_size, self.num_drafts
+        after = np.minimum(seq_lens, self.max_model_len - 1)
+        next_host = np.where(seq_lens < b.num_host_tokens[rows], b.token_ids[rows, after], 0)
+        sampling_rows = rows[samples]
+        base = seq_lens[samples] - (num_drafts if num_drafts is not None else 0)
+        top = np.minimum(seq_lens[samples] + k, self.max_model_len)
+        max_seq_len = int(top.max()) if len(top) else 0
+        width = -(-max_seq_len // bs)
+        column = np.arange(width)
+        owned = b.num_blocks[sampling_rows][:, None]
+        scratch = (self.num_shared_blocks + np.arange(len(sampling_rows))[:, None] * self.scratch_per_row
+                   + np.clip(column - owned, 0, self.scratch_per_row - 1))
+        tables = np.where(column < owned, b.block_tables[sampling_rows, :width], scratch)
+        last, host_ids, flat, base_d = self._staging.fill([query_start[1:] - 1, next_host, tables.reshape(-1), base])
+        return DraftPlan(last, host_ids, flat.view(len(sampling_rows), width), base_d, max_seq_len)
+
+    @torch.inference_mode()
+    def run(self, runner: ModelRunner, batch: StepBatch, aux: list[torch.Tensor] | None,
+            tokens: torch.Tensor | None, propose: bool) -> tuple[torch.Tensor, np.ndarray] | None:
+        """Catches up on the step's tokens; when asked (and the step sampled), drafts after each
+        sampling row's newest token: (drafts [rows, k] on their way to the host, counts)."""
+        state = self.catch_up(runner, batch, aux, tokens)
+        if not propose or tokens is None:
+            return None
+        plan = batch.draft_plan
+        start = plan.base_positions + (batch.accepted if batch.accepted is not None else 0)
+        drafts = self.draft(runner, batch, start, state)
+        return to_host(drafts), np.full(len(batch.sampling_rows), self.num_drafts, dtype=np.int64)
+
+    def catch_up(self, runner: ModelRunner, batch: StepBatch, aux, tokens):
+        """Computes the step's positions in its own cache; returns what drafting starts from."""
+        raise NotImplementedError
+
+    def draft(self, runner: ModelRunner, batch: StepBatch, start: torch.Tensor, state) -> torch.Tensor:
+        """[sampling rows, k] drafts; `start`: each row's newest token's position."""
+        raise NotImplementedError
+
+    def pass_meta(self, plan: DraftPlan, positions: torch.Tensor) -> AttentionMetadata:
+        """Attention metadata of a drafting pass: one token per sampling row at `positions`."""
+        n, bs = len(positions), self.block_size
+        slots = plan.tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        seq_lens = positions + 1
+        host = seq_lens.tolist() if self.host_lengths else [plan.max_seq_len] * n
+        return AttentionMetadata(slot_mapping=slots, query_start_loc=self._arange[:n + 1].to(torch.int32),
+                                 seq_lens=seq_lens.to(torch.int32), block_tables=plan.tables.to(torch.int32),
+                                 max_query_len=1, max_seq_len=plan.max_seq_len, query_lens_cpu=[1] * n,
+                                 seq_lens_cpu=host)
+
+    def positions(self, start: torch.Tensor, j: int) -> torch.Tensor:
+        """The j-th drafting pass's positions (past max_model_len: the last, whose drafts are cut)."""
+        return (start + j).clamp_max(self.max_model_len - 1)
