@@ -10,7 +10,15 @@ import torch
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.support.hf_reference import hf_greedy, hf_model
-from tests.support.runner_driver import GREEDY, SAMPLERS, Driver, make_runner, prompt, skip_long_interpreted, step_request
+from tests.support.runner_driver import (
+    GREEDY,
+    SAMPLERS,
+    Driver,
+    make_runner,
+    prompt,
+    skip_long_interpreted,
+    step_request,
+)
 from tests.support.triton_interpreter import gpu_faithful
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
