@@ -27,6 +27,14 @@ def skip_long_interpreted(sampler: str) -> None:
         pytest.skip("long runs of interpreted sampling kernels (covered per step in test_sampling_kernels.py)")
 
 
+def grow_blocks(blocks: list[int], free_blocks: list[int], num_tokens: int) -> list[int]:
+    """Appends to a sequence's `blocks` what it needs to hold num_tokens; returns the new ones."""
+    needed = -(-num_tokens // BLOCK_SIZE) - len(blocks)
+    fresh = [free_blocks.pop() for _ in range(max(needed, 0))]
+    blocks += fresh
+    return fresh
+
+
 class Driver:
     """A scheduler in miniature: hands out blocks, tracks every sequence, builds the messages."""
 
@@ -40,10 +48,7 @@ class Driver:
         self.outputs = []
 
     def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
-        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
-        fresh = [self.free_blocks.pop() for _ in range(max(needed, 0))]
-        self.blocks[seq_id] += fresh
-        return fresh
+        return grow_blocks(self.blocks[seq_id], self.free_blocks, num_tokens)
 
     def new(self, seq_id: int, token_ids: list[int], num_scheduled: int, sampling=GREEDY, *,
             num_prompt: int | None = None, cached_prefix_blocks: list[int] = (),

@@ -4,7 +4,7 @@ the worker holds for it (tests/unit/test_spec_decode_runner.py, tests/e2e/test_r
 from __future__ import annotations
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
-from tests.support.runner_driver import BLOCK_SIZE, make_runner, prompt
+from tests.support.runner_driver import BLOCK_SIZE, grow_blocks, make_runner, prompt
 from worker_svc.model_runner import ModelRunner
 from worker_svc.step_message import parse_step_request
 
@@ -26,10 +26,7 @@ class Loop:
         self.num_verified = self.num_accepted = 0
 
     def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
-        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
-        fresh = [self.free_blocks.pop() for _ in range(max(needed, 0))]
-        self.blocks[seq_id] += fresh
-        return fresh
+        return grow_blocks(self.blocks[seq_id], self.free_blocks, num_tokens)
 
     def start(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]]) -> None:
         new = []
