@@ -98,11 +98,16 @@ def step_request(step_id: int, new=(), cached=(), finished=()) -> pb.StepRequest
         if n != 1:
             columns.multi_token_indices.append(i)
             columns.multi_token_counts.append(n)
-        if blocks:
-            columns.new_block_indices.append(i)
-            columns.new_block_counts.append(len(blocks))
-            columns.new_block_ids.extend(blocks)
+        add_new_blocks(columns, i, blocks)
     return pb.StepRequest(step_id=step_id, new_requests=new, cached=columns, finished_seq_ids=finished)
+
+
+def add_new_blocks(columns: pb.CachedRequests, index: int, blocks: list[int]) -> None:
+    """Lists the blocks the cached request at `index` grew by this step, if any."""
+    if blocks:
+        columns.new_block_indices.append(index)
+        columns.new_block_counts.append(len(blocks))
+        columns.new_block_ids.extend(blocks)
 
 
 def make_runner(model_dir, **overrides) -> ModelRunner:

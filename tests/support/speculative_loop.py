@@ -4,7 +4,7 @@ the worker holds for it (tests/unit/test_spec_decode_runner.py, tests/e2e/test_r
 from __future__ import annotations
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
-from tests.support.runner_driver import BLOCK_SIZE, grow_blocks, make_runner, prompt
+from tests.support.runner_driver import BLOCK_SIZE, add_new_blocks, grow_blocks, make_runner, prompt
 from worker_svc.model_runner import ModelRunner
 from worker_svc.step_message import parse_step_request
 
@@ -50,10 +50,7 @@ class Loop:
             if k:
                 columns.draft_indices.append(i)
                 columns.draft_counts.append(k)
-            if fresh:
-                columns.new_block_indices.append(i)
-                columns.new_block_counts.append(len(fresh))
-                columns.new_block_ids.extend(fresh)
+            add_new_blocks(columns, i, fresh)
         self._apply(order, drafts, pb.StepRequest(cached=columns, propose_drafts=True))
 
     def _apply(self, order: list[int], drafts: dict[int, int], request: pb.StepRequest) -> None:
