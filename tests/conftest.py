@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def interpreted_kernels_patch_triton_once():
     """Interpreted kernels' @triton.jit helpers reuse their launch's patches (several times faster)."""
-    with triton_interpreter.device_calls_patched_once():
+    with triton_interpreter.faster_interpreter():
         yield
 
 
