@@ -91,14 +91,17 @@ def test_auto_picks_the_backend_with_the_least_total_time(caplog):
            "triton 0.700)" in selection_lines(caplog)
 
 
-def test_a_backend_that_cannot_load_is_skipped_with_one_line_saying_why(caplog):
+@pytest.mark.parametrize("flaw,why", [
+    ({"cannot_load": {"flash_attn": ImportError("No module named 'flash_attn'\n(more detail)")}},
+     "it cannot load here (ImportError: No module named 'flash_attn')"),
+    ({"block_size_multiples": {"flash_attn": 64}}, "it takes KV blocks of a multiple of 64 tokens, not 16"),
+], ids=["cannot-load", "block-size"])
+def test_a_backend_that_cannot_serve_is_skipped_before_warm_up_with_one_line_saying_why(caplog, flaw, why):
     caplog.set_level(logging.INFO)
-    device = FakeDevice({"triton": {"decode": 0.1}},
-                        cannot_load={"flash_attn": ImportError("No module named 'flash_attn'\n(more detail)")})
+    device = FakeDevice({"triton": {"decode": 0.1}}, **flaw)
     assert device.select().name == "triton"
     about_flash = [line for line in selection_lines(caplog) if "flash_attn" in line]
-    assert about_flash == ["attention backend flash_attn skipped: it cannot load here "
-                           "(ImportError: No module named 'flash_attn')"]
+    assert about_flash == [f"attention backend flash_attn skipped: {why}"]
     assert device.warmed == ["triton"]
 
 
@@ -111,16 +114,6 @@ def test_a_backend_that_fails_on_the_models_shapes_is_skipped(caplog):
     assert "flash_attn skipped: it fails on this model's attention" in about_flash[0]
     assert "AssertionError: head_dim 320 unsupported" in about_flash[0]
     assert device.measured == ["triton"]
-
-
-def test_a_backend_that_does_not_take_the_block_size_is_skipped_before_warm_up(caplog):
-    caplog.set_level(logging.INFO)
-    device = FakeDevice({"triton": {"decode": 0.1}}, block_size_multiples={"flash_attn": 64})
-    assert device.select().name == "triton"
-    about_flash = [line for line in selection_lines(caplog) if "flash_attn" in line]
-    assert about_flash == ["attention backend flash_attn skipped: it takes KV blocks of a multiple of 64 tokens, "
-                           "not 16"]
-    assert device.warmed == ["triton"]
 
 
 def test_when_no_accelerated_backend_runs_torch_does(caplog):

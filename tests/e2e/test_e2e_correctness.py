@@ -38,12 +38,12 @@ def test_chunked_prefill_matches_transformers(tiny_model_dir, launch_services):
     _check_against_hf(tiny_model_dir, requests, completions)
 
 
-def test_prefix_cache_hits_match_transformers(tiny_model_dir, launch_services):
+def test_prefix_cache_hits_match_transformers(tiny_model_dir, services):
     rng = random.Random(2)
     prefix = [rng.randrange(3, 512) for _ in range(70)]   # 4 full blocks of 16, then a partial one
     first = _random_requests(rng, 1, 10, 20, prefix)
     sharing = _random_requests(rng, 16, 3, 40, prefix)
-    with launch_services() as svc, svc.channel() as ch:
+    with services.channel() as ch:     # the session's services: default flags, a prefix no other test sends
         warm = generate_many(ch, first)
         shared = generate_many(ch, sharing)
         repeat = generate(ch, **first[0])          # exactly an earlier prompt

@@ -10,17 +10,14 @@ numbers, so only runs over the same quantized cache can agree token for token.
 from __future__ import annotations
 
 import random
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from common.sampling import SamplingParams
 from tests.support.client import generate_many, model_info
 from tests.support.hf_reference import hf_greedy
-from tests.support.procs import running_services, worker_proc
+from tests.support.procs import running_services
+from tests.support.worker_restart import stream_across_a_worker_restart
 from tools.offline import LLM
 
 pytestmark = pytest.mark.timeout(300)
@@ -89,35 +86,9 @@ def test_a_worker_restarted_with_fp8_finishes_every_stream_unchanged(tiny_model_
                 for r in _requests(2)[:8]]
     with running_services(tiny_model_dir, tmp_path / "logs", worker_args=FP8) as svc, svc.channel() as ch:
         undisturbed = generate_many(ch, requests)
-        first_tokens = threading.Event()
-        results: list = [None] * len(requests)
-
-        def run(i: int) -> None:
-            r = requests[i]
-            req = generation_pb2.GenerateRequest(
-                token_ids=generation_pb2.TokenIds(ids=r["token_ids"]),
-                sampling=generation_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["max_tokens"]))
-            tokens = []
-            for msg in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=180):
-                tokens += msg.token_ids
-                if len(tokens) >= 5:
-                    first_tokens.set()
-            results[i] = tokens
-
-        with ThreadPoolExecutor(len(requests)) as pool:
-            futures = [pool.submit(run, i) for i in range(len(requests))]
-            assert first_tokens.wait(60)
-            old = svc.workers[0]
-            old.kill()
-            deadline = time.monotonic() + 30
-            while model_info(ch).worker_groups[0].healthy and time.monotonic() < deadline:
-                time.sleep(0.05)   # until the scheduler has seen the worker go
-            port = int(old.addr.rsplit(":", 1)[1])
-            svc.workers[0] = worker_proc(tiny_model_dir, tmp_path / "logs", *FP8, port=port).start()
-            for f in futures:
-                f.result()
+        run = stream_across_a_worker_restart(svc, ch, tiny_model_dir, tmp_path / "logs", requests, FP8)
         assert model_info(ch).worker_groups[0].kv_cache_dtype == "float8_e4m3fn"
-    for i, tokens in enumerate(results):
+    for i, (tokens, _) in enumerate(run.streams):
         assert tokens == undisturbed[i].token_ids, f"stream {i} changed across the restart"
 
 

@@ -14,6 +14,7 @@ import pytest
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from tests.support.client import generate, generate_many, model_info
 from tests.support.procs import running_services, worker_proc
+from tests.support.worker_restart import stream_across_a_worker_restart
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,42 +36,10 @@ def test_worker_killed_mid_generation_streams_finish_unchanged(tiny_model_dir, t
     requests = _requests(11, 16, 120)
     with running_services(tiny_model_dir, tmp_path / "logs") as svc, svc.channel() as ch:
         undisturbed = generate_many(ch, requests)
-
-        seen_unhealthy = threading.Event()
-        first_tokens = threading.Event()
-        results: list = [None] * len(requests)
-
-        def run(i: int) -> None:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            r = requests[i]
-            req = generation_pb2.GenerateRequest(
-                token_ids=generation_pb2.TokenIds(ids=r["token_ids"]),
-                sampling=generation_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["max_tokens"]))
-            tokens, reason = [], 0
-            for msg in stub.Generate(req, timeout=180):
-                tokens += msg.token_ids
-                if len(tokens) >= 5:
-                    first_tokens.set()
-                reason = msg.finish_reason or reason
-            results[i] = (tokens, reason)
-
-        with ThreadPoolExecutor(len(requests)) as pool:
-            futures = [pool.submit(run, i) for i in range(len(requests))]
-            assert first_tokens.wait(60)
-            old = svc.workers[0]
-            old.kill()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not seen_unhealthy.is_set():
-                if not model_info(ch).worker_groups[0].healthy:
-                    seen_unhealthy.set()
-                time.sleep(0.05)
-            port = int(old.addr.rsplit(":", 1)[1])
-            svc.workers[0] = worker_proc(tiny_model_dir, tmp_path / "logs", port=port).start()
-            for f in futures:
-                f.result()
-        assert seen_unhealthy.is_set(), "the scheduler never reported the dead worker"
+        run = stream_across_a_worker_restart(svc, ch, tiny_model_dir, tmp_path / "logs", requests)
+        assert run.seen_unhealthy, "the scheduler never reported the dead worker"
         assert model_info(ch).worker_groups[0].healthy
-    for i, (tokens, reason) in enumerate(results):
+    for i, (tokens, reason) in enumerate(run.streams):
         assert reason == generation_pb2.FINISH_REASON_LENGTH
         assert tokens == undisturbed[i].token_ids, f"stream {i} lost or repeated tokens across the restart"
 

@@ -5,9 +5,7 @@ repeat no token, and the metrics count what the clients saw."""
 from __future__ import annotations
 
 import random
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -16,6 +14,7 @@ from tests.e2e.test_metrics_e2e import _scrape
 from tests.support.client import generate_many, model_info
 from tests.support.hf_reference import hf_greedy
 from tests.support.procs import free_port, running_services, scheduler_proc, worker_proc
+from tests.support.worker_restart import stream_across_a_worker_restart
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -137,32 +136,9 @@ def test_a_worker_restart_mid_speculation_loses_and_repeats_no_token(tiny_model_
     requests = _requests(7, 6, 80)
     with running_services(tiny_model_dir, tmp_path / "logs", worker_args=NGRAM) as svc, svc.channel() as ch:
         undisturbed = generate_many(ch, requests)
-        started = threading.Event()
-        results: list = [None] * len(requests)
-
-        def run(i: int) -> None:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            r = requests[i]
-            tokens = []
-            for msg in stub.Generate(generation_pb2.GenerateRequest(
-                    token_ids=generation_pb2.TokenIds(ids=r["token_ids"]),
-                    sampling=generation_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=80)),
-                    timeout=180):
-                tokens += msg.token_ids
-                if len(tokens) >= 10:
-                    started.set()
-            results[i] = tokens
-
-        with ThreadPoolExecutor(len(requests)) as pool:
-            futures = [pool.submit(run, i) for i in range(len(requests))]
-            assert started.wait(60)
-            old = svc.workers[0]
-            old.kill()
-            port = int(old.addr.rsplit(":", 1)[1])
-            svc.workers[0] = worker_proc(tiny_model_dir, tmp_path / "logs", *NGRAM, port=port).start()
-            for f in futures:
-                f.result()
-    for i, tokens in enumerate(results):
+        run = stream_across_a_worker_restart(svc, ch, tiny_model_dir, tmp_path / "logs", requests, NGRAM,
+                                             started_after=10)
+    for i, (tokens, _) in enumerate(run.streams):
         assert tokens == undisturbed[i].token_ids, f"stream {i} lost or repeated tokens across the restart"
 
 

@@ -35,7 +35,7 @@ LETTERS = pb.Constraint(kind="regex", text="[a-z]{3,40}")
 
 def _rank_main(rank: int, port: int, model_dir: str, results) -> None:
     torch.set_num_threads(1)
-    from tests.unit.test_model_runner import Driver, make_runner
+    from tests.support.runner_driver import Driver, make_runner
     from worker_svc import parallel_state
 
     parallel_state.init_tensor_parallel(WorkerConfig(model=model_dir, tensor_parallel_size=WORLD_SIZE, rank=rank,

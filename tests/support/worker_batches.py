@@ -50,3 +50,27 @@ def paged_metadata(block_tables: list[list[int]], seq_lens: list[int], query_len
 
 def positions_of(seq_lens: list[int], query_lens: list[int]) -> torch.Tensor:
     return torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)], dtype=torch.int64)
+
+
+def tiny_qwen3_with_cache(model_dir, dtype: torch.dtype, device: torch.device, num_blocks: int = 32,
+                          block_size: int = 8):
+    """The checkpoint's Qwen3ForCausalLM built in `dtype` (as the model runner builds it: the RoPE
+    table stays float32) on `device`, over the torch attention backend, with a KV cache."""
+    from worker_svc import kv_cache
+    from worker_svc.layers.attention import TorchAttentionBackend
+    from worker_svc.loader import load_safetensors
+    from worker_svc.model_config import load_model_config
+    from worker_svc.models.qwen3 import Qwen3ForCausalLM
+
+    config = load_model_config(model_dir)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config, TorchAttentionBackend()).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_safetensors(model, model_dir)
+    kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
+                               dtype, device)
+    return model

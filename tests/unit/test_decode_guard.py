@@ -97,16 +97,21 @@ def test_every_handler_kind_answers_through_the_guard(method):
     asyncio.run(_serve(test))
 
 
+async def _refusal(call, method: str):
+    """The AioRpcError a call of `method` ends in (a streaming answer read to its end)."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        if method.endswith("Stream"):
+            [r async for r in call]
+        else:
+            await call
+    return err
+
+
 @pytest.mark.parametrize("method", list(HANDLERS))
 @pytest.mark.parametrize("payload", [INVALID_UTF8, b"\xff\xff\xff\xff"], ids=["invalid-utf8", "not-protobuf"])
 def test_every_handler_kind_refuses_an_undecodable_request(method, payload):
     async def test(channel, _):
-        call = _call(channel, method)(payload, timeout=10)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            if method.endswith("Stream"):
-                [r async for r in call]
-            else:
-                await call
+        err = await _refusal(_call(channel, method)(payload, timeout=10), method)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "HealthCheckRequest" in err.value.details() or "UTF-8" in err.value.details()
     asyncio.run(_serve(test))
@@ -118,12 +123,7 @@ def test_a_request_longer_than_its_method_allows_is_refused_naming_its_field(met
                                    lambda name: "service" if name.startswith("/test.") else None)
 
     async def test(channel, _):
-        call = _call(channel, method)(Request(service="x" * 32).SerializeToString(), timeout=10)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            if method.endswith("Stream"):
-                [r async for r in call]
-            else:
-                await call
+        err = await _refusal(_call(channel, method)(Request(service="x" * 32).SerializeToString(), timeout=10), method)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details() == (f"service: the request is 34 bytes, more than a {method} request within "
                                        f"this server's limits can be (16 bytes)")

@@ -17,15 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables
-from worker_svc import kv_cache
+from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables, tiny_qwen3_with_cache
 from worker_svc.layers.activation import SiluAndMul
-from worker_svc.layers.attention import TorchAttentionBackend
 from worker_svc.layers.layernorm import RMSNorm
 from worker_svc.layers.rotary import norm_and_rotate_qkv
-from worker_svc.loader import load_safetensors
 from worker_svc.model_config import load_model_config
-from worker_svc.models.qwen3 import Qwen3ForCausalLM
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu":
@@ -168,17 +164,8 @@ def test_qwen3_forward_with_and_without_fusion(fused, tiny_model_dir, dtype):
     """The whole model: its layers reach every kernel, thread the residual through the fused
     adds, and give the torch path's logits."""
     config = load_model_config(tiny_model_dir)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)   # as the model runner builds it: the RoPE table stays float32
-    try:
-        with torch.device(DEVICE):
-            model = Qwen3ForCausalLM(config, TorchAttentionBackend()).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    load_safetensors(model, tiny_model_dir)
     block_size, num_blocks = 8, 32
-    kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
-                               dtype, DEVICE)
+    model = tiny_qwen3_with_cache(tiny_model_dir, dtype, DEVICE, num_blocks, block_size)
     g = torch.Generator().manual_seed(15)
     seq_lens, query_lens = [11, 4, 5], [11, 1, 5]   # two prompts and a decode over a stored prefix
     meta = paged_metadata(random_block_tables(seq_lens, block_size, num_blocks, g), seq_lens, query_lens, block_size)

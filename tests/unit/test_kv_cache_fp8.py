@@ -1,8 +1,7 @@
 """The FP8 KV cache's kernels against torch references that quantize the same way, on fresh
 random inputs: the Triton store writes the bytes kv_quant.quantize writes; the Triton attention
 over an FP8 cache equals float64 attention over the dequantized cache up to float rounding
-(decode with and without split-K, the merge fused into the last split or launched apart, and
-mixed prefill/decode batches); the fused q/k norm + RoPE + store kernel leaves the cache and q as
+(decode and mixed prefill/decode batches; split-K and its merges: test_triton_decode_kernel.py); the fused q/k norm + RoPE + store kernel leaves the cache and q as
 the unfused path does (norm_and_rotate_qkv, then the store), for FP8, bfloat16 and same-dtype
 caches. Without CUDA the kernels run under Triton's interpreter, made to round like a GPU.
 """
@@ -101,27 +100,6 @@ def test_triton_store_and_attention_over_an_fp8_cache_match_the_torch_reference(
     assert err < TOLERANCE[dtype], f"seed {seed}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("num_splits", [2, 8])
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
-def test_split_decode_over_fp8_merges_to_the_same_answer(num_splits, fused_merge):
-    """Any split count (some splits see no key), merged by the last split or by its own launch;
-    the fused merge leaves its counters at zero for the next launch."""
-    k = kernels()
-    seed = draw_seed()
-    case, scales = fp8_case(random.Random(seed), "decode", torch.float32, group=4)
-    expected, _, _ = reference_attention(case, scales)
-    m = case.meta
-    k.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping, scales)
-    for _ in range(2):   # the second launch finds the counters the first one left
-        out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
-                                case.scale, pure_decode=True, num_splits=num_splits, kv_scales=scales,
-                                fused_merge=fused_merge)
-        err = relative_error(out, expected)
-        assert err < TOLERANCE[torch.float32], f"seed {seed}: relative error {err:.2e}"
-    if fused_merge:
-        assert not k._SPLIT_COUNTERS[case.q.device].any()
-
-
 def test_an_fp8_cache_without_scales_is_refused():
     k = kernels()
     cache = torch.zeros(2, 16, 1, 32, dtype=FP8_KV_DTYPE, device=DEVICE)
@@ -191,23 +169,3 @@ def test_fused_qk_norm_rope_store_leaves_what_the_unfused_path_leaves(model_dtyp
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert not k_cache.cpu().view(-1, num_kv_heads, head_dim)[untouched].float().any(), "a slot not asked was written"
-
-
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
-def test_a_padded_decode_row_merges_to_zeros_beside_real_ones(fused_merge):
-    """CUDA-graph padding (seq_len 0) under split-K: every split of the row is empty."""
-    k = kernels()
-    seed = draw_seed()
-    case, scales = fp8_case(random.Random(seed), "decode", torch.float32)
-    expected, _, _ = reference_attention(case, scales)
-    m = case.meta
-    k.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping, scales)
-    n = m.seq_lens.shape[0]
-    q = torch.cat([case.q, torch.randn_like(case.q[:1])])
-    seq_lens = torch.cat([m.seq_lens, m.seq_lens.new_zeros(1)])
-    tables = torch.cat([m.block_tables, m.block_tables[:1]])
-    out = k.paged_attention(q, case.k_cache, case.v_cache, torch.arange(n + 2, dtype=torch.int32, device=DEVICE),
-                            seq_lens, tables, case.scale, pure_decode=True, num_splits=4, kv_scales=scales,
-                            fused_merge=fused_merge)
-    assert torch.equal(out[n:], torch.zeros_like(out[n:])), f"seed {seed}"
-    assert relative_error(out[:n], expected) < TOLERANCE[torch.float32], f"seed {seed}"

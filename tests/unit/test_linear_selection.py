@@ -15,11 +15,10 @@ import torch.nn.functional as F
 
 from tests.support.markers import requires_cuda
 from tests.support.triton_interpreter import DEVICE, gpu_faithful
-from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables
+from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables, tiny_qwen3_with_cache
 from worker_svc import kv_cache
 from worker_svc.layers.attention import TorchAttentionBackend
 from worker_svc.layers.fp8 import quantize_blocks
-from worker_svc.loader import load_safetensors
 from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3 import Qwen3ForCausalLM
 
@@ -150,15 +149,7 @@ def test_a_model_running_its_plans_matches_the_model_without_them(selection, tin
     linear_selection, methods = selection
     dtype = torch.float32
     config = load_model_config(tiny_model_dir)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(DEVICE):
-            model = Qwen3ForCausalLM(config, TorchAttentionBackend()).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    load_safetensors(model, tiny_model_dir)
-    kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, dtype, DEVICE)
+    model = tiny_qwen3_with_cache(tiny_model_dir, dtype, DEVICE)
     gemv = methods.Gemv(linear_selection.GemvConfig(2, 64, 64, split_k=2))
     kinds = linear_selection.linear_kinds(model)
     assert sorted(label.split()[0] for label, _ in kinds.values()) == ["down_proj", "gate_up_proj", "lm_head",

@@ -1,124 +1,36 @@
 """ModelRunner driven step by step as the scheduler would: greedy generation equals
 transformers' generate token for token through chunked prefill, prefix-cache hits, decodes and
-growing block tables; seeded sampling survives preemption; bad steps are refused untouched; a
-request whose grammar fails (or costs too much) fails alone; with the torch sampler and with the
-device sampler's kernels."""
+growing block tables; seeded sampling survives preemption; bad steps are refused untouched; with
+the torch sampler and with the device sampler's kernels. (Grammars, which start compiling
+processes: tests/e2e/test_runner_grammar_e2e.py.)"""
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
-from scheduler_svc.frontend.tokenizer import load_tokenizer
 from tests.support.hf_reference import hf_greedy, hf_model
-from tests.support.triton_interpreter import INTERPRETED, gpu_faithful
+from tests.support.runner_driver import (
+    GREEDY,
+    SAMPLERS,
+    Driver,
+    make_runner,
+    prompt,
+    skip_long_interpreted,
+    step_request,
+)
+from tests.support.triton_interpreter import gpu_faithful
 from worker_svc.config import WorkerConfig
 from worker_svc.model_runner import InvalidStepError, ModelRunner, StaleMirrorError
 from worker_svc.step_message import parse_step_request
 
-BLOCK_SIZE = 16
-GREEDY = pb.SamplingOptions(temperature=0.0)
 
-
-@pytest.fixture(params=("torch", pytest.param("kernels", marks=pytest.mark.skipif(
-    not INTERPRETED, reason="the runner here is on the CPU: its kernels need Triton's interpreter"))))
+@pytest.fixture(params=SAMPLERS)
 def sampler(request):
     """The torch sampler, or the device sampler's kernels sampling eagerly (interpreted on the CPU;
     on a GPU, tests/unit/test_gpu_pipelined_runner.py runs them inside the decode graphs)."""
     with gpu_faithful():
         yield request.param
-
-
-def skip_long_interpreted(sampler: str) -> None:
-    """Tens of interpreted sampling steps take minutes on the CPU: the kernels' seeded and masked
-    draws are checked one step at a time in test_sampling_kernels.py, and through the runner's
-    graphs on a GPU (test_gpu_pipelined_runner.py)."""
-    if sampler == "kernels" and INTERPRETED:
-        pytest.skip("long runs of interpreted sampling kernels (covered per step in test_sampling_kernels.py)")
-
-
-class Driver:
-    """A scheduler in miniature: hands out blocks, tracks every sequence, builds the messages."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.free_blocks = list(range(runner.num_kv_blocks))[::-1]   # pop() hands out 0, 1, ...
-        self.tokens: dict[int, list[int]] = {}
-        self.blocks: dict[int, list[int]] = {}
-        self.computed: dict[int, int] = {}
-        self.step_id = 0
-        self.outputs = []
-
-    def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
-        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
-        fresh = [self.free_blocks.pop() for _ in range(max(needed, 0))]
-        self.blocks[seq_id] += fresh
-        return fresh
-
-    def new(self, seq_id: int, token_ids: list[int], num_scheduled: int, sampling=GREEDY, *,
-            num_prompt: int | None = None, cached_prefix_blocks: list[int] = (),
-            constraint: pb.Constraint | None = None) -> pb.NewRequest:
-        self.tokens[seq_id] = list(token_ids)
-        self.blocks[seq_id] = list(cached_prefix_blocks)
-        self.computed[seq_id] = len(cached_prefix_blocks) * BLOCK_SIZE
-        self._grow(seq_id, self.computed[seq_id] + num_scheduled)
-        msg = pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=num_prompt or len(token_ids),
-                            num_computed_tokens=self.computed[seq_id], num_scheduled_tokens=num_scheduled,
-                            block_ids=self.blocks[seq_id], sampling=sampling)
-        if constraint is not None:
-            msg.sampling.constraint.CopyFrom(constraint)
-        return msg
-
-    def cached(self, seq_id: int, num_scheduled: int = 1) -> tuple[int, int, list[int]]:
-        return seq_id, num_scheduled, self._grow(seq_id, self.computed[seq_id] + num_scheduled)
-
-    def step(self, new=(), cached=(), finished=()) -> dict[int, int]:
-        self.step_id += 1
-        output = self.runner.step(parse_step_request(step_request(self.step_id, new, cached, finished)))
-        assert output.step_id == self.step_id
-        self.outputs.append(output)
-        order = [seq_id for seq_id, _, _ in cached] + [r.seq_id for r in new]
-        counts = [n for _, n, _ in cached] + [r.num_scheduled_tokens for r in new]
-        sampling = []
-        for seq_id, n in zip(order, counts):
-            self.computed[seq_id] += n
-            if self.computed[seq_id] == len(self.tokens[seq_id]):
-                sampling.append(seq_id)
-        assert len(output.token_ids) == len(sampling)
-        self.logprobs = dict(zip(sampling, output.logprobs or []))
-        sampled = dict(zip(sampling, output.token_ids))
-        for seq_id, token in sampled.items():
-            self.tokens[seq_id].append(token)
-        return sampled
-
-    def forget(self, seq_id: int) -> None:
-        self.free_blocks += self.blocks.pop(seq_id)
-        del self.tokens[seq_id], self.computed[seq_id]
-
-
-def step_request(step_id: int, new=(), cached=(), finished=()) -> pb.StepRequest:
-    """A StepRequest with cached requests given as (seq_id, num_scheduled, new_block_ids)."""
-    columns = pb.CachedRequests(seq_ids=[seq_id for seq_id, _, _ in cached])
-    for i, (_, n, blocks) in enumerate(cached):
-        if n != 1:
-            columns.multi_token_indices.append(i)
-            columns.multi_token_counts.append(n)
-        if blocks:
-            columns.new_block_indices.append(i)
-            columns.new_block_counts.append(len(blocks))
-            columns.new_block_ids.extend(blocks)
-    return pb.StepRequest(step_id=step_id, new_requests=new, cached=columns, finished_seq_ids=finished)
-
-
-def make_runner(model_dir, **overrides) -> ModelRunner:
-    settings = {"num_kv_blocks": 64, "block_size": BLOCK_SIZE} | overrides
-    return ModelRunner(WorkerConfig(model=str(model_dir), **settings))
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_greedy_generation_equals_transformers(tiny_model_dir, sampler):
@@ -334,82 +246,3 @@ def check_top(tops, reference: torch.Tensor, k: int) -> None:
         assert got_values == pytest.approx(want_values, abs=1e-4)
 
 
-def test_constrained_rows_follow_their_grammar_and_leave_free_neighbours_untouched(tiny_model_dir, sampler):
-    skip_long_interpreted(sampler)
-    import re
-
-    free = pb.SamplingOptions(temperature=1.0, seed=5)
-    constrained = pb.Constraint(kind="regex", text=r"(ab|[0-9]{2,4}-)+x")
-    alone, mixed = Driver(make_runner(tiny_model_dir, sampler=sampler)), Driver(make_runner(tiny_model_dir, sampler=sampler))
-    alone.step(new=[alone.new(1, prompt(12, 9), 9, free)])
-    mixed.step(new=[mixed.new(1, prompt(12, 9), 9, free),
-                    mixed.new(2, prompt(13, 7), 7, pb.SamplingOptions(temperature=1.0, seed=6), constraint=constrained),
-                    mixed.new(3, prompt(14, 7), 7, GREEDY, constraint=constrained)])
-    for _ in range(24):
-        alone.step(cached=[alone.cached(1)])
-        mixed.step(cached=[mixed.cached(s) for s in (1, 2, 3)])
-    assert mixed.tokens[1] == alone.tokens[1]
-    tokenizer = load_tokenizer(tiny_model_dir)
-    for seq_id, length in ((2, 7), (3, 7)):
-        output = mixed.tokens[seq_id][length:]
-        stop = [i for i, t in enumerate(output) if t in (0, 2)]   # the checkpoint's EOS ids
-        text = tokenizer.decode(output[:stop[0]] if stop else output)
-        assert re.fullmatch(r"(ab|[0-9]{2,4}-)+x", text) if stop else re.fullmatch(r"(ab|[0-9]{2,4}-)*[0-9a-x-]*", text)
-    assert mixed.runner.structured.num_refused == 0
-
-
-def test_a_re_sent_constrained_request_continues_its_grammar(tiny_model_dir):
-    runner = make_runner(tiny_model_dir)
-    d = Driver(runner)
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
-    constraint = pb.Constraint(kind="json_schema", text=json.dumps(schema))
-    options = pb.SamplingOptions(temperature=1.0, seed=9)
-    p = prompt(15, 6)
-    d.step(new=[d.new(1, p, 6, options, constraint=constraint)])
-    for _ in range(3):
-        d.step(cached=[d.cached(1)])
-    so_far = list(d.tokens[1])                # the scheduler's truth: prompt and 4 outputs
-    d.forget(1)
-    d.step(new=[d.new(1, so_far, len(so_far), options, num_prompt=6, constraint=constraint)], finished=[1])
-    for _ in range(30):
-        if d.tokens[1][-1] in (0, 2):
-            break
-        d.step(cached=[d.cached(1)])
-    assert d.tokens[1][-1] in (0, 2), "the grammar ends after 99 at most: EOS is all it allows then"
-    text = load_tokenizer(tiny_model_dir).decode(d.tokens[1][6:-1])
-    assert d.tokens[1][:len(so_far)] == so_far and 0 <= json.loads(text)["n"] <= 99
-
-
-def test_a_bad_constraint_fails_its_request_alone_and_the_batch_goes_on(tiny_model_dir):
-    free = pb.SamplingOptions(temperature=1.0, seed=5)
-    alone, mixed = Driver(make_runner(tiny_model_dir)), Driver(make_runner(tiny_model_dir))
-    bad = pb.Constraint(kind="json_schema", text='{"type": "object", "properties": 3}')
-    alone.step(new=[alone.new(1, prompt(16, 4), 4, free)])
-    mixed.step(new=[mixed.new(1, prompt(16, 4), 4, free), mixed.new(2, prompt(17, 4), 4, constraint=bad)])
-    [failure] = mixed.outputs[0].failed
-    assert (failure.seq_id, failure.code, failure.about_constraint) == (2, "INVALID_ARGUMENT", True)
-    assert failure.message.startswith("is invalid: ")
-    for _ in range(3):
-        alone.step(cached=[alone.cached(1)])
-        mixed.step(cached=[mixed.cached(1)], finished=[2] if 2 in mixed.tokens else [])
-        mixed.tokens.pop(2, None)
-    assert mixed.tokens[1] == alone.tokens[1] and len(mixed.runner.batch) == 1
-
-
-def test_a_grammar_whose_masks_cost_more_than_the_budget_fails_its_request_alone(tiny_model_dir):
-    free = pb.SamplingOptions(temperature=1.0, seed=5)
-    costly = pb.Constraint(kind="regex", text="(a*a*a*a*)*b")
-    alone = Driver(make_runner(tiny_model_dir))
-    mixed = Driver(make_runner(tiny_model_dir, max_mask_ms=1e-6))    # every mask costs more than that
-    alone.step(new=[alone.new(1, prompt(18, 4), 4, free)])
-    mixed.step(new=[mixed.new(1, prompt(18, 4), 4, free), mixed.new(2, prompt(19, 4), 4, GREEDY, constraint=costly)])
-    [failure] = mixed.outputs[0].failed
-    assert (failure.seq_id, failure.code, failure.about_constraint) == (2, "INVALID_ARGUMENT", True)
-    assert "too costly" in failure.message and "--max-mask-ms" in failure.message
-    # Until the scheduler drops it, the request stays in the batch, allowed only its stop tokens.
-    sampled = mixed.step(cached=[mixed.cached(1), mixed.cached(2)])
-    assert sampled[2] in (0, 2) and not mixed.outputs[-1].failed
-    mixed.step(cached=[mixed.cached(1)], finished=[2])
-    alone.step(cached=[alone.cached(1)])
-    alone.step(cached=[alone.cached(1)])
-    assert mixed.tokens[1] == alone.tokens[1] and mixed.runner.structured.num_over_budget == 1

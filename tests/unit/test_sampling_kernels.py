@@ -94,10 +94,13 @@ def test_the_noise_is_finite_for_every_random_pattern():
     assert np.all(np.isfinite(-np.log(-np.log(u))))
 
 
-def random_rows(modes: list[dict], vocab: int, rows_per_mode: int, seed: int, dtype=torch.float32, scale=2.0):
+def random_rows(modes: list[dict], vocab: int, scales: tuple[float, ...], seed: int, dtype=torch.float32):
+    """A row per mode and scale: logits of standard deviation `scale` (a small one gives flat rows,
+    whose bfloat16 values tie)."""
     g = torch.Generator().manual_seed(seed)
-    options = [SamplingOptions(seed=100 + i, **m) for i, m in enumerate(m for m in modes for _ in range(rows_per_mode))]
-    logits = (torch.randn(len(options), vocab, generator=g) * scale).to(dtype)
+    options = [SamplingOptions(seed=100 + i, **m) for i, m in enumerate(m for m in modes for _ in scales)]
+    row_scales = torch.tensor([scale for _ in modes for scale in scales])
+    logits = (torch.randn(len(options), vocab, generator=g) * row_scales[:, None]).to(dtype)
     return options, logits
 
 
@@ -107,13 +110,13 @@ def replica_token(logits_row: torch.Tensor, options: SamplingOptions, counter: i
                             [counter], **truncation)[0])
 
 
-@pytest.mark.parametrize("dtype,scale", [(torch.float32, 2.0), (torch.bfloat16, 2.0), (torch.bfloat16, 0.3)],
-                         ids=["float32", "bfloat16", "bfloat16-flat-with-ties"])
-def test_the_kernels_draw_the_replicas_token(dtype, scale):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_kernels_draw_the_replicas_token(dtype):
     """Rows of 40 tokens in chunks of 16 (the last one short), a search that gathers at most 8
-    candidates: the draw outside the kept set, several search rounds and ties at the cut occur."""
+    candidates: the draw outside the kept set, several search rounds and (in flat bfloat16 rows)
+    ties at the cut occur."""
     modes = [*MODES.values(), dict(top_k=1, temperature=2.0), dict(top_p=0.3, min_p=0.2)]
-    options, logits = random_rows(modes, 40, 2, seed=11, dtype=dtype, scale=scale)
+    options, logits = random_rows(modes, 40, (2.0, 0.3), seed=11, dtype=dtype)
     sampler = device_sampler(40)
     for row, o in enumerate(options):
         sampler.add(row, [1] * (3 + row), 3, o)   # output index `row`: the counters differ
@@ -152,8 +155,8 @@ def test_a_seeded_rows_tokens_depend_only_on_its_seed_and_output_index():
     tokens, _, _ = sample(crowded, logits, [0, 1, 2, 3, 4])
     assert tokens[3] == first[0]
     # Each step advances the output index, and the draws change with it.
-    draws = [sample(alone, torch.zeros(1, 40), [0])[0][0] for _ in range(12)]
-    assert len(set(draws)) > 4
+    draws = [sample(alone, torch.zeros(1, 40), [0])[0][0] for _ in range(6)]
+    assert len(set(draws)) > 3
 
 
 def test_logprobs_are_of_the_raw_logits_and_zero_where_not_asked():

@@ -1,118 +1,24 @@
 """ModelRunner with speculative decoding (ngram, eagle3, draft), driven as the scheduler would
 drive it: every decode verifies all the drafts the worker holds for it. Greedy output equals
-transformers' token for token; seeded sampling with every option, and its logprobs, equal the
-plain runner's; a grammar holds over accepted runs; a draft model that is the target has its
-drafts accepted; steps that ask for drafts the worker does not hold are refused."""
+transformers' token for token, with each verified token laid out as a decode row or as one chunk;
+seeded sampling with every option, and its logprobs, equal the plain runner's; a grammar holds over
+accepted runs (tests/e2e/test_runner_grammar_e2e.py: it starts a compiling process); a draft model
+that is the target has its drafts accepted; steps that ask for drafts the worker does not hold are
+refused."""
 from __future__ import annotations
 
 import argparse
-import re
 
 import numpy as np
 import pytest
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.support.hf_reference import hf_greedy
-from tests.unit.test_model_runner import BLOCK_SIZE, GREEDY, make_runner, prompt
+from tests.support.runner_driver import GREEDY, make_runner, prompt
+from tests.support.speculative_loop import Loop, ngram_runner, repeating
 from worker_svc.config import add_worker_arguments, worker_config_from_args
 from worker_svc.model_runner import InvalidStepError, ModelRunner
 from worker_svc.step_message import parse_step_request
-
-
-class Loop:
-    """A scheduler in miniature for whole requests: the first step computes every prompt, then
-    each step decodes every request, verifying all the drafts the worker holds for it."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.free_blocks = list(range(runner.num_kv_blocks))[::-1]
-        self.tokens: dict[int, list[int]] = {}
-        self.blocks: dict[int, list[int]] = {}
-        self.computed: dict[int, int] = {}
-        self.held: dict[int, int] = {}
-        self.logprobs: dict[int, list[float]] = {}
-        self.tops: dict[int, list[int]] = {}
-        self.step_id = 0
-        self.num_verified = self.num_accepted = 0
-
-    def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
-        needed = -(-num_tokens // BLOCK_SIZE) - len(self.blocks[seq_id])
-        fresh = [self.free_blocks.pop() for _ in range(max(needed, 0))]
-        self.blocks[seq_id] += fresh
-        return fresh
-
-    def start(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]]) -> None:
-        new = []
-        for seq_id, (token_ids, sampling) in requests.items():
-            self.tokens[seq_id], self.blocks[seq_id], self.computed[seq_id] = list(token_ids), [], 0
-            self.logprobs[seq_id], self.tops[seq_id] = [], []
-            self._grow(seq_id, len(token_ids))
-            new.append(pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                                     num_scheduled_tokens=len(token_ids), block_ids=self.blocks[seq_id],
-                                     sampling=sampling))
-            self.computed[seq_id] = len(token_ids)
-        self._apply(list(requests), {}, pb.StepRequest(new_requests=new, propose_drafts=True))
-
-    def decode(self) -> None:
-        order = list(self.tokens)
-        columns = pb.CachedRequests(seq_ids=order)
-        drafts = {}
-        for i, seq_id in enumerate(order):
-            k = drafts[seq_id] = self.held.get(seq_id, 0)
-            fresh = self._grow(seq_id, self.computed[seq_id] + 1 + k)
-            if k:
-                columns.draft_indices.append(i)
-                columns.draft_counts.append(k)
-            if fresh:
-                columns.new_block_indices.append(i)
-                columns.new_block_counts.append(len(fresh))
-                columns.new_block_ids.extend(fresh)
-        self._apply(order, drafts, pb.StepRequest(cached=columns, propose_drafts=True))
-
-    def _apply(self, order: list[int], drafts: dict[int, int], request: pb.StepRequest) -> None:
-        self.step_id += 1
-        request.step_id = self.step_id
-        output = self.runner.step(parse_step_request(request))
-        counts = output.token_counts or [1] * len(order)
-        held_drafts = output.num_drafts or [0] * len(order)     # a plain runner proposes none
-        assert len(output.token_ids) == sum(counts) and len(held_drafts) == len(order)
-        offset = 0
-        for seq_id, n, held in zip(order, counts, held_drafts):
-            run = output.token_ids[offset:offset + n]
-            if output.logprobs is not None:
-                self.logprobs[seq_id] += output.logprobs[offset:offset + n]
-            if output.top_logprobs is not None:
-                self.tops[seq_id] += output.top_logprobs.token_ids[offset * 3:(offset + n) * 3]
-            offset += n
-            assert 1 <= n <= drafts.get(seq_id, 0) + 1
-            if drafts.get(seq_id):
-                self.num_verified += 1
-                self.num_accepted += n - 1
-                self.computed[seq_id] += n       # the decode and the accepted drafts
-                keep = -(-(self.computed[seq_id] + 1) // BLOCK_SIZE)
-                self.free_blocks += self.blocks[seq_id][keep:]
-                del self.blocks[seq_id][keep:]
-            elif self.computed[seq_id] < len(self.tokens[seq_id]):
-                self.computed[seq_id] += 1
-            self.tokens[seq_id] += run
-            self.held[seq_id] = held
-            row = self.runner.batch.row_of[seq_id]
-            assert self.runner.batch.num_blocks[row] == len(self.blocks[seq_id])
-            assert self.runner.batch.num_computed[row] == self.computed[seq_id]
-
-    def run(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]], num_new: int) -> dict[int, list[int]]:
-        self.start(requests)
-        while min(len(self.tokens[s]) - len(p) for s, (p, _) in requests.items()) < num_new:
-            self.decode()
-        return {s: self.tokens[s][len(p):len(p) + num_new] for s, (p, _) in requests.items()}
-
-
-def ngram_runner(model_dir, **overrides) -> ModelRunner:
-    return make_runner(model_dir, speculative_method="ngram", num_speculative_tokens=4, **overrides)
-
-
-def repeating(seed: int, period: int, repeats: int) -> list[int]:
-    return prompt(seed, period) * repeats
 
 
 @pytest.mark.parametrize("as_decodes", [True, False], ids=["decode-rows", "chunks"])
@@ -187,25 +93,6 @@ def test_sampling_with_drafts_equals_plain_sampling_with_its_logprobs(tiny_model
     for seq_id in requests:
         assert speculative.logprobs[seq_id][:25] == pytest.approx(plain.logprobs[seq_id][:25], abs=1e-4)
         assert speculative.tops[seq_id][:75] == plain.tops[seq_id][:75]
-
-
-def test_a_grammar_holds_over_accepted_runs(tiny_model_dir):
-    pattern = r"(ab|[0-9]{2,4}-)+x"
-    constraint = pb.Constraint(kind="regex", text=pattern)
-    options = pb.SamplingOptions(temperature=0.0, constraint=constraint)
-    seeded = pb.SamplingOptions(temperature=1.0, seed=3, constraint=constraint)
-    requests = {1: (repeating(6, 4, 4), options), 2: (repeating(7, 3, 4), seeded)}
-    speculative = Loop(ngram_runner(tiny_model_dir))
-    outputs = speculative.run(requests, 20)
-    assert outputs == Loop(make_runner(tiny_model_dir)).run(requests, 20)
-    assert speculative.num_verified > 0 and speculative.runner.structured.num_refused == 0
-    from scheduler_svc.frontend.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(tiny_model_dir)
-    for output in outputs.values():
-        stop = [i for i, t in enumerate(output) if t in (0, 2)]
-        if stop:
-            assert re.fullmatch(pattern, tokenizer.decode(output[:stop[0]]))
 
 
 def test_steps_asking_for_drafts_the_worker_does_not_hold_are_refused(tiny_model_dir):

@@ -39,11 +39,13 @@ def stored_fp8_case(seed: int, batch_kind: str, dtype: torch.dtype, group: int):
     return case, scales, expected
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("group", [2, 4, 16])
+@pytest.mark.parametrize("group,kernel,dtype", [
+    (2, "gqa", torch.float32), (2, "gqa-fma", torch.bfloat16), (4, "gqa", torch.bfloat16),
+    (4, "gqa-fma", torch.float32), (16, "gqa", torch.float32), (16, "gqa-fma", torch.bfloat16),
+], ids=lambda v: str(v).removeprefix("torch."))
 def test_the_decode_kernel_matches_the_reference_over_an_fp8_cache(dtype, group, kernel):
-    """Groups narrower than, as wide as and wider than the kernel's 8 columns."""
+    """Groups narrower than, as wide as and wider than the kernel's 8 columns; every pair of
+    group, kernel and dtype occurs."""
     k = kernels()
     seed = draw_seed()
     case, scales, expected = stored_fp8_case(seed, "decode", dtype, group)
@@ -56,18 +58,20 @@ def test_the_decode_kernel_matches_the_reference_over_an_fp8_cache(dtype, group,
     assert err < TOLERANCE[dtype], f"seed {seed}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("num_splits,kernel", [(2, k) for k in KERNELS] + [(8, "gqa")])  # 8: the default kernel
+@pytest.mark.parametrize("num_splits,kernel", [(2, k) for k in KERNELS] + [(8, "default")])
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
 def test_the_decode_kernel_split_merges_to_the_same_answer(num_splits, fused_merge, kernel):
-    """Some splits see no key; the fused merge leaves its counters at zero for the next launch."""
+    """Some splits see no key; the fused merge leaves its counters at zero for the next launch.
+    "default": the launch the decode table picks for an FP8 cache (the decode kernel)."""
     k = kernels()
     seed = draw_seed()
-    case, scales, expected = stored_fp8_case(seed, "decode", torch.float32, group=2)
+    case, scales, expected = stored_fp8_case(seed, "decode", torch.float32, group=2 if kernel != "default" else 4)
     m = case.meta
-    for _ in range(2):
+    launch = None if kernel == "default" else gqa_launch(16, num_warps=1, kernel=kernel)
+    for _ in range(2):   # the second launch finds the counters the first one left
         out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
                                 case.scale, pure_decode=True, num_splits=num_splits, kv_scales=scales,
-                                fused_merge=fused_merge, launch=gqa_launch(16, num_warps=1, kernel=kernel))
+                                fused_merge=fused_merge, launch=launch)
         err = relative_error(out, expected)
         assert err < TOLERANCE[torch.float32], f"seed {seed}: relative error {err:.2e}"
     if fused_merge:
@@ -91,7 +95,8 @@ def test_a_mixed_batch_with_its_decodes_apart_matches_the_reference(dtype):
 
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
 def test_the_decode_kernel_leaves_zeros_for_a_padded_row(fused_merge):
-    """CUDA-graph padding (seq_len 0) under split-K: every split of the row is empty."""
+    """CUDA-graph padding (seq_len 0) under split-K: every split of the row is empty (merged in
+    the last split by the decode table's launch, or by the merge kernel after a given one)."""
     k = kernels()
     seed = draw_seed()
     case, scales, expected = stored_fp8_case(seed, "decode", torch.float32, group=2)
@@ -102,7 +107,7 @@ def test_the_decode_kernel_leaves_zeros_for_a_padded_row(fused_merge):
     tables = torch.cat([m.block_tables, m.block_tables[:1]])
     out = k.paged_attention(q, case.k_cache, case.v_cache, torch.arange(n + 2, dtype=torch.int32, device=DEVICE),
                             seq_lens, tables, case.scale, pure_decode=True, num_splits=4, kv_scales=scales,
-                            fused_merge=fused_merge, launch=gqa_launch(16))
+                            fused_merge=fused_merge, launch=None if fused_merge else gqa_launch(16))
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), f"seed {seed}"
     assert relative_error(out[:n], expected) < TOLERANCE[torch.float32], f"seed {seed}"
 

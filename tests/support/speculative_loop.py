@@ -1,0 +1,99 @@
+"""A speculating ModelRunner driven as the scheduler would drive it, for whole requests: Loop's
+first step computes every prompt, then each step decodes every request, verifying all the drafts
+the worker holds for it (tests/unit/test_spec_decode_runner.py, tests/e2e/test_runner_grammar_e2e.py)."""
+from __future__ import annotations
+
+from common.pb.llm.worker.v1 import worker_pb2 as pb
+from tests.support.runner_driver import BLOCK_SIZE, add_new_blocks, grow_blocks, make_runner, prompt
+from worker_svc.model_runner import ModelRunner
+from worker_svc.step_message import parse_step_request
+
+
+class Loop:
+    """A scheduler in miniature for whole requests: the first step computes every prompt, then
+    each step decodes every request, verifying all the drafts the worker holds for it."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.free_blocks = list(range(runner.num_kv_blocks))[::-1]
+        self.tokens: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.held: dict[int, int] = {}
+        self.logprobs: dict[int, list[float]] = {}
+        self.tops: dict[int, list[int]] = {}
+        self.step_id = 0
+        self.num_verified = self.num_accepted = 0
+
+    def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
+        return grow_blocks(self.blocks[seq_id], self.free_blocks, num_tokens)
+
+    def start(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]]) -> None:
+        new = []
+        for seq_id, (token_ids, sampling) in requests.items():
+            self.tokens[seq_id], self.blocks[seq_id], self.computed[seq_id] = list(token_ids), [], 0
+            self.logprobs[seq_id], self.tops[seq_id] = [], []
+            self._grow(seq_id, len(token_ids))
+            new.append(pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
+                                     num_scheduled_tokens=len(token_ids), block_ids=self.blocks[seq_id],
+                                     sampling=sampling))
+            self.computed[seq_id] = len(token_ids)
+        self._apply(list(requests), {}, pb.StepRequest(new_requests=new, propose_drafts=True))
+
+    def decode(self) -> None:
+        order = list(self.tokens)
+        columns = pb.CachedRequests(seq_ids=order)
+        drafts = {}
+        for i, seq_id in enumerate(order):
+            k = drafts[seq_id] = self.held.get(seq_id, 0)
+            fresh = self._grow(seq_id, self.computed[seq_id] + 1 + k)
+            if k:
+                columns.draft_indices.append(i)
+                columns.draft_counts.append(k)
+            add_new_blocks(columns, i, fresh)
+        self._apply(order, drafts, pb.StepRequest(cached=columns, propose_drafts=True))
+
+    def _apply(self, order: list[int], drafts: dict[int, int], request: pb.StepRequest) -> None:
+        self.step_id += 1
+        request.step_id = self.step_id
+        output = self.runner.step(parse_step_request(request))
+        counts = output.token_counts or [1] * len(order)
+        held_drafts = output.num_drafts or [0] * len(order)     # a plain runner proposes none
+        assert len(output.token_ids) == sum(counts) and len(held_drafts) == len(order)
+        offset = 0
+        for seq_id, n, held in zip(order, counts, held_drafts):
+            run = output.token_ids[offset:offset + n]
+            if output.logprobs is not None:
+                self.logprobs[seq_id] += output.logprobs[offset:offset + n]
+            if output.top_logprobs is not None:
+                self.tops[seq_id] += output.top_logprobs.token_ids[offset * 3:(offset + n) * 3]
+            offset += n
+            assert 1 <= n <= drafts.get(seq_id, 0) + 1
+            if drafts.get(seq_id):
+                self.num_verified += 1
+                self.num_accepted += n - 1
+                self.computed[seq_id] += n       # the decode and the accepted drafts
+                keep = -(-(self.computed[seq_id] + 1) // BLOCK_SIZE)
+                self.free_blocks += self.blocks[seq_id][keep:]
+                del self.blocks[seq_id][keep:]
+            elif self.computed[seq_id] < len(self.tokens[seq_id]):
+                self.computed[seq_id] += 1
+            self.tokens[seq_id] += run
+            self.held[seq_id] = held
+            row = self.runner.batch.row_of[seq_id]
+            assert self.runner.batch.num_blocks[row] == len(self.blocks[seq_id])
+            assert self.runner.batch.num_computed[row] == self.computed[seq_id]
+
+    def run(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]], num_new: int) -> dict[int, list[int]]:
+        self.start(requests)
+        while min(len(self.tokens[s]) - len(p) for s, (p, _) in requests.items()) < num_new:
+            self.decode()
+        return {s: self.tokens[s][len(p):len(p) + num_new] for s, (p, _) in requests.items()}
+
+
+def ngram_runner(model_dir, **overrides) -> ModelRunner:
+    return make_runner(model_dir, speculative_method="ngram", num_speculative_tokens=4, **overrides)
+
+
+def repeating(seed: int, period: int, repeats: int) -> list[int]:
+    return prompt(seed, period) * repeats
