@@ -139,6 +139,7 @@ class SoakSettings:
     cancel_fraction: float = 0.2
     slow_fraction: float = 0.15
     slow_read_delay_s: float = 0.03    # between two messages of a slow reader
+    slow_read_stall_s: float = 3.0     # and once, after its first message: backpressure however slow the machine
     kill_at: float = 0.4               # of the duration
     restart_after_s: float = 1.0
     stream_window: int = 16
@@ -171,7 +172,7 @@ def _specs(settings: SoakSettings, vocab_size: int) -> list[Spec]:
 
 
 async def _one(stub: GenerationStub, out: Outcome, spec: Spec, cancel_after: int, delay_s: float,
-               timeout_s: float) -> None:
+               timeout_s: float, stall_s: float = 0.0) -> None:
     call = stub.Generate(pb.GenerateRequest(
         request_id=f"soak-{out.index}", token_ids=pb.TokenIds(ids=spec.prompt),
         sampling=pb.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, temperature=0.0)), timeout=timeout_s)
@@ -185,7 +186,8 @@ async def _one(stub: GenerationStub, out: Outcome, spec: Spec, cancel_after: int
                 out.status = CANCELLED
                 return
             if delay_s:
-                await asyncio.sleep(delay_s)
+                await asyncio.sleep(stall_s or delay_s)
+                stall_s = 0.0
     except grpc.aio.AioRpcError as e:
         code = e.code()
         out.status = {grpc.StatusCode.RESOURCE_EXHAUSTED: REFUSED,
@@ -239,7 +241,8 @@ async def _drive(settings: SoakSettings, procs: Processes, specs: list[Spec], fi
             spec_index = rng.randrange(len(specs))
             out = Outcome(i, spec_index, kind)
             await _one(stubs[kind], out, specs[spec_index], rng.randint(1, 10) if kind == "cancel" else 0,
-                       settings.slow_read_delay_s if kind == "slow" else 0.0, settings.request_timeout_s)
+                       settings.slow_read_delay_s if kind == "slow" else 0.0, settings.request_timeout_s,
+                       settings.slow_read_stall_s if kind == "slow" else 0.0)
             return out
 
         peaks: Counter = Counter()
