@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 # launch overhead, and the graphs' static buffers would only grow.
 MAX_GRAPH_BATCH_SIZE = 512
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# -> hidden states, or (hidden states, further per-token outputs: eagle3's aux hidden states)
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata],
+                   torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]]
 # (hidden states [n, ...], rows [n], tokens out [n], logprobs out [n]) -> None
 Sample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -50,7 +52,8 @@ class DecodeGraphs:
     """Captured forwards for pure-decode batches of up to `max_batch_size` requests.
 
     `forward(input_ids, positions, meta)` must return a fresh [num_tokens, ...] tensor (hidden
-    states) and must only read the metadata's device tensors. Capture happens in the
+    states), or that and a list of further [num_tokens, ...] tensors (`aux` returns them after a
+    replay), and must only read the metadata's device tensors. Capture happens in the
     constructor, after the KV cache is allocated and bound (the graphs read its addresses)."""
 
     def __init__(self, forward: Forward, *, max_batch_size: int, max_blocks_per_seq: int,
@@ -76,6 +79,7 @@ class DecodeGraphs:
             self.tokens = torch.zeros(largest, dtype=torch.int64)        # and what they sampled
             self.logprobs = torch.zeros(largest, dtype=torch.float32)
         self.outputs: torch.Tensor | None = None
+        self.aux_outputs: list[torch.Tensor] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._sampled_key: tuple | None = None
@@ -113,6 +117,10 @@ class DecodeGraphs:
         self.graphs[padded].replay()
         return self.outputs[:n]
 
+    def aux(self, n: int) -> list[torch.Tensor]:
+        """After a run or replay of n requests: the forward's further outputs (views of static buffers)."""
+        return [out[:n] for out in self.aux_outputs]
+
     def replay(self, n: int) -> torch.Tensor:
         """The forward's output for the decode step of n requests staged in `inputs` (a view of a
         static buffer: read it before the next replay); `rows[:n]` then holds its sampling rows."""
@@ -149,6 +157,12 @@ class DecodeGraphs:
                                self.rows, self.block_tables)
         return self.forward(self.input_ids[:batch_size], self.positions[:batch_size], self._static_meta(batch_size))
 
+    def _captured(self, batch_size: int) -> None:
+        """What a forward graph holds: the body, its outputs written to the static buffers."""
+        hidden, aux = _split(self._body(batch_size))
+        for static, out in zip((self.outputs, *self.aux_outputs), (hidden, *aux)):
+            static[:batch_size] = out
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -156,13 +170,13 @@ class DecodeGraphs:
         for batch_size in reversed(self.batch_sizes):
             # Eager warm-up: compiles this shape's kernels (Triton JIT, cuBLAS plans) outside
             # the capture. Its slots are all -1, so the KV cache is left untouched.
-            warm = self._body(batch_size)
+            warm, warm_aux = _split(self._body(batch_size))
             if self.outputs is None:
-                self.outputs = torch.empty((self.batch_sizes[-1], *warm.shape[1:]), dtype=warm.dtype,
-                                           device=warm.device)
+                self.outputs, *self.aux_outputs = (torch.empty((self.batch_sizes[-1], *t.shape[1:]), dtype=t.dtype,
+                                                               device=t.device) for t in (warm, *warm_aux))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[:batch_size] = self._body(batch_size)
+                self._captured(batch_size)
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
 
@@ -186,3 +200,8 @@ class DecodeGraphs:
         self.rows.copy_(staged_rows)
         torch.cuda.synchronize()
         self._sampled_key = self.sample_key()
+
+
+def _split(out: torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A forward's (hidden states, further outputs)."""
+    return out if isinstance(out, tuple) else (out, [])

@@ -53,6 +53,9 @@ class InputBatch:
         self.scores_prompt = np.zeros(initial_rows, dtype=bool)           # prompt tokens still to score
         self.num_drafts = np.zeros(initial_rows, dtype=np.int64)          # drafts held for the next step
         self.draft_tokens = np.zeros((initial_rows, max(max_drafts, 1)), dtype=np.int64)
+        # A proposer on the device skipped a step of the row (the batch was past the threshold):
+        # its cache lacks those positions, so the row gets no drafts from it again.
+        self.drafter_behind = np.zeros(initial_rows, dtype=bool)
         self.generation = np.zeros(initial_rows, dtype=np.int64)          # bumped when the row changes hands
         self.num_constrained = self.num_top_logprobs = self.num_scoring = 0
         # Bumped whenever a row changes hands, so cached per-row-set data (the sampler's
@@ -106,6 +109,7 @@ class InputBatch:
         self.scores_prompt[row] = scores
         self.num_scoring += int(scores)
         self.num_drafts[row] = 0
+        self.drafter_behind[row] = False
         self.generation[row] += 1
         self.version += 1
         return row
@@ -159,7 +163,7 @@ class InputBatch:
 
         for name in ("token_ids", "block_tables", "num_host_tokens", "num_tokens", "num_computed", "num_prompt",
                      "num_blocks", "seq_id_of", "constrained", "top_logprobs", "scores_prompt", "num_drafts",
-                     "draft_tokens", "generation"):
+                     "draft_tokens", "drafter_behind", "generation"):
             setattr(self, name, grown(getattr(self, name)))
         extra = capacity - len(self.options)
         self.options += [None] * extra

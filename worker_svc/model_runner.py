@@ -17,7 +17,8 @@ Speculative decoding (spec_decode/): a decode may compute draft tokens after its
 sample at each of them (spec_decode/verification.py says how that stays exact); the persistent
 batch learns what was accepted once the step's tokens are back (spec_decode/bookkeeping.py), so a
 step that verifies drafts waits for the steps before it. A proposer on the device (eagle3, draft:
-spec_decode/drafter.py) runs in every step after the sampling, on the same batch.
+spec_decode/drafter.py) runs after the sampling, on the same batch, in every step that asks for drafts;
+the others (past the scheduler's batch threshold) replay the decode graphs as without speculation.
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ class ModelRunner:
         self._decode_layout = DecodeLayout(max_seqs)
         # Speculative decoding: the proposer, and the bookkeeping of steps whose tokens are not
         # back yet, which changes the batch from the thread that reads a step's result.
-        # A proposer on the device (eagle3, draft: the drafter) runs in every step, after the sampling.
+        # A proposer on the device (eagle3, draft: the drafter) runs after the sampling of each step
+        # that asks for drafts.
         self.proposer = build_proposer(self, config) if k else None
         self.drafter = self.proposer if k and self.proposer.on_device else None
         self._batch_lock = threading.Lock()
@@ -309,8 +311,12 @@ class ModelRunner:
         extra = aux = tokens = None
         if batch.graph:
             hidden = self.decode_graphs.replay(len(batch.sampling_rows))
-        elif self.drafter is not None and self.drafter.aux_layers:
-            hidden, aux = self.model(batch.input_ids, batch.positions, batch.meta, self.drafter.aux_layers)
+        elif batch.draft_plan is not None and self.drafter.aux_layers:   # eagle3 reads them
+            if self.decode_graphs is not None and self.decode_graphs.can_run(batch.meta):
+                hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
+                aux = self.decode_graphs.aux(len(hidden))
+            else:
+                hidden, aux = self.model(batch.input_ids, batch.positions, batch.meta, self.drafter.aux_layers)
         else:
             hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         if batch.scored is not None:
@@ -322,7 +328,7 @@ class ModelRunner:
         spec = batch.spec if num_sampled else None
         if num_sampled:
             tokens, logprobs, extra, failed = self._sample(batch, hidden, extra, fill)
-        if self.drafter is not None:
+        if batch.draft_plan is not None:
             drafts = self.drafter.run(self, batch, aux, tokens, spec is not None and spec.propose)
             if drafts is not None:
                 spec.drafts, spec.draft_counts = drafts

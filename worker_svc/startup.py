@@ -7,6 +7,7 @@ forward once the cache they read exists. Nothing here runs after the first step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import pathlib
 import time
@@ -157,7 +158,8 @@ def warm_up(runner: ModelRunner) -> None:
                                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), warm_options)
                     for i in range(num_seqs)]
     empty = np.zeros(0, np.int64)
-    warm = StepInput(0, [], new_requests, [], empty, empty, empty, empty)
+    # A proposer on the device runs only in steps that ask for drafts: this one does, so it is profiled.
+    warm = StepInput(0, [], new_requests, [], empty, empty, empty, empty, propose_drafts=runner.drafter is not None)
     torch.cuda.reset_peak_memory_stats(device)
     runner.run_unchecked(warm)
     logits = torch.zeros(config.max_num_seqs, runner.vocab_size, device=device, dtype=runner.dtype)
@@ -186,9 +188,6 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
     """CUDA graphs of the decode forward, where the device and the backend allow them."""
     if runner.device.type != "cuda" or runner.config.enforce_eager:
         return None
-    if runner.drafter is not None:
-        logger.info("--speculative-method %s drafts in every step: decoding eagerly", runner.drafter.method)
-        return None
     if not runner.backend.supports_cuda_graphs:
         logger.info("attention backend %s cannot be captured: decoding eagerly", runner.backend.name)
         return None
@@ -201,9 +200,17 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
         inputs = DecodeInputs(runner._staging.on_device, runner._decode_layout, runner.last_sampled,
                               runner.device_sampler.dummy_row)
         sample, sample_key = runner.sample_in_graph, runner.device_sampler.graph_key
-    graphs = DecodeGraphs(runner.model, max_batch_size=runner.config.max_num_seqs,
+    forward = runner.model
+    if runner.drafter is not None and runner.drafter.aux_layers:   # eagle3 reads them in the steps that draft
+        forward = functools.partial(_forward_with_aux, runner.model, runner.drafter.aux_layers)
+    graphs = DecodeGraphs(forward, max_batch_size=runner.config.max_num_seqs,
                           max_blocks_per_seq=runner.max_blocks_per_seq, max_model_len=runner.max_model_len,
                           device=runner.device, inputs=inputs, sample=sample, sample_key=sample_key)
     logger.info("captured %d decode graphs%s in %.1f s", len(graphs.graphs),
                 " with the sampling in graphs of their own" if sample else "", time.perf_counter() - start)
     return graphs
+
+
+def _forward_with_aux(model, aux_layers: tuple[int, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return model(input_ids, positions, meta, aux_layers)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from scheduler_svc.engine.sequence import Sequence
 
 METHODS = ("ngram", "eagle3", "draft")
-# Provisional: batches of up to this many requests speculate; bench/stages/spec.py measures it.
+# Batches of up to this many requests speculate: bench/stages/spec.py's oracle wins at 8 and loses
+# at 64 on the H200 (docs/PERF_NOTES.md v16).
 DEFAULT_MAX_BATCH_SIZE = 16
 
 

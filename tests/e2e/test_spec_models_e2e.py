@@ -1,6 +1,7 @@
 """Speculative decoding with a model on the device (a random EAGLE-3 head, whose drafts are mostly
 rejected; a draft model that is the target, whose drafts are right) through the real processes:
-greedy output equals transformers' token for token with chunked prefill and preemption, an aborted
+greedy output equals transformers' token for token with chunked prefill and preemption (with the
+head speculating only while at most 2 requests run, so that most steps skip it), an aborted
 stream gives every block back, the draft model's drafts are accepted (the metrics say so), and
 sampled output has the plain sampler's distribution (seeded: token for token; unseeded: a
 chi-square test of homogeneity)."""
@@ -32,18 +33,21 @@ def _worker_args(method: str, model_dir) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _services(model_dir, head, method: str, logs):
-    """(method, channel, metrics port) of a scheduler and a worker drafting with `head`."""
+def _services(model_dir, head, method: str, logs, max_batch_size: int = 512):
+    """(method, channel, metrics port) of a scheduler and a worker drafting with `head`, speculating
+    while at most max_batch_size requests run."""
     port = free_port()
     with running_services(model_dir, logs, worker_args=_worker_args(method, head),
                           scheduler_args=(*CHUNKED, "--metrics-port", str(port), "--speculative-max-batch-size",
-                                          "512")) as svc, svc.channel() as ch:
+                                          str(max_batch_size))) as svc, svc.channel() as ch:
         yield method, ch, port
 
 
 @pytest.fixture(scope="module")
 def eagle3_services(tiny_model_dir, tiny_eagle3_dir, tmp_path_factory):
-    with _services(tiny_model_dir, tiny_eagle3_dir, "eagle3", tmp_path_factory.mktemp("eagle3-logs")) as services:
+    """Speculating while at most 2 requests run: past that, steps skip the head (and its rows draft no more)."""
+    with _services(tiny_model_dir, tiny_eagle3_dir, "eagle3", tmp_path_factory.mktemp("eagle3-logs"),
+                   max_batch_size=2) as services:
         yield services
 
 

@@ -24,6 +24,7 @@ class Loop:
         self.tops: dict[int, list[int]] = {}
         self.step_id = 0
         self.num_verified = self.num_accepted = 0
+        self.propose = True                  # what each step's propose_drafts says (the batch threshold)
 
     def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
         return grow_blocks(self.blocks[seq_id], self.free_blocks, num_tokens)
@@ -38,7 +39,7 @@ class Loop:
                                      num_scheduled_tokens=len(token_ids), block_ids=self.blocks[seq_id],
                                      sampling=sampling))
             self.computed[seq_id] = len(token_ids)
-        self._apply(list(requests), {}, pb.StepRequest(new_requests=new, propose_drafts=True))
+        self._apply(list(requests), {}, pb.StepRequest(new_requests=new, propose_drafts=self.propose))
 
     def decode(self) -> None:
         order = list(self.tokens)
@@ -51,7 +52,7 @@ class Loop:
                 columns.draft_indices.append(i)
                 columns.draft_counts.append(k)
             add_new_blocks(columns, i, fresh)
-        self._apply(order, drafts, pb.StepRequest(cached=columns, propose_drafts=True))
+        self._apply(order, drafts, pb.StepRequest(cached=columns, propose_drafts=self.propose))
 
     def _apply(self, order: list[int], drafts: dict[int, int], request: pb.StepRequest) -> None:
         self.step_id += 1

@@ -3,7 +3,8 @@ graph-capable backend (Triton, FlashAttention-4) on the tiny checkpoint, at bloc
 128, random paged decode batches of sizes that hit and miss the captured sizes, against the same
 model run eagerly on a copy of the same KV cache. A backend that cannot run here is skipped.
 On the CPU (graph captures that run their body once, replays that run nothing): capturing the
-sampling graphs again leaves every row of the staged step as it was."""
+sampling graphs again leaves every row of the staged step as it was; graphs whose replays run their
+body again replay a forward's aux outputs (eagle3's) as the eager forward computes them."""
 from __future__ import annotations
 
 import contextlib
@@ -184,3 +185,67 @@ def test_capturing_the_sampling_again_draws_for_no_row_of_the_step(graphs_on_the
     assert torch.equal(sampler.penalties.output_counts, counts), "a warm-up counted a token into a row's penalties"
     assert torch.equal(last_sampled[:3], torch.full((3,), -1)), "a warm-up stored a row's newest token"
     assert graphs.rows[:4].tolist() == [0, 1, 2, sampler.dummy_row]
+
+
+class ReplayingGraph:
+    """A CUDA graph on the CPU whose replay runs again what it holds (`body`, set after capture)."""
+
+    def __init__(self) -> None:
+        self.body = None
+
+    def replay(self) -> None:
+        self.body()
+
+
+def test_graphs_of_a_forward_with_aux_outputs_replay_them_as_the_eager_forward(tiny_model_dir, graphs_on_the_cpu,
+                                                                                monkeypatch):
+    """eagle3 reads the hidden states entering some layers: the decode graphs of a forward that
+    returns them replay them, beside the final hidden states, as the eager forward computes them
+    (on the CPU: graphs whose replay runs their captured body, the tiny model, Triton's attention
+    interpreted; every batch size, padded or not)."""
+    import functools
+
+    from transformers import AutoConfig
+
+    from worker_svc import kv_cache
+    from worker_svc.kv_cache_scales import bind_kv_scales
+    from worker_svc.layers.attention.registry import load_backend
+    from worker_svc.loader import load_safetensors
+    from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayingGraph)
+    cpu, block_size, max_batch, max_len, aux_layers = torch.device("cpu"), 16, 4, 64, (0, 1)
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    model = Qwen3ForCausalLM(config, load_backend("triton"), max_len).eval()
+    load_safetensors(model, tiny_model_dir)
+    num_blocks = max_batch * max_len // block_size
+    cache = kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads,
+                                       head_dim_of(config), torch.float32, cpu)
+    bind_kv_scales(model, cache.dtype, [])
+    cache.copy_(torch.randn(cache.shape))
+    graphs = DecodeGraphs(lambda ids, positions, meta: model(ids, positions, meta, aux_layers),
+                          max_batch_size=max_batch, max_blocks_per_seq=max_len // block_size, max_model_len=max_len,
+                          device=cpu)
+    for size, graph in graphs.graphs.items():
+        graph.body = functools.partial(graphs._captured, size)
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    for n in (3, 1):    # padded to 4, then a captured size
+        seq_lens = [rng.randint(1, max_len) for _ in range(n)]
+        tables = torch.tensor([rng.sample(range(num_blocks), max_len // block_size) for _ in range(n)],
+                              dtype=torch.int32)
+        slots = [int(tables[r, (s - 1) // block_size]) * block_size + (s - 1) % block_size
+                 for r, s in enumerate(seq_lens)]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+                                 max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n,
+                                 seq_lens_cpu=seq_lens)
+        ids, positions = torch.tensor([rng.randrange(config.vocab_size) for _ in range(n)]), torch.tensor(seq_lens) - 1
+        with torch.inference_mode():
+            eager, eager_aux = model(ids, positions, meta, aux_layers)
+            replayed = graphs.run(ids, positions, meta).clone()
+            replayed_aux = [a.clone() for a in graphs.aux(n)]
+        assert replayed.shape == eager.shape and len(replayed_aux) == len(aux_layers)
+        assert relative_error(replayed, eager) < 1e-5, f"seed {seed}, batch {n}"
+        for got, want in zip(replayed_aux, eager_aux):
+            assert got.shape == want.shape and relative_error(got, want) < 1e-5, f"seed {seed}, batch {n}"

@@ -3,8 +3,8 @@ drive it: every decode verifies all the drafts the worker holds for it. Greedy o
 transformers' token for token, with each verified token laid out as a decode row or as one chunk;
 seeded sampling with every option, and its logprobs, equal the plain runner's; a grammar holds over
 accepted runs (tests/e2e/test_runner_grammar_e2e.py: it starts a compiling process); a draft model
-that is the target has its drafts accepted; steps that ask for drafts the worker does not hold are
-refused."""
+that is the target has its drafts accepted; steps that ask for no drafts skip the proposer on the
+device; steps that ask for drafts the worker does not hold are refused."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +58,34 @@ def test_a_draft_model_that_is_the_target_has_its_greedy_drafts_accepted(tiny_mo
         assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 24), f"sequence {seq_id}"
     assert loop.num_accepted >= 0.9 * 3 * loop.num_verified > 0
 
+
+
+def test_steps_asking_for_no_drafts_skip_the_proposer_and_its_rows_draft_no_more(tiny_model_dir,
+                                                                                 tiny_self_draft_dir):
+    """Steps past the scheduler's batch threshold ask for no drafts: the proposer on the device
+    does not run in them (they cost what they cost without speculation). A row it skipped gets no
+    drafts afterwards (its cache lacks those positions); a row added later drafts, and its drafts
+    (the target's own) are accepted. Greedy output stays transformers' throughout."""
+    runner = make_runner(tiny_model_dir, speculative_method="draft", speculative_model=str(tiny_self_draft_dir),
+                         num_speculative_tokens=3)
+    catch_ups = []
+    catch_up = runner.drafter.catch_up
+    runner.drafter.catch_up = lambda *args: catch_ups.append(args) or catch_up(*args)
+    loop = Loop(runner)
+    loop.propose = False
+    skipped, later = {1: (prompt(4, 30), GREEDY)}, {2: (prompt(5, 7), GREEDY)}
+    loop.start(skipped)
+    for _ in range(3):
+        loop.decode()
+    assert catch_ups == [] and loop.held[1] == 0
+    loop.propose = True
+    loop.start(later)
+    while min(len(loop.tokens[s]) - len(p) for s, (p, _) in {**skipped, **later}.items()) < 24:
+        loop.decode()
+        assert loop.held[1] == 0, "a row the proposer skipped holds drafts"
+    assert catch_ups and loop.num_accepted >= 0.9 * 3 * loop.num_verified > 0
+    for seq_id, (p, _) in {**skipped, **later}.items():
+        assert loop.tokens[seq_id][len(p):len(p) + 24] == hf_greedy(tiny_model_dir, p, 24), f"sequence {seq_id}"
 
 def oracle(runner: ModelRunner, reference: dict[int, list[int]]):
     """A host proposer that knows each request's plain output: it proposes the next 4 tokens of
