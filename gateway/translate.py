@@ -164,10 +164,18 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     if not prompt:
         raise bad_param("prompt", "prompt is empty")
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
+        return [_token_ids(prompt, "prompt")]
     if any(isinstance(p, list) and not p for p in prompt):
         raise bad_param("prompt", "prompt holds an empty list of token ids")
-    return list(prompt)
+    return [p if isinstance(p, str) else _token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+
+def _token_ids(ids: list[int], where: str) -> list[int]:
+    """Token ids the wire carries (uint32; the scheduler checks them against the vocabulary)."""
+    for i, token in enumerate(ids):
+        if not UINT32[0] <= token <= UINT32[1]:
+            raise bad_param("prompt", f"{where}[{i}] must be a token id in [0, {UINT32[1]}], got {_shown(token)}")
+    return list(ids)
 
 
 @dataclass(frozen=True)
@@ -273,10 +281,15 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _not_json(name: str) -> None:
+    """json.loads' parse_constant: NaN and the infinities are Python's, not JSON."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _tool_call(call, where: str) -> dict[str, Any]:
     param = f"{where}.function.arguments"
     try:
-        arguments = json.loads(call.function.arguments)
+        arguments = json.loads(call.function.arguments, parse_constant=_not_json)
         check_wire_value(arguments)
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise bad_param(param, f"{param} is not valid JSON: {exc}"[:300]) from None

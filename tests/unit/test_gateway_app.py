@@ -159,6 +159,10 @@ def test_responses_input_items_become_the_chat_turns():
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 200}]}, "input[0].arguments"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.json_schema.schema"),
     ({"tool_choice": "required"}, "tool_choice"), ({"conversation": "conv_1"}, "conversation"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"input": [{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}]}, "input[0].content"),
+    ({"input": [{"type": "reasoning", "summary": [{"text": 5}]}, {"role": "user", "content": "x"}]},
+     "input[0].summary[0].text"),
 ])
 def test_responses_refusals_name_the_responses_parameter(fake, body, param):
     reply = post(fake, "/v1/responses", {"input": "Hi", **body})
@@ -194,6 +198,11 @@ def test_tokenize_and_detokenize_as_vllm_has_them(fake):
     ("/v1/completions", b'{"prompt": "a", "logit_bias": {"\\u2460": 1}}', "logit_bias"),
     ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', "temperature"),
     ("/v1/completions", b'{"prompt": "a", "logprobs": 21}', "logprobs"),
+    ("/v1/completions", b'{"prompt": [1, -1]}', "prompt"),
+    ("/v1/completions", b'{"prompt": [[1], [18446744073709551616]]}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
+                             b'"function": {"name": "f", "arguments": "{\\"a\\": NaN}"}}]}]}',
+     "messages[0].tool_calls[0].function.arguments"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
                              b'"json_schema", "json_schema": {"schema": ' + b'{"a": ' * 100 + b'1' + b'}' * 100
                              + b"}}}", "response_format.json_schema.schema"),
@@ -241,3 +250,4 @@ def test_a_gateway_holding_the_schedulers_token_without_keys_beyond_loopback_ref
         with pytest.raises(SystemExit) as stopped:
             main(argv)
         assert stopped.value.code == 2
+
