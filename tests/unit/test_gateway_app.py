@@ -3,6 +3,7 @@ echo and prompt_logprobs, -inf logprobs as -9999.0, continuous usage, the Respon
 streamed events, /tokenize and /detokenize, and the 400s that name what a client got wrong."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -218,11 +219,31 @@ def test_malformed_requests_are_400_naming_the_parameter(fake, path, raw, param)
     assert set(error) == {"message", "type", "param", "code"}
 
 
-def test_a_body_nested_too_deep_for_the_parser_is_400(fake):
+@pytest.mark.parametrize("raw, says", [
+    (b"[" * 100000 + b"]" * 100000, "deeper"), (b'{"prompt": "\xff"}', "UTF-8"),
+    (b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}", "digits"),
+])
+def test_a_body_the_parser_cannot_read_is_400_saying_why(fake, raw, says):
     with http(fake) as client:
-        reply = client.post("/v1/completions", content=b"[" * 100000 + b"]" * 100000,
-                            headers={"content-type": "application/json"})
-    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
+        reply = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["code"] == "invalid_json" and says in error["message"], error
+
+
+@pytest.mark.parametrize("headers, says", [
+    ({"content-type": "text/plain"}, "Content-Type"), ({}, "Content-Type"),
+    ({"content-type": "application/x-www-form-urlencoded"}, "Content-Type"),
+    ({"content-type": "application/json", "content-encoding": "gzip"}, "Content-Encoding"),
+])
+def test_a_body_sent_as_other_than_plain_json_is_415_naming_the_header(fake, headers, says):
+    body = json.dumps({"messages": USER}).encode()
+    if "content-encoding" in headers:
+        body = gzip.compress(body)
+    with http(fake) as client:
+        reply = client.post("/v1/chat/completions", content=body, headers=headers)
+    error = strict_json(reply.text)["error"]
+    assert reply.status_code == 415 and says in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
 
 
 def test_metrics_labels_come_from_a_fixed_set(fake):
