@@ -3,6 +3,7 @@ echo and prompt_logprobs, -inf logprobs as -9999.0, continuous usage, the Respon
 streamed events, /tokenize and /detokenize, and the 400s that name what a client got wrong."""
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 
@@ -272,3 +273,56 @@ def test_a_gateway_holding_the_schedulers_token_without_keys_beyond_loopback_ref
             main(argv)
         assert stopped.value.code == 2
 
+
+class _Queued(FakeScheduler):
+    """A scheduler whose streams wait in its queue (no first chunk) until cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = asyncio.Event()
+        self.cancelled = 0
+
+    async def stream(self, *args, **kwargs):
+        self.waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        yield   # an async generator, never reached
+
+    stream_chat = stream
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "stream": True}), ("/v1/completions", {"prompt": ["a", "b"], "stream": True}),
+    ("/v1/chat/completions", {"messages": USER, "stream": True}), ("/v1/responses", {"input": "Hi", "stream": True}),
+])
+def test_a_client_that_leaves_before_the_first_chunk_cancels_the_queued_stream(path, body):
+    from gateway.state import Gateway
+
+    fake = _Queued()
+    app = create_app(GatewayConfig("unused"), client_factory=lambda: fake)
+    app.state.gateway = Gateway(GatewayConfig("unused"), client=fake)
+    sent = []
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await fake.waiting.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+
+    asyncio.run(run())
+    assert fake.cancelled == (2 if body.get("prompt") == ["a", "b"] else 1)
+    assert sent[0]["status"] == 499   # no 200 stream was started for a client that is gone
