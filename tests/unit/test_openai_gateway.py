@@ -59,6 +59,9 @@ def refused(build, body) -> GatewayError:
     ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"type": "text"}}}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": {"required": "a"}}}, "structured_outputs.json"),
 ])
 def test_completion_parameters_the_api_lacks_are_refused_by_name(extra, param):
     body = CompletionRequest.model_validate({"prompt": "Hi", **extra})
@@ -77,6 +80,9 @@ def test_completion_parameters_the_api_lacks_are_refused_by_name(extra, param):
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "Hi", "name": "bob"}]}, "messages[0].name"),
     ({"messages": []}, "messages"),
+    ({"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools[0].function.parameters"),
+    ({"tools": [TOOL, {**TOOL, "function": {"name": "g", "parameters": {"properties": {"x": {"maxLength": -1}}}}}],
+      "tool_choice": "none"}, "tools[1].function.parameters"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
