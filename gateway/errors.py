@@ -64,8 +64,9 @@ _ERROR_TYPES = {
 # The scheduler's messages start with the path of the field they refuse ("sampling.top_p must be
 # in (0, 1], got 1.5"); the OpenAI parameter behind each path, for the error's `param`.
 _FIELD_PATH = re.compile(
-    r"^(sampling\.[a-z_]+|text|token_ids|prompt|tool_choice|(?:messages|tools)(?:\[\d+\])?(?:\.[a-z_]+)*)\b")
-_PARAMS = {"text": "prompt", "token_ids": "prompt", "json_schema": "response_format", "json_object": "response_format"}
+    r"^(sampling\.[a-z_]+|text|token_ids|prompt|tool_choice|request_id|(?:messages|tools)(?:\[\d+\])?(?:\.[a-z_]+)*)\b")
+_PARAMS = {"text": "prompt", "token_ids": "prompt", "json_schema": "response_format", "json_object": "response_format",
+           "regex": "structured_outputs", "grammar": "structured_outputs"}
 
 
 @dataclass

@@ -183,6 +183,8 @@ def test_tokenize_and_detokenize_as_vllm_has_them(fake):
         assert client.post("/detokenize", json={"tokens": [17, 18]}, headers=auth).json() == {"prompt": "<17><18>"}
         refused = client.post("/detokenize", json={"tokens": [2 ** 40]}, headers=auth).json()["error"]
         assert refused["param"] == "tokens[0]"
+        beyond = client.post("/detokenize", json={"tokens": [1, 5000]}, headers=auth)   # the scheduler's refusal
+        assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "tokens"
         assert client.get("/health").status_code == 200   # probes need no key
 
 

@@ -40,6 +40,8 @@ def test_grpc_status_maps_to_http_status_with_openai_error_body(code, status, ki
     ("text is longer than the model's context", "prompt"),
     ("messages[2].tool_call_id names no earlier call", "messages[2].tool_call_id"),
     ("the prompt is too long", None),
+    ("request_id has a control character (U+000A) at index 1", "request_id"),
+    ("sampling.regex is invalid: Regex parsing error at position 2", "structured_outputs"),
 ])
 def test_a_scheduler_refusal_names_the_openai_parameter(message, param):
     assert from_request_error(RequestError("INVALID_ARGUMENT", message)).param == param
