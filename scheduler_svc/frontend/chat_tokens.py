@@ -30,9 +30,10 @@ class Escaper:
     marker: str
     specials: tuple[str, ...]
 
-    def escape(self, text: str) -> str:
+    def escape(self, text: str, keep: tuple[str, ...] = ()) -> str:
+        """`text` with each control token's text marked, but those in `keep`."""
         for special in self.specials:
-            if special in text:
+            if special in text and special not in keep:
                 text = text.replace(special, special[0] + self.marker + special[1:])
         return text
 

@@ -357,15 +357,14 @@ def test_special_tokens_in_the_client_s_text_are_tokenized_as_text(tokenizer, me
 @pytest.mark.parametrize("role", ["user", "system", "tool", "assistant"])
 def test_think_and_tool_call_tags_in_the_client_s_text_are_tokenized_as_text(tokenizer, role):
     """Qwen3's <think>, <tool_call>, ... are added tokens the tokenizer matches anywhere, though
-    not marked special: a client's are its characters, as its <|im_start|> is."""
+    not marked special: a client's are its characters, as its <|im_start|> is. In an assistant
+    turn's content the template still reads the reasoning out between <think> and </think> (as
+    transformers renders it), and emits its own tags around it."""
     text = "Use <think>no</think> and <tool_call>{}</tool_call> or <tool_response>"
     message = ChatMessage(role, text, tool_call_id="c" if role == "tool" else "")
     prompt = render_chat(tokenizer, [ChatMessage("user", "Hello"), message])
-    if role == "assistant":   # the template does not read the client's </think> as the end of reasoning
-        assert text in prompt.text
-    else:
-        assert prompt.text == tokenizer.hf.apply_chat_template(
-            expected_dicts([ChatMessage("user", "Hello"), message]), add_generation_prompt=True, tokenize=False)
+    assert prompt.text == tokenizer.hf.apply_chat_template(
+        expected_dicts([ChatMessage("user", "Hello"), message]), add_generation_prompt=True, tokenize=False)
     tags = {tokenizer.control_tokens[t] for t in ("<think>", "</think>", "<tool_call>", "</tool_call>",
                                                   "<tool_response>")}
     template_tags = [t for t in render_chat(tokenizer, [ChatMessage("user", "Hello"), ChatMessage(
