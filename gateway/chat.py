@@ -49,7 +49,7 @@ async def chat_completions(gateway: Gateway, req: ChatCompletionRequest, request
     with request_context(rid):
         if req.stream:
             stream = gateway.client.stream_chat(call.messages, call.sampling, **kwargs)
-            items = await opened(outputs.merge([stream]))
+            items = await opened(request, outputs.merge([stream]))
             return EventStream(choice_events(lambda usage: _chat_choices(gateway, items, call, usage),
                                              {**base, "object": "chat.completion.chunk"}, req.stream_options,
                                              lambda usage: gateway.metrics.count_usage(ROUTE, usage)))

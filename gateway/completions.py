@@ -87,7 +87,7 @@ async def completions(gateway: Gateway, req: CompletionRequest, request: Request
         prompts = await asyncio.gather(*(_prompt(gateway, t, plan, plan.scored or continuous) for t in texts))
         if req.stream:
             streams = [gateway.client.stream(p.call, sampling, request_id=r) for p, r in zip(prompts, rids)]
-            items = await opened(outputs.merge(streams))
+            items = await opened(request, outputs.merge(streams))
             known = sum(len(p.token_ids or ()) for p in prompts)
             return EventStream(choice_events(
                 lambda usage: _streamed_choices(gateway, items, prompts, plan, usage), base,

@@ -64,8 +64,9 @@ _ERROR_TYPES = {
 # The scheduler's messages start with the path of the field they refuse ("sampling.top_p must be
 # in (0, 1], got 1.5"); the OpenAI parameter behind each path, for the error's `param`.
 _FIELD_PATH = re.compile(
-    r"^(sampling\.[a-z_]+|text|token_ids|prompt|tool_choice|(?:messages|tools)(?:\[\d+\])?(?:\.[a-z_]+)*)\b")
-_PARAMS = {"text": "prompt", "token_ids": "prompt", "json_schema": "response_format", "json_object": "response_format"}
+    r"^(sampling\.[a-z_]+|text|token_ids|prompt|tool_choice|request_id|(?:messages|tools)(?:\[\d+\])?(?:\.[a-z_]+)*)\b")
+_PARAMS = {"text": "prompt", "token_ids": "prompt", "json_schema": "response_format", "json_object": "response_format",
+           "regex": "structured_outputs", "grammar": "structured_outputs"}
 
 
 @dataclass
@@ -164,14 +165,51 @@ def _required_fields(request: Request) -> list[str]:
     return [name for name, f in fields.items() if f.is_required()]
 
 
+def _media_refusal(request: Request, whole_body_refused: bool) -> GatewayError | None:
+    """415 for a body the gateway cannot read as JSON by its headers: a Content-Encoding (gzip, ...)
+    or a Content-Type other than JSON; None when the headers are fine."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        return GatewayError(415, f"Content-Encoding {encoding[:40]!r} is not supported: send the body uncompressed",
+                            None, "unsupported_content_encoding")
+    kind = request.headers.get("content-type")
+    if kind is None:
+        has_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
+        if not (whole_body_refused and has_body):
+            return None
+    else:
+        media = kind.partition(";")[0].strip().lower()
+        if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+            return None
+    return GatewayError(415, f"the request body must be JSON sent with Content-Type: application/json, "
+                             f"got {kind[:60] if kind is not None else 'none'!r}", None, "unsupported_media_type")
+
+
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return _respond(validation_error(exc, _required_fields(request)))
+    whole_body = any(not [p for p in e.get("loc", ()) if p != "body"] for e in exc.errors())
+    refusal = _media_refusal(request, whole_body)
+    return _respond(refusal or validation_error(exc, _required_fields(request)))
+
+
+def _unparsable_body(cause: BaseException | None) -> str:
+    """What was wrong with a body that json.loads could not even read as text or build."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not UTF-8 JSON: byte {cause.start} is {cause.reason}"
+    if isinstance(cause, RecursionError):
+        return "the request body nests its JSON deeper than the parser allows"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "the request body holds an integer of more digits than the parser allows"
+    return "the request body is not valid JSON"
 
 
 _HTTP_CODES = {400: "invalid_json", 408: "request_timeout", 413: "request_too_large"}
+_BODY_NOT_PARSED = "There was an error parsing the body"   # FastAPI's, for what json.loads raised
 
 
-async def _on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400 and exc.detail == _BODY_NOT_PARSED:
+        return _respond(_media_refusal(request, True) or GatewayError(400, _unparsable_body(exc.__cause__), None,
+                                                                      "invalid_json"))
     code = _HTTP_CODES.get(exc.status_code)
     return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))

@@ -51,7 +51,7 @@ async def responses(gateway: Gateway, req: ResponsesRequest, request: Request):
     try:
         with request_context(rid):
             if req.stream:
-                chunks = await opened(gateway.client.stream_chat(call.messages, call.sampling, **kwargs))
+                chunks = await opened(request, gateway.client.stream_chat(call.messages, call.sampling, **kwargs))
                 return EventStream(_events(gateway, chunks, shell, rid))
             result: ChatCompletion = await unless_disconnected(
                 request, gateway.client.chat(call.messages, call.sampling, **kwargs))

@@ -124,6 +124,8 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     for name, why in _STATEFUL.items():
         if getattr(req, name) not in (None, False, 0):
             raise unsupported(name, why)
+    if req.stream_options is not None and not req.stream:
+        raise bad_param("stream_options", "stream_options is only allowed with stream: true")
     if req.store:
         raise unsupported("store", "the gateway stores no responses; set store to false or leave it out")
     for i, item in enumerate(req.include or ()):
@@ -165,6 +167,21 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its content's (else its summary's) parts' texts, joined."""
+    key = "content" if item.get("content") else "summary"
+    parts = item.get(key) or []
+    if not isinstance(parts, list):
+        raise bad_param(f"{where}.{key}", f"{where}.{key} must be a list of parts")
+    texts = []
+    for j, part in enumerate(parts):
+        text = part.get("text", "") if isinstance(part, dict) else None
+        if not isinstance(text, str):
+            raise bad_param(f"{where}.{key}[{j}].text", f"{where}.{key}[{j}].text must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 def _messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
     """The chat messages of a request, and the Responses parameter each came from (for errors)."""
     messages: list[dict[str, Any]] = []
@@ -199,8 +216,7 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
             add({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                  "content": output if isinstance(output, str) else _text(output, where)}, where)
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning[:] = ["\n".join(p.get("text", "") for p in parts if isinstance(p, dict))]
+            reasoning[:] = [_reasoning_text(item, where)]
         else:
             raise unsupported(f"{where}.type", f"input items of type {kind!r} are not served (messages, "
                                                "function_call, function_call_output and reasoning are)")

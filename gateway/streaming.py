@@ -5,9 +5,9 @@ Guarantees:
 - a streamed request that the scheduler refuses is refused with its own HTTP status, since the
   stream's headers are only sent once its first item came (`opened`); a failure after that point
   is one `data: {"error": ...}` event, then `data: [DONE]`;
-- a client that disconnects mid-stream cancels the stream at once (not at the next write), and
-  one that disconnects while an unstreamed answer is computed cancels it (`unless_disconnected`),
-  which aborts the requests on the scheduler and frees their KV-cache blocks.
+- a client that disconnects mid-stream cancels the stream at once (not at the next write), as does
+  one that leaves before the first item (`opened`) or while an unstreamed answer is computed
+  (`unless_disconnected`): that aborts the requests on the scheduler and frees their KV blocks.
 """
 from __future__ import annotations
 
@@ -51,13 +51,21 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def opened(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def opened(request: Request, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
     """`stream` with its first item already received: a refusal of the request raises here, before
-    any response header is sent, so it gets its own HTTP status rather than a 200 stream."""
+    any response header is sent, so it gets its own HTTP status rather than a 200 stream. A client
+    that disconnects while the request waits for its first item (queued) cancels it (ClientGone)."""
+    async def first_item() -> Any:
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            return None
+
     try:
-        first = await anext(stream)
-    except StopAsyncIteration:
-        first = None
+        first = await unless_disconnected(request, first_item())
+    except BaseException:
+        await stream.aclose()
+        raise
 
     async def rest() -> AsyncIterator[Any]:
         try:

@@ -5,11 +5,13 @@ the text of token ids. A chat's messages are not tokenized here: the scheduler r
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from fastapi import APIRouter, Request
 
-from gateway.errors import unsupported
+from common.client import RequestError
+from gateway.errors import from_request_error, unsupported
 from gateway.protocol import _Strict
 from gateway.state import gateway_of
 from gateway.translate import UINT32, wire_int
@@ -55,4 +57,8 @@ async def detokenize(req: DetokenizeRequest, request: Request):
     for i, token in enumerate(req.tokens):
         wire_int(token, f"tokens[{i}]", UINT32)
     await gateway.check_model(req.model)
-    return {"prompt": await gateway.client.detokenize(req.tokens)}
+    try:
+        return {"prompt": await gateway.client.detokenize(req.tokens)}
+    except RequestError as exc:   # the scheduler names its token_ids, which are this route's tokens
+        error = from_request_error(exc)
+        raise dataclasses.replace(error, param="tokens") if error.param == "prompt" else error from None

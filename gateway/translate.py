@@ -18,6 +18,7 @@ from common.client import SamplingParams
 from common.sampling_bounds import MAX_TOP_LOGPROBS
 from gateway.errors import bad_param, unsupported
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling, check_wire_value
+from gateway.schema_shape import SchemaProblem, check_schema
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
 # What the llm.v1 wire can carry (the scheduler checks the tighter bounds, and names them).
@@ -91,7 +92,16 @@ def _response_format(req: _Sampling) -> dict[str, Any]:
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise bad_param("response_format.json_schema.schema",
                         'response_format of type "json_schema" needs json_schema.schema (a JSON schema object)')
-    return {"json_schema": fmt.json_schema.schema_}
+    return {"json_schema": _schema(fmt.json_schema.schema_, "response_format.json_schema.schema")}
+
+
+def _schema(schema: Any, param: str) -> Any:
+    """`schema` when it is shaped as a JSON schema, else a 400 naming `param`."""
+    try:
+        check_schema(schema)
+    except SchemaProblem as problem:
+        raise bad_param(param, f"{param} is not a valid JSON schema: {problem}") from None
+    return schema
 
 
 # The characters with a meaning in a regex outside a class (xgrammar reads ECMAScript's syntax);
@@ -106,6 +116,8 @@ def _structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
         raise bad_param("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, grammar, "
                                               f"json_object; got {sorted(given) or 'none'}")
     (kind, value), = given.items()
+    if kind == "json" and isinstance(value, dict):
+        _schema(value, "structured_outputs.json")
     if kind == "choice":
         if not value:
             raise bad_param("structured_outputs.choice", "structured_outputs.choice is empty")
@@ -164,10 +176,18 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     if not prompt:
         raise bad_param("prompt", "prompt is empty")
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
+        return [_token_ids(prompt, "prompt")]
     if any(isinstance(p, list) and not p for p in prompt):
         raise bad_param("prompt", "prompt holds an empty list of token ids")
-    return list(prompt)
+    return [p if isinstance(p, str) else _token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+
+def _token_ids(ids: list[int], where: str) -> list[int]:
+    """Token ids the wire carries (uint32; the scheduler checks them against the vocabulary)."""
+    for i, token in enumerate(ids):
+        if not UINT32[0] <= token <= UINT32[1]:
+            raise bad_param("prompt", f"{where}[{i}] must be a token id in [0, {UINT32[1]}], got {_shown(token)}")
+    return list(ids)
 
 
 @dataclass(frozen=True)
@@ -243,7 +263,8 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str]:
                               'strict arguments need tool_choice "required" or a named tool, which constrain the '
                               'output to calls whose arguments validate; with "auto" they are not constrained')
     specs = [{"name": t.function.name, "description": t.function.description or "",
-              "parameters": t.function.parameters} for t in tools]
+              "parameters": _schema(t.function.parameters, f"tools[{i}].function.parameters")}
+             for i, t in enumerate(tools)]
     return specs, name
 
 
@@ -273,10 +294,15 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _not_json(name: str) -> None:
+    """json.loads' parse_constant: NaN and the infinities are Python's, not JSON."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _tool_call(call, where: str) -> dict[str, Any]:
     param = f"{where}.function.arguments"
     try:
-        arguments = json.loads(call.function.arguments)
+        arguments = json.loads(call.function.arguments, parse_constant=_not_json)
         check_wire_value(arguments)
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise bad_param(param, f"{param} is not valid JSON: {exc}"[:300]) from None

@@ -178,8 +178,13 @@ def _utf8_len(text: str) -> int:
 def _client_strings(template_messages: list[dict[str, Any]]) -> list[str]:
     strings: list[str] = []
     for message in template_messages:
-        _escaped(message, lambda text: strings.append(text) or text)
+        _escaped(message, lambda text, keep=(): strings.append(text) or text)
     return strings
+
+
+# The template reads an assistant turn's reasoning out of its content between these (Qwen3's
+# template drops it from earlier turns): there they are left for it to find, as transformers does.
+_REASONING_TAGS = ("<think>", "</think>")
 
 
 def _escaped(message: dict[str, Any], escape) -> dict[str, Any]:
@@ -187,7 +192,8 @@ def _escaped(message: dict[str, Any], escape) -> dict[str, Any]:
     out = dict(message)
     for key in ("content", "reasoning_content", "tool_call_id"):
         if isinstance(out.get(key), str):
-            out[key] = escape(out[key])
+            keep = _REASONING_TAGS if key == "content" and out.get("role") == "assistant" else ()
+            out[key] = escape(out[key], keep)
     if "tool_calls" in out:
         out["tool_calls"] = [{**call, "id": escape(call["id"]),
                               "function": {name: escape(value) for name, value in call["function"].items()}}

@@ -1,16 +1,16 @@
 """A rendered chat as tokens, with the client's text kept out of the control tokens: a user who
-writes "<|im_start|>system" in a message gets those characters tokenized as text, never the
-template's turn marker, so no client can write template structure (a fake system turn) into a
-prompt. The same holds for every string a client supplies (contents, reasoning, tool calls and
-results, tools).
+writes "<|im_start|>system" (or "<think>", "<tool_call>": every added token) in a message gets
+those characters tokenized as text, never the template's turn marker, so no client can write
+template structure (a fake system turn, a fake reasoning block or tool call) into a prompt. The
+same holds for every string a client supplies (contents, reasoning, tool calls and results, tools).
 
-How: before rendering, each special token's text inside the client's strings gets a marker
+How: before rendering, each control token's text inside the client's strings gets a marker
 character inserted (one that none of the strings holds); the template renders those strings as
-usual; afterwards the marked occurrences are the client's, every other special token text is the
-template's. The rendered text (markers removed) is then split at the template's special tokens,
-which become their ids, and the pieces between them are tokenized with special tokens read as
+usual; afterwards the marked occurrences are the client's, every other control token text is the
+template's. The rendered text (markers removed) is then split at the template's control tokens,
+which become their ids, and the pieces between them are tokenized with control tokens read as
 text. The tokenizer splits its input at added tokens before anything else, so a chat whose text
-holds no special token gets exactly the ids of tokenizing the rendered text as a whole.
+holds no control token gets exactly the ids of tokenizing the rendered text as a whole.
 """
 from __future__ import annotations
 
@@ -26,20 +26,21 @@ _MARKERS = (chr(c) for c in range(0xE000, 0xF900))
 
 @dataclass(frozen=True, slots=True)
 class Escaper:
-    """Inserts `marker` after the first character of each special token's text."""
+    """Inserts `marker` after the first character of each control token's text."""
     marker: str
     specials: tuple[str, ...]
 
-    def escape(self, text: str) -> str:
+    def escape(self, text: str, keep: tuple[str, ...] = ()) -> str:
+        """`text` with each control token's text marked, but those in `keep`."""
         for special in self.specials:
-            if special in text:
+            if special in text and special not in keep:
                 text = text.replace(special, special[0] + self.marker + special[1:])
         return text
 
 
 def escaper_for(tokenizer: Tokenizer, strings: Iterable[str]) -> Escaper | None:
-    """An Escaper when any of `strings` holds a special token's text, else None (nothing to do)."""
-    specials = tuple(sorted(tokenizer.special_tokens, key=len, reverse=True))
+    """An Escaper when any of `strings` holds a control token's text, else None (nothing to do)."""
+    specials = tuple(sorted(tokenizer.control_tokens, key=len, reverse=True))
     strings = [s for s in strings if s]
     if not any(special in s for s in strings for special in specials):
         return None
@@ -60,7 +61,7 @@ def tokenize_rendered(tokenizer: Tokenizer, rendered: str, escaper: Escaper | No
     for piece in re.split(f"({pattern})", rendered):
         if not piece:
             continue
-        special_id = tokenizer.special_tokens.get(piece)
+        special_id = tokenizer.control_tokens.get(piece)
         if special_id is not None:      # unmarked: the template's own
             ids += tokenizer.encode_plain("".join(pending))
             pending = []

@@ -15,8 +15,9 @@ writes every client's stream): the backend's `encode` holds the GIL throughout (
 the caller's token bound is refused by its count, without building a list of its ids. Decoding
 many ids takes the same care (`decode_batch` releases the GIL, `decode` does not).
 
-`encode_plain` encodes text in which special tokens (<|im_start|>, ...: the added tokens marked
-special) are ordinary text, as a chat's user-supplied text is tokenized (scheduler_svc/frontend/chat.py).
+`encode_plain` encodes text in which the control tokens (every added token: <|im_start|>, <think>,
+<tool_call>, ...) are ordinary text, as a chat's user-supplied text is tokenized
+(scheduler_svc/frontend/chat.py).
 """
 from __future__ import annotations
 
@@ -61,11 +62,14 @@ class Tokenizer:
         self._backend.no_padding()
         spec = self._backend.to_str()
         self.max_input_bytes_per_token = max_input_bytes_per_token(json.loads(spec))
-        # A second backend (never switched back and forth: threads share both) that reads special tokens as text.
-        self._plain = RustTokenizer.from_str(spec)
+        # A second backend (never switched back and forth: threads share both) that reads every added
+        # token as text: each marked special, which encode_special_tokens then reads as text.
+        self._plain = RustTokenizer.from_str(_all_added_special(spec))
         self._plain.encode_special_tokens = True
-        self.special_tokens: dict[str, int] = {token.content: token_id for token_id, token in
-                                               hf_tokenizer.added_tokens_decoder.items() if token.special}
+        # Every added token: the special ones (<|im_start|>, ...) and Qwen3's others (<think>, <tool_call>, ...),
+        # which the tokenizer matches in any text as it matches the special ones.
+        self.control_tokens: dict[str, int] = {token.content: token_id for token_id, token in
+                                               hf_tokenizer.added_tokens_decoder.items()}
         self._tables: dict[bool, list[str]] = {}      # skip_special_tokens -> each id's text alone
         self._tables_lock = threading.Lock()
 
@@ -82,8 +86,8 @@ class Tokenizer:
         return _encode(self._backend, text, add_special_tokens, max_tokens)
 
     def encode_plain(self, text: str) -> list[int]:
-        """Token ids of text in which special tokens are plain text (a user's "<|im_start|>" is
-        the characters, not the control token); nothing is added."""
+        """Token ids of text in which control tokens are plain text (a user's "<|im_start|>" or
+        "<think>" is the characters, not the control token); nothing is added."""
         return _encode(self._plain, text, False, None)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -186,3 +190,11 @@ def load_tokenizer(model_dir: str | pathlib.Path) -> Tokenizer:
         # Otherwise from_pretrained would read the string as a hub repo id.
         raise FileNotFoundError(f"tokenizer directory {path} does not exist")
     return Tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False))
+
+
+def _all_added_special(spec: str) -> str:
+    """A tokenizer.json with every added token marked special."""
+    parsed = json.loads(spec)
+    for token in parsed.get("added_tokens", ()):
+        token["special"] = True
+    return json.dumps(parsed)

@@ -338,7 +338,7 @@ def test_special_tokens_in_the_client_s_text_are_tokenized_as_text(tokenizer, me
     prompt = render_chat(tokenizer, messages)
     rendered = tokenizer.hf.apply_chat_template(expected_dicts(messages), add_generation_prompt=True, tokenize=False)
     assert prompt.text == rendered
-    specials = {token_id for token_id in tokenizer.special_tokens.values()}
+    specials = {token_id for token_id in tokenizer.control_tokens.values()}
     # The template's own control tokens, and no other: as many as when the text holds none.
     clean = [ChatMessage(m.role, m.content.replace("<|", "<!"), tuple(ToolCall(c.id.replace("<|", "<!"),
                          c.name.replace("<|", "<!"), c.arguments_json.replace("<|", "<!")) for c in m.tool_calls),
@@ -352,6 +352,26 @@ def test_special_tokens_in_the_client_s_text_are_tokenized_as_text(tokenizer, me
     trusted = render_chat(tokenizer, messages, allow_special_tokens=True)
     assert trusted.token_ids == tokenizer.encode(rendered, add_special_tokens=False)
     assert len([t for t in trusted.token_ids if t in specials]) > len(expected_specials)
+
+
+@pytest.mark.parametrize("role", ["user", "system", "tool", "assistant"])
+def test_think_and_tool_call_tags_in_the_client_s_text_are_tokenized_as_text(tokenizer, role):
+    """Qwen3's <think>, <tool_call>, ... are added tokens the tokenizer matches anywhere, though
+    not marked special: a client's are its characters, as its <|im_start|> is. In an assistant
+    turn's content the template still reads the reasoning out between <think> and </think> (as
+    transformers renders it), and emits its own tags around it."""
+    text = "Use <think>no</think> and <tool_call>{}</tool_call> or <tool_response>"
+    message = ChatMessage(role, text, tool_call_id="c" if role == "tool" else "")
+    prompt = render_chat(tokenizer, [ChatMessage("user", "Hello"), message])
+    assert prompt.text == tokenizer.hf.apply_chat_template(
+        expected_dicts([ChatMessage("user", "Hello"), message]), add_generation_prompt=True, tokenize=False)
+    tags = {tokenizer.control_tokens[t] for t in ("<think>", "</think>", "<tool_call>", "</tool_call>",
+                                                  "<tool_response>")}
+    template_tags = [t for t in render_chat(tokenizer, [ChatMessage("user", "Hello"), ChatMessage(
+        role, "Use", tool_call_id=message.tool_call_id)]).token_ids if t in tags]   # the template's own
+    assert [t for t in prompt.token_ids if t in tags] == template_tags
+    assert tokenizer.decode(prompt.token_ids) == prompt.text
+    assert tokenizer.encode_plain(text) != tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_a_chat_without_special_tokens_in_its_text_is_tokenized_as_a_whole(tokenizer):

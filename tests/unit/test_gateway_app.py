@@ -3,6 +3,8 @@ echo and prompt_logprobs, -inf logprobs as -9999.0, continuous usage, the Respon
 streamed events, /tokenize and /detokenize, and the 400s that name what a client got wrong."""
 from __future__ import annotations
 
+import asyncio
+import gzip
 import json
 
 import pytest
@@ -159,6 +161,13 @@ def test_responses_input_items_become_the_chat_turns():
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 200}]}, "input[0].arguments"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.json_schema.schema"),
     ({"tool_choice": "required"}, "tool_choice"), ({"conversation": "conv_1"}, "conversation"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": 5}}]}, "tools[0].parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"anyOf": []}}}},
+     "text.format.json_schema.schema"),
+    ({"input": [{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}]}, "input[0].content"),
+    ({"input": [{"type": "reasoning", "summary": [{"text": 5}]}, {"role": "user", "content": "x"}]},
+     "input[0].summary[0].text"),
 ])
 def test_responses_refusals_name_the_responses_parameter(fake, body, param):
     reply = post(fake, "/v1/responses", {"input": "Hi", **body})
@@ -174,6 +183,8 @@ def test_tokenize_and_detokenize_as_vllm_has_them(fake):
         assert client.post("/detokenize", json={"tokens": [17, 18]}, headers=auth).json() == {"prompt": "<17><18>"}
         refused = client.post("/detokenize", json={"tokens": [2 ** 40]}, headers=auth).json()["error"]
         assert refused["param"] == "tokens[0]"
+        beyond = client.post("/detokenize", json={"tokens": [1, 5000]}, headers=auth)   # the scheduler's refusal
+        assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "tokens"
         assert client.get("/health").status_code == 200   # probes need no key
 
 
@@ -194,6 +205,11 @@ def test_tokenize_and_detokenize_as_vllm_has_them(fake):
     ("/v1/completions", b'{"prompt": "a", "logit_bias": {"\\u2460": 1}}', "logit_bias"),
     ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', "temperature"),
     ("/v1/completions", b'{"prompt": "a", "logprobs": 21}', "logprobs"),
+    ("/v1/completions", b'{"prompt": [1, -1]}', "prompt"),
+    ("/v1/completions", b'{"prompt": [[1], [18446744073709551616]]}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
+                             b'"function": {"name": "f", "arguments": "{\\"a\\": NaN}"}}]}]}',
+     "messages[0].tool_calls[0].function.arguments"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
                              b'"json_schema", "json_schema": {"schema": ' + b'{"a": ' * 100 + b'1' + b'}' * 100
                              + b"}}}", "response_format.json_schema.schema"),
@@ -209,11 +225,31 @@ def test_malformed_requests_are_400_naming_the_parameter(fake, path, raw, param)
     assert set(error) == {"message", "type", "param", "code"}
 
 
-def test_a_body_nested_too_deep_for_the_parser_is_400(fake):
+@pytest.mark.parametrize("raw, says", [
+    (b"[" * 100000 + b"]" * 100000, "deeper"), (b'{"prompt": "\xff"}', "UTF-8"),
+    (b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}", "digits"),
+])
+def test_a_body_the_parser_cannot_read_is_400_saying_why(fake, raw, says):
     with http(fake) as client:
-        reply = client.post("/v1/completions", content=b"[" * 100000 + b"]" * 100000,
-                            headers={"content-type": "application/json"})
-    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
+        reply = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["code"] == "invalid_json" and says in error["message"], error
+
+
+@pytest.mark.parametrize("headers, says", [
+    ({"content-type": "text/plain"}, "Content-Type"), ({}, "Content-Type"),
+    ({"content-type": "application/x-www-form-urlencoded"}, "Content-Type"),
+    ({"content-type": "application/json", "content-encoding": "gzip"}, "Content-Encoding"),
+])
+def test_a_body_sent_as_other_than_plain_json_is_415_naming_the_header(fake, headers, says):
+    body = json.dumps({"messages": USER}).encode()
+    if "content-encoding" in headers:
+        body = gzip.compress(body)
+    with http(fake) as client:
+        reply = client.post("/v1/chat/completions", content=body, headers=headers)
+    error = strict_json(reply.text)["error"]
+    assert reply.status_code == 415 and says in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
 
 
 def test_metrics_labels_come_from_a_fixed_set(fake):
@@ -241,3 +277,57 @@ def test_a_gateway_holding_the_schedulers_token_without_keys_beyond_loopback_ref
         with pytest.raises(SystemExit) as stopped:
             main(argv)
         assert stopped.value.code == 2
+
+
+class _Queued(FakeScheduler):
+    """A scheduler whose streams wait in its queue (no first chunk) until cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = asyncio.Event()
+        self.cancelled = 0
+
+    async def stream(self, *args, **kwargs):
+        self.waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        yield   # an async generator, never reached
+
+    stream_chat = stream
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "stream": True}), ("/v1/completions", {"prompt": ["a", "b"], "stream": True}),
+    ("/v1/chat/completions", {"messages": USER, "stream": True}), ("/v1/responses", {"input": "Hi", "stream": True}),
+])
+def test_a_client_that_leaves_before_the_first_chunk_cancels_the_queued_stream(path, body):
+    from gateway.state import Gateway
+
+    fake = _Queued()
+    app = create_app(GatewayConfig("unused"), client_factory=lambda: fake)
+    app.state.gateway = Gateway(GatewayConfig("unused"), client=fake)
+    sent = []
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await fake.waiting.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+
+    asyncio.run(run())
+    assert fake.cancelled == (2 if body.get("prompt") == ["a", "b"] else 1)
+    assert sent[0]["status"] == 499   # no 200 stream was started for a client that is gone

@@ -40,6 +40,8 @@ def test_grpc_status_maps_to_http_status_with_openai_error_body(code, status, ki
     ("text is longer than the model's context", "prompt"),
     ("messages[2].tool_call_id names no earlier call", "messages[2].tool_call_id"),
     ("the prompt is too long", None),
+    ("request_id has a control character (U+000A) at index 1", "request_id"),
+    ("sampling.regex is invalid: Regex parsing error at position 2", "structured_outputs"),
 ])
 def test_a_scheduler_refusal_names_the_openai_parameter(message, param):
     assert from_request_error(RequestError("INVALID_ARGUMENT", message)).param == param
@@ -59,6 +61,9 @@ def refused(build, body) -> GatewayError:
     ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"type": "text"}}}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": {"required": "a"}}}, "structured_outputs.json"),
 ])
 def test_completion_parameters_the_api_lacks_are_refused_by_name(extra, param):
     body = CompletionRequest.model_validate({"prompt": "Hi", **extra})
@@ -77,6 +82,9 @@ def test_completion_parameters_the_api_lacks_are_refused_by_name(extra, param):
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "Hi", "name": "bob"}]}, "messages[0].name"),
     ({"messages": []}, "messages"),
+    ({"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools[0].function.parameters"),
+    ({"tools": [TOOL, {**TOOL, "function": {"name": "g", "parameters": {"properties": {"x": {"maxLength": -1}}}}}],
+      "tool_choice": "none"}, "tools[1].function.parameters"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),

@@ -1,0 +1,93 @@
+"""A light check that a client's JSON schema (a tool's parameters, a response format's schema) is
+shaped as JSON Schema says: each keyword the service reads holds the kind of value it must (a
+`type` names JSON types, `properties` maps names to schemas, `required` lists names, a bound is a
+number, ...). A misshapen schema is refused by name before any work, whatever tool_choice says,
+as OpenAI refuses it. Keywords outside this table pass; whether a well-shaped schema compiles into
+a grammar is the worker's to say. Iterative: the depth of a schema costs no Python stack.
+"""
+from __future__ import annotations
+
+from numbers import Real
+from typing import Any
+
+TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
+_SCHEMA = ("additionalProperties", "additionalItems", "not", "contains", "propertyNames", "if", "then", "else",
+           "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+           "maxContains")
+_NUMBERS = ("minimum", "maximum")
+_STRINGS = ("pattern", "format", "$ref")
+
+
+class SchemaProblem(ValueError):
+    """What is wrong, starting with the path of the keyword inside the schema ("properties.a.type")."""
+
+
+def _is_schema(value: Any) -> bool:
+    return isinstance(value, (dict, bool))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _keyword_problem(key: str, value: Any) -> str | None:
+    """Why `value` cannot be keyword `key`'s, or None when it can (or the keyword is not checked)."""
+    if key == "type":
+        names = value if isinstance(value, list) else [value]
+        if not names or not all(isinstance(n, str) and n in TYPES for n in names) or len(set(names)) < len(names):
+            return f"must name JSON types ({', '.join(sorted(TYPES))}) once each, got {str(value)[:60]}"
+    elif key in _SCHEMA and not _is_schema(value):
+        return "must be a schema (an object or a boolean)"
+    elif key in _SCHEMA_MAPS and not (isinstance(value, dict) and all(_is_schema(v) for v in value.values())):
+        return "must be an object of schemas"
+    elif key in _SCHEMA_LISTS and not (isinstance(value, list) and value and all(_is_schema(v) for v in value)):
+        return "must be a non-empty list of schemas"
+    elif key == "items" and not (_is_schema(value) or isinstance(value, list) and all(_is_schema(v) for v in value)):
+        return "must be a schema or a list of schemas"
+    elif key == "required" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return "must be a list of property names"
+    elif key == "enum" and not isinstance(value, list):
+        return "must be a list"
+    elif key in _COUNTS and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return "must be a non-negative integer"
+    elif key in _NUMBERS and not _is_number(value):
+        return "must be a number"
+    elif key in ("exclusiveMinimum", "exclusiveMaximum") and not (_is_number(value) or isinstance(value, bool)):
+        return "must be a number"
+    elif key == "multipleOf" and not (_is_number(value) and value > 0):
+        return "must be a number above 0"
+    elif key in _STRINGS and not isinstance(value, str):
+        return "must be a string"
+    return None
+
+
+def _subschemas(key: str, value: Any) -> list[tuple[str, Any]]:
+    """The (path, schema) pairs nested in a well-shaped keyword."""
+    if key in _SCHEMA:
+        return [(key, value)]
+    if key in _SCHEMA_MAPS:
+        return [(f"{key}.{name}", schema) for name, schema in value.items()]
+    if key in _SCHEMA_LISTS or key == "items" and isinstance(value, list):
+        return [(f"{key}[{i}]", schema) for i, schema in enumerate(value)]
+    if key == "items":
+        return [(key, value)]
+    return []
+
+
+def check_schema(schema: Any) -> None:
+    """Raises SchemaProblem when `schema` (a parsed JSON value) is not shaped as a JSON schema."""
+    todo: list[tuple[str, Any]] = [("", schema)]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            raise SchemaProblem(f"{path or 'the schema'} must be a schema (an object or a boolean)")
+        for key, value in node.items():
+            where = f"{path}.{key}" if path else key
+            if (problem := _keyword_problem(key, value)) is not None:
+                raise SchemaProblem(f"{where} {problem}")
+            todo.extend((f"{path}.{sub}" if path else sub, child) for sub, child in _subschemas(key, value))
