@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,19 +135,25 @@ def render_chat(
     )
 
 
-def check_chat_counts(num_messages: int, num_tools: int, limits: Limits) -> None:
-    """The counts, checked before a single message is looked at."""
+def check_chat_counts(num_messages: int, num_tools: int, limits: Limits,
+                      tool_calls: Callable[[], int] = lambda: 0) -> None:
+    """The counts, checked before a single message is converted: `tool_calls` counts the calls of
+    all messages, asked once their number is known to be within its limit."""
     if num_messages > limits.max_chat_messages:
         raise InvalidRequest("messages", f"messages has {num_messages} messages, more than the limit of "
                                          f"{limits.max_chat_messages}")
     if num_tools > limits.max_tools:
         raise InvalidRequest("tools", f"tools has {num_tools} tools, more than the limit of {limits.max_tools}")
+    num_calls = tool_calls()
+    if num_calls > limits.max_tool_calls:
+        raise InvalidRequest("messages", f"messages hold {num_calls} tool calls, more than the limit of "
+                                         f"{limits.max_tool_calls}")
 
 
 def check_chat_size(messages: Sequence[ChatMessage], tools: Sequence[Tool], limits: Limits) -> None:
     """Counts, each tool call's arguments, and all the chat's text together (UTF-8 bytes), before
     anything is parsed or rendered."""
-    check_chat_counts(len(messages), len(tools), limits)
+    check_chat_counts(len(messages), len(tools), limits, lambda: sum(len(m.tool_calls) for m in messages))
     total = 0
     for i, message in enumerate(messages):
         for j, call in enumerate(message.tool_calls):

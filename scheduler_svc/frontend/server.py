@@ -109,6 +109,10 @@ def to_chat_response(request_id: str, out: RequestOutput, delta: ChatDelta, num_
     return msg
 
 
+def _num_tool_calls(request: generation_pb2.ChatRequest) -> int:
+    return sum(len(m.tool_calls) for m in request.messages)
+
+
 def chat_from_proto(request: generation_pb2.ChatRequest) -> tuple[list[ChatMessage], list[Tool]]:
     messages = [ChatMessage(role=m.role, content=m.content,
                             tool_calls=tuple(ToolCall(c.id, c.name, c.arguments_json) for c in m.tool_calls),
@@ -192,7 +196,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not status.max_model_len:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, status.reason or "no worker group is ready")
         try:
-            check_chat_counts(len(request.messages), len(request.tools), self.limits)   # before looking at any
+            check_chat_counts(len(request.messages), len(request.tools), self.limits,   # before converting any
+                              functools.partial(_num_tool_calls, request))
             prompt, params = await self.admission.run(
                 chat_admits_inline(request), functools.partial(self._prepare_chat, request, status.max_model_len))
         except InvalidRequest as e:
@@ -230,7 +235,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                       ) -> tuple[ChatPrompt, SamplingParams]:
         """The rendered prompt and the resolved sampling (with the tool_choice's constraint), or
         InvalidRequest. Runs in a thread: rendering and tokenizing a long chat take a while."""
-        check_chat_counts(len(request.messages), len(request.tools), self.limits)
         messages, tools = chat_from_proto(request)
         check_chat_size(messages, tools, self.limits)
         max_tokens = max_model_len - 1

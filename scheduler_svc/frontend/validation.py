@@ -53,6 +53,8 @@ class Limits:
     max_request_id_len: int = 256            # characters
     max_chat_messages: int = flag(1024, group=REQUEST_LIMITS, help="messages in one chat request")
     max_tools: int = flag(128, group=REQUEST_LIMITS, help="tools in one chat request")
+    max_tool_calls: int = flag(1024, group=REQUEST_LIMITS,
+                               help="tool calls in one chat request, over all its messages")
     max_tool_call_argument_bytes: int = flag(64 << 10, group=REQUEST_LIMITS,
                                              help="UTF-8 bytes of one tool call's arguments")
     max_json_depth: int = flag(32, group=REQUEST_LIMITS,

@@ -57,6 +57,9 @@ CHATS = {
     "arguments nested past the depth limit": ([_user("hi"), _call('{"a":' * 40 + "1" + "}" * 40)],
                                               "messages[1].tool_calls[0].arguments_json", "nested 40 levels deep"),
     "1 MiB of text in many messages": ([_user("x" * 4096)] * 300, "messages", "bytes of text, the limit"),
+    # Converting each call costs microseconds: refused by their count before any is looked at.
+    "100k tool calls in one message": ([_user("hi"), pb.ChatMessage(role="assistant", tool_calls=[
+        pb.ToolCall(id="c", name="f", arguments_json="{}")] * 100_000)], "messages", "more than the limit of 1024"),
 }
 
 

@@ -299,7 +299,7 @@ def test_a_prompt_that_opened_reasoning_starts_the_parser_inside_it():
 
 
 SMALL = Limits(max_prompt_bytes=2000, max_chat_messages=4, max_tools=2, max_tool_call_argument_bytes=100,
-               max_json_depth=5, max_json_schema_nodes=40)
+               max_json_depth=5, max_json_schema_nodes=40, max_tool_calls=3)
 
 
 @pytest.mark.parametrize("messages, tools, field, message", [
@@ -312,6 +312,8 @@ SMALL = Limits(max_prompt_bytes=2000, max_chat_messages=4, max_tools=2, max_tool
     ([ChatMessage("assistant", "", tool_calls=[ToolCall("i", "f", "[" * 50 + "]" * 50)])], [],
      "messages[0].tool_calls[0].arguments_json", "nested"),
     ([ChatMessage("user", "é" * 1001)], [], "messages", "over 2000 bytes of text, the limit"),
+    ([ChatMessage("assistant", "", tool_calls=[ToolCall("i", "f", "{}")] * 2)] * 2, [], "messages",
+     "4 tool calls, more than the limit of 3"),
     ([ChatMessage("user", "x")], [Tool("f", "", json.dumps({"type": "object", "properties": {
         f"p{i}": {"type": "string"} for i in range(30)}}))], "tools", "JSON values, more than the limit of 40"),
 ])
