@@ -70,6 +70,8 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 # Keywords xgrammar 0.2.9 compiles as if they were absent (see the module docstring).
 _IGNORED_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
                      "dependentSchemas", "dependencies")
+# A problem's text is cut to this: a status message travels in HTTP/2 trailers (16 KiB at most).
+_MAX_PROBLEM_CHARS = 1000
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -78,6 +80,8 @@ class GrammarError(ValueError):
     ...) so the frontend can name it in its INVALID_ARGUMENT."""
 
     def __init__(self, kind: str, problem: str) -> None:
+        if len(problem) > _MAX_PROBLEM_CHARS:   # xgrammar may quote the whole constraint back
+            problem = problem[:_MAX_PROBLEM_CHARS] + "..."
         super().__init__(f"invalid {kind}: {problem}")
         self.kind, self.problem = kind, problem
 
@@ -127,9 +131,13 @@ def to_grammar(constraint: Constraint) -> "xgrammar.Grammar":
 
 def _parse_json(kind: str, text: str):
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
         raise GrammarError(kind, f"not valid JSON: {exc}") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def enforceable_schema(schema, kind: str = "json_schema"):

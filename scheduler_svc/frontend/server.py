@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.logging_setup import bind_request_id
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from common.reflection import enable_server_reflection
+from common.status_guard import bounded_message
 from common.features import STRUCTURED_OUTPUT, unavailable
 from scheduler_svc.frontend.admission_pool import (INLINE_TEXT_CHARS, INLINE_TOKEN_IDS, AdmissionPool, admits_inline,
                                                    chat_admits_inline)
@@ -340,7 +341,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.frontend.count_rejection(code.name)
-        await context.abort(code, message)
+        await context.abort(code, bounded_message(message))
 
     async def Abort(self, request: generation_pb2.AbortRequest, context) -> generation_pb2.AbortResponse:
         try:

@@ -158,6 +158,15 @@ def test_a_required_property_the_schema_does_not_declare_is_written(compiler, to
         jsonschema.validate(json.loads(tokenizer.decode(ids)), schema, cls=jsonschema.Draft202012Validator)
 
 
+def test_a_problem_quoting_a_huge_constraint_is_cut(compiler):
+    """A status message travels in HTTP/2 trailers: 16 KiB at most."""
+    schema = '{"type": "number", "description": "' + "d" * 100_000 + '", "minimum": NaN}'
+    with pytest.raises(GrammarError, match="not valid JSON: NaN is not a JSON number"):
+        compiler.compile(Constraint("json_schema", schema))
+    problem = "Failed to parse JSON. The JSON string is:" + schema      # as xgrammar words it
+    assert len(GrammarError("json_schema", problem).problem) < 1100
+
+
 def test_an_undeclared_required_property_takes_additional_properties_schema():
     schema = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a", "b"],
               "additionalProperties": {"type": "string"}, "$defs": {"d": {"type": "object", "required": ["c"]}}}
