@@ -20,6 +20,11 @@ Guarantees of the grammars built here, for JSON (json_schema, json_object, tool-
     character (any unescaped character but controls, `"` and `\\`, or one escape).
   - strict objects: properties the schema does not declare are not generated (xgrammar's
     strict_mode, vLLM's default), so an object ends once its declared properties are written.
+  - enforced, or refused: xgrammar 0.2.9 ignores some keywords (allOf of several schemas, not,
+    if/then/else, uniqueItems, contains, dependentRequired, dependentSchemas, a $ref to another
+    document), so an output would not validate; `enforceable_schema` refuses them naming the
+    keyword. A required property the object does not declare would never be written under
+    strict objects: it is declared, with additionalProperties' schema (any value by default).
 For every kind, the text is valid UTF-8: xgrammar 0.2.9 lets a negated character class (JSON's
 string character, `[^a]`, ...) and its expansion of the regex `.` match the 3-byte encoding of a
 UTF-16 surrogate (ED A0..BF xx), which is no character; the detokenizer renders it as three
@@ -57,6 +62,16 @@ _ANY_SCALAR = r"[\0-\ud7ff\ue000-\U0010ffff]"
 _SURROGATES = r"\ud800-\udfff"
 # xgrammar prefixes its C++ errors with "[time] /path/file.cc:line: " (and some with a failed
 # check's text); the caller wants the problem.
+# JSON-schema keywords whose subschemas sit under names, as one schema, or in a list.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_VALUES = ("additionalProperties", "items", "additionalItems", "propertyNames", "unevaluatedProperties",
+                  "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+# Keywords xgrammar 0.2.9 compiles as if they were absent (see the module docstring).
+_IGNORED_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+                     "dependentSchemas", "dependencies")
+# A problem's text is cut to this: a status message travels in HTTP/2 trailers (16 KiB at most).
+_MAX_PROBLEM_CHARS = 1000
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -65,6 +80,8 @@ class GrammarError(ValueError):
     ...) so the frontend can name it in its INVALID_ARGUMENT."""
 
     def __init__(self, kind: str, problem: str) -> None:
+        if len(problem) > _MAX_PROBLEM_CHARS:   # xgrammar may quote the whole constraint back
+            problem = problem[:_MAX_PROBLEM_CHARS] + "..."
         super().__init__(f"invalid {kind}: {problem}")
         self.kind, self.problem = kind, problem
 
@@ -88,7 +105,7 @@ def to_grammar(constraint: Constraint) -> "xgrammar.Grammar":
     kind, text = constraint.kind, constraint.text
     try:
         if kind == "json_schema":
-            _parse_json(kind, text)
+            text = json.dumps(enforceable_schema(_parse_json(kind, text), kind))
             grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=True)
         elif kind == "json_object":
             # Non-strict: `{"type": "object"}` in strict mode would admit only {}.
@@ -99,7 +116,7 @@ def to_grammar(constraint: Constraint) -> "xgrammar.Grammar":
         elif kind == "grammar":
             grammar = xgr.Grammar.from_ebnf(text)
         else:
-            _parse_json(kind, text)
+            text = json.dumps(_enforceable_tag(_parse_json(kind, text), kind))
             grammar = xgr.Grammar.from_structural_tag(text)
         ebnf = str(grammar)
         if kind not in ("regex", "grammar"):   # a user's own grammar means what it says
@@ -112,11 +129,77 @@ def to_grammar(constraint: Constraint) -> "xgrammar.Grammar":
         raise GrammarError(kind, _native_message(exc)) from None
 
 
-def _parse_json(kind: str, text: str) -> None:
+def _parse_json(kind: str, text: str):
     try:
-        json.loads(text)
-    except json.JSONDecodeError as exc:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
         raise GrammarError(kind, f"not valid JSON: {exc}") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def enforceable_schema(schema, kind: str = "json_schema"):
+    """`schema` (parsed JSON) as xgrammar can hold an output to it: each required property the
+    object does not declare declared (see the module docstring). Raises GrammarError naming a
+    keyword xgrammar would ignore, or a required property additionalProperties false forbids."""
+    try:
+        return _enforceable(schema, kind, "#")
+    except RecursionError:
+        raise GrammarError(kind, "nested too deeply") from None
+
+
+def _enforceable(schema, kind: str, path: str):
+    if not isinstance(schema, dict):
+        return schema
+    ignored = [key for key in _IGNORED_KEYWORDS if key in schema]
+    if schema.get("uniqueItems") is True:
+        ignored.append("uniqueItems")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        ignored.append("allOf")     # xgrammar takes one schema in allOf, not an intersection of several
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        ignored.append("$ref")      # to another document, which is never fetched
+    if ignored:
+        raise GrammarError(kind, f"{ignored[0]!r} at {path} is not supported: structured output could not hold "
+                                 f"the output to it")
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _enforceable(sub, kind, f"{path}/{key}/{name}") for name, sub in out[key].items()}
+    for key in _SCHEMA_VALUES:
+        if key in out:
+            out[key] = _enforceable(out[key], kind, f"{path}/{key}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_enforceable(sub, kind, f"{path}/{key}/{i}") for i, sub in enumerate(out[key])]
+    return _declare_required(out, kind, path)
+
+
+def _declare_required(schema: dict, kind: str, path: str) -> dict:
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    missing = [name for name in required if isinstance(name, str) and name not in properties]
+    if not missing:
+        return schema
+    extra = schema.get("additionalProperties", True)
+    if extra is False:
+        raise GrammarError(kind, f"{path} requires property {missing[0]!r}, which its additionalProperties false "
+                                 f"forbids: no output can validate")
+    value = extra if isinstance(extra, dict) else {}
+    return {**schema, "properties": {**properties, **{name: value for name in missing}}}
+
+
+def _enforceable_tag(value, kind: str):
+    """A structural tag with enforceable_schema applied to each of its json_schema contents."""
+    if isinstance(value, list):
+        return [_enforceable_tag(item, kind) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if value.get("type") == "json_schema" and "json_schema" in value:
+        return {**value, "json_schema": enforceable_schema(value["json_schema"], kind)}
+    return {key: _enforceable_tag(item, kind) for key, item in value.items()}
 
 
 def _exclude_surrogates(ebnf: str) -> str:

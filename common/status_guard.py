@@ -17,11 +17,23 @@ import grpc
 
 logger = logging.getLogger(__name__)
 
+# A status message travels in the call's HTTP/2 trailers, which a client takes up to 16 KiB of
+# (grpc-core's hard limit: past it the call fails as RESOURCE_EXHAUSTED, "Stream removed"); a
+# message quoting a client's long string is cut to this many characters.
+MAX_MESSAGE_CHARS = 2048
+
+
+def bounded_message(message: str) -> str:
+    """`message`, cut to MAX_MESSAGE_CHARS (its start names the field)."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[:MAX_MESSAGE_CHARS] + f"... ({len(message) - MAX_MESSAGE_CHARS} more characters cut)"
+
 
 def status_of(exc: BaseException, method: str = "") -> tuple[grpc.StatusCode, str]:
     """The status an unexpected exception from `method` becomes."""
     if isinstance(exc, ValueError) and isinstance(getattr(exc, "field", None), str):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)      # validation's InvalidRequest
+        return grpc.StatusCode.INVALID_ARGUMENT, bounded_message(str(exc))      # validation's InvalidRequest
     if isinstance(exc, RecursionError):
         return grpc.StatusCode.INVALID_ARGUMENT, "the request is nested too deeply to be read"
     if isinstance(exc, MemoryError):

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.reflection import enable_server_reflection
 from common.security import TokenAuthInterceptor
-from common.status_guard import StatusGuardInterceptor
+from common.status_guard import StatusGuardInterceptor, bounded_message
 from common.constraint import Constraint, GrammarError
 from worker_svc.lease import DEFAULT_MAX_DURATION_S, LeaseHeld, StaleLease, WorkerLease
 from worker_svc.model_runner import ModelRunner
@@ -80,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return build_step_response(output)
         if code != grpc.StatusCode.INTERNAL:
             logger.warning("rejected step %d: %s", request.step_id, message)
-        context.abort(code, message)
+        context.abort(code, bounded_message(message))
 
     def _check_lease(self, epoch: int, what: str, context: grpc.ServicerContext) -> None:
         try:
@@ -124,8 +124,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         code = message = None
         try:
             granted_s = self.lease.claim(request.owner, request.epoch, request.lease_ms / 1000)
-        except LeaseHeld as exc:
-            code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+        except LeaseHeld as exc:     # names the owner, whatever its length
+            code, message = grpc.StatusCode.FAILED_PRECONDITION, bounded_message(str(exc))
         except ValueError as exc:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         if code is not None:

@@ -264,6 +264,12 @@ class StructuredOutput:
                     matcher.pending.append((pending, index))
 
     def _fill_row(self, row: _RowFill, bitmask: torch.Tensor) -> None:
+        # Inference mode is per thread: the step made the bitmask under it, and writing an
+        # inference tensor (a terminated row's stop tokens) outside it raises.
+        with torch.inference_mode():
+            self._fill_row_inferring(row, bitmask)
+
+    def _fill_row_inferring(self, row: _RowFill, bitmask: torch.Tensor) -> None:
         clock = _thread_clock()
         row.cpu_start, row.clock = _cpu_time(clock), clock
         matcher = row.matcher

@@ -7,6 +7,7 @@ reported as too deep.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -62,11 +63,22 @@ def measure(value: Any) -> tuple[int, int]:
 
 def _loads(text: str, max_depth: int) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
         raise JsonProblem(f"nested more than {max_depth} levels deep, the limit") from None
     except ValueError as exc:     # JSONDecodeError, or a number too long to convert
         raise JsonProblem(f"not valid JSON: {exc}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")     # Python's json reads NaN and Infinity; RFC 8259 does not
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
 
 
 def _check_depth(depth: int, max_depth: int) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,10 +104,12 @@ def render_chat(
                                             f"got {tool_choice!r}")
     if tool_choice == "required" and not tools:
         raise InvalidRequest("tool_choice", 'tool_choice "required" needs at least one tool')
-    rendered_tools = tool_dicts if tools and tool_choice != "none" else None
-    escaper = None if allow_special_tokens else escaper_for(tokenizer, _client_strings(template_messages))
+    escaper = None if allow_special_tokens else escaper_for(
+        tokenizer, _client_strings(template_messages) + _json_strings(tool_dicts))
     if escaper is not None:
         template_messages = [_escaped(m, escaper.escape) for m in template_messages]
+        tool_dicts = [_escaped_json(t, escaper.escape) for t in tool_dicts]
+    rendered_tools = tool_dicts if tools and tool_choice != "none" else None
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     try:
         rendered = tokenizer.hf.apply_chat_template(template_messages, tools=rendered_tools,
@@ -133,19 +135,25 @@ def render_chat(
     )
 
 
-def check_chat_counts(num_messages: int, num_tools: int, limits: Limits) -> None:
-    """The counts, checked before a single message is looked at."""
+def check_chat_counts(num_messages: int, num_tools: int, limits: Limits,
+                      tool_calls: Callable[[], int] = lambda: 0) -> None:
+    """The counts, checked before a single message is converted: `tool_calls` counts the calls of
+    all messages, asked once their number is known to be within its limit."""
     if num_messages > limits.max_chat_messages:
         raise InvalidRequest("messages", f"messages has {num_messages} messages, more than the limit of "
                                          f"{limits.max_chat_messages}")
     if num_tools > limits.max_tools:
         raise InvalidRequest("tools", f"tools has {num_tools} tools, more than the limit of {limits.max_tools}")
+    num_calls = tool_calls()
+    if num_calls > limits.max_tool_calls:
+        raise InvalidRequest("messages", f"messages hold {num_calls} tool calls, more than the limit of "
+                                         f"{limits.max_tool_calls}")
 
 
 def check_chat_size(messages: Sequence[ChatMessage], tools: Sequence[Tool], limits: Limits) -> None:
     """Counts, each tool call's arguments, and all the chat's text together (UTF-8 bytes), before
     anything is parsed or rendered."""
-    check_chat_counts(len(messages), len(tools), limits)
+    check_chat_counts(len(messages), len(tools), limits, lambda: sum(len(m.tool_calls) for m in messages))
     total = 0
     for i, message in enumerate(messages):
         for j, call in enumerate(message.tool_calls):
@@ -201,6 +209,24 @@ def _escaped(message: dict[str, Any], escape) -> dict[str, Any]:
     return out
 
 
+def _json_strings(value: Any) -> list[str]:
+    """Every string in a parsed JSON value (a tool's dict), keys included."""
+    strings: list[str] = []
+    _escaped_json(value, lambda text: strings.append(text) or text)
+    return strings
+
+
+def _escaped_json(value: Any, escape) -> Any:
+    """`value` (parsed JSON, nested at most max_json_depth) with `escape` applied to every string."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {escape(key): _escaped_json(item, escape) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_escaped_json(item, escape) for item in value]
+    return value
+
+
 def warm_up_chat(tokenizer: Tokenizer) -> None:
     """Renders a chat once, at start-up: the first render compiles the chat template (a tenth of
     a second and more), which a first Chat would otherwise do on the event loop."""
@@ -220,7 +246,8 @@ def tool_call_constraint(tools: Sequence[Tool], *, single: bool, reasoning: str 
         raise ValueError("a tool-call constraint needs at least one tool")
     tags = [{
         "type": "tag",
-        "begin": _CALL_PREFIX + tool.name + _CALL_ARGUMENTS,
+        # The name as a JSON string's content, so the call parses back to it whatever it holds.
+        "begin": _CALL_PREFIX + json.dumps(tool.name, ensure_ascii=False)[1:-1] + _CALL_ARGUMENTS,
         "content": {"type": "json_schema", "json_schema": _parameters(tool),
                     "max_whitespace_cnt": TOOL_ARGUMENTS_MAX_WHITESPACE},
         "end": _CALL_SUFFIX,
@@ -281,6 +308,9 @@ def _tool_dict(index: int, tool: Tool, limits: Limits) -> dict[str, Any]:
     where = f"tools[{index}]"
     if not tool.name:
         raise InvalidRequest(f"{where}.name", f"{where}.name is empty")
+    marker = next((m for m in (TOOL_CALL_START, TOOL_CALL_END) if m in tool.name), None)
+    if marker is not None:      # a call of it would end (or open) its block mid-name
+        raise InvalidRequest(f"{where}.name", f"{where}.name must not hold {marker!r}, which delimits a tool call")
     function: dict[str, Any] = {"name": tool.name}
     if tool.description:
         function["description"] = tool.description

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.logging_setup import bind_request_id
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from common.reflection import enable_server_reflection
+from common.status_guard import bounded_message
 from common.features import STRUCTURED_OUTPUT, unavailable
 from scheduler_svc.frontend.admission_pool import (INLINE_TEXT_CHARS, INLINE_TOKEN_IDS, AdmissionPool, admits_inline,
                                                    chat_admits_inline)
@@ -109,6 +110,10 @@ def to_chat_response(request_id: str, out: RequestOutput, delta: ChatDelta, num_
     return msg
 
 
+def _num_tool_calls(request: generation_pb2.ChatRequest) -> int:
+    return sum(len(m.tool_calls) for m in request.messages)
+
+
 def chat_from_proto(request: generation_pb2.ChatRequest) -> tuple[list[ChatMessage], list[Tool]]:
     messages = [ChatMessage(role=m.role, content=m.content,
                             tool_calls=tuple(ToolCall(c.id, c.name, c.arguments_json) for c in m.tool_calls),
@@ -192,7 +197,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not status.max_model_len:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, status.reason or "no worker group is ready")
         try:
-            check_chat_counts(len(request.messages), len(request.tools), self.limits)   # before looking at any
+            check_chat_counts(len(request.messages), len(request.tools), self.limits,   # before converting any
+                              functools.partial(_num_tool_calls, request))
             prompt, params = await self.admission.run(
                 chat_admits_inline(request), functools.partial(self._prepare_chat, request, status.max_model_len))
         except InvalidRequest as e:
@@ -230,7 +236,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                       ) -> tuple[ChatPrompt, SamplingParams]:
         """The rendered prompt and the resolved sampling (with the tool_choice's constraint), or
         InvalidRequest. Runs in a thread: rendering and tokenizing a long chat take a while."""
-        check_chat_counts(len(request.messages), len(request.tools), self.limits)
         messages, tools = chat_from_proto(request)
         check_chat_size(messages, tools, self.limits)
         max_tokens = max_model_len - 1
@@ -336,7 +341,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.frontend.count_rejection(code.name)
-        await context.abort(code, message)
+        await context.abort(code, bounded_message(message))
 
     async def Abort(self, request: generation_pb2.AbortRequest, context) -> generation_pb2.AbortResponse:
         try:

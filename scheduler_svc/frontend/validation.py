@@ -8,8 +8,9 @@ Every bound (float ranges, counts, sizes) is common/sampling_bounds.py's, which 
 gateway read too; the proto documents them. A refused float is printed as the client wrote it: the
 shortest decimal that is the same float32. An unset field takes the SamplingParams default.
 
-A constraint (json_schema, regex, grammar, json_object) is checked here by its size only (bytes;
-a schema's depth and number of values), which bounds what building its grammar can cost. The
+A constraint (json_schema, regex, grammar, json_object) is checked here by its size (bytes; a
+schema's depth and number of values), which bounds what building its grammar can cost, and a
+schema for keywords the grammar could not hold an output to (common/constraint.py). The
 worker builds and compiles it, in a pool of its own with a time budget, before the request is
 scheduled (worker_svc/grammar_pool.py); a constraint that does not compile is refused from there,
 naming the problem.
@@ -21,7 +22,7 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from common.constraint import Constraint, GrammarError
+from common.constraint import Constraint, GrammarError, enforceable_schema
 from common.pb.llm.v1 import generation_pb2
 from common.cli import flag
 from common.sampling import SamplingParams
@@ -53,6 +54,8 @@ class Limits:
     max_request_id_len: int = 256            # characters
     max_chat_messages: int = flag(1024, group=REQUEST_LIMITS, help="messages in one chat request")
     max_tools: int = flag(128, group=REQUEST_LIMITS, help="tools in one chat request")
+    max_tool_calls: int = flag(1024, group=REQUEST_LIMITS,
+                               help="tool calls in one chat request, over all its messages")
     max_tool_call_argument_bytes: int = flag(64 << 10, group=REQUEST_LIMITS,
                                              help="UTF-8 bytes of one tool call's arguments")
     max_json_depth: int = flag(32, group=REQUEST_LIMITS,
@@ -214,9 +217,12 @@ def check_constraint(constraint: Constraint, limits: Limits = DEFAULT_LIMITS, fi
         raise InvalidRequest(field, f"{field} is {size} bytes, more than the limit of {limit}")
     if constraint.kind == "json_schema":
         try:
-            parse_schema(constraint.text, max_depth=limits.max_json_depth, max_nodes=limits.max_json_schema_nodes)
+            enforceable_schema(parse_schema(constraint.text, max_depth=limits.max_json_depth,
+                                            max_nodes=limits.max_json_schema_nodes))
         except JsonProblem as e:
             raise InvalidRequest(field, f"{field} is invalid: {e}") from None
+        except GrammarError as e:     # a keyword the worker's grammar would not hold the output to
+            raise InvalidRequest(field, f"{field} is invalid: {e.problem}") from None
 
 
 def _bounded_float(msg: generation_pb2.SamplingParams, name: str, bounds: FloatRange) -> float | None:

@@ -57,6 +57,9 @@ CHATS = {
     "arguments nested past the depth limit": ([_user("hi"), _call('{"a":' * 40 + "1" + "}" * 40)],
                                               "messages[1].tool_calls[0].arguments_json", "nested 40 levels deep"),
     "1 MiB of text in many messages": ([_user("x" * 4096)] * 300, "messages", "bytes of text, the limit"),
+    # Converting each call costs microseconds: refused by their count before any is looked at.
+    "100k tool calls in one message": ([_user("hi"), pb.ChatMessage(role="assistant", tool_calls=[
+        pb.ToolCall(id="c", name="f", arguments_json="{}")] * 100_000)], "messages", "more than the limit of 1024"),
 }
 
 
@@ -69,6 +72,25 @@ def test_a_chat_over_a_limit_is_refused_naming_the_field(services, name):
         assert refused.details().startswith(field) or field in refused.details(), refused.details()
         assert problem in refused.details()
         assert _chat(ch, [_user("Hello")], max_tokens=3, temperature=0.0)[-1].usage.completion_tokens > 0
+
+
+def _huge_nan_schema() -> str:
+    return '{"type": "number", "description": "' + "d" * 100_000 + '", "maximum": NaN}'
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda ch: list(generation_pb2_grpc.GenerationStub(ch).Chat(pb.ChatRequest(
+        messages=[_user("hi")], tools=[pb.Tool(name="f")], tool_choice="x" * 100_000), timeout=30)), "tool_choice"),
+    (lambda ch: _chat(ch, [pb.ChatMessage(role="r" * 100_000, content="x")]), "messages[0].role"),
+    (lambda ch: generate(ch, text="Hi", max_tokens=2, json_schema=_huge_nan_schema()), "sampling.json_schema"),
+])
+def test_a_refusal_quoting_a_long_string_still_names_the_field(services, call, field):
+    """A status message past 16 KiB never reaches the client (RESOURCE_EXHAUSTED, "Stream
+    removed"): the message is cut after the field's name."""
+    with services.channel() as ch:
+        refused = _refusal(lambda: call(ch))
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
+        assert refused.details().startswith(field) and len(refused.details()) < 4096
 
 
 @pytest.mark.parametrize("sampling, field, problem", [

@@ -88,6 +88,41 @@ def test_a_bad_constraint_is_invalid_argument_naming_the_problem(services, field
     assert problem in caught.value.details()
 
 
+@pytest.mark.parametrize("sampling", [dict(ignore_eos=True, max_tokens=6), dict(min_tokens=4, max_tokens=8),
+                                      dict(ignore_eos=True, max_tokens=5, n=3, logprobs=True)],
+                         ids=["ignore_eos", "min_tokens", "n=3 with logprobs"])
+def test_a_constrained_request_that_goes_on_past_its_grammar_s_end_completes(services, sampling):
+    """Past its end a grammar allows only the stop tokens (which ignore_eos and min_tokens then
+    pass over), until max_tokens."""
+    with services.channel() as ch:
+        out = generate(ch, text="Answer:", regex="yes|no", temperature=1.0, seed=2, **sampling)
+    for sample in out.samples:
+        assert re.match(r"(yes|no)(<\|im_end\|>|<\|endoftext\|>)+$", sample.text), sample.text
+        assert sample.finish_reason in (generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH)
+        assert sample.usage.completion_tokens == len(sample.token_ids) >= 4
+
+
+@pytest.mark.parametrize("schema, problem", [
+    ({"allOf": [{"type": "integer"}, {"maximum": 9}]}, "'allOf' at # is not supported"),
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems' at # is not supported"),
+])
+def test_a_schema_keyword_the_output_could_not_be_held_to_is_invalid_argument(services, schema, problem):
+    tool = generation_pb2.Tool(name="f", parameters_json=json.dumps(
+        {"type": "object", "properties": {"a": schema}, "required": ["a"]}))
+    request = generation_pb2.ChatRequest(messages=[generation_pb2.ChatMessage(role="user", content="Hi")],
+                                         tools=[tool], tool_choice="f")
+    with services.channel() as ch:
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(ch, text="Hello", max_tokens=4, json_schema=json.dumps(schema))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details() == f"sampling.json_schema is invalid: {problem}: structured output could " \
+                                         f"not hold the output to it"
+        with pytest.raises(grpc.RpcError) as caught:      # refused where the worker builds the tool calls' grammar
+            list(generation_pb2_grpc.GenerationStub(ch).Chat(request, timeout=30))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith("tools is invalid: ") and "/properties/a" in caught.value.details()
+
+
 def test_a_tool_whose_parameters_cannot_constrain_a_call_is_invalid_argument(services):
     request = generation_pb2.ChatRequest(
         messages=[generation_pb2.ChatMessage(role="user", content="Hi")],

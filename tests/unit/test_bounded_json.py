@@ -43,3 +43,14 @@ def test_a_value_nested_past_the_bound_is_refused_with_its_depth():
         parse_json(deep, max_depth=32)
     with pytest.raises(JsonProblem, match="must be a JSON object"):
         parse_schema("[1]", max_depth=8, max_nodes=8)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"type": "number", "minimum": NaN}', "NaN is not a JSON number"),
+    ('{"maximum": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"maximum": 1e999}', "number 1e999 is out of range"),
+])
+def test_numbers_json_cannot_hold_are_not_valid_json(text, problem):
+    """Python's json reads them; a grammar compiler refuses them, quoting the whole text."""
+    with pytest.raises(JsonProblem, match=f"not valid JSON: {problem}"):
+        parse_schema(text, max_depth=8, max_nodes=8)

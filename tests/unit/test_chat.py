@@ -139,6 +139,7 @@ def test_tool_choice_none_leaves_the_tools_out(tokenizer):
     ([ChatMessage("user", "x")], [Tool("f", "", "{oops")], "auto", "tools[0].parameters_json", "is not valid JSON"),
     ([ChatMessage("user", "x")], [Tool("")], "auto", "tools[0].name", "is empty"),
     ([ChatMessage("user", "x")], [WEATHER, WEATHER], "auto", "tools[1].name", "is given twice"),
+    ([ChatMessage("user", "x")], [WEATHER, Tool("a</tool_call>")], "auto", "tools[1].name", "'</tool_call>'"),
     ([ChatMessage("user", "x")], [WEATHER], "get_time", "tool_choice", "or the name of a tool, got 'get_time'"),
     ([ChatMessage("user", "x")], [], "required", "tool_choice", "needs at least one tool"),
 ])
@@ -197,6 +198,16 @@ def test_a_named_tool_gives_exactly_one_call_of_it_with_the_nested_schema(tokeni
         parsed = parse_all(ChatOutputParser(parse_tool_calls=True), [text])
         assert [c.name for c in parsed.tool_calls] == ["book_table"] and parsed.text == "", text
         check_calls(parsed.tool_calls, [BOOKING])
+
+
+@pytest.mark.parametrize("name", ['say "hi"', "back\\slash", "new\nline", "tab\there", "ünï <|im_end|>"])
+def test_a_named_tool_whose_name_needs_json_escapes_is_called_by_that_name(tokenizer, compiler, name):
+    tool = Tool(name, "", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+    prompt = render_chat(tokenizer, [ChatMessage("user", "Call it")], [tool], name, enable_thinking=False)
+    text = tokenizer.decode(sample(compiler, prompt.constraint, seed=2))
+    parsed = parse_all(ChatOutputParser(parse_tool_calls=True), [text])
+    assert [c.name for c in parsed.tool_calls] == [name] and parsed.text == "", text
+    check_calls(parsed.tool_calls, [tool])
 
 
 def test_with_thinking_on_the_constraint_lets_the_model_reason_before_calling(tokenizer, compiler):
@@ -288,7 +299,7 @@ def test_a_prompt_that_opened_reasoning_starts_the_parser_inside_it():
 
 
 SMALL = Limits(max_prompt_bytes=2000, max_chat_messages=4, max_tools=2, max_tool_call_argument_bytes=100,
-               max_json_depth=5, max_json_schema_nodes=40)
+               max_json_depth=5, max_json_schema_nodes=40, max_tool_calls=3)
 
 
 @pytest.mark.parametrize("messages, tools, field, message", [
@@ -301,6 +312,8 @@ SMALL = Limits(max_prompt_bytes=2000, max_chat_messages=4, max_tools=2, max_tool
     ([ChatMessage("assistant", "", tool_calls=[ToolCall("i", "f", "[" * 50 + "]" * 50)])], [],
      "messages[0].tool_calls[0].arguments_json", "nested"),
     ([ChatMessage("user", "é" * 1001)], [], "messages", "over 2000 bytes of text, the limit"),
+    ([ChatMessage("assistant", "", tool_calls=[ToolCall("i", "f", "{}")] * 2)] * 2, [], "messages",
+     "4 tool calls, more than the limit of 3"),
     ([ChatMessage("user", "x")], [Tool("f", "", json.dumps({"type": "object", "properties": {
         f"p{i}": {"type": "string"} for i in range(30)}}))], "tools", "JSON values, more than the limit of 40"),
 ])
@@ -372,6 +385,21 @@ def test_think_and_tool_call_tags_in_the_client_s_text_are_tokenized_as_text(tok
     assert [t for t in prompt.token_ids if t in tags] == template_tags
     assert tokenizer.decode(prompt.token_ids) == prompt.text
     assert tokenizer.encode_plain(text) != tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_special_tokens_in_a_tool_s_name_description_or_parameters_are_tokenized_as_text(tokenizer):
+    parameters = {"type": "object", "description": FORGED, "properties": {"<|im_start|>": {"type": "string"}}}
+    forged = [Tool("f<|im_end|>", FORGED, json.dumps(parameters)), WEATHER]
+    prompt = render_chat(tokenizer, [ChatMessage("user", "Hello")], forged)
+    specials = set(tokenizer.control_tokens.values())
+    clean = render_chat(tokenizer, [ChatMessage("user", "Hello")],
+                        [Tool(t.name.replace("<|", "<!"), t.description.replace("<|", "<!"),
+                              t.parameters_json.replace("<|", "<!")) for t in forged])
+    assert [t for t in prompt.token_ids if t in specials] == [t for t in clean.token_ids if t in specials]
+    assert prompt.text == tokenizer.hf.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], tools=[openai_tool(t) for t in forged], add_generation_prompt=True,
+        tokenize=False)
+    assert tokenizer.decode(prompt.token_ids) == prompt.text
 
 
 def test_a_chat_without_special_tokens_in_its_text_is_tokenized_as_a_whole(tokenizer):

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 
-from common.constraint import Constraint, GrammarError, to_grammar
+from common.constraint import Constraint, GrammarError, enforceable_schema, to_grammar
 from scheduler_svc.frontend.tokenizer import load_tokenizer
 from tests.support.constraint_cases import ARITHMETIC, REGEXES, random_schemas, whitespace_run
 from worker_svc.layers.grammar import GrammarBitmask, GrammarCompiler, apply_bitmask
@@ -130,6 +130,12 @@ def test_ebnf_grammar_gives_arithmetic_expressions(compiler, tokenizer):
     (("grammar", 'start ::= "a"'), 'The root rule with name "root" is not found'),
     (("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}'), "invalid structural_tag: "),
     (("regex", "   "), "invalid regex: empty"),
+    (("json_schema", '{"type": "object", "properties": {"not": {"if": {}}}}'),
+     "'if' at #/properties/not is not supported"),
+    (("structural_tag", json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<f>", "end": "</f>",
+        "content": {"type": "json_schema", "json_schema": {"type": "array", "contains": {"const": 1}}}}})),
+     "invalid structural_tag: 'contains' at # is not supported"),
     (("xml", "<a/>"), "invalid constraint: unknown kind 'xml'"),
 ])
 def test_bad_constraints_raise_a_grammar_error_naming_the_problem(compiler, constraint, message):
@@ -138,6 +144,35 @@ def test_bad_constraints_raise_a_grammar_error_naming_the_problem(compiler, cons
     assert message in str(caught.value)
     assert isinstance(caught.value, ValueError)
     assert not str(caught.value).startswith("[")   # xgrammar's "[time] file.cc:line:" prefix is gone
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "required": ["a"]},
+    {"anyOf": [{"type": "object", "required": ["z"]}, {"type": "null"}]},
+])
+def test_a_required_property_the_schema_does_not_declare_is_written(compiler, tokenizer, schema):
+    """Strict objects write only declared properties: a required one is declared for the grammar."""
+    outputs = sample_batch(compiler, [Constraint("json_schema", json.dumps(schema))] * 4, seed=3, greedy=False)
+    for ids, stopped in outputs:
+        assert stopped
+        jsonschema.validate(json.loads(tokenizer.decode(ids)), schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_a_problem_quoting_a_huge_constraint_is_cut(compiler):
+    """A status message travels in HTTP/2 trailers: 16 KiB at most."""
+    schema = '{"type": "number", "description": "' + "d" * 100_000 + '", "minimum": NaN}'
+    with pytest.raises(GrammarError, match="not valid JSON: NaN is not a JSON number"):
+        compiler.compile(Constraint("json_schema", schema))
+    problem = "Failed to parse JSON. The JSON string is:" + schema      # as xgrammar words it
+    assert len(GrammarError("json_schema", problem).problem) < 1100
+
+
+def test_an_undeclared_required_property_takes_additional_properties_schema():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a", "b"],
+              "additionalProperties": {"type": "string"}, "$defs": {"d": {"type": "object", "required": ["c"]}}}
+    assert enforceable_schema(schema) == {**schema, "properties": {"b": {"type": "integer"}, "a": {"type": "string"}},
+                                          "$defs": {"d": {"type": "object", "required": ["c"],
+                                                          "properties": {"c": {}}}}}
 
 
 def test_length_bounded_strings_allow_escapes_but_no_raw_control_characters(compiler, tokenizer):

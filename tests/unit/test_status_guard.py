@@ -11,11 +11,14 @@ import pytest
 
 from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1 import generation_pb2_grpc
-from common.status_guard import AsyncStatusGuardInterceptor, StatusGuardInterceptor
+from common.status_guard import (MAX_MESSAGE_CHARS, AsyncStatusGuardInterceptor, StatusGuardInterceptor,
+                                 bounded_message)
 from scheduler_svc.frontend.validation import InvalidRequest
 
 RAISED = {
     "field": InvalidRequest("messages[0].content", "messages[0].content is bad"),
+    # A message quoting a client's long string: past 16 KiB a client would see RESOURCE_EXHAUSTED.
+    "long": InvalidRequest("tool_choice", "tool_choice must be ..., got '" + "x" * 100_000 + "'"),
     "deep": RecursionError("maximum recursion depth exceeded"),
     "memory": MemoryError(),
     "package": ModuleNotFoundError("No module named 'pydantic'", name="pydantic"),
@@ -23,6 +26,7 @@ RAISED = {
 }
 EXPECTED = {
     "field": (grpc.StatusCode.INVALID_ARGUMENT, "messages[0].content is bad"),
+    "long": (grpc.StatusCode.INVALID_ARGUMENT, "tool_choice must be ..., got 'xxx"),
     "deep": (grpc.StatusCode.INVALID_ARGUMENT, "nested too deeply"),
     "memory": (grpc.StatusCode.RESOURCE_EXHAUSTED, "more memory"),
     "package": (grpc.StatusCode.UNIMPLEMENTED, "'pydantic'"),
@@ -100,3 +104,10 @@ def test_an_exception_in_a_sync_handler_becomes_a_named_status(what):
     finally:
         server.stop(0)
     assert code == EXPECTED[what][0] and EXPECTED[what][1] in details
+
+
+def test_a_long_message_is_cut_after_its_start():
+    message = "sampling.json_schema is invalid: " + "y" * 10_000
+    cut = bounded_message(message)
+    assert cut.startswith(message[:MAX_MESSAGE_CHARS]) and cut.endswith("characters cut)") and len(cut) < 2 * MAX_MESSAGE_CHARS
+    assert bounded_message("short") == "short"

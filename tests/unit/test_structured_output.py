@@ -1,7 +1,9 @@
 """worker_svc/structured_output.py without its packages: nothing imports xgrammar, a constrained
-request fails alone with UNIMPLEMENTED naming the package, and there is no loader thread to die."""
+request fails alone with UNIMPLEMENTED naming the package, and there is no loader thread to die.
+With them: a step's masks are filled on threads of their own, terminated rows included."""
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -32,3 +34,23 @@ def test_a_package_that_cannot_be_imported_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "pydantic", None)     # import pydantic raises ImportError
     feature = check_feature("structured_output")
     assert not feature.available and "'pydantic'" in feature.detail
+
+
+def test_a_terminated_row_is_filled_in_a_step_under_inference_mode(tiny_model_dir):
+    """A request that goes on after its grammar ended (ignore_eos, min_tokens) has a terminated
+    matcher; its row is filled on a mask thread, which is outside the step's inference mode."""
+    from worker_svc.layers.grammar import GrammarCompiler    # imports xgrammar
+
+    stop_ids = json.loads((tiny_model_dir / "generation_config.json").read_text())["eos_token_id"]
+    structured = StructuredOutput(tiny_model_dir, 512, stop_ids, torch.device("cpu"))
+    compiler = GrammarCompiler.from_model_dir(tiny_model_dir, 512, stop_ids)
+    matcher = compiler.matcher(Constraint("regex", "a?"))
+    assert matcher.accept_token(stop_ids[0]) and matcher.is_terminated
+    matcher.seq_id, matcher.failed, matcher.pending, matcher.last_cost_ms = 7, None, [], 0.0
+    logits = torch.zeros(2, 512)
+    with torch.inference_mode():                 # as ModelRunner's step
+        fill = structured.start_fill([matcher])
+        failed = structured.mask(logits, [1], fill)
+    assert failed == [] and matcher.failed is None
+    allowed = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
+    assert allowed == set(stop_ids) and torch.isfinite(logits[0]).all()

@@ -1,6 +1,8 @@
 """validate_request: every refusal names its field, and unset fields resolve to the documented defaults."""
 from __future__ import annotations
 
+import json
+
 import math
 import re
 import struct
@@ -287,6 +289,20 @@ def test_a_constraint_too_large_to_build_cheaply_is_refused_by_its_size(sampling
     with pytest.raises(InvalidRequest) as caught:
         validate_request(request(**sampling), vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, tokenize=utf8_tokenize)
     assert caught.value.field == field and problem in str(caught.value)
+
+
+@pytest.mark.parametrize("schema, problem", [
+    ({"allOf": [{"type": "integer"}, {"maximum": 9}]}, "'allOf' at # is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
+     "'uniqueItems' at #/properties/a is not supported"),
+    ({"type": "integer", "not": {"const": 3}}, "'not' at # is not supported"),
+    ({"$ref": "https://example.com/schema.json"}, "'$ref' at # is not supported"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "requires property 'a'"),
+])
+def test_a_schema_whose_output_could_not_be_held_to_it_is_refused_naming_the_keyword(schema, problem):
+    with pytest.raises(InvalidRequest) as caught:
+        validate(request(json_schema=json.dumps(schema)))
+    assert caught.value.field == "sampling.json_schema" and problem in str(caught.value)
 
 
 def test_a_constraint_within_the_limits_passes_unbuilt():
