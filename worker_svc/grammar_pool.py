@@ -12,7 +12,10 @@ are remembered too (a bounded number), so a client repeating a bad or slow const
 nothing more.
 
 The children start on first use (or at once with start()), and their start-up (importing
-xgrammar and reading the tokenizer, seconds) does not count against any grammar's budget.
+xgrammar and reading the tokenizer, seconds) does not count against any grammar's budget. A
+compilation that finds every child busy for SPARE_AFTER_S (a slow grammar, most likely) starts a
+spare child, up to MAX_SPARES beyond `processes`, so that one slow grammar does not hold up every
+constrained request behind it; a spare retires when it finishes with nobody waiting.
 """
 from __future__ import annotations
 
@@ -32,13 +35,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 600.0       # a child's start-up (imports, tokenizer); a loaded machine is slow
 MAX_REMEMBERED_REFUSALS = 1024
+SPARE_AFTER_S = 0.5             # every child busy this long: start a spare
+MAX_SPARES = 2
 
 
 class GrammarPool:
     def __init__(self, model_dir: str | pathlib.Path, vocab_size: int, stop_token_ids: Sequence[int], compiler,
-                 *, timeout_s: float = DEFAULT_TIMEOUT_S, processes: int = 1) -> None:
+                 *, timeout_s: float = DEFAULT_TIMEOUT_S, processes: int = 1, spare_after_s: float = SPARE_AFTER_S,
+                 serve=None) -> None:
         """`compiler`: a callable returning the worker's GrammarCompiler (the cache the compiled
-        grammars go to, built from the same tokenizer as the children's)."""
+        grammars go to, built from the same tokenizer as the children's). `serve`: the children's
+        main (serve_compilations; a module-level function, as the spawned children import it)."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if processes < 1:
@@ -47,6 +54,11 @@ class GrammarPool:
         self._compiler = compiler
         self.timeout_s = timeout_s
         self._num_processes = processes
+        self._max_processes = processes + MAX_SPARES
+        self.spare_after_s = spare_after_s
+        self._serve = serve or serve_compilations
+        self._waiting = 0               # compilations waiting for a child
+        self._starting = 0              # children started and not ready yet
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Condition()
         self._idle: list[_Child] = []
@@ -134,27 +146,46 @@ class GrammarPool:
         with self._lock:
             if not self._idle and self._started < self._num_processes:
                 self._spawn()
-            if not self._lock.wait_for(lambda: self._idle, timeout=STARTUP_TIMEOUT_S):
-                raise GrammarError("constraint", f"no grammar compiler process started within {STARTUP_TIMEOUT_S:g} s")
-            return self._idle.pop()
+            self._waiting += 1
+            try:
+                since = time.monotonic()
+                while not self._idle:
+                    waited = time.monotonic() - since
+                    if waited >= STARTUP_TIMEOUT_S:
+                        raise GrammarError("constraint",
+                                           f"no grammar compiler process started within {STARTUP_TIMEOUT_S:g} s")
+                    # Every child busy this long (a slow grammar, most likely) and none starting: a spare.
+                    if waited >= self.spare_after_s and not self._starting and self._started < self._max_processes:
+                        self._spawn()
+                    self._lock.wait(timeout=self.spare_after_s)
+                return self._idle.pop()
+            finally:
+                self._waiting -= 1
 
     def _give_back(self, child: "_Child | None") -> None:
         with self._lock:
-            if child is None:                 # killed: a new one takes its place
+            if child is None:                 # killed: a new one takes its place, unless it was a spare
                 self._started -= 1
-                self._spawn()
+                if self._started < self._num_processes:
+                    self._spawn()
+                return
+            if self._started > self._num_processes and not self._waiting:
+                self._started -= 1            # a spare, not needed now: it retires
             else:
                 self._idle.append(child)
                 self._lock.notify()
+                return
+        child.kill()
 
     def _spawn(self) -> None:
         """Starts a child; it joins the idle ones once ready (called with the lock held)."""
         self._started += 1
+        self._starting += 1
         threading.Thread(target=self._start_child, name="grammar-pool-start", daemon=True).start()
 
     def _start_child(self) -> None:
         parent, child_end = self._context.Pipe()
-        process = self._context.Process(target=serve_compilations, args=(child_end, *self._args),
+        process = self._context.Process(target=self._serve, args=(child_end, *self._args),
                                         name="grammar-compiler", daemon=True)
         process.start()
         child_end.close()
@@ -164,12 +195,17 @@ class GrammarPool:
         except (EOFError, OSError):
             ready = False
         with self._lock:
-            if ready:
+            self._starting -= 1
+            if ready and self._started > self._num_processes and not self._waiting:
+                self._started -= 1            # a spare whose compilation found another child meanwhile
+            elif ready:
                 self._idle.append(child)
                 self._lock.notify()
                 return
-            self._started -= 1
-        logger.error("a grammar compiler process did not start (exit code %s)", process.exitcode)
+            else:
+                self._started -= 1
+        if not ready:
+            logger.error("a grammar compiler process did not start (exit code %s)", process.exitcode)
         child.kill()
 
 

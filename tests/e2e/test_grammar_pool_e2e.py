@@ -1,0 +1,62 @@
+"""The grammar pool's compiling processes (worker_svc/grammar_pool.py): a grammar that holds the
+only child does not hold up the next constraint, which a spare child compiles; the spare retires
+once it is not needed. End-to-end because the pool starts real compiling processes (the slow
+grammar is made slow on purpose: tests/support/slow_compiler.py)."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from common.constraint import Constraint
+from tests.support.slow_compiler import serve_with_slow_ones
+from worker_svc.grammar_pool import MAX_SPARES, GrammarPool
+from worker_svc.layers.grammar import GrammarCompiler
+
+pytestmark = pytest.mark.timeout(240)
+
+VOCAB_SIZE = 512
+
+
+def test_a_slow_grammar_does_not_hold_up_the_next_and_the_spare_retires(tiny_model_dir, tmp_path):
+    stop_ids = json.loads((tiny_model_dir / "generation_config.json").read_text())["eos_token_id"]
+    compiler = GrammarCompiler.from_model_dir(tiny_model_dir, VOCAB_SIZE, stop_ids)
+    pool = GrammarPool(tiny_model_dir, VOCAB_SIZE, stop_ids, lambda: compiler, timeout_s=200, processes=1,
+                       spare_after_s=0.2, serve=serve_with_slow_ones)
+    peak, spawn = [0], pool._spawn
+
+    def counted_spawn() -> None:      # called with the pool's lock held
+        spawn()
+        peak[0] = max(peak[0], pool.started)
+    pool._spawn = counted_spawn
+    release = tmp_path / "release"
+    slow = Constraint("regex", f"slow:{release}|(yes|no)")
+    results: dict[str, object] = {}
+    slow_thread = threading.Thread(target=lambda: results.update(slow=pool.compile(slow)))
+    try:
+        slow_thread.start()
+        # The slow grammar holds the only child until `release` exists; this one must not wait for it.
+        fast = pool.compile(Constraint("regex", "[0-9]{1,3}"))
+        assert fast is not None and slow_thread.is_alive() and not release.exists()
+        assert pool.started == 1, "the spare did not retire after its compilation"
+        release.touch()
+        slow_thread.join(timeout=120)
+        assert not slow_thread.is_alive() and results["slow"] is not None
+        # Several compilations at once beside a slow one: at most MAX_SPARES more children.
+        release.unlink()
+        slow2 = Constraint("regex", f"slow:{release}|(a|b)")
+        threading.Thread(target=lambda: results.update(slow2=pool.compile(slow2)), daemon=True).start()
+        others = [Constraint("regex", f"[a-c]{{{n}}}") for n in range(1, 6)]
+        threads = [threading.Thread(target=lambda c=c: results.update({c.text: pool.compile(c)})) for c in others]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert all(results.get(c.text) is not None for c in others)
+        assert 2 <= peak[0] <= 1 + MAX_SPARES, peak
+        release.touch()
+    finally:
+        release.touch()
+        slow_thread.join(timeout=60)
+        pool.close()
