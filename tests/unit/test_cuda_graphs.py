@@ -130,6 +130,21 @@ def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dt
         expected = sorted({(s // block_size, s % block_size) for s in meta.slot_mapping.tolist()})
         assert sorted(map(tuple, written)) == expected, f"seed {seed}, batch {n}: padding rows wrote K/V"
 
+    # eagle3's graphs: the same forward also returning the hidden states entering layers 0 and 1.
+    aux_layers = (0, min(1, config.num_hidden_layers - 1))
+    aux_graphs = DecodeGraphs(lambda ids, pos, m: model(ids, pos, m, aux_layers), max_batch_size=MAX_BATCH,
+                              max_blocks_per_seq=MAX_MODEL_LEN // block_size, max_model_len=MAX_MODEL_LEN,
+                              device=device)
+    for n in (3, 8):
+        input_ids, positions, meta = decode_batch(rng, n, num_blocks, block_size, config.vocab_size, device)
+        with torch.inference_mode():
+            eager, eager_aux = model(input_ids, positions, meta, aux_layers)
+            replayed = aux_graphs.run(input_ids, positions, meta).clone()
+            replayed_aux = [a.clone() for a in aux_graphs.aux(n)]
+        assert relative_error(replayed, eager) < tolerance, f"seed {seed}, batch {n}"
+        for got, want in zip(replayed_aux, eager_aux, strict=True):
+            assert relative_error(got, want) < tolerance, f"seed {seed}, batch {n}: aux hidden states differ"
+
     mixed = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                               max_query_len=2, max_seq_len=meta.max_seq_len,
                               query_lens_cpu=meta.query_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
