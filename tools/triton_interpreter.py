@@ -13,8 +13,9 @@ On a GPU it changes nothing.
 
 `faster_interpreter()` makes the interpreter faster without changing what it computes: a launch
 patches triton.language for the interpreter, and each call of a @triton.jit helper inside it
-patched the same modules again (a third of a kernel test's time); and the numpy type of each
-Triton type was looked up in a table built anew on every operation.
+patched the same modules again (a third of a kernel test's time); the numpy type of each
+Triton type was looked up in a table built anew on every operation; and every tensor's shape
+built a tuple type (a string per element) that is seldom read (now built when read).
 """
 from __future__ import annotations
 
@@ -91,9 +92,31 @@ def faster_interpreter():
     import triton.language as tl
     from triton.runtime import interpreter
 
+    init, kind = _lazy_tuple_types(tl.core)
     with _patched(interpreter, _patch_lang=_patching_once(interpreter, tl),
-                  _get_np_dtype=_np_dtype_lookup(interpreter)):
+                  _get_np_dtype=_np_dtype_lookup(interpreter)), _patched(tl.core.tuple, __init__=init, type=kind):
         yield
+
+
+def _lazy_tuple_types(core):
+    """tl.tuple's __init__ and a `type` property that builds its tuple_type when first read: the
+    interpreter makes a tl.tuple for every tensor's shape (each a tuple_type of named types, a
+    string built per element) and reads few of their types."""
+    def init(self, args, type=None):
+        self.values = list(args)
+        if type is not None and not isinstance(type, core.tuple_type):
+            type = core.tuple_type(type)
+        self.__dict__["_type"] = type      # __dict__: tl.tuple's __getattr__ reads its type's fields
+
+    def get(self):
+        kind = self.__dict__.get("_type")
+        if kind is None:
+            kind = self.__dict__["_type"] = core._type_for_tuple_values(self.values)
+        return kind
+
+    def put(self, kind) -> None:
+        self.__dict__["_type"] = kind
+    return init, property(get, put)
 
 
 def _np_dtype_lookup(interpreter):
@@ -141,11 +164,16 @@ def _patching_once(interpreter, tl):
 @contextlib.contextmanager
 def _patched(owner, **attributes):
     """Sets owner's attributes for the duration, then puts the originals back."""
-    originals = {name: getattr(owner, name) for name in attributes}
+    missing = object()
+    originals = {name: owner.__dict__.get(name, missing) if isinstance(owner, type) else getattr(owner, name)
+                 for name in attributes}
     for name, value in attributes.items():
         setattr(owner, name, value)
     try:
         yield
     finally:
         for name, value in originals.items():
-            setattr(owner, name, value)
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
