@@ -169,13 +169,17 @@ class GrammarPool:
                 if self._started < self._num_processes:
                     self._spawn()
                 return
-            if self._started > self._num_processes and not self._waiting:
+            if self._spare_unneeded():
                 self._started -= 1            # a spare, not needed now: it retires
             else:
                 self._idle.append(child)
                 self._lock.notify()
                 return
         child.kill()
+
+    def _spare_unneeded(self) -> bool:
+        """More children than `processes` and no compilation waiting for one (call with the lock held)."""
+        return self._started > self._num_processes and not self._waiting
 
     def _spawn(self) -> None:
         """Starts a child; it joins the idle ones once ready (called with the lock held)."""
@@ -196,7 +200,7 @@ class GrammarPool:
             ready = False
         with self._lock:
             self._starting -= 1
-            if ready and self._started > self._num_processes and not self._waiting:
+            if ready and self._spare_unneeded():
                 self._started -= 1            # a spare whose compilation found another child meanwhile
             elif ready:
                 self._idle.append(child)

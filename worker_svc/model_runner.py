@@ -231,11 +231,15 @@ class ModelRunner:
         return self._execute(step.step_id, batch, time.perf_counter(), 0.0).result()
 
     @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of every token of the batch; pure-decode batches replay a CUDA graph."""
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states of every token of the batch (with aux_layers, also those entering the
+        drafter's aux layers, which an eagle3 worker's graphs write); pure-decode batches replay a
+        CUDA graph."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
-            return self.decode_graphs.run(input_ids, positions, meta)
-        return self.model(input_ids, positions, meta)
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+            return (hidden, self.decode_graphs.aux(len(hidden))) if aux_layers else hidden
+        return self.model(input_ids, positions, meta, aux_layers)
 
     # --- a step ------------------------------------------------------------------------------
 
@@ -312,11 +316,7 @@ class ModelRunner:
         if batch.graph:
             hidden = self.decode_graphs.replay(len(batch.sampling_rows))
         elif batch.draft_plan is not None and self.drafter.aux_layers:   # eagle3 reads them
-            if self.decode_graphs is not None and self.decode_graphs.can_run(batch.meta):
-                hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
-                aux = self.decode_graphs.aux(len(hidden))
-            else:
-                hidden, aux = self.model(batch.input_ids, batch.positions, batch.meta, self.drafter.aux_layers)
+            hidden, aux = self.run_model(batch.input_ids, batch.positions, batch.meta, self.drafter.aux_layers)
         else:
             hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         if batch.scored is not None:

@@ -202,15 +202,10 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
         sample, sample_key = runner.sample_in_graph, runner.device_sampler.graph_key
     forward = runner.model
     if runner.drafter is not None and runner.drafter.aux_layers:   # eagle3 reads them in the steps that draft
-        forward = functools.partial(_forward_with_aux, runner.model, runner.drafter.aux_layers)
+        forward = functools.partial(runner.model, aux_layers=runner.drafter.aux_layers)
     graphs = DecodeGraphs(forward, max_batch_size=runner.config.max_num_seqs,
                           max_blocks_per_seq=runner.max_blocks_per_seq, max_model_len=runner.max_model_len,
                           device=runner.device, inputs=inputs, sample=sample, sample_key=sample_key)
     logger.info("captured %d decode graphs%s in %.1f s", len(graphs.graphs),
                 " with the sampling in graphs of their own" if sample else "", time.perf_counter() - start)
     return graphs
-
-
-def _forward_with_aux(model, aux_layers: tuple[int, ...], input_ids: torch.Tensor, positions: torch.Tensor,
-                      meta) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return model(input_ids, positions, meta, aux_layers)
