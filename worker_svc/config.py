@@ -49,7 +49,7 @@ class WorkerConfig:
                                          "FP8 (128x128 blocks, as the official -FP8 checkpoints); an FP8 checkpoint "
                                          "needs no flag")
     enforce_eager: bool = flag(False, help="run decode eagerly, without CUDA graphs")
-    sampler: str = flag("torch", choices=SAMPLER_NAMES,
+    sampler: str = flag("auto", choices=SAMPLER_NAMES,
                         help="torch: the torch sampler, after the decode graph; kernels: the Triton sampler (no sort, "
                              "no host sync), inside the decode graph on CUDA (on the CPU, interpreted: for tests); "
                              "auto: kernels on CUDA with one rank, else torch")

@@ -258,6 +258,7 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir)
     """The target's decode with the worker's real `method` proposer (random weights) at k = 4."""
     from bench.stages.moe_e2e import dummy_llm
     from common.sampling import SamplingParams
+    from scheduler_svc.engine.speculation import DEFAULT_MAX_BATCH_SIZE
 
     vocab = load_config(args, "8b")["vocab_size"]
     llm = dummy_llm(args, "8b", speculative_method=method, speculative_model=str(model_dir),
@@ -272,17 +273,21 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir)
         llm.generate(prompts[b], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         return time.perf_counter() - started, tuple(a - c for a, c in zip(counters.snapshot(), before))
 
-    timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles and warms
-    rows = []
-    for b in shape.batches:
+    def measure(b: int, label: str) -> dict:
         prefill_s, (prefill_launches, *_) = min((timed(b, 1) for _ in range(REPEATS)), key=lambda run: run[0])
         seconds, (launches, verifications, drafts, accepted) = min(
             (timed(b, 1 + shape.tokens) for _ in range(REPEATS)), key=lambda run: run[0])
         decode_s, steps = seconds - prefill_s, max(launches - prefill_launches, 1)
-        rows.append({"proposer": method, "k": METHOD_K, "batch": b, "decode_s": decode_s, "steps": steps,
-                     "step_ms": decode_s / steps * 1e3, "tok_per_s": b * shape.tokens / decode_s,
-                     "verifications": verifications, "drafts": drafts, "accepted": accepted,
-                     "acceptance_length": 1 + accepted / verifications if verifications else 1.0})
+        return {"proposer": label, "k": METHOD_K, "batch": b, "decode_s": decode_s, "steps": steps,
+                "step_ms": decode_s / steps * 1e3, "tok_per_s": b * shape.tokens / decode_s,
+                "verifications": verifications, "drafts": drafts, "accepted": accepted,
+                "acceptance_length": 1 + accepted / verifications if verifications else 1.0}
+
+    timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles and warms
+    rows = [measure(b, method) for b in shape.batches]
+    # The scheduler's default threshold: past it the worker's steps are plain ones (no proposer)
+    llm._engine_config = dataclasses.replace(llm._engine_config, speculative_max_batch_size=DEFAULT_MAX_BATCH_SIZE)
+    rows += [measure(b, f"{method} default") for b in shape.batches if b > DEFAULT_MAX_BATCH_SIZE]
     _release(llm)
     return rows
 
