@@ -1,8 +1,8 @@
 """Chat requests as prompts: the checkpoint's own chat template, and the constraint a tool_choice implies.
 
-`render_chat` applies the model directory's chat template through transformers'
-`apply_chat_template(messages, tools=..., add_generation_prompt=True, enable_thinking=...)` and
-tokenizes the rendered text without adding special tokens, so the prompt is exactly the template's
+`render_chat` renders the model directory's chat template as transformers'
+`apply_chat_template(messages, tools=..., add_generation_prompt=True, enable_thinking=...)` does
+(chat_template.py) and tokenizes the rendered text without adding special tokens, so the prompt is exactly the template's
 tokens (as `apply_chat_template(tokenize=True)` gives them; a BOS the template wants is in the
 template). Messages and tools arrive as plain dataclasses (the server converts the proto) and are
 checked here, each problem raised as InvalidRequest naming the field.
@@ -111,9 +111,11 @@ def render_chat(
         tool_dicts = [_escaped_json(t, escaper.escape) for t in tool_dicts]
     rendered_tools = tool_dicts if tools and tool_choice != "none" else None
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    if tokenizer.chat_template is None:
+        raise InvalidRequest("messages", "the model has no chat template (chat_template.jinja or tokenizer_config.json's "
+                                         "chat_template): send a prompt to Generate instead")
     try:
-        rendered = tokenizer.hf.apply_chat_template(template_messages, tools=rendered_tools,
-                                                    add_generation_prompt=True, tokenize=False, **kwargs)
+        rendered = tokenizer.chat_template.render(template_messages, tools=rendered_tools, **kwargs)
     except Exception as exc:   # noqa: BLE001 - a template raises whatever its author chose (often TemplateError)
         raise InvalidRequest("messages", f"the model's chat template refused these messages: {exc}") from None
     text, token_ids = tokenize_rendered(

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from scheduler_svc.frontend.chat_template import ChatTemplate, load_chat_template
 
 # The most UTF-8 bytes a Unicode normalization turns into one byte (computed over every code
 # point; sequences do no worse): NFC/NFD map U+1FEF (3 bytes) to "`" and compose a Hangul
@@ -51,11 +52,9 @@ class TooManyTokens(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase) -> None:
-        self.hf = hf_tokenizer
-        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-        if self._backend is None:
-            raise ValueError(f"{type(hf_tokenizer).__name__} has no tokenizers backend (tokenizer.json); Qwen3 ships one")
+    def __init__(self, backend: RustTokenizer, chat_template: ChatTemplate | None = None) -> None:
+        self._backend = backend
+        self.chat_template = chat_template
         # A tokenizer.json may carry truncation or padding settings, which would silently cut or pad
         # prompts here; transformers resets them on each of its own calls, so clearing them is safe.
         self._backend.no_truncation()
@@ -69,7 +68,7 @@ class Tokenizer:
         # Every added token: the special ones (<|im_start|>, ...) and Qwen3's others (<think>, <tool_call>, ...),
         # which the tokenizer matches in any text as it matches the special ones.
         self.control_tokens: dict[str, int] = {token.content: token_id for token_id, token in
-                                               hf_tokenizer.added_tokens_decoder.items()}
+                                               backend.get_added_tokens_decoder().items()}
         self._tables: dict[bool, list[str]] = {}      # skip_special_tokens -> each id's text alone
         self._tables_lock = threading.Lock()
 
@@ -118,7 +117,7 @@ class Tokenizer:
 
     def __len__(self) -> int:
         """Ids the tokenizer knows, added tokens included; may be below the model's vocab_size."""
-        return len(self.hf)
+        return self._backend.get_vocab_size(with_added_tokens=True)
 
 
 def _encode(backend: RustTokenizer, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[int]:
@@ -184,12 +183,17 @@ def _normalizer_shrink(normalizer: dict | None) -> int | None:
 
 
 def load_tokenizer(model_dir: str | pathlib.Path) -> Tokenizer:
-    """The tokenizer of a model directory, from local files only: never a network call."""
+    """The tokenizer of a model directory (tokenizer.json, and the chat template with
+    tokenizer_config.json's special tokens), from local files only: never a network call."""
     path = pathlib.Path(model_dir)
     if not path.is_dir():
-        # Otherwise from_pretrained would read the string as a hub repo id.
         raise FileNotFoundError(f"tokenizer directory {path} does not exist")
-    return Tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False))
+    spec = path / "tokenizer.json"
+    if not spec.is_file():
+        raise FileNotFoundError(f"{path} has no tokenizer.json (the tokenizers library's file; Qwen3 ships one)")
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return Tokenizer(RustTokenizer.from_file(str(spec)), load_chat_template(path, config))
 
 
 def _all_added_special(spec: str) -> str:

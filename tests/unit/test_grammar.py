@@ -191,7 +191,7 @@ def test_length_bounded_strings_allow_escapes_but_no_raw_control_characters(comp
 def test_padded_rows_and_special_tokens_are_never_allowed_and_stop_tokens_only_at_the_end(compiler, tokenizer, stop_ids):
     matcher = compiler.matcher(Constraint("regex", "(ab|cd)+"))
     bitmask = GrammarBitmask(VOCAB_SIZE)
-    special = {tokenizer.hf.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|endoftext|>", "<|im_end|>")}
+    special = {tokenizer.control_tokens[t] for t in ("<|im_start|>", "<|endoftext|>", "<|im_end|>")}
     for text in ("", "ab", "abcd"):
         assert matcher.accept_tokens(tokenizer.encode(text)) if text else True
         allowed = allowed_ids(bitmask.fill([matcher])[0])
