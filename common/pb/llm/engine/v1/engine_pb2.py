@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from common.pb.llm.common.v1 import top_logprobs_pb2 as common_dot_pb_dot_llm_dot_common_dot_v1_dot_top__logprobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$common/pb/llm/engine/v1/engine.proto\x12\rllm.engine.v1\"$\n\rAttachRequest\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\r\"p\n\nCoreStatus\x12\x11\n\taccepting\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12(\n\x08\x66\x65\x61tures\x18\x04 \x03(\x0b\x32\x16.llm.engine.v1.Feature\":\n\x07\x46\x65\x61ture\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tavailable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"c\n\tCoreEvent\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.llm.engine.v1.CoreStatus\x12+\n\x07outputs\x18\x02 \x01(\x0b\x32\x1a.llm.engine.v1.StepOutputs\"\xe5\x01\n\x0bStepOutputs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x30\n\x08\x66inished\x18\x04 \x03(\x0b\x32\x1e.llm.engine.v1.FinishedRequest\x12\x36\n\x0ctop_logprobs\x18\x05 \x01(\x0b\x32 .llm.engine.v1.TopLogprobColumns\x12\x36\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1d.llm.engine.v1.PromptLogprobs\"H\n\x11TopLogprobColumns\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"r\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12-\n\x03top\x18\x04 \x01(\x0b\x32 .llm.engine.v1.TopLogprobColumns\"\xd6\x01\n\x0f\x46inishedRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12+\n\x06reason\x18\x02 \x01(\x0e\x32\x1b.llm.engine.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x04 \x01(\r\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\x15\n\rerror_message\x18\x06 \x01(\t\x12\x1e\n\x16\x65rror_about_constraint\x18\x07 \x01(\x08\"\x87\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0f \x01(\x08\x12-\n\nconstraint\x18\x10 \x01(\x0b\x32\x19.llm.engine.v1.Constraint\x12\x10\n\x08priority\x18\x11 \x01(\x05\x12@\n\nlogit_bias\x18\x12 \x03(\x0b\x32,.llm.engine.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x0bspeculative\x18\x13 \x01(\x08H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_speculative\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x91\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.llm.engine.v1.SamplingParams\x12\x14\n\x0csample_index\x18\x05 \x01(\r\"A\n\x12\x41\x64\x64RequestsRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.llm.engine.v1.NewRequest\"\xac\x01\n\tAddResult\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.llm.engine.v1.AddResult.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"a\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x12\n\x0e\x41LREADY_EXISTS\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x0f\n\x0bUNAVAILABLE\x10\x03\x12\x14\n\x10INVALID_ARGUMENT\x10\x04\"@\n\x13\x41\x64\x64RequestsResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.llm.engine.v1.AddResult\"x\n\x14\x41\x62ortRequestsRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12+\n\x06reason\x18\x02 \x01(\x0e\x32\x1b.llm.engine.v1.FinishReason\x12\x0e\n\x06notify\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"&\n\x15\x41\x62ortRequestsResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"E\n\x14PauseRequestsRequest\x12\x15\n\rpause_seq_ids\x18\x01 \x03(\x04\x12\x16\n\x0eresume_seq_ids\x18\x02 \x03(\x04\"\x17\n\x15PauseRequestsResponse\"\x10\n\x0eGetInfoRequest\"\xb0\x03\n\x10WorkerGroupState\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\n \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12\x12\n\nblock_size\x18\x0c \x01(\r\x12\x15\n\rmax_model_len\x18\r \x01(\r\x12\x12\n\nnum_paused\x18\x0e \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0f \x01(\t\x12\x1a\n\x12speculative_method\x18\x10 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x11 \x01(\r\"f\n\x08\x43oreInfo\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.llm.engine.v1.CoreStatus\x12/\n\x06groups\x18\x02 \x03(\x0b\x32\x1f.llm.engine.v1.WorkerGroupState\"\x80\x01\n\x0e\x46rontendReport\x12=\n\x08rejected\x18\x01 \x03(\x0b\x32+.llm.engine.v1.FrontendReport.RejectedEntry\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x10\n\x0eReportResponse*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe9\x03\n\nEngineCore\x12\x42\n\x06\x41ttach\x12\x1c.llm.engine.v1.AttachRequest\x1a\x18.llm.engine.v1.CoreEvent0\x01\x12T\n\x0b\x41\x64\x64Requests\x12!.llm.engine.v1.AddRequestsRequest\x1a\".llm.engine.v1.AddRequestsResponse\x12Z\n\rAbortRequests\x12#.llm.engine.v1.AbortRequestsRequest\x1a$.llm.engine.v1.AbortRequestsResponse\x12\x41\n\x07GetInfo\x12\x1d.llm.engine.v1.GetInfoRequest\x1a\x17.llm.engine.v1.CoreInfo\x12\x46\n\x06Report\x12\x1d.llm.engine.v1.FrontendReport\x1a\x1d.llm.engine.v1.ReportResponse\x12Z\n\rPauseRequests\x12#.llm.engine.v1.PauseRequestsRequest\x1a$.llm.engine.v1.PauseRequestsResponseBr\n\x1bio.qwen3serve.llm.engine.v1B\x0b\x45ngineProtoP\x01Z)qwen3-serve/gen/go/llm/engine/v1;enginev1\xaa\x02\x18Qwen3Serve.Llm.Engine.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$common/pb/llm/engine/v1/engine.proto\x12\rllm.engine.v1\x1a*common/pb/llm/common/v1/top_logprobs.proto\"$\n\rAttachRequest\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\r\"p\n\nCoreStatus\x12\x11\n\taccepting\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12(\n\x08\x66\x65\x61tures\x18\x04 \x03(\x0b\x32\x16.llm.engine.v1.Feature\":\n\x07\x46\x65\x61ture\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tavailable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"c\n\tCoreEvent\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.llm.engine.v1.CoreStatus\x12+\n\x07outputs\x18\x02 \x01(\x0b\x32\x1a.llm.engine.v1.StepOutputs\"\xe5\x01\n\x0bStepOutputs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x30\n\x08\x66inished\x18\x04 \x03(\x0b\x32\x1e.llm.engine.v1.FinishedRequest\x12\x36\n\x0ctop_logprobs\x18\x05 \x01(\x0b\x32 .llm.common.v1.TopLogprobColumns\x12\x36\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1d.llm.engine.v1.PromptLogprobs\"r\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12-\n\x03top\x18\x04 \x01(\x0b\x32 .llm.common.v1.TopLogprobColumns\"\xd6\x01\n\x0f\x46inishedRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12+\n\x06reason\x18\x02 \x01(\x0e\x32\x1b.llm.engine.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x04 \x01(\r\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\x15\n\rerror_message\x18\x06 \x01(\t\x12\x1e\n\x16\x65rror_about_constraint\x18\x07 \x01(\x08\"\x87\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0f \x01(\x08\x12-\n\nconstraint\x18\x10 \x01(\x0b\x32\x19.llm.engine.v1.Constraint\x12\x10\n\x08priority\x18\x11 \x01(\x05\x12@\n\nlogit_bias\x18\x12 \x03(\x0b\x32,.llm.engine.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x0bspeculative\x18\x13 \x01(\x08H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_speculative\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x91\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.llm.engine.v1.SamplingParams\x12\x14\n\x0csample_index\x18\x05 \x01(\r\"A\n\x12\x41\x64\x64RequestsRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.llm.engine.v1.NewRequest\"\xac\x01\n\tAddResult\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.llm.engine.v1.AddResult.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"a\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x12\n\x0e\x41LREADY_EXISTS\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x0f\n\x0bUNAVAILABLE\x10\x03\x12\x14\n\x10INVALID_ARGUMENT\x10\x04\"@\n\x13\x41\x64\x64RequestsResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.llm.engine.v1.AddResult\"x\n\x14\x41\x62ortRequestsRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12+\n\x06reason\x18\x02 \x01(\x0e\x32\x1b.llm.engine.v1.FinishReason\x12\x0e\n\x06notify\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"&\n\x15\x41\x62ortRequestsResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"E\n\x14PauseRequestsRequest\x12\x15\n\rpause_seq_ids\x18\x01 \x03(\x04\x12\x16\n\x0eresume_seq_ids\x18\x02 \x03(\x04\"\x17\n\x15PauseRequestsResponse\"\x10\n\x0eGetInfoRequest\"\xb0\x03\n\x10WorkerGroupState\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\n \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12\x12\n\nblock_size\x18\x0c \x01(\r\x12\x15\n\rmax_model_len\x18\r \x01(\r\x12\x12\n\nnum_paused\x18\x0e \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0f \x01(\t\x12\x1a\n\x12speculative_method\x18\x10 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x11 \x01(\r\"f\n\x08\x43oreInfo\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.llm.engine.v1.CoreStatus\x12/\n\x06groups\x18\x02 \x03(\x0b\x32\x1f.llm.engine.v1.WorkerGroupState\"\x80\x01\n\x0e\x46rontendReport\x12=\n\x08rejected\x18\x01 \x03(\x0b\x32+.llm.engine.v1.FrontendReport.RejectedEntry\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x10\n\x0eReportResponse*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe9\x03\n\nEngineCore\x12\x42\n\x06\x41ttach\x12\x1c.llm.engine.v1.AttachRequest\x1a\x18.llm.engine.v1.CoreEvent0\x01\x12T\n\x0b\x41\x64\x64Requests\x12!.llm.engine.v1.AddRequestsRequest\x1a\".llm.engine.v1.AddRequestsResponse\x12Z\n\rAbortRequests\x12#.llm.engine.v1.AbortRequestsRequest\x1a$.llm.engine.v1.AbortRequestsResponse\x12\x41\n\x07GetInfo\x12\x1d.llm.engine.v1.GetInfoRequest\x1a\x17.llm.engine.v1.CoreInfo\x12\x46\n\x06Report\x12\x1d.llm.engine.v1.FrontendReport\x1a\x1d.llm.engine.v1.ReportResponse\x12Z\n\rPauseRequests\x12#.llm.engine.v1.PauseRequestsRequest\x1a$.llm.engine.v1.PauseRequestsResponseBr\n\x1bio.qwen3serve.llm.engine.v1B\x0b\x45ngineProtoP\x01Z)qwen3-serve/gen/go/llm/engine/v1;enginev1\xaa\x02\x18Qwen3Serve.Llm.Engine.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,60 +37,58 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_FRONTENDREPORT_REJECTEDENTRY']._loaded_options = None
   _globals['_FRONTENDREPORT_REJECTEDENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3119
-  _globals['_FINISHREASON']._serialized_end=3239
-  _globals['_ATTACHREQUEST']._serialized_start=55
-  _globals['_ATTACHREQUEST']._serialized_end=91
-  _globals['_CORESTATUS']._serialized_start=93
-  _globals['_CORESTATUS']._serialized_end=205
-  _globals['_FEATURE']._serialized_start=207
-  _globals['_FEATURE']._serialized_end=265
-  _globals['_COREEVENT']._serialized_start=267
-  _globals['_COREEVENT']._serialized_end=366
-  _globals['_STEPOUTPUTS']._serialized_start=369
-  _globals['_STEPOUTPUTS']._serialized_end=598
-  _globals['_TOPLOGPROBCOLUMNS']._serialized_start=600
-  _globals['_TOPLOGPROBCOLUMNS']._serialized_end=672
-  _globals['_PROMPTLOGPROBS']._serialized_start=674
-  _globals['_PROMPTLOGPROBS']._serialized_end=788
-  _globals['_FINISHEDREQUEST']._serialized_start=791
-  _globals['_FINISHEDREQUEST']._serialized_end=1005
-  _globals['_SAMPLINGPARAMS']._serialized_start=1008
-  _globals['_SAMPLINGPARAMS']._serialized_end=1655
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1518
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1566
-  _globals['_CONSTRAINT']._serialized_start=1657
-  _globals['_CONSTRAINT']._serialized_end=1697
-  _globals['_NEWREQUEST']._serialized_start=1700
-  _globals['_NEWREQUEST']._serialized_end=1845
-  _globals['_ADDREQUESTSREQUEST']._serialized_start=1847
-  _globals['_ADDREQUESTSREQUEST']._serialized_end=1912
-  _globals['_ADDRESULT']._serialized_start=1915
-  _globals['_ADDRESULT']._serialized_end=2087
-  _globals['_ADDRESULT_CODE']._serialized_start=1990
-  _globals['_ADDRESULT_CODE']._serialized_end=2087
-  _globals['_ADDREQUESTSRESPONSE']._serialized_start=2089
-  _globals['_ADDREQUESTSRESPONSE']._serialized_end=2153
-  _globals['_ABORTREQUESTSREQUEST']._serialized_start=2155
-  _globals['_ABORTREQUESTSREQUEST']._serialized_end=2275
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=2277
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=2315
-  _globals['_PAUSEREQUESTSREQUEST']._serialized_start=2317
-  _globals['_PAUSEREQUESTSREQUEST']._serialized_end=2386
-  _globals['_PAUSEREQUESTSRESPONSE']._serialized_start=2388
-  _globals['_PAUSEREQUESTSRESPONSE']._serialized_end=2411
-  _globals['_GETINFOREQUEST']._serialized_start=2413
-  _globals['_GETINFOREQUEST']._serialized_end=2429
-  _globals['_WORKERGROUPSTATE']._serialized_start=2432
-  _globals['_WORKERGROUPSTATE']._serialized_end=2864
-  _globals['_COREINFO']._serialized_start=2866
-  _globals['_COREINFO']._serialized_end=2968
-  _globals['_FRONTENDREPORT']._serialized_start=2971
-  _globals['_FRONTENDREPORT']._serialized_end=3099
-  _globals['_FRONTENDREPORT_REJECTEDENTRY']._serialized_start=3052
-  _globals['_FRONTENDREPORT_REJECTEDENTRY']._serialized_end=3099
-  _globals['_REPORTRESPONSE']._serialized_start=3101
-  _globals['_REPORTRESPONSE']._serialized_end=3117
-  _globals['_ENGINECORE']._serialized_start=3242
-  _globals['_ENGINECORE']._serialized_end=3731
+  _globals['_FINISHREASON']._serialized_start=3089
+  _globals['_FINISHREASON']._serialized_end=3209
+  _globals['_ATTACHREQUEST']._serialized_start=99
+  _globals['_ATTACHREQUEST']._serialized_end=135
+  _globals['_CORESTATUS']._serialized_start=137
+  _globals['_CORESTATUS']._serialized_end=249
+  _globals['_FEATURE']._serialized_start=251
+  _globals['_FEATURE']._serialized_end=309
+  _globals['_COREEVENT']._serialized_start=311
+  _globals['_COREEVENT']._serialized_end=410
+  _globals['_STEPOUTPUTS']._serialized_start=413
+  _globals['_STEPOUTPUTS']._serialized_end=642
+  _globals['_PROMPTLOGPROBS']._serialized_start=644
+  _globals['_PROMPTLOGPROBS']._serialized_end=758
+  _globals['_FINISHEDREQUEST']._serialized_start=761
+  _globals['_FINISHEDREQUEST']._serialized_end=975
+  _globals['_SAMPLINGPARAMS']._serialized_start=978
+  _globals['_SAMPLINGPARAMS']._serialized_end=1625
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1488
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1536
+  _globals['_CONSTRAINT']._serialized_start=1627
+  _globals['_CONSTRAINT']._serialized_end=1667
+  _globals['_NEWREQUEST']._serialized_start=1670
+  _globals['_NEWREQUEST']._serialized_end=1815
+  _globals['_ADDREQUESTSREQUEST']._serialized_start=1817
+  _globals['_ADDREQUESTSREQUEST']._serialized_end=1882
+  _globals['_ADDRESULT']._serialized_start=1885
+  _globals['_ADDRESULT']._serialized_end=2057
+  _globals['_ADDRESULT_CODE']._serialized_start=1960
+  _globals['_ADDRESULT_CODE']._serialized_end=2057
+  _globals['_ADDREQUESTSRESPONSE']._serialized_start=2059
+  _globals['_ADDREQUESTSRESPONSE']._serialized_end=2123
+  _globals['_ABORTREQUESTSREQUEST']._serialized_start=2125
+  _globals['_ABORTREQUESTSREQUEST']._serialized_end=2245
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=2247
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=2285
+  _globals['_PAUSEREQUESTSREQUEST']._serialized_start=2287
+  _globals['_PAUSEREQUESTSREQUEST']._serialized_end=2356
+  _globals['_PAUSEREQUESTSRESPONSE']._serialized_start=2358
+  _globals['_PAUSEREQUESTSRESPONSE']._serialized_end=2381
+  _globals['_GETINFOREQUEST']._serialized_start=2383
+  _globals['_GETINFOREQUEST']._serialized_end=2399
+  _globals['_WORKERGROUPSTATE']._serialized_start=2402
+  _globals['_WORKERGROUPSTATE']._serialized_end=2834
+  _globals['_COREINFO']._serialized_start=2836
+  _globals['_COREINFO']._serialized_end=2938
+  _globals['_FRONTENDREPORT']._serialized_start=2941
+  _globals['_FRONTENDREPORT']._serialized_end=3069
+  _globals['_FRONTENDREPORT_REJECTEDENTRY']._serialized_start=3022
+  _globals['_FRONTENDREPORT_REJECTEDENTRY']._serialized_end=3069
+  _globals['_REPORTRESPONSE']._serialized_start=3071
+  _globals['_REPORTRESPONSE']._serialized_end=3087
+  _globals['_ENGINECORE']._serialized_start=3212
+  _globals['_ENGINECORE']._serialized_end=3701
 # @@protoc_insertion_point(module_scope)

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from common.pb.llm.common.v1 import top_logprobs_pb2 as common_dot_pb_dot_llm_dot_common_dot_v1_dot_top__logprobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$common/pb/llm/worker/v1/worker.proto\x12\rllm.worker.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x96\x03\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\x12(\n\x08\x66\x65\x61tures\x18\x0f \x03(\x0b\x32\x16.llm.worker.v1.Feature\x12\x1a\n\x12speculative_method\x18\x10 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x11 \x01(\r\":\n\x07\x46\x65\x61ture\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tavailable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x9b\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12\x41\n\nlogit_bias\x18\x0e \x03(\x0b\x32-.llm.worker.v1.SamplingOptions.LogitBiasEntry\x12-\n\nconstraint\x18\x0f \x01(\x0b\x32\x19.llm.worker.v1.Constraint\x12\x18\n\x0bspeculative\x18\x10 \x01(\x08H\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_speculativeJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xd0\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x30\n\x08sampling\x18\x07 \x01(\x0b\x32\x1e.llm.worker.v1.SamplingOptionsJ\x04\x08\x08\x10\t\"\xd3\x01\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1b\n\x13multi_token_indices\x18\x02 \x03(\r\x12\x1a\n\x12multi_token_counts\x18\x03 \x03(\r\x12\x19\n\x11new_block_indices\x18\x04 \x03(\r\x12\x18\n\x10new_block_counts\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x15\n\rdraft_indices\x18\x07 \x03(\r\x12\x14\n\x0c\x64raft_counts\x18\x08 \x03(\r\"\xcb\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_seq_ids\x18\x02 \x03(\x04\x12/\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x19.llm.worker.v1.NewRequest\x12-\n\x06\x63\x61\x63hed\x18\x05 \x01(\x0b\x32\x1d.llm.worker.v1.CachedRequests\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x16\n\x0epropose_drafts\x18\x07 \x01(\x08J\x04\x08\x04\x10\x05\"Z\n\x0bStepTimings\x12\x12\n\nprepare_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\x12\x11\n\tdevice_ms\x18\x04 \x01(\x02\"\xbf\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.llm.worker.v1.StepTimings\x12\x36\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.llm.worker.v1.PromptLogprobs\x12,\n\x06\x66\x61iled\x18\x08 \x03(\x0b\x32\x1c.llm.worker.v1.FailedRequest\x12\x14\n\x0ctoken_counts\x18\t \x03(\r\x12\x12\n\nnum_drafts\x18\n \x03(\rJ\x04\x08\x02\x10\x03\"X\n\rFailedRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x18\n\x10\x61\x62out_constraint\x18\x04 \x01(\x08\"H\n\x11TopLogprobColumns\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x8b\x01\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x17\n\x0f\x66irst_positions\x18\x02 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x03top\x18\x05 \x01(\x0b\x32 .llm.worker.v1.TopLogprobColumns\"#\n\x0cResetRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x0f\n\rResetResponse\">\n\x0c\x43laimRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"6\n\rClaimResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"[\n\x15PrepareGrammarRequest\x12-\n\nconstraint\x18\x01 \x01(\x0b\x32\x19.llm.worker.v1.Constraint\x12\x13\n\x0blease_epoch\x18\x02 \x01(\x04\"\x18\n\x16PrepareGrammarResponse2\xf7\x02\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.llm.worker.v1.DescribeRequest\x1a\x19.llm.worker.v1.WorkerInfo\x12?\n\x04Step\x12\x1a.llm.worker.v1.StepRequest\x1a\x1b.llm.worker.v1.StepResponse\x12\x42\n\x05Reset\x12\x1b.llm.worker.v1.ResetRequest\x1a\x1c.llm.worker.v1.ResetResponse\x12\x42\n\x05\x43laim\x12\x1b.llm.worker.v1.ClaimRequest\x1a\x1c.llm.worker.v1.ClaimResponse\x12]\n\x0ePrepareGrammar\x12$.llm.worker.v1.PrepareGrammarRequest\x1a%.llm.worker.v1.PrepareGrammarResponseBr\n\x1bio.qwen3serve.llm.worker.v1B\x0bWorkerProtoP\x01Z)qwen3-serve/gen/go/llm/worker/v1;workerv1\xaa\x02\x18Qwen3Serve.Llm.Worker.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$common/pb/llm/worker/v1/worker.proto\x12\rllm.worker.v1\x1a*common/pb/llm/common/v1/top_logprobs.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x96\x03\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\x12(\n\x08\x66\x65\x61tures\x18\x0f \x03(\x0b\x32\x16.llm.worker.v1.Feature\x12\x1a\n\x12speculative_method\x18\x10 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x11 \x01(\r\":\n\x07\x46\x65\x61ture\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tavailable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x9b\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12\x41\n\nlogit_bias\x18\x0e \x03(\x0b\x32-.llm.worker.v1.SamplingOptions.LogitBiasEntry\x12-\n\nconstraint\x18\x0f \x01(\x0b\x32\x19.llm.worker.v1.Constraint\x12\x18\n\x0bspeculative\x18\x10 \x01(\x08H\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_speculativeJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xd0\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x30\n\x08sampling\x18\x07 \x01(\x0b\x32\x1e.llm.worker.v1.SamplingOptionsJ\x04\x08\x08\x10\t\"\xd3\x01\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1b\n\x13multi_token_indices\x18\x02 \x03(\r\x12\x1a\n\x12multi_token_counts\x18\x03 \x03(\r\x12\x19\n\x11new_block_indices\x18\x04 \x03(\r\x12\x18\n\x10new_block_counts\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x15\n\rdraft_indices\x18\x07 \x03(\r\x12\x14\n\x0c\x64raft_counts\x18\x08 \x03(\r\"\xcb\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10\x66inished_seq_ids\x18\x02 \x03(\x04\x12/\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x19.llm.worker.v1.NewRequest\x12-\n\x06\x63\x61\x63hed\x18\x05 \x01(\x0b\x32\x1d.llm.worker.v1.CachedRequests\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x16\n\x0epropose_drafts\x18\x07 \x01(\x08J\x04\x08\x04\x10\x05\"Z\n\x0bStepTimings\x12\x12\n\nprepare_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\x12\x11\n\tdevice_ms\x18\x04 \x01(\x02\"\xbf\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.llm.worker.v1.StepTimings\x12\x36\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32 .llm.common.v1.TopLogprobColumns\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.llm.worker.v1.PromptLogprobs\x12,\n\x06\x66\x61iled\x18\x08 \x03(\x0b\x32\x1c.llm.worker.v1.FailedRequest\x12\x14\n\x0ctoken_counts\x18\t \x03(\r\x12\x12\n\nnum_drafts\x18\n \x03(\rJ\x04\x08\x02\x10\x03\"X\n\rFailedRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x18\n\x10\x61\x62out_constraint\x18\x04 \x01(\x08\"\x8b\x01\n\x0ePromptLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x17\n\x0f\x66irst_positions\x18\x02 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x03top\x18\x05 \x01(\x0b\x32 .llm.common.v1.TopLogprobColumns\"#\n\x0cResetRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x0f\n\rResetResponse\">\n\x0c\x43laimRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"6\n\rClaimResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"[\n\x15PrepareGrammarRequest\x12-\n\nconstraint\x18\x01 \x01(\x0b\x32\x19.llm.worker.v1.Constraint\x12\x13\n\x0blease_epoch\x18\x02 \x01(\x04\"\x18\n\x16PrepareGrammarResponse2\xf7\x02\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.llm.worker.v1.DescribeRequest\x1a\x19.llm.worker.v1.WorkerInfo\x12?\n\x04Step\x12\x1a.llm.worker.v1.StepRequest\x1a\x1b.llm.worker.v1.StepResponse\x12\x42\n\x05Reset\x12\x1b.llm.worker.v1.ResetRequest\x1a\x1c.llm.worker.v1.ResetResponse\x12\x42\n\x05\x43laim\x12\x1b.llm.worker.v1.ClaimRequest\x1a\x1c.llm.worker.v1.ClaimResponse\x12]\n\x0ePrepareGrammar\x12$.llm.worker.v1.PrepareGrammarRequest\x1a%.llm.worker.v1.PrepareGrammarResponseBr\n\x1bio.qwen3serve.llm.worker.v1B\x0bWorkerProtoP\x01Z)qwen3-serve/gen/go/llm/worker/v1;workerv1\xaa\x02\x18Qwen3Serve.Llm.Worker.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,46 +35,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\033io.qwen3serve.llm.worker.v1B\013WorkerProtoP\001Z)qwen3-serve/gen/go/llm/worker/v1;workerv1\252\002\030Qwen3Serve.Llm.Worker.V1'
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_DESCRIBEREQUEST']._serialized_start=55
-  _globals['_DESCRIBEREQUEST']._serialized_end=72
-  _globals['_WORKERINFO']._serialized_start=75
-  _globals['_WORKERINFO']._serialized_end=481
-  _globals['_FEATURE']._serialized_start=483
-  _globals['_FEATURE']._serialized_end=541
-  _globals['_SAMPLINGOPTIONS']._serialized_start=544
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1083
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=949
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=997
-  _globals['_CONSTRAINT']._serialized_start=1085
-  _globals['_CONSTRAINT']._serialized_end=1125
-  _globals['_NEWREQUEST']._serialized_start=1128
-  _globals['_NEWREQUEST']._serialized_end=1336
-  _globals['_CACHEDREQUESTS']._serialized_start=1339
-  _globals['_CACHEDREQUESTS']._serialized_end=1550
-  _globals['_STEPREQUEST']._serialized_start=1553
-  _globals['_STEPREQUEST']._serialized_end=1756
-  _globals['_STEPTIMINGS']._serialized_start=1758
-  _globals['_STEPTIMINGS']._serialized_end=1848
-  _globals['_STEPRESPONSE']._serialized_start=1851
-  _globals['_STEPRESPONSE']._serialized_end=2170
-  _globals['_FAILEDREQUEST']._serialized_start=2172
-  _globals['_FAILEDREQUEST']._serialized_end=2260
-  _globals['_TOPLOGPROBCOLUMNS']._serialized_start=2262
-  _globals['_TOPLOGPROBCOLUMNS']._serialized_end=2334
-  _globals['_PROMPTLOGPROBS']._serialized_start=2337
-  _globals['_PROMPTLOGPROBS']._serialized_end=2476
-  _globals['_RESETREQUEST']._serialized_start=2478
-  _globals['_RESETREQUEST']._serialized_end=2513
-  _globals['_RESETRESPONSE']._serialized_start=2515
-  _globals['_RESETRESPONSE']._serialized_end=2530
-  _globals['_CLAIMREQUEST']._serialized_start=2532
-  _globals['_CLAIMREQUEST']._serialized_end=2594
-  _globals['_CLAIMRESPONSE']._serialized_start=2596
-  _globals['_CLAIMRESPONSE']._serialized_end=2650
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=2652
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=2743
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=2745
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=2769
-  _globals['_WORKER']._serialized_start=2772
-  _globals['_WORKER']._serialized_end=3147
+  _globals['_DESCRIBEREQUEST']._serialized_start=99
+  _globals['_DESCRIBEREQUEST']._serialized_end=116
+  _globals['_WORKERINFO']._serialized_start=119
+  _globals['_WORKERINFO']._serialized_end=525
+  _globals['_FEATURE']._serialized_start=527
+  _globals['_FEATURE']._serialized_end=585
+  _globals['_SAMPLINGOPTIONS']._serialized_start=588
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1127
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=993
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1041
+  _globals['_CONSTRAINT']._serialized_start=1129
+  _globals['_CONSTRAINT']._serialized_end=1169
+  _globals['_NEWREQUEST']._serialized_start=1172
+  _globals['_NEWREQUEST']._serialized_end=1380
+  _globals['_CACHEDREQUESTS']._serialized_start=1383
+  _globals['_CACHEDREQUESTS']._serialized_end=1594
+  _globals['_STEPREQUEST']._serialized_start=1597
+  _globals['_STEPREQUEST']._serialized_end=1800
+  _globals['_STEPTIMINGS']._serialized_start=1802
+  _globals['_STEPTIMINGS']._serialized_end=1892
+  _globals['_STEPRESPONSE']._serialized_start=1895
+  _globals['_STEPRESPONSE']._serialized_end=2214
+  _globals['_FAILEDREQUEST']._serialized_start=2216
+  _globals['_FAILEDREQUEST']._serialized_end=2304
+  _globals['_PROMPTLOGPROBS']._serialized_start=2307
+  _globals['_PROMPTLOGPROBS']._serialized_end=2446
+  _globals['_RESETREQUEST']._serialized_start=2448
+  _globals['_RESETREQUEST']._serialized_end=2483
+  _globals['_RESETRESPONSE']._serialized_start=2485
+  _globals['_RESETRESPONSE']._serialized_end=2500
+  _globals['_CLAIMREQUEST']._serialized_start=2502
+  _globals['_CLAIMREQUEST']._serialized_end=2564
+  _globals['_CLAIMRESPONSE']._serialized_start=2566
+  _globals['_CLAIMRESPONSE']._serialized_end=2620
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=2622
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=2713
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=2715
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=2739
+  _globals['_WORKER']._serialized_start=2742
+  _globals['_WORKER']._serialized_end=3117
 # @@protoc_insertion_point(module_scope)
