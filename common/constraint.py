@@ -40,6 +40,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.json_schema import SCHEMA_KEYWORDS, SCHEMA_VALUES, subschemas
+
 if TYPE_CHECKING:
     import xgrammar
 
@@ -62,11 +64,6 @@ _ANY_SCALAR = r"[\0-\ud7ff\ue000-\U0010ffff]"
 _SURROGATES = r"\ud800-\udfff"
 # xgrammar prefixes its C++ errors with "[time] /path/file.cc:line: " (and some with a failed
 # check's text); the caller wants the problem.
-# JSON-schema keywords whose subschemas sit under names, as one schema, or in a list.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_VALUES = ("additionalProperties", "items", "additionalItems", "propertyNames", "unevaluatedProperties",
-                  "unevaluatedItems")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 # Keywords xgrammar 0.2.9 compiles as if they were absent (see the module docstring).
 _IGNORED_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
                      "dependentSchemas", "dependencies")
@@ -165,15 +162,14 @@ def _enforceable(schema, kind: str, path: str):
         raise GrammarError(kind, f"{ignored[0]!r} at {path} is not supported: structured output could not hold "
                                  f"the output to it")
     out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _enforceable(sub, kind, f"{path}/{key}/{name}") for name, sub in out[key].items()}
-    for key in _SCHEMA_VALUES:
-        if key in out:
-            out[key] = _enforceable(out[key], kind, f"{path}/{key}")
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_enforceable(sub, kind, f"{path}/{key}/{i}") for i, sub in enumerate(out[key])]
+    for key in SCHEMA_KEYWORDS:     # the ignored ones (not, if, ...) were refused above
+        value = out.get(key)
+        if key in SCHEMA_VALUES:    # one schema (draft 7's list of items passes as it is)
+            if key in out:
+                out[key] = _enforceable(value, kind, f"{path}/{key}")
+        elif children := subschemas(key, value):
+            walked = [_enforceable(sub, kind, f"{path}/{key}/{step}") for step, sub in children]
+            out[key] = dict(zip(value, walked)) if isinstance(value, dict) else walked
     return _declare_required(out, kind, path)
 
 

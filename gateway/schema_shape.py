@@ -10,11 +10,10 @@ from __future__ import annotations
 from numbers import Real
 from typing import Any
 
+from common.json_schema import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES, subschemas
+
 TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
-_SCHEMA = ("additionalProperties", "additionalItems", "not", "contains", "propertyNames", "if", "then", "else",
-           "unevaluatedProperties", "unevaluatedItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA = tuple(key for key in SCHEMA_VALUES if key != "items")   # items: one schema or a list of them
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
            "maxContains")
 _NUMBERS = ("minimum", "maximum")
@@ -41,9 +40,9 @@ def _keyword_problem(key: str, value: Any) -> str | None:
             return f"must name JSON types ({', '.join(sorted(TYPES))}) once each, got {str(value)[:60]}"
     elif key in _SCHEMA and not _is_schema(value):
         return "must be a schema (an object or a boolean)"
-    elif key in _SCHEMA_MAPS and not (isinstance(value, dict) and all(_is_schema(v) for v in value.values())):
+    elif key in SCHEMA_MAPS and not (isinstance(value, dict) and all(_is_schema(v) for v in value.values())):
         return "must be an object of schemas"
-    elif key in _SCHEMA_LISTS and not (isinstance(value, list) and value and all(_is_schema(v) for v in value)):
+    elif key in SCHEMA_LISTS and not (isinstance(value, list) and value and all(_is_schema(v) for v in value)):
         return "must be a non-empty list of schemas"
     elif key == "items" and not (_is_schema(value) or isinstance(value, list) and all(_is_schema(v) for v in value)):
         return "must be a schema or a list of schemas"
@@ -66,15 +65,8 @@ def _keyword_problem(key: str, value: Any) -> str | None:
 
 def _subschemas(key: str, value: Any) -> list[tuple[str, Any]]:
     """The (path, schema) pairs nested in a well-shaped keyword."""
-    if key in _SCHEMA:
-        return [(key, value)]
-    if key in _SCHEMA_MAPS:
-        return [(f"{key}.{name}", schema) for name, schema in value.items()]
-    if key in _SCHEMA_LISTS or key == "items" and isinstance(value, list):
-        return [(f"{key}[{i}]", schema) for i, schema in enumerate(value)]
-    if key == "items":
-        return [(key, value)]
-    return []
+    return [(key if step is None else f"{key}.{step}" if isinstance(step, str) else f"{key}[{step}]", schema)
+            for step, schema in subschemas(key, value)]
 
 
 def check_schema(schema: Any) -> None:

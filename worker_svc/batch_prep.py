@@ -105,15 +105,16 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     constrained_d, top_d, score_at_d, score_targets_d = views[10:] if asked else (None,) * 4
     if len(gather_at):
         ids_d.index_copy_(0, gather_at_d, runner.last_sampled.index_select(0, gather_rows_d))
+    spec = _spec_step(b, sampling_rows, layout, propose) if runner.bookkeeping is not None else None
     # A proposer on the device runs only in steps that ask for drafts (at most the scheduler's
     # batch threshold): past it, a step costs what it costs without speculation.
-    drafting = runner.drafter is not None and propose
-    if runner.drafter is not None and not propose:
-        b.drafter_behind[rows] = True
-    spec = _spec_step(b, sampling_rows, layout, propose) if runner.bookkeeping is not None else None
-    draft_plan = (runner.drafter.plan(b, rows, seq_lens, query_start, samples,
-                                      layout.num_drafts if layout is not None else None)
-                  if drafting else None)
+    draft_plan = None
+    if runner.drafter is not None:
+        if propose:
+            draft_plan = runner.drafter.plan(b, rows, seq_lens, query_start, samples,
+                                             layout.num_drafts if layout is not None else None)
+        else:
+            b.drafter_behind[rows] = True   # the drafter misses this step: no drafts for these rows again
     b.num_computed[rows] = seq_lens
     b.num_tokens[sampling_rows] += 1
     meta = AttentionMetadata(

@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from common.pb.llm.common.v1 import top_logprobs_pb2
 from common.pb.llm.worker.v1 import worker_pb2
 from common.record_codec import decode
 from worker_svc.layers.sampler import SamplingOptions
@@ -71,7 +72,7 @@ def parse_step_request(req: worker_pb2.StepRequest) -> StepInput:
                      block_idx, block_cnt, block_ids, num_drafts, req.propose_drafts)
 
 
-def _top_to_proto(top: TopLogprobs, msg: worker_pb2.TopLogprobColumns) -> None:
+def _top_to_proto(top: TopLogprobs, msg: top_logprobs_pb2.TopLogprobColumns) -> None:
     msg.counts.extend(top.counts)
     msg.token_ids.extend(top.token_ids)
     msg.logprobs.extend(top.logprobs)

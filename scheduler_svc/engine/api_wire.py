@@ -2,6 +2,7 @@
 wire, used by the core's server and the frontends' client alike."""
 from __future__ import annotations
 
+from common.pb.llm.common.v1 import top_logprobs_pb2
 from common.pb.llm.engine.v1 import engine_pb2 as pb
 from common.features import Feature
 from common.record_codec import decode, encode
@@ -96,13 +97,13 @@ def _error_from_pb(f: pb.FinishedRequest) -> RequestError | None:
     return RequestError(f.error_code, f.error_message, f.error_about_constraint)
 
 
-def _top_to_pb(top: TopLogprobColumns, msg: pb.TopLogprobColumns) -> None:
+def _top_to_pb(top: TopLogprobColumns, msg: top_logprobs_pb2.TopLogprobColumns) -> None:
     msg.counts.extend(top.counts)
     msg.token_ids.extend(top.token_ids)
     msg.logprobs.extend(top.logprobs)
 
 
-def _top_from_pb(msg: pb.TopLogprobColumns) -> TopLogprobColumns | None:
+def _top_from_pb(msg: top_logprobs_pb2.TopLogprobColumns) -> TopLogprobColumns | None:
     if not len(msg.counts):
         return None
     return TopLogprobColumns(list(msg.counts), list(msg.token_ids), list(msg.logprobs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from common.pb.llm.common.v1 import top_logprobs_pb2
 from common.pb.llm.worker.v1 import worker_pb2
 from common.record_codec import encode
 from scheduler_svc.engine.api import RequestError, TopLogprobColumns
@@ -84,7 +85,7 @@ class StepResult:
     num_drafts: list[int] = field(default_factory=list)
 
 
-def _top_columns(msg: worker_pb2.TopLogprobColumns) -> TopLogprobColumns | None:
+def _top_columns(msg: top_logprobs_pb2.TopLogprobColumns) -> TopLogprobColumns | None:
     if not len(msg.counts):
         return None
     return TopLogprobColumns(list(msg.counts), list(msg.token_ids), list(msg.logprobs))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -63,9 +64,8 @@ async def start_frontend(config: FrontendConfig, model: str, core: CoreClient,
     warm_up_chat(tokenizer)
     frontend = Frontend(core, tokenizer, stream_interval=config.stream_interval,
                         stream_window=config.stream_window, eos_token_ids=facts.eos_token_ids)
-    service = GenerationService(frontend, model_name=config.served_model_name or facts.name,
-                                vocab_size=facts.vocab_size, eos_token_ids=facts.eos_token_ids, limits=config.limits,
-                                allow_chat_special_tokens=config.allow_chat_special_tokens)
+    service = GenerationService(frontend, model=dataclasses.replace(facts, name=config.served_model_name or facts.name),
+                                limits=config.limits, allow_chat_special_tokens=config.allow_chat_special_tokens)
     max_message = max(MIN_PUBLIC_MESSAGE_BYTES, *(service.max_request_bytes(f"/{SERVICE_NAME}/{method}") or 0
                                                   for method in ("Generate", "Chat", "Tokenize", "Detokenize")))
     interceptors = (([AsyncTokenAuthInterceptor(token)] if token else []) +

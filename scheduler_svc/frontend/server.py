@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.logging_setup import bind_request_id
+from common.model_dir import ModelFacts
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from common.reflection import enable_server_reflection
 from common.status_guard import bounded_message
@@ -123,7 +124,7 @@ def chat_from_proto(request: generation_pb2.ChatRequest) -> tuple[list[ChatMessa
     return messages, [Tool(t.name, t.description, t.parameters_json) for t in request.tools]
 
 
-def to_model_info(info: CoreInfo, *, model_name: str, vocab_size: int, eos_token_ids: list[int]) -> generation_pb2.ModelInfo:
+def to_model_info(info: CoreInfo, model: ModelFacts) -> generation_pb2.ModelInfo:
     groups = [
         generation_pb2.WorkerGroupInfo(
             addresses=g.addresses, healthy=g.healthy, num_kv_blocks=g.num_kv_blocks,
@@ -137,8 +138,8 @@ def to_model_info(info: CoreInfo, *, model_name: str, vocab_size: int, eos_token
     up = [g for g in info.groups if g.block_size]
     speculating = next((g for g in up if g.healthy and g.speculative_method), None)
     return generation_pb2.ModelInfo(
-        model=model_name, max_model_len=info.status.max_model_len, vocab_size=vocab_size,
-        eos_token_ids=eos_token_ids, block_size=up[0].block_size if up else 0,
+        model=model.name, max_model_len=info.status.max_model_len, vocab_size=model.vocab_size,
+        eos_token_ids=model.eos_token_ids, block_size=up[0].block_size if up else 0,
         num_kv_blocks=sum(g.num_kv_blocks for g in info.groups), worker_groups=groups,
         features=[generation_pb2.Feature(name=f.name, available=f.available, detail=f.detail)
                   for f in info.status.features],
@@ -147,14 +148,12 @@ def to_model_info(info: CoreInfo, *, model_name: str, vocab_size: int, eos_token
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend, *, model_name: str, vocab_size: int, eos_token_ids: list[int],
-                 limits: Limits, allow_chat_special_tokens: bool = False) -> None:
-        """`allow_chat_special_tokens`: a chat's text may write special tokens (trusted clients);
+    def __init__(self, frontend: Frontend, *, model: ModelFacts, limits: Limits,
+                 allow_chat_special_tokens: bool = False) -> None:
+        """`model`: its facts, named as served; `allow_chat_special_tokens`: a chat's text may write special tokens (trusted clients);
         by default they are tokenized as text (scheduler_svc/frontend/chat_tokens.py)."""
         self.frontend = frontend
-        self.model_name = model_name
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
+        self.model = model
         self.limits = limits
         self.allow_chat_special_tokens = allow_chat_special_tokens
         self.admission = AdmissionPool()
@@ -167,7 +166,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Off the event loop unless it is small (admission_pool says why); a text of more tokens
         # than the context holds is refused by its count, its ids never listed.
         admit = functools.partial(
-            validate_request, request, vocab_size=self.vocab_size, max_model_len=status.max_model_len,
+            validate_request, request, vocab_size=self.model.vocab_size, max_model_len=status.max_model_len,
             tokenize=functools.partial(tokenizer.encode, max_tokens=status.max_model_len - 1), limits=self.limits,
             max_input_bytes_per_token=tokenizer.max_input_bytes_per_token)
         try:
@@ -254,7 +253,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequest("prompt", f"prompt has {e.num_tokens} tokens; max_model_len {max_model_len} leaves "
                                            f"no room for a generated token") from None
         params = validate_chat_sampling(request.request_id, request.sampling, len(prompt.token_ids),
-                                        vocab_size=self.vocab_size, max_model_len=max_model_len, limits=self.limits)
+                                        vocab_size=self.model.vocab_size, max_model_len=max_model_len, limits=self.limits)
         if prompt.constraint is not None:
             if params.constraint is not None:
                 raise InvalidRequest("sampling", f"sampling.{params.constraint.kind} cannot go with tool_choice "
@@ -283,7 +282,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"token_ids has {count} ids, more than the limit of {limit}")
         tokenizer, skip, each_token, vocab_size = (self.frontend.tokenizer, request.skip_special_tokens,
-                                                   request.each_token, self.vocab_size)
+                                                   request.each_token, self.model.vocab_size)
 
         def decode() -> generation_pb2.DetokenizeResponse:   # one trip to a thread for the checks and both decodes
             ids = list(request.token_ids)
@@ -356,8 +355,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if not info.status.max_model_len:
             await context.abort(grpc.StatusCode.UNAVAILABLE, info.status.reason or "no worker group is ready")
-        return to_model_info(info, model_name=self.model_name, vocab_size=self.vocab_size,
-                             eos_token_ids=self.eos_token_ids)
+        return to_model_info(info, self.model)
 
 
 async def keep_health_current(frontend: Frontend, servicer: health.aio.HealthServicer) -> None:

@@ -175,6 +175,14 @@ def test_an_undeclared_required_property_takes_additional_properties_schema():
                                                           "properties": {"c": {}}}}}
 
 
+def test_a_schema_nested_past_the_python_stack_is_refused_by_name():
+    schema: dict = {"type": "object"}
+    for _ in range(5000):
+        schema = {"anyOf": [{"items": schema}]}
+    with pytest.raises(GrammarError, match="invalid json_schema: nested too deeply"):
+        enforceable_schema(schema)
+
+
 def test_length_bounded_strings_allow_escapes_but_no_raw_control_characters(compiler, tokenizer):
     # xgrammar 0.2.9 alone lets U+0000..U+001F into strings with minLength/maxLength.
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"]}

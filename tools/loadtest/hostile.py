@@ -80,15 +80,20 @@ CONCURRENCY = {"priority_flood": 2}
 
 
 @dataclass
-class HostileSettings:
+class HostileRounds:
+    """The rounds of probes and the bounds on their ratios (a soak run sets them too)."""
     quiet_s: float = 4.0              # in all, over the rounds
     hostile_s: float = 4.0
     rounds: int = 3                   # quiet and hostile windows, in turn
     probes: int = 3
-    probe_tokens: int = 120           # per probe request; probes send one after another
     max_gap_ratio: float = 3.0        # 0: the ratio is reported, not judged (each max_*_ratio alike)
     max_stall_ratio: float = 3.0
     max_slowdown_ratio: float = 10.0
+
+
+@dataclass
+class HostileSettings(HostileRounds):
+    probe_tokens: int = 120           # per probe request; probes send one after another
     max_priority: int = 100           # the service's --max-priority: the floods ask for the most urgent
     max_detokenize_ids: int = 1 << 17
     eos_token_ids: tuple[int, ...] = (0, 2)

@@ -38,7 +38,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import grpc
 import numpy as np
@@ -47,7 +47,7 @@ from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1.generation_pb2_grpc import GenerationStub
 from tools.launch import free_port, scheduler_proc, worker_proc
 from tools.loadtest.arrivals import arrival_offsets
-from tools.loadtest.hostile import HostileSettings
+from tools.loadtest.hostile import HostileRounds, HostileSettings
 from tools.loadtest.hostile import measure as measure_hostile
 
 # Outcomes of one request, as the client saw it.
@@ -129,7 +129,8 @@ async def _wait_ready(stub: GenerationStub, procs: Processes, timeout_s: float) 
 # -- the load --------------------------------------------------------------------------------------
 
 @dataclass
-class SoakSettings:
+class LoadSettings:
+    """The load phase: requests above capacity, cancels, slow readers and a worker killed."""
     duration_s: float = 60.0
     rate: float = 12.0                 # requests/s, above what the tiny model serves on 2 cores
     burst: int = 48                    # of them sent at once at the start: more than --max-num-seqs +
@@ -150,17 +151,14 @@ class SoakSettings:
     frontends: int = 0
     device: str = "cpu"
     request_timeout_s: float = 300.0
-    # After the load above: probe streams alone (quiet_s), then beside hostile clients
-    # (hostile_s), in `rounds` turns; the medians of the rounds' ratios must stay within the
-    # max_*_ratio bounds (tools/loadtest/hostile.py; 0: reported, not judged).
-    # hostile_s 0: no such phase.
-    quiet_s: float = 4.0
-    hostile_s: float = 4.0
-    rounds: int = 3
-    probes: int = 3
-    max_gap_ratio: float = 3.0
-    max_stall_ratio: float = 3.0
-    max_slowdown_ratio: float = 10.0
+
+
+@dataclass
+class SoakSettings(HostileRounds, LoadSettings):
+    """The load phase's settings, then the hostile phase's: after the load, probe streams alone
+    (quiet_s), then beside hostile clients (hostile_s), in `rounds` turns; the medians of the
+    rounds' ratios must stay within the max_*_ratio bounds (tools/loadtest/hostile.py; 0: reported,
+    not judged). hostile_s 0: no such phase."""
 
 
 def _specs(settings: SoakSettings, vocab_size: int) -> list[Spec]:
@@ -362,10 +360,8 @@ async def soak(settings: SoakSettings, model: pathlib.Path, logs: pathlib.Path) 
 
 async def _hostile_phase(settings: SoakSettings, procs: Processes, info: pb.ModelInfo) -> tuple[dict, list[str]]:
     """Probe streams alone, then beside the hostile clients (tools/loadtest/hostile.py)."""
-    hostile = HostileSettings(quiet_s=settings.quiet_s, hostile_s=settings.hostile_s, rounds=settings.rounds,
-                              probes=settings.probes, max_gap_ratio=settings.max_gap_ratio,
-                              max_stall_ratio=settings.max_stall_ratio, max_slowdown_ratio=settings.max_slowdown_ratio,
-                              eos_token_ids=tuple(info.eos_token_ids))
+    rounds = {f.name: getattr(settings, f.name) for f in fields(HostileRounds)}
+    hostile = HostileSettings(**rounds, eos_token_ids=tuple(info.eos_token_ids))
     async with grpc.aio.insecure_channel(procs.address) as channel:
         return await measure_hostile(procs.address, GenerationStub(channel), hostile, info.vocab_size)
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from common.pb.llm.v1 import generation_pb2 as common_dot_pb_dot_llm_dot_v1_dot_generation__pb2
+from common.pb.llm.v1 import generation_pb2 as llm_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in common/pb/llm/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in llm/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/llm.v1.Generation/Generate',
-                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=llm_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=llm_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Chat = channel.unary_stream(
                 '/llm.v1.Generation/Chat',
-                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatResponse.FromString,
+                request_serializer=llm_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
+                response_deserializer=llm_dot_v1_dot_generation__pb2.ChatResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/llm.v1.Generation/Tokenize',
-                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                request_serializer=llm_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=llm_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
                 '/llm.v1.Generation/Detokenize',
-                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                request_serializer=llm_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=llm_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/llm.v1.Generation/Abort',
-                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+                request_serializer=llm_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=llm_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/llm.v1.Generation/GetModelInfo',
-                request_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                request_serializer=llm_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=llm_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -116,33 +116,33 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=llm_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=llm_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Chat': grpc.unary_stream_rpc_method_handler(
                     servicer.Chat,
-                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatResponse.SerializeToString,
+                    request_deserializer=llm_dot_v1_dot_generation__pb2.ChatRequest.FromString,
+                    response_serializer=llm_dot_v1_dot_generation__pb2.ChatResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=llm_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=llm_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
             'Detokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Detokenize,
-                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
+                    request_deserializer=llm_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=llm_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.AbortRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=llm_dot_v1_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=llm_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=llm_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=llm_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -170,8 +170,8 @@ class Generation:
             request,
             target,
             '/llm.v1.Generation/Generate',
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            llm_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            llm_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -197,8 +197,8 @@ class Generation:
             request,
             target,
             '/llm.v1.Generation/Chat',
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ChatResponse.FromString,
+            llm_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
+            llm_dot_v1_dot_generation__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -224,8 +224,8 @@ class Generation:
             request,
             target,
             '/llm.v1.Generation/Tokenize',
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            llm_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            llm_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -251,8 +251,8 @@ class Generation:
             request,
             target,
             '/llm.v1.Generation/Detokenize',
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+            llm_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            llm_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -278,8 +278,8 @@ class Generation:
             request,
             target,
             '/llm.v1.Generation/Abort',
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            llm_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+            llm_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -305,8 +305,8 @@ class Generation:
             request,
             target,
             '/llm.v1.Generation/GetModelInfo',
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            llm_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+            llm_dot_v1_dot_generation__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from common.pb.llm.common.v1 import top_logprobs_pb2 as _top_logprobs_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -66,19 +67,9 @@ class StepOutputs(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finished: _containers.RepeatedCompositeFieldContainer[FinishedRequest]
-    top_logprobs: TopLogprobColumns
+    top_logprobs: _top_logprobs_pb2.TopLogprobColumns
     prompt_logprobs: PromptLogprobs
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[_Iterable[_Union[FinishedRequest, _Mapping]]] = ..., top_logprobs: _Optional[_Union[TopLogprobColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
-
-class TopLogprobColumns(_message.Message):
-    __slots__ = ("counts", "token_ids", "logprobs")
-    COUNTS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    counts: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[_Iterable[_Union[FinishedRequest, _Mapping]]] = ..., top_logprobs: _Optional[_Union[_top_logprobs_pb2.TopLogprobColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_ids", "counts", "logprobs", "top")
@@ -89,8 +80,8 @@ class PromptLogprobs(_message.Message):
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    top: TopLogprobColumns
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Union[TopLogprobColumns, _Mapping]] = ...) -> None: ...
+    top: _top_logprobs_pb2.TopLogprobColumns
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Union[_top_logprobs_pb2.TopLogprobColumns, _Mapping]] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
     __slots__ = ("seq_id", "reason", "num_output_tokens", "num_cached_prompt_tokens", "error_code", "error_message", "error_about_constraint")

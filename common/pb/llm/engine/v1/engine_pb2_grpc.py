@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from common.pb.llm.engine.v1 import engine_pb2 as common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2
+from common.pb.llm.engine.v1 import engine_pb2 as llm_dot_engine_dot_v1_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in common/pb/llm/engine/v1/engine_pb2_grpc.py depends on'
+        + ' but the generated code in llm/engine/v1/engine_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class EngineCoreStub:
         """
         self.Attach = channel.unary_stream(
                 '/llm.engine.v1.EngineCore/Attach',
-                request_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.CoreEvent.FromString,
+                request_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.SerializeToString,
+                response_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.CoreEvent.FromString,
                 _registered_method=True)
         self.AddRequests = channel.unary_unary(
                 '/llm.engine.v1.EngineCore/AddRequests',
-                request_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsResponse.FromString,
+                request_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsRequest.SerializeToString,
+                response_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsResponse.FromString,
                 _registered_method=True)
         self.AbortRequests = channel.unary_unary(
                 '/llm.engine.v1.EngineCore/AbortRequests',
-                request_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsResponse.FromString,
+                request_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsRequest.SerializeToString,
+                response_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsResponse.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/llm.engine.v1.EngineCore/GetInfo',
-                request_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.CoreInfo.FromString,
+                request_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.CoreInfo.FromString,
                 _registered_method=True)
         self.Report = channel.unary_unary(
                 '/llm.engine.v1.EngineCore/Report',
-                request_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.FromString,
+                request_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.SerializeToString,
+                response_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.FromString,
                 _registered_method=True)
         self.PauseRequests = channel.unary_unary(
                 '/llm.engine.v1.EngineCore/PauseRequests',
-                request_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.FromString,
+                request_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.SerializeToString,
+                response_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.FromString,
                 _registered_method=True)
 
 
@@ -121,33 +121,33 @@ def add_EngineCoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Attach': grpc.unary_stream_rpc_method_handler(
                     servicer.Attach,
-                    request_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.CoreEvent.SerializeToString,
+                    request_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.FromString,
+                    response_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.CoreEvent.SerializeToString,
             ),
             'AddRequests': grpc.unary_unary_rpc_method_handler(
                     servicer.AddRequests,
-                    request_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsResponse.SerializeToString,
+                    request_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsRequest.FromString,
+                    response_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsResponse.SerializeToString,
             ),
             'AbortRequests': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortRequests,
-                    request_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsResponse.SerializeToString,
+                    request_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsRequest.FromString,
+                    response_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.CoreInfo.SerializeToString,
+                    request_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.FromString,
+                    response_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.CoreInfo.SerializeToString,
             ),
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
-                    request_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.SerializeToString,
+                    request_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.FromString,
+                    response_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.SerializeToString,
             ),
             'PauseRequests': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseRequests,
-                    request_deserializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.SerializeToString,
+                    request_deserializer=llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.FromString,
+                    response_serializer=llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,8 +175,8 @@ class EngineCore:
             request,
             target,
             '/llm.engine.v1.EngineCore/Attach',
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.CoreEvent.FromString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.SerializeToString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.CoreEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,8 +202,8 @@ class EngineCore:
             request,
             target,
             '/llm.engine.v1.EngineCore/AddRequests',
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsResponse.FromString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsRequest.SerializeToString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.AddRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -229,8 +229,8 @@ class EngineCore:
             request,
             target,
             '/llm.engine.v1.EngineCore/AbortRequests',
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsResponse.FromString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsRequest.SerializeToString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.AbortRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -256,8 +256,8 @@ class EngineCore:
             request,
             target,
             '/llm.engine.v1.EngineCore/GetInfo',
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.CoreInfo.FromString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.SerializeToString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.CoreInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -283,8 +283,8 @@ class EngineCore:
             request,
             target,
             '/llm.engine.v1.EngineCore/Report',
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.SerializeToString,
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.FromString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.FrontendReport.SerializeToString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -310,8 +310,8 @@ class EngineCore:
             request,
             target,
             '/llm.engine.v1.EngineCore/PauseRequests',
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.FromString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsRequest.SerializeToString,
+            llm_dot_engine_dot_v1_dot_engine__pb2.PauseRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from common.pb.llm.common.v1 import top_logprobs_pb2 as _top_logprobs_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -186,12 +187,12 @@ class StepResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     timings: StepTimings
-    top_logprobs: TopLogprobColumns
+    top_logprobs: _top_logprobs_pb2.TopLogprobColumns
     prompt_logprobs: PromptLogprobs
     failed: _containers.RepeatedCompositeFieldContainer[FailedRequest]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
     num_drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., top_logprobs: _Optional[_Union[TopLogprobColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., token_counts: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., top_logprobs: _Optional[_Union[_top_logprobs_pb2.TopLogprobColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., token_counts: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FailedRequest(_message.Message):
     __slots__ = ("seq_id", "code", "message", "about_constraint")
@@ -205,16 +206,6 @@ class FailedRequest(_message.Message):
     about_constraint: bool
     def __init__(self, seq_id: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., about_constraint: _Optional[bool] = ...) -> None: ...
 
-class TopLogprobColumns(_message.Message):
-    __slots__ = ("counts", "token_ids", "logprobs")
-    COUNTS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    counts: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
-
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_ids", "first_positions", "counts", "logprobs", "top")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -226,8 +217,8 @@ class PromptLogprobs(_message.Message):
     first_positions: _containers.RepeatedScalarFieldContainer[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    top: TopLogprobColumns
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., first_positions: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Union[TopLogprobColumns, _Mapping]] = ...) -> None: ...
+    top: _top_logprobs_pb2.TopLogprobColumns
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., first_positions: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Union[_top_logprobs_pb2.TopLogprobColumns, _Mapping]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("lease_epoch",)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from common.pb.llm.worker.v1 import worker_pb2 as common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2
+from common.pb.llm.worker.v1 import worker_pb2 as llm_dot_worker_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in common/pb/llm/worker/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in llm/worker/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class WorkerStub:
         """
         self.Describe = channel.unary_unary(
                 '/llm.worker.v1.Worker/Describe',
-                request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                request_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
         self.Step = channel.unary_unary(
                 '/llm.worker.v1.Worker/Step',
-                request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                request_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/llm.worker.v1.Worker/Reset',
-                request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.FromString,
+                request_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
+                response_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.FromString,
                 _registered_method=True)
         self.Claim = channel.unary_unary(
                 '/llm.worker.v1.Worker/Claim',
-                request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.FromString,
+                request_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.FromString,
                 _registered_method=True)
         self.PrepareGrammar = channel.unary_unary(
                 '/llm.worker.v1.Worker/PrepareGrammar',
-                request_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+                request_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+                response_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
                 _registered_method=True)
 
 
@@ -111,28 +111,28 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
-                    request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.DescribeRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+                    request_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.DescribeRequest.FromString,
+                    response_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
-                    request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+                    request_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
-                    request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.SerializeToString,
+                    request_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.FromString,
+                    response_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.SerializeToString,
             ),
             'Claim': grpc.unary_unary_rpc_method_handler(
                     servicer.Claim,
-                    request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.SerializeToString,
+                    request_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.FromString,
+                    response_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.SerializeToString,
             ),
             'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareGrammar,
-                    request_deserializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.FromString,
-                    response_serializer=common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
+                    request_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.FromString,
+                    response_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -160,8 +160,8 @@ class Worker:
             request,
             target,
             '/llm.worker.v1.Worker/Describe',
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -187,8 +187,8 @@ class Worker:
             request,
             target,
             '/llm.worker.v1.Worker/Step',
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -214,8 +214,8 @@ class Worker:
             request,
             target,
             '/llm.worker.v1.Worker/Reset',
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.FromString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.ResetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -241,8 +241,8 @@ class Worker:
             request,
             target,
             '/llm.worker.v1.Worker/Claim',
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.FromString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.ClaimRequest.SerializeToString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -268,8 +268,8 @@ class Worker:
             request,
             target,
             '/llm.worker.v1.Worker/PrepareGrammar',
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
-            common_dot_pb_dot_llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,
