@@ -4,7 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# torch through pip, which finds the build this machine's pip configuration points at (a CPU build
+# on disk, or the CUDA build already installed); then the rest with uv, ~5x faster than pip.
+python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 uv==0.13.9
+python -m uv pip install -q -r requirements-dev.txt
 python -m ruff check .
 # Two test processes (TEST_WORKERS), each running whole files: a file's services start once.
 python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
