@@ -158,6 +158,12 @@ class UnreplayedGraph:
         pass
 
 
+# The CPU stand-ins run Triton's kernels on CPU tensors, which only its interpreter does (a machine
+# with a GPU compiles them for the device): there, test_decode_graphs_replay_the_eager_forward and
+# tests/unit/test_gpu_pipelined_runner.py check the same with real graphs.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in for CUDA graphs (real ones run on a GPU)")
+
+
 @pytest.fixture
 def graphs_on_the_cpu(monkeypatch):
     """torch.cuda's graph calls as UnreplayedGraph, so DecodeGraphs captures on the CPU."""
@@ -169,6 +175,7 @@ def graphs_on_the_cpu(monkeypatch):
         yield
 
 
+@cpu_only
 def test_capturing_the_sampling_again_draws_for_no_row_of_the_step(graphs_on_the_cpu):
     from worker_svc.layers.device_sampler import DeviceSampler
 
@@ -212,6 +219,7 @@ class ReplayingGraph:
         self.body()
 
 
+@cpu_only
 def test_graphs_of_a_forward_with_aux_outputs_replay_them_as_the_eager_forward(tiny_model_dir, graphs_on_the_cpu,
                                                                                 monkeypatch):
     """eagle3 reads the hidden states entering some layers: the decode graphs of a forward that
