@@ -9,7 +9,6 @@ import random
 
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models
-from transformers import PreTrainedTokenizerFast
 
 from scheduler_svc.engine.core import EngineConfig, EngineCore
 from scheduler_svc.frontend.core_client import LocalCoreClient
@@ -28,7 +27,7 @@ def letter_tokenizer() -> Tokenizer:
     """Token i reads as the i-th letter, so stop strings can match across tokens."""
     rust = RustTokenizer(models.WordLevel({chr(ord("a") + i): i for i in range(VOCAB_SIZE)}, unk_token="a"))
     rust.decoder = decoders.Fuse()
-    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust))
+    return Tokenizer(rust)
 
 
 def random_requests(seed: int, num: int) -> list[tuple[list[int], SamplingParams]]:

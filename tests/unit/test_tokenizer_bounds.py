@@ -9,7 +9,6 @@ import unicodedata
 import pytest
 from hypothesis import given, settings, strategies as st
 from tokenizers import normalizers
-from transformers import PreTrainedTokenizerFast
 
 from common.tiny_model import build_tokenizer
 from scheduler_svc.frontend.tokenizer import Tokenizer, max_input_bytes_per_token
@@ -21,7 +20,7 @@ def _tokenizer(normalizer=None) -> Tokenizer:
     raw = build_tokenizer(512)
     if normalizer is not None:
         raw.normalizer = normalizer
-    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw))
+    return Tokenizer(raw)
 
 
 @pytest.fixture(scope="module")
