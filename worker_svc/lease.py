@@ -84,7 +84,8 @@ class WorkerLease:
             now = self._clock()
             held = self._lease
             if held is not None and held.owner != owner and now < self._expires_at:
-                raise LeaseHeld(f"the worker is leased to scheduler {held.owner!r} (epoch {held.epoch}), whose "
+                # The held epoch is never told: a step carrying it would pass check().
+                raise LeaseHeld(f"the worker is leased to scheduler {held.owner!r}, whose "
                                 f"steps renew it; it can be claimed once {held.owner!r} has been silent for "
                                 f"{held.duration_s:g} s")
             self._lease = Lease(owner, epoch, duration_s)
@@ -101,8 +102,8 @@ class WorkerLease:
             if held is None:
                 raise StaleLease(f"{what} refused: the worker is not leased to any scheduler yet; Claim it first")
             if epoch != held.epoch:
-                raise StaleLease(f"{what} refused: it carries lease epoch {epoch}, but the worker is leased to "
-                                 f"scheduler {held.owner!r} at epoch {held.epoch}")
+                raise StaleLease(f"{what} refused: it carries lease epoch {epoch}, which is not the epoch of the "
+                                 f"lease held by scheduler {held.owner!r}")
             self._expires_at = self._clock() + held.duration_s
 
     def touch(self, epoch: int) -> None:
