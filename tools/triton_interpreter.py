@@ -20,6 +20,7 @@ built a tuple type (a string per element) that is seldom read (now built when re
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import numpy as np
@@ -92,10 +93,112 @@ def faster_interpreter():
     import triton.language as tl
     from triton.runtime import interpreter
 
-    init, kind = _lazy_tuple_types(tl.core)
+    core = tl.core
+    init, kind = _lazy_tuple_types(core)
     with _patched(interpreter, _patch_lang=_patching_once(interpreter, tl),
-                  _get_np_dtype=_np_dtype_lookup(interpreter)), _patched(tl.core.tuple, __init__=init, type=kind):
+                  _get_np_dtype=_np_dtype_lookup(interpreter)), _patched(core.tuple, __init__=init, type=kind), \
+            _patched(core, _unwrap_if_constexpr=_quick_unwrap(core)), \
+            _patched(core.block_type, __init__=_known_block_types(core)), \
+            _patched(core.tensor, __init__=_tensor_shapes_of_their_type(core)), \
+            _patched(tl.random, philox_impl=_philox_in_numpy(tl)):
         yield
+
+
+def _philox_in_numpy(tl):
+    """triton.language.random.philox_impl (the rounds of tl.philox) on whole numpy arrays: the
+    same uint32 arithmetic (products modulo 2**32 and their high halves, keys raised by
+    wrapping adds) as its ~80 interpreted operations per call. 64-bit counters, fewer than
+    three rounds (whose outputs may keep their inputs' own shapes) or scalar states go to the
+    original."""
+    original = tl.random.philox_impl
+    key_a, key_b, round_a, round_b = 0x9E3779B9, 0xBB67AE85, 0xD2511F53, 0xCD9E8D57
+    low = np.uint64(0xFFFFFFFF)
+    from triton.runtime.interpreter import TensorHandle
+
+    def shape_of(x):
+        return tuple(tl.core._unwrap_if_constexpr(d) for d in x.shape) if x.type.is_block() else ()
+
+    def philox_impl(c0, c1, c2, c3, k0, k1, n_rounds=tl.random.N_ROUNDS_DEFAULT):
+        rounds = tl.core._unwrap_if_constexpr(n_rounds)
+        values = (c0, c1, c2, c3, k0, k1)
+        if (rounds < 3 or not all(isinstance(x, tl.tensor) and x.dtype == tl.uint32 for x in values)):
+            return original(c0, c1, c2, c3, k0, k1, n_rounds)
+        shape = np.broadcast_shapes(*(shape_of(x) for x in values))
+        if not shape:
+            return original(c0, c1, c2, c3, k0, k1, n_rounds)
+        c0, c1, c2, c3, k0, k1 = (np.broadcast_to(x.handle.data, shape).astype(np.uint64) for x in values)
+        for _ in range(rounds):
+            product_b, product_a = np.uint64(round_b) * c2, np.uint64(round_a) * c0
+            c0, c2 = (product_b >> np.uint64(32)) ^ c1 ^ k0, (product_a >> np.uint64(32)) ^ c3 ^ k1
+            c1, c3 = product_b & low, product_a & low
+            k0, k1 = (k0 + np.uint64(key_a)) & low, (k1 + np.uint64(key_b)) & low
+        kind = tl.block_type(tl.uint32, list(shape))
+        return tuple(tl.tensor(TensorHandle(x.astype(np.uint32), tl.uint32), kind) for x in (c0, c1, c2, c3))
+    philox_impl.original = original       # for the test that holds the two to the same answers
+    return philox_impl
+
+
+def _quick_unwrap(core):
+    """core._unwrap_if_constexpr answering the common cases (a constexpr, a tensor, a number)
+    without its chain of isinstance checks; anything else goes to the original."""
+    original = core._unwrap_if_constexpr
+    constexpr = core.constexpr
+    as_is = {core.tensor, int, float, bool, str, type(None)}
+
+    def unwrap(o):
+        kind = type(o)
+        if kind is constexpr:
+            return o.value
+        if kind in as_is:
+            return o
+        return original(o)
+    return unwrap
+
+
+def _known_block_types(core):
+    """block_type.__init__ that remembers each shape's checks and name: a shape of ints (or
+    constexpr ints) seen before skips the unwrapping, the power-of-two checks and the formatting.
+    Any other shape goes to the original."""
+    original = core.block_type.__init__
+    constexpr = core.constexpr
+    known: dict = {}
+
+    def init(self, element_ty, shape):
+        values = shape if type(shape) is list else shape.values if type(shape) is core.tuple else None
+        if values is None:
+            return original(self, element_ty, shape)
+        dims = tuple(d.value if type(d) is constexpr else d for d in values)
+        key = (dims, str(element_ty))
+        answer = known.get(key)
+        if answer is None:
+            original(self, element_ty, shape)
+            if all(type(d) is int for d in dims):
+                known[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = answer
+    return init
+
+
+def _tensor_shapes_of_their_type(core):
+    """tl.tensor.__init__ that takes the constexprs of its shape and numel from its type, made
+    once per type, instead of making them anew for every tensor (constexprs are values: tensors
+    may share them; each tensor still gets its own tl.tuple of them)."""
+    constexpr = core.constexpr
+    scalar = ([], constexpr(1))
+
+    def init(self, handle, type):
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        if type.is_block():
+            dims, numel = type.__dict__.get("_tensor_shape") or type.__dict__.setdefault(
+                "_tensor_shape", ([constexpr(s) for s in type.shape], constexpr(math.prod(type.shape))))
+        else:
+            dims, numel = scalar
+        self.numel = numel
+        self.shape = core.tuple(dims)
+    return init
 
 
 def _lazy_tuple_types(core):

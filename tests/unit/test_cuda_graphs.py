@@ -179,7 +179,7 @@ def graphs_on_the_cpu(monkeypatch):
 def test_capturing_the_sampling_again_draws_for_no_row_of_the_step(graphs_on_the_cpu):
     from worker_svc.layers.device_sampler import DeviceSampler
 
-    vocab, max_batch = 64, 8
+    vocab, max_batch = 32, 4     # two chunks a row; graphs of 1, 2 and 4 rows (the step's 3 padded to 4)
     cpu = torch.device("cpu")
     sampler = DeviceSampler(vocab, cpu, capacity=max_batch, max_rows=max_batch, chunk=16, gather_cap=8)
     last_sampled = torch.full((sampler.capacity + 1,), -1, dtype=torch.int64)
@@ -237,7 +237,7 @@ def test_graphs_of_a_forward_with_aux_outputs_replay_them_as_the_eager_forward(t
     from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayingGraph)
-    cpu, block_size, max_batch, max_len, aux_layers = torch.device("cpu"), 16, 4, 64, (0, 1)
+    cpu, block_size, max_batch, max_len, aux_layers = torch.device("cpu"), 16, 4, 32, (0, 1)   # 2 blocks a row
     config = AutoConfig.from_pretrained(tiny_model_dir)
     model = Qwen3ForCausalLM(config, load_backend("triton"), max_len).eval()
     load_safetensors(model, tiny_model_dir)
