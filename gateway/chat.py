@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from common.client import ChatChunk, ChatCompletion, ToolCall
 from common.logging_setup import request_context
 from gateway import outputs
+from gateway.json_body import StrictJSONRoute
 from gateway.protocol import ChatCompletionRequest
 from gateway.state import Gateway, gateway_of
 from gateway.streaming import EventStream, choice_events, opened, unless_disconnected
@@ -27,7 +28,7 @@ from gateway.translate import ChatCall, chat_call
 logger = logging.getLogger(__name__)
 
 ROUTE = "/v1/chat/completions"
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post(ROUTE)

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from common.client import Completion, CompletionChunk, Usage
 from common.logging_setup import request_context
 from gateway import outputs
+from gateway.json_body import StrictJSONRoute
 from gateway.errors import bad_param
 from gateway.protocol import CompletionRequest
 from gateway.state import Gateway, gateway_of
@@ -35,7 +36,7 @@ from gateway.translate import completion_prompts, completion_sampling, generates
 logger = logging.getLogger(__name__)
 
 ROUTE = "/v1/completions"
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post(ROUTE)

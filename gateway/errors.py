@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.client import RequestError
+from gateway.json_body import NonFiniteNumber
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +198,8 @@ def _unparsable_body(cause: BaseException | None) -> str:
         return f"the request body is not UTF-8 JSON: byte {cause.start} is {cause.reason}"
     if isinstance(cause, RecursionError):
         return "the request body nests its JSON deeper than the parser allows"
+    if isinstance(cause, NonFiniteNumber):
+        return str(cause)
     if isinstance(cause, ValueError) and "digits" in str(cause):
         return "the request body holds an integer of more digits than the parser allows"
     return "the request body is not valid JSON"
@@ -208,7 +211,9 @@ _BODY_NOT_PARSED = "There was an error parsing the body"   # FastAPI's, for what
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 400 and exc.detail == _BODY_NOT_PARSED:
-        return _respond(_media_refusal(request, True) or GatewayError(400, _unparsable_body(exc.__cause__), None,
+        cause = exc.__cause__
+        param = cause.param if isinstance(cause, NonFiniteNumber) else None
+        return _respond(_media_refusal(request, True) or GatewayError(400, _unparsable_body(cause), param,
                                                                       "invalid_json"))
     code = _HTTP_CODES.get(exc.status_code)
     return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code,

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from common.client import ChatChunk, ChatCompletion, RequestError, ToolCall, Usage
 from common.logging_setup import request_context
 from gateway import outputs
+from gateway.json_body import StrictJSONRoute
 from gateway.errors import from_request_error
 from gateway.responses_request import ResponsesRequest, renamed, to_chat
 from gateway.state import Gateway, gateway_of
@@ -34,7 +35,7 @@ from gateway.streaming import EventStream, opened, stream_failure, unless_discon
 logger = logging.getLogger(__name__)
 
 ROUTE = "/v1/responses"
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post(ROUTE)

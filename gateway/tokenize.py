@@ -11,6 +11,7 @@ import logging
 from fastapi import APIRouter, Request
 
 from common.client import RequestError
+from gateway.json_body import StrictJSONRoute
 from gateway.errors import from_request_error, unsupported
 from gateway.protocol import _Strict
 from gateway.state import gateway_of
@@ -18,7 +19,7 @@ from gateway.translate import UINT32, wire_int
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 PATHS = ("/tokenize", "/detokenize")
 
 

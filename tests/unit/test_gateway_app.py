@@ -236,6 +236,24 @@ def test_a_body_the_parser_cannot_read_is_400_saying_why(fake, raw, says):
     assert reply.status_code == 400 and error["code"] == "invalid_json" and says in error["message"], error
 
 
+@pytest.mark.parametrize("path, raw, number, param", [
+    ("/v1/responses", b'{"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {"a": Infinity}}]}',
+     "Infinity", "tools[0].parameters.a"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', "NaN",
+     "temperature"),
+    ("/v1/completions", b'{"prompt": "a", "top_p": 1e999}', "1e999", "top_p"),
+    ("/tokenize", b'{"prompt": "a", "x": [1, {"y": -Infinity}]}', "-Infinity", "x[1].y"),
+])
+def test_numbers_json_does_not_have_are_400_naming_them(fake, path, raw, number, param):
+    """Python's parser takes NaN, Infinity and 1e999; JSON has none of them, and a reply that echoed
+    one (a Responses reply echoes its tools) could not be written."""
+    with http(fake) as client:
+        reply = client.post(path, content=raw, headers={"content-type": "application/json"})
+    error = strict_json(reply.text)["error"]
+    assert reply.status_code == 400 and error["code"] == "invalid_json", error
+    assert f"the number {number} at {param}" in error["message"] and error["param"] == param, error
+
+
 @pytest.mark.parametrize("headers, says", [
     ({"content-type": "text/plain"}, "Content-Type"), ({}, "Content-Type"),
     ({"content-type": "application/x-www-form-urlencoded"}, "Content-Type"),
