@@ -5,9 +5,10 @@ cd "$(dirname "$0")/.."
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
 # torch through pip, which finds the build this machine's pip configuration points at (a CPU build
-# on disk, or the CUDA build already installed); then the rest with uv, ~5x faster than pip.
+# on disk, or the CUDA build already installed); then the rest with uv, ~5x faster than pip, at the
+# versions of the tested set (constraints.txt).
 python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 uv==0.13.9
-python -m uv pip install -q -r requirements-dev.txt
+python -m uv pip install -q -r requirements-dev.txt -c constraints.txt
 python -m ruff check .
 # Two test processes (TEST_WORKERS), each running whole files: a file's services start once.
 python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import pathlib
 import random
@@ -140,7 +141,9 @@ class LoadSettings:
     cancel_fraction: float = 0.2
     slow_fraction: float = 0.15
     slow_read_delay_s: float = 0.03    # between two messages of a slow reader
-    slow_read_stall_s: float = 3.0     # and once, after its first message: backpressure however slow the machine
+    # and once, after its first message, until a pause was seen (at most this long): backpressure
+    # however slow the machine
+    slow_read_stall_s: float = 30.0
     kill_at: float = 0.4               # of the duration
     restart_after_s: float = 1.0
     stream_window: int = 16
@@ -170,7 +173,9 @@ def _specs(settings: SoakSettings, vocab_size: int) -> list[Spec]:
 
 
 async def _one(stub: GenerationStub, out: Outcome, spec: Spec, cancel_after: int, delay_s: float,
-               timeout_s: float, stall_s: float = 0.0) -> None:
+               timeout_s: float, stall_s: float = 0.0, stall_until: asyncio.Event | None = None) -> None:
+    """One request; a reader with `delay_s` waits that long between messages, and after its first
+    one until `stall_until` is set (at most stall_s)."""
     call = stub.Generate(pb.GenerateRequest(
         request_id=f"soak-{out.index}", token_ids=pb.TokenIds(ids=spec.prompt),
         sampling=pb.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, temperature=0.0)), timeout=timeout_s)
@@ -183,9 +188,12 @@ async def _one(stub: GenerationStub, out: Outcome, spec: Spec, cancel_after: int
                 call.cancel()
                 out.status = CANCELLED
                 return
-            if delay_s:
-                await asyncio.sleep(stall_s or delay_s)
+            if stall_s:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for((stall_until or asyncio.Event()).wait(), stall_s)
                 stall_s = 0.0
+            elif delay_s:
+                await asyncio.sleep(delay_s)
     except grpc.aio.AioRpcError as e:
         code = e.code()
         out.status = {grpc.StatusCode.RESOURCE_EXHAUSTED: REFUSED,
@@ -198,9 +206,9 @@ async def _one(stub: GenerationStub, out: Outcome, spec: Spec, cancel_after: int
         out.status, out.detail = ERROR, f"stream ended with finish reason {pb.FinishReason.Name(finish)}"
 
 
-async def _monitor(procs: Processes, peaks: Counter, stop: asyncio.Event) -> None:
+async def _monitor(procs: Processes, peaks: Counter, stop: asyncio.Event, paused_seen: asyncio.Event) -> None:
     """Records the peaks of running, waiting and paused requests (the load was above capacity,
-    slow readers were paused)."""
+    slow readers were paused); sets paused_seen at the first paused request."""
     while not stop.is_set():
         try:
             m = await asyncio.to_thread(procs.metrics)
@@ -208,6 +216,8 @@ async def _monitor(procs: Processes, peaks: Counter, stop: asyncio.Event) -> Non
             m = {}
         for what in ("running", "waiting", "paused"):
             peaks[what] = max(peaks[what], int(m.get(f'llm_requests_{what}{{group="0"}}', 0)))
+        if peaks["paused"]:
+            paused_seen.set()
         await asyncio.sleep(0.25)
 
 
@@ -240,12 +250,12 @@ async def _drive(settings: SoakSettings, procs: Processes, specs: list[Spec], fi
             out = Outcome(i, spec_index, kind)
             await _one(stubs[kind], out, specs[spec_index], rng.randint(1, 10) if kind == "cancel" else 0,
                        settings.slow_read_delay_s if kind == "slow" else 0.0, settings.request_timeout_s,
-                       settings.slow_read_stall_s if kind == "slow" else 0.0)
+                       settings.slow_read_stall_s if kind == "slow" else 0.0, paused_seen)
             return out
 
         peaks: Counter = Counter()
-        stop = asyncio.Event()
-        background = [asyncio.create_task(disturb()), asyncio.create_task(_monitor(procs, peaks, stop))]
+        stop, paused_seen = asyncio.Event(), asyncio.Event()
+        background = [asyncio.create_task(disturb()), asyncio.create_task(_monitor(procs, peaks, stop, paused_seen))]
         outcomes = await asyncio.gather(*(paced(i) for i in range(count)))
         stop.set()
         await asyncio.gather(*background)
