@@ -33,10 +33,12 @@ from worker_svc.row_pool import RowPool, grown_capacity
 logger = logging.getLogger(__name__)
 
 CHUNK = 8192          # tokens of a row per program of the vocabulary-wide passes
-GATHER_CAP = 2048     # candidates the threshold search sorts once it has narrowed to them
-NUM_PIVOTS = 4        # pivots the search counts per pass over a row
-MAX_ROUNDS = 24       # passes after which the search keeps what it knows is kept
-
+GATHER_CAP = 4096     # tokens a truncating row gathers, sorts and draws from (its kept set, with slack)
+SMALL_GATHER = 256    # a gathered set this small is sorted at this size
+GROUP_LANES = 2       # lanes of a scan tile's row whose maxima make one group (16 tokens at CHUNK 8192)
+PLAN_ROUNDS = 24      # bisection steps of a truncating row's bound
+NUM_PIVOTS = 8        # pivots counted in one pass: the bracket of an overflowing row, the one-program search
+MAX_ROUNDS = 24       # passes after which the one-program search keeps what it knows is kept
 
 def wanted(mode: str, device: torch.device, tensor_parallel_size: int) -> bool:
     """Whether a worker samples with these kernels (--sampler): kernels (also on the CPU, under
@@ -56,11 +58,14 @@ class DeviceSampler:
                  max_rows: int = 256, chunk: int = CHUNK, gather_cap: int = GATHER_CAP) -> None:
         if chunk % 4:
             raise ValueError(f"chunk must be a multiple of 4, got {chunk}")
+        if gather_cap & (gather_cap - 1):
+            raise ValueError(f"gather_cap must be a power of 2, got {gather_cap}")
         self.vocab_size, self.device = vocab_size, device
         self.chunk = min(chunk, -(-vocab_size // 4) * 4)
         self.gather_cap = gather_cap
         self.num_chunks = -(-vocab_size // self.chunk)
         self._tile = min(256, triton.next_power_of_2(self.chunk) // 4)   # [tile, 4] tokens per step
+        self._groups = self._tile * 4 // GROUP_LANES                      # group maxima per chunk
         self._rng = np.random.default_rng(seed)
         self.penalties = PenaltyTable(vocab_size, device)
         self._slots = RowPool()
@@ -156,22 +161,37 @@ class DeviceSampler:
             self._grow_scratch(n)
         grid = (n, self.num_chunks)
         chunks = triton.next_power_of_2(self.num_chunks)
+        block = min(1024, 4 * self._tile)
         kernels._penalize_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.penalties.prompt_mask,
             self.penalties.output_counts, self.bias_ids, self.bias_values, vocab, self.chunk,
-            MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=min(1024, 4 * self._tile), num_warps=4)
+            MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=block, num_warps=4)
         kernels._scan_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
-            self.part_f, self.part_i, vocab, self.chunk, self.num_chunks, G=self._tile,
-            BLOCK=min(1024, 4 * self._tile), num_warps=8)
-        kernels._verify_kernel[grid](
-            logits, logits.stride(0), self.processed, rows, self.table, self.part_f, self.part_i, self.part_v,
-            vocab, self.chunk, self.num_chunks, CHUNKS=chunks, BLOCK=min(1024, 4 * self._tile), num_warps=4)
+            self.part_f, self.part_i, self.groups, vocab, self.chunk, self.num_chunks, G=self._tile,
+            LANES=GROUP_LANES, BLOCK=block, num_warps=8)
+        kernels._plan_kernel[(n,)](
+            rows, self.table, self.part_f, self.part_i, self.groups, self.plan_f, self.plan_i, self.num_chunks,
+            CHUNKS=chunks, GROUPS=self._groups, ROUNDS=PLAN_ROUNDS, num_warps=16 if chunks * self._groups > 8192 else 8)
+        kernels._gather_kernel[grid](
+            logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
+            self.part_i, self.plan_f, self.plan_i, self.gathered, self.gathered_ids, vocab, self.chunk, self.num_chunks,
+            CAP=self.gather_cap, G=self._tile, BLOCK=block, num_warps=4)
+        kernels._pivot_kernel[grid](
+            logits, logits.stride(0), self.processed, rows, self.table, self.plan_f, self.plan_i, self.pivot_n,
+            self.pivot_m, vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, P=NUM_PIVOTS,
+            BLOCK=min(512, block), num_warps=4)
+        kernels._bracket_kernel[grid](
+            logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
+            self.part_i, self.plan_f, self.plan_i, self.pivot_n, self.pivot_m, self.gathered, self.gathered_ids,
+            vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=NUM_PIVOTS, G=self._tile,
+            BLOCK=block, num_warps=4)
         kernels._finish_kernel[(n,)](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
-            self.penalties.output_counts, self.part_f, self.part_i, self.part_v, self.gather, tokens, logprobs,
-            last_sampled, vocab, self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, 4 * self._tile),
-            NUM_PIVOTS=NUM_PIVOTS, CAP=self.gather_cap, MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
+            self.penalties.output_counts, self.part_f, self.part_i, self.plan_f, self.plan_i, self.pivot_n,
+            self.pivot_m, self.gathered, self.gathered_ids, tokens, logprobs, last_sampled, self.cuts, vocab,
+            self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, block), NUM_PIVOTS=NUM_PIVOTS,
+            CAP=self.gather_cap, SMALL=min(SMALL_GATHER, self.gather_cap), MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
 
     def probabilities(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The distribution each row would draw from ([n, vocab] float32; greedy rows one-hot), by
@@ -243,5 +263,11 @@ class DeviceSampler:
         parts = rows * self.num_chunks * kernels.NUM_PARTS
         self.part_f = torch.zeros(parts, dtype=torch.float32, device=self.device)
         self.part_i = torch.zeros(parts, dtype=torch.int32, device=self.device)
-        self.part_v = torch.zeros(parts, dtype=torch.float32, device=self.device)
-        self.gather = torch.zeros(rows * self.gather_cap, dtype=torch.float32, device=self.device)
+        self.groups = torch.zeros(rows * self.num_chunks * self._groups, dtype=torch.float32, device=self.device)
+        self.plan_f = torch.zeros(rows * kernels.NUM_PLAN, dtype=torch.float32, device=self.device)
+        self.plan_i = torch.zeros(rows * kernels.NUM_PLAN, dtype=torch.int32, device=self.device)
+        self.pivot_n = torch.zeros(rows * self.num_chunks * NUM_PIVOTS, dtype=torch.int32, device=self.device)
+        self.pivot_m = torch.zeros(rows * self.num_chunks * NUM_PIVOTS, dtype=torch.float32, device=self.device)
+        self.gathered = torch.zeros(rows * self.gather_cap, dtype=torch.float32, device=self.device)
+        self.gathered_ids = torch.zeros(rows * self.gather_cap, dtype=torch.int32, device=self.device)
+        self.cuts = torch.zeros(rows, dtype=torch.float32, device=self.device)   # each row's cut (tests read it)

@@ -3,30 +3,51 @@ no host synchronisation and no allocation, so a decode step can capture them in 
 
 Each row's options live in a table indexed by the row of the persistent batch (device_sampler.py
 writes it when a row changes hands); a launch reads the rows of its batch from a device tensor.
-Four launches, each a pass over the logits:
-- `_penalize_kernel`: rows with penalties or a logit bias get their processed scores, in float32,
-  in a slot of their own (the bias first, then the penalties, as layers/sampler.py applies them).
-- `_scan_kernel`: per chunk of the vocabulary, the draw: the Gumbel-max over z = score / T,
-  `argmax(z + g)`, where g is Gumbel noise from Philox keyed by the row's (key, counter) and the
-  token id; greedy rows take the argmax of the score. Also the largest z and the raw logits'
-  log-sum-exp (for the sampled token's logprob).
-- `_verify_kernel`: for rows with top-k or top-p, whether the drawn token is in the kept set:
-  how many tokens beat it and their probability mass.
-- `_finish_kernel`: one program per row combines the chunks and writes the token. A draw outside
-  the kept set is redrawn as the Gumbel-max over the kept set with the same noise, after a search
-  for the set's threshold: pivots evenly spaced between a bound known to fail and one known to
-  hold, counted in passes over the row, until few enough tokens are left between them to gather
-  and sort. The result is always argmax(z + g) over the kept set, whichever path found it, so a
-  row's token depends only on its logits, its options and its (key, counter): never on the batch.
-  It then advances the row's counter, stores the token as the row's newest, and counts it into the
-  row's penalty table.
+A drawing row's token is the Gumbel-max over its kept set: argmax(z + g), z = score / T, g Gumbel
+noise from Philox keyed by the row's (key, counter) and the token id, the first token on a tie;
+greedy rows take the argmax of the score. Whichever path below finds it, the token depends only on
+the row's logits, options and (key, counter): never on the batch. Launches in order ("a pass"
+reads the row's logits once; the others read a few numbers per row):
+- `_penalize_kernel` (a pass, rows with penalties or a logit bias): their processed scores, in
+  float32, in a slot of their own (the bias first, then the penalties, as layers/sampler.py does).
+- `_scan_kernel` (a pass, per chunk of the vocabulary): greedy rows' argmax; plain rows' draw
+  (noise for every token); truncating rows (top-k, top-p, min-p) draw nothing here, so their
+  noise is spent only on kept tokens later: the largest z, the largest z of each group of a few
+  tokens, and for top-p without top-k the mass sum(exp(z - top)) (a second loop over the chunk,
+  which L2 still holds). The raw logits' log-sum-exp, for the sampled token's logprob.
+- `_plan_kernel` (per row): from the group maxima, a bound lo below which no token is kept. Top-k:
+  k groups reach lo, so k tokens do. Top-p without top-k: the maxima above lo alone hold the mass
+  p * total, so the tokens above lo do. Bisected to within 30 nats / 2**ROUNDS of the best bound.
+- `_gather_kernel` (a pass): top-k/top-p rows append every token with z >= lo (value, id) to the
+  row's buffer (places taken by an atomic counter; only the set matters, not its order). Min-p
+  rows, whose cut is exact once the top is known, draw here, noise only for tiles with kept tokens.
+- `_pivot_kernel`, `_bracket_kernel` (a pass each, only rows whose gathered set overflowed, with
+  top-k or top-p but not both): counts (and masses) at pivots between lo and the top bracket the
+  cut; the bracket's candidates are gathered and the tokens above it drawn from (noise as above).
+- `_finish_kernel` (per row): sorts the gathered values, finds the exact cut and draws over the
+  kept gathered tokens (noise for those alone). A row that overflowed both (or with top-k and
+  top-p both) takes the single-program search: an unrestricted draw, counts at it, and when it is
+  not kept, pivot rounds to the cut and a redraw over the kept set. It then advances the row's
+  counter, stores the token as the row's newest and counts it into the row's penalty table.
+
+Passes over a row's logits, before this scheme (the verify pass and the single-program search) and
+now (the penalty pass, when a row has one, comes on top of both):
+- temperature: 1 -> 1.
+- min-p: 1, or 2 when the draw fails min-p (the redraw, one program per row) -> 2 (the second
+  computes noise only in tiles holding a kept token).
+- top-k, top-p: 2 (draw, verify), then when the draw is not kept 2 + R search passes of one
+  program per row (R >= 1 pivot rounds of 4 pivots until <= 2,048 candidates; 1 more for top-p's
+  mass) -> 2 whenever the gathered set fits the buffer (top-k below about the buffer's size;
+  top-p whose kept set does, with slack); 4 when it overflows (top-k or top-p alone); the old
+  search's 3 + R single-program passes when the bracket overflows too, or for top-k and top-p
+  together past the buffer (many ties at the cut, k in the thousands): the bounded worst case.
 
 The kept set is {z >= cut} (ties at the cut are kept together): top-k keeps the tokens fewer than
 k others beat; top-p, applied over the top-k set renormalised, keeps the tokens that the mass of
 the tokens beating them leaves under p; min-p keeps z - max z >= log(min_p). Tokens more than
-SEARCH_DEPTH nats below the top are never kept by a truncating row (their probability is below
-e**-30 each). A row whose penalties made its scores unusable (NaN, +inf, or no finite value) is
-sampled from its raw logits; a drawing row whose z is unusable takes the raw argmax (as
+SEARCH_DEPTH nats below the top are never kept by a top-k or top-p row (their probability is
+below e**-30 each). A row whose penalties made its scores unusable (NaN, +inf, or no finite value)
+is sampled from its raw logits; a drawing row whose z is unusable takes the raw argmax (as
 layers/logits_guard.py decides for the torch path).
 """
 from __future__ import annotations
@@ -60,8 +81,26 @@ ROW_COLUMNS = tl.constexpr(NUM_COLUMNS)
 
 SEARCH_DEPTH = tl.constexpr(30.0)   # nats below the top where a truncating row stops looking
 NO_TOKEN = tl.constexpr(2 ** 30)
-NUM_PARTS = 4                       # values per (row, chunk) in each partials buffer
+MASS_MARGIN = tl.constexpr(1e-3)    # the top-p bound's slack over float32 rounding of mass sums
+
+# Values per (row, chunk) in the partials buffers. Floats: the best score, the top z, the raw
+# logits' max and sum of exp, the top-p survey's mass, the gathered mass, a restricted draw's
+# best score; ints: the best token, bad, the gathered count, a restricted draw's token.
+NUM_PARTS = 8
 PARTS = tl.constexpr(NUM_PARTS)
+P_BEST, P_TOP, P_RAW_TOP, P_RAW_SUM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+P_MASS, P_GATHERED_MASS, P_DRAWN = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6)
+P_TOKEN, P_BAD, P_GATHERED, P_DRAWN_TOKEN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+
+# A row's plan. Floats: lo, the top z, the top-p limit (p * total mass, top-p without top-k);
+# ints: the mode, whether min-p filters the gather, the gathered count, the bracket's count.
+NUM_PLAN = 4
+PLAN = tl.constexpr(NUM_PLAN)
+L_LO, L_TOP, L_LIMIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+L_MODE, L_FILTERED, L_GATHERED, L_BRACKETED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+MODE_NONE = tl.constexpr(0)         # greedy, plain and unusable rows: nothing between scan and finish
+MODE_GATHER = tl.constexpr(1)       # top-k or top-p (with or without min-p)
+MODE_MIN_P = tl.constexpr(2)        # min-p alone
 
 
 # --- shared pieces ------------------------------------------------------------------------------
@@ -131,6 +170,282 @@ def _scan(raw_ptr, processed_ptr, use_processed, start, end, inv_t, key, counter
     return winner, tl.min(tl.where(best == winner, best_at, NO_TOKEN)), tl.max(z_max), tl.max(bad)
 
 
+# --- a truncating row's cut from its gathered tokens ---------------------------------------------
+
+@triton.jit
+def _gumbel_at(key, counter, tokens):
+    """The noise of `tokens` (any shape), bit for bit what _gumbel gives them in their tile."""
+    c0 = (tokens // 4).to(tl.uint32)
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(key, c0, zero + counter.to(tl.uint32), zero + (counter >> 32).to(tl.uint32), zero)
+    lane = tokens % 4
+    r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    u = ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _survey(raw_ptr, processed_ptr, use_processed, start, end, inv_t, G: tl.constexpr, LANES: tl.constexpr):
+    """Over tokens [start, end): the largest z, whether a z is NaN or +inf, and the largest z of each
+    group of LANES neighbouring lanes of a tile row, across the chunk's tiles ([G * 4 // LANES])."""
+    g = tl.arange(0, G)[:, None]
+    j = tl.arange(0, 4)[None, :]
+    z_max = tl.full([G, 4], float("-inf"), tl.float32)
+    bad = tl.zeros([G, 4], tl.int32)
+    for base in range(start, end, 4 * G):
+        tokens = base + 4 * g + j
+        z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
+        z_max = tl.maximum(z_max, z)
+        bad |= ((z != z) | (z == float("inf"))).to(tl.int32)
+    groups = tl.max(tl.reshape(z_max, [G, 4 // LANES, LANES]), axis=2)
+    return tl.max(z_max), tl.max(bad), tl.reshape(groups, [G * (4 // LANES)])
+
+
+@triton.jit
+def _mass_parts(raw_ptr, processed_ptr, use_processed, start, end, inv_t, top, BLOCK: tl.constexpr):
+    """Sum of exp(z - top) over tokens [start, end)."""
+    mass = tl.zeros([BLOCK], tl.float32)
+    for base in range(start, end, BLOCK):
+        tokens = base + tl.arange(0, BLOCK)
+        mass += tl.exp(_load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t - top)
+    return tl.sum(mass)
+
+
+@triton.jit
+def _restricted_best(raw_ptr, processed_ptr, use_processed, start, end, inv_t, key, counter, cut, top, log_min_p,
+                     G: tl.constexpr):
+    """Over tokens [start, end) with z >= cut and z - top >= log_min_p: the best z + noise and its
+    first token (-inf when none). Tiles without such a token compute no noise."""
+    g = tl.arange(0, G)[:, None]
+    j = tl.arange(0, 4)[None, :]
+    best = tl.full([G, 4], float("-inf"), tl.float32)
+    best_at = start + 4 * g + j
+    for base in range(start, end, 4 * G):
+        tokens = base + 4 * g + j
+        z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
+        kept = (z >= cut) & (z - top >= log_min_p) & (tokens < end)
+        if tl.max(kept.to(tl.int32)) > 0:
+            score = tl.where(kept, z + _gumbel(key, counter, base, G), float("-inf"))
+            better = score > best
+            best = tl.where(better, score, best)
+            best_at = tl.where(better, tokens, best_at)
+    winner = tl.max(best)
+    return winner, tl.min(tl.where(best == winner, best_at, NO_TOKEN))
+
+
+@triton.jit
+def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, top, log_min_p, count_ptr,
+            values_ptr, ids_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Appends the tokens of [start, end) with lo <= z < hi and z - top >= log_min_p (z, id) to the
+    row's buffer, at places taken from the row's counter (its first CAP; the counter counts on).
+    Returns how many there were and their mass exp(z - top)."""
+    count = 0
+    mass = tl.zeros([BLOCK], tl.float32)
+    for base in range(start, end, BLOCK):
+        tokens = base + tl.arange(0, BLOCK)
+        z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
+        take = (z >= lo) & (z < hi) & (z - top >= log_min_p) & (tokens < end)
+        taken = tl.sum(take.to(tl.int32))
+        if taken > 0:
+            first = tl.atomic_add(count_ptr, taken)
+            position = first + tl.cumsum(take.to(tl.int32), 0) - 1
+            stored = take & (position < CAP)
+            tl.store(values_ptr + position, z, mask=stored)
+            tl.store(ids_ptr + position, tokens, mask=stored)
+        count += taken
+        mass += tl.where(take, tl.exp(z - top), 0.0)
+    return count, tl.sum(mass)
+
+
+@triton.jit
+def _count_bound(maxima, k, floor_z, top, ROUNDS: tl.constexpr):
+    """The highest v (to within (top - floor_z) / 2**ROUNDS) that k group maxima reach: k tokens
+    have z >= v, so none below v is among the top k. floor_z when fewer than k maxima reach it."""
+    lo = floor_z
+    hi = top
+    if tl.sum((maxima >= top).to(tl.int32)) >= k:
+        lo = top
+    elif tl.sum((maxima >= floor_z).to(tl.int32)) >= k:
+        for _ in range(ROUNDS):
+            mid = lo + (hi - lo) * 0.5
+            enough = tl.sum((maxima >= mid).to(tl.int32)) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+    return lo
+
+
+@triton.jit
+def _mass_bound(maxima, limit, floor_z, top, ROUNDS: tl.constexpr):
+    """The highest v (to within (top - floor_z) / 2**ROUNDS) such that the group maxima above v
+    alone hold mass exp(z - top) of at least limit: the tokens above v hold at least as much, so
+    top-p keeps no token <= v. floor_z when all the maxima above it hold less."""
+    weights = tl.exp(maxima - top)
+    lo = floor_z
+    hi = top
+    if tl.sum(tl.where(maxima > floor_z, weights, 0.0)) >= limit:
+        for _ in range(ROUNDS):
+            mid = lo + (hi - lo) * 0.5
+            enough = tl.sum(tl.where(maxima > mid, weights, 0.0)) >= limit
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+    return lo
+
+
+@triton.jit
+def _pivots(lo, top, P: tl.constexpr):
+    """P increasing values in (lo, top], closer together near lo (where the tokens are dense); the
+    last is top itself."""
+    index = tl.arange(0, P)
+    step = (index + 1).to(tl.float32) / P
+    return tl.where(index == P - 1, top, lo + (top - lo) * step * step)
+
+
+@triton.jit
+def _pivot_stats(raw_ptr, processed_ptr, use_processed, start, end, inv_t, pivots, top, log_min_p,
+                 MASS: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr):
+    """Per pivot, the tokens of [start, end) with z >= pivot and z - top >= log_min_p: how many and
+    (MASS) their mass exp(z - top)."""
+    counts = tl.zeros([BLOCK, P], tl.int32)
+    masses = tl.zeros([BLOCK, P], tl.float32)
+    for base in range(start, end, BLOCK):
+        tokens = base + tl.arange(0, BLOCK)
+        z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
+        at_least = (z[:, None] >= pivots[None, :]) & (z - top >= log_min_p)[:, None]
+        counts += at_least.to(tl.int32)
+        if MASS:
+            masses += tl.where(at_least, tl.exp(z - top)[:, None], 0.0)
+    return tl.sum(counts, axis=0), tl.sum(masses, axis=0)
+
+
+@triton.jit
+def _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks, lo_g, top, k, limit, has_p,
+             CHUNKS: tl.constexpr, P: tl.constexpr):
+    """From the counts at lo_g (the gather's) and at the pivots, where the cut lies: (lo, hi, count
+    and mass of the tokens >= hi, count of those in [lo, hi)). Every token >= hi is kept (hi: lo_g
+    or a pivot whose count or mass, taken with >=, is under the bound; +inf when none is), none
+    below lo (lo: the highest value whose count or mass is not, or lo_g)."""
+    c = tl.arange(0, CHUNKS)
+    valid = c < num_chunks
+    at = (i * num_chunks + c) * PARTS
+    n_lo = tl.sum(tl.load(part_i_ptr + at + P_GATHERED, mask=valid, other=0))
+    m_lo = tl.sum(tl.load(part_f_ptr + at + P_GATHERED_MASS, mask=valid, other=0.0))
+    cells = (i * num_chunks + c[:, None]) * P + tl.arange(0, P)[None, :]
+    n = tl.sum(tl.load(pivot_n_ptr + cells, mask=valid[:, None], other=0), axis=0)
+    m = tl.sum(tl.load(pivot_m_ptr + cells, mask=valid[:, None], other=0.0), axis=0)
+    pivots = _pivots(lo_g, top, P)
+    index = tl.arange(0, P)
+    sure = tl.where(has_p, m < limit, n < k)
+    failing = tl.sum((sure == 0).to(tl.int32))   # kept is monotone: the failing pivots come first
+    hi = tl.where(failing < P, tl.min(tl.where(sure, pivots, float("inf"))), float("inf"))
+    n_hi = tl.sum(tl.where(index == failing, n, 0))
+    m_hi = tl.sum(tl.where(index == failing, m, 0.0))
+    lo = tl.where(failing > 0, tl.max(tl.where(sure, float("-inf"), pivots)), lo_g)
+    n_at_lo = tl.where(failing > 0, tl.sum(tl.where(index == failing - 1, n, 0)), n_lo)
+    if tl.where(has_p, m_lo < limit, n_lo < k):   # everything the gather counted is kept
+        lo = lo_g
+        hi = lo_g
+        n_hi = n_lo
+        m_hi = m_lo
+        n_at_lo = n_lo
+    return lo, hi, n_hi, m_hi, n_at_lo - n_hi
+
+
+@triton.jit
+def _overflowed(plan_i_ptr, i, flags, CAP: tl.constexpr):
+    """Whether the row gathered more than CAP tokens and can bracket its cut instead (top-k or top-p
+    but not both: top-p over top-k needs the whole top-k set's mass)."""
+    plan = plan_i_ptr + i * PLAN
+    one_cut = ((flags & F_TOP_K) != 0) != ((flags & F_TOP_P) != 0)
+    return (tl.load(plan + L_MODE) == MODE_GATHER) & (tl.load(plan + L_GATHERED) > CAP) & one_cut
+
+
+@triton.jit
+def _last_kept(keep, values, otherwise, SIZE: tl.constexpr):
+    i = tl.arange(0, SIZE)
+    last = tl.max(tl.where(keep, i, -1))
+    return tl.where(last >= 0, tl.max(tl.where(i == last, values, float("-inf"))), otherwise)
+
+
+@triton.jit
+def _draw_gathered(values_ptr, ids_ptr, n, top, k, top_p, limit, has_k, has_p, n_above, m_above, hi, log_min_p,
+                   key, counter, SIZE: tl.constexpr):
+    """The Gumbel-max over the kept ones of n (<= SIZE) gathered tokens, every token that is both
+    below hi and possibly kept among them; above hi, n_above tokens of mass m_above, all kept.
+    Returns (its score, its token, the cut: the lowest kept value, hi when none below hi is kept).
+    Top-k keeps a value fewer than k tokens beat; top-p one whose beaters' mass is under limit or,
+    with top-k, under top_p times the top-k set's mass (then the tokens are the whole top-k set)."""
+    i = tl.arange(0, SIZE)
+    valid = i < n
+    z = tl.load(values_ptr + i, mask=valid, other=float("-inf"))
+    ids = tl.load(ids_ptr + i, mask=valid, other=0)
+    ranked = tl.sort(z, descending=True)
+    e = tl.where(valid, tl.exp(ranked - top), 0.0)
+    keep = valid
+    if has_k:
+        keep = keep & (n_above + i < k)
+    if has_p:
+        if has_k:
+            cut_k = _last_kept(keep, ranked, hi, SIZE)
+            limit = top_p * (m_above + tl.sum(tl.where(valid & (ranked >= cut_k), e, 0.0)))
+        keep = keep & (m_above + tl.cumsum(e, 0) - e < limit)
+    cut = _last_kept(keep, ranked, hi, SIZE)
+    kept = valid & (z >= cut) & (z - top >= log_min_p)
+    score = tl.where(kept, z + _gumbel_at(key, counter, ids), float("-inf"))
+    winner = tl.max(score)
+    return winner, tl.min(tl.where(kept & (score == winner), ids, NO_TOKEN)), cut
+
+
+@triton.jit
+def _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS: tl.constexpr):
+    """A restricted draw over all the row's chunks: (its score, its token)."""
+    c = tl.arange(0, CHUNKS)
+    valid = c < num_chunks
+    at = (i * num_chunks + c) * PARTS
+    best = tl.load(part_f_ptr + at + P_DRAWN, mask=valid, other=float("-inf"))
+    winner = tl.max(best)
+    tokens = tl.load(part_i_ptr + at + P_DRAWN_TOKEN, mask=valid, other=NO_TOKEN)
+    return winner, tl.min(tl.where(valid & (best == winner), tokens, NO_TOKEN))
+
+
+@triton.jit
+def _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr, values_ptr, ids_ptr,
+                    i, num_chunks, flags, top_k, top_p, log_min_p, key, counter, top,
+                    CHUNKS: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, P: tl.constexpr):
+    """A top-k/top-p row's (token, cut, alone): from its gathered tokens, or from its bracket;
+    alone = 1 when neither fits the buffer (the row then takes the single-program search)."""
+    has_k = (flags & F_TOP_K) != 0
+    has_p = (flags & F_TOP_P) != 0
+    plan_f = plan_f_ptr + i * PLAN
+    plan_i = plan_i_ptr + i * PLAN
+    limit = tl.load(plan_f + L_LIMIT)
+    gathered = tl.load(plan_i + L_GATHERED)
+    token = NO_TOKEN
+    cut = top
+    alone = 0
+    if gathered <= SMALL:
+        _, token, cut = _draw_gathered(values_ptr, ids_ptr, gathered, top, top_k, top_p, limit, has_k, has_p,
+                                       0, 0.0, top, log_min_p, key, counter, SMALL)
+    elif gathered <= CAP:
+        _, token, cut = _draw_gathered(values_ptr, ids_ptr, gathered, top, top_k, top_p, limit, has_k, has_p,
+                                       0, 0.0, top, log_min_p, key, counter, CAP)
+    elif _overflowed(plan_i_ptr, i, flags, CAP):
+        _, hi, n_hi, m_hi, candidates = _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks,
+                                                 tl.load(plan_f + L_LO), top, top_k, limit, has_p, CHUNKS, P)
+        if candidates <= CAP:
+            best, token, cut = _draw_gathered(values_ptr, ids_ptr, tl.load(plan_i + L_BRACKETED), top, top_k, top_p, limit, has_k,
+                                              has_p, n_hi, m_hi, hi, log_min_p, key, counter, CAP)
+            above, above_token = _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
+            if (above > best) | ((above == best) & (above_token < token)):
+                token = above_token
+        else:
+            alone = 1
+    else:
+        alone = 1
+    return token, cut, alone
+
+
+# --- the single-program search (a row whose kept set overflows the buffer) ------------------------
+
 @triton.jit
 def _log_sum_exp_parts(raw_ptr, start, end, BLOCK: tl.constexpr):
     """(max, sum of exp(x - max)) of the raw logits over [start, end)."""
@@ -177,8 +492,6 @@ def _mass_from(raw_ptr, processed_ptr, use_processed, vocab, inv_t, cut, top, BL
         mass += tl.where(z >= cut, tl.exp(z - top), 0.0)
     return tl.sum(mass)
 
-
-# --- the threshold search (one program, one row) -------------------------------------------------
 
 @triton.jit
 def _bands(z, lo, hi, floor_z):
@@ -375,24 +688,49 @@ def _penalize_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_p
 
 
 @triton.jit
+def _row(rows_ptr, table_ptr, i):
+    """The row's table entry and flags."""
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    entry = table_ptr + row * ROW_COLUMNS
+    return row, entry, tl.load(entry + C_FLAGS)
+
+
+@triton.jit
+def _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab):
+    """The row's raw logits, its processed slot, and whether it reads the slot."""
+    raw = logits_ptr + i.to(tl.int64) * stride_logits
+    processed = processed_ptr + tl.load(entry + C_SLOT).to(tl.int64) * vocab
+    return raw, processed, (flags & F_PROCESSED) != 0
+
+
+@triton.jit
 def _scan_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
-                 part_f_ptr, part_i_ptr, vocab, chunk, num_chunks, G: tl.constexpr, BLOCK: tl.constexpr):
+                 part_f_ptr, part_i_ptr, groups_ptr, vocab, chunk, num_chunks, G: tl.constexpr, LANES: tl.constexpr,
+                 BLOCK: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
     start = c * chunk
     end = tl.minimum(start + chunk, vocab)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    entry = table_ptr + row * ROW_COLUMNS
-    flags = tl.load(entry + C_FLAGS)
-    use_processed = (flags & F_PROCESSED) != 0
-    raw = logits_ptr + i.to(tl.int64) * stride_logits
-    processed = processed_ptr + tl.load(entry + C_SLOT).to(tl.int64) * vocab
+    row, entry, flags = _row(rows_ptr, table_ptr, i)
+    raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
     inv_t = _float_at(entry, C_INV_TEMPERATURE)
     key = tl.load(keys_ptr + row)
     counter = tl.load(counters_ptr + row)
+    out = (i * num_chunks + c) * PARTS
     if (flags & F_GREEDY) != 0:
         best, at, top, bad = _scan(raw, processed, use_processed, start, end, inv_t, key, counter,
                                    0.0, 0.0, 0.0, False, False, G)
+    elif (flags & (F_TOP_K | F_TOP_P | F_MIN_P)) != 0:
+        best = float("-inf")
+        at = NO_TOKEN
+        top, bad, groups = _survey(raw, processed, use_processed, start, end, inv_t, G, LANES)
+        if (flags & (F_TOP_K | F_TOP_P)) != 0:
+            cells = (i * num_chunks + c).to(tl.int64) * (G * (4 // LANES)) + tl.arange(0, G * (4 // LANES))
+            tl.store(groups_ptr + cells, groups)
+        mass = 0.0
+        if ((flags & F_TOP_P) != 0) & ((flags & F_TOP_K) == 0) & (top > float("-inf")):
+            mass = _mass_parts(raw, processed, use_processed, start, end, inv_t, top, BLOCK)
+        tl.store(part_f_ptr + out + P_MASS, mass)
     else:
         best, at, top, bad = _scan(raw, processed, use_processed, start, end, inv_t, key, counter,
                                    0.0, 0.0, 0.0, True, False, G)
@@ -400,13 +738,12 @@ def _scan_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, 
     raw_sum = 0.0
     if (flags & F_LOGPROB) != 0:
         raw_top, raw_sum = _log_sum_exp_parts(raw, start, end, BLOCK)
-    out = (i * num_chunks + c) * PARTS
-    tl.store(part_f_ptr + out, best)
-    tl.store(part_f_ptr + out + 1, top)
-    tl.store(part_f_ptr + out + 2, raw_top)
-    tl.store(part_f_ptr + out + 3, raw_sum)
-    tl.store(part_i_ptr + out, at)
-    tl.store(part_i_ptr + out + 1, bad)
+    tl.store(part_f_ptr + out + P_BEST, best)
+    tl.store(part_f_ptr + out + P_TOP, top)
+    tl.store(part_f_ptr + out + P_RAW_TOP, raw_top)
+    tl.store(part_f_ptr + out + P_RAW_SUM, raw_sum)
+    tl.store(part_i_ptr + out + P_TOKEN, at)
+    tl.store(part_i_ptr + out + P_BAD, bad)
 
 
 @triton.jit
@@ -415,48 +752,156 @@ def _combined_scan(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS: tl.constexpr):
     c = tl.arange(0, CHUNKS)
     valid = c < num_chunks
     at = (i * num_chunks + c) * PARTS
-    best = tl.load(part_f_ptr + at, mask=valid, other=float("-inf"))
+    best = tl.load(part_f_ptr + at + P_BEST, mask=valid, other=float("-inf"))
     winner = tl.max(best)
-    token = tl.min(tl.where(valid & (best == winner), tl.load(part_i_ptr + at, mask=valid, other=NO_TOKEN), NO_TOKEN))
-    top = tl.max(tl.load(part_f_ptr + at + 1, mask=valid, other=float("-inf")))
-    bad = tl.max(tl.load(part_i_ptr + at + 1, mask=valid, other=0))
-    raw_tops = tl.load(part_f_ptr + at + 2, mask=valid, other=float("-inf"))
+    tokens = tl.load(part_i_ptr + at + P_TOKEN, mask=valid, other=NO_TOKEN)
+    token = tl.min(tl.where(valid & (best == winner), tokens, NO_TOKEN))
+    top = tl.max(tl.load(part_f_ptr + at + P_TOP, mask=valid, other=float("-inf")))
+    bad = tl.max(tl.load(part_i_ptr + at + P_BAD, mask=valid, other=0))
+    raw_tops = tl.load(part_f_ptr + at + P_RAW_TOP, mask=valid, other=float("-inf"))
     raw_top = tl.max(raw_tops)
     scale = tl.where(raw_tops > float("-inf"), tl.exp(raw_tops - raw_top), 0.0)
-    raw_sum = tl.sum(tl.load(part_f_ptr + at + 3, mask=valid, other=0.0) * scale)
+    raw_sum = tl.sum(tl.load(part_f_ptr + at + P_RAW_SUM, mask=valid, other=0.0) * scale)
     return token, top, bad, raw_top, raw_sum
 
 
 @triton.jit
-def _verify_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, part_f_ptr, part_i_ptr,
-                   part_v_ptr, vocab, chunk, num_chunks, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+def _plan_kernel(rows_ptr, table_ptr, part_f_ptr, part_i_ptr, groups_ptr, plan_f_ptr, plan_i_ptr, num_chunks,
+                 CHUNKS: tl.constexpr, GROUPS: tl.constexpr, ROUNDS: tl.constexpr):
+    i = tl.program_id(0)
+    _, entry, flags = _row(rows_ptr, table_ptr, i)
+    c = tl.arange(0, CHUNKS)
+    valid = c < num_chunks
+    at = (i * num_chunks + c) * PARTS
+    tops = tl.load(part_f_ptr + at + P_TOP, mask=valid, other=float("-inf"))
+    top = tl.max(tops)
+    bad = tl.max(tl.load(part_i_ptr + at + P_BAD, mask=valid, other=0))
+    truncating = ((flags & F_GREEDY) == 0) & ((flags & (F_TOP_K | F_TOP_P | F_MIN_P)) != 0)
+    mode = MODE_NONE
+    lo = float("-inf")
+    limit = 0.0
+    filtered = 0
+    if truncating & (bad == 0) & (top > float("-inf")):
+        has_k = (flags & F_TOP_K) != 0
+        has_p = (flags & F_TOP_P) != 0
+        if (has_k | has_p) == 0:
+            mode = MODE_MIN_P
+        else:
+            mode = MODE_GATHER
+            floor_z = top - SEARCH_DEPTH
+            cells = (i * num_chunks + c[:, None]).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)[None, :]
+            maxima = tl.load(groups_ptr + cells, mask=valid[:, None], other=float("-inf"))
+            if has_k:
+                lo = _count_bound(maxima, tl.load(entry + C_TOP_K), floor_z, top, ROUNDS)
+            else:
+                masses = tl.load(part_f_ptr + at + P_MASS, mask=valid, other=0.0)
+                total = tl.sum(tl.where(tops > float("-inf"), masses * tl.exp(tops - top), 0.0))
+                limit = _float_at(entry, C_TOP_P) * total
+                lo = _mass_bound(maxima, limit * (1.0 + MASS_MARGIN), floor_z, top, ROUNDS)
+            # min-p may thin the gather unless top-p must weigh the whole top-k set
+            filtered = (((flags & F_MIN_P) != 0) & ((has_k & has_p) == 0)).to(tl.int32)
+    plan_f = plan_f_ptr + i * PLAN
+    plan_i = plan_i_ptr + i * PLAN
+    tl.store(plan_f + L_LO, lo)
+    tl.store(plan_f + L_TOP, top)
+    tl.store(plan_f + L_LIMIT, limit)
+    tl.store(plan_i + L_MODE, mode)
+    tl.store(plan_i + L_FILTERED, filtered)
+    tl.store(plan_i + L_GATHERED, 0)
+    tl.store(plan_i + L_BRACKETED, 0)
+
+
+@triton.jit
+def _gather_min_p(entry, flags, plan_i_ptr, i):
+    """The log(min_p) a row's gather, brackets and restricted draws apply (-inf: none)."""
+    filtered = ((flags & F_MIN_P) != 0) & (tl.load(plan_i_ptr + i * PLAN + L_FILTERED) != 0)
+    return tl.where(filtered, _float_at(entry, C_LOG_MIN_P), float("-inf"))
+
+
+@triton.jit
+def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
+                   part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, values_ptr, ids_ptr, vocab, chunk, num_chunks,
+                   CAP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    entry = table_ptr + row * ROW_COLUMNS
-    flags = tl.load(entry + C_FLAGS)
-    if ((flags & F_GREEDY) == 0) & ((flags & (F_TOP_K | F_TOP_P)) != 0):
-        drawn, top, bad, _, _ = _combined_scan(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
-        use_processed = (flags & F_PROCESSED) != 0
-        raw = logits_ptr + i.to(tl.int64) * stride_logits
-        processed = processed_ptr + tl.load(entry + C_SLOT).to(tl.int64) * vocab
+    mode = tl.load(plan_i_ptr + i * PLAN + L_MODE)
+    if mode != MODE_NONE:
+        start = c * chunk
+        end = tl.minimum(start + chunk, vocab)
+        row, entry, flags = _row(rows_ptr, table_ptr, i)
+        raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
         inv_t = _float_at(entry, C_INV_TEMPERATURE)
-        z_drawn = _load_scores(raw, processed, use_processed, drawn, True) * inv_t
-        counted = ((flags & F_MIN_P) == 0) | (z_drawn - top >= _float_at(entry, C_LOG_MIN_P))
-        if counted & (bad == 0) & (top > float("-inf")):
+        top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
+        out = (i * num_chunks + c) * PARTS
+        if mode == MODE_GATHER:
+            count, mass = _gather(raw, processed, use_processed, start, end, inv_t, tl.load(plan_f_ptr + i * PLAN),
+                                  float("inf"), top, _gather_min_p(entry, flags, plan_i_ptr, i),
+                                  plan_i_ptr + i * PLAN + L_GATHERED, values_ptr + i.to(tl.int64) * CAP,
+                                  ids_ptr + i.to(tl.int64) * CAP, CAP, BLOCK)
+            tl.store(part_i_ptr + out + P_GATHERED, count)
+            tl.store(part_f_ptr + out + P_GATHERED_MASS, mass)
+        else:
+            best, at = _restricted_best(raw, processed, use_processed, start, end, inv_t, tl.load(keys_ptr + row),
+                                        tl.load(counters_ptr + row), float("-inf"), top,
+                                        _float_at(entry, C_LOG_MIN_P), G)
+            tl.store(part_f_ptr + out + P_DRAWN, best)
+            tl.store(part_i_ptr + out + P_DRAWN_TOKEN, at)
+
+
+@triton.jit
+def _pivot_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, plan_f_ptr, plan_i_ptr,
+                  pivot_n_ptr, pivot_m_ptr, vocab, chunk, num_chunks, CAP: tl.constexpr, P: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    _, entry, flags = _row(rows_ptr, table_ptr, i)
+    if _overflowed(plan_i_ptr, i, flags, CAP):
+        start = c * chunk
+        end = tl.minimum(start + chunk, vocab)
+        raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
+        inv_t = _float_at(entry, C_INV_TEMPERATURE)
+        top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
+        pivots = _pivots(tl.load(plan_f_ptr + i * PLAN + L_LO), top, P)
+        log_min_p = _gather_min_p(entry, flags, plan_i_ptr, i)
+        if (flags & F_TOP_P) != 0:
+            counts, masses = _pivot_stats(raw, processed, use_processed, start, end, inv_t, pivots, top, log_min_p,
+                                          True, BLOCK, P)
+        else:
+            counts, masses = _pivot_stats(raw, processed, use_processed, start, end, inv_t, pivots, top, log_min_p,
+                                          False, BLOCK, P)
+        cells = (i * num_chunks + c) * P + tl.arange(0, P)
+        tl.store(pivot_n_ptr + cells, counts)
+        tl.store(pivot_m_ptr + cells, masses)
+
+
+@triton.jit
+def _bracket_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
+                    part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr, values_ptr, ids_ptr,
+                    vocab, chunk, num_chunks, CAP: tl.constexpr, CHUNKS: tl.constexpr, P: tl.constexpr,
+                    G: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    row, entry, flags = _row(rows_ptr, table_ptr, i)
+    if _overflowed(plan_i_ptr, i, flags, CAP):
+        top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
+        lo, hi, _, _, candidates = _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks,
+                                            tl.load(plan_f_ptr + i * PLAN + L_LO), top, tl.load(entry + C_TOP_K),
+                                            tl.load(plan_f_ptr + i * PLAN + L_LIMIT), (flags & F_TOP_P) != 0,
+                                            CHUNKS, P)
+        if candidates <= CAP:
             start = c * chunk
             end = tl.minimum(start + chunk, vocab)
-            if (flags & F_TOP_P) != 0:
-                beaten, above, at_least, total = _count_above(raw, processed, use_processed, start, end, inv_t,
-                                                              z_drawn, top, True, BLOCK)
-            else:
-                beaten, above, at_least, total = _count_above(raw, processed, use_processed, start, end, inv_t,
-                                                              z_drawn, top, False, BLOCK)
+            raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
+            inv_t = _float_at(entry, C_INV_TEMPERATURE)
+            log_min_p = _gather_min_p(entry, flags, plan_i_ptr, i)
+            _gather(raw, processed, use_processed, start, end, inv_t, lo, hi, top, log_min_p,
+                    plan_i_ptr + i * PLAN + L_BRACKETED, values_ptr + i.to(tl.int64) * CAP,
+                    ids_ptr + i.to(tl.int64) * CAP, CAP, BLOCK)
+            best, at = _restricted_best(raw, processed, use_processed, start, end, inv_t, tl.load(keys_ptr + row),
+                                        tl.load(counters_ptr + row), hi, top, log_min_p, G)
             out = (i * num_chunks + c) * PARTS
-            tl.store(part_v_ptr + out, beaten.to(tl.float32))
-            tl.store(part_v_ptr + out + 1, above)
-            tl.store(part_v_ptr + out + 2, at_least)
-            tl.store(part_v_ptr + out + 3, total)
+            tl.store(part_f_ptr + out + P_DRAWN, best)
+            tl.store(part_i_ptr + out + P_DRAWN_TOKEN, at)
 
 
 @triton.jit
@@ -466,19 +911,20 @@ def _raw_argmax(raw_ptr, processed_ptr, vocab, G: tl.constexpr):
 
 
 @triton.jit
-def _draw_alone(raw_ptr, processed_ptr, vocab, inv_t, key, counter, flags, top_k, top_p, log_min_p, gather_ptr,
-                G: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
+def _draw_alone(raw_ptr, processed_ptr, use_processed, vocab, inv_t, key, counter, flags, top_k, top_p, log_min_p,
+                gather_ptr, G: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
                 MAX_ROUNDS: tl.constexpr):
-    """A drawing row's token from its raw logits, by one program's passes over the whole row."""
-    _, drawn, top, bad = _scan(raw_ptr, processed_ptr, False, 0, vocab, inv_t, key, counter,
+    """A drawing row's token by one program's passes over the whole row: the unrestricted draw,
+    the counts at it, and when it is not kept the search for the cut and the redraw."""
+    _, drawn, top, bad = _scan(raw_ptr, processed_ptr, use_processed, 0, vocab, inv_t, key, counter,
                                0.0, 0.0, 0.0, True, False, G)
     if (bad != 0) | (top == float("-inf")):
         token = _raw_argmax(raw_ptr, processed_ptr, vocab, G)
     else:
-        z_drawn = _load_scores(raw_ptr, processed_ptr, False, drawn, True) * inv_t
-        beaten, above, at_least, total = _count_above(raw_ptr, processed_ptr, False, 0, vocab, inv_t,
+        z_drawn = _load_scores(raw_ptr, processed_ptr, use_processed, drawn, True) * inv_t
+        beaten, above, at_least, total = _count_above(raw_ptr, processed_ptr, use_processed, 0, vocab, inv_t,
                                                       z_drawn, top, True, BLOCK)
-        token = _redraw(raw_ptr, processed_ptr, False, vocab, inv_t, key, counter, flags, top_k, top_p,
+        token = _redraw(raw_ptr, processed_ptr, use_processed, vocab, inv_t, key, counter, flags, top_k, top_p,
                         log_min_p, drawn, top, beaten, above, at_least, total, gather_ptr,
                         G, BLOCK, NUM_PIVOTS, CAP, MAX_ROUNDS)
     return token
@@ -486,25 +932,26 @@ def _draw_alone(raw_ptr, processed_ptr, vocab, inv_t, key, counter, flags, top_k
 
 @triton.jit
 def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
-                   counts_ptr, part_f_ptr, part_i_ptr, part_v_ptr, gather_ptr, tokens_ptr, logprobs_ptr,
-                   last_sampled_ptr, vocab, num_chunks, CHUNKS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
-                   NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+                   counts_ptr, part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr, values_ptr,
+                   ids_ptr, tokens_ptr, logprobs_ptr, last_sampled_ptr, cuts_ptr, vocab, num_chunks,
+                   CHUNKS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+                   CAP: tl.constexpr, SMALL: tl.constexpr, MAX_ROUNDS: tl.constexpr):
     i = tl.program_id(0)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    entry = table_ptr + row * ROW_COLUMNS
-    flags = tl.load(entry + C_FLAGS)
-    raw = logits_ptr + i.to(tl.int64) * stride_logits
-    processed = processed_ptr + tl.load(entry + C_SLOT).to(tl.int64) * vocab
-    use_processed = (flags & F_PROCESSED) != 0
+    row, entry, flags = _row(rows_ptr, table_ptr, i)
+    raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
     inv_t = _float_at(entry, C_INV_TEMPERATURE)
     key = tl.load(keys_ptr + row)
     counter = tl.load(counters_ptr + row)
     top_k = tl.load(entry + C_TOP_K)
     top_p = _float_at(entry, C_TOP_P)
-    log_min_p = _float_at(entry, C_LOG_MIN_P)
-    gather = gather_ptr + i.to(tl.int64) * CAP
+    log_min_p = tl.where((flags & F_MIN_P) != 0, _float_at(entry, C_LOG_MIN_P), float("-inf"))
+    values = values_ptr + i.to(tl.int64) * CAP
+    ids = ids_ptr + i.to(tl.int64) * CAP
     token, top, bad, raw_top, raw_sum = _combined_scan(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
+    mode = tl.load(plan_i_ptr + i * PLAN + L_MODE)
     unusable = (bad != 0) | (top == float("-inf"))
+    cut = float("-inf")
+    alone = 0                     # 1: the single-program search, over the processed scores; 2: the raw logits
     if (flags & F_GREEDY) != 0:
         if use_processed & unusable:   # the penalties broke the scores: the raw logits decide
             token = _raw_argmax(raw, processed, vocab, G)
@@ -517,21 +964,21 @@ def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
             scores_best, _, _, scores_bad = _scan(raw, processed, True, 0, vocab, inv_t, key, counter,
                                                   0.0, 0.0, 0.0, False, False, G)
         if use_processed & ((scores_bad != 0) | (scores_best == float("-inf"))):
-            token = _draw_alone(raw, processed, vocab, inv_t, key, counter, flags, top_k, top_p, log_min_p,
-                                gather, G, BLOCK, NUM_PIVOTS, CAP, MAX_ROUNDS)
+            alone = 2
         else:
             token = _raw_argmax(raw, processed, vocab, G)
-    elif (flags & (F_TOP_K | F_TOP_P | F_MIN_P)) != 0:
-        c = tl.arange(0, CHUNKS)
-        at = (i * num_chunks + c) * PARTS
-        valid = c < num_chunks
-        beaten = tl.sum(tl.load(part_v_ptr + at, mask=valid, other=0.0)).to(tl.int32)
-        above = tl.sum(tl.load(part_v_ptr + at + 1, mask=valid, other=0.0))
-        at_least = tl.sum(tl.load(part_v_ptr + at + 2, mask=valid, other=0.0))
-        total = tl.sum(tl.load(part_v_ptr + at + 3, mask=valid, other=0.0))
-        token = _redraw(raw, processed, use_processed, vocab, inv_t, key, counter, flags, top_k, top_p, log_min_p,
-                        token, top, beaten, above, at_least, total, gather, G, BLOCK, NUM_PIVOTS, CAP, MAX_ROUNDS)
+    elif mode == MODE_MIN_P:
+        _, token = _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
+    elif mode == MODE_GATHER:
+        token, cut, alone = _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr,
+                                            values, ids, i, num_chunks, flags, top_k, top_p, log_min_p, key, counter,
+                                            top, CHUNKS, CAP, SMALL, NUM_PIVOTS)
+    if alone != 0:
+        token = _draw_alone(raw, processed, use_processed & (alone == 1), vocab, inv_t, key, counter, flags, top_k,
+                            top_p, log_min_p, values, G, BLOCK, NUM_PIVOTS, CAP, MAX_ROUNDS)
+        cut = float("nan")
     tl.store(tokens_ptr + i, token.to(tl.int64))
+    tl.store(cuts_ptr + i, cut)
     if (flags & F_LOGPROB) != 0:
         tl.store(logprobs_ptr + i, tl.load(raw + token).to(tl.float32) - raw_top - tl.log(raw_sum))
     else:
