@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 CHUNK = 8192          # tokens of a row per program of the vocabulary-wide passes
 GATHER_CAP = 4096     # tokens a truncating row gathers, sorts and draws from (its kept set, with slack)
-SMALL_GATHER = 256    # a gathered set this small is sorted at this size
+SORT_SIZES = (256, 1024)   # smaller sorts of a gathered set that fits them
 GROUP_LANES = 2       # lanes of a scan tile's row whose maxima make one group (16 tokens at CHUNK 8192)
-PLAN_ROUNDS = 24      # bisection steps of a truncating row's bound
+PLAN_ROUNDS = 16      # bisection steps of a truncating row's bound (30 nats / 2**16)
 NUM_PIVOTS = 8        # pivots counted in one pass: the bracket of an overflowing row, the one-program search
 MAX_ROUNDS = 24       # passes after which the one-program search keeps what it knows is kept
 
@@ -176,7 +176,7 @@ class DeviceSampler:
         kernels._gather_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.gathered, self.gathered_ids, vocab, self.chunk, self.num_chunks,
-            CAP=self.gather_cap, G=self._tile, BLOCK=block, num_warps=4)
+            CAP=self.gather_cap, G=min(128, self._tile), BLOCK=block, num_warps=4)
         kernels._pivot_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.plan_f, self.plan_i, self.pivot_n,
             self.pivot_m, vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, P=NUM_PIVOTS,
@@ -184,14 +184,15 @@ class DeviceSampler:
         kernels._bracket_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.pivot_n, self.pivot_m, self.gathered, self.gathered_ids,
-            vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=NUM_PIVOTS, G=self._tile,
-            BLOCK=block, num_warps=4)
+            vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=NUM_PIVOTS,
+            G=min(128, self._tile), BLOCK=block, num_warps=4)
         kernels._finish_kernel[(n,)](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
             self.penalties.output_counts, self.part_f, self.part_i, self.plan_f, self.plan_i, self.pivot_n,
             self.pivot_m, self.gathered, self.gathered_ids, tokens, logprobs, last_sampled, self.cuts, vocab,
             self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, block), NUM_PIVOTS=NUM_PIVOTS,
-            CAP=self.gather_cap, SMALL=min(SMALL_GATHER, self.gather_cap), MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
+            CAP=self.gather_cap, SMALL=min(SORT_SIZES[0], self.gather_cap), MID=min(SORT_SIZES[1], self.gather_cap),
+            MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
 
     def probabilities(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The distribution each row would draw from ([n, vocab] float32; greedy rows one-hot), by

@@ -235,16 +235,16 @@ def _restricted_best(raw_ptr, processed_ptr, use_processed, start, end, inv_t, k
 
 @triton.jit
 def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, top, log_min_p, count_ptr,
-            values_ptr, ids_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+            values_ptr, ids_ptr, MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Appends the tokens of [start, end) with lo <= z < hi and z - top >= log_min_p (z, id) to the
     row's buffer, at places taken from the row's counter (its first CAP; the counter counts on).
-    Returns how many there were and their mass exp(z - top)."""
+    Returns how many there were and (MASS) their mass exp(z - top)."""
     count = 0
     mass = tl.zeros([BLOCK], tl.float32)
     for base in range(start, end, BLOCK):
         tokens = base + tl.arange(0, BLOCK)
         z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
-        take = (z >= lo) & (z < hi) & (z - top >= log_min_p) & (tokens < end)
+        take = (z >= lo) & (z < hi) & (z - top >= log_min_p)   # masked tokens are -inf, below lo
         taken = tl.sum(take.to(tl.int32))
         if taken > 0:
             first = tl.atomic_add(count_ptr, taken)
@@ -253,7 +253,8 @@ def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, to
             tl.store(values_ptr + position, z, mask=stored)
             tl.store(ids_ptr + position, tokens, mask=stored)
         count += taken
-        mass += tl.where(take, tl.exp(z - top), 0.0)
+        if MASS:
+            mass += tl.where(take, tl.exp(z - top), 0.0)
     return count, tl.sum(mass)
 
 
@@ -275,20 +276,26 @@ def _count_bound(maxima, k, floor_z, top, ROUNDS: tl.constexpr):
 
 
 @triton.jit
-def _mass_bound(maxima, limit, floor_z, top, ROUNDS: tl.constexpr):
-    """The highest v (to within (top - floor_z) / 2**ROUNDS) such that the group maxima above v
-    alone hold mass exp(z - top) of at least limit: the tokens above v hold at least as much, so
-    top-p keeps no token <= v. floor_z when all the maxima above it hold less."""
-    weights = tl.exp(maxima - top)
-    lo = floor_z
-    hi = top
-    if tl.sum(tl.where(maxima > floor_z, weights, 0.0)) >= limit:
+def _mass_bound(maxima_ptrs, mask, limit, floor_z, top, ROUNDS: tl.constexpr):
+    """A v (within (top - floor_z) / 2**ROUNDS of the highest) such that groups whose maxima are v
+    or more hold, in their maxima alone, mass exp(z - top) of at least limit: every token below v is
+    beaten by that mass, so top-p drops it. floor_z when all the maxima above it hold less. The
+    bisection keeps only the weights live (with the maxima too, the compiler recomputes the weights
+    every round); the maxima are read again for v."""
+    weights = tl.exp(tl.load(maxima_ptrs, mask=mask, other=float("-inf")) - top)
+    lo = floor_z - top
+    hi = 0.0
+    bound = floor_z
+    if tl.sum(tl.where(weights > tl.exp(lo), weights, 0.0)) >= limit:
         for _ in range(ROUNDS):
             mid = lo + (hi - lo) * 0.5
-            enough = tl.sum(tl.where(maxima > mid, weights, 0.0)) >= limit
+            enough = tl.sum(tl.where(weights > tl.exp(mid), weights, 0.0)) >= limit
             lo = tl.where(enough, mid, lo)
             hi = tl.where(enough, hi, mid)
-    return lo
+        counted = weights > tl.exp(lo)
+        maxima = tl.load(maxima_ptrs, mask=mask, other=float("inf"))
+        bound = tl.maximum(floor_z, tl.min(tl.where(counted, maxima, float("inf"))))
+    return bound
 
 
 @triton.jit
@@ -408,9 +415,26 @@ def _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS: tl.constexpr):
 
 
 @triton.jit
+def _draw_sized(values_ptr, ids_ptr, n, top, k, top_p, limit, has_k, has_p, n_above, m_above, hi, log_min_p, key,
+                counter, SMALL: tl.constexpr, MID: tl.constexpr, CAP: tl.constexpr):
+    """_draw_gathered at the smallest of three sizes that holds n (sorting 4,096 costs 5x 1,024)."""
+    if n <= SMALL:
+        best, token, cut = _draw_gathered(values_ptr, ids_ptr, n, top, k, top_p, limit, has_k, has_p, n_above,
+                                          m_above, hi, log_min_p, key, counter, SMALL)
+    elif n <= MID:
+        best, token, cut = _draw_gathered(values_ptr, ids_ptr, n, top, k, top_p, limit, has_k, has_p, n_above,
+                                          m_above, hi, log_min_p, key, counter, MID)
+    else:
+        best, token, cut = _draw_gathered(values_ptr, ids_ptr, n, top, k, top_p, limit, has_k, has_p, n_above,
+                                          m_above, hi, log_min_p, key, counter, CAP)
+    return best, token, cut
+
+
+@triton.jit
 def _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr, values_ptr, ids_ptr,
                     i, num_chunks, flags, top_k, top_p, log_min_p, key, counter, top,
-                    CHUNKS: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, P: tl.constexpr):
+                    CHUNKS: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr,
+                    P: tl.constexpr):
     """A top-k/top-p row's (token, cut, alone): from its gathered tokens, or from its bracket;
     alone = 1 when neither fits the buffer (the row then takes the single-program search)."""
     has_k = (flags & F_TOP_K) != 0
@@ -418,29 +442,31 @@ def _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr,
     plan_f = plan_f_ptr + i * PLAN
     plan_i = plan_i_ptr + i * PLAN
     limit = tl.load(plan_f + L_LIMIT)
-    gathered = tl.load(plan_i + L_GATHERED)
+    n = tl.load(plan_i + L_GATHERED)
+    n_above = 0
+    m_above = 0.0
+    hi = top
+    bracketed = 0
+    alone = 0
+    if n > CAP:
+        if _overflowed(plan_i_ptr, i, flags, CAP):
+            _, hi, n_above, m_above, candidates = _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i,
+                                                           num_chunks, tl.load(plan_f + L_LO), top, top_k, limit,
+                                                           has_p, CHUNKS, P)
+            bracketed = 1
+            alone = (candidates > CAP).to(tl.int32)
+            n = tl.load(plan_i + L_BRACKETED)
+        else:
+            alone = 1
     token = NO_TOKEN
     cut = top
-    alone = 0
-    if gathered <= SMALL:
-        _, token, cut = _draw_gathered(values_ptr, ids_ptr, gathered, top, top_k, top_p, limit, has_k, has_p,
-                                       0, 0.0, top, log_min_p, key, counter, SMALL)
-    elif gathered <= CAP:
-        _, token, cut = _draw_gathered(values_ptr, ids_ptr, gathered, top, top_k, top_p, limit, has_k, has_p,
-                                       0, 0.0, top, log_min_p, key, counter, CAP)
-    elif _overflowed(plan_i_ptr, i, flags, CAP):
-        _, hi, n_hi, m_hi, candidates = _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks,
-                                                 tl.load(plan_f + L_LO), top, top_k, limit, has_p, CHUNKS, P)
-        if candidates <= CAP:
-            best, token, cut = _draw_gathered(values_ptr, ids_ptr, tl.load(plan_i + L_BRACKETED), top, top_k, top_p, limit, has_k,
-                                              has_p, n_hi, m_hi, hi, log_min_p, key, counter, CAP)
+    if alone == 0:
+        best, token, cut = _draw_sized(values_ptr, ids_ptr, n, top, top_k, top_p, limit, has_k, has_p, n_above,
+                                       m_above, hi, log_min_p, key, counter, SMALL, MID, CAP)
+        if bracketed != 0:   # the tokens above the bracket drew in the bracket pass
             above, above_token = _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
             if (above > best) | ((above == best) & (above_token < token)):
                 token = above_token
-        else:
-            alone = 1
-    else:
-        alone = 1
     return token, cut, alone
 
 
@@ -789,15 +815,15 @@ def _plan_kernel(rows_ptr, table_ptr, part_f_ptr, part_i_ptr, groups_ptr, plan_f
         else:
             mode = MODE_GATHER
             floor_z = top - SEARCH_DEPTH
-            cells = (i * num_chunks + c[:, None]).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)[None, :]
-            maxima = tl.load(groups_ptr + cells, mask=valid[:, None], other=float("-inf"))
+            cells = groups_ptr + (i * num_chunks + c[:, None]).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)[None, :]
             if has_k:
+                maxima = tl.load(cells, mask=valid[:, None], other=float("-inf"))
                 lo = _count_bound(maxima, tl.load(entry + C_TOP_K), floor_z, top, ROUNDS)
             else:
                 masses = tl.load(part_f_ptr + at + P_MASS, mask=valid, other=0.0)
                 total = tl.sum(tl.where(tops > float("-inf"), masses * tl.exp(tops - top), 0.0))
                 limit = _float_at(entry, C_TOP_P) * total
-                lo = _mass_bound(maxima, limit * (1.0 + MASS_MARGIN), floor_z, top, ROUNDS)
+                lo = _mass_bound(cells, valid[:, None], limit * (1.0 + MASS_MARGIN), floor_z, top, ROUNDS)
             # min-p may thin the gather unless top-p must weigh the whole top-k set
             filtered = (((flags & F_MIN_P) != 0) & ((has_k & has_p) == 0)).to(tl.int32)
     plan_f = plan_f_ptr + i * PLAN
@@ -822,6 +848,7 @@ def _gather_min_p(entry, flags, plan_i_ptr, i):
 def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
                    part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, values_ptr, ids_ptr, vocab, chunk, num_chunks,
                    CAP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+    """G: a restricted draw's tile ([G, 4] tokens), small so that its noise skips more tiles."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     mode = tl.load(plan_i_ptr + i * PLAN + L_MODE)
@@ -834,10 +861,17 @@ def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
         top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
         out = (i * num_chunks + c) * PARTS
         if mode == MODE_GATHER:
-            count, mass = _gather(raw, processed, use_processed, start, end, inv_t, tl.load(plan_f_ptr + i * PLAN),
-                                  float("inf"), top, _gather_min_p(entry, flags, plan_i_ptr, i),
-                                  plan_i_ptr + i * PLAN + L_GATHERED, values_ptr + i.to(tl.int64) * CAP,
-                                  ids_ptr + i.to(tl.int64) * CAP, CAP, BLOCK)
+            lo = tl.load(plan_f_ptr + i * PLAN + L_LO)
+            log_min_p = _gather_min_p(entry, flags, plan_i_ptr, i)
+            count_ptr = plan_i_ptr + i * PLAN + L_GATHERED
+            values = values_ptr + i.to(tl.int64) * CAP
+            ids = ids_ptr + i.to(tl.int64) * CAP
+            if (flags & F_TOP_P) != 0:   # a bracket then weighs the gathered mass
+                count, mass = _gather(raw, processed, use_processed, start, end, inv_t, lo, float("inf"), top,
+                                      log_min_p, count_ptr, values, ids, True, CAP, BLOCK)
+            else:
+                count, mass = _gather(raw, processed, use_processed, start, end, inv_t, lo, float("inf"), top,
+                                      log_min_p, count_ptr, values, ids, False, CAP, BLOCK)
             tl.store(part_i_ptr + out + P_GATHERED, count)
             tl.store(part_f_ptr + out + P_GATHERED_MASS, mass)
         else:
@@ -896,7 +930,7 @@ def _bracket_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_pt
             log_min_p = _gather_min_p(entry, flags, plan_i_ptr, i)
             _gather(raw, processed, use_processed, start, end, inv_t, lo, hi, top, log_min_p,
                     plan_i_ptr + i * PLAN + L_BRACKETED, values_ptr + i.to(tl.int64) * CAP,
-                    ids_ptr + i.to(tl.int64) * CAP, CAP, BLOCK)
+                    ids_ptr + i.to(tl.int64) * CAP, False, CAP, BLOCK)
             best, at = _restricted_best(raw, processed, use_processed, start, end, inv_t, tl.load(keys_ptr + row),
                                         tl.load(counters_ptr + row), hi, top, log_min_p, G)
             out = (i * num_chunks + c) * PARTS
@@ -935,7 +969,7 @@ def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
                    counts_ptr, part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr, values_ptr,
                    ids_ptr, tokens_ptr, logprobs_ptr, last_sampled_ptr, cuts_ptr, vocab, num_chunks,
                    CHUNKS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                   CAP: tl.constexpr, SMALL: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+                   CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, MAX_ROUNDS: tl.constexpr):
     i = tl.program_id(0)
     row, entry, flags = _row(rows_ptr, table_ptr, i)
     raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
@@ -972,7 +1006,7 @@ def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
     elif mode == MODE_GATHER:
         token, cut, alone = _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr,
                                             values, ids, i, num_chunks, flags, top_k, top_p, log_min_p, key, counter,
-                                            top, CHUNKS, CAP, SMALL, NUM_PIVOTS)
+                                            top, CHUNKS, CAP, SMALL, MID, NUM_PIVOTS)
     if alone != 0:
         token = _draw_alone(raw, processed, use_processed & (alone == 1), vocab, inv_t, key, counter, flags, top_k,
                             top_p, log_min_p, values, G, BLOCK, NUM_PIVOTS, CAP, MAX_ROUNDS)
