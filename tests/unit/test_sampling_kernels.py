@@ -153,6 +153,8 @@ def adversarial_rows(vocab: int) -> tuple[list[SamplingOptions], torch.Tensor]:
              (spread, dict(top_p=1.0, temperature=2.0)), (spread, dict(top_p=0.8, min_p=0.05)),
              (spread, dict(top_k=12)), (pairs, dict(top_k=10)), (spread, dict(min_p=0.9)),
              (spread, dict(top_k=8, top_p=0.6, min_p=0.3)), (shelf, dict(top_k=8, top_p=0.7, min_p=0.3)),
+             (spread, dict(top_k=30, top_p=0.99, min_p=0.5, temperature=3.0)),
+             (masked, dict(top_k=15, top_p=0.95, min_p=0.4, temperature=2.0)),
              (near_flat, dict(min_p=0.999)), (near_flat, dict(top_p=0.95, min_p=0.999))]
     options = [SamplingOptions(seed=200 + i, **c) for i, (_, c) in enumerate(cases)]
     return options, torch.stack([row for row, _ in cases])
@@ -165,7 +167,7 @@ def paths(sampler, n: int) -> list[str]:
 
     plan = sampler.plan_i.view(-1, kernels.NUM_PLAN)[:n].tolist()
     names = []
-    for (mode, _, gathered, _), cut in zip(plan, sampler.cuts[:n].tolist()):
+    for (mode, gathered, _, _), cut in zip(plan, sampler.cuts[:n].tolist()):
         if mode != kernels.MODE_GATHER.value:
             names.append("min-p" if mode == kernels.MODE_MIN_P.value else "none")
         else:

@@ -17,7 +17,8 @@ reads the row's logits once; the others read a few numbers per row):
   which L2 still holds). The raw logits' log-sum-exp, for the sampled token's logprob.
 - `_plan_kernel` (per row): from the group maxima, a bound lo below which no token is kept. Top-k:
   k groups reach lo, so k tokens do. Top-p without top-k: the maxima above lo alone hold the mass
-  p * total, so the tokens above lo do. Bisected to within 30 nats / 2**ROUNDS of the best bound.
+  p * total, so the tokens above lo do. Bisected to within 30 nats / 2**ROUNDS of the best bound;
+  min-p raises it to just below its own threshold (unless top-p must weigh the whole top-k set).
 - `_gather_kernel` (a pass): top-k/top-p rows append every token with z >= lo (value, id) to the
   row's buffer (places taken by an atomic counter; only the set matters, not its order). Min-p
   rows, whose cut is exact once the top is known, draw here, noise only for tiles with kept tokens.
@@ -82,6 +83,7 @@ ROW_COLUMNS = tl.constexpr(NUM_COLUMNS)
 SEARCH_DEPTH = tl.constexpr(30.0)   # nats below the top where a truncating row stops looking
 NO_TOKEN = tl.constexpr(2 ** 30)
 MASS_MARGIN = tl.constexpr(1e-3)    # the top-p bound's slack over float32 rounding of mass sums
+MIN_P_SLACK = tl.constexpr(1e-5)    # a gather's min-p bound sits this far (relative) below the exact test
 
 # Values per (row, chunk) in the partials buffers. Floats: the best score, the top z, the raw
 # logits' max and sum of exp, the top-p survey's mass, the gathered mass, a restricted draw's
@@ -93,11 +95,11 @@ P_MASS, P_GATHERED_MASS, P_DRAWN = tl.constexpr(4), tl.constexpr(5), tl.constexp
 P_TOKEN, P_BAD, P_GATHERED, P_DRAWN_TOKEN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 # A row's plan. Floats: lo, the top z, the top-p limit (p * total mass, top-p without top-k);
-# ints: the mode, whether min-p filters the gather, the gathered count, the bracket's count.
+# ints: the mode, the gathered count, the bracket's count.
 NUM_PLAN = 4
 PLAN = tl.constexpr(NUM_PLAN)
 L_LO, L_TOP, L_LIMIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-L_MODE, L_FILTERED, L_GATHERED, L_BRACKETED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+L_MODE, L_GATHERED, L_BRACKETED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 MODE_NONE = tl.constexpr(0)         # greedy, plain and unusable rows: nothing between scan and finish
 MODE_GATHER = tl.constexpr(1)       # top-k or top-p (with or without min-p)
 MODE_MIN_P = tl.constexpr(2)        # min-p alone
@@ -234,17 +236,16 @@ def _restricted_best(raw_ptr, processed_ptr, use_processed, start, end, inv_t, k
 
 
 @triton.jit
-def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, top, log_min_p, count_ptr,
-            values_ptr, ids_ptr, MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Appends the tokens of [start, end) with lo <= z < hi and z - top >= log_min_p (z, id) to the
-    row's buffer, at places taken from the row's counter (its first CAP; the counter counts on).
+def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, top, count_ptr, values_ptr, ids_ptr,
+            MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Appends the tokens of [start, end) with lo <= z < hi (z, id) to the row's buffer, at places taken from the row's counter (its first CAP; the counter counts on).
     Returns how many there were and (MASS) their mass exp(z - top)."""
     count = 0
     mass = tl.zeros([BLOCK], tl.float32)
     for base in range(start, end, BLOCK):
         tokens = base + tl.arange(0, BLOCK)
         z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
-        take = (z >= lo) & (z < hi) & (z - top >= log_min_p)   # masked tokens are -inf, below lo
+        take = (z >= lo) & (z < hi)   # masked tokens are -inf, below lo
         taken = tl.sum(take.to(tl.int32))
         if taken > 0:
             first = tl.atomic_add(count_ptr, taken)
@@ -308,16 +309,15 @@ def _pivots(lo, top, P: tl.constexpr):
 
 
 @triton.jit
-def _pivot_stats(raw_ptr, processed_ptr, use_processed, start, end, inv_t, pivots, top, log_min_p,
-                 MASS: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr):
-    """Per pivot, the tokens of [start, end) with z >= pivot and z - top >= log_min_p: how many and
-    (MASS) their mass exp(z - top)."""
+def _pivot_stats(raw_ptr, processed_ptr, use_processed, start, end, inv_t, pivots, top, MASS: tl.constexpr,
+                 BLOCK: tl.constexpr, P: tl.constexpr):
+    """Per pivot, the tokens of [start, end) with z >= pivot: how many and (MASS) their mass exp(z - top)."""
     counts = tl.zeros([BLOCK, P], tl.int32)
     masses = tl.zeros([BLOCK, P], tl.float32)
     for base in range(start, end, BLOCK):
         tokens = base + tl.arange(0, BLOCK)
         z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
-        at_least = (z[:, None] >= pivots[None, :]) & (z - top >= log_min_p)[:, None]
+        at_least = z[:, None] >= pivots[None, :]
         counts += at_least.to(tl.int32)
         if MASS:
             masses += tl.where(at_least, tl.exp(z - top)[:, None], 0.0)
@@ -806,7 +806,6 @@ def _plan_kernel(rows_ptr, table_ptr, part_f_ptr, part_i_ptr, groups_ptr, plan_f
     mode = MODE_NONE
     lo = float("-inf")
     limit = 0.0
-    filtered = 0
     if truncating & (bad == 0) & (top > float("-inf")):
         has_k = (flags & F_TOP_K) != 0
         has_p = (flags & F_TOP_P) != 0
@@ -824,24 +823,23 @@ def _plan_kernel(rows_ptr, table_ptr, part_f_ptr, part_i_ptr, groups_ptr, plan_f
                 total = tl.sum(tl.where(tops > float("-inf"), masses * tl.exp(tops - top), 0.0))
                 limit = _float_at(entry, C_TOP_P) * total
                 lo = _mass_bound(cells, valid[:, None], limit * (1.0 + MASS_MARGIN), floor_z, top, ROUNDS)
-            # min-p may thin the gather unless top-p must weigh the whole top-k set
-            filtered = (((flags & F_MIN_P) != 0) & ((has_k & has_p) == 0)).to(tl.int32)
+            if ((flags & F_MIN_P) != 0) & ((has_k & has_p) == 0):   # top-p over top-k weighs all the top k
+                log_min_p = _float_at(entry, C_LOG_MIN_P)
+                lo = tl.maximum(lo, top + log_min_p - MIN_P_SLACK * (1.0 + tl.abs(top) + tl.abs(log_min_p)))
     plan_f = plan_f_ptr + i * PLAN
     plan_i = plan_i_ptr + i * PLAN
     tl.store(plan_f + L_LO, lo)
     tl.store(plan_f + L_TOP, top)
     tl.store(plan_f + L_LIMIT, limit)
     tl.store(plan_i + L_MODE, mode)
-    tl.store(plan_i + L_FILTERED, filtered)
     tl.store(plan_i + L_GATHERED, 0)
     tl.store(plan_i + L_BRACKETED, 0)
 
 
 @triton.jit
-def _gather_min_p(entry, flags, plan_i_ptr, i):
-    """The log(min_p) a row's gather, brackets and restricted draws apply (-inf: none)."""
-    filtered = ((flags & F_MIN_P) != 0) & (tl.load(plan_i_ptr + i * PLAN + L_FILTERED) != 0)
-    return tl.where(filtered, _float_at(entry, C_LOG_MIN_P), float("-inf"))
+def _log_min_p(entry, flags):
+    """The row's log(min_p); -inf without min-p."""
+    return tl.where((flags & F_MIN_P) != 0, _float_at(entry, C_LOG_MIN_P), float("-inf"))
 
 
 @triton.jit
@@ -862,16 +860,15 @@ def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
         out = (i * num_chunks + c) * PARTS
         if mode == MODE_GATHER:
             lo = tl.load(plan_f_ptr + i * PLAN + L_LO)
-            log_min_p = _gather_min_p(entry, flags, plan_i_ptr, i)
             count_ptr = plan_i_ptr + i * PLAN + L_GATHERED
             values = values_ptr + i.to(tl.int64) * CAP
             ids = ids_ptr + i.to(tl.int64) * CAP
             if (flags & F_TOP_P) != 0:   # a bracket then weighs the gathered mass
                 count, mass = _gather(raw, processed, use_processed, start, end, inv_t, lo, float("inf"), top,
-                                      log_min_p, count_ptr, values, ids, True, CAP, BLOCK)
+                                      count_ptr, values, ids, True, CAP, BLOCK)
             else:
                 count, mass = _gather(raw, processed, use_processed, start, end, inv_t, lo, float("inf"), top,
-                                      log_min_p, count_ptr, values, ids, False, CAP, BLOCK)
+                                      count_ptr, values, ids, False, CAP, BLOCK)
             tl.store(part_i_ptr + out + P_GATHERED, count)
             tl.store(part_f_ptr + out + P_GATHERED_MASS, mass)
         else:
@@ -896,13 +893,12 @@ def _pivot_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr,
         inv_t = _float_at(entry, C_INV_TEMPERATURE)
         top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
         pivots = _pivots(tl.load(plan_f_ptr + i * PLAN + L_LO), top, P)
-        log_min_p = _gather_min_p(entry, flags, plan_i_ptr, i)
         if (flags & F_TOP_P) != 0:
-            counts, masses = _pivot_stats(raw, processed, use_processed, start, end, inv_t, pivots, top, log_min_p,
-                                          True, BLOCK, P)
+            counts, masses = _pivot_stats(raw, processed, use_processed, start, end, inv_t, pivots, top, True,
+                                          BLOCK, P)
         else:
-            counts, masses = _pivot_stats(raw, processed, use_processed, start, end, inv_t, pivots, top, log_min_p,
-                                          False, BLOCK, P)
+            counts, masses = _pivot_stats(raw, processed, use_processed, start, end, inv_t, pivots, top, False,
+                                          BLOCK, P)
         cells = (i * num_chunks + c) * P + tl.arange(0, P)
         tl.store(pivot_n_ptr + cells, counts)
         tl.store(pivot_m_ptr + cells, masses)
@@ -927,12 +923,10 @@ def _bracket_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_pt
             end = tl.minimum(start + chunk, vocab)
             raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
             inv_t = _float_at(entry, C_INV_TEMPERATURE)
-            log_min_p = _gather_min_p(entry, flags, plan_i_ptr, i)
-            _gather(raw, processed, use_processed, start, end, inv_t, lo, hi, top, log_min_p,
-                    plan_i_ptr + i * PLAN + L_BRACKETED, values_ptr + i.to(tl.int64) * CAP,
-                    ids_ptr + i.to(tl.int64) * CAP, False, CAP, BLOCK)
+            _gather(raw, processed, use_processed, start, end, inv_t, lo, hi, top, plan_i_ptr + i * PLAN + L_BRACKETED,
+                    values_ptr + i.to(tl.int64) * CAP, ids_ptr + i.to(tl.int64) * CAP, False, CAP, BLOCK)
             best, at = _restricted_best(raw, processed, use_processed, start, end, inv_t, tl.load(keys_ptr + row),
-                                        tl.load(counters_ptr + row), hi, top, log_min_p, G)
+                                        tl.load(counters_ptr + row), hi, top, _log_min_p(entry, flags), G)
             out = (i * num_chunks + c) * PARTS
             tl.store(part_f_ptr + out + P_DRAWN, best)
             tl.store(part_i_ptr + out + P_DRAWN_TOKEN, at)
@@ -978,7 +972,7 @@ def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
     counter = tl.load(counters_ptr + row)
     top_k = tl.load(entry + C_TOP_K)
     top_p = _float_at(entry, C_TOP_P)
-    log_min_p = tl.where((flags & F_MIN_P) != 0, _float_at(entry, C_LOG_MIN_P), float("-inf"))
+    log_min_p = _log_min_p(entry, flags)
     values = values_ptr + i.to(tl.int64) * CAP
     ids = ids_ptr + i.to(tl.int64) * CAP
     token, top, bad, raw_top, raw_sum = _combined_scan(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
