@@ -160,21 +160,6 @@ def adversarial_rows(vocab: int) -> tuple[list[SamplingOptions], torch.Tensor]:
     return options, torch.stack([row for row, _ in cases])
 
 
-def paths(sampler, n: int) -> list[str]:
-    """How each of the first n rows of the last call found its cut: "gathered" (its kept set fit the
-    buffer), "bracketed", "alone" (the single-program search), "min-p" or "none" (no truncation)."""
-    from worker_svc.layers import sampling_kernels as kernels
-
-    plan = sampler.plan_i.view(-1, kernels.NUM_PLAN)[:n].tolist()
-    names = []
-    for (mode, gathered, _, _), cut in zip(plan, sampler.cuts[:n].tolist()):
-        if mode != kernels.MODE_GATHER.value:
-            names.append("min-p" if mode == kernels.MODE_MIN_P.value else "none")
-        else:
-            names.append("alone" if math.isnan(cut) else "gathered" if gathered <= sampler.gather_cap else "bracketed")
-    return names
-
-
 def kept_by_cut(logits_row: torch.Tensor, options: SamplingOptions, cut: float) -> np.ndarray:
     """The kept set a kernel's cut stands for: z >= cut and, with min-p, z - max z >= log(min_p)."""
     z = logits_row.float().numpy() * np.float32(1.0 / options.temperature)
@@ -194,7 +179,7 @@ def test_kept_sets_and_tokens_equal_the_replicas_on_adversarial_rows(gather_cap)
         sampler.add(row, [1] * (3 + row), 3, o)
     tokens, _, _ = sample(sampler, logits, list(range(len(options))))
     assert tokens == [replica_token(logits[r], o, r) for r, o in enumerate(options)]
-    taken = paths(sampler, len(options))
+    taken = sampler.cut_paths(len(options))
     for row, (o, path) in enumerate(zip(options, taken)):
         z = logits[row].numpy() * np.float32(1.0 / o.temperature)
         expected = replica.kept(z, top_k=o.top_k, top_p=o.top_p, min_p=o.min_p)
@@ -219,7 +204,7 @@ def test_a_row_draws_the_same_token_whichever_way_it_finds_its_cut():
             sampler.add(row, [1] * (3 + row), 3, o)
         tokens, _, _ = sample(sampler, logits, list(range(len(options))))
         assert tokens == expected, f"gather_cap {gather_cap}"
-        taken |= set(paths(sampler, len(options)))
+        taken |= set(sampler.cut_paths(len(options)))
     assert {"gathered", "bracketed", "min-p"} <= taken
 
 

@@ -37,7 +37,8 @@ GATHER_CAP = 4096     # tokens a truncating row gathers, sorts and draws from (i
 SORT_SIZES = (256, 1024)   # smaller sorts of a gathered set that fits them
 GROUP_LANES = 2       # lanes of a scan tile's row whose maxima make one group (16 tokens at CHUNK 8192)
 PLAN_ROUNDS = 16      # bisection steps of a truncating row's bound (30 nats / 2**16)
-NUM_PIVOTS = 8        # pivots counted in one pass: the bracket of an overflowing row, the one-program search
+BRACKET_PIVOTS = 16   # pivots between a row's bound and its top, counted in one pass, when its gather overflows
+NUM_PIVOTS = 4        # pivots the one-program search counts per pass over a row
 MAX_ROUNDS = 24       # passes after which the one-program search keeps what it knows is kept
 
 def wanted(mode: str, device: torch.device, tensor_parallel_size: int) -> bool:
@@ -179,20 +180,34 @@ class DeviceSampler:
             CAP=self.gather_cap, G=min(128, self._tile), BLOCK=block, num_warps=4)
         kernels._pivot_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.plan_f, self.plan_i, self.pivot_n,
-            self.pivot_m, vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, P=NUM_PIVOTS,
+            self.pivot_m, vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, P=BRACKET_PIVOTS,
             BLOCK=min(512, block), num_warps=4)
         kernels._bracket_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.pivot_n, self.pivot_m, self.gathered, self.gathered_ids,
-            vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=NUM_PIVOTS,
+            vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=BRACKET_PIVOTS,
             G=min(128, self._tile), BLOCK=block, num_warps=4)
         kernels._finish_kernel[(n,)](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
             self.penalties.output_counts, self.part_f, self.part_i, self.plan_f, self.plan_i, self.pivot_n,
             self.pivot_m, self.gathered, self.gathered_ids, tokens, logprobs, last_sampled, self.cuts, vocab,
-            self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, block), NUM_PIVOTS=NUM_PIVOTS,
+            self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, block), BRACKET_PIVOTS=BRACKET_PIVOTS,
+            NUM_PIVOTS=NUM_PIVOTS,
             CAP=self.gather_cap, SMALL=min(SORT_SIZES[0], self.gather_cap), MID=min(SORT_SIZES[1], self.gather_cap),
             MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
+
+    def cut_paths(self, n: int) -> list[str]:
+        """How each of the last call's first n rows found its cut (benchmarks and tests; waits for
+        the device): "gathered" (its kept set fit the buffer), "bracketed" (pivots, then the
+        bracket), "alone" (the one-program search), "min-p" (min-p alone), "none" (no truncation)."""
+        plan = self.plan_i.view(-1, kernels.NUM_PLAN)[:n].tolist()
+        paths = []
+        for (mode, gathered, _, _), cut in zip(plan, self.cuts[:n].tolist()):
+            if mode != kernels.MODE_GATHER.value:
+                paths.append("min-p" if mode == kernels.MODE_MIN_P.value else "none")
+            else:
+                paths.append("alone" if math.isnan(cut) else "gathered" if gathered <= self.gather_cap else "bracketed")
+        return paths
 
     def probabilities(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The distribution each row would draw from ([n, vocab] float32; greedy rows one-hot), by
@@ -267,8 +282,8 @@ class DeviceSampler:
         self.groups = torch.zeros(rows * self.num_chunks * self._groups, dtype=torch.float32, device=self.device)
         self.plan_f = torch.zeros(rows * kernels.NUM_PLAN, dtype=torch.float32, device=self.device)
         self.plan_i = torch.zeros(rows * kernels.NUM_PLAN, dtype=torch.int32, device=self.device)
-        self.pivot_n = torch.zeros(rows * self.num_chunks * NUM_PIVOTS, dtype=torch.int32, device=self.device)
-        self.pivot_m = torch.zeros(rows * self.num_chunks * NUM_PIVOTS, dtype=torch.float32, device=self.device)
+        self.pivot_n = torch.zeros(rows * self.num_chunks * BRACKET_PIVOTS, dtype=torch.int32, device=self.device)
+        self.pivot_m = torch.zeros(rows * self.num_chunks * BRACKET_PIVOTS, dtype=torch.float32, device=self.device)
         self.gathered = torch.zeros(rows * self.gather_cap, dtype=torch.float32, device=self.device)
         self.gathered_ids = torch.zeros(rows * self.gather_cap, dtype=torch.int32, device=self.device)
         self.cuts = torch.zeros(rows, dtype=torch.float32, device=self.device)   # each row's cut (tests read it)
