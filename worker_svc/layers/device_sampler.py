@@ -33,6 +33,7 @@ from worker_svc.row_pool import RowPool, grown_capacity
 logger = logging.getLogger(__name__)
 
 CHUNK = 8192          # tokens of a row per program of the vocabulary-wide passes
+ITEM_PROGRAMS = 1024  # programs of a pass that loops over (row, chunk) items: idle, it launches few
 GATHER_CAP = 4096     # tokens a truncating row gathers, sorts and draws from (its kept set, with slack)
 SORT_SIZES = (256, 1024)   # smaller sorts of a gathered set that fits them
 GROUP_LANES = 2       # lanes of a scan tile's row whose maxima make one group (16 tokens at CHUNK 8192)
@@ -56,14 +57,15 @@ def _bits(value: float) -> int:
 
 class DeviceSampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, capacity: int = 256,
-                 max_rows: int = 256, chunk: int = CHUNK, gather_cap: int = GATHER_CAP) -> None:
+                 max_rows: int = 256, chunk: int = CHUNK, gather_cap: int = GATHER_CAP,
+                 item_programs: int = ITEM_PROGRAMS) -> None:
         if chunk % 4:
             raise ValueError(f"chunk must be a multiple of 4, got {chunk}")
         if gather_cap & (gather_cap - 1):
             raise ValueError(f"gather_cap must be a power of 2, got {gather_cap}")
         self.vocab_size, self.device = vocab_size, device
         self.chunk = min(chunk, -(-vocab_size // 4) * 4)
-        self.gather_cap = gather_cap
+        self.gather_cap, self.item_programs = gather_cap, item_programs
         self.num_chunks = -(-vocab_size // self.chunk)
         self._tile = min(256, triton.next_power_of_2(self.chunk) // 4)   # [tile, 4] tokens per step
         self._groups = self._tile * 4 // GROUP_LANES                      # group maxima per chunk
@@ -161,11 +163,13 @@ class DeviceSampler:
         if n > self.max_rows:
             self._grow_scratch(n)
         grid = (n, self.num_chunks)
+        items = n * self.num_chunks   # the passes most rows skip loop over items, on fewer programs
+        looping = (min(items, self.item_programs),)
         chunks = triton.next_power_of_2(self.num_chunks)
         block = min(1024, 4 * self._tile)
-        kernels._penalize_kernel[grid](
+        kernels._penalize_kernel[looping](
             logits, logits.stride(0), self.processed, rows, self.table, self.penalties.prompt_mask,
-            self.penalties.output_counts, self.bias_ids, self.bias_values, vocab, self.chunk,
+            self.penalties.output_counts, self.bias_ids, self.bias_values, vocab, self.chunk, self.num_chunks, items,
             MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=block, num_warps=4)
         kernels._scan_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
@@ -174,18 +178,18 @@ class DeviceSampler:
         kernels._plan_kernel[(n,)](
             rows, self.table, self.part_f, self.part_i, self.groups, self.plan_f, self.plan_i, self.num_chunks,
             CHUNKS=chunks, GROUPS=self._groups, ROUNDS=PLAN_ROUNDS, num_warps=16 if chunks * self._groups > 8192 else 8)
-        kernels._gather_kernel[grid](
+        kernels._gather_kernel[looping](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.gathered, self.gathered_ids, vocab, self.chunk, self.num_chunks,
-            CAP=self.gather_cap, G=min(128, self._tile), BLOCK=block, num_warps=4)
-        kernels._pivot_kernel[grid](
+            items, CAP=self.gather_cap, G=min(128, self._tile), BLOCK=block, num_warps=4)
+        kernels._pivot_kernel[looping](
             logits, logits.stride(0), self.processed, rows, self.table, self.plan_f, self.plan_i, self.pivot_n,
-            self.pivot_m, vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, P=BRACKET_PIVOTS,
+            self.pivot_m, vocab, self.chunk, self.num_chunks, items, CAP=self.gather_cap, P=BRACKET_PIVOTS,
             BLOCK=min(512, block), num_warps=4)
-        kernels._bracket_kernel[grid](
+        kernels._bracket_kernel[looping](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.pivot_n, self.pivot_m, self.gathered, self.gathered_ids,
-            vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=BRACKET_PIVOTS,
+            vocab, self.chunk, self.num_chunks, items, CAP=self.gather_cap, CHUNKS=chunks, P=BRACKET_PIVOTS,
             G=min(128, self._tile), BLOCK=block, num_warps=4)
         kernels._finish_kernel[(n,)](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
@@ -194,7 +198,7 @@ class DeviceSampler:
             self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, block), BRACKET_PIVOTS=BRACKET_PIVOTS,
             NUM_PIVOTS=NUM_PIVOTS,
             CAP=self.gather_cap, SMALL=min(SORT_SIZES[0], self.gather_cap), MID=min(SORT_SIZES[1], self.gather_cap),
-            MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
+            MAX_ROUNDS=MAX_ROUNDS, num_warps=16)
 
     def cut_paths(self, n: int) -> list[str]:
         """How each of the last call's first n rows found its cut (benchmarks and tests; waits for
