@@ -26,22 +26,26 @@ reads the row's logits once; the others read a few numbers per row):
   top-k or top-p but not both): counts (and masses) at pivots between lo and the top bracket the
   cut; the bracket's candidates are gathered and the tokens above it drawn from (noise as above).
 - `_finish_kernel` (per row): sorts the gathered values, finds the exact cut and draws over the
-  kept gathered tokens (noise for those alone). A row that overflowed both (or with top-k and
-  top-p both) takes the single-program search: an unrestricted draw, counts at it, and when it is
-  not kept, pivot rounds to the cut and a redraw over the kept set. It then advances the row's
+  kept gathered tokens (noise for those alone). A row whose bracket overflowed too (or with top-k
+  and top-p both) takes the single-program search: an unrestricted draw, counts at it, and when it
+  is not kept, pivot rounds to the cut and a redraw over the kept set. It then advances the row's
   counter, stores the token as the row's newest and counts it into the row's penalty table.
+The passes that most rows skip (penalties, gather, pivots, bracket) loop over (row, chunk) items on
+a bounded number of programs, so that skipping costs little.
 
-Passes over a row's logits, before this scheme (the verify pass and the single-program search) and
-now (the penalty pass, when a row has one, comes on top of both):
+Passes over a row's logits per call, before this scheme (a verify pass, then one program per row
+searching) and now; a penalty pass comes on top of both, for rows with penalties or a bias:
 - temperature: 1 -> 1.
-- min-p: 1, or 2 when the draw fails min-p (the redraw, one program per row) -> 2 (the second
-  computes noise only in tiles holding a kept token).
-- top-k, top-p: 2 (draw, verify), then when the draw is not kept 2 + R search passes of one
-  program per row (R >= 1 pivot rounds of 4 pivots until <= 2,048 candidates; 1 more for top-p's
-  mass) -> 2 whenever the gathered set fits the buffer (top-k below about the buffer's size;
-  top-p whose kept set does, with slack); 4 when it overflows (top-k or top-p alone); the old
-  search's 3 + R single-program passes when the bracket overflows too, or for top-k and top-p
-  together past the buffer (many ties at the cut, k in the thousands): the bounded worst case.
+- min-p: 1, or 2 when the draw fails min-p (the redraw: one program, noise for every token) ->
+  2 (noise only in the tiles holding a kept token).
+- top-k, top-p: 2 (draw, verify), and when the draw is not kept, 2 + R more by one program per
+  row for top-k, 3 + R for top-p (R >= 1 rounds of 4 pivots until <= 2,048 candidates, their
+  gather, top-p's mass, the redraw with noise for every token) -> 2 (+ top-p alone re-reads each
+  chunk from L2 for the mass) when the gathered set fits the buffer: top-k with k below ~4,000,
+  top-p whose kept set is smaller than that with slack; 4 when it overflows (top-k or top-p
+  alone); when the bracket overflows too, or with top-k and top-p both past the buffer (thousands
+  of ties at the cut), the single-program search as before: 2 passes, + R + 2 or 3 when its draw
+  is not kept. That is the bounded worst case (MAX_ROUNDS pivot rounds at most).
 
 The kept set is {z >= cut} (ties at the cut are kept together): top-k keeps the tokens fewer than
 k others beat; top-p, applied over the top-k set renormalised, keeps the tokens that the mass of
@@ -238,25 +242,28 @@ def _restricted_best(raw_ptr, processed_ptr, use_processed, start, end, inv_t, k
 @triton.jit
 def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, top, count_ptr, values_ptr, ids_ptr,
             MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Appends the tokens of [start, end) with lo <= z < hi (z, id) to the row's buffer, at places taken from the row's counter (its first CAP; the counter counts on).
-    Returns how many there were and (MASS) their mass exp(z - top)."""
-    count = 0
-    mass = tl.zeros([BLOCK], tl.float32)
+    """Appends the tokens of [start, end) with lo <= z < hi (z, id) to the row's buffer at places
+    taken from the row's counter (the first CAP are stored; the counter counts on). Returns how
+    many there were and (MASS) their mass exp(z - top). Tiles of [BLOCK // 8, 8]: a thread holds a
+    row of 8 (one vector load), counts it, takes its places with one atomic when it has a token and
+    numbers them by itself; sm_90 code then needs no barrier (0.7 warp instructions a token)."""
+    count = tl.zeros([BLOCK // 8, 8], tl.int32)
+    mass = tl.zeros([BLOCK // 8, 8], tl.float32)
+    counter = count_ptr + tl.zeros([BLOCK // 8], tl.int32)
     for base in range(start, end, BLOCK):
-        tokens = base + tl.arange(0, BLOCK)
+        tokens = base + 8 * tl.arange(0, BLOCK // 8)[:, None] + tl.arange(0, 8)[None, :]
         z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
-        take = (z >= lo) & (z < hi)   # masked tokens are -inf, below lo
-        taken = tl.sum(take.to(tl.int32))
-        if taken > 0:
-            first = tl.atomic_add(count_ptr, taken)
-            position = first + tl.cumsum(take.to(tl.int32), 0) - 1
-            stored = take & (position < CAP)
-            tl.store(values_ptr + position, z, mask=stored)
-            tl.store(ids_ptr + position, tokens, mask=stored)
-        count += taken
+        take = ((z >= lo) & (z < hi)).to(tl.int32)   # masked tokens are -inf, below lo
+        mine = tl.sum(take, axis=1)
+        first = tl.atomic_add(counter, mine, mask=mine > 0)
+        position = first[:, None] + tl.cumsum(take, 1) - take
+        stored = (take != 0) & (position < CAP)
+        tl.store(values_ptr + position, z, mask=stored)
+        tl.store(ids_ptr + position, tokens, mask=stored)
+        count += take
         if MASS:
-            mass += tl.where(take, tl.exp(z - top), 0.0)
-    return count, tl.sum(mass)
+            mass += tl.where(take != 0, tl.exp(z - top), 0.0)
+    return tl.sum(count), tl.sum(mass)
 
 
 @triton.jit
