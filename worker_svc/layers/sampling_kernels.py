@@ -42,7 +42,7 @@ searching) and now; a penalty pass comes on top of both, for rows with penalties
   row for top-k, 3 + R for top-p (R >= 1 rounds of 4 pivots until <= 2,048 candidates, their
   gather, top-p's mass, the redraw with noise for every token) -> 2 (+ top-p alone re-reads each
   chunk from L2 for the mass) when the gathered set fits the buffer: top-k with k below ~4,000,
-  top-p whose kept set is smaller than that with slack; 4 when it overflows (top-k or top-p
+  top-p whose kept set and its bound's slack do; 4 when it overflows (top-k or top-p
   alone); when the bracket overflows too, or with top-k and top-p both past the buffer (thousands
   of ties at the cut), the single-program search as before: 2 passes, + R + 2 or 3 when its draw
   is not kept. That is the bounded worst case (MAX_ROUNDS pivot rounds at most).
@@ -255,7 +255,7 @@ def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, to
         z = _load_scores(raw_ptr, processed_ptr, use_processed, tokens, tokens < end) * inv_t
         take = ((z >= lo) & (z < hi)).to(tl.int32)   # masked tokens are -inf, below lo
         mine = tl.sum(take, axis=1)
-        first = tl.atomic_add(counter, mine, mask=mine > 0)
+        first = tl.atomic_add(counter, mine, mask=mine > 0, sem="relaxed")   # a place, no order
         position = first[:, None] + tl.cumsum(take, 1) - take
         stored = (take != 0) & (position < CAP)
         tl.store(values_ptr + position, z, mask=stored)
