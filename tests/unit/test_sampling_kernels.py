@@ -41,9 +41,9 @@ def interpreted_like_a_gpu():
 def device_sampler(vocab: int, **settings):
     from worker_svc.layers.device_sampler import DeviceSampler
 
-    # 5 programs for the passes that loop over (row, chunk) items: each takes several
+    # the passes most rows skip run on fewer programs than chunks: a program takes several
     return DeviceSampler(vocab, DEVICE, **({"capacity": 32, "max_rows": 32, "chunk": 16, "gather_cap": 8,
-                                            "item_programs": 5} | settings))
+                                            "split_programs": 5} | settings))
 
 
 def sample(sampler, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float], torch.Tensor]:

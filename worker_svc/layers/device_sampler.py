@@ -33,7 +33,7 @@ from worker_svc.row_pool import RowPool, grown_capacity
 logger = logging.getLogger(__name__)
 
 CHUNK = 8192          # tokens of a row per program of the vocabulary-wide passes
-ITEM_PROGRAMS = 1024  # programs of a pass that loops over (row, chunk) items: idle, it launches few
+SPLIT_PROGRAMS = 1024  # programs of a pass most rows skip: S per row, each over every S-th chunk
 GATHER_CAP = 4096     # tokens a truncating row gathers, sorts and draws from (its kept set, with slack)
 SORT_SIZES = (256, 1024)   # smaller sorts of a gathered set that fits them
 GROUP_LANES = 2       # lanes of a scan tile's row whose maxima make one group (16 tokens at CHUNK 8192)
@@ -58,14 +58,14 @@ def _bits(value: float) -> int:
 class DeviceSampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, capacity: int = 256,
                  max_rows: int = 256, chunk: int = CHUNK, gather_cap: int = GATHER_CAP,
-                 item_programs: int = ITEM_PROGRAMS) -> None:
+                 split_programs: int = SPLIT_PROGRAMS) -> None:
         if chunk % 4:
             raise ValueError(f"chunk must be a multiple of 4, got {chunk}")
         if gather_cap & (gather_cap - 1):
             raise ValueError(f"gather_cap must be a power of 2, got {gather_cap}")
         self.vocab_size, self.device = vocab_size, device
         self.chunk = min(chunk, -(-vocab_size // 4) * 4)
-        self.gather_cap, self.item_programs = gather_cap, item_programs
+        self.gather_cap, self.split_programs = gather_cap, split_programs
         self.num_chunks = -(-vocab_size // self.chunk)
         self._tile = min(256, triton.next_power_of_2(self.chunk) // 4)   # [tile, 4] tokens per step
         self._groups = self._tile * 4 // GROUP_LANES                      # group maxima per chunk
@@ -163,13 +163,12 @@ class DeviceSampler:
         if n > self.max_rows:
             self._grow_scratch(n)
         grid = (n, self.num_chunks)
-        items = n * self.num_chunks   # the passes most rows skip loop over items, on fewer programs
-        looping = (min(items, self.item_programs),)
+        split = (n, max(1, min(self.num_chunks, self.split_programs // n)))   # for the passes most rows skip
         chunks = triton.next_power_of_2(self.num_chunks)
         block = min(1024, 4 * self._tile)
-        kernels._penalize_kernel[looping](
+        kernels._penalize_kernel[split](
             logits, logits.stride(0), self.processed, rows, self.table, self.penalties.prompt_mask,
-            self.penalties.output_counts, self.bias_ids, self.bias_values, vocab, self.chunk, self.num_chunks, items,
+            self.penalties.output_counts, self.bias_ids, self.bias_values, vocab, self.chunk, self.num_chunks,
             MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=block, num_warps=4)
         kernels._scan_kernel[grid](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
@@ -178,18 +177,18 @@ class DeviceSampler:
         kernels._plan_kernel[(n,)](
             rows, self.table, self.part_f, self.part_i, self.groups, self.plan_f, self.plan_i, self.num_chunks,
             CHUNKS=chunks, GROUPS=self._groups, ROUNDS=PLAN_ROUNDS, num_warps=16 if chunks * self._groups > 8192 else 8)
-        kernels._gather_kernel[looping](
+        kernels._gather_kernel[split](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.gathered, self.gathered_ids, vocab, self.chunk, self.num_chunks,
-            items, CAP=self.gather_cap, G=min(128, self._tile), BLOCK=block, num_warps=4)
-        kernels._pivot_kernel[looping](
+            CAP=self.gather_cap, G=min(128, self._tile), BLOCK=block, num_warps=4)
+        kernels._pivot_kernel[split](
             logits, logits.stride(0), self.processed, rows, self.table, self.plan_f, self.plan_i, self.pivot_n,
-            self.pivot_m, vocab, self.chunk, self.num_chunks, items, CAP=self.gather_cap, P=BRACKET_PIVOTS,
+            self.pivot_m, vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, P=BRACKET_PIVOTS,
             BLOCK=min(512, block), num_warps=4)
-        kernels._bracket_kernel[looping](
+        kernels._bracket_kernel[split](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.pivot_n, self.pivot_m, self.gathered, self.gathered_ids,
-            vocab, self.chunk, self.num_chunks, items, CAP=self.gather_cap, CHUNKS=chunks, P=BRACKET_PIVOTS,
+            vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=BRACKET_PIVOTS,
             G=min(128, self._tile), BLOCK=block, num_warps=4)
         kernels._finish_kernel[(n,)](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,

@@ -30,8 +30,8 @@ reads the row's logits once; the others read a few numbers per row):
   and top-p both) takes the single-program search: an unrestricted draw, counts at it, and when it
   is not kept, pivot rounds to the cut and a redraw over the kept set. It then advances the row's
   counter, stores the token as the row's newest and counts it into the row's penalty table.
-The passes that most rows skip (penalties, gather, pivots, bracket) loop over (row, chunk) items on
-a bounded number of programs, so that skipping costs little.
+The passes that most rows skip (penalties, gather, pivots, bracket) run S programs per row, each
+over every S-th chunk, so that a batch launches a bounded number of programs to skip them.
 
 Passes over a row's logits per call, before this scheme (a verify pass, then one program per row
 searching) and now; a penalty pass comes on top of both, for rows with penalties or a bias:
@@ -683,24 +683,25 @@ def _penalized(x, in_prompt, counts, repetition, presence, frequency):
 
 @triton.jit
 def _penalize_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, prompt_mask_ptr, counts_ptr,
-                     bias_ids_ptr, bias_values_ptr, vocab, chunk, num_chunks, num_items, MAX_BIAS: tl.constexpr,
+                     bias_ids_ptr, bias_values_ptr, vocab, chunk, num_chunks, MAX_BIAS: tl.constexpr,
                      BLOCK: tl.constexpr):
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):   # (row, chunk) items
-        i = item // num_chunks
-        c = item % num_chunks
-        start = c * chunk
-        end = tl.minimum(start + chunk, vocab)
-        row = tl.load(rows_ptr + i).to(tl.int64)
-        entry = table_ptr + row * ROW_COLUMNS
-        flags = tl.load(entry + C_FLAGS)
-        if (flags & F_PROCESSED) != 0:
-            penalize = (flags & F_PENALTY) != 0
-            penalty_row = tl.load(entry + C_PENALTY_ROW).to(tl.int64) * vocab
-            repetition = _float_at(entry, C_REPETITION)
-            presence = _float_at(entry, C_PRESENCE)
-            frequency = _float_at(entry, C_FREQUENCY)
-            src = logits_ptr + i.to(tl.int64) * stride_logits
-            dst = processed_ptr + tl.load(entry + C_SLOT).to(tl.int64) * vocab
+    """Program (i, s) of a (rows, S) grid: row i's chunks s, s + S, ..."""
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    entry = table_ptr + row * ROW_COLUMNS
+    flags = tl.load(entry + C_FLAGS)
+    if (flags & F_PROCESSED) != 0:
+        penalize = (flags & F_PENALTY) != 0
+        penalty_row = tl.load(entry + C_PENALTY_ROW).to(tl.int64) * vocab
+        repetition = _float_at(entry, C_REPETITION)
+        presence = _float_at(entry, C_PRESENCE)
+        frequency = _float_at(entry, C_FREQUENCY)
+        num_bias = tl.load(entry + C_NUM_BIAS)
+        src = logits_ptr + i.to(tl.int64) * stride_logits
+        dst = processed_ptr + tl.load(entry + C_SLOT).to(tl.int64) * vocab
+        for c in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
+            start = c * chunk
+            end = tl.minimum(start + chunk, vocab)
             for base in range(start, end, BLOCK):
                 tokens = base + tl.arange(0, BLOCK)
                 mask = tokens < end
@@ -710,7 +711,6 @@ def _penalize_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_p
                                    tl.load(counts_ptr + penalty_row + tokens, mask=mask, other=0),
                                    repetition, presence, frequency)
                 tl.store(dst + tokens, x, mask=mask)
-            num_bias = tl.load(entry + C_NUM_BIAS)
             if num_bias > 0:
                 tl.debug_barrier()   # the biased tokens overwrite what other threads stored above
                 b = tl.arange(0, MAX_BIAS)
@@ -855,58 +855,69 @@ def _log_min_p(entry, flags):
 
 
 @triton.jit
+def _gather_chunks(raw, processed, use_processed, inv_t, lo, top, part_f_ptr, part_i_ptr, count_ptr, values_ptr,
+                   ids_ptr, i, vocab, chunk, num_chunks, MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    for c in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
+        start = c * chunk
+        count, mass = _gather(raw, processed, use_processed, start, tl.minimum(start + chunk, vocab), inv_t, lo,
+                              float("inf"), top, count_ptr, values_ptr, ids_ptr, MASS, CAP, BLOCK)
+        out = (i * num_chunks + c) * PARTS
+        tl.store(part_i_ptr + out + P_GATHERED, count)
+        tl.store(part_f_ptr + out + P_GATHERED_MASS, mass)
+
+
+@triton.jit
 def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
                    part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, values_ptr, ids_ptr, vocab, chunk, num_chunks,
-                   num_items, CAP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-    """G: a restricted draw's tile ([G, 4] tokens), small so that its noise skips more tiles."""
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):   # (row, chunk) items
-        i = item // num_chunks
-        c = item % num_chunks
-        mode = tl.load(plan_i_ptr + i * PLAN + L_MODE)
-        if mode != MODE_NONE:
-            start = c * chunk
-            end = tl.minimum(start + chunk, vocab)
-            row, entry, flags = _row(rows_ptr, table_ptr, i)
-            raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
-            inv_t = _float_at(entry, C_INV_TEMPERATURE)
-            top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
-            out = (i * num_chunks + c) * PARTS
-            if mode == MODE_GATHER:
-                lo = tl.load(plan_f_ptr + i * PLAN + L_LO)
-                count_ptr = plan_i_ptr + i * PLAN + L_GATHERED
-                values = values_ptr + i.to(tl.int64) * CAP
-                ids = ids_ptr + i.to(tl.int64) * CAP
-                if (flags & F_TOP_P) != 0:   # a bracket then weighs the gathered mass
-                    count, mass = _gather(raw, processed, use_processed, start, end, inv_t, lo, float("inf"), top,
-                                          count_ptr, values, ids, True, CAP, BLOCK)
-                else:
-                    count, mass = _gather(raw, processed, use_processed, start, end, inv_t, lo, float("inf"), top,
-                                          count_ptr, values, ids, False, CAP, BLOCK)
-                tl.store(part_i_ptr + out + P_GATHERED, count)
-                tl.store(part_f_ptr + out + P_GATHERED_MASS, mass)
+                   CAP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (i, s) of a (rows, S) grid: row i's chunks s, s + S, ... G: a restricted draw's tile
+    ([G, 4] tokens), small so that its noise skips more tiles."""
+    i = tl.program_id(0)
+    mode = tl.load(plan_i_ptr + i * PLAN + L_MODE)
+    if mode != MODE_NONE:
+        row, entry, flags = _row(rows_ptr, table_ptr, i)
+        raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
+        inv_t = _float_at(entry, C_INV_TEMPERATURE)
+        top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
+        if mode == MODE_GATHER:
+            lo = tl.load(plan_f_ptr + i * PLAN + L_LO)
+            count_ptr = plan_i_ptr + i * PLAN + L_GATHERED
+            values = values_ptr + i.to(tl.int64) * CAP
+            ids = ids_ptr + i.to(tl.int64) * CAP
+            if (flags & F_TOP_P) != 0:   # a bracket then weighs the gathered mass
+                _gather_chunks(raw, processed, use_processed, inv_t, lo, top, part_f_ptr, part_i_ptr, count_ptr,
+                               values, ids, i, vocab, chunk, num_chunks, True, CAP, BLOCK)
             else:
-                best, at = _restricted_best(raw, processed, use_processed, start, end, inv_t, tl.load(keys_ptr + row),
-                                            tl.load(counters_ptr + row), float("-inf"), top,
-                                            _float_at(entry, C_LOG_MIN_P), G)
+                _gather_chunks(raw, processed, use_processed, inv_t, lo, top, part_f_ptr, part_i_ptr, count_ptr,
+                               values, ids, i, vocab, chunk, num_chunks, False, CAP, BLOCK)
+        else:
+            key = tl.load(keys_ptr + row)
+            counter = tl.load(counters_ptr + row)
+            log_min_p = _float_at(entry, C_LOG_MIN_P)
+            for c in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
+                start = c * chunk
+                best, at = _restricted_best(raw, processed, use_processed, start, tl.minimum(start + chunk, vocab),
+                                            inv_t, key, counter, float("-inf"), top, log_min_p, G)
+                out = (i * num_chunks + c) * PARTS
                 tl.store(part_f_ptr + out + P_DRAWN, best)
                 tl.store(part_i_ptr + out + P_DRAWN_TOKEN, at)
 
 
 @triton.jit
 def _pivot_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, plan_f_ptr, plan_i_ptr,
-                  pivot_n_ptr, pivot_m_ptr, vocab, chunk, num_chunks, num_items, CAP: tl.constexpr, P: tl.constexpr,
+                  pivot_n_ptr, pivot_m_ptr, vocab, chunk, num_chunks, CAP: tl.constexpr, P: tl.constexpr,
                   BLOCK: tl.constexpr):
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):   # (row, chunk) items
-        i = item // num_chunks
-        c = item % num_chunks
-        _, entry, flags = _row(rows_ptr, table_ptr, i)
-        if _overflowed(plan_i_ptr, i, flags, CAP):
+    """Program (i, s) of a (rows, S) grid: row i's chunks s, s + S, ..."""
+    i = tl.program_id(0)
+    _, entry, flags = _row(rows_ptr, table_ptr, i)
+    if _overflowed(plan_i_ptr, i, flags, CAP):
+        raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
+        inv_t = _float_at(entry, C_INV_TEMPERATURE)
+        top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
+        pivots = _pivots(tl.load(plan_f_ptr + i * PLAN + L_LO), top, P)
+        for c in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
             start = c * chunk
             end = tl.minimum(start + chunk, vocab)
-            raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
-            inv_t = _float_at(entry, C_INV_TEMPERATURE)
-            top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
-            pivots = _pivots(tl.load(plan_f_ptr + i * PLAN + L_LO), top, P)
             if (flags & F_TOP_P) != 0:
                 counts, masses = _pivot_stats(raw, processed, use_processed, start, end, inv_t, pivots, top, True,
                                               BLOCK, P)
@@ -921,27 +932,30 @@ def _pivot_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr,
 @triton.jit
 def _bracket_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
                     part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr, values_ptr, ids_ptr,
-                    vocab, chunk, num_chunks, num_items, CAP: tl.constexpr, CHUNKS: tl.constexpr, P: tl.constexpr,
+                    vocab, chunk, num_chunks, CAP: tl.constexpr, CHUNKS: tl.constexpr, P: tl.constexpr,
                     G: tl.constexpr, BLOCK: tl.constexpr):
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):   # (row, chunk) items
-        i = item // num_chunks
-        c = item % num_chunks
-        row, entry, flags = _row(rows_ptr, table_ptr, i)
-        if _overflowed(plan_i_ptr, i, flags, CAP):
-            top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
-            lo, hi, _, _, candidates = _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks,
-                                                tl.load(plan_f_ptr + i * PLAN + L_LO), top, tl.load(entry + C_TOP_K),
-                                                tl.load(plan_f_ptr + i * PLAN + L_LIMIT), (flags & F_TOP_P) != 0,
-                                                CHUNKS, P)
-            if candidates <= CAP:
+    """Program (i, s) of a (rows, S) grid: row i's chunks s, s + S, ..."""
+    i = tl.program_id(0)
+    row, entry, flags = _row(rows_ptr, table_ptr, i)
+    if _overflowed(plan_i_ptr, i, flags, CAP):
+        top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
+        lo, hi, _, _, candidates = _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks,
+                                            tl.load(plan_f_ptr + i * PLAN + L_LO), top, tl.load(entry + C_TOP_K),
+                                            tl.load(plan_f_ptr + i * PLAN + L_LIMIT), (flags & F_TOP_P) != 0,
+                                            CHUNKS, P)
+        if candidates <= CAP:
+            raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
+            inv_t = _float_at(entry, C_INV_TEMPERATURE)
+            key = tl.load(keys_ptr + row)
+            counter = tl.load(counters_ptr + row)
+            log_min_p = _log_min_p(entry, flags)
+            for c in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
                 start = c * chunk
                 end = tl.minimum(start + chunk, vocab)
-                raw, processed, use_processed = _scores(logits_ptr, stride_logits, processed_ptr, entry, flags, i, vocab)
-                inv_t = _float_at(entry, C_INV_TEMPERATURE)
                 _gather(raw, processed, use_processed, start, end, inv_t, lo, hi, top, plan_i_ptr + i * PLAN + L_BRACKETED,
                         values_ptr + i.to(tl.int64) * CAP, ids_ptr + i.to(tl.int64) * CAP, False, CAP, BLOCK)
-                best, at = _restricted_best(raw, processed, use_processed, start, end, inv_t, tl.load(keys_ptr + row),
-                                            tl.load(counters_ptr + row), hi, top, _log_min_p(entry, flags), G)
+                best, at = _restricted_best(raw, processed, use_processed, start, end, inv_t, key, counter, hi, top,
+                                            log_min_p, G)
                 out = (i * num_chunks + c) * PARTS
                 tl.store(part_f_ptr + out + P_DRAWN, best)
                 tl.store(part_i_ptr + out + P_DRAWN_TOKEN, at)
