@@ -129,7 +129,8 @@ def test_the_kernels_draw_the_replicas_token(dtype):
 def adversarial_rows(vocab: int) -> tuple[list[SamplingOptions], torch.Tensor]:
     """Rows made to break a cut: three values (ties everywhere), all equal, half -inf, a few tokens
     beyond SEARCH_DEPTH, nearly flat, the largest tokens in pairs of neighbours (one group's maximum
-    stands for two: more than k tokens pass the bound); with k = 1, k >= the finite tokens, k = vocab
+    stands for two: more than k tokens pass the bound), steep rows whose top-p cut a bracket of a
+    small buffer holds with other candidates; with k = 1, k >= the finite tokens, k = vocab
     (off), top_p tiny and 1.0 (off), min_p over flat rows, and the modes together."""
     g = torch.Generator().manual_seed(21)
     ties = torch.randint(0, 3, (vocab,), generator=g).float()
@@ -142,6 +143,7 @@ def adversarial_rows(vocab: int) -> tuple[list[SamplingOptions], torch.Tensor]:
     spread = torch.randn(vocab, generator=g) * 3
     pairs = torch.randn(vocab, generator=g)
     pairs[[8, 9, 20, 21, 32, 33]] = torch.tensor([5.0, 4.9, 4.5, 4.4, 4.0, 3.9])
+    steep = [torch.randn(vocab, generator=g) * 1.5 for _ in range(3)]   # top-p brackets with candidates
     shelf = torch.randn(vocab, generator=g) * 0.5 - 6   # top-k 8 weighs tokens that min-p 0.3 drops: top-p 0.7
     shelf[[3, 11, 17, 22, 26, 30, 35, 38]] = torch.tensor([3.0, 2.9, 2.0, 1.0, 0.9, 0.8, 0.7, 0.6])   # keeps 3
     cases = [(pairs, dict(top_k=3)), (pairs, dict(top_k=4, top_p=0.9)), (pairs, dict(top_p=0.6)),
@@ -154,6 +156,7 @@ def adversarial_rows(vocab: int) -> tuple[list[SamplingOptions], torch.Tensor]:
              (spread, dict(top_k=1)), (spread, dict(top_k=vocab)), (spread, dict(top_p=1e-6)),
              (spread, dict(top_p=1.0, temperature=2.0)), (spread, dict(top_p=0.8, min_p=0.05)),
              (spread, dict(top_k=12)), (pairs, dict(top_k=10)), (spread, dict(min_p=0.9)),
+             (steep[0], dict(top_p=0.7)), (steep[1], dict(top_p=0.6)), (steep[2], dict(top_p=0.75, min_p=0.02)),
              (spread, dict(top_k=8, top_p=0.6, min_p=0.3)), (shelf, dict(top_k=8, top_p=0.7, min_p=0.3)),
              (spread, dict(top_k=30, top_p=0.99, min_p=0.5, temperature=3.0)),
              (masked, dict(top_k=15, top_p=0.95, min_p=0.4, temperature=2.0)),

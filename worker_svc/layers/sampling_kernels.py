@@ -23,8 +23,8 @@ reads the row's logits once; the others read a few numbers per row):
   row's buffer (places taken by an atomic counter; only the set matters, not its order). Min-p
   rows, whose cut is exact once the top is known, draw here, noise only for tiles with kept tokens.
 - `_pivot_kernel`, `_bracket_kernel` (a pass each, only rows whose gathered set overflowed, with
-  top-k or top-p but not both): counts (and masses) at pivots between lo and the top bracket the
-  cut; the bracket's candidates are gathered and the tokens above it drawn from (noise as above).
+  top-k or top-p but not both): counts (and masses) at pivots from lo to the top bracket the cut;
+  the bracket's candidates are gathered and the tokens above it drawn from (noise as above).
 - `_finish_kernel` (per row): sorts the gathered values, finds the exact cut and draws over the
   kept gathered tokens (noise for those alone). A row whose bracket overflowed too (or with top-k
   and top-p both) takes the single-program search: an unrestricted draw, counts at it, and when it
@@ -90,13 +90,13 @@ MASS_MARGIN = tl.constexpr(1e-3)    # the top-p bound's slack over float32 round
 MIN_P_SLACK = tl.constexpr(1e-5)    # a gather's min-p bound sits this far (relative) below the exact test
 
 # Values per (row, chunk) in the partials buffers. Floats: the best score, the top z, the raw
-# logits' max and sum of exp, the top-p survey's mass, the gathered mass, a restricted draw's
-# best score; ints: the best token, bad, the gathered count, a restricted draw's token.
-NUM_PARTS = 8
+# logits' max and sum of exp, the top-p survey's mass, a restricted draw's best score; ints: the
+# best token, bad, a restricted draw's token.
+NUM_PARTS = 6
 PARTS = tl.constexpr(NUM_PARTS)
 P_BEST, P_TOP, P_RAW_TOP, P_RAW_SUM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-P_MASS, P_GATHERED_MASS, P_DRAWN = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6)
-P_TOKEN, P_BAD, P_GATHERED, P_DRAWN_TOKEN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+P_MASS, P_DRAWN = tl.constexpr(4), tl.constexpr(5)
+P_TOKEN, P_BAD, P_DRAWN_TOKEN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 # A row's plan. Floats: lo, the top z, the top-p limit (p * total mass, top-p without top-k);
 # ints: the mode, the gathered count, the bracket's count.
@@ -240,15 +240,13 @@ def _restricted_best(raw_ptr, processed_ptr, use_processed, start, end, inv_t, k
 
 
 @triton.jit
-def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, top, count_ptr, values_ptr, ids_ptr,
-            MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, count_ptr, values_ptr, ids_ptr,
+            CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Appends the tokens of [start, end) with lo <= z < hi (z, id) to the row's buffer at places
-    taken from the row's counter (the first CAP are stored; the counter counts on). Returns how
-    many there were and (MASS) their mass exp(z - top). Tiles of [BLOCK // 8, 8]: a thread holds a
-    row of 8 (one vector load), counts it, takes its places with one atomic when it has a token and
-    numbers them by itself; sm_90 code then needs no barrier (0.7 warp instructions a token)."""
-    count = tl.zeros([BLOCK // 8, 8], tl.int32)
-    mass = tl.zeros([BLOCK // 8, 8], tl.float32)
+    taken from the row's counter (the first CAP are stored; the counter counts on). Tiles of
+    [BLOCK // 8, 8]: a thread holds a row of 8 (one vector load), counts it, takes its places with
+    one atomic when it has a token and numbers them by itself; sm_90 code then needs no barrier
+    (0.7 warp instructions a token)."""
     counter = count_ptr + tl.zeros([BLOCK // 8], tl.int32)
     for base in range(start, end, BLOCK):
         tokens = base + 8 * tl.arange(0, BLOCK // 8)[:, None] + tl.arange(0, 8)[None, :]
@@ -260,10 +258,6 @@ def _gather(raw_ptr, processed_ptr, use_processed, start, end, inv_t, lo, hi, to
         stored = (take != 0) & (position < CAP)
         tl.store(values_ptr + position, z, mask=stored)
         tl.store(ids_ptr + position, tokens, mask=stored)
-        count += take
-        if MASS:
-            mass += tl.where(take != 0, tl.exp(z - top), 0.0)
-    return tl.sum(count), tl.sum(mass)
 
 
 @triton.jit
@@ -308,10 +302,9 @@ def _mass_bound(maxima_ptrs, mask, limit, floor_z, top, ROUNDS: tl.constexpr):
 
 @triton.jit
 def _pivots(lo, top, P: tl.constexpr):
-    """P increasing values in (lo, top], closer together near lo (where the tokens are dense); the
-    last is top itself."""
+    """P increasing values from lo to top, closer together near lo (where the tokens are dense)."""
     index = tl.arange(0, P)
-    step = (index + 1).to(tl.float32) / P
+    step = index.to(tl.float32) / (P - 1)
     return tl.where(index == P - 1, top, lo + (top - lo) * step * step)
 
 
@@ -334,20 +327,16 @@ def _pivot_stats(raw_ptr, processed_ptr, use_processed, start, end, inv_t, pivot
 
 
 @triton.jit
-def _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks, lo_g, top, k, limit, has_p,
-             CHUNKS: tl.constexpr, P: tl.constexpr):
-    """From the counts at lo_g (the gather's) and at the pivots, where the cut lies: (lo, hi, count
-    and mass of the tokens >= hi, count of those in [lo, hi)). Every token >= hi is kept (hi: lo_g
-    or a pivot whose count or mass, taken with >=, is under the bound; +inf when none is), none
-    below lo (lo: the highest value whose count or mass is not, or lo_g)."""
+def _bracket(pivot_n_ptr, pivot_m_ptr, i, num_chunks, lo_g, top, k, limit, has_p, CHUNKS: tl.constexpr,
+             P: tl.constexpr):
+    """From the counts (and masses) of the tokens >= each pivot, lo_g the first, where the cut lies:
+    (lo, hi, count and mass of the tokens >= hi, count of those in [lo, hi)). Every token >= hi is
+    kept (hi: the lowest pivot whose count or mass is under the bound; +inf when none is), none
+    below lo (lo: the highest pivot below hi; lo_g when hi is lo_g)."""
     c = tl.arange(0, CHUNKS)
-    valid = c < num_chunks
-    at = (i * num_chunks + c) * PARTS
-    n_lo = tl.sum(tl.load(part_i_ptr + at + P_GATHERED, mask=valid, other=0))
-    m_lo = tl.sum(tl.load(part_f_ptr + at + P_GATHERED_MASS, mask=valid, other=0.0))
     cells = (i * num_chunks + c[:, None]) * P + tl.arange(0, P)[None, :]
-    n = tl.sum(tl.load(pivot_n_ptr + cells, mask=valid[:, None], other=0), axis=0)
-    m = tl.sum(tl.load(pivot_m_ptr + cells, mask=valid[:, None], other=0.0), axis=0)
+    n = tl.sum(tl.load(pivot_n_ptr + cells, mask=(c < num_chunks)[:, None], other=0), axis=0)
+    m = tl.sum(tl.load(pivot_m_ptr + cells, mask=(c < num_chunks)[:, None], other=0.0), axis=0)
     pivots = _pivots(lo_g, top, P)
     index = tl.arange(0, P)
     sure = tl.where(has_p, m < limit, n < k)
@@ -356,14 +345,8 @@ def _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks, lo
     n_hi = tl.sum(tl.where(index == failing, n, 0))
     m_hi = tl.sum(tl.where(index == failing, m, 0.0))
     lo = tl.where(failing > 0, tl.max(tl.where(sure, float("-inf"), pivots)), lo_g)
-    n_at_lo = tl.where(failing > 0, tl.sum(tl.where(index == failing - 1, n, 0)), n_lo)
-    if tl.where(has_p, m_lo < limit, n_lo < k):   # everything the gather counted is kept
-        lo = lo_g
-        hi = lo_g
-        n_hi = n_lo
-        m_hi = m_lo
-        n_at_lo = n_lo
-    return lo, hi, n_hi, m_hi, n_at_lo - n_hi
+    n_lo = tl.sum(tl.where(index == tl.maximum(failing - 1, 0), n, 0))
+    return lo, hi, n_hi, m_hi, n_lo - n_hi
 
 
 @triton.jit
@@ -459,9 +442,8 @@ def _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr,
     alone = 0
     if n > CAP:
         if _overflowed(plan_i_ptr, i, flags, CAP):
-            _, hi, n_above, m_above, candidates = _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i,
-                                                           num_chunks, tl.load(plan_f + L_LO), top, top_k, limit,
-                                                           has_p, CHUNKS, P)
+            _, hi, n_above, m_above, candidates = _bracket(pivot_n_ptr, pivot_m_ptr, i, num_chunks,
+                                                           tl.load(plan_f + L_LO), top, top_k, limit, has_p, CHUNKS, P)
             bracketed = 1
             alone = (candidates > CAP).to(tl.int32)
             n = tl.load(plan_i + L_BRACKETED)
@@ -855,18 +837,6 @@ def _log_min_p(entry, flags):
 
 
 @triton.jit
-def _gather_chunks(raw, processed, use_processed, inv_t, lo, top, part_f_ptr, part_i_ptr, count_ptr, values_ptr,
-                   ids_ptr, i, vocab, chunk, num_chunks, MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    for c in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
-        start = c * chunk
-        count, mass = _gather(raw, processed, use_processed, start, tl.minimum(start + chunk, vocab), inv_t, lo,
-                              float("inf"), top, count_ptr, values_ptr, ids_ptr, MASS, CAP, BLOCK)
-        out = (i * num_chunks + c) * PARTS
-        tl.store(part_i_ptr + out + P_GATHERED, count)
-        tl.store(part_f_ptr + out + P_GATHERED_MASS, mass)
-
-
-@triton.jit
 def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
                    part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, values_ptr, ids_ptr, vocab, chunk, num_chunks,
                    CAP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
@@ -881,15 +851,11 @@ def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
         top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
         if mode == MODE_GATHER:
             lo = tl.load(plan_f_ptr + i * PLAN + L_LO)
-            count_ptr = plan_i_ptr + i * PLAN + L_GATHERED
-            values = values_ptr + i.to(tl.int64) * CAP
-            ids = ids_ptr + i.to(tl.int64) * CAP
-            if (flags & F_TOP_P) != 0:   # a bracket then weighs the gathered mass
-                _gather_chunks(raw, processed, use_processed, inv_t, lo, top, part_f_ptr, part_i_ptr, count_ptr,
-                               values, ids, i, vocab, chunk, num_chunks, True, CAP, BLOCK)
-            else:
-                _gather_chunks(raw, processed, use_processed, inv_t, lo, top, part_f_ptr, part_i_ptr, count_ptr,
-                               values, ids, i, vocab, chunk, num_chunks, False, CAP, BLOCK)
+            for c in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
+                start = c * chunk
+                _gather(raw, processed, use_processed, start, tl.minimum(start + chunk, vocab), inv_t, lo,
+                        float("inf"), plan_i_ptr + i * PLAN + L_GATHERED, values_ptr + i.to(tl.int64) * CAP,
+                        ids_ptr + i.to(tl.int64) * CAP, CAP, BLOCK)
         else:
             key = tl.load(keys_ptr + row)
             counter = tl.load(counters_ptr + row)
@@ -939,7 +905,7 @@ def _bracket_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_pt
     row, entry, flags = _row(rows_ptr, table_ptr, i)
     if _overflowed(plan_i_ptr, i, flags, CAP):
         top = tl.load(plan_f_ptr + i * PLAN + L_TOP)
-        lo, hi, _, _, candidates = _bracket(part_f_ptr, part_i_ptr, pivot_n_ptr, pivot_m_ptr, i, num_chunks,
+        lo, hi, _, _, candidates = _bracket(pivot_n_ptr, pivot_m_ptr, i, num_chunks,
                                             tl.load(plan_f_ptr + i * PLAN + L_LO), top, tl.load(entry + C_TOP_K),
                                             tl.load(plan_f_ptr + i * PLAN + L_LIMIT), (flags & F_TOP_P) != 0,
                                             CHUNKS, P)
@@ -952,8 +918,8 @@ def _bracket_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_pt
             for c in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
                 start = c * chunk
                 end = tl.minimum(start + chunk, vocab)
-                _gather(raw, processed, use_processed, start, end, inv_t, lo, hi, top, plan_i_ptr + i * PLAN + L_BRACKETED,
-                        values_ptr + i.to(tl.int64) * CAP, ids_ptr + i.to(tl.int64) * CAP, False, CAP, BLOCK)
+                _gather(raw, processed, use_processed, start, end, inv_t, lo, hi, plan_i_ptr + i * PLAN + L_BRACKETED,
+                        values_ptr + i.to(tl.int64) * CAP, ids_ptr + i.to(tl.int64) * CAP, CAP, BLOCK)
                 best, at = _restricted_best(raw, processed, use_processed, start, end, inv_t, key, counter, hi, top,
                                             log_min_p, G)
                 out = (i * num_chunks + c) * PARTS
