@@ -1,5 +1,7 @@
 """Sampling on the device, from per-row options kept in device tensors (the Triton kernels are
-layers/sampling_kernels.py; layers/sampler.py is the torch path and the reference).
+layers/sampling_kernels.py, the passes and what they share; layers/sampling_cut.py, the top-k /
+top-p / min-p cut; layers/sampling_finish.py, the last pass; layers/sampler.py is the torch path
+and the reference).
 
 The runner's persistent batch gives each request a row. `add` and `remove` write a row's options
 into a host table; `flush` copies the rows that changed to the device, before the step that
@@ -25,6 +27,7 @@ import torch
 import triton
 
 from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, seed_hash
+from worker_svc.layers import sampling_cut, sampling_finish
 from worker_svc.layers import sampling_kernels as kernels
 from worker_svc.layers.penalties import PenaltyTable
 from worker_svc.layers.sampler import SamplingMetadata, SamplingOptions, probabilities
@@ -174,23 +177,23 @@ class DeviceSampler:
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
             self.part_f, self.part_i, self.groups, vocab, self.chunk, self.num_chunks, G=self._tile,
             LANES=GROUP_LANES, BLOCK=block, num_warps=8)
-        kernels._plan_kernel[(n,)](
+        sampling_cut._plan_kernel[(n,)](
             rows, self.table, self.part_f, self.part_i, self.groups, self.plan_f, self.plan_i, self.num_chunks,
             CHUNKS=chunks, GROUPS=self._groups, ROUNDS=PLAN_ROUNDS, num_warps=16 if chunks * self._groups > 8192 else 8)
-        kernels._gather_kernel[split](
+        sampling_cut._gather_kernel[split](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.gathered, self.gathered_ids, vocab, self.chunk, self.num_chunks,
             CAP=self.gather_cap, G=min(128, self._tile), BLOCK=block, num_warps=4)
-        kernels._pivot_kernel[split](
+        sampling_cut._pivot_kernel[split](
             logits, logits.stride(0), self.processed, rows, self.table, self.plan_f, self.plan_i, self.pivot_n,
             self.pivot_m, vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, P=BRACKET_PIVOTS,
             BLOCK=min(512, block), num_warps=4)
-        kernels._bracket_kernel[split](
+        sampling_cut._bracket_kernel[split](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters, self.part_f,
             self.part_i, self.plan_f, self.plan_i, self.pivot_n, self.pivot_m, self.gathered, self.gathered_ids,
             vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=BRACKET_PIVOTS,
             G=min(128, self._tile), BLOCK=block, num_warps=4)
-        kernels._finish_kernel[(n,)](
+        sampling_finish._finish_kernel[(n,)](
             logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
             self.penalties.output_counts, self.part_f, self.part_i, self.plan_f, self.plan_i, self.pivot_n,
             self.pivot_m, self.gathered, self.gathered_ids, tokens, logprobs, last_sampled, self.cuts, vocab,
