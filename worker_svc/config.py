@@ -77,6 +77,10 @@ class WorkerConfig:
                                          help="the EAGLE-3 head's or the draft model's directory")
     num_speculative_tokens: int = flag(4, group=SPECULATIVE,
                                        help="most draft tokens proposed per request and verified in one step")
+    speculative_graph_batch_size: int = flag(
+        32, group=SPECULATIVE,
+        help="requests up to which an eagle3 or draft proposer's own passes replay CUDA graphs (larger steps run "
+             "them eagerly); keep it at or above the scheduler's --speculative-max-batch-size")
     tensor_parallel_size: int = flag(1, group=TENSOR_PARALLEL, help="ranks in this worker's group")
     rank: int = flag(0, group=TENSOR_PARALLEL, help="this process's rank in its group, 0..size-1")
     dist_init_addr: str | None = flag(None, group=TENSOR_PARALLEL, metavar="HOST:PORT",
@@ -101,7 +105,8 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     config = config_from_args(WorkerConfig, args)
     positive = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout", "grammar_compile_timeout",
-                "grammar_compile_processes", "max_mask_ms", "num_speculative_tokens")
+                "grammar_compile_processes", "max_mask_ms", "num_speculative_tokens",
+                "speculative_graph_batch_size")
     for name in positive:
         value = getattr(config, name)
         if value is not None and value <= 0:

@@ -208,4 +208,11 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
                           device=runner.device, inputs=inputs, sample=sample, sample_key=sample_key)
     logger.info("captured %d decode graphs%s in %.1f s", len(graphs.graphs),
                 " with the sampling in graphs of their own" if sample else "", time.perf_counter() - start)
+    if runner.drafter is not None:
+        start = time.perf_counter()
+        runner.drafter.capture_graphs(runner, graphs)
+        logger.info("captured the %s proposer's graphs (catch-up %d, drafting %d) for steps of up to %d requests "
+                    "in %.1f s", runner.drafter.method, len(runner.drafter.catch_up_graphs.graphs),
+                    len(runner.drafter.drafting_graphs.graphs), runner.config.speculative_graph_batch_size,
+                    time.perf_counter() - start)
     return graphs
