@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from tests.support.hf_reference import hf_greedy
+from tests.support.markers import requires_cuda
 from tests.support.runner_driver import GREEDY, make_runner, prompt
 from tests.support.speculative_loop import Loop
 from worker_svc import startup
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.layers.attention.torch_backend import TorchAttentionBackend, causal_attention, gather_context
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="a CPU stand-in for CUDA graphs (real ones run on a GPU)")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in for CUDA graphs (real ones run on a GPU)")
 
 
 class ReplayingGraph:
@@ -93,6 +93,7 @@ def replays(graphs) -> int:
     return sum(graph.replays for graph in graphs.graphs.values())
 
 
+@cpu_only
 @pytest.mark.parametrize("method", ["draft", "eagle3"])
 def test_the_proposers_graphs_draft_as_its_eager_passes(tiny_model_dir, tiny_self_draft_dir, tiny_eagle3_dir,
                                                         graphs_on_the_cpu, method):
@@ -117,6 +118,7 @@ def test_the_proposers_graphs_draft_as_its_eager_passes(tiny_model_dir, tiny_sel
         assert graphed.num_accepted >= 0.9 * 3 * graphed.num_verified > 0
 
 
+@cpu_only
 def test_steps_with_more_requests_than_the_graphs_hold_draft_eagerly(tiny_model_dir, tiny_self_draft_dir,
                                                                       graphs_on_the_cpu):
     runner = speculating_runner(tiny_model_dir, "draft", tiny_self_draft_dir, True, graph_requests=1)
@@ -126,3 +128,33 @@ def test_steps_with_more_requests_than_the_graphs_hold_draft_eagerly(tiny_model_
     for seq_id, (p, _) in requests.items():
         assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 8), f"sequence {seq_id}"
     assert replays(runner.drafter.drafting_graphs) == 0 and loop.num_accepted > 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_on_a_gpu_the_proposers_graphs_give_the_targets_greedy_output(tiny_model_dir, tiny_self_draft_dir,
+                                                                      tiny_eagle3_dir, method):
+    """Real graphs (float32, the tiny model): the target, the catch-up and the drafting passes all
+    replay, greedy output equals transformers', and the self-draft's drafts are accepted."""
+    head = tiny_self_draft_dir if method == "draft" else tiny_eagle3_dir
+    runner = make_runner(tiny_model_dir, device="cuda", dtype="float32", speculative_method=method,
+                         speculative_model=str(head), num_speculative_tokens=3, max_num_seqs=16)
+    drafter = runner.drafter
+    assert runner.decode_graphs is not None and drafter.drafting_graphs is not None
+    calls = {"drafting": 0, "catch_up": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    drafter.drafting_graphs.run = counted("drafting", drafter.drafting_graphs.run)
+    drafter.catch_up_graphs.replay = counted("catch_up", drafter.catch_up_graphs.replay)
+    requests = {1: (prompt(4, 21), GREEDY), 2: (prompt(5, 6), GREEDY), 3: (prompt(6, 13), GREEDY)}
+    loop = Loop(runner)
+    outputs = loop.run(requests, 16)
+    for seq_id, (p, _) in requests.items():
+        assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 16), f"{method}, sequence {seq_id}"
+    assert calls["drafting"] > 3 and calls["catch_up"] >= calls["drafting"] - 1
+    if method == "draft":
+        assert loop.num_accepted >= 0.9 * 3 * loop.num_verified > 0
