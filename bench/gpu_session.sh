@@ -6,7 +6,8 @@
 #   tests     GPU tests (kernels, attention backends, CUDA graphs, the pipelined runner, MoE/FP8)
 #   smoke     a short gpu_bench run that exercises the service end to end
 #   fa4       install FlashAttention-4 (.whl/fa4a + .whl/fa4b) and run its tests and the attention bench
-#   bench     the gpu_bench stages given in STAGES (default: service,offline)
+#   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
+#   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES
 set -uo pipefail
 PY=${PY:-$(command -v python3)}
@@ -75,10 +76,17 @@ case ${1:-} in
         ;;
     bench)
         base
-        with_floor full
-        timeout ${TIMEOUT:-560} $PY -m bench.gpu_bench --out "$BENCH/full" --model "$BENCH/model" \
+        NAME=${NAME:-full}
+        with_floor "$NAME"
+        timeout ${TIMEOUT:-560} $PY -m bench.gpu_bench --out "$BENCH/$NAME" --model "$BENCH/model" \
             --stages ${STAGES:-service,offline} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-60}
-        copy_logs full
+        copy_logs "$NAME"
+        ;;
+    spec)
+        base
+        mkdir -p "$BENCH/spec"
+        timeout ${TIMEOUT:-400} $PY -m bench.stages.spec --out "$BENCH/spec" ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-40}
+        cp "$BENCH"/spec/*.json "$OUT/" 2>/dev/null; true
         ;;
     moe)
         base
@@ -87,5 +95,5 @@ case ${1:-} in
             --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|moe" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|spec|moe" >&2; exit 2 ;;
 esac
