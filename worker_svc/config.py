@@ -129,8 +129,6 @@ def _check_speculative(config: WorkerConfig) -> None:
         raise ValueError(f"--speculative-method {method} needs --speculative-model DIR")
     if model and method not in ("eagle3", "draft"):
         raise ValueError("--speculative-model needs --speculative-method eagle3 or draft")
-    if method in ("eagle3", "draft") and config.tensor_parallel_size > 1:
-        raise ValueError(f"--speculative-method {method} runs with --tensor-parallel-size 1 only (ngram runs with any)")
     if method and config.sampler == "kernels":
         raise ValueError("--speculative-method needs --sampler torch or auto: verifying drafts samples with the "
                          "torch sampler")

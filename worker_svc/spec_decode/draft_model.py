@@ -2,7 +2,8 @@
 loaded like the target, beside it on the device.
 
 Every step it computes the target's inputs in its own cache (the same slots). Asked for drafts,
-it decodes k tokens greedily after each sampling row's newest token, one pass per draft.
+it decodes k tokens greedily after each sampling row's newest token, one pass per draft. With
+tensor parallelism it is split as the target is, and every rank learns each draft (ParallelLMHead.greedy).
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ class DraftModelProposer(ModelProposer):
     def __init__(self, runner: ModelRunner, model_dir: pathlib.Path, num_drafts: int) -> None:
         self.model = load_draft_model(runner, model_dir)
         config = self.model.config
-        super().__init__(runner, self.model, config.num_key_value_heads, head_dim_of(config), num_drafts)
+        super().__init__(runner, self.model, config.num_key_value_heads // runner.tp_size, head_dim_of(config),
+                         num_drafts)
 
     def catch_up(self, runner: ModelRunner, batch: StepBatch, aux, tokens):
         if self.replays_catch_up(runner, batch):   # over the inputs the target's graph just read
@@ -65,11 +67,9 @@ class DraftModelProposer(ModelProposer):
 
     def draft_passes(self, token: torch.Tensor, hidden: None, start: torch.Tensor, tables: torch.Tensor,
                      max_seq_len: int) -> torch.Tensor:
-        rows = self._arange[:len(token)]
         drafts = []
         for j in range(self.num_drafts):
             positions, meta = self.pass_meta(tables, start, j, max_seq_len)
-            hidden = self.model(token, positions, meta)
-            token = self.model.compute_logits(hidden, rows).argmax(dim=-1)
+            token = self.model.lm_head.greedy(self.model(token, positions, meta))   # on every rank
             drafts.append(token)
         return torch.stack(drafts, dim=1)
