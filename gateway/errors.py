@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.client import RequestError
-from gateway.json_body import NonFiniteNumber
+from common.strict_json import JsonProblem
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +198,10 @@ def _unparsable_body(cause: BaseException | None) -> str:
         return f"the request body is not UTF-8 JSON: byte {cause.start} is {cause.reason}"
     if isinstance(cause, RecursionError):
         return "the request body nests its JSON deeper than the parser allows"
-    if isinstance(cause, NonFiniteNumber):
-        return str(cause)
+    if isinstance(cause, JsonProblem):     # a number JSON does not have (gateway/json_body.py)
+        where = f" at {cause.path}" if cause.path else ""
+        return (f"the request body holds the number {cause.number[:40]}{where}, "
+                f"which JSON does not have (NaN and the infinities are not JSON)")
     if isinstance(cause, ValueError) and "digits" in str(cause):
         return "the request body holds an integer of more digits than the parser allows"
     return "the request body is not valid JSON"
@@ -212,7 +214,7 @@ _BODY_NOT_PARSED = "There was an error parsing the body"   # FastAPI's, for what
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 400 and exc.detail == _BODY_NOT_PARSED:
         cause = exc.__cause__
-        param = cause.param if isinstance(cause, NonFiniteNumber) else None
+        param = cause.path if isinstance(cause, JsonProblem) else None
         return _respond(_media_refusal(request, True) or GatewayError(400, _unparsable_body(cause), param,
                                                                       "invalid_json"))
     code = _HTTP_CODES.get(exc.status_code)

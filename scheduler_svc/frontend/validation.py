@@ -28,7 +28,8 @@ from common.cli import flag
 from common.sampling import SamplingParams
 from common.sampling_bounds import (FLOAT_RANGES, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, FloatRange, to_float32)
-from scheduler_svc.frontend.bounded_json import JsonProblem, parse_schema
+from common.strict_json import JsonProblem
+from scheduler_svc.frontend.bounded_json import parse_schema
 from scheduler_svc.frontend.invalid_request import InvalidRequest
 from scheduler_svc.frontend.tokenizer import TooManyTokens
 

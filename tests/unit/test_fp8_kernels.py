@@ -21,7 +21,7 @@ import pathlib
 import pytest
 import torch
 
-from tests.support.triton_interpreter import DEVICE, INTERPRETED, gpu_faithful
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
 from common.tiny_model import write_tiny_qwen3_fp8
 from tests.support.hf_reference import write_dequantized_checkpoint
 from tests.unit.test_fp8 import fp8_layers_model
@@ -31,9 +31,9 @@ from worker_svc import kv_cache
 from worker_svc.layers.fp8 import dequantize_blocks, quantize_blocks
 from worker_svc.model_config import load_model_config
 from tests.support.markers import requires_cuda
+from tests.support.kernel_checks import FP8_GEMM_VS_EMULATION, relative_error
 
 needs_cuda = requires_cuda
-FLOAT32_VS_EMULATION = 1e-5 if INTERPRETED else 2 ** -10
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,6 @@ def reference_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     scale = blocks.abs().amax(-1).clamp_min(1e-12) / 448.0
     values = (blocks / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return values.flatten(-2), scale
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double().cpu(), expected.double().cpu()
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,7 +84,7 @@ def test_block_fp8_matmul_matches_its_emulation(fp8_kernels, out_dtype, rows, co
     actual = fp8_kernels.fp8_linear(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), block,
                                     None if b is None else b.to(DEVICE))
     assert actual.dtype == out_dtype and actual.shape == (rows, cols)
-    assert relative_error(actual, expected) <= (FLOAT32_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
+    assert relative_error(actual, expected) <= (FP8_GEMM_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -103,7 +98,7 @@ def test_quantizing_on_load_gives_the_quantize_first_product(fp8_kernels, out_dt
     b = torch.randn(96, generator=g).to(out_dtype).to(DEVICE)
     first = fp8_kernels.fp8_linear(x, weight, scale, block, b)
     on_load = fp8_kernels.fp8_linear(x, weight, scale, block, b, quantize_on_load=True)
-    assert relative_error(on_load, first) <= (FLOAT32_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
+    assert relative_error(on_load, first) <= (FP8_GEMM_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
 
 
 def test_token_group_quant_lays_scales_out_for_cublas_on_request(fp8_kernels):

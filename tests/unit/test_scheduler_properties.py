@@ -110,7 +110,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if output.is_empty or len(self.in_flight) == self.depth:
             self.apply_oldest()
         # A step that verified drafts is ahead on the worker by its accepted ones: apply it now.
-        while any(o.draft_indices for o, *_ in self.in_flight):
+        while any(o.cached.draft_indices for o, *_ in self.in_flight):
             self.apply_oldest()
 
     def note_on_worker(self) -> None:
