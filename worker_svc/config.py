@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.cli import ArgumentParser, add_config_arguments, config_from_args, flag
+from common.speculation import DEFAULT_MAX_BATCH_SIZE, METHODS
 from worker_svc.step_limits import describe_defaults
 
 DEFAULT_PORT = 50061
@@ -18,7 +19,6 @@ TENSOR_PARALLEL = "tensor parallelism"
 STRUCTURED_OUTPUT = "structured output"
 SAMPLER_NAMES = ("torch", "kernels", "auto")
 SPECULATIVE = "speculative decoding"
-SPECULATIVE_METHODS = ("ngram", "eagle3", "draft")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class WorkerConfig:
                                    "and filling the mask); a request over it is ended (INVALID_ARGUMENT naming its "
                                    "constraint) rather than slowing the batch")
     speculative_method: str | None = flag(
-        None, group=SPECULATIVE, choices=SPECULATIVE_METHODS,
+        None, group=SPECULATIVE, choices=METHODS,
         help="propose draft tokens for the scheduler to verify: ngram (prompt lookup in the request's own tokens), "
              "eagle3 (an EAGLE-3 head, --speculative-model) or draft (a smaller Qwen3 with the same tokenizer, "
              "--speculative-model); unset: none")
@@ -78,9 +78,9 @@ class WorkerConfig:
     num_speculative_tokens: int = flag(4, group=SPECULATIVE,
                                        help="most draft tokens proposed per request and verified in one step")
     speculative_graph_batch_size: int = flag(
-        32, group=SPECULATIVE,
+        DEFAULT_MAX_BATCH_SIZE, group=SPECULATIVE,
         help="requests up to which an eagle3 or draft proposer's own passes replay CUDA graphs (larger steps run "
-             "them eagerly); keep it at or above the scheduler's --speculative-max-batch-size")
+             "them eagerly); the scheduler's --speculative-max-batch-size, if that is set higher")
     tensor_parallel_size: int = flag(1, group=TENSOR_PARALLEL, help="ranks in this worker's group")
     rank: int = flag(0, group=TENSOR_PARALLEL, help="this process's rank in its group, 0..size-1")
     dist_init_addr: str | None = flag(None, group=TENSOR_PARALLEL, metavar="HOST:PORT",

@@ -184,7 +184,7 @@ def _prompts(shape: "Shape", vocab: int) -> dict[int, list[list[int]]]:
 
 def _target_rows(args: argparse.Namespace, shape: Shape) -> list[dict]:
     from bench.stages.moe_e2e import dummy_llm
-    from scheduler_svc.engine.speculation import DEFAULT_MAX_BATCH_SIZE
+    from common.speculation import DEFAULT_MAX_BATCH_SIZE
 
     vocab = load_config(args, "8b")["vocab_size"]
     llm = dummy_llm(args, "8b", speculative_method="ngram", num_speculative_tokens=max(shape.ks),
@@ -280,7 +280,7 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir)
     """The target's decode with the worker's real `method` proposer (random weights) at k = 4."""
     from bench.stages.moe_e2e import dummy_llm
     from common.sampling import SamplingParams
-    from scheduler_svc.engine.speculation import DEFAULT_MAX_BATCH_SIZE
+    from common.speculation import DEFAULT_MAX_BATCH_SIZE
 
     vocab = load_config(args, "8b")["vocab_size"]
     llm = dummy_llm(args, "8b", speculative_method=method, speculative_model=str(model_dir),
