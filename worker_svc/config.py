@@ -129,6 +129,3 @@ def _check_speculative(config: WorkerConfig) -> None:
         raise ValueError(f"--speculative-method {method} needs --speculative-model DIR")
     if model and method not in ("eagle3", "draft"):
         raise ValueError("--speculative-model needs --speculative-method eagle3 or draft")
-    if method and config.sampler == "kernels":
-        raise ValueError("--speculative-method needs --sampler torch or auto: verifying drafts samples with the "
-                         "torch sampler")

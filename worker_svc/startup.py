@@ -196,7 +196,9 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
 
     start = time.perf_counter()
     inputs = sample = sample_key = None
-    if runner.device_sampler is not None:   # the step's inputs staged for the graph, and the sampling in one
+    # The step's inputs staged for the graph, and the sampling in one (a speculating worker's steps
+    # are not staged: their rows' drafts and counts are settled on the host first).
+    if runner.device_sampler is not None and runner.bookkeeping is None:
         inputs = DecodeInputs(runner._staging.on_device, runner._decode_layout, runner.last_sampled,
                               runner.device_sampler.dummy_row)
         sample, sample_key = runner.sample_in_graph, runner.device_sampler.graph_key
