@@ -7,12 +7,12 @@ same drafts (so the same acceptance) as the same runner run eagerly. Steps with 
 the drafting graphs hold run the passes eagerly."""
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
 import torch
 
+from tests.support.graph_stand_ins import ReplayingGraph, capture_on_the_cpu, cpu_only
 from tests.support.hf_reference import hf_greedy
 from tests.support.markers import requires_cuda
 from tests.support.runner_driver import GREEDY, make_runner, prompt
@@ -20,21 +20,6 @@ from tests.support.speculative_loop import Loop
 from worker_svc import startup
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.layers.attention.torch_backend import TorchAttentionBackend, causal_attention, gather_context
-
-cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in for CUDA graphs (real ones run on a GPU)")
-
-
-class ReplayingGraph:
-    """A CUDA graph on the CPU whose replay runs again what it holds (`body`, set after capture)."""
-
-    def __init__(self) -> None:
-        self.body = None
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.body()
-
 
 class DeviceLengthsAttention(TorchAttentionBackend):
     """The reference attention reading query and context lengths from the device tensors only, as
@@ -54,10 +39,7 @@ class DeviceLengthsAttention(TorchAttentionBackend):
 
 @pytest.fixture
 def graphs_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayingGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    capture_on_the_cpu(monkeypatch, ReplayingGraph)
     monkeypatch.setattr(startup, "select_backend", lambda runner: DeviceLengthsAttention())
 
 
