@@ -50,8 +50,7 @@ class DraftModelProposer(ModelProposer):
     def __init__(self, runner: ModelRunner, model_dir: pathlib.Path, num_drafts: int) -> None:
         self.model = load_draft_model(runner, model_dir)
         config = self.model.config
-        super().__init__(runner, self.model, config.num_key_value_heads // runner.tp_size, head_dim_of(config),
-                         num_drafts)
+        super().__init__(runner, self.model, config.num_key_value_heads, head_dim_of(config), num_drafts)
 
     def catch_up(self, runner: ModelRunner, batch: StepBatch, aux, tokens):
         if self.replays_catch_up(runner, batch):   # over the inputs the target's graph just read

@@ -40,14 +40,17 @@ class DraftPlan:
 
 
 class ModelProposer:
-    """A proposer running `module` (attention_layers() like a model's) on the device."""
+    """A proposer running `module` (attention_layers() like a model's, `num_kv_heads` of them in
+    all) on the device."""
     on_device = True
     aux_layers: tuple[int, ...] = ()   # target layers whose entering hidden states it reads
     start_hidden: tuple[int, torch.dtype] | None = None   # the drafting passes' start hidden state (width, dtype)
 
     def __init__(self, runner: ModelRunner, module: nn.Module, num_kv_heads: int, head_dim: int,
                  num_drafts: int) -> None:
-        self.module, self.num_kv_heads, self.head_dim, self.num_drafts = module, num_kv_heads, head_dim, num_drafts
+        # Split across tensor-parallel ranks as the target's heads are.
+        self.module, self.num_kv_heads = module, num_kv_heads // runner.tp_size
+        self.head_dim, self.num_drafts = head_dim, num_drafts
         self.device, self.dtype, self.block_size = runner.device, runner.dtype, runner.block_size
         self.max_model_len, self.max_rows = runner.max_model_len, runner.config.max_num_seqs
         self.host_lengths = not runner.backend.supports_cuda_graphs   # its attention reads the host lists

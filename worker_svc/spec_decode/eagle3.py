@@ -57,7 +57,7 @@ class Eagle3Proposer(ModelProposer):
     def __init__(self, runner: ModelRunner, head_dir: pathlib.Path, num_drafts: int) -> None:
         self.head = load_eagle3_head(runner, head_dir)
         config = self.head.config
-        super().__init__(runner, self.head, config.num_key_value_heads // runner.tp_size, config.head_dim, num_drafts)
+        super().__init__(runner, self.head, config.num_key_value_heads, config.head_dim, num_drafts)
         self.aux_layers = config.aux_layers
         self.start_hidden = (config.hidden_size, runner.dtype)
 
