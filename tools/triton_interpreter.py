@@ -2,10 +2,12 @@
 (the kernel tests and the benchmarks' CPU smoke runs).
 
 Import this module before anything imports triton: without CUDA it sets TRITON_INTERPRET=1.
-`gpu_faithful()` then patches four ways in which Triton 3.6's interpreter departs from compiled
+`gpu_faithful()` then patches five ways in which Triton 3.6's interpreter departs from compiled
 kernels (or breaks under numpy 2.4):
 - it casts float32 to bfloat16 by truncation, and float32 to float8_e4m3fn wrongly; compiled
   kernels round to nearest even, as torch does;
+- it casts bfloat16's subnormals to float32 wrongly (and every bfloat16 through ~40 numpy
+  operations); compiled kernels widen exactly, as a 16-bit shift of the pattern does;
 - tl.dot multiplies bfloat16 operands as their raw 16-bit patterns (integers);
 - a loop bound that is a kernel argument (`range(0, K, BLOCK_K)`) is a one-element array,
   which numpy 2.4 no longer converts to an int.
@@ -59,13 +61,26 @@ def gpu_faithful():
         rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(dtype)
         return interpreter.TensorHandle(rounded.view(bits).numpy().view(np_bits), dst_type.scalar)
 
-    def rounding_cast(self, src, dst_type):
+    def exactly_widened(src, dst_type):
+        """bfloat16 -> float32, every value (subnormals too) exactly, or None for other casts."""
+        if src.dtype.scalar != tl.bfloat16 or dst_type.scalar != tl.float32:
+            return None
+        wide = src.data.view(np.uint16).astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(wide.view(np.float32), tl.float32)
+
+    def as_compiled(src, dst_type):
+        """The cast as a compiled kernel does it, or None where the interpreter already agrees
+        (a TensorHandle's truth is its data's, hence no `or`)."""
         rounded = torch_rounded(src, dst_type)
-        return original_cast(self, src, dst_type) if rounded is None else rounded
+        return exactly_widened(src, dst_type) if rounded is None else rounded
+
+    def rounding_cast(self, src, dst_type):
+        cast = as_compiled(src, dst_type)
+        return original_cast(self, src, dst_type) if cast is None else cast
 
     def rounding_fp_to_fp(self, src, dst_type, rounding_mode):
-        rounded = torch_rounded(src, dst_type)
-        return original_fp_to_fp(self, src, dst_type, rounding_mode) if rounded is None else rounded
+        cast = as_compiled(src, dst_type)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode) if cast is None else cast
 
     def bf16_as_float32(handle):
         if handle.dtype.scalar != tl.bfloat16:
