@@ -9,11 +9,16 @@ import pytest
 # Two cores: one torch thread per process keeps the worker, scheduler and test from fighting.
 # (Set before anything imports torch, whose OpenMP runtime reads it once.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Next: without CUDA it sets TRITON_INTERPRET, which triton reads once, when it is first imported
-# (importing transformers' MoE model imports it), so the Triton kernels' tests run interpreted.
-from tests.support import triton_interpreter  # noqa: E402,F401,I001
 from common.tiny_model import write_tiny_draft, write_tiny_eagle3, write_tiny_qwen3  # noqa: E402
 from tests.support.procs import running_services  # noqa: E402
+
+
+def pytest_configure(config):
+    """Without CUDA, tests/support/triton_interpreter sets TRITON_INTERPRET, which triton reads once,
+    when it is first imported, so the Triton kernels' tests run interpreted. Not in xdist's
+    controller, which runs no test: importing torch there costs seconds of the cores the workers use."""
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no" or not config.getoption("tx", None):
+        from tests.support import triton_interpreter  # noqa: F401
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -38,6 +43,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def interpreted_kernels_patch_triton_once():
     """Interpreted kernels' @triton.jit helpers reuse their launch's patches (several times faster)."""
+    from tests.support import triton_interpreter
+
     with triton_interpreter.faster_interpreter():
         yield
 
