@@ -43,7 +43,8 @@ case ${1:-} in
     base) base ;;
     tests)
         base
-        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider ${TESTS:-tests/unit/test_gpu_pipelined_runner.py \
+        # -o addopts=: the GPU image's python may lack the plugins pyproject.toml names (xdist, timeout)
+        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider -o addopts= ${TESTS:-tests/unit/test_gpu_pipelined_runner.py \
             tests/unit/test_drafting_graphs.py tests/unit/test_fused_kernels.py tests/unit/test_cuda_graphs.py tests/unit/test_attention_backends.py \
             tests/unit/test_moe_kernels.py tests/unit/test_fp8_kernels.py} 2>&1 | tail -${LINES_OUT:-40}
         ;;
@@ -67,7 +68,8 @@ case ${1:-} in
             bash scripts/fa4_install.sh --python "$PY" /tmp/fa4whl || exit 1
             source /tmp/site/fa4_env.sh
         fi
-        timeout ${TIMEOUT:-330} $PY -m pytest -q --tb=short -rfs -p no:cacheprovider tests/unit/test_attention_backends.py \
+        timeout ${TIMEOUT:-330} $PY -m pytest -q --tb=short -rfs -p no:cacheprovider -o addopts= \
+            tests/unit/test_attention_backends.py \
             tests/unit/test_cuda_graphs.py tests/e2e/test_attention_selection.py 2>&1 | tail -25
         timeout 240 $PY -m bench.attention_backends_bench --out "$OUT/attention.json" 2>&1 | grep -v '^{' | tail -60
         ;;
