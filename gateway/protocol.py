@@ -10,34 +10,52 @@ is one place that knows them; its refusal comes back as a 400 naming the paramet
 """
 from __future__ import annotations
 
+from itertools import chain, compress, repeat
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_DEPTH = 64   # of the JSON in any one field (schemas, tool arguments, content parts)
+_CONTAINERS = (list, tuple, dict)
 
 
 def check_wire_value(value: Any) -> None:
     """Raises ValueError when `value` (any JSON value) holds a string that UTF-8 cannot encode (a
-    lone surrogate) or nests deeper than MAX_DEPTH. Iterative: depth costs no Python stack."""
-    todo = [(value, 0)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise ValueError(f"a lone UTF-16 surrogate (U+{ord(item[exc.start]):04X}) at character "
-                                     f"{exc.start}, which UTF-8 cannot carry") from None
-            continue
-        if isinstance(item, BaseModel):
-            continue   # checked by its own validators
-        if isinstance(item, (list, tuple, dict)):
-            if depth >= MAX_DEPTH:
-                raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
-            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
-            todo.extend((child, depth + 1) for child in children)
+    lone surrogate) or nests deeper than MAX_DEPTH. A level at a time, its items sorted by C code:
+    depth costs no Python stack, and no item costs a Python call (a million ids are one pass)."""
+    level = [value]
+    for depth in range(MAX_DEPTH + 1):
+        kinds = set(map(type, level))
+        if any(issubclass(kind, str) for kind in kinds):
+            _check_strings(level if kinds == {str} else _of_kind(level, str))
+        if not any(issubclass(kind, _CONTAINERS) for kind in kinds):
+            return   # scalars and models (checked by their own validators) only
+        if depth == MAX_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
+        containers = level if all(issubclass(kind, _CONTAINERS) for kind in kinds) else _of_kind(level, _CONTAINERS)
+        dicts = _of_kind(containers, dict)
+        level = list(chain(chain.from_iterable(_of_kind(containers, (list, tuple))), chain.from_iterable(dicts),
+                           chain.from_iterable(map(dict.values, dicts))))
+
+
+def _of_kind(items: list[Any], kind: type | tuple[type, ...]) -> list[Any]:
+    """The items that are `kind`s, in order, picked by C code (isinstance mapped, not called)."""
+    return list(compress(items, map(isinstance, items, repeat(kind))))
+
+
+def _check_strings(strings: list[str]) -> None:
+    joined = "".join(strings)
+    if joined.isascii():
+        return
+    try:
+        joined.encode("utf-8")
+    except UnicodeEncodeError:
+        for item in strings:   # which one: only when one fails
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"a lone UTF-16 surrogate (U+{ord(item[exc.start]):04X}) at character "
+                                 f"{exc.start}, which UTF-8 cannot carry") from None
 
 
 class _Strict(BaseModel):
