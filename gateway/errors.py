@@ -113,11 +113,19 @@ class ClientGone(Exception):
     """The client closed the connection before its (unstreamed) answer was ready."""
 
 
+def _field(error: dict[str, Any]) -> Any:
+    """The top-level request field a pydantic error is about (None: the body itself)."""
+    return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+
 def validation_error(exc: RequestValidationError, required: Sequence[str] = ()) -> GatewayError:
     """pydantic's complaint about a request body as one 400 naming the first field at fault; a body
     that is no JSON object (empty, an array, ...) names the first of the `required` fields."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # A union's members each complain about the field; that it is no string says least.
+    telling = [e for e in errors if _field(e) == _field(first) and not e.get("type", "").endswith("_type")]
+    first = telling[0] if telling else first
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         why = first.get("ctx", {}).get("error", "")

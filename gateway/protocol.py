@@ -11,12 +11,31 @@ is one place that knows them; its refusal comes back as a 400 naming the paramet
 from __future__ import annotations
 
 from itertools import chain, compress, repeat
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_DEPTH = 64   # of the JSON in any one field (schemas, tool arguments, content parts)
 _CONTAINERS = (list, tuple, dict)
+# A list longer than these is refused at its first item over, and a list's first wrong item
+# ends its validation (fail_fast): each item costs the event loop that serves every stream, and
+# a wrong one an error record too. The scheduler's own limits are lower (1,024 messages, 128
+# tools, 64 KiB of tool-call arguments, 131,072 Detokenize ids), so nothing it serves is refused
+# here; the sampling options' lists have the bounds every side shares (common/sampling_bounds.py).
+MAX_ITEMS = 1 << 12    # of a list of objects or strings (messages, tools, content parts, prompts)
+MAX_IDS = 1 << 19      # of token ids in one request's prompt (one list, or all its lists)
+MAX_ARGUMENT_CHARS = 1 << 20   # of a tool call's arguments (JSON parsed by the gateway)
+
+
+def _bounded(kind: Any, length: int) -> Any:
+    return Annotated[kind, Field(max_length=length, fail_fast=True)]
+
+
+T = TypeVar("T")
+Items = Annotated[list[T], Field(max_length=MAX_ITEMS, fail_fast=True)]
+Ids = _bounded(list[int], MAX_IDS)
 
 
 def check_wire_value(value: Any) -> None:
@@ -89,7 +108,7 @@ class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` extension: one constraint beyond response_format's JSON."""
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")   # a JSON schema
     regex: str | None = None
-    choice: list[str] | None = None          # the output is exactly one of these strings
+    choice: Items[str] | None = None          # the output is exactly one of these strings
     grammar: str | None = None               # EBNF as xgrammar reads it (root ::= ...)
     json_object: bool | None = None
 
@@ -102,10 +121,10 @@ class _Sampling(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | _bounded(list[str], MAX_STOP_STRINGS) | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
+    logit_bias: _bounded(dict[str, float], MAX_LOGIT_BIAS_ENTRIES) | None = None   # token id (as a string) -> bias in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -117,7 +136,7 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: _bounded(list[int], MAX_STOP_TOKEN_IDS) | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None              # lower is served first
     speculative: bool | None = None          # false: kept out of speculative decoding
@@ -125,15 +144,38 @@ class _Sampling(_Strict):
     request_id: str | None = None            # the id the scheduler logs it under (unset: a fresh one)
 
 
+def _prompt_form(value: Any) -> str | None:
+    """Which form of prompt `value` is, by its first item: pydantic validates that form alone."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    return "list[str]" if isinstance(first, str) else "list[list[int]]" if isinstance(first, list) else "list[int]"
+
+
+Prompt = Annotated[Union[Annotated[str, Tag("str")], Annotated[Items[str], Tag("list[str]")],
+                         Annotated[Ids, Tag("list[int]")], Annotated[Items[Ids], Tag("list[list[int]]")]],
+                   Discriminator(_prompt_form, custom_error_type="prompt_type", custom_error_message=(
+                       "must be a string, a list of strings, a list of token ids or a list of lists of token ids"))]
+
+
 class CompletionRequest(_Sampling):
     # A text, a list of texts (a batch: choice index = prompt index * n + sample), token ids, or
     # a list of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None              # 0..20: the sampled token's logprob and this many top ones
     echo: bool | None = None                 # the prompt, then the completion (and its logprobs, with logprobs)
     prompt_logprobs: int | None = None       # vLLM's: 0..20 top logprobs of each prompt token
     best_of: int | None = None               # accepted when equal to n
     suffix: str | None = None                # refused unless empty
+
+    @field_validator("prompt", mode="after")
+    @classmethod
+    def _ids_in_all(cls, prompt: Any) -> Any:
+        if prompt and isinstance(prompt[0], list) and (total := sum(map(len, prompt))) > MAX_IDS:
+            raise ValueError(f"holds {total} token ids in all, more than {MAX_IDS}")
+        return prompt
 
 
 class FunctionDef(_Strict):
@@ -159,7 +201,7 @@ class NamedToolChoice(_Strict):
 
 class FunctionCall(_Strict):
     name: str
-    arguments: str                           # a JSON object, as text
+    arguments: Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)]   # a JSON object, as text
 
 
 class ToolCallIn(_Strict):
@@ -170,27 +212,27 @@ class ToolCallIn(_Strict):
 
 class ChatMessageIn(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None   # a text or text parts
+    content: str | Items[dict[str, Any]] | None = None   # a text or text parts
     name: str | None = None                  # refused: the chat template has no place for it
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: Items[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None     # an earlier assistant turn's reasoning (vLLM's name)
     reasoning: str | None = None             # the same, under the newer name
     # What an assistant message of a previous response carries, so that clients can send it back
     # as they got it; refused when set to anything but null.
     refusal: str | None = None
-    annotations: list[Any] | None = None
+    annotations: Items[Any] | None = None
     audio: Any = None
     function_call: Any = None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessageIn]
+    messages: Items[ChatMessageIn]
     max_completion_tokens: int | None = None   # OpenAI's newer name of max_tokens; wins when both are set
     logprobs: bool | None = None
     top_logprobs: int | None = None          # 0..20, with logprobs
     prompt_logprobs: int | None = None       # vLLM's: 0..20 top logprobs of each rendered prompt token
-    tools: list[ToolDef] | None = None
+    tools: Items[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # The template's switches (vLLM and SGLang): {"enable_thinking": false} turns Qwen3's

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from common.client import RequestError
 from gateway.json_body import StrictJSONRoute
 from gateway.errors import from_request_error, unsupported
-from gateway.protocol import _Strict
+from gateway.protocol import Ids, Items, _Strict
 from gateway.state import gateway_of
 from gateway.translate import UINT32, wire_int
 
@@ -26,14 +27,14 @@ PATHS = ("/tokenize", "/detokenize")
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list | None = None             # refused: chats are rendered by the scheduler's Chat call
+    messages: Items[Any] | None = None       # refused: chats are rendered by the scheduler's Chat call
     add_special_tokens: bool = True          # what the tokenizer's post-processor adds (nothing for Qwen3)
     return_token_strs: bool | None = False   # each token's text too
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: Ids
 
 
 @router.post("/tokenize")
@@ -55,8 +56,10 @@ async def tokenize(req: TokenizeRequest, request: Request):
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
     gateway = gateway_of(request)
-    for i, token in enumerate(req.tokens):
-        wire_int(token, f"tokens[{i}]", UINT32)
+    low, high = UINT32
+    if req.tokens and not low <= min(req.tokens) <= max(req.tokens) <= high:   # one C-speed pass when all fit
+        i = next(i for i, token in enumerate(req.tokens) if not low <= token <= high)
+        wire_int(req.tokens[i], f"tokens[{i}]", UINT32)
     await gateway.check_model(req.model)
     try:
         return {"prompt": await gateway.client.detokenize(req.tokens)}

@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import sys
 
+import pydantic
 import pytest
+from fastapi.testclient import TestClient
 
-from gateway.protocol import check_wire_value
+from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from gateway import completions
+from gateway.app import create_app
+from gateway.protocol import MAX_ARGUMENT_CHARS, MAX_IDS, MAX_ITEMS, ChatCompletionRequest, check_wire_value
+from gateway.state import GatewayConfig
+from gateway.tokenize import DetokenizeRequest
+from tests.support.fake_scheduler import FakeScheduler
+
+USER = {"role": "user", "content": "Hi"}
 
 
 def profile_events(fn) -> int:
@@ -47,3 +57,73 @@ def test_nesting_is_bounded_at_the_same_depth():
     check_wire_value(value)
     with pytest.raises(ValueError, match="nests deeper than 64"):
         check_wire_value({"a": value})
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": "1", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+OVER_LONG = {
+    "messages": ("/v1/chat/completions", {"messages": [USER] * (MAX_ITEMS + 1)}, "messages"),
+    "tools": ("/v1/chat/completions", {"messages": [USER], "tools": [TOOL] * (MAX_ITEMS + 1)}, "tools"),
+    "tool calls": ("/v1/chat/completions", {"messages": [
+        {"role": "assistant", "tool_calls": [_call("f", "{}")] * (MAX_ITEMS + 1)}]}, "messages[0].tool_calls"),
+    "content parts": ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": ""}] * (MAX_ITEMS + 1)}]}, "messages[0].content"),
+    "tool-call arguments": ("/v1/chat/completions", {"messages": [
+        {"role": "assistant", "tool_calls": [_call("f", " " * (MAX_ARGUMENT_CHARS + 1))]}]},
+        "messages[0].tool_calls[0].function.arguments"),
+    "stop strings": ("/v1/chat/completions", {"messages": [USER], "stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+    "stop token ids": ("/v1/completions", {"prompt": "x", "stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)},
+                       "stop_token_ids"),
+    "logit_bias": ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in
+                                                                       range(MAX_LOGIT_BIAS_ENTRIES + 1)}},
+                   "logit_bias"),
+    "prompts": ("/v1/completions", {"prompt": ["x"] * (MAX_ITEMS + 1)}, "prompt"),
+    "prompt ids": ("/v1/completions", {"prompt": [1] * (MAX_IDS + 1)}, "prompt"),
+    "ids of all prompts": ("/v1/completions", {"prompt": [[1] * (MAX_IDS // 2 + 1)] * 2}, "prompt"),
+    "detokenize ids": ("/detokenize", {"tokens": [1] * (MAX_IDS + 1)}, "tokens"),
+    "responses input": ("/v1/responses", {"input": [USER] * (MAX_ITEMS + 1)}, "input"),
+    "responses metadata": ("/v1/responses", {"input": "x", "metadata": {str(i): "" for i in range(MAX_ITEMS + 1)}},
+                           "metadata"),
+}
+
+
+@pytest.mark.parametrize("path, body, param", OVER_LONG.values(), ids=OVER_LONG.keys())
+def test_an_over_long_list_is_refused_by_name_before_the_scheduler_is_asked(path, body, param):
+    fake = FakeScheduler()
+    with TestClient(create_app(GatewayConfig("unused"), client_factory=lambda: fake)) as client:
+        reply = client.post(path, json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param
+    assert fake.calls == []
+
+
+def test_a_list_ends_its_validation_at_its_first_wrong_item():
+    with pytest.raises(pydantic.ValidationError) as ids:
+        DetokenizeRequest.model_validate({"tokens": ["x"] * 10_000})
+    assert ids.value.error_count() == 1
+    with pytest.raises(pydantic.ValidationError) as messages:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "robot"}] * 10_000})
+    assert messages.value.error_count() == 1
+
+
+def test_a_list_over_its_bound_is_refused_with_the_bound_named():
+    fake = FakeScheduler()
+    with TestClient(create_app(GatewayConfig("unused"), client_factory=lambda: fake)) as client:
+        stop = client.post("/v1/completions", json={"prompt": "x", "stop": ["x"] * (MAX_STOP_STRINGS + 1)})
+    assert f"at most {MAX_STOP_STRINGS}" in stop.json()["error"]["message"]
+
+
+def test_prompts_are_counted_before_they_are_read(monkeypatch):
+    def unread(_req):
+        raise AssertionError("the prompts were read before they were counted")
+    monkeypatch.setattr(completions, "completion_prompts", unread)
+    fake = FakeScheduler()
+    with TestClient(create_app(GatewayConfig("unused", max_sequences_per_request=4),
+                               client_factory=lambda: fake)) as client:
+        reply = client.post("/v1/completions", json={"prompt": [[1, 2]] * 5})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "prompt" and "5 x 1" in reply.json()["error"]["message"]
