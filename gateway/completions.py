@@ -41,7 +41,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post(ROUTE)
 async def post_completions(req: CompletionRequest, request: Request):
-    return await completions(gateway_of(request), req, request)
+    return outputs.whole(await completions(gateway_of(request), req, request))
 
 
 @dataclass(frozen=True)

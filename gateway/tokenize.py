@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from common.client import RequestError
+from gateway import outputs
 from gateway.json_body import StrictJSONRoute
 from gateway.errors import from_request_error, unsupported
 from gateway.protocol import Ids, Items, _Strict
@@ -49,8 +50,8 @@ async def tokenize(req: TokenizeRequest, request: Request):
     answer = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
         texts = await gateway.token_texts.texts(ids)
-        answer["token_strs"] = [texts[t] for t in ids]
-    return answer
+        answer["token_strs"] = list(map(texts.__getitem__, ids))
+    return outputs.whole(answer)
 
 
 @router.post("/detokenize")
@@ -62,7 +63,7 @@ async def detokenize(req: DetokenizeRequest, request: Request):
         wire_int(req.tokens[i], f"tokens[{i}]", UINT32)
     await gateway.check_model(req.model)
     try:
-        return {"prompt": await gateway.client.detokenize(req.tokens)}
+        return outputs.whole({"prompt": await gateway.client.detokenize(req.tokens)})
     except RequestError as exc:   # the scheduler names its token_ids, which are this route's tokens
         error = from_request_error(exc)
         raise dataclasses.replace(error, param="tokens") if error.param == "prompt" else error from None

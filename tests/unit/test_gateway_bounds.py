@@ -127,3 +127,25 @@ def test_prompts_are_counted_before_they_are_read(monkeypatch):
         reply = client.post("/v1/completions", json={"prompt": [[1, 2]] * 5})
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "prompt" and "5 x 1" in reply.json()["error"]["message"]
+
+
+WHOLE_ANSWERS = [("/v1/completions", {"prompt": "Hi", "logprobs": 2}), ("/v1/chat/completions", {"messages": [USER]}),
+                 ("/v1/responses", {"input": "Hi"}), ("/tokenize", {"prompt": "Hi", "return_token_strs": True}),
+                 ("/detokenize", {"tokens": [17, 18]})]
+
+
+@pytest.mark.parametrize("path, body", WHOLE_ANSWERS, ids=[path for path, _ in WHOLE_ANSWERS])
+def test_a_whole_answer_is_not_walked_value_by_value_before_it_is_encoded(monkeypatch, path, body):
+    """FastAPI's jsonable_encoder visits every value of an answer in Python (seconds for a million
+    token ids, on the loop that writes every stream); json.dumps alone encodes what the
+    endpoints build."""
+    import fastapi.routing
+
+    def walked(*_args, **_kwargs):
+        raise AssertionError("the answer was walked by jsonable_encoder")
+    monkeypatch.setattr(fastapi.routing, "jsonable_encoder", walked)
+    fake = FakeScheduler()
+    with TestClient(create_app(GatewayConfig("unused"), client_factory=lambda: fake),
+                    raise_server_exceptions=False) as client:
+        reply = client.post(path, json=body)
+    assert reply.status_code == 200, reply.text
