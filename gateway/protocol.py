@@ -2,11 +2,13 @@
 plus the sampling extensions vLLM and SGLang users send (top_k, min_p, repetition_penalty, ...).
 
 Every model forbids fields it does not declare: an unknown parameter is a 400 naming it, never
-a silent drop; and every field refuses what the llm.v1 wire cannot carry (a string with a lone
-UTF-16 surrogate, a float that is not finite, JSON nested deeper than MAX_DEPTH) by its name. A declared field that the service cannot honour with a given value (echo, a
-non-text content part, ...) is refused in translate.py, which also names it. Value ranges
-that the scheduler checks itself (temperature, top_p, penalties, n, ...) are left to it, so there
-is one place that knows them; its refusal comes back as a 400 naming the parameter.
+a silent drop; every field takes its own JSON type only (strict: true is no 1, "5" no 5, 2.0 no
+integer, as OpenAI's API has it); and every field refuses what the llm.v1 wire cannot carry (a
+string with a lone UTF-16 surrogate, a float that is not finite, JSON nested deeper than
+MAX_DEPTH) by its name. A declared field that the service cannot honour with a given value (echo,
+a non-text content part, ...) is refused in translate.py, which also names it. Value ranges that
+the scheduler checks itself (temperature, top_p, penalties, n, ...) are left to it, so there is
+one place that knows them; its refusal comes back as a 400 naming the parameter.
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ def _check_strings(strings: list[str]) -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="after")
     @classmethod

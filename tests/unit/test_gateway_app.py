@@ -225,6 +225,32 @@ def test_malformed_requests_are_400_naming_the_parameter(fake, path, raw, param)
     assert set(error) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 2.0}, "n"), ("/v1/completions", {"prompt": "a", "seed": "7"}, "seed"),
+    ("/v1/completions", {"prompt": "a", "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": "a", "echo": 1}, "echo"), ("/v1/completions", {"prompt": [True]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [False]}, "stop_token_ids[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": 0}, "stream"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": True}, "max_output_tokens"),
+    ("/detokenize", {"tokens": [1, True]}, "tokens[1]"),
+])
+def test_a_value_of_another_json_type_is_refused_not_coerced(fake, path, body, param):
+    """true is not 1, "7" is not 7 and 2.0 is not an integer, as OpenAI's API has it: coerced, a
+    `max_tokens: true` would silently ask for one token."""
+    with http(fake) as client:
+        reply = client.post(path, json=body)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param, error
+    assert fake.calls == []
+
+
+def test_an_integer_is_a_number():
+    with http(FakeScheduler()) as client:
+        assert client.post("/v1/completions", json={"prompt": "a", "temperature": 1, "top_p": 1}).status_code == 200
+
+
 @pytest.mark.parametrize("raw, says", [
     (b"[" * 100000 + b"]" * 100000, "deeper"), (b'{"prompt": "\xff"}', "UTF-8"),
     (b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}", "digits"),
