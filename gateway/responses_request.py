@@ -273,7 +273,7 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCall, list[str]]:
 
 
 _CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-                      "chat_template_kwargs": "reasoning"}
+                      "chat_template_kwargs": "reasoning", "messages": "input"}
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
 _TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function")
 _CALL_PARAM = re.compile(r"^\.tool_calls\[\d+\]\.function")

@@ -241,17 +241,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         per_token = self.frontend.tokenizer.max_input_bytes_per_token
         size = chat_text_bytes(messages)
         if per_token is not None and size > max_tokens * per_token:
-            raise InvalidRequest("prompt", f"prompt would be longer than max_model_len {max_model_len} tokens: the "
-                                           f"messages hold {size} bytes of text, and a token covers at most "
-                                           f"{per_token} bytes")
+            raise InvalidRequest("messages", f"messages: the rendered prompt would be longer than max_model_len "
+                                             f"{max_model_len} tokens: the messages hold {size} bytes of text, and a "
+                                             f"token covers at most {per_token} bytes")
         try:
             prompt = render_chat(self.frontend.tokenizer, messages, tools, request.tool_choice,
                                  request.enable_thinking if request.HasField("enable_thinking") else None,
                                  limits=self.limits, allow_special_tokens=self.allow_chat_special_tokens,
                                  max_tokens=max_tokens)
         except TooManyTokens as e:
-            raise InvalidRequest("prompt", f"prompt has {e.num_tokens} tokens; max_model_len {max_model_len} leaves "
-                                           f"no room for a generated token") from None
+            raise InvalidRequest("messages", f"messages: the rendered prompt has {e.num_tokens} tokens; max_model_len "
+                                             f"{max_model_len} leaves no room for a generated token") from None
         params = validate_chat_sampling(request.request_id, request.sampling, len(prompt.token_ids),
                                         vocab_size=self.model.vocab_size, max_model_len=max_model_len, limits=self.limits)
         if prompt.constraint is not None:
