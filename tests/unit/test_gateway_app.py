@@ -375,3 +375,11 @@ def test_a_client_that_leaves_before_the_first_chunk_cancels_the_queued_stream(p
     asyncio.run(run())
     assert fake.cancelled == (2 if body.get("prompt") == ["a", "b"] else 1)
     assert sent[0]["status"] == 499   # no 200 stream was started for a client that is gone
+
+
+def test_an_unknown_model_is_404_naming_it_without_echoing_a_name_of_any_size(fake):
+    with http(fake) as client:
+        short = client.post("/v1/completions", json={"prompt": "a", "model": "gpt-x"}).json()["error"]
+        huge = client.post("/v1/completions", json={"prompt": "a", "model": "\x00" * 100_000})
+    assert short["param"] == "model" and "'gpt-x'" in short["message"]
+    assert huge.status_code == 404 and huge.json()["error"]["param"] == "model" and len(huge.text) < 1000
