@@ -103,7 +103,7 @@ def from_request_error(error: RequestError) -> GatewayError:
     """The HTTP form of a failed gRPC call to the scheduler."""
     status = HTTP_STATUS.get(error.code, 500)
     param = None
-    if status == 400 and (match := _FIELD_PATH.match(error.message)):
+    if 400 <= status < 500 and (match := _FIELD_PATH.match(error.message)):   # 409: a request_id in flight
         path = match.group(1).removeprefix("sampling.")
         param = _PARAMS.get(path, path)
     return GatewayError(status, error.message or error.code, param, error.code.lower())

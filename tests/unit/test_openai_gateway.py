@@ -48,6 +48,11 @@ def test_a_scheduler_refusal_names_the_openai_parameter(message, param):
     assert from_request_error(RequestError("INVALID_ARGUMENT", message)).param == param
 
 
+def test_a_conflict_names_the_request_id():
+    error = from_request_error(RequestError("ALREADY_EXISTS", "request_id 'x' is already in flight"))
+    assert (error.status, error.param) == (409, "request_id")
+
+
 def refused(build, body) -> GatewayError:
     with pytest.raises(GatewayError) as caught:
         build(body)
