@@ -183,8 +183,14 @@ class CompletionRequest(_Sampling):
 class FunctionDef(_Strict):
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    # Unset or null: the function takes no arguments (an empty object), as OpenAI reads it.
+    parameters: dict[str, Any] | None = Field(default=None, validate_default=True)
     strict: bool | None = None
+
+    @field_validator("parameters", mode="after")
+    @classmethod
+    def _unset_is_no_arguments(cls, parameters: dict[str, Any] | None) -> dict[str, Any]:
+        return {"type": "object", "properties": {}} if parameters is None else parameters
 
 
 class ToolDef(_Strict):

@@ -383,3 +383,24 @@ def test_an_unknown_model_is_404_naming_it_without_echoing_a_name_of_any_size(fa
         huge = client.post("/v1/completions", json={"prompt": "a", "model": "\x00" * 100_000})
     assert short["param"] == "model" and "'gpt-x'" in short["message"]
     assert huge.status_code == 404 and huge.json()["error"]["param"] == "model" and len(huge.text) < 1000
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": None}}]}),
+    ("/v1/responses", {"input": "Hi", "tools": [{"type": "function", "name": "f"}]}),
+])
+def test_a_function_without_parameters_takes_no_arguments(path, body):
+    """OpenAI's `parameters` is optional: a function without it has an empty parameter list."""
+    seen = []
+
+    class Recording(FakeScheduler):
+        async def stream_chat(self, messages, sampling=None, *, tools=(), **kwargs):
+            seen.extend(tools)
+            async for chunk in super().stream_chat(messages, sampling, tools=tools, **kwargs):
+                yield chunk
+    with http(Recording()) as client:
+        reply = client.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    assert [tool["parameters"] for tool in seen] == [{"type": "object", "properties": {}}]
