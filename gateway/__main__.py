@@ -39,6 +39,10 @@ class GatewayFlags:
     graceful_shutdown_s: float = flag(30.0, help="on SIGTERM, how long requests in flight may take to finish")
     max_request_body_mib: float = flag(GatewayConfig.max_request_bytes / (1 << 20),
                                        help="refuse a request body larger than this with 413 (0: no bound)")
+    max_request_json_values: int = flag(GatewayConfig.max_request_values,
+                                        help="refuse with 413 a request body of more JSON values than this, counted "
+                                             "by its commas, colons, [ and { as it arrives, before it is parsed (0: "
+                                             "no bound)")
     max_sequences_per_request: int = flag(GatewayConfig.max_sequences_per_request,
                                           help="refuse a completion of more prompts x n than this with 400")
     header_timeout_s: float = flag(10.0, help="close a connection whose request headers are not all in this long "
@@ -92,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
     check_client_security_arguments(p, args, "scheduler-")
-    if args.max_request_body_mib < 0 or args.max_sequences_per_request < 1:
-        p.error("--max-request-body-mib must be 0 or more and --max-sequences-per-request at least 1")
+    if min(args.max_request_body_mib, args.max_request_json_values) < 0 or args.max_sequences_per_request < 1:
+        p.error("--max-request-body-mib and --max-request-json-values must be 0 or more and "
+                "--max-sequences-per-request at least 1")
     if min(args.header_timeout_s, args.body_timeout_s) <= 0 or args.max_connections < 1:
         p.error("--header-timeout-s and --body-timeout-s must be positive and --max-connections at least 1")
     keys = _read_keys(config_from_args(GatewayFlags, args))
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                            request_timeout=args.request_timeout_s or None,
                            client_options={k: v for k, v in client_options.items() if v is not None},
                            max_request_bytes=int(args.max_request_body_mib * (1 << 20)),
+                           max_request_values=args.max_request_json_values,
                            max_sequences_per_request=args.max_sequences_per_request,
                            body_timeout=args.body_timeout_s)
     warn_if_exposed(args.host, args.port, has_token=bool(keys), has_tls=False, log=logger, what="the OpenAI gateway")

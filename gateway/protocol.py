@@ -27,7 +27,7 @@ _CONTAINERS = (list, tuple, dict)
 # tools, 64 KiB of tool-call arguments, 131,072 Detokenize ids), so nothing it serves is refused
 # here; the sampling options' lists have the bounds every side shares (common/sampling_bounds.py).
 MAX_ITEMS = 1 << 12    # of a list of objects or strings (messages, tools, content parts, prompts)
-MAX_IDS = 1 << 19      # of token ids in one request's prompt (one list, or all its lists)
+MAX_IDS = 1 << 18      # of token ids in one request's prompt (one list, or all its lists)
 MAX_ARGUMENT_CHARS = 1 << 20   # of a tool call's arguments (JSON parsed by the gateway)
 
 

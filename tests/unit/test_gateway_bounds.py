@@ -149,3 +149,21 @@ def test_a_whole_answer_is_not_walked_value_by_value_before_it_is_encoded(monkey
                     raise_server_exceptions=False) as client:
         reply = client.post(path, json=body)
     assert reply.status_code == 200, reply.text
+
+
+def test_a_body_of_more_json_values_than_the_bound_is_refused_before_it_is_parsed(monkeypatch):
+    """Parsing costs by values, not bytes: 2 MiB of [[1], [1], ...] take the event loop longer than 8 MiB of text."""
+    import gateway.json_body
+
+    real_loads = gateway.json_body.loads
+    parsed = []
+    monkeypatch.setattr(gateway.json_body, "loads", lambda body: parsed.append(len(body)) or real_loads(body))
+    fake = FakeScheduler()
+    with TestClient(create_app(GatewayConfig("unused", max_request_values=1000), client_factory=lambda: fake)) as client:
+        many = client.post("/v1/completions", json={"prompt": "x", "user": [[1]] * 1001})
+        text = client.post("/v1/completions", json={"prompt": "x" * 100_000, "max_tokens": 2})
+        ids = client.post("/detokenize", json={"tokens": [1] * 990})
+    assert many.status_code == 413 and many.json()["error"]["code"] == "request_too_large"
+    assert "--max-request-json-values" in many.json()["error"]["message"]
+    assert text.status_code == 200 and ids.status_code == 200
+    assert len(parsed) == 2   # the refused body was never parsed
