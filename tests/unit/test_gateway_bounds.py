@@ -4,6 +4,7 @@ over a bound (and at their first wrong item), and its strings are checked withou
 item. Each refusal is a 400 naming the field, and the scheduler is never asked."""
 from __future__ import annotations
 
+import json
 import sys
 
 import pydantic
@@ -167,3 +168,50 @@ def test_a_body_of_more_json_values_than_the_bound_is_refused_before_it_is_parse
     assert "--max-request-json-values" in many.json()["error"]["message"]
     assert text.status_code == 200 and ids.status_code == 200
     assert len(parsed) == 2   # the refused body was never parsed
+
+
+@pytest.fixture
+def tuned_for_parsing():
+    """The gateway process's interpreter settings (gateway/__main__.py), undone after the test."""
+    import gc
+
+    from gateway.__main__ import tune_for_parsing
+    threshold, digits = gc.get_threshold(), sys.get_int_max_str_digits()
+    tune_for_parsing()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        sys.set_int_max_str_digits(digits)
+        gc.unfreeze()
+
+
+def test_parsing_a_body_of_many_objects_runs_few_collections(tuned_for_parsing):
+    """A body's parse makes an object per JSON array and object; the gateway's collector runs once
+    per GC_THRESHOLD[0] of them, not every 700 (each run of an older generation walks the heap)."""
+    import gc
+
+    from gateway.__main__ import GC_THRESHOLD
+    from gateway.json_body import loads
+
+    body = json.dumps({"user": [{"a": []}] * 100_000}).encode()
+    runs = []
+
+    def count(phase, _info):
+        if phase == "start":
+            runs.append(phase)
+    gc.callbacks.append(count)
+    try:
+        loads(body)
+    finally:
+        gc.callbacks.remove(count)
+    assert len(runs) <= 200_000 // GC_THRESHOLD[0] + 1
+
+
+def test_an_integer_of_hundreds_of_digits_is_refused_before_it_is_converted(tuned_for_parsing):
+    """Converting digits to an integer takes time quadratic in their number."""
+    fake = FakeScheduler()
+    with TestClient(create_app(GatewayConfig("unused"), client_factory=lambda: fake)) as client:
+        reply = client.post("/v1/completions", content=b'{"prompt": "x", "seed": ' + b"9" * 700 + b"}",
+                            headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "more digits than the parser allows" in reply.json()["error"]["message"]
