@@ -123,13 +123,17 @@ def validation_error(exc: RequestValidationError, required: Sequence[str] = ()) 
     that is no JSON object (empty, an array, ...) names the first of the `required` fields."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    # A union's members each complain about the field; that it is no string says least.
-    telling = [e for e in errors if _field(e) == _field(first) and not e.get("type", "").endswith("_type")]
-    first = telling[0] if telling else first
+    # A union's members each complain about the field: the one whose path goes deepest matched the
+    # value furthest, and that the value is not of a member's type says least.
+    first = min([e for e in errors if _field(e) == _field(first)] or [first],
+                key=lambda e: (-len(e.get("loc", ())), e.get("type", "").endswith("_type")))
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         why = first.get("ctx", {}).get("error", "")
         return GatewayError(400, f"the request body is not valid JSON: {why}".rstrip(": "), None, "invalid_json")
+    if not loc and first.get("type") == "string_unicode":   # a field's name, not a field, is not text
+        return GatewayError(400, "a field name in the request body holds a lone UTF-16 surrogate, which UTF-8 cannot "
+                                 "carry", None, "invalid_parameter")
     if not loc:
         names = ", ".join(required) or "its parameters"
         return GatewayError(400, f"the request body must be a JSON object with {names}",

@@ -404,3 +404,18 @@ def test_a_function_without_parameters_takes_no_arguments(path, body):
         reply = client.post(path, json=body)
     assert reply.status_code == 200, reply.text
     assert [tool["parameters"] for tool in seen] == [{"type": "object", "properties": {}}]
+
+
+@pytest.mark.parametrize("raw, param, says", [
+    (b'{"prompt": "x", "a\\ud800b": 1}', None, "a field name in the request body holds a lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": '
+     b'{"name": "\\ud800"}}}', "tool_choice", "lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stop": ["x", 5]}', "stop", "valid string"),
+])
+def test_a_refusal_says_what_is_wrong_with_the_value_sent(fake, raw, param, says):
+    """Of a union's complaints, the one about the member the value matched furthest is told."""
+    path = "/v1/completions" if raw.startswith(b'{"prompt"') else "/v1/chat/completions"
+    with http(fake) as client:
+        reply = client.post(path, content=raw, headers={"content-type": "application/json"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param and says in error["message"], error
