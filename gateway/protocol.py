@@ -110,7 +110,7 @@ class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` extension: one constraint beyond response_format's JSON."""
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")   # a JSON schema
     regex: str | None = None
-    choice: Items[str] | None = None          # the output is exactly one of these strings
+    choice: Items[str] | None = None         # the output is exactly one of these strings
     grammar: str | None = None               # EBNF as xgrammar reads it (root ::= ...)
     json_object: bool | None = None
 
