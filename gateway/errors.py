@@ -103,7 +103,7 @@ def from_request_error(error: RequestError) -> GatewayError:
     """The HTTP form of a failed gRPC call to the scheduler."""
     status = HTTP_STATUS.get(error.code, 500)
     param = None
-    if status == 400 and (match := _FIELD_PATH.match(error.message)):
+    if 400 <= status < 500 and (match := _FIELD_PATH.match(error.message)):   # 409: a request_id in flight
         path = match.group(1).removeprefix("sampling.")
         param = _PARAMS.get(path, path)
     return GatewayError(status, error.message or error.code, param, error.code.lower())
@@ -113,15 +113,27 @@ class ClientGone(Exception):
     """The client closed the connection before its (unstreamed) answer was ready."""
 
 
+def _field(error: dict[str, Any]) -> Any:
+    """The top-level request field a pydantic error is about (None: the body itself)."""
+    return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+
 def validation_error(exc: RequestValidationError, required: Sequence[str] = ()) -> GatewayError:
     """pydantic's complaint about a request body as one 400 naming the first field at fault; a body
     that is no JSON object (empty, an array, ...) names the first of the `required` fields."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # A union's members each complain about the field: the one whose path goes deepest matched the
+    # value furthest, and that the value is not of a member's type says least.
+    first = min([e for e in errors if _field(e) == _field(first)] or [first],
+                key=lambda e: (-len(e.get("loc", ())), e.get("type", "").endswith("_type")))
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         why = first.get("ctx", {}).get("error", "")
         return GatewayError(400, f"the request body is not valid JSON: {why}".rstrip(": "), None, "invalid_json")
+    if not loc and first.get("type") == "string_unicode":   # a field's name, not a field, is not text
+        return GatewayError(400, "a field name in the request body holds a lone UTF-16 surrogate, which UTF-8 cannot "
+                                 "carry", None, "invalid_parameter")
     if not loc:
         names = ", ".join(required) or "its parameters"
         return GatewayError(400, f"the request body must be a JSON object with {names}",

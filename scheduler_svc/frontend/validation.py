@@ -102,7 +102,7 @@ def validate_chat_sampling(request_id: str, msg: generation_pb2.SamplingParams, 
     of a chat's text (the template's turn markers are not content)."""
     _check_request_id(request_id, limits)
     sampling = _resolve_sampling(msg, vocab_size, limits) | {"skip_special_tokens": True}
-    _check_prompt_fits(num_prompt_tokens, max_model_len)
+    _check_prompt_fits(num_prompt_tokens, max_model_len, "messages")
     return _with_max_tokens(msg, sampling, num_prompt_tokens, max_model_len)
 
 
@@ -333,11 +333,13 @@ def _prompt_token_ids(
     return ids
 
 
-def _check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
+def _check_prompt_fits(num_tokens: int, max_model_len: int, field: str = "prompt") -> None:
+    """`field`: the request's field that makes the prompt (a chat's messages render it)."""
     if num_tokens >= max_model_len:
+        what = "prompt" if field == "prompt" else f"{field}: the rendered prompt"
         raise InvalidRequest(
-            "prompt",
-            f"prompt has {num_tokens} tokens; max_model_len {max_model_len} leaves no room for a generated token",
+            field,
+            f"{what} has {num_tokens} tokens; max_model_len {max_model_len} leaves no room for a generated token",
         )
 
 
