@@ -34,10 +34,15 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/e2e starts processes: marked e2e, so `-m "not e2e"` runs the fast part."""
+    """Everything under tests/e2e starts processes: marked e2e, so `-m "not e2e"` runs the fast part.
+    In xdist's workers the e2e files come first: files are handed out in this order
+    (--no-loadscope-reorder), so the long ones start early and the many short unit files even out
+    the two workers' ends. (xdist's own order, by number of tests, handed them out last.)"""
     for item in items:
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.e2e)
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: "e2e" not in item.path.parts)
 
 
 @pytest.fixture(scope="session", autouse=True)
