@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -320,6 +321,27 @@ def prefill_launch(kv_fp8: bool) -> LaunchConfig:
 
 def mixed_decodes_apart(kv_fp8: bool) -> bool:
     return MIXED_DECODES_APART_FP8 if kv_fp8 else MIXED_DECODES_APART
+
+
+def decode_variant_counts(num_kv_heads: int, max_requests: int, kv_fp8: bool,
+                          device: torch.device) -> tuple[list[int], list[int]]:
+    """The fewest requests of each decode-launch variant (its launch config and split-K factor,
+    compile-time constants chosen by the number of requests) that steps of 1..max_requests
+    requests reach: of pure-decode steps, and of mixed steps where their decodes go apart. One
+    step at each compiles every variant. (An FP8 cache's mixed steps reach ~10; warming up only
+    the full batch left them to compile on the first requests: v19's 7.7 s time to first token.)"""
+    def firsts(launch_of: Callable[[int], LaunchConfig]) -> list[int]:
+        seen, counts = set(), []
+        for n in range(1, max_requests + 1):
+            launch = launch_of(n)
+            key = (launch, decode_num_splits(n, num_kv_heads, device, launch.num_warps))
+            if key not in seen:
+                seen.add(key)
+                counts.append(n)
+        return counts
+
+    pure = firsts(lambda n: decode_launch(kv_fp8, n))
+    return pure, firsts(gqa_decode_launch) if mixed_decodes_apart(kv_fp8) else []
 
 
 @dataclass(frozen=True)
