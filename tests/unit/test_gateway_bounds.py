@@ -170,6 +170,31 @@ def test_a_body_of_more_json_values_than_the_bound_is_refused_before_it_is_parse
     assert len(parsed) == 2   # the refused body was never parsed
 
 
+def test_a_large_body_is_parsed_apart_from_the_event_loop_and_a_small_one_on_it(monkeypatch):
+    """The event loop writes every other stream: a body past PARSE_APART_BYTES is parsed on a
+    worker thread (CPython hands the loop the interpreter back every 5 ms), a small one inline."""
+    import threading
+
+    import gateway.json_body
+
+    real_loads = gateway.json_body.loads
+    threads = []
+    monkeypatch.setattr(gateway.json_body, "loads",
+                        lambda body: threads.append(threading.get_ident()) or real_loads(body))
+    fake = FakeScheduler()
+    large = "x" * (gateway.json_body.PARSE_APART_BYTES + 1)
+    with TestClient(create_app(GatewayConfig("unused"), client_factory=lambda: fake)) as client:
+        small = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        # A handler on the loop's thread, to tell it apart from the parser's.
+        loop_thread = client.portal.call(lambda: threading.get_ident())
+        big = client.post("/v1/completions", json={"prompt": large, "max_tokens": 2})
+        broken = client.post("/v1/completions", content=b'{"prompt": "' + large.encode() + b'", ]',
+                             headers={"content-type": "application/json"})
+    assert small.status_code == big.status_code == 200, (small.text, big.text)
+    assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_json", broken.text
+    assert threads[0] == loop_thread and threads[1] != loop_thread and threads[2] != loop_thread
+
+
 @pytest.fixture
 def tuned_for_parsing():
     """The gateway process's interpreter settings (gateway/__main__.py), undone after the test."""
