@@ -78,6 +78,8 @@ case ${1:-} in
         ;;
     bench)
         base
+        # The stages read the checkpoint under $BENCH/model: written once per machine, by `checkpoint`.
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
         NAME=${NAME:-full}
         with_floor "$NAME"
         timeout ${TIMEOUT:-560} $PY -m bench.gpu_bench --out "$BENCH/$NAME" --model "$BENCH/model" \
