@@ -7,6 +7,7 @@
 #   smoke     a short gpu_bench run that exercises the service end to end
 #   fa4       install FlashAttention-4 (.whl/fa4a + .whl/fa4b) and run its tests and the attention bench
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
+#   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES
 set -uo pipefail
@@ -86,6 +87,26 @@ case ${1:-} in
             --stages ${STAGES:-service,offline} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-60}
         copy_logs "$NAME"
         ;;
+    kv)     # the service with a bf16 and an FP8 KV cache, side by side (issue 24's ratio)
+        base
+        for dtype in bfloat16 fp8; do
+            QWEN3_SERVE_KV_CACHE_DTYPE=$dtype NAME=kv-$dtype STAGES=service EXTRA="--stream-intervals 1 ${EXTRA:-}" \
+                TIMEOUT=${TIMEOUT:-270} LINES_OUT=3 bash "$0" bench
+        done
+        $PY - "$BENCH" <<'PY'
+import json, pathlib, sys
+rows = {}
+for dtype in ("bfloat16", "fp8"):
+    try:
+        r = json.loads((pathlib.Path(sys.argv[1]) / f"kv-{dtype}" / "service.json").read_text())["result"]
+        rows[dtype] = (r["output_tokens"] / r["seconds"], r["ttft_median_s"] * 1e3, (r["tpot_median_s"] or 0) * 1e3)
+        print(f"{dtype:9} {rows[dtype][0]:9.0f} tok/s  TTFT p50 {rows[dtype][1]:6.0f} ms  TPOT p50 {rows[dtype][2]:5.2f} ms")
+    except (OSError, KeyError, ValueError) as exc:
+        print(f"{dtype:9} no result ({exc!r})")
+if len(rows) == 2:
+    print(f"fp8 / bf16: {rows['fp8'][0] / rows['bfloat16'][0]:.2f}x tok/s (target 1.15x)")
+PY
+        ;;
     spec)
         base
         mkdir -p "$BENCH/spec"
@@ -99,5 +120,5 @@ case ${1:-} in
             --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|spec|moe" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|moe" >&2; exit 2 ;;
 esac
