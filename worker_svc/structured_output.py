@@ -288,12 +288,13 @@ class StructuredOutput:
         matcher.pending = []
         if row.next_tokens is None:
             matcher.fill_row(bitmask, row.rows[0])
-            if not bitmask[row.rows[0]].any():     # a dead end: sampling would draw from no token
-                row.cost_ms = matcher.last_cost_ms = (_cpu_time(clock) - row.cpu_start) * 1e3
-                raise _DeadEnd()
         else:
             _fill_along(matcher, row.rows, row.next_tokens, bitmask)
         row.cost_ms = matcher.last_cost_ms = (_cpu_time(clock) - row.cpu_start) * 1e3
+        # A dead end: the first sampled position would draw from no token. (A later position of a
+        # verification that is empty only matters if the drafts before it are accepted: left be.)
+        if not bitmask[row.rows[0]].any():
+            raise _DeadEnd()
 
     def _wait(self, fill: MaskFill) -> list[_RowFill]:
         """Waits until every row is filled, giving up on each row whose task has cost more than
