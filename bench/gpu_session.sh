@@ -6,7 +6,9 @@
 #   tests     GPU tests (kernels, attention backends, CUDA graphs, the pipelined runner, MoE/FP8)
 #   smoke     a short gpu_bench run that exercises the service end to end
 #   fa4       install FlashAttention-4 (.whl/fa4a + .whl/fa4b) and run its tests and the attention bench
-#   bench     the gpu_bench stages given in STAGES (default: service,offline)
+#   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
+#   kv        the service with a bf16 and an FP8 KV cache, side by side
+#   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES
 set -uo pipefail
 PY=${PY:-$(command -v python3)}
@@ -42,8 +44,9 @@ case ${1:-} in
     base) base ;;
     tests)
         base
-        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider ${TESTS:-tests/unit/test_gpu_pipelined_runner.py \
-            tests/unit/test_fused_kernels.py tests/unit/test_cuda_graphs.py tests/unit/test_attention_backends.py \
+        # -o addopts=: the GPU image's python may lack the plugins pyproject.toml names (xdist, timeout)
+        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider -o addopts= ${TESTS:-tests/unit/test_gpu_pipelined_runner.py \
+            tests/unit/test_drafting_graphs.py tests/unit/test_fused_kernels.py tests/unit/test_cuda_graphs.py tests/unit/test_attention_backends.py \
             tests/unit/test_moe_kernels.py tests/unit/test_fp8_kernels.py} 2>&1 | tail -${LINES_OUT:-40}
         ;;
     smoke)
@@ -66,7 +69,8 @@ case ${1:-} in
             bash scripts/fa4_install.sh --python "$PY" /tmp/fa4whl || exit 1
             source /tmp/site/fa4_env.sh
         fi
-        timeout ${TIMEOUT:-330} $PY -m pytest -q --tb=short -rfs -p no:cacheprovider tests/unit/test_attention_backends.py \
+        timeout ${TIMEOUT:-330} $PY -m pytest -q --tb=short -rfs -p no:cacheprovider -o addopts= \
+            tests/unit/test_attention_backends.py \
             tests/unit/test_cuda_graphs.py tests/e2e/test_attention_selection.py 2>&1 | tail -25
         timeout 240 $PY -m bench.attention_backends_bench --out "$OUT/attention.json" 2>&1 | grep -v '^{' | tail -60
         ;;
@@ -75,10 +79,39 @@ case ${1:-} in
         ;;
     bench)
         base
-        with_floor full
-        timeout ${TIMEOUT:-560} $PY -m bench.gpu_bench --out "$BENCH/full" --model "$BENCH/model" \
+        # The stages read the checkpoint under $BENCH/model: written once per machine, by `checkpoint`.
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        NAME=${NAME:-full}
+        with_floor "$NAME"
+        timeout ${TIMEOUT:-560} $PY -m bench.gpu_bench --out "$BENCH/$NAME" --model "$BENCH/model" \
             --stages ${STAGES:-service,offline} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-60}
-        copy_logs full
+        copy_logs "$NAME"
+        ;;
+    kv)     # the service with a bf16 and an FP8 KV cache, side by side (issue 24's ratio)
+        base
+        for dtype in bfloat16 fp8; do
+            QWEN3_SERVE_KV_CACHE_DTYPE=$dtype NAME=kv-$dtype STAGES=service EXTRA="--stream-intervals 1 ${EXTRA:-}" \
+                TIMEOUT=${TIMEOUT:-270} LINES_OUT=3 bash "$0" bench
+        done
+        $PY - "$BENCH" <<'PY'
+import json, pathlib, sys
+rows = {}
+for dtype in ("bfloat16", "fp8"):
+    try:
+        r = json.loads((pathlib.Path(sys.argv[1]) / f"kv-{dtype}" / "service.json").read_text())["result"]
+        rows[dtype] = (r["output_tokens"] / r["seconds"], r["ttft_median_s"] * 1e3, (r["tpot_median_s"] or 0) * 1e3)
+        print(f"{dtype:9} {rows[dtype][0]:9.0f} tok/s  TTFT p50 {rows[dtype][1]:6.0f} ms  TPOT p50 {rows[dtype][2]:5.2f} ms")
+    except (OSError, KeyError, ValueError) as exc:
+        print(f"{dtype:9} no result ({exc!r})")
+if len(rows) == 2:
+    print(f"fp8 / bf16: {rows['fp8'][0] / rows['bfloat16'][0]:.2f}x tok/s (target 1.15x)")
+PY
+        ;;
+    spec)
+        base
+        mkdir -p "$BENCH/spec"
+        timeout ${TIMEOUT:-400} $PY -m bench.stages.spec --out "$BENCH/spec" ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-40}
+        cp "$BENCH"/spec/*.json "$OUT/" 2>/dev/null; true
         ;;
     moe)
         base
@@ -87,5 +120,5 @@ case ${1:-} in
             --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|moe" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|moe" >&2; exit 2 ;;
 esac

@@ -40,6 +40,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common import strict_json
 from common.json_schema import SCHEMA_KEYWORDS, SCHEMA_VALUES, subschemas
 
 if TYPE_CHECKING:
@@ -128,13 +129,9 @@ def to_grammar(constraint: Constraint) -> "xgrammar.Grammar":
 
 def _parse_json(kind: str, text: str):
     try:
-        return json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise GrammarError(kind, f"not valid JSON: {exc}") from None
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+        return strict_json.loads(text)
+    except strict_json.JsonProblem as exc:
+        raise GrammarError(kind, str(exc)) from None
 
 
 def enforceable_schema(schema, kind: str = "json_schema"):

@@ -4,7 +4,8 @@ handlers and the endpoint families together over one llm.v1 connection to the sc
 Guarantees (each where its module says):
 - every error is OpenAI's error body with an HTTP status mapped from the gRPC status (errors.py);
 - a client that disconnects cancels the gRPC calls behind its request at once (streaming.py);
-- a request body over max_request_bytes is refused with 413 before it is read whole, and
+- a request body over max_request_bytes, or of more JSON values than max_request_values, is
+  refused with 413 before it is read whole (and so before it is parsed), and
   every path but /health and /metrics requires `Authorization: Bearer KEY` when API keys are
   configured (middleware.py);
 - /metrics counts every request, refusals included (metrics.py: its middleware is outermost).
@@ -47,8 +48,8 @@ def create_app(config: GatewayConfig, client_factory: Callable[[], AsyncClient] 
     app = FastAPI(title="qwen3-serve OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     if config.api_keys:
         app.add_middleware(ApiKeyCheck, keys=config.api_keys, open_paths=OPEN_PATHS)
-    if config.max_request_bytes:
-        app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    if config.max_request_bytes or config.max_request_values:
+        app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, max_values=config.max_request_values)
     if config.body_timeout:
         app.add_middleware(BodyDeadline, seconds=config.body_timeout)
     app.add_middleware(HttpMetrics, metrics=metrics)   # added last: outermost, so refusals count too

@@ -33,7 +33,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post(ROUTE)
 async def post_chat_completions(req: ChatCompletionRequest, request: Request):
-    return await chat_completions(gateway_of(request), req, request)
+    return outputs.whole(await chat_completions(gateway_of(request), req, request))
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:

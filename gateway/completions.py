@@ -41,7 +41,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post(ROUTE)
 async def post_completions(req: CompletionRequest, request: Request):
-    return await completions(gateway_of(request), req, request)
+    return outputs.whole(await completions(gateway_of(request), req, request))
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,11 @@ async def completions(gateway: Gateway, req: CompletionRequest, request: Request
     sampling = completion_sampling(req)
     n = sampling.n or 1
     plan = Plan(n, req.logprobs, req.prompt_logprobs, bool(req.echo), scores_prompt(req), generates_nothing(req))
-    texts = completion_prompts(req)
-    if len(texts) * n > gateway.config.max_sequences_per_request:
+    count = _prompt_count(req.prompt)   # before the prompts are read: their number bounds that work
+    if count * n > gateway.config.max_sequences_per_request:
         raise bad_param("prompt", f"a request may ask for at most {gateway.config.max_sequences_per_request} "
-                                  f"sequences (prompts x n); this one asks for {len(texts)} x {n}")
+                                  f"sequences (prompts x n); this one asks for {count} x {n}")
+    texts = completion_prompts(req)
     model = await gateway.check_model(req.model)
     rid = req.request_id or uuid.uuid4().hex
     rids = [rid] if len(texts) == 1 else [f"{rid}-{i}" for i in range(len(texts))]
@@ -104,6 +105,11 @@ async def completions(gateway: Gateway, req: CompletionRequest, request: Request
             choices.append(await _whole_choice(gateway, p * n + sample.index, prompt, result, sample, plan))
     gateway.metrics.count_usage(ROUTE, usage)
     return {**base, "choices": choices, "usage": usage.to_json()}
+
+
+def _prompt_count(prompt: str | list) -> int:
+    """How many prompts `prompt` is: one text or one list of token ids, else one per item."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
 
 
 def _trimmed(sample, plan: Plan):

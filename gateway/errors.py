@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.client import RequestError
-from gateway.json_body import NonFiniteNumber
+from common.strict_json import JsonProblem
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def from_request_error(error: RequestError) -> GatewayError:
     """The HTTP form of a failed gRPC call to the scheduler."""
     status = HTTP_STATUS.get(error.code, 500)
     param = None
-    if status == 400 and (match := _FIELD_PATH.match(error.message)):
+    if 400 <= status < 500 and (match := _FIELD_PATH.match(error.message)):   # 409: a request_id in flight
         path = match.group(1).removeprefix("sampling.")
         param = _PARAMS.get(path, path)
     return GatewayError(status, error.message or error.code, param, error.code.lower())
@@ -113,15 +113,27 @@ class ClientGone(Exception):
     """The client closed the connection before its (unstreamed) answer was ready."""
 
 
+def _field(error: dict[str, Any]) -> Any:
+    """The top-level request field a pydantic error is about (None: the body itself)."""
+    return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+
 def validation_error(exc: RequestValidationError, required: Sequence[str] = ()) -> GatewayError:
     """pydantic's complaint about a request body as one 400 naming the first field at fault; a body
     that is no JSON object (empty, an array, ...) names the first of the `required` fields."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # A union's members each complain about the field: the one whose path goes deepest matched the
+    # value furthest, and that the value is not of a member's type says least.
+    first = min([e for e in errors if _field(e) == _field(first)] or [first],
+                key=lambda e: (-len(e.get("loc", ())), e.get("type", "").endswith("_type")))
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         why = first.get("ctx", {}).get("error", "")
         return GatewayError(400, f"the request body is not valid JSON: {why}".rstrip(": "), None, "invalid_json")
+    if not loc and first.get("type") == "string_unicode":   # a field's name, not a field, is not text
+        return GatewayError(400, "a field name in the request body holds a lone UTF-16 surrogate, which UTF-8 cannot "
+                                 "carry", None, "invalid_parameter")
     if not loc:
         names = ", ".join(required) or "its parameters"
         return GatewayError(400, f"the request body must be a JSON object with {names}",
@@ -198,8 +210,10 @@ def _unparsable_body(cause: BaseException | None) -> str:
         return f"the request body is not UTF-8 JSON: byte {cause.start} is {cause.reason}"
     if isinstance(cause, RecursionError):
         return "the request body nests its JSON deeper than the parser allows"
-    if isinstance(cause, NonFiniteNumber):
-        return str(cause)
+    if isinstance(cause, JsonProblem):     # a number JSON does not have (gateway/json_body.py)
+        where = f" at {cause.path}" if cause.path else ""
+        return (f"the request body holds the number {cause.number[:40]}{where}, "
+                f"which JSON does not have (NaN and the infinities are not JSON)")
     if isinstance(cause, ValueError) and "digits" in str(cause):
         return "the request body holds an integer of more digits than the parser allows"
     return "the request body is not valid JSON"
@@ -212,7 +226,7 @@ _BODY_NOT_PARSED = "There was an error parsing the body"   # FastAPI's, for what
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 400 and exc.detail == _BODY_NOT_PARSED:
         cause = exc.__cause__
-        param = cause.param if isinstance(cause, NonFiniteNumber) else None
+        param = cause.path if isinstance(cause, JsonProblem) else None
         return _respond(_media_refusal(request, True) or GatewayError(400, _unparsable_body(cause), param,
                                                                       "invalid_json"))
     code = _HTTP_CODES.get(exc.status_code)

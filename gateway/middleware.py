@@ -43,11 +43,16 @@ class ApiKeyCheck:
 
 class BodyLimit:
     """Refuses a request body over `max_bytes` with 413: at once by its Content-Length, or while a
-    chunked body is read (FastAPI lets an HTTPException raised while reading the body through)."""
+    chunked body is read (FastAPI lets an HTTPException raised while reading the body through).
+    So too a body of more than `max_values` JSON values, counted as it arrives (at C speed) by its
+    commas and colons (one per item and member after the first) and its [ and { (an array or an
+    object costs more to make than a number): parsing costs by values, and a few MiB of them
+    ([[1], [1], ...]) take seconds of the event loop that writes every stream. A bound of 0 is none."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, max_values: int = 0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_values = max_values
 
     def _too_large(self, size: str) -> StarletteHTTPException:
         return StarletteHTTPException(413, f"the request body is {size} bytes, more than the gateway's limit of "
@@ -58,20 +63,26 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+        if self.max_bytes and length is not None and length.isdigit() and int(length) > self.max_bytes:
             error = self._too_large(length.decode())
             await JSONResponse(error_body(413, error.detail, code="request_too_large"), status_code=413,
                                headers={"connection": "close"})(scope, receive, send)
             return
-        received = 0
+        received = values = 0
 
         async def bounded() -> dict:
-            nonlocal received
+            nonlocal received, values
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                body = message.get("body", b"")
+                received += len(body)
+                if self.max_bytes and received > self.max_bytes:
                     raise self._too_large(f"more than {received}")
+                values += body.count(b",") + body.count(b":") + body.count(b"[") + body.count(b"{")
+                if self.max_values and values > self.max_values:
+                    raise StarletteHTTPException(413, f"the request body holds more than {self.max_values} JSON "
+                                                      "values (counted by its commas, colons, [ and {), the "
+                                                      "gateway's limit (--max-request-json-values)")
             return message
 
         await self.app(scope, bounded, send)

@@ -2,46 +2,85 @@
 plus the sampling extensions vLLM and SGLang users send (top_k, min_p, repetition_penalty, ...).
 
 Every model forbids fields it does not declare: an unknown parameter is a 400 naming it, never
-a silent drop; and every field refuses what the llm.v1 wire cannot carry (a string with a lone
-UTF-16 surrogate, a float that is not finite, JSON nested deeper than MAX_DEPTH) by its name. A declared field that the service cannot honour with a given value (echo, a
-non-text content part, ...) is refused in translate.py, which also names it. Value ranges
-that the scheduler checks itself (temperature, top_p, penalties, n, ...) are left to it, so there
-is one place that knows them; its refusal comes back as a 400 naming the parameter.
+a silent drop; every field takes its own JSON type only (strict: true is no 1, "5" no 5, 2.0 no
+integer, as OpenAI's API has it); and every field refuses what the llm.v1 wire cannot carry (a
+string with a lone UTF-16 surrogate, a float that is not finite, JSON nested deeper than
+MAX_DEPTH) by its name. A declared field that the service cannot honour with a given value (echo,
+a non-text content part, ...) is refused in translate.py, which also names it. Value ranges that
+the scheduler checks itself (temperature, top_p, penalties, n, ...) are left to it, so there is
+one place that knows them; its refusal comes back as a 400 naming the parameter.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from itertools import chain, compress, repeat
+from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_DEPTH = 64   # of the JSON in any one field (schemas, tool arguments, content parts)
+_CONTAINERS = (list, tuple, dict)
+# A list longer than these is refused at its first item over, and a list's first wrong item
+# ends its validation (fail_fast): each item costs the event loop that serves every stream, and
+# a wrong one an error record too. The scheduler's own limits are lower (1,024 messages, 128
+# tools, 64 KiB of tool-call arguments, 131,072 Detokenize ids), so nothing it serves is refused
+# here; the sampling options' lists have the bounds every side shares (common/sampling_bounds.py).
+MAX_ITEMS = 1 << 12    # of a list of objects or strings (messages, tools, content parts, prompts)
+MAX_IDS = 1 << 18      # of token ids in one request's prompt (one list, or all its lists)
+MAX_ARGUMENT_CHARS = 1 << 20   # of a tool call's arguments (JSON parsed by the gateway)
+
+
+def _bounded(kind: Any, length: int) -> Any:
+    return Annotated[kind, Field(max_length=length, fail_fast=True)]
+
+
+T = TypeVar("T")
+Items = Annotated[list[T], Field(max_length=MAX_ITEMS, fail_fast=True)]
+Ids = _bounded(list[int], MAX_IDS)
 
 
 def check_wire_value(value: Any) -> None:
     """Raises ValueError when `value` (any JSON value) holds a string that UTF-8 cannot encode (a
-    lone surrogate) or nests deeper than MAX_DEPTH. Iterative: depth costs no Python stack."""
-    todo = [(value, 0)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise ValueError(f"a lone UTF-16 surrogate (U+{ord(item[exc.start]):04X}) at character "
-                                     f"{exc.start}, which UTF-8 cannot carry") from None
-            continue
-        if isinstance(item, BaseModel):
-            continue   # checked by its own validators
-        if isinstance(item, (list, tuple, dict)):
-            if depth >= MAX_DEPTH:
-                raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
-            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
-            todo.extend((child, depth + 1) for child in children)
+    lone surrogate) or nests deeper than MAX_DEPTH. A level at a time, its items sorted by C code:
+    depth costs no Python stack, and no item costs a Python call (a million ids are one pass)."""
+    level = [value]
+    for depth in range(MAX_DEPTH + 1):
+        kinds = set(map(type, level))
+        if any(issubclass(kind, str) for kind in kinds):
+            _check_strings(level if kinds == {str} else _of_kind(level, str))
+        if not any(issubclass(kind, _CONTAINERS) for kind in kinds):
+            return   # scalars and models (checked by their own validators) only
+        if depth == MAX_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
+        containers = level if all(issubclass(kind, _CONTAINERS) for kind in kinds) else _of_kind(level, _CONTAINERS)
+        dicts = _of_kind(containers, dict)
+        level = list(chain(chain.from_iterable(_of_kind(containers, (list, tuple))), chain.from_iterable(dicts),
+                           chain.from_iterable(map(dict.values, dicts))))
+
+
+def _of_kind(items: list[Any], kind: type | tuple[type, ...]) -> list[Any]:
+    """The items that are `kind`s, in order, picked by C code (isinstance mapped, not called)."""
+    return list(compress(items, map(isinstance, items, repeat(kind))))
+
+
+def _check_strings(strings: list[str]) -> None:
+    joined = "".join(strings)
+    if joined.isascii():
+        return
+    try:
+        joined.encode("utf-8")
+    except UnicodeEncodeError:
+        for item in strings:   # which one: only when one fails
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"a lone UTF-16 surrogate (U+{ord(item[exc.start]):04X}) at character "
+                                 f"{exc.start}, which UTF-8 cannot carry") from None
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -71,7 +110,7 @@ class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` extension: one constraint beyond response_format's JSON."""
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")   # a JSON schema
     regex: str | None = None
-    choice: list[str] | None = None          # the output is exactly one of these strings
+    choice: Items[str] | None = None         # the output is exactly one of these strings
     grammar: str | None = None               # EBNF as xgrammar reads it (root ::= ...)
     json_object: bool | None = None
 
@@ -84,10 +123,10 @@ class _Sampling(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | _bounded(list[str], MAX_STOP_STRINGS) | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
+    logit_bias: _bounded(dict[str, float], MAX_LOGIT_BIAS_ENTRIES) | None = None   # token id (as a string) -> bias in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -99,7 +138,7 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: _bounded(list[int], MAX_STOP_TOKEN_IDS) | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None              # lower is served first
     speculative: bool | None = None          # false: kept out of speculative decoding
@@ -107,22 +146,51 @@ class _Sampling(_Strict):
     request_id: str | None = None            # the id the scheduler logs it under (unset: a fresh one)
 
 
+def _prompt_form(value: Any) -> str | None:
+    """Which form of prompt `value` is, by its first item: pydantic validates that form alone."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    return "list[str]" if isinstance(first, str) else "list[list[int]]" if isinstance(first, list) else "list[int]"
+
+
+Prompt = Annotated[Union[Annotated[str, Tag("str")], Annotated[Items[str], Tag("list[str]")],
+                         Annotated[Ids, Tag("list[int]")], Annotated[Items[Ids], Tag("list[list[int]]")]],
+                   Discriminator(_prompt_form, custom_error_type="prompt_type", custom_error_message=(
+                       "must be a string, a list of strings, a list of token ids or a list of lists of token ids"))]
+
+
 class CompletionRequest(_Sampling):
     # A text, a list of texts (a batch: choice index = prompt index * n + sample), token ids, or
     # a list of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None              # 0..20: the sampled token's logprob and this many top ones
     echo: bool | None = None                 # the prompt, then the completion (and its logprobs, with logprobs)
     prompt_logprobs: int | None = None       # vLLM's: 0..20 top logprobs of each prompt token
     best_of: int | None = None               # accepted when equal to n
     suffix: str | None = None                # refused unless empty
 
+    @field_validator("prompt", mode="after")
+    @classmethod
+    def _ids_in_all(cls, prompt: Any) -> Any:
+        if prompt and isinstance(prompt[0], list) and (total := sum(map(len, prompt))) > MAX_IDS:
+            raise ValueError(f"holds {total} token ids in all, more than {MAX_IDS}")
+        return prompt
+
 
 class FunctionDef(_Strict):
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    # Unset or null: the function takes no arguments (an empty object), as OpenAI reads it.
+    parameters: dict[str, Any] | None = Field(default=None, validate_default=True)
     strict: bool | None = None
+
+    @field_validator("parameters", mode="after")
+    @classmethod
+    def _unset_is_no_arguments(cls, parameters: dict[str, Any] | None) -> dict[str, Any]:
+        return {"type": "object", "properties": {}} if parameters is None else parameters
 
 
 class ToolDef(_Strict):
@@ -141,7 +209,7 @@ class NamedToolChoice(_Strict):
 
 class FunctionCall(_Strict):
     name: str
-    arguments: str                           # a JSON object, as text
+    arguments: Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)]   # a JSON object, as text
 
 
 class ToolCallIn(_Strict):
@@ -152,27 +220,27 @@ class ToolCallIn(_Strict):
 
 class ChatMessageIn(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None   # a text or text parts
+    content: str | Items[dict[str, Any]] | None = None   # a text or text parts
     name: str | None = None                  # refused: the chat template has no place for it
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: Items[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None     # an earlier assistant turn's reasoning (vLLM's name)
     reasoning: str | None = None             # the same, under the newer name
     # What an assistant message of a previous response carries, so that clients can send it back
     # as they got it; refused when set to anything but null.
     refusal: str | None = None
-    annotations: list[Any] | None = None
+    annotations: Items[Any] | None = None
     audio: Any = None
     function_call: Any = None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessageIn]
+    messages: Items[ChatMessageIn]
     max_completion_tokens: int | None = None   # OpenAI's newer name of max_tokens; wins when both are set
     logprobs: bool | None = None
     top_logprobs: int | None = None          # 0..20, with logprobs
     prompt_logprobs: int | None = None       # vLLM's: 0..20 top logprobs of each rendered prompt token
-    tools: list[ToolDef] | None = None
+    tools: Items[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # The template's switches (vLLM and SGLang): {"enable_thinking": false} turns Qwen3's

@@ -40,7 +40,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post(ROUTE)
 async def post_responses(req: ResponsesRequest, request: Request):
-    return await responses(gateway_of(request), req, request)
+    return outputs.whole(await responses(gateway_of(request), req, request))
 
 
 async def responses(gateway: Gateway, req: ResponsesRequest, request: Request):

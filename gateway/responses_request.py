@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError
 
 from gateway.errors import GatewayError, bad_param, unsupported, validation_error
-from gateway.protocol import ChatCompletionRequest, _Strict
+from gateway.protocol import MAX_ITEMS, ChatCompletionRequest, Items, _Strict
 from gateway.translate import ChatCall, chat_call
 
 logger = logging.getLogger(__name__)
@@ -67,21 +67,21 @@ class StreamOptions(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Items[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfig | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Items[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     reasoning: Reasoning | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    include: list[str] | None = None
+    include: Items[str] | None = None
     truncation: Literal["disabled"] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_ITEMS, fail_fast=True)] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None      # accepted: the scheduler's prefix cache needs no key
@@ -273,7 +273,7 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCall, list[str]]:
 
 
 _CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-                      "chat_template_kwargs": "reasoning"}
+                      "chat_template_kwargs": "reasoning", "messages": "input"}
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
 _TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function")
 _CALL_PARAM = re.compile(r"^\.tool_calls\[\d+\]\.function")

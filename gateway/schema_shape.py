@@ -3,7 +3,8 @@ shaped as JSON Schema says: each keyword the service reads holds the kind of val
 `type` names JSON types, `properties` maps names to schemas, `required` lists names, a bound is a
 number, ...). A misshapen schema is refused by name before any work, whatever tool_choice says,
 as OpenAI refuses it. Keywords outside this table pass; whether a well-shaped schema compiles into
-a grammar is the worker's to say. Iterative: the depth of a schema costs no Python stack.
+a grammar is the worker's to say. Iterative: the depth of a schema costs no Python stack, and
+its size is bounded (MAX_NODES).
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
            "maxContains")
 _NUMBERS = ("minimum", "maximum")
 _STRINGS = ("pattern", "format", "$ref")
+# Subschemas checked at most, each on the event loop that serves every stream: four times the
+# scheduler's own bound (--max-json-schema-nodes), which refuses a longer schema anyway.
+MAX_NODES = 1 << 14
 
 
 class SchemaProblem(ValueError):
@@ -69,9 +73,17 @@ def _subschemas(key: str, value: Any) -> list[tuple[str, Any]]:
             for step, schema in subschemas(key, value)]
 
 
+def _count(key: str, value: Any) -> int:
+    """How many subschemas keyword `key`'s `value` holds, counted before they are listed."""
+    if key in SCHEMA_MAPS or key in SCHEMA_LISTS or key == "items" and isinstance(value, list):
+        return len(value) if isinstance(value, (dict, list)) else 0
+    return 1 if key in SCHEMA_VALUES else 0
+
+
 def check_schema(schema: Any) -> None:
     """Raises SchemaProblem when `schema` (a parsed JSON value) is not shaped as a JSON schema."""
     todo: list[tuple[str, Any]] = [("", schema)]
+    nodes = 1
     while todo:
         path, node = todo.pop()
         if isinstance(node, bool):
@@ -80,6 +92,9 @@ def check_schema(schema: Any) -> None:
             raise SchemaProblem(f"{path or 'the schema'} must be a schema (an object or a boolean)")
         for key, value in node.items():
             where = f"{path}.{key}" if path else key
+            nodes += _count(key, value)
+            if nodes > MAX_NODES:
+                raise SchemaProblem(f"{where}: the schema has more than {MAX_NODES} subschemas")
             if (problem := _keyword_problem(key, value)) is not None:
                 raise SchemaProblem(f"{where} {problem}")
             todo.extend((f"{path}.{sub}" if path else sub, child) for sub, child in _subschemas(key, value))

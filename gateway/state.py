@@ -50,7 +50,8 @@ class Gateway:
     async def check_model(self, requested: str | None) -> str:
         name = await self.model_name()
         if requested not in (None, "", name):
-            raise GatewayError(404, f"The model {requested!r} does not exist; this server serves {name!r}",
+            shown = requested if len(requested) <= 64 else f"{requested[:64]}..."   # the name, not an echo of any size
+            raise GatewayError(404, f"The model {shown!r} does not exist; this server serves {name!r}",
                                "model", "model_not_found")
         return name
 

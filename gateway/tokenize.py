@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from common.client import RequestError
+from gateway import outputs
 from gateway.json_body import StrictJSONRoute
 from gateway.errors import from_request_error, unsupported
-from gateway.protocol import _Strict
+from gateway.protocol import Ids, Items, _Strict
 from gateway.state import gateway_of
 from gateway.translate import UINT32, wire_int
 
@@ -26,14 +28,14 @@ PATHS = ("/tokenize", "/detokenize")
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list | None = None             # refused: chats are rendered by the scheduler's Chat call
+    messages: Items[Any] | None = None       # refused: chats are rendered by the scheduler's Chat call
     add_special_tokens: bool = True          # what the tokenizer's post-processor adds (nothing for Qwen3)
     return_token_strs: bool | None = False   # each token's text too
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: Ids
 
 
 @router.post("/tokenize")
@@ -48,18 +50,20 @@ async def tokenize(req: TokenizeRequest, request: Request):
     answer = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
         texts = await gateway.token_texts.texts(ids)
-        answer["token_strs"] = [texts[t] for t in ids]
-    return answer
+        answer["token_strs"] = list(map(texts.__getitem__, ids))
+    return outputs.whole(answer)
 
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
     gateway = gateway_of(request)
-    for i, token in enumerate(req.tokens):
-        wire_int(token, f"tokens[{i}]", UINT32)
+    low, high = UINT32
+    if req.tokens and not low <= min(req.tokens) <= max(req.tokens) <= high:   # one C-speed pass when all fit
+        i = next(i for i, token in enumerate(req.tokens) if not low <= token <= high)
+        wire_int(req.tokens[i], f"tokens[{i}]", UINT32)
     await gateway.check_model(req.model)
     try:
-        return {"prompt": await gateway.client.detokenize(req.tokens)}
+        return outputs.whole({"prompt": await gateway.client.detokenize(req.tokens)})
     except RequestError as exc:   # the scheduler names its token_ids, which are this route's tokens
         error = from_request_error(exc)
         raise dataclasses.replace(error, param="tokens") if error.param == "prompt" else error from None

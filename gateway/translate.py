@@ -9,11 +9,11 @@ left out of the text.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from common import strict_json
 from common.client import SamplingParams
 from common.sampling_bounds import MAX_TOP_LOGPROBS
 from gateway.errors import bad_param, unsupported
@@ -294,17 +294,14 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _not_json(name: str) -> None:
-    """json.loads' parse_constant: NaN and the infinities are Python's, not JSON."""
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def _tool_call(call, where: str) -> dict[str, Any]:
     param = f"{where}.function.arguments"
     try:
-        arguments = json.loads(call.function.arguments, parse_constant=_not_json)
+        arguments = strict_json.loads(call.function.arguments)
         check_wire_value(arguments)
-    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+    except strict_json.JsonProblem as exc:     # reads after the name: "not valid JSON: ...", "nested ..."
+        raise bad_param(param, f"{param} is {exc}"[:300]) from None
+    except ValueError as exc:
         raise bad_param(param, f"{param} is not valid JSON: {exc}"[:300]) from None
     if not isinstance(arguments, dict):
         raise bad_param(param, f"{param} must be a JSON object")

@@ -9,11 +9,16 @@ import pytest
 # Two cores: one torch thread per process keeps the worker, scheduler and test from fighting.
 # (Set before anything imports torch, whose OpenMP runtime reads it once.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Next: without CUDA it sets TRITON_INTERPRET, which triton reads once, when it is first imported
-# (importing transformers' MoE model imports it), so the Triton kernels' tests run interpreted.
-from tests.support import triton_interpreter  # noqa: E402,F401,I001
 from common.tiny_model import write_tiny_draft, write_tiny_eagle3, write_tiny_qwen3  # noqa: E402
 from tests.support.procs import running_services  # noqa: E402
+
+
+def pytest_configure(config):
+    """Without CUDA, tests/support/triton_interpreter sets TRITON_INTERPRET, which triton reads once,
+    when it is first imported, so the Triton kernels' tests run interpreted. Not in xdist's
+    controller, which runs no test: importing torch there costs seconds of the cores the workers use."""
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no" or not config.getoption("tx", None):
+        from tests.support import triton_interpreter  # noqa: F401
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -29,15 +34,22 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/e2e starts processes: marked e2e, so `-m "not e2e"` runs the fast part."""
+    """Everything under tests/e2e starts processes: marked e2e, so `-m "not e2e"` runs the fast part.
+    In xdist's workers the e2e files come first: files are handed out in this order
+    (--no-loadscope-reorder), so the long ones start early and the many short unit files even out
+    the two workers' ends. (xdist's own order, by number of tests, handed them out last.)"""
     for item in items:
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.e2e)
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: "e2e" not in item.path.parts)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def interpreted_kernels_patch_triton_once():
     """Interpreted kernels' @triton.jit helpers reuse their launch's patches (several times faster)."""
+    from tests.support import triton_interpreter
+
     with triton_interpreter.faster_interpreter():
         yield
 

@@ -33,7 +33,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(addr: str, proc: subprocess.Popen, log: pathlib.Path, timeout: float = 120.0,
+def wait_serving(addr: str, proc: subprocess.Popen, log: pathlib.Path, timeout: float = 240.0,
                  service: str = "") -> None:
     """Polls grpc.health.v1 until SERVING; fails early (with the log) if the process exits."""
     deadline = time.monotonic() + timeout
@@ -71,7 +71,7 @@ class Proc:
         logger.debug("started %s (pid %d)", self.name, self.popen.pid)
         return self
 
-    def wait_serving(self, timeout: float = 120.0) -> "Proc":
+    def wait_serving(self, timeout: float = 240.0) -> "Proc":
         wait_serving(self.addr, self.popen, self.log, timeout)
         return self
 

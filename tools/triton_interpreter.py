@@ -2,10 +2,12 @@
 (the kernel tests and the benchmarks' CPU smoke runs).
 
 Import this module before anything imports triton: without CUDA it sets TRITON_INTERPRET=1.
-`gpu_faithful()` then patches four ways in which Triton 3.6's interpreter departs from compiled
+`gpu_faithful()` then patches five ways in which Triton 3.6's interpreter departs from compiled
 kernels (or breaks under numpy 2.4):
 - it casts float32 to bfloat16 by truncation, and float32 to float8_e4m3fn wrongly; compiled
   kernels round to nearest even, as torch does;
+- it casts bfloat16's subnormals to float32 wrongly (and every bfloat16 through ~40 numpy
+  operations); compiled kernels widen exactly, as a 16-bit shift of the pattern does;
 - tl.dot multiplies bfloat16 operands as their raw 16-bit patterns (integers);
 - a loop bound that is a kernel argument (`range(0, K, BLOCK_K)`) is a one-element array,
   which numpy 2.4 no longer converts to an int.
@@ -14,8 +16,11 @@ On a GPU it changes nothing.
 `faster_interpreter()` makes the interpreter faster without changing what it computes: a launch
 patches triton.language for the interpreter, and each call of a @triton.jit helper inside it
 patched the same modules again (a third of a kernel test's time); the numpy type of each
-Triton type was looked up in a table built anew on every operation; and every tensor's shape
-built a tuple type (a string per element) that is seldom read (now built when read).
+Triton type was looked up in a table built anew on every operation; every tensor's shape
+built a tuple type (a string per element) that is seldom read (now built when read); every
+integer add, sub and mul computed its overflow check in int64, then dropped it (the check is a
+device_assert, which the interpreter runs only with debug on, as compiled kernels do); and a
+binary operation of two blocks of one shape went through the broadcasting loop.
 """
 from __future__ import annotations
 
@@ -56,13 +61,26 @@ def gpu_faithful():
         rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(dtype)
         return interpreter.TensorHandle(rounded.view(bits).numpy().view(np_bits), dst_type.scalar)
 
-    def rounding_cast(self, src, dst_type):
+    def exactly_widened(src, dst_type):
+        """bfloat16 -> float32, every value (subnormals too) exactly, or None for other casts."""
+        if src.dtype.scalar != tl.bfloat16 or dst_type.scalar != tl.float32:
+            return None
+        wide = src.data.view(np.uint16).astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(wide.view(np.float32), tl.float32)
+
+    def as_compiled(src, dst_type):
+        """The cast as a compiled kernel does it, or None where the interpreter already agrees
+        (a TensorHandle's truth is its data's, hence no `or`)."""
         rounded = torch_rounded(src, dst_type)
-        return original_cast(self, src, dst_type) if rounded is None else rounded
+        return exactly_widened(src, dst_type) if rounded is None else rounded
+
+    def rounding_cast(self, src, dst_type):
+        cast = as_compiled(src, dst_type)
+        return original_cast(self, src, dst_type) if cast is None else cast
 
     def rounding_fp_to_fp(self, src, dst_type, rounding_mode):
-        rounded = torch_rounded(src, dst_type)
-        return original_fp_to_fp(self, src, dst_type, rounding_mode) if rounded is None else rounded
+        cast = as_compiled(src, dst_type)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode) if cast is None else cast
 
     def bf16_as_float32(handle):
         if handle.dtype.scalar != tl.bfloat16:
@@ -91,6 +109,7 @@ def faster_interpreter():
         yield
         return
     import triton.language as tl
+    from triton.language import semantic
     from triton.runtime import interpreter
 
     core = tl.core
@@ -100,8 +119,36 @@ def faster_interpreter():
             _patched(core, _unwrap_if_constexpr=_quick_unwrap(core)), \
             _patched(core.block_type, __init__=_known_block_types(core)), \
             _patched(core.tensor, __init__=_tensor_shapes_of_their_type(core)), \
-            _patched(tl.random, philox_impl=_philox_in_numpy(tl)):
+            _patched(tl.random, philox_impl=_philox_in_numpy(tl)), \
+            _patched(semantic.TritonSemantic, binary_op_sanitize_overflow_impl=_overflow_checked_in_debug_only(semantic),
+                     broadcast_impl_value=_same_shapes_as_they_are(semantic)):
         yield
+
+
+def _overflow_checked_in_debug_only(semantic):
+    """TritonSemantic.binary_op_sanitize_overflow_impl that does nothing when the builder's debug
+    option is off: the original computes the operation again in int64 and compares it with the
+    type's bounds, then hands the answer to device_assert, which drops it without debug."""
+    original = semantic.TritonSemantic.binary_op_sanitize_overflow_impl
+
+    def sanitize(self, lhs, rhs, binary_op):
+        if not self.builder.options.debug:
+            return None
+        return original(self, lhs, rhs, binary_op)
+    return sanitize
+
+
+def _same_shapes_as_they_are(semantic):
+    """TritonSemantic.broadcast_impl_value answering two blocks of one shape (most binary
+    operations) at once, as the original does after its loop over their dimensions."""
+    original = semantic.TritonSemantic.broadcast_impl_value
+
+    def broadcast(self, lhs, rhs):
+        lhs_ty, rhs_ty = lhs.type, rhs.type
+        if lhs_ty.is_block() and rhs_ty.is_block() and lhs_ty.shape.values == rhs_ty.shape.values:
+            return lhs, rhs
+        return original(self, lhs, rhs)
+    return broadcast
 
 
 def _philox_in_numpy(tl):
@@ -157,7 +204,8 @@ def _quick_unwrap(core):
 
 def _known_block_types(core):
     """block_type.__init__ that remembers each shape's checks and name: a shape of ints (or
-    constexpr ints) seen before skips the unwrapping, the power-of-two checks and the formatting.
+    constexpr ints) seen before skips the unwrapping, the power-of-two checks and the formatting,
+    and its type carries the constexprs that a tensor of that shape takes (_tensor_shape).
     Any other shape goes to the original."""
     original = core.block_type.__init__
     constexpr = core.constexpr
@@ -173,19 +221,24 @@ def _known_block_types(core):
         if answer is None:
             original(self, element_ty, shape)
             if all(type(d) is int for d in dims):
-                known[key] = (self.shape, self.numel, self.name)
+                answer = known[key] = (self.shape, self.numel, self.name, _tensor_shape(core, self))
+                self._tensor_shape = answer[3]
             return
         self.element_ty = element_ty
-        self.shape, self.numel, self.name = answer
+        self.shape, self.numel, self.name, self._tensor_shape = answer
     return init
+
+
+def _tensor_shape(core, block_type):
+    """The constexprs of the shape and numel of a tensor of this block type."""
+    return [core.constexpr(s) for s in block_type.shape], core.constexpr(math.prod(block_type.shape))
 
 
 def _tensor_shapes_of_their_type(core):
     """tl.tensor.__init__ that takes the constexprs of its shape and numel from its type, made
-    once per type, instead of making them anew for every tensor (constexprs are values: tensors
+    once per shape, instead of making them anew for every tensor (constexprs are values: tensors
     may share them; each tensor still gets its own tl.tuple of them)."""
-    constexpr = core.constexpr
-    scalar = ([], constexpr(1))
+    scalar = ([], core.constexpr(1))
 
     def init(self, handle, type):
         self.handle = handle
@@ -193,7 +246,7 @@ def _tensor_shapes_of_their_type(core):
         self.dtype = type.scalar
         if type.is_block():
             dims, numel = type.__dict__.get("_tensor_shape") or type.__dict__.setdefault(
-                "_tensor_shape", ([constexpr(s) for s in type.shape], constexpr(math.prod(type.shape))))
+                "_tensor_shape", _tensor_shape(core, type))
         else:
             dims, numel = scalar
         self.numel = numel

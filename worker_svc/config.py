@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.cli import ArgumentParser, add_config_arguments, config_from_args, flag
+from common.speculation import DEFAULT_MAX_BATCH_SIZE, METHODS
 from worker_svc.step_limits import describe_defaults
 
 DEFAULT_PORT = 50061
@@ -18,7 +19,6 @@ TENSOR_PARALLEL = "tensor parallelism"
 STRUCTURED_OUTPUT = "structured output"
 SAMPLER_NAMES = ("torch", "kernels", "auto")
 SPECULATIVE = "speculative decoding"
-SPECULATIVE_METHODS = ("ngram", "eagle3", "draft")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class WorkerConfig:
                                    "and filling the mask); a request over it is ended (INVALID_ARGUMENT naming its "
                                    "constraint) rather than slowing the batch")
     speculative_method: str | None = flag(
-        None, group=SPECULATIVE, choices=SPECULATIVE_METHODS,
+        None, group=SPECULATIVE, choices=METHODS,
         help="propose draft tokens for the scheduler to verify: ngram (prompt lookup in the request's own tokens), "
              "eagle3 (an EAGLE-3 head, --speculative-model) or draft (a smaller Qwen3 with the same tokenizer, "
              "--speculative-model); unset: none")
@@ -77,6 +77,10 @@ class WorkerConfig:
                                          help="the EAGLE-3 head's or the draft model's directory")
     num_speculative_tokens: int = flag(4, group=SPECULATIVE,
                                        help="most draft tokens proposed per request and verified in one step")
+    speculative_graph_batch_size: int = flag(
+        DEFAULT_MAX_BATCH_SIZE, group=SPECULATIVE,
+        help="requests up to which an eagle3 or draft proposer's own passes replay CUDA graphs (larger steps run "
+             "them eagerly); raise it with the scheduler's speculative batch threshold")
     tensor_parallel_size: int = flag(1, group=TENSOR_PARALLEL, help="ranks in this worker's group")
     rank: int = flag(0, group=TENSOR_PARALLEL, help="this process's rank in its group, 0..size-1")
     dist_init_addr: str | None = flag(None, group=TENSOR_PARALLEL, metavar="HOST:PORT",
@@ -101,7 +105,8 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     config = config_from_args(WorkerConfig, args)
     positive = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "tensor_parallel_size", "dist_timeout", "grammar_compile_timeout",
-                "grammar_compile_processes", "max_mask_ms", "num_speculative_tokens")
+                "grammar_compile_processes", "max_mask_ms", "num_speculative_tokens",
+                "speculative_graph_batch_size")
     for name in positive:
         value = getattr(config, name)
         if value is not None and value <= 0:
@@ -124,8 +129,3 @@ def _check_speculative(config: WorkerConfig) -> None:
         raise ValueError(f"--speculative-method {method} needs --speculative-model DIR")
     if model and method not in ("eagle3", "draft"):
         raise ValueError("--speculative-model needs --speculative-method eagle3 or draft")
-    if method in ("eagle3", "draft") and config.tensor_parallel_size > 1:
-        raise ValueError(f"--speculative-method {method} runs with --tensor-parallel-size 1 only (ngram runs with any)")
-    if method and config.sampler == "kernels":
-        raise ValueError("--speculative-method needs --sampler torch or auto: verifying drafts samples with the "
-                         "torch sampler")

@@ -11,6 +11,8 @@ attend to nothing). Two ways in:
   second graph per size takes the hidden states through the LM head and the device sampler
   (`replay_sample`), so a decode step launches the two replays and nothing else. The sampling
   graphs are captured again when the sampler's tensors were reallocated (its `graph_key`).
+- `inputs_of` another DecodeGraphs: graphs of a second forward over the same step (a draft model's
+  catch-up) read that one's static inputs, so after its `run` the second replays with no copies.
 
 Only backends whose pure-decode path reads lengths from device tensors can be captured (their
 `supports_cuda_graphs`, an attribute of the backend protocol in layers/attention/base.py); a
@@ -58,7 +60,8 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, *, max_batch_size: int, max_blocks_per_seq: int,
                  max_model_len: int, device: torch.device, inputs: DecodeInputs | None = None,
-                 sample: Sample | None = None, sample_key: Callable[[], tuple] | None = None) -> None:
+                 sample: Sample | None = None, sample_key: Callable[[], tuple] | None = None,
+                 inputs_of: DecodeGraphs | None = None) -> None:
         if sample is not None and inputs is None:
             raise ValueError("sampling inside the graphs needs staged inputs (their rows and dummy row)")
         self.forward = forward
@@ -66,6 +69,25 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.inputs = inputs
         self.sample, self.sample_key = sample, sample_key
+        if inputs_of is not None:   # its sizes up to the one that holds max_batch_size, its input buffers
+            largest = inputs_of.padded(min(max_batch_size, inputs_of.batch_sizes[-1]))
+            self.batch_sizes = [size for size in inputs_of.batch_sizes if size <= largest]
+            for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "query_start_loc",
+                         "rows", "tokens", "logprobs"):
+                setattr(self, name, getattr(inputs_of, name))
+        else:
+            self._allocate_inputs(max_blocks_per_seq, device)
+        self.outputs: torch.Tensor | None = None
+        self.aux_outputs: list[torch.Tensor] = []
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._sampled_key: tuple | None = None
+        self.usable = True   # False once a tensor the graphs read was reallocated under them
+        self._capture_all()
+        if sample is not None:
+            self._capture_sampling()
+
+    def _allocate_inputs(self, max_blocks_per_seq: int, device: torch.device) -> None:
         largest = self.batch_sizes[-1]
         with torch.device(device):
             self.input_ids = torch.zeros(largest, dtype=torch.int64)
@@ -78,15 +100,6 @@ class DecodeGraphs:
             self.rows = torch.zeros(largest, dtype=torch.int64)          # staged steps: the rows that sample
             self.tokens = torch.zeros(largest, dtype=torch.int64)        # and what they sampled
             self.logprobs = torch.zeros(largest, dtype=torch.float32)
-        self.outputs: torch.Tensor | None = None
-        self.aux_outputs: list[torch.Tensor] = []
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._sampled_key: tuple | None = None
-        self.usable = True   # False once a tensor the graphs read was reallocated under them
-        self._capture_all()
-        if sample is not None:
-            self._capture_sampling()
 
     @property
     def staged(self) -> bool:

@@ -16,11 +16,16 @@ xgrammar and reading the tokenizer, seconds) does not count against any grammar'
 compilation that finds every child busy for SPARE_AFTER_S (a slow grammar, most likely) starts a
 spare child, up to MAX_SPARES beyond `processes`, so that one slow grammar does not hold up every
 constrained request behind it; a spare retires when it finishes with nobody waiting.
+
+The children run at a lower CPU priority (COMPILER_NICENESS): where the worker's host has few
+cores, a grammar compiling takes CPU time from the compilations of other grammars only, not from the
+step loop that feeds every running request.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pathlib
 import threading
 import time
@@ -37,6 +42,7 @@ STARTUP_TIMEOUT_S = 600.0       # a child's start-up (imports, tokenizer); a loa
 MAX_REMEMBERED_REFUSALS = 1024
 SPARE_AFTER_S = 0.5             # every child busy this long: start a spare
 MAX_SPARES = 2
+COMPILER_NICENESS = 10          # added to the children's nice value (the worker's stays)
 
 
 class GrammarPool:
@@ -133,7 +139,10 @@ class GrammarPool:
         if reply[0] == "error":
             raise self._refuse(constraint, GrammarError(reply[1], reply[2]))
         logger.info("compiled a %s grammar in %.0f ms", constraint.kind, (time.monotonic() - started) * 1e3)
-        return self._compiler().adopt(constraint, reply[1])
+        try:
+            return self._compiler().adopt(constraint, reply[1])
+        except GrammarError as exc:    # compiled, but refused (a grammar that matches nothing)
+            raise self._refuse(constraint, exc) from None
 
     def _refuse(self, constraint: Constraint, error: GrammarError) -> GrammarError:
         with self._lock:
@@ -189,7 +198,7 @@ class GrammarPool:
 
     def _start_child(self) -> None:
         parent, child_end = self._context.Pipe()
-        process = self._context.Process(target=self._serve, args=(child_end, *self._args),
+        process = self._context.Process(target=_child_main, args=(self._serve, child_end, *self._args),
                                         name="grammar-compiler", daemon=True)
         process.start()
         child_end.close()
@@ -223,6 +232,15 @@ class _Child:
         self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+
+
+def _child_main(serve, conn, *args) -> None:
+    """A compiling child: yields the CPU to the worker, then serves."""
+    try:
+        os.nice(COMPILER_NICENESS)
+    except OSError:
+        logger.warning("could not lower the grammar compiler's CPU priority")
+    serve(conn, *args)
 
 
 def serve_compilations(conn, model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:

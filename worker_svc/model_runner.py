@@ -88,17 +88,19 @@ class ModelRunner:
         self.model = startup.load_model(self, model_dir)
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens. On a GPU with
         # one rank and --sampler kernels/auto the device sampler does (inside the decode graphs), else
-        # the torch sampler.
-        # Verifying drafts samples with the torch sampler (WorkerConfig refuses --sampler kernels).
+        # the torch sampler. A speculating worker has both: steps that verify drafts sample with the
+        # torch sampler (rejection needs its distributions), the others with the device sampler; the
+        # two count tokens into one penalty table (the device sampler's rows).
         self.num_speculative_tokens = k = config.num_speculative_tokens if config.speculative_method else 0
         self.verify_as_decodes = True     # a decode-only verifying step replays the decode graphs
         self.sampler = self.device_sampler = None
-        if self.tp_rank == 0 and not k and device_sampler.wanted(config.sampler, self.device, self.tp_size):
+        if self.tp_rank == 0 and device_sampler.wanted(config.sampler, self.device, self.tp_size):
             self.device_sampler = device_sampler.DeviceSampler(
                 self.vocab_size, self.device, config.seed, capacity=2 * config.max_num_seqs,
                 max_rows=config.max_num_seqs)
-        elif self.tp_rank == 0:
-            self.sampler = Sampler(self.vocab_size, self.device, config.seed)
+        if self.tp_rank == 0 and (k or self.device_sampler is None):
+            shared = self.device_sampler.penalties if self.device_sampler is not None else None
+            self.sampler = Sampler(self.vocab_size, self.device, config.seed, penalties=shared)
         self.features = check_features()
         self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device,
                                             feature=self.features[0], compile_timeout_s=config.grammar_compile_timeout,
@@ -253,10 +255,11 @@ class ModelRunner:
         new_rows = []
         for new in step.new_requests:
             penalty_row = (self.sampler.add_request(new.token_ids, new.num_prompt_tokens, new.sampling)
-                           if self.sampler is not None else None)
+                           if self.sampler is not None and self.device_sampler is None else None)
             row = self.batch.add(new, penalty_row, matchers.get(new.seq_id))
-            if self.device_sampler is not None:
+            if self.device_sampler is not None:   # it owns the penalty rows (shared with a torch sampler)
                 self.device_sampler.add(row, new.token_ids, new.num_prompt_tokens, new.sampling)
+                self.batch.penalty_rows[row] = self.device_sampler.penalty_row(row)
             new_rows.append(row)
         if len(step.new_block_indices):
             self.batch.append_blocks(cached_rows, step.new_block_indices, step.new_block_counts, step.new_block_ids)
@@ -287,7 +290,7 @@ class ModelRunner:
     def _drop(self, seq_id: int) -> None:
         row = self.batch.row_of[seq_id]
         penalty_row = self.batch.remove(seq_id)
-        if self.sampler is not None:
+        if self.sampler is not None and self.device_sampler is None:
             self.sampler.remove_request(penalty_row)
         if self.device_sampler is not None:
             self.device_sampler.remove(row)
@@ -376,7 +379,7 @@ class ModelRunner:
             return tokens, None, extra, failed
         if batch.constrained is not None:   # waits for the masks started before the forward
             failed = self.structured.mask(logits, batch.constrained[0], fill)
-        if self.device_sampler is not None:
+        if self.device_sampler is not None and batch.verify is None:
             tokens, logprobs = self._tokens[:n], self._logprobs[:n]
             self.device_sampler.sample(logits, batch.sampling_rows_device, tokens, logprobs, self.last_sampled)
             if not self.device_sampler.wants_logprobs(batch.sampling_rows):
@@ -414,6 +417,8 @@ class ModelRunner:
         self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens.index_select(0, last))
         if self.sampler is not None:
             self.sampler.record(meta, tokens, emitted)
+            if self.device_sampler is not None:   # its next draws are keyed by the rows' new output indices
+                self.device_sampler.advance(batch.sampling_rows_device, accepted + 1)
             if batch.constrained is not None:
                 self.structured.record(batch.constrained[1], tokens, batch.constrained[2], emitted)
         if spec is not None:

@@ -76,7 +76,8 @@ def init_tensor_parallel(config: WorkerConfig) -> None:
 # Settings every rank must share: they decide which steps a rank accepts and the shape of its
 # work, and ranks that judged a step differently would wait for each other in a collective.
 _GROUP_SETTINGS = ("dtype", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                   "load_format", "quantization", "enforce_eager", "attention_backend", "kv_cache_dtype")
+                   "load_format", "quantization", "enforce_eager", "attention_backend", "kv_cache_dtype",
+                   "speculative_method", "num_speculative_tokens", "speculative_graph_batch_size")
 
 
 def check_same_settings(store: dist.Store, config: WorkerConfig) -> None:

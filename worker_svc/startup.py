@@ -196,7 +196,9 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
 
     start = time.perf_counter()
     inputs = sample = sample_key = None
-    if runner.device_sampler is not None:   # the step's inputs staged for the graph, and the sampling in one
+    # The step's inputs staged for the graph, and the sampling in one (a speculating worker's steps
+    # are not staged: their rows' drafts and counts are settled on the host first).
+    if runner.device_sampler is not None and runner.bookkeeping is None:
         inputs = DecodeInputs(runner._staging.on_device, runner._decode_layout, runner.last_sampled,
                               runner.device_sampler.dummy_row)
         sample, sample_key = runner.sample_in_graph, runner.device_sampler.graph_key
@@ -208,4 +210,11 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
                           device=runner.device, inputs=inputs, sample=sample, sample_key=sample_key)
     logger.info("captured %d decode graphs%s in %.1f s", len(graphs.graphs),
                 " with the sampling in graphs of their own" if sample else "", time.perf_counter() - start)
+    if runner.drafter is not None:
+        start = time.perf_counter()
+        runner.drafter.capture_graphs(runner, graphs)
+        logger.info("captured the %s proposer's graphs (catch-up %d, drafting %d) for steps of up to %d requests "
+                    "in %.1f s", runner.drafter.method, len(runner.drafter.catch_up_graphs.graphs),
+                    len(runner.drafter.drafting_graphs.graphs), runner.config.speculative_graph_batch_size,
+                    time.perf_counter() - start)
     return graphs

@@ -64,6 +64,11 @@ class _Failure(NamedTuple):
     about_constraint: bool
 
 
+class _DeadEnd(Exception):
+    """A matcher that allows no next token, not even a stop token: its grammar has no completion
+    from here (`root ::= "a" b` with `b ::= b "c"`), which the compile-time check cannot see."""
+
+
 class _PendingTokens:
     """Constrained rows' tokens of one launched step, on their way to the host (and, for a step
     that verified drafts, which of them were emitted)."""
@@ -142,6 +147,7 @@ class StructuredOutput:
                      if self.feature.available else None)
         self.num_refused = 0      # sampled tokens a matcher refused (a bug if ever non-zero)
         self.num_over_budget = 0  # requests failed for their masks' cost
+        self.num_dead_ends = 0    # requests failed for a grammar that allowed no next token
 
     def load(self) -> None:
         """Makes the compiler now (the worker's tokenizer tables), so that the first constrained
@@ -285,6 +291,10 @@ class StructuredOutput:
         else:
             _fill_along(matcher, row.rows, row.next_tokens, bitmask)
         row.cost_ms = matcher.last_cost_ms = (_cpu_time(clock) - row.cpu_start) * 1e3
+        # A dead end: the first sampled position would draw from no token. (A later position of a
+        # verification that is empty only matters if the drafts before it are accepted: left be.)
+        if not bitmask[row.rows[0]].any():
+            raise _DeadEnd()
 
     def _wait(self, fill: MaskFill) -> list[_RowFill]:
         """Waits until every row is filled, giving up on each row whose task has cost more than
@@ -297,7 +307,13 @@ class StructuredOutput:
             for future in done:
                 row = waiting.pop(future)
                 error = future.exception()
-                if error is not None:
+                if isinstance(error, _DeadEnd):
+                    self.num_dead_ends += 1
+                    row.matcher.failed = _Failure(
+                        "INVALID_ARGUMENT", "allows no token after the output so far: no output that follows it "
+                                            "can be completed", True)
+                    failed.append(row)
+                elif error is not None:
                     logger.error("request %d: its grammar matcher failed", row.matcher.seq_id, exc_info=error)
                     row.matcher.failed = _Failure("INTERNAL", f"its grammar matcher failed: {error!r}", False)
                     failed.append(row)

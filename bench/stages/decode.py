@@ -139,7 +139,7 @@ async def _measure_one(stub, info, case: Case, rng: random.Random, top_id: int, 
             request = build_step_request(next(step_ids), output)
             request.lease_epoch = LEASE_EPOCH
             host_ms = (time.perf_counter() - t0) * 1e3
-            pure = not output.new_requests and len(output.seqs) == case.batch and not output.multi_token_indices
+            pure = not output.new_requests and len(output.seqs) == case.batch and not output.cached.multi_token_indices
             in_flight.append((output, pure, host_ms, asyncio.ensure_future(stub.Step(request, timeout=600))))
         output, pure, host_ms, task = in_flight.pop(0)
         reply = await task

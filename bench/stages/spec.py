@@ -114,15 +114,29 @@ def force_acceptance(runner) -> None:
 
 
 class Counters:
-    """Launches, verifying rows and accepted drafts of the runner, counted as they happen."""
+    """Launches, verifying rows and accepted drafts of the runner, counted as they happen, and the
+    worker's own times per step summed (ms: preparing the batch, launching its work, the device's
+    time from the first launch to the tokens' copy): a step's period less its device time is the
+    time the device waited for the host."""
 
     def __init__(self, runner) -> None:
         self.launches = self.verifications = self.drafts = self.accepted = 0
+        self.prepare_ms = self.launch_ms = self.device_ms = 0.0
         launch = runner.launch
 
         def counted_launch(step):
             self.launches += 1
-            return launch(step)
+            pending = launch(step)
+            result = pending.result
+
+            def timed_result():
+                output = result()
+                self.prepare_ms += output.prepare_ms
+                self.launch_ms += output.forward_ms
+                self.device_ms += output.device_ms
+                return output
+            pending.result = timed_result
+            return pending
 
         runner.launch = counted_launch
         if runner.bookkeeping is not None:
@@ -138,8 +152,15 @@ class Counters:
 
             runner.bookkeeping._settle = counted_settle
 
-    def snapshot(self) -> tuple[int, int, int, int]:
-        return self.launches, self.verifications, self.drafts, self.accepted
+    def snapshot(self) -> tuple[int, int, int, int, float, float, float]:
+        return (self.launches, self.verifications, self.drafts, self.accepted, self.prepare_ms, self.launch_ms,
+                self.device_ms)
+
+
+def host_times(launches: int, prepare_ms: float, launch_ms: float, device_ms: float) -> dict:
+    """A run's worker times per step (ms)."""
+    n = max(launches, 1)
+    return {"prepare_ms": prepare_ms / n, "launch_ms": launch_ms / n, "device_ms": device_ms / n}
 
 
 METHOD_K = 4              # the real methods' --num-speculative-tokens
@@ -163,7 +184,7 @@ def _prompts(shape: "Shape", vocab: int) -> dict[int, list[list[int]]]:
 
 def _target_rows(args: argparse.Namespace, shape: Shape) -> list[dict]:
     from bench.stages.moe_e2e import dummy_llm
-    from scheduler_svc.engine.speculation import DEFAULT_MAX_BATCH_SIZE
+    from common.speculation import DEFAULT_MAX_BATCH_SIZE
 
     vocab = load_config(args, "8b")["vocab_size"]
     llm = dummy_llm(args, "8b", speculative_method="ngram", num_speculative_tokens=max(shape.ks),
@@ -186,13 +207,14 @@ def _target_rows(args: argparse.Namespace, shape: Shape) -> list[dict]:
         return seconds, outputs, tuple(a - c for a, c in zip(counters.snapshot(), before))
 
     def measure(b: int, label: str, k: int, prefill: tuple[float, int]) -> dict:
-        seconds, outputs, (launches, verifications, drafts, accepted) = min(
+        seconds, outputs, (launches, verifications, drafts, accepted, *times) = min(
             (timed(b, 1 + shape.tokens) for _ in range(REPEATS)), key=lambda run: run[0])
         decode_s, steps = seconds - prefill[0], max(launches - prefill[1], 1)
         row = {"proposer": label, "k": k, "batch": b, "decode_s": decode_s, "steps": steps,
                "step_ms": decode_s / steps * 1e3, "tok_per_s": b * shape.tokens / decode_s,
                "verifications": verifications, "drafts": drafts, "accepted": accepted,
-               "acceptance_length": 1 + accepted / verifications if verifications else 1.0}
+               "acceptance_length": 1 + accepted / verifications if verifications else 1.0,
+               **host_times(launches, *times)}
         if label == "none":
             baseline[b] = row | {"outputs": outputs}
         else:
@@ -258,7 +280,7 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir)
     """The target's decode with the worker's real `method` proposer (random weights) at k = 4."""
     from bench.stages.moe_e2e import dummy_llm
     from common.sampling import SamplingParams
-    from scheduler_svc.engine.speculation import DEFAULT_MAX_BATCH_SIZE
+    from common.speculation import DEFAULT_MAX_BATCH_SIZE
 
     vocab = load_config(args, "8b")["vocab_size"]
     llm = dummy_llm(args, "8b", speculative_method=method, speculative_model=str(model_dir),
@@ -275,13 +297,14 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir)
 
     def measure(b: int, label: str) -> dict:
         prefill_s, (prefill_launches, *_) = min((timed(b, 1) for _ in range(REPEATS)), key=lambda run: run[0])
-        seconds, (launches, verifications, drafts, accepted) = min(
+        seconds, (launches, verifications, drafts, accepted, *times) = min(
             (timed(b, 1 + shape.tokens) for _ in range(REPEATS)), key=lambda run: run[0])
         decode_s, steps = seconds - prefill_s, max(launches - prefill_launches, 1)
         return {"proposer": label, "k": METHOD_K, "batch": b, "decode_s": decode_s, "steps": steps,
                 "step_ms": decode_s / steps * 1e3, "tok_per_s": b * shape.tokens / decode_s,
                 "verifications": verifications, "drafts": drafts, "accepted": accepted,
-                "acceptance_length": 1 + accepted / verifications if verifications else 1.0}
+                "acceptance_length": 1 + accepted / verifications if verifications else 1.0,
+                **host_times(launches, *times)}
 
     timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles and warms
     rows = [measure(b, method) for b in shape.batches]
@@ -318,7 +341,7 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     print(f"\nspeculative decoding, {model} shapes (dummy weights), greedy, in-process engine; speedup against "
           f"the same batch without speculation")
     print(f"{'proposer':9s} {'k':>2s} {'batch':>5s} {'step ms':>8s} {'tok/s':>9s} {'speedup':>8s} {'accept len':>10s} "
-          f"{'same out':>8s} {'@ len 3':>8s}")
+          f"{'same out':>8s} {'@ len 3':>8s} {'prep':>6s} {'launch':>6s} {'device':>6s} {'idle':>6s}")
     for row in rows:
         b = row["batch"]
         speedup = f"{row['tok_per_s'] / base[b]['tok_per_s']:7.2f}x" if row["proposer"] != "none" else f"{'-':>8s}"
@@ -326,10 +349,12 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
         at3 = (f"{predicted_speedup(row['step_ms'], base[b]['step_ms'], 3.0):7.2f}x"
                if row["proposer"] in ("eagle3", "draft") else f"{'-':>8s}")
         print(f"{row['proposer']:9s} {row['k']:2d} {b:5d} {row['step_ms']:8.2f} {row['tok_per_s']:9.0f} {speedup} "
-              f"{row['acceptance_length']:10.2f} {same} {at3}")
+              f"{row['acceptance_length']:10.2f} {same} {at3} {row['prepare_ms']:6.2f} {row['launch_ms']:6.2f} "
+              f"{row['device_ms']:6.2f} {max(row['step_ms'] - row['device_ms'], 0.0):6.2f}")
     print("  (eagle3, draft: the worker's proposers with random weights, so their drafts are rejected; '@ len 3' "
           "predicts their speedup at acceptance length 3 from their measured step; targets: eagle3 >= 2.0x at "
-          "batch 1, and batch >= 64 never below 0.98x)")
+          "batch 1, and batch >= 64 never below 0.98x; prep / launch: the worker's host ms per step, device: its "
+          "device ms per step, idle: step less device, the time the device waited for the host)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from common.cli import flag
-from scheduler_svc.engine.speculation import DEFAULT_MAX_BATCH_SIZE, METHODS
+from common.speculation import DEFAULT_MAX_BATCH_SIZE, METHODS
 
 ENGINE = "engine core"
 

@@ -246,7 +246,7 @@ class Scheduler:
         """Whether the next step may be scheduled before the last one's result is applied: not
         after a step that verifies or proposes drafts (the next one's drafts depend on it)."""
         last = self._in_flight[-1] if self._in_flight else None
-        return last is None or not (last.propose_drafts or last.draft_indices)
+        return last is None or not (last.propose_drafts or last.cached.draft_indices)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Every running sequence gets its next tokens while the budget lasts. The common case,
@@ -342,21 +342,22 @@ class Scheduler:
                     may_have_new_blocks: bool, num_drafts: int = 0) -> None:
         """Appends a sequence the worker holds: its columns, and the blocks it gained since the
         worker last heard of it (none on the decode fast path, which stays inside its block)."""
-        index = len(output.cached_seq_ids)
-        output.cached_seq_ids.append(seq.seq_id)
+        cached = output.cached
+        index = len(cached.seq_ids)
+        cached.seq_ids.append(seq.seq_id)
         if num_tokens != 1:
-            output.multi_token_indices.append(index)
-            output.multi_token_counts.append(num_tokens)
+            cached.multi_token_indices.append(index)
+            cached.multi_token_counts.append(num_tokens)
         if num_drafts:
-            output.draft_indices.append(index)
-            output.draft_counts.append(num_drafts)
+            cached.draft_indices.append(index)
+            cached.draft_counts.append(num_drafts)
             output.sampling_draft_indices.append(len(output.sampling_seqs))   # a decode: it samples
             output.num_scheduled_tokens += num_drafts
         if may_have_new_blocks and len(seq.block_table) > seq.num_blocks_on_worker:
             new_blocks = seq.block_table[seq.num_blocks_on_worker:]
-            output.new_block_indices.append(index)
-            output.new_block_counts.append(len(new_blocks))
-            output.new_block_ids += new_blocks
+            cached.new_block_indices.append(index)
+            cached.new_block_counts.append(len(new_blocks))
+            cached.new_block_ids += new_blocks
             seq.num_blocks_on_worker = len(seq.block_table)
         self._add_scheduled(output, seq, num_tokens, num_computed)
 
@@ -430,12 +431,12 @@ class Scheduler:
         if output is not self._in_flight[0]:
             raise RuntimeError("step results must be applied in the order the steps were scheduled")
         # Check before changing anything, so a bad reply leaves every sequence as it was.
-        check_reply(output.sampling_seqs, output.sampling_draft_indices, output.draft_counts, len(token_ids),
+        check_reply(output.sampling_seqs, output.sampling_draft_indices, output.cached.draft_counts, len(token_ids),
                     token_counts, num_drafts, self.config.speculation.num_speculative_tokens)
         self._in_flight.popleft()
         bs = self.block_manager.block_size
         running = SequenceStatus.RUNNING
-        drafted = set(output.draft_indices) if output.draft_indices else None
+        drafted = set(output.cached.draft_indices) if output.cached.draft_indices else None
         # Blocks first: a block the step filled is registered once its KV exists. Most entries
         # stay inside their block and cost one comparison. Entries that verified drafts register
         # theirs once their accepted run is known.
@@ -477,8 +478,8 @@ class Scheduler:
                     num_drafts: Sequence_[int]) -> list[Sequence]:
         """update() for a step that verified drafts: each sampling sequence gets a run of tokens."""
         running = SequenceStatus.RUNNING
-        drafts_of = dict(zip(output.sampling_draft_indices, output.draft_counts))
-        entry_of = dict(zip(output.sampling_draft_indices, output.draft_indices))
+        drafts_of = dict(zip(output.sampling_draft_indices, output.cached.draft_counts))
+        entry_of = dict(zip(output.sampling_draft_indices, output.cached.draft_indices))
         received: list[Sequence] = []
         received_counts: list[int] = []
         offset = 0

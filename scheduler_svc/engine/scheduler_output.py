@@ -22,6 +22,22 @@ class NewRequestData:
     sampling: SamplingParams
 
 
+@dataclass(slots=True)
+class CachedColumns:
+    """The requests the worker holds, field for field as worker.v1 CachedRequests carries them
+    (its comments say what each means): entry i of seq_ids is one request, and only the
+    exceptions are listed, by index into seq_ids (ascending): multi-token chunks, block growth
+    (the ids concatenated) and draft verification."""
+    seq_ids: list[int] = field(default_factory=list)
+    multi_token_indices: list[int] = field(default_factory=list)
+    multi_token_counts: list[int] = field(default_factory=list)
+    new_block_indices: list[int] = field(default_factory=list)
+    new_block_counts: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    draft_indices: list[int] = field(default_factory=list)
+    draft_counts: list[int] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class CachedRequestData:
     """One cached request read back from the output's columns (a view for tests and logs)."""
@@ -45,7 +61,7 @@ class SchedulerOutput:
     """One step, as columns in batch order: the requests the worker holds (cached) first, in
     the order of the running list, then the ones it does not (new). Index i of `seqs`,
     `num_scheduled`, `num_computed` and `admissions` is one scheduled sequence; for i below
-    len(cached_seq_ids) it is also entry i of the cached columns.
+    len(cached.seq_ids) it is also entry i of the cached columns.
 
     A decode-heavy step is mostly sequences computing one token and getting no block, so the
     columns list only the exceptions (multi-token chunks, block growth); the step message
@@ -60,17 +76,8 @@ class SchedulerOutput:
     # holds one token for each, in this order.
     sampling_seqs: list[Sequence] = field(default_factory=list)
     sampling_admissions: list[int] = field(default_factory=list)
-    # Cached requests' columns.
-    cached_seq_ids: list[int] = field(default_factory=list)
-    multi_token_indices: list[int] = field(default_factory=list)
-    multi_token_counts: list[int] = field(default_factory=list)
-    new_block_indices: list[int] = field(default_factory=list)
-    new_block_counts: list[int] = field(default_factory=list)
-    new_block_ids: list[int] = field(default_factory=list)
-    # Cached entries that verify drafts (index into the cached columns) and how many.
-    draft_indices: list[int] = field(default_factory=list)
-    draft_counts: list[int] = field(default_factory=list)
-    # The same by position in sampling_seqs, for update().
+    cached: CachedColumns = field(default_factory=CachedColumns)
+    # The entries of cached.draft_indices by position in sampling_seqs, for update().
     sampling_draft_indices: list[int] = field(default_factory=list)
     propose_drafts: bool = False   # the worker proposes drafts for the next step
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -96,15 +103,16 @@ class SchedulerOutput:
 
     @property
     def cached_requests(self) -> list[CachedRequestData]:
-        counts = dict(zip(self.multi_token_indices, self.multi_token_counts))
+        cached = self.cached
+        counts = dict(zip(cached.multi_token_indices, cached.multi_token_counts))
         blocks, offset = {}, 0
-        for index, count in zip(self.new_block_indices, self.new_block_counts):
-            blocks[index] = self.new_block_ids[offset:offset + count]
+        for index, count in zip(cached.new_block_indices, cached.new_block_counts):
+            blocks[index] = cached.new_block_ids[offset:offset + count]
             offset += count
         return [CachedRequestData(seq_id, counts.get(i, 1), blocks.get(i, []))
-                for i, seq_id in enumerate(self.cached_seq_ids)]
+                for i, seq_id in enumerate(cached.seq_ids)]
 
     @property
     def num_drafts(self) -> dict[int, int]:
         """Drafts verified per cached entry that has any (a view for tests and logs)."""
-        return dict(zip(self.draft_indices, self.draft_counts))
+        return dict(zip(self.cached.draft_indices, self.cached.draft_counts))

@@ -11,12 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
+from common.speculation import DEFAULT_MAX_BATCH_SIZE
 from scheduler_svc.engine.sequence import Sequence
-
-METHODS = ("ngram", "eagle3", "draft")
-# Batches of up to this many requests speculate: bench/stages/spec.py's oracle wins at 8 and loses
-# at 64 on the H200 (docs/PERF_NOTES.md v16).
-DEFAULT_MAX_BATCH_SIZE = 16
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.pb.llm.common.v1 import top_logprobs_pb2
 from common.pb.llm.worker.v1 import worker_pb2
@@ -23,16 +24,14 @@ def _new_request(r: NewRequestData) -> worker_pb2.NewRequest:
         # Re-sent with output tokens: its prompt was scored before it was preempted, and is
         # recomputed without scoring it again.
         sampling = dataclasses.replace(sampling, prompt_logprobs=False)
-    msg = worker_pb2.NewRequest(
-        seq_id=r.seq_id,
-        token_ids=r.token_ids,
-        num_prompt_tokens=r.num_prompt_tokens,
-        num_computed_tokens=r.num_computed_tokens,
-        num_scheduled_tokens=r.num_scheduled_tokens,
-        block_ids=r.block_ids,
-    )
+    msg = worker_pb2.NewRequest(**_fields(r, but="sampling"))
     encode(sampling, msg.sampling)
     return msg
+
+
+def _fields(record, but: str = "") -> dict[str, Any]:
+    """A record's fields by name, for the message that names its fields the same (all but `but`)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.name != but}
 
 
 def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.StepRequest:
@@ -42,16 +41,7 @@ def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.Step
         # re-admitted now (as a NewRequest) starts from a clean row.
         finished_seq_ids=output.finished_seq_ids + output.preempted_seq_ids,
         new_requests=[_new_request(r) for r in output.new_requests],
-        cached=worker_pb2.CachedRequests(
-            seq_ids=output.cached_seq_ids,
-            multi_token_indices=output.multi_token_indices,
-            multi_token_counts=output.multi_token_counts,
-            new_block_indices=output.new_block_indices,
-            new_block_counts=output.new_block_counts,
-            new_block_ids=output.new_block_ids,
-            draft_indices=output.draft_indices,
-            draft_counts=output.draft_counts,
-        ),
+        cached=worker_pb2.CachedRequests(**_fields(output.cached)),
         propose_drafts=output.propose_drafts,
     )
 

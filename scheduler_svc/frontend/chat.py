@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.constraint import TOOL_ARGUMENTS_MAX_WHITESPACE, Constraint
-from scheduler_svc.frontend.bounded_json import JsonProblem, measure, parse_json_object
+from common.strict_json import JsonProblem, measure
+from scheduler_svc.frontend.bounded_json import parse_json_object
 from scheduler_svc.frontend.chat_tokens import escaper_for, tokenize_rendered
 from scheduler_svc.frontend.tokenizer import Tokenizer, TooManyTokens
 from scheduler_svc.frontend.validation import DEFAULT_LIMITS, InvalidRequest, Limits

@@ -69,7 +69,7 @@ async def start_frontend(config: FrontendConfig, model: str, core: CoreClient,
     max_message = max(MIN_PUBLIC_MESSAGE_BYTES, *(service.max_request_bytes(f"/{SERVICE_NAME}/{method}") or 0
                                                   for method in ("Generate", "Chat", "Tokenize", "Detokenize")))
     interceptors = (([AsyncTokenAuthInterceptor(token)] if token else []) +
-                    [DecodeGuardInterceptor(service.max_request_bytes, service.long_request_field),
+                    [DecodeGuardInterceptor(service.max_request_bytes, service.request_type),
                      AsyncStatusGuardInterceptor()])
     server, health_servicer = build_server(
         service, interceptors=interceptors,

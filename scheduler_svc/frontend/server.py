@@ -15,6 +15,7 @@ import logging
 import uuid
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.logging_setup import bind_request_id
@@ -51,8 +52,9 @@ _VARINT_BYTES = 5
 _COPY_CHUNK = 4096        # strings copied into a message per call, off the event loop
 _MESSAGE_BYTES = 32
 _SLACK_BYTES = 64 << 10
-# The field a request longer than its method can be is refused for (decode_guard.py).
-_LONG_FIELDS = {"Generate": "prompt", "Chat": "messages", "Tokenize": "text", "Detokenize": "token_ids"}
+# Each method's request message, whose longest field names what makes a request too long (decode_guard.py).
+_REQUEST_TYPES = {"Generate": generation_pb2.GenerateRequest, "Chat": generation_pb2.ChatRequest,
+                  "Tokenize": generation_pb2.TokenizeRequest, "Detokenize": generation_pb2.DetokenizeRequest}
 
 _FINISH_TO_PROTO = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
@@ -241,17 +243,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         per_token = self.frontend.tokenizer.max_input_bytes_per_token
         size = chat_text_bytes(messages)
         if per_token is not None and size > max_tokens * per_token:
-            raise InvalidRequest("prompt", f"prompt would be longer than max_model_len {max_model_len} tokens: the "
-                                           f"messages hold {size} bytes of text, and a token covers at most "
-                                           f"{per_token} bytes")
+            raise InvalidRequest("messages", f"messages: the rendered prompt would be longer than max_model_len "
+                                             f"{max_model_len} tokens: the messages hold {size} bytes of text, and a "
+                                             f"token covers at most {per_token} bytes")
         try:
             prompt = render_chat(self.frontend.tokenizer, messages, tools, request.tool_choice,
                                  request.enable_thinking if request.HasField("enable_thinking") else None,
                                  limits=self.limits, allow_special_tokens=self.allow_chat_special_tokens,
                                  max_tokens=max_tokens)
         except TooManyTokens as e:
-            raise InvalidRequest("prompt", f"prompt has {e.num_tokens} tokens; max_model_len {max_model_len} leaves "
-                                           f"no room for a generated token") from None
+            raise InvalidRequest("messages", f"messages: the rendered prompt has {e.num_tokens} tokens; max_model_len "
+                                             f"{max_model_len} leaves no room for a generated token") from None
         params = validate_chat_sampling(request.request_id, request.sampling, len(prompt.token_ids),
                                         vocab_size=self.model.vocab_size, max_model_len=max_model_len, limits=self.limits)
         if prompt.constraint is not None:
@@ -320,10 +322,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return None
 
     @staticmethod
-    def long_request_field(method: str) -> str | None:
-        """The field that makes a request of `method` (a full method name) longer than
-        max_request_bytes allows."""
-        return _LONG_FIELDS.get(method.rsplit("/", 1)[-1])
+    def request_type(method: str) -> type[Message] | None:
+        """The request message of `method` (a full method name), read for the field that makes a
+        request longer than max_request_bytes allows."""
+        return _REQUEST_TYPES.get(method.rsplit("/", 1)[-1])
 
     async def _check_features(self, params: SamplingParams, context: grpc.aio.ServicerContext) -> None:
         """Refuses (UNIMPLEMENTED, naming the missing package) what the workers cannot serve."""

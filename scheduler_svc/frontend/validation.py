@@ -28,7 +28,8 @@ from common.cli import flag
 from common.sampling import SamplingParams
 from common.sampling_bounds import (FLOAT_RANGES, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRING_LEN,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, FloatRange, to_float32)
-from scheduler_svc.frontend.bounded_json import JsonProblem, parse_schema
+from common.strict_json import JsonProblem
+from scheduler_svc.frontend.bounded_json import parse_schema
 from scheduler_svc.frontend.invalid_request import InvalidRequest
 from scheduler_svc.frontend.tokenizer import TooManyTokens
 
@@ -101,7 +102,7 @@ def validate_chat_sampling(request_id: str, msg: generation_pb2.SamplingParams, 
     of a chat's text (the template's turn markers are not content)."""
     _check_request_id(request_id, limits)
     sampling = _resolve_sampling(msg, vocab_size, limits) | {"skip_special_tokens": True}
-    _check_prompt_fits(num_prompt_tokens, max_model_len)
+    _check_prompt_fits(num_prompt_tokens, max_model_len, "messages")
     return _with_max_tokens(msg, sampling, num_prompt_tokens, max_model_len)
 
 
@@ -332,11 +333,13 @@ def _prompt_token_ids(
     return ids
 
 
-def _check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
+def _check_prompt_fits(num_tokens: int, max_model_len: int, field: str = "prompt") -> None:
+    """`field`: the request's field that makes the prompt (a chat's messages render it)."""
     if num_tokens >= max_model_len:
+        what = "prompt" if field == "prompt" else f"{field}: the rendered prompt"
         raise InvalidRequest(
-            "prompt",
-            f"prompt has {num_tokens} tokens; max_model_len {max_model_len} leaves no room for a generated token",
+            field,
+            f"{what} has {num_tokens} tokens; max_model_len {max_model_len} leaves no room for a generated token",
         )
 
 

@@ -181,6 +181,37 @@ def test_every_backend_declares_the_facts_of_the_protocol():
         (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
         declared = {target.id for node in cls.body if isinstance(node, ast.Assign) for target in node.targets}
         assert facts <= declared, f"{class_name} does not declare {sorted(facts - declared)}"
+        methods = {node.name for node in cls.body if isinstance(node, ast.FunctionDef)}
+        assert {"forward", "attend", "variant_request_counts"} <= methods, class_name
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_triton_variant_counts_reach_every_decode_launch_a_step_of_any_size_takes(monkeypatch, kv_fp8):
+    """Every batch size's (launch config, split-K factor) of pure-decode steps, and of mixed steps
+    whose decodes go apart (an FP8 cache's), is that of one warmed-up request count: no step of
+    any size compiles after start-up."""
+    from worker_svc.layers.attention import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "_multiprocessor_count", lambda device: 132)   # an H100's / H200's
+
+    def key(n, launch_of):
+        launch = launch_of(n)
+        return launch, tk.decode_num_splits(n, 8, CUDA, launch.num_warps)
+
+    pure, mixed = tk.decode_variant_counts(8, 256, kv_fp8, CUDA)
+    decode = lambda n: tk.decode_launch(kv_fp8, n)   # noqa: E731
+    assert {key(n, decode) for n in range(1, 257)} == {key(n, decode) for n in pure}
+    assert pure[0] == 1 and len(pure) > 1
+    if kv_fp8:   # the ~10 variants v19's first requests compiled
+        assert {key(n, tk.gqa_decode_launch) for n in range(1, 257)} == {key(n, tk.gqa_decode_launch) for n in mixed}
+        assert len(mixed) >= 5
+    else:
+        assert mixed == []
+    shape = dataclasses.replace(QWEN3_0_6B, kv_cache_dtype=torch.float8_e4m3fn if kv_fp8 else None)
+    cases = warm_up_cases(shape, (pure, mixed))
+    decodes = {len(c.requests) for c in cases if c.pure_decode}
+    mixes = {len(c.requests) for c in cases if not c.pure_decode}
+    assert set(pure) <= decodes and set(mixed) <= mixes
 
 
 FP8_KV = dataclasses.replace(QWEN3_0_6B, kv_cache_dtype=torch.float8_e4m3fn)
@@ -215,7 +246,8 @@ def test_synthetic_fp8_steps_hold_quantized_random_values():
 
 @pytest.mark.parametrize("shape", [QWEN3_0_6B, TINY], ids=["qwen3-0.6b", "tiny"])
 def test_warm_up_and_measured_steps_stay_within_the_workers_limits(shape):
-    for case in warm_up_cases(shape) + measurement_cases(shape):
+    every_count = (range(1, shape.max_num_seqs + 1), range(1, shape.max_num_seqs + 1))
+    for case in warm_up_cases(shape) + warm_up_cases(shape, every_count) + measurement_cases(shape):
         assert 1 <= len(case.requests) <= shape.max_num_seqs, case.name
         assert sum(new for _, new in case.requests) <= shape.max_num_batched_tokens, case.name
         assert all(cached + new <= shape.max_model_len and new >= 1 for cached, new in case.requests), case.name

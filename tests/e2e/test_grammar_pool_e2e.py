@@ -5,13 +5,14 @@ grammar is made slow on purpose: tests/support/slow_compiler.py)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
 
 from common.constraint import Constraint
 from tests.support.slow_compiler import serve_with_slow_ones
-from worker_svc.grammar_pool import MAX_SPARES, GrammarPool
+from worker_svc.grammar_pool import COMPILER_NICENESS, MAX_SPARES, GrammarPool
 from worker_svc.layers.grammar import GrammarCompiler
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,6 +44,10 @@ def test_a_slow_grammar_does_not_hold_up_the_next_and_the_spare_retires(tiny_mod
         release.touch()
         slow_thread.join(timeout=120)
         assert not slow_thread.is_alive() and results["slow"] is not None
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert pool._idle and all(    # compiling yields the CPU to the worker's step loop
+            os.getpriority(os.PRIO_PROCESS, child.process.pid) == min(19, ours + COMPILER_NICENESS)
+            for child in pool._idle)
         # Several compilations at once beside a slow one: at most MAX_SPARES more children.
         release.unlink()
         slow2 = Constraint("regex", f"slow:{release}|(a|b)")

@@ -345,6 +345,27 @@ def test_a_body_over_the_limit_is_413_and_a_batch_over_the_limit_400(gateway, cl
     assert len(client.completions.create(model=model, prompt=["Hi"] * 4, n=2, max_tokens=1).choices) == 8
 
 
+def test_a_body_of_too_many_json_values_is_413_before_it_is_parsed(gateway, client, model):
+    """Under 1 MiB, but 560,000 JSON values: refused as it arrives, by --max-request-json-values."""
+    base, _ = gateway
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "prompt": "x", "user": [[]] * 280_000}, separators=(",", ":")).encode()
+    status, error = _refused_body(host, int(port), body, chunked=True)   # sent until refused
+    assert status == 413 and error["code"] == "request_too_large" and "--max-request-json-values" in error["message"]
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=1).choices   # served as before
+
+
+def test_a_chat_longer_than_the_context_names_messages_or_input(client, model):
+    """The scheduler refuses a rendered prompt too long for the context naming the chat's messages."""
+    long = "x y " * 3000
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": long}], max_tokens=2)
+    assert chat.value.param == "messages" and "the rendered prompt has" in chat.value.message
+    with pytest.raises(openai.BadRequestError) as responses:
+        client.responses.create(model=model, input=long, max_output_tokens=2)
+    assert responses.value.param == "input" and "the rendered prompt has" in responses.value.message
+
+
 def _running(direct) -> int:
     return sum(g.num_running for g in direct.model_info().worker_groups)
 

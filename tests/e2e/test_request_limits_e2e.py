@@ -57,6 +57,8 @@ CHATS = {
     "arguments nested past the depth limit": ([_user("hi"), _call('{"a":' * 40 + "1" + "}" * 40)],
                                               "messages[1].tool_calls[0].arguments_json", "nested 40 levels deep"),
     "1 MiB of text in many messages": ([_user("x" * 4096)] * 300, "messages", "bytes of text, the limit"),
+    # Short enough in bytes, too long in tokens once rendered: ChatRequest's field is messages.
+    "a chat longer than the context": ([_user("x y " * 3000)], "messages", "the rendered prompt has"),
     # Converting each call costs microseconds: refused by their count before any is looked at.
     "100k tool calls in one message": ([_user("hi"), pb.ChatMessage(role="assistant", tool_calls=[
         pb.ToolCall(id="c", name="f", arguments_json="{}")] * 100_000)], "messages", "more than the limit of 1024"),
@@ -109,6 +111,21 @@ def test_a_constraint_or_priority_over_a_limit_is_refused_naming_the_field(servi
         if "json_schema" in sampling:      # the same schema as a tool's parameters
             refused = _refusal(lambda: _chat(ch, [_user("hi")], tools, max_tokens=2))
             assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools" in refused.details()
+
+
+@pytest.mark.parametrize("method, request_, field", [
+    ("Generate", pb.GenerateRequest(request_id="r" * (2 << 20), text="Hi"), "request_id"),
+    ("Generate", pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(stop_token_ids=[5] * (2 << 20))),
+     "sampling.stop_token_ids"),
+    ("Chat", pb.ChatRequest(messages=[_user("hi")], tools=[pb.Tool(name="f", parameters_json=" " * (2 << 20))]),
+     "tools"),
+])
+def test_a_request_too_long_to_decode_is_refused_naming_its_longest_field(services, method, request_, field):
+    """Refused before it is decoded: the field is read from the wire format's tags and lengths."""
+    stub = generation_pb2_grpc.GenerationStub(services.channel())
+    refused = _refusal(lambda: list(getattr(stub, method)(request_, timeout=60)))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details().startswith(f"{field}: the request is "), refused.details()
 
 
 def test_a_huge_detokenize_is_refused_by_its_count(services):

@@ -95,6 +95,28 @@ def test_a_grammar_whose_masks_cost_more_than_the_budget_fails_its_request_alone
     assert mixed.tokens[1] == alone.tokens[1] and mixed.runner.structured.num_over_budget == 1
 
 
+def test_a_grammar_that_dead_ends_fails_its_request_alone_rather_than_sample_freely(tiny_model_dir):
+    """After "a" this grammar allows no token, not even a stop: the request fails naming it (its
+    compile-time check sees only a grammar that allows nothing at all), and its neighbour goes on."""
+    free = pb.SamplingOptions(temperature=1.0, seed=5)
+    dead_end = pb.Constraint(kind="grammar", text='root ::= "a" b\nb ::= b "c"')
+    alone, mixed = Driver(make_runner(tiny_model_dir)), Driver(make_runner(tiny_model_dir))
+    alone.step(new=[alone.new(1, prompt(20, 4), 4, free)])
+    mixed.step(new=[mixed.new(1, prompt(20, 4), 4, free), mixed.new(2, prompt(21, 4), 4, GREEDY, constraint=dead_end)])
+    assert not mixed.outputs[0].failed
+    a = mixed.tokens[2][-1]
+    assert load_tokenizer(tiny_model_dir).decode([a]) == "a"
+    mixed.step(cached=[mixed.cached(1), mixed.cached(2)])
+    [failure] = mixed.outputs[-1].failed
+    assert (failure.seq_id, failure.code, failure.about_constraint) == (2, "INVALID_ARGUMENT", True)
+    assert failure.message.startswith("allows no token after the output so far")
+    mixed.step(cached=[mixed.cached(1)], finished=[2])
+    for _ in range(2):
+        alone.step(cached=[alone.cached(1)])
+    assert mixed.tokens[1] == alone.tokens[1]
+    assert mixed.runner.structured.num_dead_ends == 1 and mixed.runner.structured.num_refused == 0
+
+
 def test_a_grammar_holds_over_accepted_runs(tiny_model_dir):
     pattern = r"(ab|[0-9]{2,4}-)+x"
     constraint = pb.Constraint(kind="regex", text=pattern)

@@ -1,7 +1,7 @@
 """The soak (tools/loadtest/soak.py) in CI: 12 s of load above capacity through a frontend process,
 with client cancels, slow readers and one worker SIGKILL + restart; nothing lost, nothing leaked,
 metrics agreeing with the clients. Then probe streams, alone and beside hostile clients in turn
-(4 s of each, in 3 rounds): each hostile request ends with the status its kind expects, the probes
+(6.5 s of each, in 5 rounds): each hostile request ends with the status its kind expects, the probes
 keep receiving tokens in every hostile window, and no hostile request stalls them: their worst gap,
 in units of its window's median gap, is at most 3x beside the hostile clients what it is alone
 (stall_ratio, the median over the rounds), and their median gap at most 10x (slowdown_ratio). Both
@@ -26,7 +26,10 @@ pytestmark = pytest.mark.timeout(360 + 2 * DURATION_S)
 
 def test_soak_above_capacity_with_cancels_slow_readers_a_worker_restart_and_hostile_clients(
         tiny_model_dir, tmp_path):
-    settings = SoakSettings(duration_s=DURATION_S - 8, quiet_s=4.0, hostile_s=4.0, rounds=3, frontends=1,
+    # Five rounds of 1.3 s windows: one round's worst gap on two shared cores varies x1.4-x4.6 with no
+    # stall (docs/PERF_NOTES.md v20); a real stall repeats in every round, so the median of five still
+    # finds it, where a median of three failed on noise.
+    settings = SoakSettings(duration_s=DURATION_S - 8, quiet_s=6.5, hostile_s=6.5, rounds=5, frontends=1,
                             max_gap_ratio=0.0, max_stall_ratio=3.0, max_slowdown_ratio=10.0)
     figures, failures = asyncio.run(soak(settings, tiny_model_dir, tmp_path / "logs"))
     print(format_figures(figures, failures))

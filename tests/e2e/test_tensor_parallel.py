@@ -79,6 +79,43 @@ def test_two_ranks_generate_like_one_model(tiny_model_dir):
     assert text.isascii() and text.isalpha() and text.islower(), text
 
 
+def _speculating_rank(rank: int, port: int, model_dir: str, method: str, head_dir: str, results) -> None:
+    torch.set_num_threads(1)
+    from tests.support.runner_driver import GREEDY, make_runner
+    from tests.support.speculative_loop import Loop
+    from worker_svc import parallel_state
+
+    parallel_state.init_tensor_parallel(WorkerConfig(model=model_dir, tensor_parallel_size=WORLD_SIZE, rank=rank,
+                                                     dist_init_addr=f"127.0.0.1:{port}"))
+    try:
+        runner = make_runner(model_dir, tensor_parallel_size=WORLD_SIZE, rank=rank, speculative_method=method,
+                             speculative_model=head_dir, num_speculative_tokens=3)
+        loop = Loop(runner)
+        outputs = loop.run({s: (PROMPTS[s], GREEDY) for s in PROMPTS}, 10)
+        results.put((rank, outputs, loop.num_verified, loop.num_accepted))
+    finally:
+        parallel_state.destroy_tensor_parallel()
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_two_ranks_speculate_with_a_model_on_the_device_like_one(tiny_model_dir, tiny_self_draft_dir,
+                                                                   tiny_eagle3_dir, method):
+    """The proposer is split as the target is (a draft model's layers, the EAGLE-3 head's
+    attention, MLP and vocabulary), and every rank learns each draft without gathering logits:
+    greedy output equals transformers', both ranks verify and accept the same drafts, and the
+    target's own weights as the draft model have their drafts accepted."""
+    head = tiny_self_draft_dir if method == "draft" else tiny_eagle3_dir
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_speculating_rank, args=(free_port(), str(tiny_model_dir), method, str(head), queue), nprocs=WORLD_SIZE)
+    results = {rank: rest for rank, *rest in (queue.get() for _ in range(WORLD_SIZE))}
+    (outputs, verified, accepted), other = results[0], results[1]
+    for seq_id, p in PROMPTS.items():
+        assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 10), f"{method}, sequence {seq_id}"
+    assert list(other) == [outputs, verified, accepted] and verified >= 6
+    if method == "draft":
+        assert accepted >= 0.9 * 3 * verified
+
+
 def test_flags_that_cannot_form_a_group_are_refused():
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)

@@ -20,7 +20,7 @@ def worker(tiny_model_dir, tmp_path_factory):
     seconds of start-up): SIGTERM must end it gracefully with exit status 0."""
     proc = worker_proc(tiny_model_dir, tmp_path_factory.mktemp("worker-logs"), "--num-kv-blocks", "32").start()
     try:
-        proc.wait_serving(timeout=60)
+        proc.wait_serving()
         yield proc
     finally:
         status = proc.stop(signal.SIGTERM, timeout=15)

@@ -39,7 +39,7 @@ def pure_decode_steps(batch: int, context: int, max_tokens: int, budget: int, bl
                 break
             in_flight.append(output)
         output = in_flight.pop(0)
-        pure += not output.new_requests and len(output.seqs) == batch and not output.multi_token_indices
+        pure += not output.new_requests and len(output.seqs) == batch and not output.cached.multi_token_indices
         scheduler.update(output, [1] * len(output.sampling_seqs))
     return pure
 

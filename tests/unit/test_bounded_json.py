@@ -1,33 +1,13 @@
-"""bounded_json: a value's depth and number of values as a recursive walk counts them, and a schema
-past either bound refused with what is wrong."""
+"""bounded_json: a schema past its depth or its number of values refused with what is wrong, and
+a number JSON does not have refused as invalid JSON (common/strict_json.py parses it)."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from hypothesis import given, strategies as st
 
-from scheduler_svc.frontend.bounded_json import JsonProblem, measure, parse_json, parse_schema
-
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=2), children, max_size=4),
-    max_leaves=40)
-
-
-def recursive_measure(value) -> tuple[int, int]:
-    """The definition: a scalar is depth 0 and one value; a container is one deeper than its
-    deepest child (at least 1) and one value more than its children together."""
-    children = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else None
-    if children is None:
-        return 0, 1
-    measured = [recursive_measure(child) for child in children]
-    return 1 + max((d for d, _ in measured), default=0), 1 + sum(n for _, n in measured)
-
-
-@given(JSON_VALUES)
-def test_measure_counts_depth_and_values_as_the_recursive_definition_does(value):
-    assert measure(value) == recursive_measure(value)
+from common.strict_json import JsonProblem
+from scheduler_svc.frontend.bounded_json import parse_json_object, parse_schema
 
 
 def test_a_schema_of_too_many_values_is_refused_with_its_count():
@@ -38,11 +18,13 @@ def test_a_schema_of_too_many_values_is_refused_with_its_count():
 
 
 def test_a_value_nested_past_the_bound_is_refused_with_its_depth():
-    deep = "[" * 40 + "]" * 40
+    deep = '{"a": ' * 40 + "1" + "}" * 40
     with pytest.raises(JsonProblem, match="nested 40 levels deep, more than the limit of 32"):
-        parse_json(deep, max_depth=32)
+        parse_json_object(deep, max_depth=32)
     with pytest.raises(JsonProblem, match="must be a JSON object"):
         parse_schema("[1]", max_depth=8, max_nodes=8)
+    with pytest.raises(JsonProblem, match="must be a JSON object, got list"):
+        parse_json_object("[]", max_depth=8)
 
 
 @pytest.mark.parametrize("text, problem", [

@@ -279,7 +279,7 @@ def test_parser_on_fixed_outputs_whole_and_one_character_at_a_time(name):
     check_parse(output, expected, list(output))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(name=st.sampled_from(sorted(OUTPUTS)), cuts=st.lists(st.integers(0, 400), max_size=12))
 def test_parser_is_the_same_however_the_stream_is_split(name, cuts):
     output, expected = OUTPUTS[name]

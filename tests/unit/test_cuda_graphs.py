@@ -7,7 +7,6 @@ sampling graphs again leaves every row of the staged step as it was; graphs whos
 body again replay a forward's aux outputs (eagle3's) as the eager forward computes them."""
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
@@ -18,6 +17,7 @@ from worker_svc.cuda_graphs import MAX_GRAPH_BATCH_SIZE, DecodeGraphs, graph_bat
 from worker_svc.graph_inputs import DecodeInputs, DecodeLayout
 from worker_svc.layers.attention.base import AttentionMetadata
 from worker_svc.layers.sampler import SamplingOptions
+from tests.support.graph_stand_ins import ReplayingGraph, capture_on_the_cpu, cpu_only
 from tests.support.markers import requires_cuda
 
 MAX_BATCH = 20
@@ -151,26 +151,15 @@ def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dt
     assert not graphs.can_run(mixed)
 
 
-class UnreplayedGraph:
-    """A CUDA graph on the CPU: its capture runs the body once, eagerly; its replay runs nothing."""
-
-    def replay(self) -> None:
-        pass
-
-
 # The CPU stand-ins run Triton's kernels on CPU tensors, which only its interpreter does (a machine
 # with a GPU compiles them for the device): there, test_decode_graphs_replay_the_eager_forward and
 # tests/unit/test_gpu_pipelined_runner.py check the same with real graphs.
-cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in for CUDA graphs (real ones run on a GPU)")
 
 
 @pytest.fixture
 def graphs_on_the_cpu(monkeypatch):
     """torch.cuda's graph calls as UnreplayedGraph, so DecodeGraphs captures on the CPU."""
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", UnreplayedGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    capture_on_the_cpu(monkeypatch)
     with gpu_faithful():
         yield
 
@@ -207,16 +196,6 @@ def test_capturing_the_sampling_again_draws_for_no_row_of_the_step(graphs_on_the
     assert torch.equal(sampler.penalties.output_counts, counts), "a warm-up counted a token into a row's penalties"
     assert torch.equal(last_sampled[:3], torch.full((3,), -1)), "a warm-up stored a row's newest token"
     assert graphs.rows[:4].tolist() == [0, 1, 2, sampler.dummy_row]
-
-
-class ReplayingGraph:
-    """A CUDA graph on the CPU whose replay runs again what it holds (`body`, set after capture)."""
-
-    def __init__(self) -> None:
-        self.body = None
-
-    def replay(self) -> None:
-        self.body()
 
 
 @cpu_only

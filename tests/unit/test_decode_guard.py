@@ -10,7 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from scheduler_svc.frontend.decode_guard import DecodeGuardInterceptor
+from common.pb.llm.v1 import generation_pb2 as pb
+from scheduler_svc.frontend.decode_guard import DecodeGuardInterceptor, longest_field
 
 Request, Response = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
 SERVING, NOT_SERVING = Response.SERVING, Response.NOT_SERVING
@@ -120,7 +121,7 @@ def test_every_handler_kind_refuses_an_undecodable_request(method, payload):
 @pytest.mark.parametrize("method", list(HANDLERS))
 def test_a_request_longer_than_its_method_allows_is_refused_naming_its_field(method):
     guard = DecodeGuardInterceptor(lambda name: 16 if name.startswith("/test.") else None,
-                                   lambda name: "service" if name.startswith("/test.") else None)
+                                   lambda name: Request if name.startswith("/test.") else None)
 
     async def test(channel, _):
         err = await _refusal(_call(channel, method)(Request(service="x" * 32).SerializeToString(), timeout=10), method)
@@ -153,3 +154,23 @@ async def _raw_watch(channel, payload: bytes):
     call = channel.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
                                 response_deserializer=Response.FromString)(payload, timeout=10)
     return [r async for r in call]
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.GenerateRequest(request_id="r" * 5000, text="hi"), "request_id"),
+    (pb.GenerateRequest(text="x" * 5000, sampling=pb.SamplingParams(max_tokens=3)), "text"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=["s" * 200] * 50)), "sampling.stop"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(logit_bias={i: 1.0 for i in range(3000)})),
+     "sampling.logit_bias"),
+    (pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="")] * 20_000), "messages"),
+    (pb.ChatRequest(messages=[pb.ChatMessage(role="user")], tools=[pb.Tool(name="f", parameters_json="{}" * 5000)]),
+     "tools"),
+    (pb.DetokenizeRequest(token_ids=[5] * 5000), "token_ids"),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_the_longest_field_of_a_request_is_read_from_its_tags_and_lengths(request_, field):
+    assert longest_field(request_.SerializeToString(), request_.DESCRIPTOR) == field
+
+
+@pytest.mark.parametrize("data", [b"", b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x80" * 100, b"\x0b\x0c"])
+def test_bytes_that_are_no_such_message_have_no_longest_field(data):
+    assert longest_field(data, pb.GenerateRequest.DESCRIPTOR) is None

@@ -43,7 +43,7 @@ def split(ids: list[int], cuts: list[int]) -> list[list[int]]:
 # Ids 0..511: the three special tokens, the 256 byte tokens, merges, the added tokens (<think>...) and the
 # model's padded rows past the tokenizer (vocab_size is 512).
 token_ids = st.lists(st.integers(0, 511), max_size=40)
-HYPOTHESIS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @HYPOTHESIS

@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 
-import numpy as np
 import pytest
 import torch
 
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
 from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables, tiny_qwen3_with_cache
 from worker_svc.layers.activation import SiluAndMul
 from worker_svc.layers.layernorm import RMSNorm
 from worker_svc.layers.rotary import norm_and_rotate_qkv
 from worker_svc.model_config import load_model_config
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu":
-    # Must be set before triton is first imported; the kernels then run in numpy.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.bfloat16]
 # bfloat16 only: float32 results differ in their last bits wherever the sums' order does.
 MIN_EXACT_BF16 = 0.98
@@ -39,24 +33,7 @@ RELATIVE_STEP = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
 @pytest.fixture(scope="module")
 def fused():
     fused_kernels = pytest.importorskip("worker_svc.layers.fused_kernels", reason="triton is not installed")
-    if not INTERPRETED:
-        yield fused_kernels
-        return
-    # Triton 3.6's interpreter casts float32 to bfloat16 by truncation; compiled kernels round to
-    # nearest even (cvt.rn), as torch does. Make the interpreter round like the GPU.
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    truncating_cast = interpreter.InterpreterBuilder.cast_impl
-
-    def rounding_cast(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return truncating_cast(self, src, dst_type)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter.InterpreterBuilder, "cast_impl", rounding_cast)
+    with gpu_faithful():     # interpreted, the kernels round float32 to bfloat16 as a GPU does
         yield fused_kernels
 
 

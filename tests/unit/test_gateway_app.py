@@ -225,6 +225,32 @@ def test_malformed_requests_are_400_naming_the_parameter(fake, path, raw, param)
     assert set(error) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 2.0}, "n"), ("/v1/completions", {"prompt": "a", "seed": "7"}, "seed"),
+    ("/v1/completions", {"prompt": "a", "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": "a", "echo": 1}, "echo"), ("/v1/completions", {"prompt": [True]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [False]}, "stop_token_ids[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": 0}, "stream"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": True}, "max_output_tokens"),
+    ("/detokenize", {"tokens": [1, True]}, "tokens[1]"),
+])
+def test_a_value_of_another_json_type_is_refused_not_coerced(fake, path, body, param):
+    """true is not 1, "7" is not 7 and 2.0 is not an integer, as OpenAI's API has it: coerced, a
+    `max_tokens: true` would silently ask for one token."""
+    with http(fake) as client:
+        reply = client.post(path, json=body)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param, error
+    assert fake.calls == []
+
+
+def test_an_integer_is_a_number():
+    with http(FakeScheduler()) as client:
+        assert client.post("/v1/completions", json={"prompt": "a", "temperature": 1, "top_p": 1}).status_code == 200
+
+
 @pytest.mark.parametrize("raw, says", [
     (b"[" * 100000 + b"]" * 100000, "deeper"), (b'{"prompt": "\xff"}', "UTF-8"),
     (b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}", "digits"),
@@ -349,3 +375,47 @@ def test_a_client_that_leaves_before_the_first_chunk_cancels_the_queued_stream(p
     asyncio.run(run())
     assert fake.cancelled == (2 if body.get("prompt") == ["a", "b"] else 1)
     assert sent[0]["status"] == 499   # no 200 stream was started for a client that is gone
+
+
+def test_an_unknown_model_is_404_naming_it_without_echoing_a_name_of_any_size(fake):
+    with http(fake) as client:
+        short = client.post("/v1/completions", json={"prompt": "a", "model": "gpt-x"}).json()["error"]
+        huge = client.post("/v1/completions", json={"prompt": "a", "model": "\x00" * 100_000})
+    assert short["param"] == "model" and "'gpt-x'" in short["message"]
+    assert huge.status_code == 404 and huge.json()["error"]["param"] == "model" and len(huge.text) < 1000
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": None}}]}),
+    ("/v1/responses", {"input": "Hi", "tools": [{"type": "function", "name": "f"}]}),
+])
+def test_a_function_without_parameters_takes_no_arguments(path, body):
+    """OpenAI's `parameters` is optional: a function without it has an empty parameter list."""
+    seen = []
+
+    class Recording(FakeScheduler):
+        async def stream_chat(self, messages, sampling=None, *, tools=(), **kwargs):
+            seen.extend(tools)
+            async for chunk in super().stream_chat(messages, sampling, tools=tools, **kwargs):
+                yield chunk
+    with http(Recording()) as client:
+        reply = client.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    assert [tool["parameters"] for tool in seen] == [{"type": "object", "properties": {}}]
+
+
+@pytest.mark.parametrize("raw, param, says", [
+    (b'{"prompt": "x", "a\\ud800b": 1}', None, "a field name in the request body holds a lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": '
+     b'{"name": "\\ud800"}}}', "tool_choice", "lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stop": ["x", 5]}', "stop", "valid string"),
+])
+def test_a_refusal_says_what_is_wrong_with_the_value_sent(fake, raw, param, says):
+    """Of a union's complaints, the one about the member the value matched furthest is told."""
+    path = "/v1/completions" if raw.startswith(b'{"prompt"') else "/v1/chat/completions"
+    with http(fake) as client:
+        reply = client.post(path, content=raw, headers={"content-type": "application/json"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param and says in error["message"], error

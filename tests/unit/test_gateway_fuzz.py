@@ -7,11 +7,12 @@ protobuf request as the wire would. Every answer is a 2xx whose body (or every e
 stream) is strict JSON, or a 4xx in OpenAI's error shape: never a 5xx."""
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 
+import httpx
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -132,11 +133,31 @@ def on_the_wire(body: bytes, how: str) -> tuple[bytes, dict[str, str]]:
     return body, headers
 
 
+class AppClient:
+    """Posts to the ASGI app on one event loop of its own: TestClient's hop to its portal thread and
+    back took half of each request's CPU (6.5 ms of it). An exception the app lets out is a 500."""
+
+    def __init__(self, app) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.lifespan = app.router.lifespan_context(app)
+        self.loop.run_until_complete(self.lifespan.__aenter__())
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        self.http = httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return self.loop.run_until_complete(self.http.post(path, **kwargs))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.http.aclose())
+        self.loop.run_until_complete(self.lifespan.__aexit__(None, None, None))
+        self.loop.close()
+
+
 @pytest.fixture(scope="module")
 def client():
-    app = create_app(GatewayConfig("unused", max_sequences_per_request=8), client_factory=FakeScheduler)
-    with TestClient(app, raise_server_exceptions=False) as c:
-        yield c
+    c = AppClient(create_app(GatewayConfig("unused", max_sequences_per_request=8), client_factory=FakeScheduler))
+    yield c
+    c.close()
 
 
 def strict(text: str):

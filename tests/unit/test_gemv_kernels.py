@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.markers import requires_cuda
+from tests.support.kernel_checks import relative_error
 from tests.support.triton_interpreter import DEVICE, gpu_faithful
 from worker_svc.layers.fp8 import dequantize_blocks, quantize_blocks
 
@@ -28,11 +29,6 @@ def kernels():
 
     with gpu_faithful():
         yield gemv_kernels, fused_kernels
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double().cpu(), expected.double().cpu()
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def config(kernels, *args, **kwargs):

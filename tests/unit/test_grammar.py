@@ -137,6 +137,8 @@ def test_ebnf_grammar_gives_arithmetic_expressions(compiler, tokenizer):
         "content": {"type": "json_schema", "json_schema": {"type": "array", "contains": {"const": 1}}}}})),
      "invalid structural_tag: 'contains' at # is not supported"),
     (("xml", "<a/>"), "invalid constraint: unknown kind 'xml'"),
+    (("grammar", "root ::= root"), "invalid grammar: it matches no output"),
+    (("regex", "[^\\x00-\\U0010ffff]"), "invalid regex: it matches no output"),
 ])
 def test_bad_constraints_raise_a_grammar_error_naming_the_problem(compiler, constraint, message):
     with pytest.raises(GrammarError) as caught:
@@ -144,6 +146,11 @@ def test_bad_constraints_raise_a_grammar_error_naming_the_problem(compiler, cons
     assert message in str(caught.value)
     assert isinstance(caught.value, ValueError)
     assert not str(caught.value).startswith("[")   # xgrammar's "[time] file.cc:line:" prefix is gone
+
+
+@pytest.mark.parametrize("grammar", ['root ::= ""', 'root ::= "a" root', 'root ::= "a" | root'])
+def test_a_grammar_that_matches_something_compiles_even_the_empty_string_or_an_endless_one(compiler, grammar):
+    compiler.compile(Constraint("grammar", grammar))
 
 
 @pytest.mark.parametrize("schema", [

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.support.triton_interpreter import DEVICE, INTERPRETED, gpu_faithful
+from tests.support.triton_interpreter import DEVICE, gpu_faithful
 from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables
 from common.tiny_model import write_tiny_qwen3_moe
 from worker_svc import kv_cache
@@ -31,9 +31,9 @@ from worker_svc.loader import load_safetensors
 from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3_moe import Qwen3MoeForCausalLM
 from tests.support.markers import requires_cuda
+from tests.support.kernel_checks import FP8_GEMM_VS_EMULATION, relative_error
 
 needs_cuda = requires_cuda
-FP8_VS_EMULATION = 1e-5 if INTERPRETED else 2 ** -10
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,6 @@ def experts(num_experts: int, hidden: int, intermediate: int, dtype, g) -> tuple
     w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5
     w2 = torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5
     return w13.to(dtype), w2.to(dtype)
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double().cpu(), expected.double().cpu()
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -152,9 +147,9 @@ def test_fp8_experts_match_their_emulation_and_stay_near_full_precision(kernels,
                                        fp8_activations=activations)
     dequantized = moe.moe_reference(x, d13, d2, weights, ids)
     if activations == "weight_only":
-        assert relative_error(actual, dequantized) <= FP8_VS_EMULATION
+        assert relative_error(actual, dequantized) <= FP8_GEMM_VS_EMULATION
     else:
-        assert relative_error(actual, _w8a8_reference(x, d13, d2, weights, ids, block[1])) <= FP8_VS_EMULATION
+        assert relative_error(actual, _w8a8_reference(x, d13, d2, weights, ids, block[1])) <= FP8_GEMM_VS_EMULATION
         assert relative_error(actual, dequantized) <= 0.1
 
 

@@ -42,9 +42,15 @@ def test_grpc_status_maps_to_http_status_with_openai_error_body(code, status, ki
     ("the prompt is too long", None),
     ("request_id has a control character (U+000A) at index 1", "request_id"),
     ("sampling.regex is invalid: Regex parsing error at position 2", "structured_outputs"),
+    ("messages: the rendered prompt has 5000 tokens; max_model_len 4096 leaves no room", "messages"),
 ])
 def test_a_scheduler_refusal_names_the_openai_parameter(message, param):
     assert from_request_error(RequestError("INVALID_ARGUMENT", message)).param == param
+
+
+def test_a_conflict_names_the_request_id():
+    error = from_request_error(RequestError("ALREADY_EXISTS", "request_id 'x' is already in flight"))
+    assert (error.status, error.param) == (409, "request_id")
 
 
 def refused(build, body) -> GatewayError:
@@ -259,3 +265,11 @@ def test_metrics_route_labels_are_bounded_and_a_handler_that_raised_counts_as_50
     assert value("llm_gateway_http_requests_in_progress", {"route": "/v1/completions"}) == 0
     # An empty body is no first byte.
     assert value("llm_gateway_http_time_to_first_byte_seconds_count", {"route": "other"}) in (None, 0)
+
+
+def test_a_refusal_of_a_chats_messages_names_the_responses_input():
+    from gateway.responses_request import renamed
+    refusal = from_request_error(RequestError("INVALID_ARGUMENT", "messages: the rendered prompt has 5000 tokens; "
+                                                                  "max_model_len 4096 leaves no room"))
+    error = renamed(refusal, ["input"])
+    assert error.param == "input" and error.message.startswith("input: the rendered prompt has 5000 tokens")

@@ -110,7 +110,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if output.is_empty or len(self.in_flight) == self.depth:
             self.apply_oldest()
         # A step that verified drafts is ahead on the worker by its accepted ones: apply it now.
-        while any(o.draft_indices for o, *_ in self.in_flight):
+        while any(o.cached.draft_indices for o, *_ in self.in_flight):
             self.apply_oldest()
 
     def note_on_worker(self) -> None:
@@ -244,7 +244,7 @@ class AsyncSpeculativeSchedulerMachine(SpeculativeSchedulerMachine):
     depth = 2
 
 
-_machine_settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
+_machine_settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 for _machine in (SchedulerMachine, AsyncSchedulerMachine, SpeculativeSchedulerMachine,
                  AsyncSpeculativeSchedulerMachine):
     _machine.TestCase.settings = _machine_settings
@@ -308,7 +308,7 @@ _request = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(requests=st.lists(_request, min_size=1, max_size=8), data=st.data(),
        num_blocks=st.integers(5, 10), block_size=st.integers(1, 4), budget=st.integers(1, 12))
 def test_a_step_in_flight_changes_no_request_s_tokens(requests, data, num_blocks, block_size, budget):
@@ -321,7 +321,7 @@ def test_a_step_in_flight_changes_no_request_s_tokens(requests, data, num_blocks
     assert run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth=2) == sync
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(requests=st.lists(_request, min_size=1, max_size=8), data=st.data(),
        num_blocks=st.integers(5, 10), block_size=st.integers(1, 4), budget=st.integers(1, 12),
        num_speculative_tokens=st.integers(1, 4))

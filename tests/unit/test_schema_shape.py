@@ -7,7 +7,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
-from gateway.schema_shape import SchemaProblem, check_schema
+from gateway.schema_shape import MAX_NODES, SchemaProblem, check_schema
 
 
 class _Item(BaseModel):
@@ -57,3 +57,13 @@ def test_a_deep_schema_costs_no_python_stack():
     schema["properties"]["a"]["properties"]["a"]["type"] = "nope"
     with pytest.raises(SchemaProblem):
         check_schema(schema)
+
+
+def test_a_schema_of_more_subschemas_than_the_bound_is_refused_before_they_are_walked():
+    at_bound = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(MAX_NODES - 1)}}
+    check_schema(at_bound)   # the root and its properties: MAX_NODES schemas
+    at_bound["properties"]["one_more"] = {}
+    with pytest.raises(SchemaProblem, match=f"^properties: the schema has more than {MAX_NODES} subschemas"):
+        check_schema(at_bound)
+    with pytest.raises(SchemaProblem, match="more than"):   # counted first: its items are never looked at
+        check_schema({"anyOf": [5] * (MAX_NODES + 1)})

@@ -16,6 +16,7 @@ from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.support.hf_reference import hf_greedy
 from tests.support.runner_driver import GREEDY, make_runner, prompt
 from tests.support.speculative_loop import Loop, ngram_runner, repeating
+from tests.support.triton_interpreter import gpu_faithful
 from worker_svc.config import add_worker_arguments, worker_config_from_args
 from worker_svc.model_runner import InvalidStepError, ModelRunner
 from worker_svc.step_message import parse_step_request
@@ -154,12 +155,41 @@ def test_steps_asking_for_drafts_the_worker_does_not_hold_are_refused(tiny_model
     assert loop.tokens[1][18:] == hf_greedy(tiny_model_dir, repeating(8, 3, 6), len(loop.tokens[1]) - 18)
 
 
-def test_a_speculating_worker_samples_with_the_torch_sampler():
+def test_a_speculating_worker_verifies_with_the_torch_sampler_and_decodes_with_the_device_sampler(tiny_model_dir):
+    """--sampler kernels (interpreted on the CPU) with speculation: steps that verify drafts sample
+    with the torch sampler, the others with the device sampler, and the two count every emitted
+    token into one penalty table: greedy output with every penalty equals the plain torch runner's
+    while steps alternate between the two; each row's draw counter ends at its output index."""
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
-    with pytest.raises(ValueError, match="--sampler torch or auto"):
-        worker_config_from_args(parser.parse_args(["--model", "m", "--speculative-method", "ngram",
-                                                   "--sampler", "kernels"]))
     config = worker_config_from_args(parser.parse_args(["--model", "m", "--speculative-method", "ngram",
-                                                        "--sampler", "auto"]))
-    assert config.speculative_method == "ngram" and config.sampler == "auto"
+                                                        "--sampler", "kernels"]))
+    assert config.speculative_method == "ngram" and config.sampler == "kernels"
+    options = pb.SamplingOptions(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    requests = {1: (repeating(6, 3, 5), options), 2: (prompt(7, 11), options)}
+    plain = Loop(make_runner(tiny_model_dir))
+    expected = plain.run(requests, 24)
+    with gpu_faithful():
+        loop, runner, calls = _mixed_steps(tiny_model_dir, requests, plain)
+    assert {s: loop.tokens[s][len(p):len(p) + 24] for s, (p, _) in requests.items()} == expected
+    assert calls["device"] > 3 and calls["torch"] > 3 and loop.num_accepted > 3
+    for seq_id, (p, _) in requests.items():
+        row = runner.batch.row_of[seq_id]
+        assert int(runner.device_sampler.counters[row]) == len(loop.tokens[seq_id]) - len(p)
+
+
+def _mixed_steps(tiny_model_dir, requests, plain):
+    runner = ngram_runner(tiny_model_dir, sampler="kernels")
+    assert runner.device_sampler is not None and runner.sampler.penalties is runner.device_sampler.penalties
+    calls = {"device": 0, "torch": 0}
+    for name, sampler in (("device", runner.device_sampler), ("torch", runner.sampler)):
+        sample = sampler.sample
+        sampler.sample = lambda *args, name=name, sample=sample, **kw: calls.__setitem__(name, calls[name] + 1) or \
+            sample(*args, **kw)
+    loop = Loop(runner)
+    runner.bookkeeping.propose_on_host = oracle(runner, plain.tokens)
+    loop.start(requests)
+    while min(len(loop.tokens[s]) - len(p) for s, (p, _) in requests.items()) < 24:
+        loop.propose = loop.step_id % 4 < 2    # two steps proposing, two not: verifying and plain steps mix
+        loop.decode()
+    return loop, runner, calls

@@ -118,7 +118,7 @@ def test_no_drafts_over_the_batch_threshold_for_opted_out_requests_or_without_ro
     sched.update(out, [8, 8], (), [3, 3])
     add(sched, [9, 9, 9])                               # a third request: over the threshold
     out = sched.schedule()
-    assert not out.draft_indices and not out.propose_drafts and sched.may_schedule_ahead()
+    assert not out.cached.draft_indices and not out.propose_drafts and sched.may_schedule_ahead()
     assert a.num_drafts == 3                            # held, but not verified in a large batch
 
 

@@ -1,6 +1,7 @@
 """The interpreter's speed-ups (tools/triton_interpreter.py, on for the whole session) compute what
 Triton's own interpreter computes: tl.philox's rounds in numpy give Triton's interpreted rounds'
-words, bit for bit, on random keys and counters. Only without CUDA (on a GPU nothing is patched)."""
+words, bit for bit, on random keys and counters. gpu_faithful() widens bfloat16 as a GPU does.
+Only without CUDA (on a GPU nothing is patched)."""
 from __future__ import annotations
 
 import pytest
@@ -48,3 +49,23 @@ def test_philox_in_numpy_gives_the_interpreted_rounds_words():
         tl.random.philox_impl = numpy_rounds
     assert torch.equal(fast, interpreted)
     assert len(set(fast.flatten().tolist())) > 150         # 192 words: not a constant
+
+
+def test_gpu_faithful_widens_every_bfloat16_exactly():
+    """bfloat16 -> float32 in a kernel gives torch's float32 for all 65,536 patterns (subnormals,
+    infinities and NaNs included), as a compiled kernel's exact widening does."""
+    import triton
+    import triton.language as tl
+
+    from tests.support.triton_interpreter import gpu_faithful
+
+    @triton.jit
+    def widen(src_ptr, out_ptr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offsets, tl.load(src_ptr + offsets).to(tl.float32))
+
+    patterns = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    out = torch.empty(len(patterns), dtype=torch.float32, device=DEVICE)
+    with gpu_faithful():
+        widen[(len(patterns) // 4096,)](patterns.to(DEVICE), out, BLOCK=4096)
+    assert torch.equal(out.cpu().view(torch.int32), patterns.float().view(torch.int32))

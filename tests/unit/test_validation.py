@@ -13,7 +13,8 @@ from hypothesis import given, strategies as st
 
 from common.pb.llm.v1 import generation_pb2 as pb
 from common.sampling import SamplingParams
-from scheduler_svc.frontend.validation import InvalidRequest, Limits, float32_text, validate_request
+from scheduler_svc.frontend.validation import (InvalidRequest, Limits, float32_text, validate_chat_sampling,
+                                               validate_request)
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 128
@@ -68,6 +69,14 @@ def test_max_tokens_is_capped_by_the_room_left(max_tokens, resolved):
 def test_prompt_one_short_of_the_limit_may_generate_one_token():
     ids, params = validate(request({"token_ids": pb.TokenIds(ids=[5] * (MAX_MODEL_LEN - 1))}))
     assert len(ids) == MAX_MODEL_LEN - 1 and params.max_tokens == 1
+
+
+def test_a_chat_too_long_for_the_context_is_refused_naming_its_messages():
+    """A ChatRequest has no prompt field: its messages render the prompt."""
+    with pytest.raises(InvalidRequest) as caught:
+        validate_chat_sampling("", pb.SamplingParams(), MAX_MODEL_LEN, vocab_size=512, max_model_len=MAX_MODEL_LEN)
+    assert caught.value.field == "messages"
+    assert str(caught.value).startswith(f"messages: the rendered prompt has {MAX_MODEL_LEN} tokens")
 
 
 @pytest.mark.parametrize("sampling", [

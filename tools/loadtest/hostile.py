@@ -82,9 +82,9 @@ CONCURRENCY = {"priority_flood": 2}
 @dataclass
 class HostileRounds:
     """The rounds of probes and the bounds on their ratios (a soak run sets them too)."""
-    quiet_s: float = 4.0              # in all, over the rounds
-    hostile_s: float = 4.0
-    rounds: int = 3                   # quiet and hostile windows, in turn
+    quiet_s: float = 6.5              # in all, over the rounds
+    hostile_s: float = 6.5
+    rounds: int = 5                   # quiet and hostile windows, in turn (a median of 5: one round is noisy)
     probes: int = 3
     max_gap_ratio: float = 3.0        # 0: the ratio is reported, not judged (each max_*_ratio alike)
     max_stall_ratio: float = 3.0

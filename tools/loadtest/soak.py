@@ -151,7 +151,9 @@ class LoadSettings:
     max_waiting: int = 24
     max_num_seqs: int = 16
     num_kv_blocks: int = 160
-    frontends: int = 0
+    # One frontend process: the public API's requests handled apart from the engine core, as on any
+    # host of more than 2 cores (0 puts the hostile requests' admission in the core's process).
+    frontends: int = 1
     device: str = "cpu"
     request_timeout_s: float = 300.0
 

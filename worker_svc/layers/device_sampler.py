@@ -145,6 +145,17 @@ class DeviceSampler:
                                          (self.bias_values, self._bias_values)):
             device_table.index_copy_(0, index, torch.from_numpy(host_table[rows]).to(self.device, non_blocking=True))
 
+    def penalty_row(self, row: int) -> int | None:
+        """The row of the penalty table that counts `row`'s tokens (None: it has no penalties)."""
+        penalty_row = int(self._table[row, kernels.C_PENALTY_ROW.value])
+        return penalty_row if penalty_row >= 0 else None
+
+    def advance(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """Moves the rows' draw counters past `counts` tokens another sampler drew for them (a
+        verification's emitted tokens: the torch sampler's, which counted them into the shared
+        penalty table), so that each row's next draw here is keyed by its output index."""
+        self.counters.index_add_(0, rows, counts.to(self.counters.dtype))
+
     def wants_logprobs(self, rows: np.ndarray) -> bool:
         return bool(np.any(self._table[rows, kernels.C_FLAGS.value] & kernels.F_LOGPROB.value))
 

@@ -41,9 +41,28 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         return LinearOperands(self.weight)
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of the logits (its vocabulary rows)."""
+        return self.plan(hidden, None) if self.plan is not None else F.linear(hidden, self.weight)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely token id, on every rank (a proposer's drafts): the first of equal
+        maxima, as argmax over the full logits. Ranks gather each other's best value and id, not
+        their logits."""
+        logits = self.local_logits(hidden)
+        if self.tp_size == 1:
+            return logits.argmax(dim=-1)
+        best, index = logits.float().max(dim=-1)
+        local = torch.stack([best, (index + self.vocab_start).float()], dim=1)   # ids < 2**24: exact
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local)
+        gathered = torch.stack(parts)                       # [ranks, rows, (value, id)]
+        rank = gathered[:, :, 0].argmax(dim=0)              # the first rank holding the row's maximum
+        return gathered[rank, torch.arange(len(rank), device=rank.device), 1].long()
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full logits on rank 0, which alone samples; None on the other ranks."""
-        logits = self.plan(hidden, None) if self.plan is not None else F.linear(hidden, self.weight)
+        logits = self.local_logits(hidden)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

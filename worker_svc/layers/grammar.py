@@ -88,6 +88,7 @@ class GrammarCompiler:
             raise
         except (RuntimeError, ValueError) as exc:   # a grammar that parses but cannot be compiled
             raise GrammarError(constraint.kind, str(exc).strip().splitlines()[-1]) from None
+        self._check_matches_some_output(constraint, compiled)
         self._remember(constraint, compiled)
         return compiled
 
@@ -103,8 +104,19 @@ class GrammarCompiler:
         """Caches and returns a grammar compiled elsewhere (CompiledGrammar.serialize_json of a
         compiler built from the same tokenizer and vocabulary, e.g. worker_svc/grammar_pool.py's)."""
         compiled = xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+        self._check_matches_some_output(constraint, compiled)
         self._remember(constraint, compiled)
         return compiled
+
+    def _check_matches_some_output(self, constraint: Constraint, compiled: xgr.CompiledGrammar) -> None:
+        """GrammarError when no token may come first, not even a stop token: a grammar whose
+        language is empty (`root ::= root`, an empty character class) would otherwise end every
+        request at once with an empty output that looks like a complete match."""
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(self.stop_token_ids))
+        bitmask = xgr.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bitmask.any():
+            raise GrammarError(constraint.kind, "it matches no output: no token may come first, not even the end")
 
     def matcher(self, constraint: Constraint, accepted_ids: Sequence[int] = (), *,
                 stop_token_ids: Sequence[int] | None = None) -> "GrammarMatcher":

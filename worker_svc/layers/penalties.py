@@ -22,10 +22,14 @@ class PenaltyTable:
         """A row for a new (or re-admitted) request, filled from the tokens it already has."""
         row = self.rows.acquire()
         self._ensure_capacity(self.rows.high_water)
-        self.prompt_mask[row] = False
-        self.prompt_mask[row, torch.tensor(prompt_ids, dtype=torch.long, device=self.device)] = True
-        outputs = torch.tensor(output_ids, dtype=torch.long, device=self.device)
-        self.output_counts[row] = torch.bincount(outputs, minlength=self.vocab_size).to(torch.int32)
+        mask, counts = self.prompt_mask[row], self.output_counts[row]     # views: filled in place
+        mask.zero_()
+        mask.index_fill_(0, torch.tensor(prompt_ids, dtype=torch.long, device=self.device), True)
+        if output_ids:     # a re-admitted request; a new one has none (no bincount to make)
+            outputs = torch.tensor(output_ids, dtype=torch.long, device=self.device)
+            counts.copy_(torch.bincount(outputs, minlength=self.vocab_size))
+        else:
+            counts.zero_()
         return row
 
     def release(self, row: int) -> None:

@@ -25,6 +25,7 @@ from worker_svc.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker_svc.loader import expected_parts
 from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
 from worker_svc.models.qwen3 import Qwen3MLP
+from worker_svc.parallel_state import divide, get_tp_size
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -70,11 +71,14 @@ class Eagle3Attention(nn.Module):
 
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
-        self.head_dim, self.num_heads = config.head_dim, config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.qkv_proj = QKVParallelLinear(2 * config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                          bias=config.attention_bias)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        tp_size = get_tp_size()
+        self.head_dim = config.head_dim
+        self.num_heads = divide(config.num_attention_heads, tp_size)      # this rank's
+        self.num_kv_heads = divide(config.num_key_value_heads, tp_size)
+        self.qkv_proj = QKVParallelLinear(2 * config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=config.attention_bias)
         self.attn = PagedAttention(backend, scale=self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -135,7 +139,7 @@ class Eagle3Head(nn.Module):
 
     def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
         """The most likely target token ids of each row: the draft vocabulary's argmax, mapped."""
-        draft_ids = self.lm_head(normed).argmax(dim=-1)
+        draft_ids = self.lm_head.greedy(normed)
         return draft_ids + self.d2t[draft_ids]
 
     def attention_layers(self) -> list[PagedAttention]:

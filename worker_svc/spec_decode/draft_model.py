@@ -2,7 +2,8 @@
 loaded like the target, beside it on the device.
 
 Every step it computes the target's inputs in its own cache (the same slots). Asked for drafts,
-it decodes k tokens greedily after each sampling row's newest token, one pass per draft.
+it decodes k tokens greedily after each sampling row's newest token, one pass per draft. With
+tensor parallelism it is split as the target is, and every rank learns each draft (ParallelLMHead.greedy).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from worker_svc.loader import init_dummy_weights, load_safetensors
 from worker_svc.spec_decode.drafter import ModelProposer
 
 if TYPE_CHECKING:
+    from worker_svc.cuda_graphs import DecodeGraphs
     from worker_svc.model_runner import ModelRunner
     from worker_svc.step_batch import StepBatch
 
@@ -51,15 +53,22 @@ class DraftModelProposer(ModelProposer):
         super().__init__(runner, self.model, config.num_key_value_heads, head_dim_of(config), num_drafts)
 
     def catch_up(self, runner: ModelRunner, batch: StepBatch, aux, tokens):
-        self.model(batch.input_ids, batch.positions, batch.meta)
+        if self.replays_catch_up(runner, batch):   # over the inputs the target's graph just read
+            self.catch_up_graphs.replay(len(batch.input_ids))
+        else:
+            self.model(batch.input_ids, batch.positions, batch.meta)
 
-    def draft(self, runner: ModelRunner, batch: StepBatch, start: torch.Tensor, state) -> torch.Tensor:
-        token = runner.last_sampled.index_select(0, batch.sampling_rows_device)
-        rows = self._arange[:len(token)]
+    def catch_up_forward(self, target: DecodeGraphs):
+        return self.model
+
+    def first_inputs(self, runner: ModelRunner, batch: StepBatch, state) -> tuple[torch.Tensor, None]:
+        return runner.last_sampled.index_select(0, batch.sampling_rows_device), None
+
+    def draft_passes(self, token: torch.Tensor, hidden: None, start: torch.Tensor, tables: torch.Tensor,
+                     max_seq_len: int) -> torch.Tensor:
         drafts = []
         for j in range(self.num_drafts):
-            positions = self.positions(start, j)
-            hidden = self.model(token, positions, self.pass_meta(batch.draft_plan, positions))
-            token = self.model.compute_logits(hidden, rows).argmax(dim=-1)
+            positions, meta = self.pass_meta(tables, start, j, max_seq_len)
+            token = self.model.lm_head.greedy(self.model(token, positions, meta))   # on every rank
             drafts.append(token)
         return torch.stack(drafts, dim=1)

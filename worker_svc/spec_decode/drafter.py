@@ -10,6 +10,7 @@ the shared ones (`plan`), and what it writes there is never read by a later step
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from worker_svc.layers.attention import AttentionMetadata
 from worker_svc.staging import Staging, to_host
 
 if TYPE_CHECKING:
+    from worker_svc.cuda_graphs import DecodeGraphs
     from worker_svc.model_runner import ModelRunner
     from worker_svc.step_batch import StepBatch
 
@@ -38,13 +40,17 @@ class DraftPlan:
 
 
 class ModelProposer:
-    """A proposer running `module` (attention_layers() like a model's) on the device."""
+    """A proposer running `module` (attention_layers() like a model's, `num_kv_heads` of them in
+    all) on the device."""
     on_device = True
     aux_layers: tuple[int, ...] = ()   # target layers whose entering hidden states it reads
+    start_hidden: tuple[int, torch.dtype] | None = None   # the drafting passes' start hidden state (width, dtype)
 
     def __init__(self, runner: ModelRunner, module: nn.Module, num_kv_heads: int, head_dim: int,
                  num_drafts: int) -> None:
-        self.module, self.num_kv_heads, self.head_dim, self.num_drafts = module, num_kv_heads, head_dim, num_drafts
+        # Split across tensor-parallel ranks as the target's heads are.
+        self.module, self.num_kv_heads = module, num_kv_heads // runner.tp_size
+        self.head_dim, self.num_drafts = head_dim, num_drafts
         self.device, self.dtype, self.block_size = runner.device, runner.dtype, runner.block_size
         self.max_model_len, self.max_rows = runner.max_model_len, runner.config.max_num_seqs
         self.host_lengths = not runner.backend.supports_cuda_graphs   # its attention reads the host lists
@@ -52,6 +58,9 @@ class ModelProposer:
         self.num_shared_blocks = 0
         self._staging = Staging(self.max_rows * (runner.max_blocks_per_seq + 3) + 1, runner.device)
         self._arange = torch.arange(self.max_rows + 1, device=runner.device)
+        # CUDA graphs (capture_graphs, on a GPU): None runs eagerly.
+        self.catch_up_graphs: DecodeGraphs | None = None
+        self.drafting_graphs = self._target_graphs = None
 
     def propose_on_host(self, rows: np.ndarray) -> list[np.ndarray]:
         raise NotImplementedError(f"{self.method} proposes on the device")
@@ -97,6 +106,36 @@ class ModelProposer:
         last, host_ids, flat, base_d = self._staging.fill([query_start[1:] - 1, next_host, tables.reshape(-1), base])
         return DraftPlan(last, host_ids, flat.view(len(sampling_rows), width), base_d, max_seq_len)
 
+    # --- CUDA graphs ----------------------------------------------------------------------------
+
+    def capture_graphs(self, runner: ModelRunner, target: DecodeGraphs) -> None:
+        """Graphs of the catch-up (over the target's decode graphs' inputs) and of the drafting
+        passes, for steps of up to --speculative-graph-batch-size requests; larger ones run eagerly."""
+        from worker_svc.cuda_graphs import DecodeGraphs
+        from worker_svc.spec_decode.drafting_graphs import DraftingGraphs
+
+        requests = runner.config.speculative_graph_batch_size
+        self.catch_up_graphs = DecodeGraphs(self.catch_up_forward(target), max_batch_size=requests * (self.num_drafts + 1),
+                                            max_blocks_per_seq=runner.max_blocks_per_seq,
+                                            max_model_len=self.max_model_len, device=self.device, inputs_of=target)
+        self.drafting_graphs = DraftingGraphs(
+            functools.partial(self.draft_passes, max_seq_len=self.max_model_len),
+            max_batch_size=min(requests, self.max_rows), width=runner.max_blocks_per_seq,
+            hidden=self.start_hidden, device=self.device)
+        self._target_graphs = target
+
+    def catch_up_forward(self, target: DecodeGraphs):
+        """The catch-up as a decode graph's forward (input_ids, positions, meta) -> outputs."""
+        raise NotImplementedError
+
+    def replays_catch_up(self, runner: ModelRunner, batch: StepBatch) -> bool:
+        """Whether this step's target forward ran the decode graphs, and its catch-up has one too."""
+        graphs = self.catch_up_graphs
+        return (graphs is not None and runner.decode_graphs is self._target_graphs and graphs.usable
+                and runner.decode_graphs.can_run(batch.meta) and len(batch.input_ids) <= graphs.batch_sizes[-1])
+
+    # --- a step ----------------------------------------------------------------------------------
+
     @torch.inference_mode()
     def run(self, runner: ModelRunner, batch: StepBatch, aux: list[torch.Tensor] | None,
             tokens: torch.Tensor | None, propose: bool) -> tuple[torch.Tensor, np.ndarray] | None:
@@ -107,28 +146,39 @@ class ModelProposer:
             return None
         plan = batch.draft_plan
         start = plan.base_positions + (batch.accepted if batch.accepted is not None else 0)
-        drafts = self.draft(runner, batch, start, state)
+        token, hidden = self.first_inputs(runner, batch, state)
+        if self.drafting_graphs is not None and self.drafting_graphs.fits(len(token)):
+            drafts = self.drafting_graphs.run(token, hidden, start, plan.tables)
+        else:
+            drafts = self.draft_passes(token, hidden, start, plan.tables, max_seq_len=plan.max_seq_len)
         return to_host(drafts), np.full(len(batch.sampling_rows), self.num_drafts, dtype=np.int64)
 
     def catch_up(self, runner: ModelRunner, batch: StepBatch, aux, tokens):
         """Computes the step's positions in its own cache; returns what drafting starts from."""
         raise NotImplementedError
 
-    def draft(self, runner: ModelRunner, batch: StepBatch, start: torch.Tensor, state) -> torch.Tensor:
-        """[sampling rows, k] drafts; `start`: each row's newest token's position."""
+    def first_inputs(self, runner: ModelRunner, batch: StepBatch, state) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each sampling row's first drafting input: (token, hidden state or None)."""
         raise NotImplementedError
 
-    def pass_meta(self, plan: DraftPlan, positions: torch.Tensor) -> AttentionMetadata:
-        """Attention metadata of a drafting pass: one token per sampling row at `positions`."""
-        n, bs = len(positions), self.block_size
-        slots = plan.tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
-        seq_lens = positions + 1
-        host = seq_lens.tolist() if self.host_lengths else [plan.max_seq_len] * n
-        return AttentionMetadata(slot_mapping=slots, query_start_loc=self._arange[:n + 1].to(torch.int32),
-                                 seq_lens=seq_lens.to(torch.int32), block_tables=plan.tables.to(torch.int32),
-                                 max_query_len=1, max_seq_len=plan.max_seq_len, query_lens_cpu=[1] * n,
-                                 seq_lens_cpu=host)
+    def draft_passes(self, token: torch.Tensor, hidden: torch.Tensor | None, start: torch.Tensor,
+                     tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """[rows, k] drafts after each row's newest token at `start` (-1: a padding row of a graph),
+        `tables` its block tables (int64); max_seq_len bounds the passes' context lengths."""
+        raise NotImplementedError
 
-    def positions(self, start: torch.Tensor, j: int) -> torch.Tensor:
-        """The j-th drafting pass's positions (past max_model_len: the last, whose drafts are cut)."""
-        return (start + j).clamp_max(self.max_model_len - 1)
+    def pass_meta(self, tables: torch.Tensor, start: torch.Tensor, j: int,
+                  max_seq_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The j-th drafting pass's positions and attention metadata: one token per row at its
+        newest token's position + j (past max_model_len: the last, whose drafts are cut); a row
+        with start -1 stores nothing and attends to nothing."""
+        n, bs = len(start), self.block_size
+        positions = (start + j).clamp(0, self.max_model_len - 1)
+        live = start >= 0
+        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        seq_lens = torch.where(live, positions + 1, 0).to(torch.int32)
+        host = seq_lens.tolist() if self.host_lengths else [max_seq_len] * n
+        return positions, AttentionMetadata(
+            slot_mapping=torch.where(live, slots, -1), query_start_loc=self._arange[:n + 1].to(torch.int32),
+            seq_lens=seq_lens, block_tables=tables.to(torch.int32), max_query_len=1, max_seq_len=max_seq_len,
+            query_lens_cpu=[1] * n, seq_lens_cpu=host)

@@ -19,6 +19,7 @@ from worker_svc.models.eagle3 import Eagle3Head, eagle3_checkpoint, load_eagle3_
 from worker_svc.spec_decode.drafter import ModelProposer
 
 if TYPE_CHECKING:
+    from worker_svc.cuda_graphs import DecodeGraphs
     from worker_svc.model_runner import ModelRunner
     from worker_svc.step_batch import StepBatch
 
@@ -58,6 +59,7 @@ class Eagle3Proposer(ModelProposer):
         config = self.head.config
         super().__init__(runner, self.head, config.num_key_value_heads, config.head_dim, num_drafts)
         self.aux_layers = config.aux_layers
+        self.start_hidden = (config.hidden_size, runner.dtype)
 
     def catch_up(self, runner: ModelRunner, batch: StepBatch, aux: list[torch.Tensor], tokens: torch.Tensor | None):
         plan = batch.draft_plan
@@ -65,7 +67,12 @@ class Eagle3Proposer(ModelProposer):
         ids.index_copy_(0, plan.last_index, plan.next_host_ids)
         if tokens is not None:
             ids.index_copy_(0, batch.logits_indices, tokens)
-        normed, prenorm = self.head(ids, batch.positions, self.head.combine(aux), batch.meta)
+        if self.replays_catch_up(runner, batch):   # over the inputs and aux states the target's graph wrote
+            n = len(ids)
+            self._ids[:n].copy_(ids)
+            normed, (prenorm,) = self.catch_up_graphs.replay(n), self.catch_up_graphs.aux(n)
+        else:
+            normed, prenorm = self.head(ids, batch.positions, self.head.combine(aux), batch.meta)
         if tokens is None:
             return None
         first = (batch.verify.first if batch.verify is not None
@@ -75,12 +82,27 @@ class Eagle3Proposer(ModelProposer):
         at = batch.logits_indices.index_select(0, first)
         return self.head.greedy_tokens(normed[at]), prenorm[at]
 
-    def draft(self, runner: ModelRunner, batch: StepBatch, start: torch.Tensor, state) -> torch.Tensor:
-        token, hidden = state
+    def catch_up_forward(self, target: DecodeGraphs):
+        """The head over the target graph's inputs and aux outputs, the tokens after each position
+        staged in `_ids`."""
+        self._ids = torch.zeros_like(target.input_ids)
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta):
+            n = len(positions)
+            normed, prenorm = self.head(self._ids[:n], positions, self.head.combine([a[:n] for a in target.aux_outputs]),
+                                        meta)
+            return normed, [prenorm]
+        return forward
+
+    def first_inputs(self, runner: ModelRunner, batch: StepBatch, state) -> tuple[torch.Tensor, torch.Tensor]:
+        return state
+
+    def draft_passes(self, token: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor, tables: torch.Tensor,
+                     max_seq_len: int) -> torch.Tensor:
         drafts = [token]
         for j in range(self.num_drafts - 1):
-            positions = self.positions(start, j)
-            normed, hidden = self.head(token, positions, hidden, self.pass_meta(batch.draft_plan, positions))
+            positions, meta = self.pass_meta(tables, start, j, max_seq_len)
+            normed, hidden = self.head(token, positions, hidden, meta)
             token = self.head.greedy_tokens(normed)
             drafts.append(token)
         return torch.stack(drafts, dim=1)

@@ -19,7 +19,7 @@ stored the step's K/V themselves (rotary.attend_qkv's fused kernel does, on CUDA
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -54,6 +54,13 @@ class AttentionBackend(Protocol):
     # The KV block sizes it takes are the multiples of this (1: any).
     block_size_multiple: int
     reads_fp8_kv: bool           # it can read a float8_e4m3fn cache (with KVScales)
+
+    def variant_request_counts(self, num_kv_heads: int, max_requests: int, kv_fp8: bool,
+                               device: torch.device) -> tuple[Sequence[int], Sequence[int]]:
+        """(pure-decode, mixed) request counts at which its kernels take other compile-time
+        constants (a launch config, a split-K factor chosen by the batch's size): the start-up
+        warm-up runs one step at each, so that no step of any size compiles after start-up."""
+        ...
 
     def forward(
         self,

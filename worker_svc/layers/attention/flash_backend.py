@@ -51,6 +51,10 @@ class FlashAttentionBackend:
     block_size_multiple = 1
     reads_fp8_kv = False
 
+    def variant_request_counts(self, num_kv_heads: int, max_requests: int, kv_fp8: bool,
+                               device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (), ()   # nothing it compiles depends on the batch's size
+
     def __init__(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("flash_attn needs a CUDA device")

@@ -152,21 +152,28 @@ def _random_cache(cache_shape: tuple[int, ...], shape: AttentionShape, device: t
     return quantize(values.flatten(0, 1), inverse).view(cache_shape)
 
 
-def warm_up_cases(shape: AttentionShape) -> list[StepCase]:
+def warm_up_cases(shape: AttentionShape, variants: tuple[Sequence[int], Sequence[int]] = ((), ())) -> list[StepCase]:
     """Steps that between them compile every kernel variant a backend needs for this shape:
     decode and prompt steps (which differ in FlashAttention-4's and Triton's specialisation),
     each with one request and with the most the worker takes (FlashAttention-4 compiles another
-    scheduler for batches over 256)."""
+    scheduler for batches over 256), and a pure-decode and a mixed step at each request count of
+    `variants` (the backend's variant_request_counts: its constants chosen by the batch's size)."""
     context = max(1, min(2 * shape.block_size, shape.max_model_len - 1))
     prompt = max(2, min(WARM_UP_PROMPT, shape.max_num_batched_tokens, shape.max_model_len))
     many = shape.max_num_seqs
     cases = [StepCase("decode b=1", ((context, 1),)), StepCase("prompt", ((0, prompt),))]
-    if many > 1:
-        # As many rows as a step can have: a short prompt beside decodes, within the token budget.
-        decodes = min(many - 1, max(1, shape.max_num_batched_tokens - 2))
+
+    def mixed(requests: int) -> StepCase:
+        # A short prompt beside decodes, within the token budget.
+        decodes = min(requests - 1, max(1, shape.max_num_batched_tokens - 2))
         short_prompt = max(2, min(prompt, shape.max_num_batched_tokens - decodes))
-        cases += [StepCase(f"decode b={many}", ((context, 1),) * many),
-                  StepCase(f"prompt + {decodes} decodes", ((0, short_prompt),) + ((context, 1),) * decodes)]
+        return StepCase(f"prompt + {decodes} decodes", ((0, short_prompt),) + ((context, 1),) * decodes)
+
+    if many > 1:   # as many rows as a step can have
+        cases += [StepCase(f"decode b={many}", ((context, 1),) * many), mixed(many)]
+    pure, mixed_counts = variants
+    cases += [StepCase(f"decode b={n}", ((context, 1),) * n) for n in pure if 1 < n < many]
+    cases += [mixed(n) for n in mixed_counts if 1 < n < many and n - 1 <= shape.max_num_batched_tokens - 2]
     return cases
 
 
@@ -256,7 +263,9 @@ def warm_up_backend(backend: AttentionBackend, shape: AttentionShape, device: to
     begin = time.perf_counter()
     scale = shape.head_dim ** -0.5
     kv_scales = synthetic_kv_scales(shape, device)
-    for i, case in enumerate(warm_up_cases(shape)):
+    variants = backend.variant_request_counts(shape.num_kv_heads, shape.max_num_seqs, is_fp8(shape.cache_dtype),
+                                              device)
+    for i, case in enumerate(warm_up_cases(shape, variants)):
         step = synthetic_step(case.requests, shape, device, pool_blocks=WARM_UP_POOL_BLOCKS, seed=i)
         run_step(backend, step, scale, kv_scales)
         del step

@@ -53,6 +53,10 @@ class TorchAttentionBackend:
     reads_fp8_kv = True
     block_size_multiple = 1
 
+    def variant_request_counts(self, num_kv_heads: int, max_requests: int, kv_fp8: bool,
+                               device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (), ()   # nothing it compiles depends on the batch's size
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: KVScales | None = None) -> torch.Tensor:

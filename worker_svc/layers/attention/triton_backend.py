@@ -8,7 +8,7 @@ import torch
 
 from worker_svc.layers.attention.base import AttentionMetadata
 from worker_svc.layers.attention.kv_quant import KVScales
-from worker_svc.layers.attention.triton_kernels import paged_attention, store_kv_cache
+from worker_svc.layers.attention.triton_kernels import decode_variant_counts, paged_attention, store_kv_cache
 
 
 class TritonAttentionBackend:
@@ -17,6 +17,10 @@ class TritonAttentionBackend:
     supports_cuda_graphs = True
     block_size_multiple = 1
     reads_fp8_kv = True
+
+    def variant_request_counts(self, num_kv_heads: int, max_requests: int, kv_fp8: bool,
+                               device: torch.device) -> tuple[list[int], list[int]]:
+        return decode_variant_counts(num_kv_heads, max_requests, kv_fp8, device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -28,15 +28,26 @@ F16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_start, kv_hi, kv_head, dims, dim_valid,
-                  stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr):
-    """K and V [KV_TILE, DIM_PAD] of keys kv_start.. of one request and kv head, as stored; keys
-    at kv_hi and past it read as zeros (nothing is loaded for them)."""
+def _kv_tile(block_table, kv_start, kv_hi, kv_head, dim_valid, stride_cb, stride_cs, stride_ch,
+             BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr):
+    """Where keys kv_start.. of one request and kv head sit in the paged cache: their positions,
+    which of them lie below kv_hi, each one's offset, and the mask of a [KV_TILE, DIM_PAD] load
+    (the tile kernel's too, triton_kernels.py)."""
     kv_pos = kv_start + tl.arange(0, KV_TILE)
     kv_valid = kv_pos < kv_hi
     block = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
     kv_offset = block * stride_cb + (kv_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     kv_mask = kv_valid[:, None] & dim_valid[None, :]
+    return kv_pos, kv_valid, kv_offset, kv_mask
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_start, kv_hi, kv_head, dims, dim_valid,
+                  stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr):
+    """K and V [KV_TILE, DIM_PAD] of keys kv_start.. of one request and kv head, as stored; keys
+    at kv_hi and past it read as zeros (nothing is loaded for them)."""
+    _, _, kv_offset, kv_mask = _kv_tile(block_table, kv_start, kv_hi, kv_head, dim_valid, stride_cb, stride_cs,
+                                        stride_ch, BLOCK_SIZE, KV_TILE)
     k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     return k, v

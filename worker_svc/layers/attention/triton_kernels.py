@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
-from worker_svc.layers.attention.triton_decode import F16_MAX, _paged_decode_kernel
+from worker_svc.layers.attention.triton_decode import F16_MAX, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _merge_splits_kernel, _write_result
 
 LOG2_E = 1.4426950408889634
@@ -206,11 +207,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([TILE_ROWS, DIM_PAD], tl.float32)
     block_table = block_tables_ptr + request.to(tl.int64) * stride_bt
     for kv_start in range(kv_lo, kv_hi, KV_TILE):
-        kv_pos = kv_start + tl.arange(0, KV_TILE)
-        kv_valid = kv_pos < kv_hi
-        block = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
-        kv_offset = block * stride_cb + (kv_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = kv_valid[:, None] & dim_valid[None, :]
+        kv_pos, kv_valid, kv_offset, kv_mask = _kv_tile(block_table, kv_start, kv_hi, kv_head, dim_valid, stride_cb,
+                                                        stride_cs, stride_ch, BLOCK_SIZE, KV_TILE)
         k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
@@ -323,6 +321,27 @@ def prefill_launch(kv_fp8: bool) -> LaunchConfig:
 
 def mixed_decodes_apart(kv_fp8: bool) -> bool:
     return MIXED_DECODES_APART_FP8 if kv_fp8 else MIXED_DECODES_APART
+
+
+def decode_variant_counts(num_kv_heads: int, max_requests: int, kv_fp8: bool,
+                          device: torch.device) -> tuple[list[int], list[int]]:
+    """The fewest requests of each decode-launch variant (its launch config and split-K factor,
+    compile-time constants chosen by the number of requests) that steps of 1..max_requests
+    requests reach: of pure-decode steps, and of mixed steps where their decodes go apart. One
+    step at each compiles every variant. (An FP8 cache's mixed steps reach ~10; warming up only
+    the full batch left them to compile on the first requests: v19's 7.7 s time to first token.)"""
+    def firsts(launch_of: Callable[[int], LaunchConfig]) -> list[int]:
+        seen, counts = set(), []
+        for n in range(1, max_requests + 1):
+            launch = launch_of(n)
+            key = (launch, decode_num_splits(n, num_kv_heads, device, launch.num_warps))
+            if key not in seen:
+                seen.add(key)
+                counts.append(n)
+        return counts
+
+    pure = firsts(lambda n: decode_launch(kv_fp8, n))
+    return pure, firsts(gqa_decode_launch) if mixed_decodes_apart(kv_fp8) else []
 
 
 @dataclass(frozen=True)
