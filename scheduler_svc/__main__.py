@@ -16,6 +16,7 @@ import os
 import socket
 import tempfile
 
+from common.gc_freeze import freeze_startup_heap
 from common.cli import (ArgumentParser, add_client_security_arguments, add_config_arguments, add_logging_arguments,
                         check_client_security_arguments, config_from_args, warn_if_exposed)
 from common.logging_setup import setup_logging
@@ -167,6 +168,7 @@ async def serve(args: argparse.Namespace, security) -> None:
                     f"{service.frontends} frontend processes" if service.frontends else "frontend in process",
                     service.workers)
         await core.start()
+        freeze_startup_heap()
         await stop.event.wait()
         logger.info("shutting down: no new requests, %.0fs for running ones", service.shutdown_grace)
         await core.shutdown(service.shutdown_grace)

@@ -16,6 +16,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.gc_freeze import freeze_startup_heap
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.reflection import enable_server_reflection
 from common.security import TokenAuthInterceptor
@@ -190,6 +191,7 @@ class WorkerServer:
 
     def serve(self, runner: ModelRunner) -> None:
         self.servicer.attach(runner)
+        freeze_startup_heap()    # the model's objects: no full collection walks them mid-step
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s", WORKER_SERVICE)
 

@@ -12,6 +12,7 @@ import signal
 
 import grpc
 
+from common.gc_freeze import freeze_startup_heap
 from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import AsyncTokenAuthInterceptor, server_security_from_args
@@ -104,6 +105,7 @@ async def serve_frontend_process(args: argparse.Namespace, frontend_id: int, cor
     frontend, server, tasks = await start_frontend(frontend_config_from_args(args), args.model, core,
                                                    security)
     logger.info("frontend %d serving on %s:%d", frontend_id, args.host, args.port)
+    freeze_startup_heap()
     stop = Stop()
     stop.install(interrupt=False)     # Ctrl-C reaches the whole group: the core decides what happens
     events = tasks[0]

@@ -39,6 +39,12 @@ def stub(worker):
         yield stub
 
 
+
+def test_the_start_up_objects_are_frozen_before_it_serves(worker):
+    """No full collection walks the model's objects mid-step (common/gc_freeze.py)."""
+    log = worker.log.read_text()
+    assert "froze" in log and log.index("froze") < log.index("serving llm.worker.v1.Worker")
+
 def test_health_and_reflection(worker):
     with grpc.insecure_channel(worker.addr) as channel:
         health = health_pb2_grpc.HealthStub(channel)

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.client.sampling import SamplingParams
+from common.gc_freeze import freeze_startup_heap
 from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1.generation_pb2_grpc import GenerationStub
 
@@ -272,6 +273,9 @@ async def measure(target: str, fast: GenerationStub, settings: HostileSettings, 
     meanwhile falls on both kinds alike; a hostile window's requests have all ended before the next
     quiet one starts. The hostile clients run in a process of their own (as they would on other
     machines), so that their sending never delays this one's reading of the probes."""
+    # This process times the probes: its own full collections (~175 ms after a soak's load phase)
+    # must not read as the service's gaps.
+    freeze_startup_heap()
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tools.loadtest.hostile", "--target", target, "--settings",
         json.dumps(dataclasses.asdict(settings)), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
