@@ -6,7 +6,7 @@ all of them again, and CPython runs one every ~70,000 surviving allocations: on 
 took 50-120 ms each in the soak (2-core machine), a pause of every stream in the batch. Once the
 process is ready, `freeze_startup_heap` collects once and moves every object alive to the
 permanent generation (gc.freeze), so later collections walk only what was made since, as vLLM's
-engine and this project's gateway do."""
+engine does. The worker, the engine core, each frontend and the gateway call it."""
 from __future__ import annotations
 
 import gc

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from common.cli import (ArgumentParser, add_client_security_arguments, add_config_arguments, add_logging_arguments,
                         check_client_security_arguments, config_from_args, flag, is_loopback, warn_if_exposed)
+from common.gc_freeze import freeze_startup_heap
 from common.logging_setup import setup_logging
 from gateway.config import GatewayConfig
 
@@ -99,7 +100,7 @@ def tune_for_parsing() -> None:
     app) are frozen out of every collection, the young generation is collected once per
     GC_THRESHOLD[0] new container objects, and integers of more than MAX_INT_DIGITS digits are
     refused."""
-    gc.freeze()
+    freeze_startup_heap()
     gc.set_threshold(*GC_THRESHOLD)
     sys.set_int_max_str_digits(MAX_INT_DIGITS)
 

@@ -16,9 +16,9 @@ import os
 import socket
 import tempfile
 
-from common.gc_freeze import freeze_startup_heap
 from common.cli import (ArgumentParser, add_client_security_arguments, add_config_arguments, add_logging_arguments,
                         check_client_security_arguments, config_from_args, warn_if_exposed)
+from common.gc_freeze import freeze_startup_heap
 from common.logging_setup import setup_logging
 from common.model_dir import read_model_facts
 from common.security import (add_server_security_arguments, channel_credentials, read_secret,

@@ -139,10 +139,7 @@ class GrammarPool:
         if reply[0] == "error":
             raise self._refuse(constraint, GrammarError(reply[1], reply[2]))
         logger.info("compiled a %s grammar in %.0f ms", constraint.kind, (time.monotonic() - started) * 1e3)
-        try:
-            return self._compiler().adopt(constraint, reply[1])
-        except GrammarError as exc:    # compiled, but refused (a grammar that matches nothing)
-            raise self._refuse(constraint, exc) from None
+        return self._compiler().adopt(constraint, reply[1])
 
     def _refuse(self, constraint: Constraint, error: GrammarError) -> GrammarError:
         with self._lock:

@@ -104,8 +104,7 @@ class GrammarCompiler:
         """Caches and returns a grammar compiled elsewhere (CompiledGrammar.serialize_json of a
         compiler built from the same tokenizer and vocabulary, e.g. worker_svc/grammar_pool.py's)."""
         compiled = xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
-        self._check_matches_some_output(constraint, compiled)
-        self._remember(constraint, compiled)
+        self._remember(constraint, compiled)    # checked by the compile() that made it
         return compiled
 
     def _check_matches_some_output(self, constraint: Constraint, compiled: xgr.CompiledGrammar) -> None:
