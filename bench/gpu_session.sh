@@ -10,6 +10,7 @@
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES
+#   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 set -uo pipefail
 PY=${PY:-$(command -v python3)}
 [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
@@ -120,5 +121,12 @@ PY
             --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|moe" >&2; exit 2 ;;
+    stage)
+        base
+        NAME=${NAME:-$STAGE}
+        mkdir -p "$BENCH/$NAME"
+        timeout ${TIMEOUT:-400} $PY -m bench.stages.$STAGE --out "$BENCH/$NAME" ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-40}
+        cp "$BENCH/$NAME"/*.json "$OUT/" 2>/dev/null; true
+        ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|moe|stage" >&2; exit 2 ;;
 esac

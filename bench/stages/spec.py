@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chances of a right draft of the p=X runs (at k=4)")
     p.add_argument("--spec-prompt", type=int, default=128, help="prompt tokens of each spec request")
     p.add_argument("--spec-tokens", type=int, default=128, help="output tokens of each spec request")
+    p.add_argument("--spec-profile", action="store_true",
+                   help="also profile (torch.profiler) one run of each proposer at the smallest batch, k = 4: "
+                        "device ms per step by kernel")
 
 
 @dataclasses.dataclass
@@ -164,14 +167,65 @@ def host_times(launches: int, prepare_ms: float, launch_ms: float, device_ms: fl
 
 
 METHOD_K = 4              # the real methods' --num-speculative-tokens
+PROFILE_TOKENS = 48       # output tokens of a profiled run
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's family, by its name (cuBLAS, this project's Triton kernels, torch's own)."""
+    n = name.lower()
+    for kind, keys in (("attention", ("attn", "attention", "paged", "split_merge", "merge_")),
+                       ("gemm/gemv", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk", "matmul", "_linear")),
+                       ("norm/rope/act", ("rms", "norm", "rotary", "rope", "silu", "act_")),
+                       ("sampling", ("sampl", "softmax", "argmax", "topk", "sort", "philox", "penal", "gumbel",
+                                     "exponential", "multinomial")),
+                       ("copy/fill", ("copy", "memcpy", "memset", "fill", "cat", "index", "scatter", "gather"))):
+        if any(key in n for key in keys):
+            return kind
+    return "other"
+
+
+def profiled(label: str, counters: "Counters", run_once) -> dict:
+    """Device time per step of one run of run_once() (a whole generate: its prefill is in it, a
+    small share), by kernel family and by kernel, and the run's wall time per step."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()     # on the CPU (a smoke test) its ops stand in for kernels
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    device_type = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    before = counters.snapshot()[0]
+    sync()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run_once()
+        sync()
+    wall_ms = (time.perf_counter() - started) * 1e3
+    steps = max(counters.snapshot()[0] - before, 1)
+    ms: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+    for event in prof.events():
+        if event.device_type == device_type:
+            ms[event.name] += (event.device_time if cuda else event.cpu_time) / 1e3
+            calls[event.name] += 1
+    kinds: dict[str, float] = collections.defaultdict(float)
+    for name, total in ms.items():
+        kinds[kernel_kind(name)] += total / steps
+    top = sorted(ms.items(), key=lambda kv: -kv[1])[:16]
+    return {"proposer": label, "steps": steps, "wall_ms_per_step": wall_ms / steps,
+            "device_ms_per_step": sum(ms.values()) / steps,
+            "kernels_per_step": sum(calls.values()) / steps,
+            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [(name[:100], round(total / steps, 4), round(calls[name] / steps, 2)) for name, total in top]}
 
 
 def run(args: argparse.Namespace) -> dict:
-    shape = Shape.of(args)
-    rows = _target_rows(args, shape)
+    shape, profiles = Shape.of(args), []
+    rows = _target_rows(args, shape, profiles)
     for method, model_dir in (("eagle3", _eagle3_dir(args)), ("draft", config_dir(args, "0.6b"))):
-        rows += _method_rows(args, shape, method, model_dir)
-    return {"rows": rows, "shape": dataclasses.asdict(shape)}
+        rows += _method_rows(args, shape, method, model_dir, profiles)
+    return {"rows": rows, "shape": dataclasses.asdict(shape), "profiles": profiles}
 
 
 def _prompts(shape: "Shape", vocab: int) -> dict[int, list[list[int]]]:
@@ -182,7 +236,7 @@ def _prompts(shape: "Shape", vocab: int) -> dict[int, list[list[int]]]:
 
 # --- the target, with and without drafts -------------------------------------------------------
 
-def _target_rows(args: argparse.Namespace, shape: Shape) -> list[dict]:
+def _target_rows(args: argparse.Namespace, shape: Shape, profiles: list[dict]) -> list[dict]:
     from bench.stages.moe_e2e import dummy_llm
     from common.speculation import DEFAULT_MAX_BATCH_SIZE
 
@@ -241,10 +295,17 @@ def _target_rows(args: argparse.Namespace, shape: Shape) -> list[dict]:
         runner.proposer, bookkeeping.propose_on_host = proposer, proposer.propose_on_host
         llm._engine_config = dataclasses.replace(engine, num_speculative_tokens=k, speculative_max_batch_size=max_batch)
 
+    b0 = min(shape.batches)
+    if args.spec_profile:
+        runner.bookkeeping, llm._engine_config = None, dataclasses.replace(engine, speculative_method="off")
+        profiles.append(profiled("none", counters, lambda: timed(b0, 1 + PROFILE_TOKENS)))
+        runner.bookkeeping = bookkeeping
     for k in shape.ks:
         speculating(k, 1.0, max(shape.batches))
         timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles the verify shapes of k
         rows += [measure(b, "oracle", k, prefills[b]) for b in shape.batches]
+        if args.spec_profile and k == METHOD_K:
+            profiles.append(profiled("oracle", counters, lambda: timed(b0, 1 + PROFILE_TOKENS)))
     k = 4 if 4 in shape.ks else shape.ks[0]
     for p in shape.probabilities:
         speculating(k, p, max(shape.batches))
@@ -276,7 +337,7 @@ def _eagle3_dir(args: argparse.Namespace):
     return out
 
 
-def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir) -> list[dict]:
+def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir, profiles: list[dict]) -> list[dict]:
     """The target's decode with the worker's real `method` proposer (random weights) at k = 4."""
     from bench.stages.moe_e2e import dummy_llm
     from common.sampling import SamplingParams
@@ -308,6 +369,8 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir)
 
     timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles and warms
     rows = [measure(b, method) for b in shape.batches]
+    if args.spec_profile:
+        profiles.append(profiled(method, counters, lambda: timed(min(shape.batches), 1 + PROFILE_TOKENS)))
     # The scheduler's default threshold: past it the worker's steps are plain ones (no proposer)
     llm._engine_config = dataclasses.replace(llm._engine_config, speculative_max_batch_size=DEFAULT_MAX_BATCH_SIZE)
     rows += [measure(b, f"{method} default") for b in shape.batches if b > DEFAULT_MAX_BATCH_SIZE]
@@ -355,6 +418,13 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
           "predicts their speedup at acceptance length 3 from their measured step; targets: eagle3 >= 2.0x at "
           "batch 1, and batch >= 64 never below 0.98x; prep / launch: the worker's host ms per step, device: its "
           "device ms per step, idle: step less device, the time the device waited for the host)")
+    for prof in results["spec"]["result"].get("profiles", []):
+        kinds = ", ".join(f"{kind} {ms:.2f}" for kind, ms in prof["by_kind"].items())
+        print(f"\nprofile {prof['proposer']} at batch {min(results['spec']['result']['shape']['batches'])}: "
+              f"{prof['wall_ms_per_step']:.2f} ms a step, {prof['device_ms_per_step']:.2f} of kernels "
+              f"({prof['kernels_per_step']:.0f} kernels): {kinds}")
+        for name, ms, n in prof["top"]:
+            print(f"  {ms:7.3f} ms x{n:5.1f}  {name}")
 
 
 if __name__ == "__main__":
