@@ -163,6 +163,8 @@ class FakeWorkerClient:
         self.num_steps = 0
         self._turn = asyncio.Lock()        # FIFO: the first step sent runs first
         self.num_in_flight = self.max_in_flight = 0
+        # Steps that verify drafts in flight now, and steps sent while one was (scheduled ahead of it).
+        self.verifying_in_flight = self.sent_behind_verification = 0
         self.lease = WorkerLease()
 
     async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
@@ -193,6 +195,9 @@ class FakeWorkerClient:
     async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
         self.num_in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        self.sent_behind_verification += self.verifying_in_flight > 0
+        verifies = len(request.cached.draft_indices) > 0
+        self.verifying_in_flight += verifies
         try:
             async with self._turn:
                 await asyncio.sleep(self.step_s)     # the forward pass
@@ -211,6 +216,7 @@ class FakeWorkerClient:
                                            verified_drafts=self.worker.verified_drafts)
         finally:
             self.num_in_flight -= 1
+            self.verifying_in_flight -= verifies
 
     def _poisoned(self, request: worker_pb2.StepRequest) -> bool:
         firsts = [new.token_ids[0] for new in request.new_requests]

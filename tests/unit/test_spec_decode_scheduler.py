@@ -200,7 +200,7 @@ def test_a_reply_with_a_run_longer_than_the_drafts_is_refused_and_changes_nothin
     assert seq.token_ids == tokens and seq.num_placeholder_tokens == 1
 
 
-def _engine_tokens(num_speculative_tokens: int, die_at: set[int] = frozenset()) -> tuple[dict, object]:
+def _engine_tokens(num_speculative_tokens: int, die_at: set[int] = frozenset()) -> tuple[dict, object, FakeWorkerClient]:
     """Runs three requests through an engine core over a fake worker that proposes the true
     continuation (every other time with its second draft wrong)."""
     def propose(tokens: list[int]) -> list[int]:
@@ -220,7 +220,7 @@ def _engine_tokens(num_speculative_tokens: int, die_at: set[int] = frozenset()) 
         requests = [CoreRequest(make_seq_id(0, i + 1), f"r{i}", [i + 1, 2, 3],
                                 SamplingParams(max_tokens=15, ignore_eos=True)) for i in range(3)]
         try:
-            return await _run_to_completion(core, requests), core.metrics
+            return await _run_to_completion(core, requests), core.metrics, client
         finally:
             await core.shutdown(grace_s=0)
 
@@ -228,9 +228,11 @@ def _engine_tokens(num_speculative_tokens: int, die_at: set[int] = frozenset()) 
 
 
 def test_the_engine_gives_the_same_tokens_with_drafts_and_counts_them():
-    plain, _ = _engine_tokens(0)
-    speculative, metrics = _engine_tokens(4)
+    plain, *_ = _engine_tokens(0)
+    speculative, metrics, client = _engine_tokens(4)
     assert speculative == plain
+    # Steps go out while one that verifies drafts runs: nothing waits for its answer.
+    assert client.max_in_flight == 2 and client.sent_behind_verification >= 3
     value = metrics.registry.get_sample_value
     drafts, accepted = value("llm_spec_decode_draft_tokens_total"), value("llm_spec_decode_accepted_tokens_total")
     verifications = value("llm_spec_decode_verifications_total")
@@ -240,7 +242,7 @@ def test_the_engine_gives_the_same_tokens_with_drafts_and_counts_them():
 
 
 def test_a_worker_restart_mid_speculation_loses_and_repeats_no_token():
-    plain, _ = _engine_tokens(0)
+    plain, *_ = _engine_tokens(0)
     assert _engine_tokens(4, die_at={5, 9})[0] == plain
 
 
