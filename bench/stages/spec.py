@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import pathlib
 import random
 import sys
 import time
@@ -123,6 +124,7 @@ class Counters:
     time the device waited for the host."""
 
     def __init__(self, runner) -> None:
+        self.runner = runner
         self.launches = self.verifications = self.drafts = self.accepted = 0
         self.prepare_ms = self.launch_ms = self.device_ms = 0.0
         launch = runner.launch
@@ -186,11 +188,26 @@ def kernel_kind(name: str) -> str:
 
 def profiled(label: str, counters: "Counters", run_once) -> dict:
     """Device time per step of one run of run_once() (a whole generate: its prefill is in it, a
-    small share), by kernel family and by kernel, and the run's wall time per step."""
+    small share), by kernel family and by kernel, the run's wall time per step, and where the
+    worker's launch (the host work between two steps when the next waits for the last) spends its
+    time, by function (cProfile on the launching thread; `settle` includes the wait for the step
+    before)."""
     import collections
+    import cProfile
+    import pstats
 
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    host = cProfile.Profile()
+    runner, inner = counters.runner, counters.runner.launch
+
+    def launch(step):
+        host.enable()
+        try:
+            return inner(step)
+        finally:
+            host.disable()
 
     cuda = torch.cuda.is_available()     # on the CPU (a smoke test) its ops stand in for kernels
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -198,9 +215,13 @@ def profiled(label: str, counters: "Counters", run_once) -> dict:
     before = counters.snapshot()[0]
     sync()
     started = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        run_once()
-        sync()
+    runner.launch = launch
+    try:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            run_once()
+            sync()
+    finally:
+        runner.launch = inner
     wall_ms = (time.perf_counter() - started) * 1e3
     steps = max(counters.snapshot()[0] - before, 1)
     ms: dict[str, float] = collections.defaultdict(float)
@@ -213,7 +234,11 @@ def profiled(label: str, counters: "Counters", run_once) -> dict:
     for name, total in ms.items():
         kinds[kernel_kind(name)] += total / steps
     top = sorted(ms.items(), key=lambda kv: -kv[1])[:16]
-    return {"proposer": label, "steps": steps, "wall_ms_per_step": wall_ms / steps,
+    functions = [(f"{func} ({pathlib.Path(file).name}:{line})", tt * 1e3 / steps, ct * 1e3 / steps)
+                 for (file, line, func), (_, _, tt, ct, _) in pstats.Stats(host).stats.items()]
+    return {"host_own": [(f, round(tt, 4)) for f, tt, _ in sorted(functions, key=lambda f: -f[1])[:12]],
+            "host_cumulative": [(f, round(ct, 4)) for f, _, ct in sorted(functions, key=lambda f: -f[2])[:16]],
+            "proposer": label, "steps": steps, "wall_ms_per_step": wall_ms / steps,
             "device_ms_per_step": sum(ms.values()) / steps,
             "kernels_per_step": sum(calls.values()) / steps,
             "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
@@ -425,6 +450,9 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
               f"({prof['kernels_per_step']:.0f} kernels): {kinds}")
         for name, ms, n in prof["top"]:
             print(f"  {ms:7.3f} ms x{n:5.1f}  {name}")
+        print("  the worker's launch, ms per step (cumulative | own):")
+        for (name, cumulative), (own_name, own) in zip(prof["host_cumulative"], prof["host_own"] + [("", 0)] * 16):
+            print(f"  {cumulative:7.3f}  {name[:60]:60s} | {own:7.3f}  {own_name[:60]}")
 
 
 if __name__ == "__main__":
