@@ -128,7 +128,7 @@ class ModelRunner:
         self.proposer = build_proposer(self, config) if k else None
         self.drafter = self.proposer if k and self.proposer.on_device else None
         self._batch_lock = threading.Lock()
-        self.bookkeeping = (Bookkeeping(self.batch, self.max_model_len, self._batch_lock,
+        self.bookkeeping = (Bookkeeping(self.batch, self.block_size, self.max_model_len, self._batch_lock,
                                         None if self.drafter else self.proposer.propose_on_host) if k else None)
         # Each row's newest sampled token, on the device: the next decode's input (with the device
         # sampler, one more entry for its dummy row, which the padding of a graph's batch samples).

@@ -190,8 +190,8 @@ def profiled(label: str, counters: "Counters", run_once) -> dict:
     """Device time per step of one run of run_once() (a whole generate: its prefill is in it, a
     small share), by kernel family and by kernel, the run's wall time per step, and where the
     worker's launch (the host work between two steps when the next waits for the last) spends its
-    time, by function (cProfile on the launching thread; `settle` includes the wait for the step
-    before)."""
+    time, by function (cProfile while launch runs; from Python 3.12 on, cProfile sees every thread
+    meanwhile, the event loop's and the waiting ones' too, so read it as the host's busy time)."""
     import collections
     import cProfile
     import pstats
