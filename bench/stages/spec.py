@@ -61,6 +61,12 @@ class Shape:
                    [float(p) for p in args.spec_probabilities.split(",")], args.spec_prompt, args.spec_tokens)
 
     @property
+    def max_num_seqs(self) -> int:
+        """The engine's max_num_seqs: the decode graphs hold that many tokens, and a verifying step of
+        b requests is b * (1 + k) of them (fewer, and the step runs eagerly)."""
+        return max(self.batches) * (1 + max(max(self.ks), METHOD_K))
+
+    @property
     def max_model_len(self) -> int:
         return self.prompt + self.tokens + max(self.ks) + 16
 
@@ -267,7 +273,7 @@ def _target_rows(args: argparse.Namespace, shape: Shape, profiles: list[dict]) -
 
     vocab = load_config(args, "8b")["vocab_size"]
     llm = dummy_llm(args, "8b", speculative_method="ngram", num_speculative_tokens=max(shape.ks),
-                    max_num_seqs=max(shape.batches), max_num_batched_tokens=max(4096, max(shape.batches) * 16),
+                    max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=max(4096, max(shape.batches) * 16),
                     max_model_len=shape.max_model_len, num_kv_blocks=shape.kv_blocks(),
                     speculative_max_batch_size=max(shape.batches))
     runner, counters = llm.runner, Counters(llm.runner)
@@ -370,7 +376,7 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir,
 
     vocab = load_config(args, "8b")["vocab_size"]
     llm = dummy_llm(args, "8b", speculative_method=method, speculative_model=str(model_dir),
-                    num_speculative_tokens=METHOD_K, max_num_seqs=max(shape.batches),
+                    num_speculative_tokens=METHOD_K, max_num_seqs=shape.max_num_seqs,
                     max_num_batched_tokens=max(4096, max(shape.batches) * 16), max_model_len=shape.max_model_len,
                     num_kv_blocks=shape.kv_blocks(), speculative_max_batch_size=max(shape.batches))
     counters, prompts = Counters(llm.runner), _prompts(shape, vocab)
