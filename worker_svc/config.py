@@ -79,8 +79,9 @@ class WorkerConfig:
                                        help="most draft tokens proposed per request and verified in one step")
     speculative_graph_batch_size: int = flag(
         DEFAULT_MAX_BATCH_SIZE, group=SPECULATIVE,
-        help="requests up to which an eagle3 or draft proposer's own passes replay CUDA graphs (larger steps run "
-             "them eagerly); raise it with the scheduler's speculative batch threshold")
+        help="requests up to which an eagle3 or draft proposer's own passes, and a verifying step's forward "
+             "(1 + K tokens each), replay CUDA graphs (larger steps run them eagerly); raise it with the "
+             "scheduler's speculative batch threshold")
     tensor_parallel_size: int = flag(1, group=TENSOR_PARALLEL, help="ranks in this worker's group")
     rank: int = flag(0, group=TENSOR_PARALLEL, help="this process's rank in its group, 0..size-1")
     dist_init_addr: str | None = flag(None, group=TENSOR_PARALLEL, metavar="HOST:PORT",

@@ -184,6 +184,16 @@ class _WarmRow:
     num_output_tokens: int = 0
 
 
+def decode_graph_tokens(max_num_seqs: int, num_speculative_tokens: int, speculative_graph_batch_size: int) -> int:
+    """Tokens the largest decode graph holds: every request of a step, and, when speculating, a
+    verifying step of up to the speculative graph batch, whose every token is a decode row (1 + K
+    per request); fewer, and such steps run eagerly."""
+    if not num_speculative_tokens:
+        return max_num_seqs
+    verifying = min(max_num_seqs, speculative_graph_batch_size) * (1 + num_speculative_tokens)
+    return max(max_num_seqs, verifying)
+
+
 def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
     """CUDA graphs of the decode forward, where the device and the backend allow them."""
     if runner.device.type != "cuda" or runner.config.enforce_eager:
@@ -205,7 +215,9 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
     forward = runner.model
     if runner.drafter is not None and runner.drafter.aux_layers:   # eagle3 reads them in the steps that draft
         forward = functools.partial(runner.model, aux_layers=runner.drafter.aux_layers)
-    graphs = DecodeGraphs(forward, max_batch_size=runner.config.max_num_seqs,
+    config = runner.config
+    graphs = DecodeGraphs(forward, max_batch_size=decode_graph_tokens(config.max_num_seqs, runner.num_speculative_tokens,
+                                                                      config.speculative_graph_batch_size),
                           max_blocks_per_seq=runner.max_blocks_per_seq, max_model_len=runner.max_model_len,
                           device=runner.device, inputs=inputs, sample=sample, sample_key=sample_key)
     logger.info("captured %d decode graphs%s in %.1f s", len(graphs.graphs),
