@@ -112,7 +112,7 @@ PY
         base
         mkdir -p "$BENCH/spec"
         timeout ${TIMEOUT:-400} $PY -m bench.stages.spec --out "$BENCH/spec" ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-40}
-        cp "$BENCH"/spec/*.json "$OUT/" 2>/dev/null; true
+        cp "$BENCH"/spec/*.json "$BENCH"/spec/*.json.gz "$OUT/" 2>/dev/null; true
         ;;
     moe)
         base

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-profile", action="store_true",
                    help="also profile (torch.profiler) one run of each proposer at the smallest batch, k = 4: "
                         "device ms per step by kernel")
+    p.add_argument("--spec-trace", action="store_true",
+                   help="with --spec-profile: record the host's side too and write each profiled run's timeline "
+                        "(Chrome trace, gzipped, a run of 12 tokens) as trace-PROPOSER.json.gz under --out")
 
 
 @dataclasses.dataclass
@@ -192,7 +195,7 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def profiled(label: str, counters: "Counters", run_once) -> dict:
+def profiled(label: str, counters: "Counters", run_once, trace_to=None) -> dict:
     """Device time per step of one run of run_once() (a whole generate: its prefill is in it, a
     small share), by kernel family and by kernel, the run's wall time per step, and where the
     worker's launch (the host work between two steps when the next waits for the last) spends its
@@ -223,13 +226,18 @@ def profiled(label: str, counters: "Counters", run_once) -> dict:
     started = time.perf_counter()
     runner.launch = launch
     try:
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+        if trace_to is not None and cuda:
+            activities.append(ProfilerActivity.CPU)
+        with profile(activities=activities) as prof:
             run_once()
             sync()
     finally:
         runner.launch = inner
     wall_ms = (time.perf_counter() - started) * 1e3
     steps = max(counters.snapshot()[0] - before, 1)
+    if trace_to is not None:
+        _write_trace(prof, trace_to)
     ms: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
     for event in prof.events():
@@ -249,6 +257,29 @@ def profiled(label: str, counters: "Counters", run_once) -> dict:
             "kernels_per_step": sum(calls.values()) / steps,
             "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [(name[:100], round(total / steps, 4), round(calls[name] / steps, 2)) for name, total in top]}
+
+
+TRACE_TOKENS = 12        # output tokens of a traced run (a trace of every host call is large)
+
+
+def _profiled_tokens(args: argparse.Namespace) -> int:
+    return TRACE_TOKENS if args.spec_trace else PROFILE_TOKENS
+
+
+def _trace_path(args: argparse.Namespace, label: str):
+    return args.out / f"trace-{label}.json.gz" if args.spec_trace else None
+
+
+def _write_trace(prof, path) -> None:
+    """The profiler's timeline as a gzipped Chrome trace (chrome://tracing, ui.perfetto.dev)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as raw:
+        prof.export_chrome_trace(raw.name)
+        with open(raw.name, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -329,14 +360,16 @@ def _target_rows(args: argparse.Namespace, shape: Shape, profiles: list[dict]) -
     b0 = min(shape.batches)
     if args.spec_profile:
         runner.bookkeeping, llm._engine_config = None, dataclasses.replace(engine, speculative_method="off")
-        profiles.append(profiled("none", counters, lambda: timed(b0, 1 + PROFILE_TOKENS)))
+        profiles.append(profiled("none", counters, lambda: timed(b0, 1 + _profiled_tokens(args)),
+                                 _trace_path(args, "none")))
         runner.bookkeeping = bookkeeping
     for k in shape.ks:
         speculating(k, 1.0, max(shape.batches))
         timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles the verify shapes of k
         rows += [measure(b, "oracle", k, prefills[b]) for b in shape.batches]
         if args.spec_profile and k == METHOD_K:
-            profiles.append(profiled("oracle", counters, lambda: timed(b0, 1 + PROFILE_TOKENS)))
+            profiles.append(profiled("oracle", counters, lambda: timed(b0, 1 + _profiled_tokens(args)),
+                                     _trace_path(args, "oracle")))
     k = 4 if 4 in shape.ks else shape.ks[0]
     for p in shape.probabilities:
         speculating(k, p, max(shape.batches))
@@ -401,7 +434,8 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir,
     timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles and warms
     rows = [measure(b, method) for b in shape.batches]
     if args.spec_profile:
-        profiles.append(profiled(method, counters, lambda: timed(min(shape.batches), 1 + PROFILE_TOKENS)))
+        profiles.append(profiled(method, counters, lambda: timed(min(shape.batches), 1 + _profiled_tokens(args)),
+                                 _trace_path(args, method)))
     # The scheduler's default threshold: past it the worker's steps are plain ones (no proposer)
     llm._engine_config = dataclasses.replace(llm._engine_config, speculative_max_batch_size=DEFAULT_MAX_BATCH_SIZE)
     rows += [measure(b, f"{method} default") for b in shape.batches if b > DEFAULT_MAX_BATCH_SIZE]
