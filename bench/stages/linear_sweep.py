@@ -93,7 +93,7 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
     if block_m <= ROW_ACC_MAX_ROWS:
         bases += [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=st, pdl=pdl,
                              row_acc=True) for n, k, w, st in SWEEP_ROW_ACC]
-    if rows > 1:
+    if rows > 1 or fp8:
         bases += [GemvConfig(max(block_m, DOT_MIN_ROWS), n, k, num_warps=w, num_stages=s, pdl=pdl)
                   for n, k, w, s in SWEEP_DOT]
     configs = {}

@@ -88,6 +88,7 @@ def test_gemv_applies_silu_mul_exactly_as_the_fused_activation_kernel(kernels, t
     ((2, 16, 64, 2), (32, 64), torch.float32, False),      # FMA, K tiles = scale blocks
     ((2, 16, 256, 1), (32, 64), torch.bfloat16, False),    # FMA, a K tile spans four scale blocks
     ((16, 16, 32, 3), (32, 64), torch.bfloat16, False),    # tensor cores, two K tiles per scale block
+    ((16, 32, 128, 2), (128, 128), torch.bfloat16, False),  # tensor cores, split, the official blocks
     ((2, 32, 128, 1), (128, 128), torch.bfloat16, False),  # the official checkpoints' blocks
     ((2, 16, 64, 2), (32, 64), torch.float32, True),       # one accumulator per row: the same cases
     ((2, 16, 256, 1), (32, 64), torch.bfloat16, True),
@@ -97,11 +98,12 @@ def test_fp8_weight_only_gemv_matches_the_dequantized_reference(kernels, tiles, 
     cfg = config(kernels, *tiles, row_acc=row_acc)
     g = torch.Generator().manual_seed(42)
     weight, scale = quantize_blocks(torch.randn(80, 256, generator=g) * 0.05, block)   # a partial row block
-    x = torch.randn(2, 256, generator=g).to(dtype)
     kernels[0].check_config(cfg, 80, 256, fp8_block=block, dtype=dtype)
-    actual = kernels[0].gemv(x.to(DEVICE), weight.to(DEVICE), cfg, weight_scale=scale.to(DEVICE), fp8_block=block)
-    expected = F.linear(x.double(), dequantize_blocks(weight, scale, block, torch.float64))
-    assert relative_error(actual, expected) <= RELATIVE[dtype]
+    for rows in (1, 2):                                    # one row: a 16-row tile's first row, on tensor cores
+        x = torch.randn(rows, 256, generator=g).to(dtype)
+        actual = kernels[0].gemv(x.to(DEVICE), weight.to(DEVICE), cfg, weight_scale=scale.to(DEVICE), fp8_block=block)
+        expected = F.linear(x.double(), dequantize_blocks(weight, scale, block, torch.float64))
+        assert relative_error(actual, expected) <= RELATIVE[dtype]
 
 
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(kernels):

@@ -129,10 +129,13 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
         assert ((True, False) in looped) == (rows <= 4) and ((False, False) in looped) == (rows < 16)
         for cfg in configs:
             check_config(cfg, 4096, 4096, fp8_block=(128, 128))
+        fp8_configs = linear_selection.gemv_configs(rows, 4096, 4096, sms=132, fp8=True)
+        # One row tries tensor cores for FP8 weights only (their dot converts to 16 bits, not 32).
+        assert any(c.use_dot for c in configs) == (rows > 1) and any(c.use_dot for c in fp8_configs)
         swept = {str(c) for c in sweep_gemv_configs(rows, 4096, 4096, 132, fp8=True, pdl=True)}
-        assert {str(c) for c in configs} <= swept
+        assert {str(c) for c in configs + fp8_configs} <= swept
     names = {gemv_family(f"gemv({c})") for c in sweep_gemv_configs(1, 4096, 4096, 132, fp8=True, pdl=True)}
-    assert names == {"fma", "rows", "pf", "chunk"}
+    assert names == {"fma", "rows", "pf", "chunk", "dot"}
     assert gemv_family("gemv(m16 n32 k128 split1 w4 s4 pdl)") == "dot" and gemv_family("cublas") is None
     record = {"projection": "p", "rows": 1, "bf16_times": {"cublas": 1.0, "gemv(m1 n8 k512 split1 w4 s1 pdl)": 3.0,
                                                            "gemv(m1 n4 k512 split1 w4 s1 pdl)": 2.0,

@@ -104,9 +104,10 @@ def auto_split(num_cols: int, width: int, rows: int, config: GemvConfig, sms: in
     return max(1, min(wanted, k_tiles // 2, MAX_SPLIT))
 
 
-def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True) -> list[GemvConfig]:
+def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True,
+                 fp8: bool = False) -> list[GemvConfig]:
     """The GEMV launch settings tried at this row count (with programmatic dependent launch
-    where the graphs replay it: gemv_kernels.pdl_in_graphs)."""
+    where the graphs replay it: gemv_kernels.pdl_in_graphs), for FP8 weights with `fp8`."""
     block_m = 1 << max(0, (rows - 1).bit_length())
     if block_m < DOT_MIN_ROWS:
         bases = [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)
@@ -114,7 +115,9 @@ def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = Tru
         if block_m <= ROW_ACC_MAX_ROWS:
             bases += [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=s, pdl=pdl,
                                  row_acc=True) for n, k, w, s in ROW_ACC_TILES]
-        if rows > 1:   # tensor cores on a 16-row tile may beat CUDA cores on a few rows
+        # Tensor cores on a 16-row tile may beat CUDA cores on a few rows, and on one row of FP8
+        # weights (converted to 16 bits for the dot, where the FMA loop converts them to 32).
+        if rows > 1 or fp8:
             bases += [GemvConfig(DOT_MIN_ROWS, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
     else:
         bases = [GemvConfig(block_m, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
@@ -135,7 +138,7 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
     else:
         methods = [Cublas()]
     if rows <= GEMV_MAX_ROWS:
-        methods += [Gemv(config) for config in gemv_configs(rows, *operands.weight.shape, sms, pdl)]
+        methods += [Gemv(config) for config in gemv_configs(rows, *operands.weight.shape, sms, pdl, operands.fp8)]
     return [m for m in methods if m.supports(operands, dtype)]
 
 
