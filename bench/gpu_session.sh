@@ -11,6 +11,8 @@
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
+#   spec-ab   the spec stage on .gpu/ref (another tree: scripts/gpu_ref.sh REF writes it) and on this
+#             tree, with the flags in EXTRA, then both side by side (carry .gpu with .whl)
 set -uo pipefail
 PY=${PY:-$(command -v python3)}
 [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
@@ -128,5 +130,27 @@ PY
         timeout ${TIMEOUT:-400} $PY -m bench.stages.$STAGE --out "$BENCH/$NAME" ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-40}
         cp "$BENCH/$NAME"/*.json "$OUT/" 2>/dev/null; true
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|moe|stage" >&2; exit 2 ;;
+    spec-ab)
+        base
+        [[ -d .gpu/ref ]] || { echo "no .gpu/ref: run scripts/gpu_ref.sh REF here first" >&2; exit 2; }
+        mkdir -p "$OUT/ref"
+        (cd .gpu/ref && OUT=$OUT/ref BENCH=/tmp/bench-ref TIMEOUT=${TIMEOUT:-270} LINES_OUT=0 bash bench/gpu_session.sh spec)
+        TIMEOUT=${TIMEOUT:-270} LINES_OUT=${LINES_OUT:-60} bash "$0" spec
+        $PY - "$OUT/ref/spec.json" "$OUT/spec.json" <<'PY'
+import json, sys
+rows = []
+for path in sys.argv[1:]:
+    try:
+        rows.append({(r["proposer"], r["batch"]): r for r in json.load(open(path))["result"]["rows"]})
+    except (OSError, KeyError, ValueError) as exc:
+        rows.append({})
+        print(f"{path}: no result ({exc!r})")
+ref, new = rows
+print(f"{'proposer':16s} {'batch':>5s} {'ref ms':>8s} {'tree ms':>8s} {'tree/ref':>8s}")
+for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
+    a, b = ref[key]["step_ms"], new[key]["step_ms"]
+    print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
+PY
+        ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|moe|stage|spec-ab" >&2; exit 2 ;;
 esac
