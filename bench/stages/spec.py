@@ -119,7 +119,9 @@ def force_acceptance(runner) -> None:
             for i, row in enumerate(spec.rows.tolist()):
                 n = int(layout.num_drafts[i])
                 right[layout.first[i]:layout.first[i] + n] = runner.proposer.right.get(row, np.ones(n, bool))[:n]
-            mask = torch.from_numpy(right).to(tokens.device)
+            mask = torch.from_numpy(right)
+            if tokens.device.type == "cuda":   # pinned and async: a pageable copy would wait for the forward
+                mask = mask.pin_memory().to(tokens.device, non_blocking=True)
             tokens.copy_(torch.where(mask, batch.verify.next_drafts.to(tokens.dtype), tokens))
         apply(batch, meta, tokens, spec)
 
