@@ -110,12 +110,7 @@ if len(rows) == 2:
     print(f"fp8 / bf16: {rows['fp8'][0] / rows['bfloat16'][0]:.2f}x tok/s (target 1.15x)")
 PY
         ;;
-    spec)
-        base
-        mkdir -p "$BENCH/spec"
-        timeout ${TIMEOUT:-400} $PY -m bench.stages.spec --out "$BENCH/spec" ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-40}
-        cp "$BENCH"/spec/*.json "$BENCH"/spec/*.json.gz "$OUT/" 2>/dev/null; true
-        ;;
+    spec) STAGE=spec NAME=spec bash "$0" stage ;;
     moe)
         base
         with_floor moe
@@ -128,7 +123,7 @@ PY
         NAME=${NAME:-$STAGE}
         mkdir -p "$BENCH/$NAME"
         timeout ${TIMEOUT:-400} $PY -m bench.stages.$STAGE --out "$BENCH/$NAME" ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-40}
-        cp "$BENCH/$NAME"/*.json "$OUT/" 2>/dev/null; true
+        cp "$BENCH/$NAME"/*.json "$BENCH/$NAME"/*.json.gz "$OUT/" 2>/dev/null; true
         ;;
     spec-ab)
         base

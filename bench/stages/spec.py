@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import pathlib
 import random
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "device ms per step by kernel")
     p.add_argument("--spec-trace", action="store_true",
                    help="with --spec-profile: record the host's side too and write each profiled run's timeline "
-                        "(Chrome trace, gzipped, a run of 12 tokens) as trace-PROPOSER.json.gz under --out")
+                        "(Chrome trace, gzipped, a shorter run) as trace-PROPOSER.json.gz under --out")
 
 
 @dataclasses.dataclass
@@ -173,14 +174,22 @@ class Counters:
                 self.device_ms)
 
 
-def host_times(launches: int, prepare_ms: float, launch_ms: float, device_ms: float) -> dict:
-    """A run's worker times per step (ms)."""
-    n = max(launches, 1)
-    return {"prepare_ms": prepare_ms / n, "launch_ms": launch_ms / n, "device_ms": device_ms / n}
+def run_row(label: str, k: int, batch: int, tokens: int, decode_s: float, counts: tuple,
+            prefill_launches: int) -> dict:
+    """One timed run's row: `counts` is the run's Counters.snapshot() delta (its prefill, which
+    made prefill_launches launches, included), decode_s its time less the prefill's."""
+    launches, verifications, drafts, accepted, prepare_ms, launch_ms, device_ms = counts
+    steps, n = max(launches - prefill_launches, 1), max(launches, 1)
+    return {"proposer": label, "k": k, "batch": batch, "decode_s": decode_s, "steps": steps,
+            "step_ms": decode_s / steps * 1e3, "tok_per_s": batch * tokens / decode_s,
+            "verifications": verifications, "drafts": drafts, "accepted": accepted,
+            "acceptance_length": 1 + accepted / verifications if verifications else 1.0,
+            "prepare_ms": prepare_ms / n, "launch_ms": launch_ms / n, "device_ms": device_ms / n}
 
 
 METHOD_K = 4              # the real methods' --num-speculative-tokens
 PROFILE_TOKENS = 48       # output tokens of a profiled run
+TRACE_TOKENS = 12         # output tokens of a traced run (a trace of every host call is large)
 
 
 def kernel_kind(name: str) -> str:
@@ -197,12 +206,13 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def profiled(label: str, counters: "Counters", run_once, trace_to=None) -> dict:
-    """Device time per step of one run of run_once() (a whole generate: its prefill is in it, a
-    small share), by kernel family and by kernel, the run's wall time per step, and where the
+def profiled(args: argparse.Namespace, label: str, counters: "Counters", generate) -> dict:
+    """Device time per step of one run of generate(max_tokens) (a whole generate: its prefill is in
+    it, a small share), by kernel family and by kernel, the run's wall time per step, and where the
     worker's launch (the host work between two steps when the next waits for the last) spends its
     time, by function (cProfile while launch runs; from Python 3.12 on, cProfile sees every thread
-    meanwhile, the event loop's and the waiting ones' too, so read it as the host's busy time)."""
+    meanwhile, the event loop's and the waiting ones' too, so read it as the host's busy time).
+    With --spec-trace, a shorter run whose timeline is written as trace-LABEL.json.gz."""
     import collections
     import cProfile
     import pstats
@@ -210,6 +220,7 @@ def profiled(label: str, counters: "Counters", run_once, trace_to=None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    trace_to = args.out / f"trace-{label}.json.gz" if args.spec_trace else None
     host = cProfile.Profile()
     runner, inner = counters.runner, counters.runner.launch
 
@@ -232,7 +243,7 @@ def profiled(label: str, counters: "Counters", run_once, trace_to=None) -> dict:
         if trace_to is not None and cuda:
             activities.append(ProfilerActivity.CPU)
         with profile(activities=activities) as prof:
-            run_once()
+            generate(1 + (TRACE_TOKENS if trace_to is not None else PROFILE_TOKENS))
             sync()
     finally:
         runner.launch = inner
@@ -259,17 +270,6 @@ def profiled(label: str, counters: "Counters", run_once, trace_to=None) -> dict:
             "kernels_per_step": sum(calls.values()) / steps,
             "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [(name[:100], round(total / steps, 4), round(calls[name] / steps, 2)) for name, total in top]}
-
-
-TRACE_TOKENS = 12        # output tokens of a traced run (a trace of every host call is large)
-
-
-def _profiled_tokens(args: argparse.Namespace) -> int:
-    return TRACE_TOKENS if args.spec_trace else PROFILE_TOKENS
-
-
-def _trace_path(args: argparse.Namespace, label: str):
-    return args.out / f"trace-{label}.json.gz" if args.spec_trace else None
 
 
 def _write_trace(prof, path) -> None:
@@ -325,14 +325,8 @@ def _target_rows(args: argparse.Namespace, shape: Shape, profiles: list[dict]) -
         return seconds, outputs, tuple(a - c for a, c in zip(counters.snapshot(), before))
 
     def measure(b: int, label: str, k: int, prefill: tuple[float, int]) -> dict:
-        seconds, outputs, (launches, verifications, drafts, accepted, *times) = min(
-            (timed(b, 1 + shape.tokens) for _ in range(REPEATS)), key=lambda run: run[0])
-        decode_s, steps = seconds - prefill[0], max(launches - prefill[1], 1)
-        row = {"proposer": label, "k": k, "batch": b, "decode_s": decode_s, "steps": steps,
-               "step_ms": decode_s / steps * 1e3, "tok_per_s": b * shape.tokens / decode_s,
-               "verifications": verifications, "drafts": drafts, "accepted": accepted,
-               "acceptance_length": 1 + accepted / verifications if verifications else 1.0,
-               **host_times(launches, *times)}
+        seconds, outputs, counts = min((timed(b, 1 + shape.tokens) for _ in range(REPEATS)), key=lambda run: run[0])
+        row = run_row(label, k, b, shape.tokens, seconds - prefill[0], counts, prefill[1])
         if label == "none":
             baseline[b] = row | {"outputs": outputs}
         else:
@@ -362,16 +356,14 @@ def _target_rows(args: argparse.Namespace, shape: Shape, profiles: list[dict]) -
     b0 = min(shape.batches)
     if args.spec_profile:
         runner.bookkeeping, llm._engine_config = None, dataclasses.replace(engine, speculative_method="off")
-        profiles.append(profiled("none", counters, lambda: timed(b0, 1 + _profiled_tokens(args)),
-                                 _trace_path(args, "none")))
+        profiles.append(profiled(args, "none", counters, lambda n: timed(b0, n)))
         runner.bookkeeping = bookkeeping
     for k in shape.ks:
         speculating(k, 1.0, max(shape.batches))
         timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles the verify shapes of k
         rows += [measure(b, "oracle", k, prefills[b]) for b in shape.batches]
         if args.spec_profile and k == METHOD_K:
-            profiles.append(profiled("oracle", counters, lambda: timed(b0, 1 + _profiled_tokens(args)),
-                                     _trace_path(args, "oracle")))
+            profiles.append(profiled(args, "oracle", counters, lambda n: timed(b0, n)))
     k = 4 if 4 in shape.ks else shape.ks[0]
     for p in shape.probabilities:
         speculating(k, p, max(shape.batches))
@@ -424,20 +416,13 @@ def _method_rows(args: argparse.Namespace, shape: Shape, method: str, model_dir,
 
     def measure(b: int, label: str) -> dict:
         prefill_s, (prefill_launches, *_) = min((timed(b, 1) for _ in range(REPEATS)), key=lambda run: run[0])
-        seconds, (launches, verifications, drafts, accepted, *times) = min(
-            (timed(b, 1 + shape.tokens) for _ in range(REPEATS)), key=lambda run: run[0])
-        decode_s, steps = seconds - prefill_s, max(launches - prefill_launches, 1)
-        return {"proposer": label, "k": METHOD_K, "batch": b, "decode_s": decode_s, "steps": steps,
-                "step_ms": decode_s / steps * 1e3, "tok_per_s": b * shape.tokens / decode_s,
-                "verifications": verifications, "drafts": drafts, "accepted": accepted,
-                "acceptance_length": 1 + accepted / verifications if verifications else 1.0,
-                **host_times(launches, *times)}
+        seconds, counts = min((timed(b, 1 + shape.tokens) for _ in range(REPEATS)), key=lambda run: run[0])
+        return run_row(label, METHOD_K, b, shape.tokens, seconds - prefill_s, counts, prefill_launches)
 
     timed(max(shape.batches), 1 + min(shape.tokens, 16))   # compiles and warms
     rows = [measure(b, method) for b in shape.batches]
     if args.spec_profile:
-        profiles.append(profiled(method, counters, lambda: timed(min(shape.batches), 1 + _profiled_tokens(args)),
-                                 _trace_path(args, method)))
+        profiles.append(profiled(args, method, counters, lambda n: timed(min(shape.batches), n)))
     # The scheduler's default threshold: past it the worker's steps are plain ones (no proposer)
     llm._engine_config = dataclasses.replace(llm._engine_config, speculative_max_batch_size=DEFAULT_MAX_BATCH_SIZE)
     rows += [measure(b, f"{method} default") for b in shape.batches if b > DEFAULT_MAX_BATCH_SIZE]
@@ -493,7 +478,8 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
         for name, ms, n in prof["top"]:
             print(f"  {ms:7.3f} ms x{n:5.1f}  {name}")
         print("  the worker's launch, ms per step (cumulative | own):")
-        for (name, cumulative), (own_name, own) in zip(prof["host_cumulative"], prof["host_own"] + [("", 0)] * 16):
+        for (name, cumulative), (own_name, own) in itertools.zip_longest(prof["host_cumulative"], prof["host_own"],
+                                                                         fillvalue=("", 0.0)):
             print(f"  {cumulative:7.3f}  {name[:60]:60s} | {own:7.3f}  {own_name[:60]}")
 
 
