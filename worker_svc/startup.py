@@ -27,6 +27,7 @@ from worker_svc.loader import init_dummy_weights, load_safetensors, safetensors_
 from worker_svc.models import build_model
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, get_tp_rank, get_tp_size
 from worker_svc.runner_io import NewRequest, StepInput
+from worker_svc.spec_decode.verification import decode_rows
 
 if TYPE_CHECKING:
     from worker_svc.cuda_graphs import DecodeGraphs
@@ -190,8 +191,7 @@ def decode_graph_tokens(max_num_seqs: int, num_speculative_tokens: int, speculat
     per request); fewer, and such steps run eagerly."""
     if not num_speculative_tokens:
         return max_num_seqs
-    verifying = min(max_num_seqs, speculative_graph_batch_size) * (1 + num_speculative_tokens)
-    return max(max_num_seqs, verifying)
+    return max(max_num_seqs, decode_rows(min(max_num_seqs, speculative_graph_batch_size), num_speculative_tokens))
 
 
 def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:

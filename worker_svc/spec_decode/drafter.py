@@ -21,6 +21,7 @@ from torch import nn
 from worker_svc import kv_cache
 from worker_svc.input_batch import InputBatch
 from worker_svc.layers.attention import AttentionMetadata
+from worker_svc.spec_decode.verification import decode_rows
 from worker_svc.staging import Staging, to_host
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class ModelProposer:
         from worker_svc.spec_decode.drafting_graphs import DraftingGraphs
 
         requests = runner.config.speculative_graph_batch_size
-        self.catch_up_graphs = DecodeGraphs(self.catch_up_forward(target), max_batch_size=requests * (self.num_drafts + 1),
+        self.catch_up_graphs = DecodeGraphs(self.catch_up_forward(target), max_batch_size=decode_rows(requests, self.num_drafts),
                                             max_blocks_per_seq=runner.max_blocks_per_seq,
                                             max_model_len=self.max_model_len, device=self.device, inputs_of=target)
         self.drafting_graphs = DraftingGraphs(

@@ -19,6 +19,13 @@ import numpy as np
 import torch
 
 
+def decode_rows(requests: int, num_drafts: int) -> int:
+    """Decode rows of a step in which `requests` requests each verify num_drafts drafts: a verifying
+    step of decodes only lays each token of a run out as a decode row (batch_prep), so the decode
+    graphs (the target's, and a proposer's catch-up over the same inputs) hold that many."""
+    return requests * (1 + num_drafts)
+
+
 @dataclass
 class VerifyLayout:
     """The sampled positions of a step, host side: position p belongs to sampling request
