@@ -12,7 +12,9 @@ def test_every_object_alive_at_the_freeze_is_frozen_and_later_ones_are_not():
     gc.unfreeze()
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= len(kept)
+        # Other threads of the test process (xdist's channel) may free a frozen object at any time,
+        # so the count only shrinks after the freeze; it is never below what this test keeps alive.
+        assert frozen >= gc.get_freeze_count() >= len(kept)
         later = [[i] for i in range(10)]
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(o) in tracked for o in kept)     # frozen objects are in no generation
