@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chances of a right draft of the p=X runs (at k=4)")
     p.add_argument("--spec-prompt", type=int, default=128, help="prompt tokens of each spec request")
     p.add_argument("--spec-tokens", type=int, default=128, help="output tokens of each spec request")
+    p.add_argument("--spec-methods", default="target,eagle3,draft",
+                   help="which runs of the spec stage: target (no speculation, the oracle and p = X rows), eagle3, draft")
     p.add_argument("--spec-profile", action="store_true",
                    help="also profile (torch.profiler) one run of each proposer at the smallest batch, k = 4: "
                         "device ms per step by kernel")
@@ -224,7 +226,9 @@ def profiled(args: argparse.Namespace, label: str, counters: "Counters", generat
     host = cProfile.Profile()
     runner, inner = counters.runner, counters.runner.launch
 
-    def launch(step):
+    def launch(step):   # a traced run's host times are the trace's, without cProfile's overhead
+        if trace_to is not None:
+            return inner(step)
         host.enable()
         try:
             return inner(step)
@@ -262,7 +266,8 @@ def profiled(args: argparse.Namespace, label: str, counters: "Counters", generat
         kinds[kernel_kind(name)] += total / steps
     top = sorted(ms.items(), key=lambda kv: -kv[1])[:16]
     functions = [(f"{func} ({pathlib.Path(file).name}:{line})", tt * 1e3 / steps, ct * 1e3 / steps)
-                 for (file, line, func), (_, _, tt, ct, _) in pstats.Stats(host).stats.items()]
+                 for (file, line, func), (_, _, tt, ct, _) in
+                 (pstats.Stats(host).stats.items() if trace_to is None else ())]
     return {"host_own": [(f, round(tt, 4)) for f, tt, _ in sorted(functions, key=lambda f: -f[1])[:12]],
             "host_cumulative": [(f, round(ct, 4)) for f, _, ct in sorted(functions, key=lambda f: -f[2])[:16]],
             "proposer": label, "steps": steps, "wall_ms_per_step": wall_ms / steps,
@@ -286,9 +291,12 @@ def _write_trace(prof, path) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     shape, profiles = Shape.of(args), []
-    rows = _target_rows(args, shape, profiles)
-    for method, model_dir in (("eagle3", _eagle3_dir(args)), ("draft", config_dir(args, "0.6b"))):
-        rows += _method_rows(args, shape, method, model_dir, profiles)
+    wanted = set(args.spec_methods.split(","))
+    rows = _target_rows(args, shape, profiles) if "target" in wanted else []
+    for method in ("eagle3", "draft"):
+        if method in wanted:
+            model_dir = _eagle3_dir(args) if method == "eagle3" else config_dir(args, "0.6b")
+            rows += _method_rows(args, shape, method, model_dir, profiles)
     return {"rows": rows, "shape": dataclasses.asdict(shape), "profiles": profiles}
 
 
@@ -459,10 +467,11 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
           f"{'same out':>8s} {'@ len 3':>8s} {'prep':>6s} {'launch':>6s} {'device':>6s} {'idle':>6s}")
     for row in rows:
         b = row["batch"]
-        speedup = f"{row['tok_per_s'] / base[b]['tok_per_s']:7.2f}x" if row["proposer"] != "none" else f"{'-':>8s}"
+        speedup = (f"{row['tok_per_s'] / base[b]['tok_per_s']:7.2f}x" if row["proposer"] != "none" and b in base
+                   else f"{'-':>8s}")
         same = f"{row['same_output']:8.0%}" if "same_output" in row else f"{'-':>8s}"
         at3 = (f"{predicted_speedup(row['step_ms'], base[b]['step_ms'], 3.0):7.2f}x"
-               if row["proposer"] in ("eagle3", "draft") else f"{'-':>8s}")
+               if row["proposer"] in ("eagle3", "draft") and b in base else f"{'-':>8s}")
         print(f"{row['proposer']:9s} {row['k']:2d} {b:5d} {row['step_ms']:8.2f} {row['tok_per_s']:9.0f} {speedup} "
               f"{row['acceptance_length']:10.2f} {same} {at3} {row['prepare_ms']:6.2f} {row['launch_ms']:6.2f} "
               f"{row['device_ms']:6.2f} {max(row['step_ms'] - row['device_ms'], 0.0):6.2f}")
