@@ -65,12 +65,16 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     else:
         position_rows, offsets = sampling_rows, None
         logits_indices = query_start[1:][samples] - 1
-    seeded = _seeded_output_indices(runner, position_rows, offsets) if runner.sampler is not None else []
     constrained = top_ks = next_drafts = None
     constrained_at = top_at = EMPTY_PART
     if runner.sampler is not None or runner.device_sampler is not None:
         constrained_at, constrained, next_drafts = _constrained(b, position_rows, layout)
         top_at, top_ks = _top_logprobs(b, position_rows)
+    # The torch sampler draws a seeded position by its output index; the device sampler keeps its own.
+    torch_samples = runner.sampler is not None and (
+        runner.device_sampler is None
+        or (layout is not None and not runner.verifies_on_device(position_rows, constrained is not None)))
+    seeded = _seeded_output_indices(runner, position_rows, offsets) if torch_samples else []
     score_at, score_targets, scored = (plan_prompt_scoring(b, rows, start, seq_lens, query_start)
                                        if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
     if (runner.decode_graphs is not None and runner.decode_graphs.staged and runner.bookkeeping is None

@@ -88,8 +88,9 @@ class ModelRunner:
         self.model = startup.load_model(self, model_dir)
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens. On a GPU with
         # one rank and --sampler kernels/auto the device sampler does (inside the decode graphs), else
-        # the torch sampler. A speculating worker has both: steps that verify drafts sample with the
-        # torch sampler (rejection needs its distributions), the others with the device sampler; the
+        # the torch sampler. A speculating worker has both: steps that verify drafts of rows with
+        # penalties or a logit bias, or with a grammar, sample with the torch sampler (it counts the
+        # drafts before each position for penalties), every other step with the device sampler; the
         # two count tokens into one penalty table (the device sampler's rows).
         self.num_speculative_tokens = k = config.num_speculative_tokens if config.speculative_method else 0
         self.verify_as_decodes = True     # a decode-only verifying step replays the decode graphs
@@ -134,9 +135,9 @@ class ModelRunner:
         # sampler, one more entry for its dummy row, which the padding of a graph's batch samples).
         rows = self.device_sampler.capacity + 1 if self.device_sampler is not None else max_seqs
         self.last_sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        if self.device_sampler is not None:   # where it samples outside the graphs
-            self._tokens = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
-            self._logprobs = torch.zeros(max_seqs, dtype=torch.float32, device=self.device)
+        if self.device_sampler is not None:   # where it samples outside the graphs (every verified position)
+            self._tokens = torch.zeros(max_seqs * (k + 1), dtype=torch.int64, device=self.device)
+            self._logprobs = torch.zeros(max_seqs * (k + 1), dtype=torch.float32, device=self.device)
         self._row_index = torch.arange(max_seqs, device=self.device)   # every row of a decode batch
         self.decode_graphs = None   # captured below, once the KV cache they read exists
         self.num_kv_blocks = startup.size_kv_cache(self)
@@ -384,6 +385,8 @@ class ModelRunner:
             self.device_sampler.sample(logits, batch.sampling_rows_device, tokens, logprobs, self.last_sampled)
             if not self.device_sampler.wants_logprobs(batch.sampling_rows):
                 logprobs = None
+        elif self.verifies_on_device(batch.position_rows, batch.constrained is not None):
+            tokens, logprobs = self._verify_on_device(batch, logits)
         else:
             meta = self._sampling_metadata(batch.position_rows)
             preceding = (preceding_drafts(batch.verify) if batch.verify is not None and meta.penalized_index is not None
@@ -408,19 +411,42 @@ class ModelRunner:
         else:
             self._apply_verification(batch, meta, tokens, batch.spec)
 
+    def verifies_on_device(self, position_rows: np.ndarray, constrained: bool) -> bool:
+        """Whether the device sampler draws a verifying step's positions (else the torch sampler):
+        it does unless a row has scores to process (DeviceSampler.verifiable) or a grammar."""
+        return self.device_sampler is not None and not constrained and self.device_sampler.verifiable(position_rows)
+
+    def _verify_on_device(self, batch: StepBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A verifying step's positions drawn by the device sampler, each as its row will draw that
+        output index (the same tokens as without speculation), then accepted; (tokens, logprobs or
+        None). Rows that take the argmax of their logits take just that."""
+        n, sampler = len(batch.position_rows), self.device_sampler
+        tokens, logprobs = self._tokens[:n], None
+        if sampler.greedy(batch.position_rows):
+            torch.argmax(logits, -1, out=tokens)
+        else:
+            logprobs = self._logprobs[:n]
+            sampler.sample_ahead(logits, batch.sampling_rows_device.index_select(0, batch.verify.owner),
+                                 batch.verify.offset, tokens, logprobs)
+            if not sampler.wants_logprobs(batch.position_rows):
+                logprobs = None
+        self._apply_verification(batch, None, tokens, batch.spec)
+        return tokens, logprobs
+
     def _apply_verification(self, batch: StepBatch, meta: SamplingMetadata | None, tokens: torch.Tensor,
                             spec: SpecStep | None) -> None:
-        """After a step sampled every verified position: each row's newest token is its last
-        emitted one, and only emitted tokens count for penalties and grammars."""
+        """After a step sampled every verified position (meta: the torch sampler's, None where the
+        device sampler drew them or another rank did): each row's newest token is its last emitted
+        one, and only emitted tokens count for penalties and grammars and move the draw counters."""
         accepted, emitted, last = accept(tokens, batch.verify)
         batch.accepted = accepted
         self.last_sampled.index_copy_(0, batch.sampling_rows_device, tokens.index_select(0, last))
-        if self.sampler is not None:
+        if meta is not None:
             self.sampler.record(meta, tokens, emitted)
-            if self.device_sampler is not None:   # its next draws are keyed by the rows' new output indices
-                self.device_sampler.advance(batch.sampling_rows_device, accepted + 1)
-            if batch.constrained is not None:
-                self.structured.record(batch.constrained[1], tokens, batch.constrained[2], emitted)
+        if self.device_sampler is not None:   # its next draws are keyed by the rows' new output indices
+            self.device_sampler.advance(batch.sampling_rows_device, accepted + 1)
+        if batch.constrained is not None and self.structured is not None:
+            self.structured.record(batch.constrained[1], tokens, batch.constrained[2], emitted)
         if spec is not None:
             spec.accepted = to_host(accepted)
 

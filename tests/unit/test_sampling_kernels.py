@@ -257,3 +257,46 @@ def test_options_that_keep_everything_do_not_truncate():
     plain = dataclasses.replace(SamplingOptions(seed=1))
     logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(19))
     assert sample(sampler, logits, [0])[0][0] == replica_token(logits[0], plain, 0)
+
+
+def test_drawing_ahead_takes_each_positions_token_at_its_output_index_and_changes_nothing():
+    """sample_ahead (a verifying step's positions, several a row) draws position (row, j) as the row
+    draws j outputs later, with the same logprob; no counter, newest token or count moves."""
+    vocab = 40
+    options = [SamplingOptions(temperature=0.9, top_k=6, seed=11, logprobs=True),
+               SamplingOptions(top_p=0.8, min_p=0.05, logprobs=True),   # unseeded: the worker's generator keys it
+               SamplingOptions(temperature=0.0)]
+    ahead, plain = device_sampler(vocab), device_sampler(vocab)
+    for row, o in enumerate(options):
+        ahead.add(row, [1, 2, 3, 4, 5], 3, o)
+        plain.add(row, [1, 2, 3, 4, 5], 3, o)
+    assert ahead.verifiable(np.arange(3)) and not ahead.greedy(np.arange(3)) and ahead.greedy(np.array([2]))
+    rows, offsets = [0, 0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 2, 3, 0, 1, 0, 1, 2]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(20))
+    ahead.flush()
+    plain.flush()
+    counters = ahead.counters.clone()
+    tokens = torch.zeros(len(rows), dtype=torch.int64, device=DEVICE)
+    logprobs = torch.zeros(len(rows), dtype=torch.float32, device=DEVICE)
+    ahead.sample_ahead(logits.to(DEVICE), torch.tensor(rows, device=DEVICE), torch.tensor(offsets, device=DEVICE),
+                       tokens, logprobs)
+    assert torch.equal(ahead.counters, counters)
+    for i, (row, offset) in enumerate(zip(rows, offsets)):
+        plain.counters[row] = counters[row] + offset
+        token, logprob, _ = sample(plain, logits[i:i + 1], [row])
+        assert int(tokens[i]) == token[0], f"position {i}"
+        assert float(logprobs[i]) == pytest.approx(logprob[0], abs=1e-6)
+    at_zero = torch.zeros_like(tokens)
+    ahead.sample_ahead(logits.to(DEVICE), torch.tensor(rows, device=DEVICE), torch.zeros_like(tokens), at_zero,
+                       logprobs)
+    assert not torch.equal(at_zero, tokens), "the offsets did not reach the noise"
+
+
+def test_rows_with_scores_to_process_are_not_drawn_ahead():
+    sampler = device_sampler(40)
+    sampler.add(0, [1, 2], 1, SamplingOptions(temperature=0.7))
+    sampler.add(1, [1, 2], 1, SamplingOptions(temperature=0.7, presence_penalty=0.5))
+    sampler.add(2, [1, 2], 1, SamplingOptions(temperature=0.0, logit_bias=((3, 1.0),)))
+    sampler.add(3, [1, 2], 1, SamplingOptions(temperature=0.0, logprobs=True))
+    assert sampler.verifiable(np.array([0, 3])) and not sampler.verifiable(np.array([0, 1]))
+    assert not sampler.verifiable(np.array([2])) and not sampler.greedy(np.array([2, 3]))

@@ -124,6 +124,36 @@ def test_sampling_with_drafts_equals_plain_sampling_with_its_logprobs(tiny_model
         assert speculative.tops[seq_id][:75] == plain.tops[seq_id][:75]
 
 
+@pytest.mark.parametrize("options", [
+    # (truncation draws the same way at every offset: the kernel tests cover it, here it is slow)
+    pb.SamplingOptions(temperature=0.8, seed=7, logprobs=True, top_logprobs=3),
+    pb.SamplingOptions(temperature=1.0),   # unseeded: keyed by the worker's generator, in admission order
+    pb.SamplingOptions(temperature=0.0),
+], ids=["seeded", "unseeded", "greedy"])
+def test_the_device_sampler_verifies_drafts_drawing_the_tokens_it_draws_without_them(tiny_model_dir, options):
+    """--sampler kernels with speculation: a verifying step's positions are drawn by the device
+    sampler as each row draws that output index (DeviceSampler.sample_ahead; greedy rows by argmax),
+    so the tokens and logprobs are the plain device sampler's whatever was accepted; the torch
+    sampler never runs."""
+    requests = {1: (prompt(4, 9), options), 2: (repeating(5, 2, 8), options)}
+    with gpu_faithful():
+        plain = Loop(make_runner(tiny_model_dir, sampler="kernels"))
+        expected = plain.run(requests, 25)
+        runner = ngram_runner(tiny_model_dir, sampler="kernels")
+        torch_calls = []
+        sample = runner.sampler.sample
+        runner.sampler.sample = lambda *args, **kw: torch_calls.append(1) or sample(*args, **kw)
+        speculative = Loop(runner)
+        runner.bookkeeping.propose_on_host = oracle(runner, plain.tokens)
+        assert speculative.run(requests, 25) == expected
+    assert speculative.num_accepted > 10 and not torch_calls
+    for seq_id in requests:
+        assert speculative.logprobs[seq_id][:25] == pytest.approx(plain.logprobs[seq_id][:25], abs=1e-5)
+        assert speculative.tops[seq_id][:75] == plain.tops[seq_id][:75]
+    assert all(int(runner.device_sampler.counters[runner.batch.row_of[s]]) == len(speculative.tokens[s]) - len(p)
+               for s, (p, _) in requests.items())
+
+
 def test_steps_asking_for_drafts_the_worker_does_not_hold_are_refused(tiny_model_dir):
     runner = ngram_runner(tiny_model_dir)
     loop = Loop(runner)

@@ -14,6 +14,11 @@ Draws are Gumbel-max with Philox noise keyed per row: a seeded request's key com
 and its counter starts at its output index, so its tokens depend on (seed, output index) and its
 logits only, whatever else is in the batch, across preemptions too; an unseeded request's key
 comes from the worker's seeded generator when it is admitted.
+
+A step that verifies drafts (speculative decoding) samples each position of a verified run as its
+row will draw that output index (`sample_ahead`, keyed by counter + offset), so a request's tokens
+are the same whether they came one a step or in accepted runs; the runner commits the emitted ones
+(`advance`, its newest token) once acceptance is known.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ class DeviceSampler:
         self._grow_table(capacity)
         self.max_rows = 0
         self._grow_scratch(max_rows)
+        self._grow_ahead(0)
 
     # --- rows ------------------------------------------------------------------------------------
 
@@ -140,9 +146,9 @@ class DeviceSampler:
         return penalty_row if penalty_row >= 0 else None
 
     def advance(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
-        """Moves the rows' draw counters past `counts` tokens another sampler drew for them (a
-        verification's emitted tokens: the torch sampler's, which counted them into the shared
-        penalty table), so that each row's next draw here is keyed by its output index."""
+        """Moves the rows' draw counters past `counts` tokens a verification emitted for them (drawn
+        by sample_ahead, or by the torch sampler, which counted them into the shared penalty
+        table), so that each row's next draw here is keyed by its output index."""
         self.counters.index_add_(0, rows, counts.to(self.counters.dtype))
 
     def wants_logprobs(self, rows: np.ndarray) -> bool:
@@ -160,6 +166,44 @@ class DeviceSampler:
         """Samples logits [n, vocab] (any float dtype; not modified) of the batch rows `rows` (int64
         [n], on the device) into tokens (int64 [n]) and logprobs (float32 [n]: of the logits as
         given; 0 where not asked), and stores each token at last_sampled[row]. Rows must be flushed."""
+        self._launch(logits, rows, self.table, self.keys, self.counters, tokens, logprobs, last_sampled)
+
+    def verifiable(self, rows: np.ndarray) -> bool:
+        """Whether sample_ahead can draw these rows' positions: none has scores to process
+        (penalties, a logit bias), whose scratch row holds one position at a time and whose
+        penalties would count the drafts before each position."""
+        return not np.any(self._table[rows, kernels.C_FLAGS.value] & kernels.F_PROCESSED.value)
+
+    def greedy(self, rows: np.ndarray) -> bool:
+        """Whether every one of these rows takes the argmax of its logits as given (greedy, with no
+        scores to process and no logprob asked): torch.argmax is then their whole sampling."""
+        flags = self._table[rows, kernels.C_FLAGS.value]
+        return bool(np.all((flags & (kernels.F_GREEDY.value | kernels.F_PROCESSED.value | kernels.F_LOGPROB.value))
+                           == kernels.F_GREEDY.value))
+
+    def sample_ahead(self, logits: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, tokens: torch.Tensor,
+                     logprobs: torch.Tensor) -> None:
+        """Samples logits row i as batch row rows[i] will draw the token offsets[i] outputs after
+        its next (a verified run's positions, several a row: spec_decode/verification.py), each with
+        the noise of that output index, and changes nothing: no draw counter moves, no token is
+        counted or stored as a row's newest; once the emitted tokens are known, advance() and the
+        caller do that. Runs the kernels of `sample` over a copy of the rows' entries, one a position,
+        counters moved by the offsets; allocates nothing once its scratch holds n positions, so a
+        CUDA graph can capture it. The rows must be `verifiable` and flushed."""
+        n = logits.shape[0]
+        if n > len(self._ahead_index):
+            self._grow_ahead(n)
+        table, keys, counters = self._ahead_table[:n], self._ahead_keys[:n], self._ahead_counters[:n]
+        torch.index_select(self.table, 0, rows, out=table)
+        torch.index_select(self.keys, 0, rows, out=keys)
+        torch.index_select(self.counters, 0, rows, out=counters)
+        counters.add_(offsets)
+        self._launch(logits, self._ahead_index[:n], table, keys, counters, tokens, logprobs, self._ahead_newest)
+
+    def _launch(self, logits: torch.Tensor, rows: torch.Tensor, table: torch.Tensor, keys: torch.Tensor,
+                counters: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+                last_sampled: torch.Tensor) -> None:
+        """The kernels of one sampling, reading each logits row's entry, key and counter at rows[i]."""
         n, vocab = logits.shape
         if logits.stride(1) != 1:
             raise ValueError("logits must be contiguous along the vocabulary")
@@ -168,18 +212,18 @@ class DeviceSampler:
         grid = (n, self.num_chunks)
         chunks = triton.next_power_of_2(self.num_chunks)
         kernels._penalize_kernel[grid](
-            logits, logits.stride(0), self.processed, rows, self.table, self.penalties.prompt_mask,
+            logits, logits.stride(0), self.processed, rows, table, self.penalties.prompt_mask,
             self.penalties.output_counts, self.bias_ids, self.bias_values, vocab, self.chunk,
             MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=min(1024, 4 * self._tile), num_warps=4)
         kernels._scan_kernel[grid](
-            logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
+            logits, logits.stride(0), self.processed, rows, table, keys, counters,
             self.part_f, self.part_i, vocab, self.chunk, self.num_chunks, G=self._tile,
             BLOCK=min(1024, 4 * self._tile), num_warps=8)
         kernels._verify_kernel[grid](
-            logits, logits.stride(0), self.processed, rows, self.table, self.part_f, self.part_i, self.part_v,
+            logits, logits.stride(0), self.processed, rows, table, self.part_f, self.part_i, self.part_v,
             vocab, self.chunk, self.num_chunks, CHUNKS=chunks, BLOCK=min(1024, 4 * self._tile), num_warps=4)
         kernels._finish_kernel[(n,)](
-            logits, logits.stride(0), self.processed, rows, self.table, self.keys, self.counters,
+            logits, logits.stride(0), self.processed, rows, table, keys, counters,
             self.penalties.output_counts, self.part_f, self.part_i, self.part_v, self.gather, tokens, logprobs,
             last_sampled, vocab, self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, 4 * self._tile),
             NUM_PIVOTS=NUM_PIVOTS, CAP=self.gather_cap, MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
@@ -248,6 +292,16 @@ class DeviceSampler:
         if slots > self.processed.shape[0]:
             grown = grown_capacity(self.processed.shape[0], slots)
             self.processed = torch.zeros(grown, self.vocab_size, dtype=torch.float32, device=self.device)
+
+    def _grow_ahead(self, positions: int) -> None:
+        """sample_ahead's copies of the rows' entries, one a position, and where its kernels store
+        each position's token as if it were a row's newest (read by nobody)."""
+        with torch.device(self.device):
+            self._ahead_index = torch.arange(positions, dtype=torch.int64)
+            self._ahead_table = torch.zeros(positions, kernels.NUM_COLUMNS, dtype=torch.int32)
+            self._ahead_keys = torch.zeros(positions, dtype=torch.int64)
+            self._ahead_counters = torch.zeros(positions, dtype=torch.int64)
+            self._ahead_newest = torch.zeros(positions, dtype=torch.int64)
 
     def _grow_scratch(self, rows: int) -> None:
         self.max_rows = rows
