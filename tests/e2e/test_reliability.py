@@ -139,7 +139,7 @@ def test_request_with_deadline_ends_cleanly_while_the_worker_is_down(tiny_model_
         with pytest.raises(grpc.RpcError) as err:
             generate(ch, text="anyone there?", max_tokens=4, timeout=2.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 15            # ended by the 2 s deadline, not left hanging
         group = model_info(ch).worker_groups[0]
         assert group.num_running == 0 and group.num_free_kv_blocks == group.num_kv_blocks
         # Once a worker is back on the same address, the service answers again.
