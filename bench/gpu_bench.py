@@ -30,7 +30,7 @@ from typing import Callable
 from bench import options
 from bench.stages import (attention, bandwidth, checkpoint, correctness, decode, fixed_batch, fp8_gemm, hf,
                           host_path, linear, moe_e2e, moe_kernel, offline, profile, sampler, service, spec,
-                          structured)
+                          spec_service, structured)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ STAGES: dict[str, Stage] = {
     "attention": Stage(attention, entry=run_attention),
     "sampler": Stage(sampler),
     "spec": Stage(spec),
+    "spec_service": Stage(spec_service),
 }
 GROUPS = {
     "headline": ("checkpoint", "bandwidth", "service", "structured", "offline", "hf_default", "hf_tuned", "decode",

@@ -9,10 +9,12 @@
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
+#   spec-service  the same through the real processes (bench/stages/spec_service.py), flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
-#   spec-ab   the spec stage on .gpu/ref (another tree: scripts/gpu_ref.sh REF writes it) and on this
-#             tree, with the flags in EXTRA, then both side by side (carry .gpu with .whl)
+#   spec-ab   the spec stage (or SPEC_STAGE=spec_service) on .gpu/ref (another tree: scripts/gpu_ref.sh
+#             REF writes it) and on this tree, with the flags in EXTRA, then both side by side (carry
+#             .gpu with .whl)
 set -uo pipefail
 PY=${PY:-$(command -v python3)}
 [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
@@ -111,6 +113,7 @@ if len(rows) == 2:
 PY
         ;;
     spec) STAGE=spec NAME=spec bash "$0" stage ;;
+    spec-service) STAGE=spec_service NAME=spec_service bash "$0" stage ;;
     moe)
         base
         with_floor moe
@@ -129,9 +132,11 @@ PY
         base
         [[ -d .gpu/ref ]] || { echo "no .gpu/ref: run scripts/gpu_ref.sh REF here first" >&2; exit 2; }
         mkdir -p "$OUT/ref"
-        (cd .gpu/ref && OUT=$OUT/ref BENCH=/tmp/bench-ref TIMEOUT=${TIMEOUT:-270} LINES_OUT=0 bash bench/gpu_session.sh spec)
-        TIMEOUT=${TIMEOUT:-270} LINES_OUT=${LINES_OUT:-60} bash "$0" spec
-        $PY - "$OUT/ref/spec.json" "$OUT/spec.json" <<'PY'
+        SPEC_STAGE=${SPEC_STAGE:-spec}
+        (cd .gpu/ref && OUT=$OUT/ref BENCH=/tmp/bench-ref TIMEOUT=${TIMEOUT:-270} LINES_OUT=0 \
+            STAGE=$SPEC_STAGE NAME=$SPEC_STAGE bash bench/gpu_session.sh stage)
+        TIMEOUT=${TIMEOUT:-270} LINES_OUT=${LINES_OUT:-60} STAGE=$SPEC_STAGE NAME=$SPEC_STAGE bash "$0" stage
+        $PY - "$OUT/ref/$SPEC_STAGE.json" "$OUT/$SPEC_STAGE.json" <<'PY'
 import json, sys
 rows = []
 for path in sys.argv[1:]:
@@ -147,5 +152,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|moe|stage|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|stage|spec-ab" >&2; exit 2 ;;
 esac

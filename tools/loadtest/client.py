@@ -30,6 +30,8 @@ def _sampling(prompt: Prompt) -> pb.SamplingParams:
         sampling.max_tokens = prompt.max_tokens
     if prompt.json_schema is not None:
         sampling.json_schema = prompt.json_schema
+    if prompt.temperature is not None:
+        sampling.temperature = prompt.temperature
     return sampling
 
 

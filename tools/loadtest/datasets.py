@@ -21,6 +21,7 @@ class Prompt:
     # Synthetic datasets set it so the requested output length always holds.
     ignore_eos: bool = False
     json_schema: str | None = None   # structured output: the text must validate against it
+    temperature: float | None = None  # None: the server's default
 
     @property
     def num_prompt_tokens(self) -> int | None:
