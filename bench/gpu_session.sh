@@ -133,7 +133,7 @@ PY
         [[ -d .gpu/ref ]] || { echo "no .gpu/ref: run scripts/gpu_ref.sh REF here first" >&2; exit 2; }
         mkdir -p "$OUT/ref"
         SPEC_STAGE=${SPEC_STAGE:-spec}
-        (cd .gpu/ref && OUT=$OUT/ref BENCH=/tmp/bench-ref TIMEOUT=${TIMEOUT:-270} LINES_OUT=0 \
+        (cd .gpu/ref && OUT=$OUT/ref BENCH=/tmp/bench-ref TIMEOUT=${TIMEOUT:-270} LINES_OUT=2 \
             STAGE=$SPEC_STAGE NAME=$SPEC_STAGE bash bench/gpu_session.sh stage)
         TIMEOUT=${TIMEOUT:-270} LINES_OUT=${LINES_OUT:-60} STAGE=$SPEC_STAGE NAME=$SPEC_STAGE bash "$0" stage
         $PY - "$OUT/ref/$SPEC_STAGE.json" "$OUT/$SPEC_STAGE.json" <<'PY'
