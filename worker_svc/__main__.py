@@ -7,6 +7,7 @@ a collective timed out (--dist-timeout).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from worker_svc.lease import DEFAULT_MAX_DURATION_S
 logger = logging.getLogger(__name__)
 
 EXIT_GROUP_BROKEN = 3   # a peer rank died or a collective timed out
+_PROCESS_WIDE = contextlib.ExitStack()   # contexts held for the process's life (a dropped one is undone)
 
 
 def build_parser() -> ArgumentParser:
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.set())
 
+    if config.sampler == "kernels" and config.device == "cpu":
+        _interpret_kernels()
     # Imported after argument parsing so --help is instant (torch takes seconds to import).
     from worker_svc import parallel_state
     from worker_svc.model_runner import ModelRunner
@@ -88,6 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     server.stop()
     parallel_state.destroy_tensor_parallel()
     return 0
+
+
+def _interpret_kernels() -> None:
+    """--sampler kernels on the CPU (tests, smoke runs): the Triton kernels run under Triton's
+    interpreter, patched for this process to compute as a GPU does (tools/triton_interpreter.py;
+    before anything imports triton)."""
+    from tools import triton_interpreter
+
+    _PROCESS_WIDE.enter_context(triton_interpreter.faster_interpreter())   # first, as the tests' session does
+    _PROCESS_WIDE.enter_context(triton_interpreter.gpu_faithful())
 
 
 def _exit_when_group_breaks(server, broken: threading.Event) -> None:

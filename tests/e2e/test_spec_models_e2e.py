@@ -33,11 +33,11 @@ def _worker_args(method: str, model_dir) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _services(model_dir, head, method: str, logs, max_batch_size: int = 512):
+def _services(model_dir, head, method: str, logs, max_batch_size: int = 512, extra_worker_args: tuple = ()):
     """(method, channel, metrics port) of a scheduler and a worker drafting with `head`, speculating
     while at most max_batch_size requests run."""
     port = free_port()
-    with running_services(model_dir, logs, worker_args=_worker_args(method, head),
+    with running_services(model_dir, logs, worker_args=(*_worker_args(method, head), *extra_worker_args),
                           scheduler_args=(*CHUNKED, "--metrics-port", str(port), "--speculative-max-batch-size",
                                           str(max_batch_size))) as svc, svc.channel() as ch:
         yield method, ch, port
@@ -123,6 +123,26 @@ def test_seeded_sampling_emits_the_tokens_of_plain_sampling(draft_services):
     for s, p in zip(speculative, plain):
         assert s.token_ids == p.token_ids
         assert s.logprobs == pytest.approx(p.logprobs, abs=1e-4)
+
+
+def test_the_device_sampler_emits_the_tokens_of_plain_sampling(tiny_model_dir, tiny_self_draft_dir, tmp_path):
+    """--sampler kernels (the GPU's default sampler, interpreted here): the verified positions are
+    drawn by the device sampler at their output indices, so seeded and unseeded requests (the
+    worker keys those in admission order: one at a time here) emit the tokens and logprobs they emit
+    without speculation, while the drafts (the target's own) are accepted."""
+    with _services(tiny_model_dir, tiny_self_draft_dir, "draft", tmp_path / "logs",
+                   extra_worker_args=("--sampler", "kernels")) as (_, ch, port):
+        for sampling in (dict(temperature=0.9, logprobs=True, seed=23), dict(temperature=1.0, logprobs=True)):
+            request = dict(token_ids=_prompts(6, [12])[0], max_tokens=16, ignore_eos=True, **sampling)
+            before = _spec_counters(port)
+            [speculative] = generate_many(ch, [request])
+            accepted = _spec_counters(port)[2] - before[2]
+            [plain] = generate_many(ch, [request | {"speculative": False}])
+            if "seed" in sampling:
+                assert speculative.token_ids == plain.token_ids and accepted > 0
+                assert speculative.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+            else:   # unseeded: a fresh key each request, so only the length and the drafts' fate are known
+                assert len(speculative.token_ids) == len(plain.token_ids) == 16 and accepted > 0
 
 
 def _chi_square_homogeneity(a: collections.Counter, b: collections.Counter, min_count: int = 10) -> tuple[float, int]:
