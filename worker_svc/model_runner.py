@@ -89,9 +89,9 @@ class ModelRunner:
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens. On a GPU with
         # one rank and --sampler kernels/auto the device sampler does (inside the decode graphs), else
         # the torch sampler. A speculating worker has both: steps that verify drafts of rows with
-        # penalties or a logit bias, or with a grammar, sample with the torch sampler (it counts the
-        # drafts before each position for penalties), every other step with the device sampler; the
-        # two count tokens into one penalty table (the device sampler's rows).
+        # penalties or a logit bias sample with the torch sampler (it counts the drafts before each
+        # position for penalties), every other step with the device sampler; the two count tokens
+        # into one penalty table (the device sampler's rows).
         self.num_speculative_tokens = k = config.num_speculative_tokens if config.speculative_method else 0
         self.verify_as_decodes = True     # a decode-only verifying step replays the decode graphs
         self.sampler = self.device_sampler = None
@@ -388,7 +388,7 @@ class ModelRunner:
             self.device_sampler.sample(logits, batch.sampling_rows_device, tokens, logprobs, self.last_sampled)
             if not self.device_sampler.wants_logprobs(batch.sampling_rows):
                 logprobs = None
-        elif self.verifies_on_device(batch.position_rows, batch.constrained is not None):
+        elif self.verifies_on_device(batch.position_rows):
             tokens, logprobs = self._verify_on_device(batch, logits)
         else:
             meta = self._sampling_metadata(batch.position_rows)
@@ -414,10 +414,11 @@ class ModelRunner:
         else:
             self._apply_verification(batch, meta, tokens, batch.spec)
 
-    def verifies_on_device(self, position_rows: np.ndarray, constrained: bool) -> bool:
+    def verifies_on_device(self, position_rows: np.ndarray) -> bool:
         """Whether the device sampler draws a verifying step's positions (else the torch sampler):
-        it does unless a row has scores to process (DeviceSampler.verifiable) or a grammar."""
-        return self.device_sampler is not None and not constrained and self.device_sampler.verifiable(position_rows)
+        it does unless a row has scores to process (DeviceSampler.verifiable). A grammar's masks are
+        in the logits by then, each position's for the grammar advanced over the drafts before it."""
+        return self.device_sampler is not None and self.device_sampler.verifiable(position_rows)
 
     def _verify_on_device(self, batch: StepBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A verifying step's positions drawn by the device sampler, each as its row will draw that

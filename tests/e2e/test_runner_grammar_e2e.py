@@ -13,6 +13,7 @@ from common.pb.llm.worker.v1 import worker_pb2 as pb
 from scheduler_svc.frontend.tokenizer import load_tokenizer
 from tests.support.runner_driver import GREEDY, SAMPLERS, Driver, make_runner, prompt, skip_long_interpreted
 from tests.support.speculative_loop import Loop, ngram_runner, repeating
+from tests.support.triton_interpreter import gpu_faithful
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
@@ -117,15 +118,24 @@ def test_a_grammar_that_dead_ends_fails_its_request_alone_rather_than_sample_fre
     assert mixed.runner.structured.num_dead_ends == 1 and mixed.runner.structured.num_refused == 0
 
 
-def test_a_grammar_holds_over_accepted_runs(tiny_model_dir):
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_a_grammar_holds_over_accepted_runs(tiny_model_dir, sampler):
+    """With either sampler (the device sampler draws the verified positions from the masked logits,
+    each position's mask the grammar's after the drafts before it), the output equals the plain
+    runner's token for token."""
     pattern = r"(ab|[0-9]{2,4}-)+x"
     constraint = pb.Constraint(kind="regex", text=pattern)
     options = pb.SamplingOptions(temperature=0.0, constraint=constraint)
     seeded = pb.SamplingOptions(temperature=1.0, seed=3, constraint=constraint)
     requests = {1: (repeating(6, 4, 4), options), 2: (repeating(7, 3, 4), seeded)}
-    speculative = Loop(ngram_runner(tiny_model_dir))
-    outputs = speculative.run(requests, 20)
-    assert outputs == Loop(make_runner(tiny_model_dir)).run(requests, 20)
+    with gpu_faithful():
+        speculative = Loop(ngram_runner(tiny_model_dir, sampler=sampler))
+        torch_draws = []
+        sample = speculative.runner.sampler.sample
+        speculative.runner.sampler.sample = lambda *args, **kw: torch_draws.append(1) or sample(*args, **kw)
+        outputs = speculative.run(requests, 20)
+        assert outputs == Loop(make_runner(tiny_model_dir, sampler=sampler)).run(requests, 20)
+    assert bool(torch_draws) == (sampler == "torch")
     assert speculative.num_verified > 0 and speculative.runner.structured.num_refused == 0
     tokenizer = load_tokenizer(tiny_model_dir)
     for output in outputs.values():
