@@ -71,10 +71,7 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
         constrained_at, constrained, next_drafts = _constrained(b, position_rows, layout)
         top_at, top_ks = _top_logprobs(b, position_rows)
     # The torch sampler draws a seeded position by its output index; the device sampler keeps its own.
-    torch_samples = runner.sampler is not None and (
-        runner.device_sampler is None
-        or (layout is not None and not runner.verifies_on_device(position_rows)))
-    seeded = _seeded_output_indices(runner, position_rows, offsets) if torch_samples else []
+    seeded = _seeded_output_indices(runner, position_rows, offsets) if runner.sampler is not None else []
     score_at, score_targets, scored = (plan_prompt_scoring(b, rows, start, seq_lens, query_start)
                                        if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
     if (runner.decode_graphs is not None and runner.decode_graphs.staged and runner.bookkeeping is None

@@ -87,11 +87,9 @@ class ModelRunner:
         self.backend = startup.select_backend(self)
         self.model = startup.load_model(self, model_dir)
         # Rank 0 alone samples (and keeps penalty state); the others take its tokens. On a GPU with
-        # one rank and --sampler kernels/auto the device sampler does (inside the decode graphs), else
-        # the torch sampler. A speculating worker has both: steps that verify drafts of rows with
-        # penalties or a logit bias sample with the torch sampler (it counts the drafts before each
-        # position for penalties), every other step with the device sampler; the two count tokens
-        # into one penalty table (the device sampler's rows).
+        # one rank and --sampler kernels/auto the device sampler does (inside the decode graphs, and
+        # a speculating worker's verified positions: DeviceSampler.sample_ahead), else the torch
+        # sampler.
         self.num_speculative_tokens = k = config.num_speculative_tokens if config.speculative_method else 0
         self.verify_as_decodes = True     # a decode-only verifying step replays the decode graphs
         self.sampler = self.device_sampler = None
@@ -99,9 +97,8 @@ class ModelRunner:
             self.device_sampler = device_sampler.DeviceSampler(
                 self.vocab_size, self.device, config.seed, capacity=2 * config.max_num_seqs,
                 max_rows=config.max_num_seqs)
-        if self.tp_rank == 0 and (k or self.device_sampler is None):
-            shared = self.device_sampler.penalties if self.device_sampler is not None else None
-            self.sampler = Sampler(self.vocab_size, self.device, config.seed, penalties=shared)
+        if self.tp_rank == 0 and self.device_sampler is None:
+            self.sampler = Sampler(self.vocab_size, self.device, config.seed)
         self.features = check_features()
         self.structured = (StructuredOutput(model_dir, self.vocab_size, facts.eos_token_ids, self.device,
                                             feature=self.features[0], compile_timeout_s=config.grammar_compile_timeout,
@@ -259,11 +256,10 @@ class ModelRunner:
         new_rows = []
         for new in step.new_requests:
             penalty_row = (self.sampler.add_request(new.token_ids, new.num_prompt_tokens, new.sampling)
-                           if self.sampler is not None and self.device_sampler is None else None)
+                           if self.sampler is not None else None)
             row = self.batch.add(new, penalty_row, matchers.get(new.seq_id))
-            if self.device_sampler is not None:   # it owns the penalty rows (shared with a torch sampler)
+            if self.device_sampler is not None:   # its own penalty rows
                 self.device_sampler.add(row, new.token_ids, new.num_prompt_tokens, new.sampling)
-                self.batch.penalty_rows[row] = self.device_sampler.penalty_row(row)
             new_rows.append(row)
         if len(step.new_block_indices):
             self.batch.append_blocks(cached_rows, step.new_block_indices, step.new_block_counts, step.new_block_ids)
@@ -294,7 +290,7 @@ class ModelRunner:
     def _drop(self, seq_id: int) -> None:
         row = self.batch.row_of[seq_id]
         penalty_row = self.batch.remove(seq_id)
-        if self.sampler is not None and self.device_sampler is None:
+        if self.sampler is not None:
             self.sampler.remove_request(penalty_row)
         if self.device_sampler is not None:
             self.device_sampler.remove(row)
@@ -388,7 +384,7 @@ class ModelRunner:
             self.device_sampler.sample(logits, batch.sampling_rows_device, tokens, logprobs, self.last_sampled)
             if not self.device_sampler.wants_logprobs(batch.sampling_rows):
                 logprobs = None
-        elif self.verifies_on_device(batch.position_rows):
+        elif self.device_sampler is not None:
             tokens, logprobs = self._verify_on_device(batch, logits)
         else:
             meta = self._sampling_metadata(batch.position_rows)
@@ -414,24 +410,21 @@ class ModelRunner:
         else:
             self._apply_verification(batch, meta, tokens, batch.spec)
 
-    def verifies_on_device(self, position_rows: np.ndarray) -> bool:
-        """Whether the device sampler draws a verifying step's positions (else the torch sampler):
-        it does unless a row has scores to process (DeviceSampler.verifiable). A grammar's masks are
-        in the logits by then, each position's for the grammar advanced over the drafts before it."""
-        return self.device_sampler is not None and self.device_sampler.verifiable(position_rows)
-
     def _verify_on_device(self, batch: StepBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A verifying step's positions drawn by the device sampler, each as its row will draw that
-        output index (the same tokens as without speculation), then accepted; (tokens, logprobs or
-        None). Rows that take the argmax of their logits take just that."""
+        output index with the drafts before it counted for penalties (the same tokens as without
+        speculation), then accepted; (tokens, logprobs or None). A grammar's masks are in the logits
+        by then, each position's for the grammar advanced over the drafts before it. Rows that take
+        the argmax of their logits take just that."""
         n, sampler = len(batch.position_rows), self.device_sampler
         tokens, logprobs = self._tokens[:n], None
         if sampler.greedy(batch.position_rows):
             torch.argmax(logits, -1, out=tokens)
         else:
             logprobs = self._logprobs[:n]
+            preceding = preceding_drafts(batch.verify) if sampler.processes(batch.position_rows) else None
             sampler.sample_ahead(logits, batch.sampling_rows_device.index_select(0, batch.verify.owner),
-                                 batch.verify.offset, tokens, logprobs)
+                                 batch.verify.offset, tokens, logprobs, preceding)
             if not sampler.wants_logprobs(batch.position_rows):
                 logprobs = None
         self._apply_verification(batch, None, tokens, batch.spec)
@@ -448,6 +441,9 @@ class ModelRunner:
         if meta is not None:
             self.sampler.record(meta, tokens, emitted)
         if self.device_sampler is not None:   # its next draws are keyed by the rows' new output indices
+            if self.device_sampler.processes(batch.position_rows):
+                self.device_sampler.count_emitted(batch.sampling_rows_device.index_select(0, batch.verify.owner),
+                                                  tokens, emitted)
             self.device_sampler.advance(batch.sampling_rows_device, accepted + 1)
         if batch.constrained is not None and self.structured is not None:
             self.structured.record(batch.constrained[1], tokens, batch.constrained[2], emitted)

@@ -127,12 +127,15 @@ def test_seeded_sampling_emits_the_tokens_of_plain_sampling(draft_services):
 
 def test_the_device_sampler_emits_the_tokens_of_plain_sampling(tiny_model_dir, tiny_self_draft_dir, tmp_path):
     """--sampler kernels (the GPU's default sampler, interpreted here): the verified positions are
-    drawn by the device sampler at their output indices, so seeded and unseeded requests (the
-    worker keys those in admission order: one at a time here) emit the tokens and logprobs they emit
-    without speculation, while the drafts (the target's own) are accepted."""
+    drawn by the device sampler at their output indices, the drafts before each counted for its
+    penalties, so seeded requests, penalized or not, emit the tokens and logprobs they emit without
+    speculation, while the drafts (the target's own) are accepted."""
     with _services(tiny_model_dir, tiny_self_draft_dir, "draft", tmp_path / "logs",
                    extra_worker_args=("--sampler", "kernels")) as (_, ch, port):
-        for sampling in (dict(temperature=0.9, logprobs=True, seed=23), dict(temperature=1.0, logprobs=True)):
+        for sampling in (dict(temperature=0.9, logprobs=True, seed=23),
+                         dict(temperature=0.9, logprobs=True, seed=24, repetition_penalty=1.3, frequency_penalty=0.4,
+                              logit_bias={7: 2.0}),
+                         dict(temperature=1.0, logprobs=True)):
             request = dict(token_ids=_prompts(6, [12])[0], max_tokens=16, ignore_eos=True, **sampling)
             before = _spec_counters(port)
             [speculative] = generate_many(ch, [request])

@@ -270,7 +270,7 @@ def test_drawing_ahead_takes_each_positions_token_at_its_output_index_and_change
     for row, o in enumerate(options):
         ahead.add(row, [1, 2, 3, 4, 5], 3, o)
         plain.add(row, [1, 2, 3, 4, 5], 3, o)
-    assert ahead.verifiable(np.arange(3)) and not ahead.greedy(np.arange(3)) and ahead.greedy(np.array([2]))
+    assert not ahead.processes(np.arange(3)) and not ahead.greedy(np.arange(3)) and ahead.greedy(np.array([2]))
     rows, offsets = [0, 0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 2, 3, 0, 1, 0, 1, 2]
     logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(20))
     ahead.flush()
@@ -292,11 +292,52 @@ def test_drawing_ahead_takes_each_positions_token_at_its_output_index_and_change
     assert not torch.equal(at_zero, tokens), "the offsets did not reach the noise"
 
 
-def test_rows_with_scores_to_process_are_not_drawn_ahead():
-    sampler = device_sampler(40)
-    sampler.add(0, [1, 2], 1, SamplingOptions(temperature=0.7))
-    sampler.add(1, [1, 2], 1, SamplingOptions(temperature=0.7, presence_penalty=0.5))
-    sampler.add(2, [1, 2], 1, SamplingOptions(temperature=0.0, logit_bias=((3, 1.0),)))
-    sampler.add(3, [1, 2], 1, SamplingOptions(temperature=0.0, logprobs=True))
-    assert sampler.verifiable(np.array([0, 3])) and not sampler.verifiable(np.array([0, 1]))
-    assert not sampler.verifiable(np.array([2])) and not sampler.greedy(np.array([2, 3]))
+def test_drawing_ahead_with_penalties_and_bias_counts_the_drafts_before_each_position():
+    """Rows with penalties or a logit bias: position (row, j) draws as the row does j outputs later
+    once the j drafts before it are counted (a sampler holding the drafts as output draws the
+    position); count_emitted then counts only the emitted tokens of penalized rows. The drafts are
+    each row's first token, so the penalties move the later positions off it."""
+    vocab = 40
+    options = [SamplingOptions(temperature=0.0, repetition_penalty=1.4, frequency_penalty=5.0, logprobs=True),
+               SamplingOptions(temperature=0.5, seed=5, presence_penalty=6.0, logit_bias=((3, 2.0), (7, -1.5))),
+               SamplingOptions(temperature=0.9, logit_bias=((1, 3.0),))]
+    ahead = device_sampler(vocab)
+    for row, o in enumerate(options):
+        ahead.add(row, [1, 2, 3, 4, 5], 3, o)
+    assert ahead.processes(np.array([0])) and ahead.processes(np.array([2])) and not ahead.greedy(np.array([0]))
+    rows, offsets = [0, 0, 0, 1, 1, 1, 2, 2], [0, 1, 2, 0, 1, 2, 0, 1]
+    base = torch.randn(3, vocab, generator=torch.Generator().manual_seed(21)) * 2
+    logits = base[rows]                         # a row's positions see the same logits: only the counts differ
+    ahead.flush()
+    keys, start = ahead.keys.clone(), ahead.counters.clone()
+
+    def alone(row: int, drafted: list[int], offset: int) -> tuple[int, float]:
+        """The row's draw at output index start + offset with `drafted` as output before it."""
+        reference = device_sampler(vocab)
+        reference.add(row, [1, 2, 3, 4, 5, *drafted], 3, options[row])
+        reference.flush()
+        reference.keys[row], reference.counters[row] = keys[row], start[row] + offset
+        token, logprob, _ = sample(reference, base[row:row + 1], [row])
+        return token[0], logprob[0]
+
+    firsts = {row: alone(row, [], 0)[0] for row in range(3)}
+    drafts = {row: [firsts[row]] * 2 for row in range(3)}
+    preceding = torch.full((len(rows), 2), -1, dtype=torch.int64)
+    for i, (row, offset) in enumerate(zip(rows, offsets)):
+        preceding[i, :offset] = torch.tensor(drafts[row][:offset])
+    counts = ahead.penalties.output_counts.clone()
+    tokens = torch.zeros(len(rows), dtype=torch.int64, device=DEVICE)
+    logprobs = torch.zeros(len(rows), dtype=torch.float32, device=DEVICE)
+    rows_d = torch.tensor(rows, device=DEVICE)
+    ahead.sample_ahead(logits.to(DEVICE), rows_d, torch.tensor(offsets, device=DEVICE), tokens, logprobs,
+                       preceding.to(DEVICE))
+    assert torch.equal(ahead.penalties.output_counts, counts) and torch.equal(ahead.counters, start)
+    for i, (row, offset) in enumerate(zip(rows, offsets)):
+        token, logprob = alone(row, drafts[row][:offset], offset)
+        assert int(tokens[i]) == token, f"position {i}"
+        assert float(logprobs[i]) == pytest.approx(logprob, abs=1e-6)
+    assert int(tokens[1]) != firsts[0] and int(tokens[4]) != firsts[1], "the drafts before them were not counted"
+    emitted = torch.tensor([True, True, False, True, False, False, True, True], device=DEVICE)
+    ahead.count_emitted(rows_d, tokens, emitted)
+    added = ahead.penalties.output_counts - counts
+    assert int(added.sum()) == 3   # rows 0 (two emitted) and 1 (one); row 2 has no penalties

@@ -127,26 +127,25 @@ def test_sampling_with_drafts_equals_plain_sampling_with_its_logprobs(tiny_model
 @pytest.mark.parametrize("options", [
     # (truncation draws the same way at every offset: the kernel tests cover it, here it is slow)
     pb.SamplingOptions(temperature=0.8, seed=7, logprobs=True, top_logprobs=3),
+    pb.SamplingOptions(temperature=0.8, seed=8, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2,
+                       logit_bias={5: 2.0, 9: -3.0}, logprobs=True),
     pb.SamplingOptions(temperature=1.0),   # unseeded: keyed by the worker's generator, in admission order
     pb.SamplingOptions(temperature=0.0),
-], ids=["seeded", "unseeded", "greedy"])
+], ids=["seeded", "seeded-penalized", "unseeded", "greedy"])
 def test_the_device_sampler_verifies_drafts_drawing_the_tokens_it_draws_without_them(tiny_model_dir, options):
     """--sampler kernels with speculation: a verifying step's positions are drawn by the device
-    sampler as each row draws that output index (DeviceSampler.sample_ahead; greedy rows by argmax),
-    so the tokens and logprobs are the plain device sampler's whatever was accepted; the torch
-    sampler never runs."""
+    sampler as each row draws that output index, the drafts before each counted for its penalties
+    (DeviceSampler.sample_ahead; greedy rows by argmax), so the tokens and logprobs are the plain
+    device sampler's whatever was accepted."""
     requests = {1: (prompt(4, 9), options), 2: (repeating(5, 2, 8), options)}
     with gpu_faithful():
         plain = Loop(make_runner(tiny_model_dir, sampler="kernels"))
         expected = plain.run(requests, 25)
         runner = ngram_runner(tiny_model_dir, sampler="kernels")
-        torch_calls = []
-        sample = runner.sampler.sample
-        runner.sampler.sample = lambda *args, **kw: torch_calls.append(1) or sample(*args, **kw)
         speculative = Loop(runner)
         runner.bookkeeping.propose_on_host = oracle(runner, plain.tokens)
         assert speculative.run(requests, 25) == expected
-    assert speculative.num_accepted > 10 and not torch_calls
+    assert speculative.num_accepted > 10 and runner.sampler is None
     for seq_id in requests:
         assert speculative.logprobs[seq_id][:25] == pytest.approx(plain.logprobs[seq_id][:25], abs=1e-5)
         assert speculative.tops[seq_id][:75] == plain.tops[seq_id][:75]
@@ -189,11 +188,12 @@ def test_steps_verifying_drafts_where_they_cannot_are_refused(tiny_model_dir):
     assert loop.tokens[1][18:] == hf_greedy(tiny_model_dir, repeating(8, 3, 6), len(loop.tokens[1]) - 18)
 
 
-def test_a_speculating_worker_verifies_with_the_torch_sampler_and_decodes_with_the_device_sampler(tiny_model_dir):
-    """--sampler kernels (interpreted on the CPU) with speculation: steps that verify drafts sample
-    with the torch sampler, the others with the device sampler, and the two count every emitted
-    token into one penalty table: greedy output with every penalty equals the plain torch runner's
-    while steps alternate between the two; each row's draw counter ends at its output index."""
+def test_a_speculating_worker_samples_every_step_with_the_device_sampler(tiny_model_dir):
+    """--sampler kernels (interpreted on the CPU) with speculation: plain steps and steps that verify
+    drafts both sample with the device sampler (no torch sampler exists), which counts every emitted
+    token, and the drafts before each verified position, for penalties: greedy output with every
+    penalty equals the plain torch runner's while the two kinds of step alternate; each row's draw
+    counter ends at its output index."""
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
     config = worker_config_from_args(parser.parse_args(["--model", "m", "--speculative-method", "ngram",
@@ -206,7 +206,7 @@ def test_a_speculating_worker_verifies_with_the_torch_sampler_and_decodes_with_t
     with gpu_faithful():
         loop, runner, calls = _mixed_steps(tiny_model_dir, requests, plain)
     assert {s: loop.tokens[s][len(p):len(p) + 24] for s, (p, _) in requests.items()} == expected
-    assert calls["device"] > 3 and calls["torch"] > 3 and loop.num_accepted > 3
+    assert calls["sample"] > 3 and calls["sample_ahead"] > 3 and loop.num_accepted > 3
     for seq_id, (p, _) in requests.items():
         row = runner.batch.row_of[seq_id]
         assert int(runner.device_sampler.counters[row]) == len(loop.tokens[seq_id]) - len(p)
@@ -214,12 +214,12 @@ def test_a_speculating_worker_verifies_with_the_torch_sampler_and_decodes_with_t
 
 def _mixed_steps(tiny_model_dir, requests, plain):
     runner = ngram_runner(tiny_model_dir, sampler="kernels")
-    assert runner.device_sampler is not None and runner.sampler.penalties is runner.device_sampler.penalties
-    calls = {"device": 0, "torch": 0}
-    for name, sampler in (("device", runner.device_sampler), ("torch", runner.sampler)):
-        sample = sampler.sample
-        sampler.sample = lambda *args, name=name, sample=sample, **kw: calls.__setitem__(name, calls[name] + 1) or \
-            sample(*args, **kw)
+    assert runner.device_sampler is not None and runner.sampler is None
+    calls = {"sample": 0, "sample_ahead": 0}
+    for name in calls:
+        method = getattr(runner.device_sampler, name)
+        setattr(runner.device_sampler, name, lambda *args, name=name, method=method, **kw:
+                calls.__setitem__(name, calls[name] + 1) or method(*args, **kw))
     loop = Loop(runner)
     runner.bookkeeping.propose_on_host = oracle(runner, plain.tokens)
     loop.start(requests)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,6 +57,20 @@ def _bits(value: float) -> int:
     return int(np.float32(value).view(np.int32))
 
 
+class _State(NamedTuple):
+    """What the kernels read per row besides the logits: entries, keys and counters (indexed by
+    the rows given), processed-score rows (by an entry's slot), penalty state (by its penalty row)
+    and logit biases (by the row)."""
+    table: torch.Tensor
+    keys: torch.Tensor
+    counters: torch.Tensor
+    processed: torch.Tensor
+    prompt_mask: torch.Tensor
+    counts: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+
+
 class DeviceSampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, capacity: int = 256,
                  max_rows: int = 256, chunk: int = CHUNK, gather_cap: int = GATHER_CAP) -> None:
@@ -76,6 +91,7 @@ class DeviceSampler:
         self.max_rows = 0
         self._grow_scratch(max_rows)
         self._grow_ahead(0)
+        self._grow_ahead_processed(0)
 
     # --- rows ------------------------------------------------------------------------------------
 
@@ -140,15 +156,9 @@ class DeviceSampler:
                                          (self.bias_values, self._bias_values)):
             device_table.index_copy_(0, index, torch.from_numpy(host_table[rows]).to(self.device, non_blocking=True))
 
-    def penalty_row(self, row: int) -> int | None:
-        """The row of the penalty table that counts `row`'s tokens (None: it has no penalties)."""
-        penalty_row = int(self._table[row, kernels.C_PENALTY_ROW.value])
-        return penalty_row if penalty_row >= 0 else None
-
     def advance(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
-        """Moves the rows' draw counters past `counts` tokens a verification emitted for them (drawn
-        by sample_ahead, or by the torch sampler, which counted them into the shared penalty
-        table), so that each row's next draw here is keyed by its output index."""
+        """Moves the rows' draw counters past `counts` tokens a verification emitted for them
+        (sample_ahead's), so that each row's next draw is keyed by its output index."""
         self.counters.index_add_(0, rows, counts.to(self.counters.dtype))
 
     def wants_logprobs(self, rows: np.ndarray) -> bool:
@@ -166,13 +176,13 @@ class DeviceSampler:
         """Samples logits [n, vocab] (any float dtype; not modified) of the batch rows `rows` (int64
         [n], on the device) into tokens (int64 [n]) and logprobs (float32 [n]: of the logits as
         given; 0 where not asked), and stores each token at last_sampled[row]. Rows must be flushed."""
-        self._launch(logits, rows, self.table, self.keys, self.counters, tokens, logprobs, last_sampled)
+        self._launch(logits, rows, _State(self.table, self.keys, self.counters, self.processed,
+                                          self.penalties.prompt_mask, self.penalties.output_counts, self.bias_ids,
+                                          self.bias_values), tokens, logprobs, last_sampled)
 
-    def verifiable(self, rows: np.ndarray) -> bool:
-        """Whether sample_ahead can draw these rows' positions: none has scores to process
-        (penalties, a logit bias), whose scratch row holds one position at a time and whose
-        penalties would count the drafts before each position."""
-        return not np.any(self._table[rows, kernels.C_FLAGS.value] & kernels.F_PROCESSED.value)
+    def processes(self, rows: np.ndarray) -> bool:
+        """Whether any of these rows has scores to process (penalties, a logit bias)."""
+        return bool(np.any(self._table[rows, kernels.C_FLAGS.value] & kernels.F_PROCESSED.value))
 
     def greedy(self, rows: np.ndarray) -> bool:
         """Whether every one of these rows takes the argmax of its logits as given (greedy, with no
@@ -182,28 +192,60 @@ class DeviceSampler:
                            == kernels.F_GREEDY.value))
 
     def sample_ahead(self, logits: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, tokens: torch.Tensor,
-                     logprobs: torch.Tensor) -> None:
+                     logprobs: torch.Tensor, preceding: torch.Tensor | None = None) -> None:
         """Samples logits row i as batch row rows[i] will draw the token offsets[i] outputs after
         its next (a verified run's positions, several a row: spec_decode/verification.py), each with
-        the noise of that output index, and changes nothing: no draw counter moves, no token is
-        counted or stored as a row's newest; once the emitted tokens are known, advance() and the
-        caller do that. Runs the kernels of `sample` over a copy of the rows' entries, one a position,
-        counters moved by the offsets; allocates nothing once its scratch holds n positions, so a
-        CUDA graph can capture it. The rows must be `verifiable` and flushed."""
+        the noise of that output index and, for rows with penalties, counting `preceding[i]` (the
+        drafts before it, -1 padded) as output; and changes nothing: no draw counter moves, no token
+        is counted or stored as a row's newest (once the emitted tokens are known, advance(),
+        count_emitted() and the caller do that). Runs the kernels of `sample` over a copy of the
+        rows' entries, one a position, counters moved by the offsets; `preceding` (given when a row
+        has scores to process: `processes`) also gives each position a scratch row of processed
+        scores and of penalty state. Allocates nothing once its scratch holds n positions. Rows must
+        be flushed."""
         n = logits.shape[0]
         if n > len(self._ahead_index):
             self._grow_ahead(n)
+        index = self._ahead_index[:n]
         table, keys, counters = self._ahead_table[:n], self._ahead_keys[:n], self._ahead_counters[:n]
         torch.index_select(self.table, 0, rows, out=table)
         torch.index_select(self.keys, 0, rows, out=keys)
         torch.index_select(self.counters, 0, rows, out=counters)
         counters.add_(offsets)
-        self._launch(logits, self._ahead_index[:n], table, keys, counters, tokens, logprobs, self._ahead_newest)
+        state = _State(table, keys, counters, self.processed, self.penalties.prompt_mask, self.penalties.output_counts,
+                       self.bias_ids, self.bias_values)
+        if preceding is not None:
+            state = self._processed_ahead(state, rows, preceding, n)
+        self._launch(logits, index, state, tokens, logprobs, self._ahead_newest)
 
-    def _launch(self, logits: torch.Tensor, rows: torch.Tensor, table: torch.Tensor, keys: torch.Tensor,
-                counters: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
-                last_sampled: torch.Tensor) -> None:
-        """The kernels of one sampling, reading each logits row's entry, key and counter at rows[i]."""
+    def count_emitted(self, rows: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
+        """Counts the emitted ones of sample_ahead's tokens (rows: each one's batch row) into their
+        rows' penalty state; rows without penalties count nothing."""
+        penalty_rows = self.table[:, kernels.C_PENALTY_ROW.value].index_select(0, rows).long()
+        keep = emitted & (penalty_rows >= 0)
+        self.penalties.record(penalty_rows.clamp_min(0), tokens, keep)
+
+    def _processed_ahead(self, state: "_State", rows: torch.Tensor, preceding: torch.Tensor, n: int) -> "_State":
+        """Each position's own processed-scores row and penalty state (its row's, with the drafts
+        before it counted), and its row's logit bias: the entries copied point at them."""
+        if n > self._ahead_processed.shape[0]:
+            self._grow_ahead_processed(n)
+        table, index = state.table, self._ahead_index[:n]
+        penalty_rows = table[:, kernels.C_PENALTY_ROW.value].long().clamp_min(0)
+        mask, counts = self._ahead_mask[:n], self._ahead_counts[:n]
+        torch.index_select(self.penalties.prompt_mask, 0, penalty_rows, out=mask)
+        torch.index_select(self.penalties.output_counts, 0, penalty_rows, out=counts)
+        counts.scatter_add_(1, preceding.clamp_min(0), (preceding >= 0).to(counts.dtype))
+        bias_ids, bias_values = self._ahead_bias_ids[:n], self._ahead_bias_values[:n]
+        torch.index_select(self.bias_ids, 0, rows, out=bias_ids)
+        torch.index_select(self.bias_values, 0, rows, out=bias_values)
+        table[:, kernels.C_SLOT.value] = index
+        table[:, kernels.C_PENALTY_ROW.value] = index
+        return _State(table, state.keys, state.counters, self._ahead_processed[:n], mask, counts, bias_ids, bias_values)
+
+    def _launch(self, logits: torch.Tensor, rows: torch.Tensor, state: "_State", tokens: torch.Tensor,
+                logprobs: torch.Tensor, last_sampled: torch.Tensor) -> None:
+        """The kernels of one sampling, reading each logits row's entry, key, counter and state at rows[i]."""
         n, vocab = logits.shape
         if logits.stride(1) != 1:
             raise ValueError("logits must be contiguous along the vocabulary")
@@ -211,20 +253,21 @@ class DeviceSampler:
             self._grow_scratch(n)
         grid = (n, self.num_chunks)
         chunks = triton.next_power_of_2(self.num_chunks)
+        table, keys, counters, processed = state.table, state.keys, state.counters, state.processed
         kernels._penalize_kernel[grid](
-            logits, logits.stride(0), self.processed, rows, table, self.penalties.prompt_mask,
-            self.penalties.output_counts, self.bias_ids, self.bias_values, vocab, self.chunk,
+            logits, logits.stride(0), processed, rows, table, state.prompt_mask,
+            state.counts, state.bias_ids, state.bias_values, vocab, self.chunk,
             MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=min(1024, 4 * self._tile), num_warps=4)
         kernels._scan_kernel[grid](
-            logits, logits.stride(0), self.processed, rows, table, keys, counters,
+            logits, logits.stride(0), processed, rows, table, keys, counters,
             self.part_f, self.part_i, vocab, self.chunk, self.num_chunks, G=self._tile,
             BLOCK=min(1024, 4 * self._tile), num_warps=8)
         kernels._verify_kernel[grid](
-            logits, logits.stride(0), self.processed, rows, table, self.part_f, self.part_i, self.part_v,
+            logits, logits.stride(0), processed, rows, table, self.part_f, self.part_i, self.part_v,
             vocab, self.chunk, self.num_chunks, CHUNKS=chunks, BLOCK=min(1024, 4 * self._tile), num_warps=4)
         kernels._finish_kernel[(n,)](
-            logits, logits.stride(0), self.processed, rows, table, keys, counters,
-            self.penalties.output_counts, self.part_f, self.part_i, self.part_v, self.gather, tokens, logprobs,
+            logits, logits.stride(0), processed, rows, table, keys, counters,
+            state.counts, self.part_f, self.part_i, self.part_v, self.gather, tokens, logprobs,
             last_sampled, vocab, self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, 4 * self._tile),
             NUM_PIVOTS=NUM_PIVOTS, CAP=self.gather_cap, MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
 
@@ -302,6 +345,16 @@ class DeviceSampler:
             self._ahead_keys = torch.zeros(positions, dtype=torch.int64)
             self._ahead_counters = torch.zeros(positions, dtype=torch.int64)
             self._ahead_newest = torch.zeros(positions, dtype=torch.int64)
+
+    def _grow_ahead_processed(self, positions: int) -> None:
+        """sample_ahead's per-position scratch for rows with scores to process (made when such a row
+        first verifies drafts: a row of processed scores, prompt mask and counts per position)."""
+        with torch.device(self.device):
+            self._ahead_processed = torch.zeros(positions, self.vocab_size, dtype=torch.float32)
+            self._ahead_mask = torch.zeros(positions, self.vocab_size, dtype=self.penalties.prompt_mask.dtype)
+            self._ahead_counts = torch.zeros(positions, self.vocab_size, dtype=self.penalties.output_counts.dtype)
+            self._ahead_bias_ids = torch.zeros(positions, MAX_LOGIT_BIAS_ENTRIES, dtype=self.bias_ids.dtype)
+            self._ahead_bias_values = torch.zeros(positions, MAX_LOGIT_BIAS_ENTRIES, dtype=self.bias_values.dtype)
 
     def _grow_scratch(self, rows: int) -> None:
         self.max_rows = rows

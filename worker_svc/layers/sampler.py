@@ -176,15 +176,12 @@ class SamplingMetadata:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0,
-                 penalties: PenaltyTable | None = None) -> None:
-        """`penalties`: a table shared with another sampler that owns its rows (a speculating worker's
-        device sampler: layers/device_sampler.py), so both count every token into the same state."""
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
         self._row_generator = torch.Generator(device)   # reseeded for every seeded row
-        self.penalties = penalties if penalties is not None else PenaltyTable(vocab_size, device)
+        self.penalties = PenaltyTable(vocab_size, device)
 
     def add_request(self, token_ids: list[int], num_prompt_tokens: int, options: SamplingOptions) -> int | None:
         """Penalty bookkeeping for a request; returns its penalty row (None: no penalties)."""
