@@ -42,6 +42,7 @@ CHUNK = 8192          # tokens of a row per program of the vocabulary-wide passe
 GATHER_CAP = 2048     # candidates the threshold search sorts once it has narrowed to them
 NUM_PIVOTS = 4        # pivots the search counts per pass over a row
 MAX_ROUNDS = 24       # passes after which the search keeps what it knows is kept
+AHEAD_CHUNK = 64      # verified positions with scores to process drawn per pass (their scratch: ~9 bytes a token each)
 
 
 def wanted(mode: str, device: torch.device, tensor_parallel_size: int) -> bool:
@@ -204,6 +205,12 @@ class DeviceSampler:
         scores and of penalty state. Allocates nothing once its scratch holds n positions. Rows must
         be flushed."""
         n = logits.shape[0]
+        if preceding is not None and n > AHEAD_CHUNK:   # the scratch holds AHEAD_CHUNK positions
+            for at in range(0, n, AHEAD_CHUNK):
+                part = slice(at, at + AHEAD_CHUNK)
+                self.sample_ahead(logits[part], rows[part], offsets[part], tokens[part], logprobs[part],
+                                  preceding[part])
+            return
         if n > len(self._ahead_index):
             self._grow_ahead(n)
         index = self._ahead_index[:n]
@@ -217,6 +224,14 @@ class DeviceSampler:
         if preceding is not None:
             state = self._processed_ahead(state, rows, preceding, n)
         self._launch(logits, index, state, tokens, logprobs, self._ahead_newest)
+
+    def reserve_ahead(self, positions: int) -> None:
+        """sample_ahead's scratch for steps of up to `positions` verified positions, made now (before
+        the KV cache takes the memory left) rather than by the first such step."""
+        if positions > len(self._ahead_index):
+            self._grow_ahead(positions)
+        if min(positions, AHEAD_CHUNK) > self._ahead_processed.shape[0]:
+            self._grow_ahead_processed(min(positions, AHEAD_CHUNK))
 
     def count_emitted(self, rows: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
         """Counts the emitted ones of sample_ahead's tokens (rows: each one's batch row) into their
