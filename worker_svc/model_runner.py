@@ -137,6 +137,8 @@ class ModelRunner:
             self._logprobs = torch.zeros(max_seqs * (k + 1), dtype=torch.float32, device=self.device)
         self._row_index = torch.arange(max_seqs, device=self.device)   # every row of a decode batch
         self.decode_graphs = None   # captured below, once the KV cache they read exists
+        if k and self.device_sampler is not None:   # verified positions' scratch, before the KV cache's share
+            self.device_sampler.reserve_ahead(max_seqs * (k + 1))
         self.num_kv_blocks = startup.size_kv_cache(self)
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
                                                    self.num_kv_heads, self.head_dim, self.kv_cache_dtype, self.device)

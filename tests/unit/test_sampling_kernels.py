@@ -381,11 +381,15 @@ def test_drawing_ahead_takes_each_positions_token_at_its_output_index_and_change
     assert not torch.equal(at_zero, tokens), "the offsets did not reach the noise"
 
 
-def test_drawing_ahead_with_penalties_and_bias_counts_the_drafts_before_each_position():
+@pytest.mark.parametrize("chunk", [64, 3], ids=["one-pass", "in-passes-of-3"])
+def test_drawing_ahead_with_penalties_and_bias_counts_the_drafts_before_each_position(monkeypatch, chunk):
     """Rows with penalties or a logit bias: position (row, j) draws as the row does j outputs later
     once the j drafts before it are counted (a sampler holding the drafts as output draws the
     position); count_emitted then counts only the emitted tokens of penalized rows. The drafts are
     each row's first token, so the penalties move the later positions off it."""
+    from worker_svc.layers import device_sampler as module
+
+    monkeypatch.setattr(module, "AHEAD_CHUNK", chunk)   # positions per pass of the per-position scratch
     vocab = 40
     options = [SamplingOptions(temperature=0.0, repetition_penalty=1.4, frequency_penalty=5.0, logprobs=True),
                SamplingOptions(temperature=0.5, seed=5, presence_penalty=6.0, logit_bias=((3, 2.0), (7, -1.5))),
@@ -430,3 +434,4 @@ def test_drawing_ahead_with_penalties_and_bias_counts_the_drafts_before_each_pos
     ahead.count_emitted(rows_d, tokens, emitted)
     added = ahead.penalties.output_counts - counts
     assert int(added.sum()) == 3   # rows 0 (two emitted) and 1 (one); row 2 has no penalties
+    assert ahead._ahead_processed.shape[0] == min(chunk, len(rows))

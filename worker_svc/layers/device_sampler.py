@@ -50,6 +50,8 @@ PLAN_ROUNDS = 16      # bisection steps of a truncating row's bound (30 nats / 2
 BRACKET_PIVOTS = 16   # pivots between a row's bound and its top, counted in one pass, when its gather overflows
 NUM_PIVOTS = 4        # pivots the one-program search counts per pass over a row
 MAX_ROUNDS = 24       # passes after which the one-program search keeps what it knows is kept
+AHEAD_CHUNK = 64      # verified positions with scores to process drawn per pass (their scratch: ~9 bytes a token each)
+
 
 def wanted(mode: str, device: torch.device, tensor_parallel_size: int) -> bool:
     """Whether a worker samples with these kernels (--sampler): kernels (also on the CPU, under
@@ -215,6 +217,12 @@ class DeviceSampler:
         scores and of penalty state. Allocates nothing once its scratch holds n positions. Rows must
         be flushed."""
         n = logits.shape[0]
+        if preceding is not None and n > AHEAD_CHUNK:   # the scratch holds AHEAD_CHUNK positions
+            for at in range(0, n, AHEAD_CHUNK):
+                part = slice(at, at + AHEAD_CHUNK)
+                self.sample_ahead(logits[part], rows[part], offsets[part], tokens[part], logprobs[part],
+                                  preceding[part])
+            return
         if n > len(self._ahead_index):
             self._grow_ahead(n)
         index = self._ahead_index[:n]
@@ -228,6 +236,14 @@ class DeviceSampler:
         if preceding is not None:
             state = self._processed_ahead(state, rows, preceding, n)
         self._launch(logits, index, state, tokens, logprobs, self._ahead_newest)
+
+    def reserve_ahead(self, positions: int) -> None:
+        """sample_ahead's scratch for steps of up to `positions` verified positions, made now (before
+        the KV cache takes the memory left) rather than by the first such step."""
+        if positions > len(self._ahead_index):
+            self._grow_ahead(positions)
+        if min(positions, AHEAD_CHUNK) > self._ahead_processed.shape[0]:
+            self._grow_ahead_processed(min(positions, AHEAD_CHUNK))
 
     def count_emitted(self, rows: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
         """Counts the emitted ones of sample_ahead's tokens (rows: each one's batch row) into their
