@@ -144,8 +144,8 @@ def test_the_device_sampler_emits_the_tokens_of_plain_sampling(tiny_model_dir, t
             if "seed" in sampling:
                 assert speculative.token_ids == plain.token_ids and accepted > 0
                 assert speculative.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
-            else:   # unseeded: a fresh key each request, so only the length and the drafts' fate are known
-                assert len(speculative.token_ids) == len(plain.token_ids) == 16 and accepted > 0
+            else:   # unseeded: a fresh key each request (and drafts accepted by chance): only the length is known
+                assert len(speculative.token_ids) == len(plain.token_ids) == 16
 
 
 def _chi_square_homogeneity(a: collections.Counter, b: collections.Counter, min_count: int = 10) -> tuple[float, int]:
