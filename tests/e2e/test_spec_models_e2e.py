@@ -20,6 +20,7 @@ from tests.e2e.test_spec_decode_e2e import _spec_counters
 from tests.support.client import generate_many, model_info
 from tests.support.hf_reference import hf_greedy
 from tests.support.procs import free_port, running_services
+from tests.support.triton_interpreter import INTERPRETED
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -125,6 +126,7 @@ def test_seeded_sampling_emits_the_tokens_of_plain_sampling(draft_services):
         assert s.logprobs == pytest.approx(p.logprobs, abs=1e-4)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU worker's kernels run interpreted only where there is no GPU")
 def test_the_device_sampler_emits_the_tokens_of_plain_sampling(tiny_model_dir, tiny_self_draft_dir, tmp_path):
     """--sampler kernels (the GPU's default sampler, interpreted here): the verified positions are
     drawn by the device sampler at their output indices, the drafts before each counted for its

@@ -16,10 +16,14 @@ from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.support.hf_reference import hf_greedy
 from tests.support.runner_driver import GREEDY, make_runner, prompt
 from tests.support.speculative_loop import Loop, ngram_runner, repeating
-from tests.support.triton_interpreter import gpu_faithful
+from tests.support.triton_interpreter import INTERPRETED, gpu_faithful
 from worker_svc.config import add_worker_arguments, worker_config_from_args
 from worker_svc.model_runner import InvalidStepError, ModelRunner
 from worker_svc.step_message import parse_step_request
+
+
+# The runners here are on the CPU: --sampler kernels runs their kernels under Triton's interpreter.
+interpreted_kernels = pytest.mark.skipif(not INTERPRETED, reason="CPU runners' kernels need Triton's interpreter")
 
 
 @pytest.mark.parametrize("as_decodes", [True, False], ids=["decode-rows", "chunks"])
@@ -124,6 +128,7 @@ def test_sampling_with_drafts_equals_plain_sampling_with_its_logprobs(tiny_model
         assert speculative.tops[seq_id][:75] == plain.tops[seq_id][:75]
 
 
+@interpreted_kernels
 @pytest.mark.parametrize("options", [
     # (truncation draws the same way at every offset: the kernel tests cover it, here it is slow)
     pb.SamplingOptions(temperature=0.8, seed=7, logprobs=True, top_logprobs=3),
@@ -184,6 +189,7 @@ def test_steps_asking_for_drafts_the_worker_does_not_hold_are_refused(tiny_model
     assert loop.tokens[1][18:] == hf_greedy(tiny_model_dir, repeating(8, 3, 6), len(loop.tokens[1]) - 18)
 
 
+@interpreted_kernels
 def test_a_speculating_worker_samples_every_step_with_the_device_sampler(tiny_model_dir):
     """--sampler kernels (interpreted on the CPU) with speculation: plain steps and steps that verify
     drafts both sample with the device sampler (no torch sampler exists), which counts every emitted
