@@ -189,9 +189,7 @@ class DeviceSampler:
         """Samples logits [n, vocab] (any float dtype; not modified) of the batch rows `rows` (int64
         [n], on the device) into tokens (int64 [n]) and logprobs (float32 [n]: of the logits as
         given; 0 where not asked), and stores each token at last_sampled[row]. Rows must be flushed."""
-        self._launch(logits, rows, _State(self.table, self.keys, self.counters, self.processed,
-                                          self.penalties.prompt_mask, self.penalties.output_counts, self.bias_ids,
-                                          self.bias_values), tokens, logprobs, last_sampled)
+        self._launch(logits, rows, self._state(), tokens, logprobs, last_sampled)
 
     def processes(self, rows: np.ndarray) -> bool:
         """Whether any of these rows has scores to process (penalties, a logit bias)."""
@@ -231,8 +229,7 @@ class DeviceSampler:
         torch.index_select(self.keys, 0, rows, out=keys)
         torch.index_select(self.counters, 0, rows, out=counters)
         counters.add_(offsets)
-        state = _State(table, keys, counters, self.processed, self.penalties.prompt_mask, self.penalties.output_counts,
-                       self.bias_ids, self.bias_values)
+        state = self._state()._replace(table=table, keys=keys, counters=counters)
         if preceding is not None:
             state = self._processed_ahead(state, rows, preceding, n)
         self._launch(logits, index, state, tokens, logprobs, self._ahead_newest)
@@ -268,7 +265,13 @@ class DeviceSampler:
         torch.index_select(self.bias_values, 0, rows, out=bias_values)
         table[:, kernels.C_SLOT.value] = index
         table[:, kernels.C_PENALTY_ROW.value] = index
-        return _State(table, state.keys, state.counters, self._ahead_processed[:n], mask, counts, bias_ids, bias_values)
+        return state._replace(processed=self._ahead_processed[:n], prompt_mask=mask, counts=counts, bias_ids=bias_ids,
+                              bias_values=bias_values)
+
+    def _state(self) -> _State:
+        """The rows' own state, as the kernels of a plain step read it."""
+        return _State(self.table, self.keys, self.counters, self.processed, self.penalties.prompt_mask,
+                      self.penalties.output_counts, self.bias_ids, self.bias_values)
 
     def _launch(self, logits: torch.Tensor, rows: torch.Tensor, state: "_State", tokens: torch.Tensor,
                 logprobs: torch.Tensor, last_sampled: torch.Tensor) -> None:
@@ -405,8 +408,8 @@ class DeviceSampler:
             self._ahead_newest = torch.zeros(positions, dtype=torch.int64)
 
     def _grow_ahead_processed(self, positions: int) -> None:
-        """sample_ahead's per-position scratch for rows with scores to process (made when such a row
-        first verifies drafts: a row of processed scores, prompt mask and counts per position)."""
+        """sample_ahead's per-position scratch for rows with scores to process (a row of processed
+        scores, prompt mask and counts, and the row's logit bias, per position of a pass)."""
         with torch.device(self.device):
             self._ahead_processed = torch.zeros(positions, self.vocab_size, dtype=torch.float32)
             self._ahead_mask = torch.zeros(positions, self.vocab_size, dtype=self.penalties.prompt_mask.dtype)
