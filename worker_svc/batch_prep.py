@@ -92,17 +92,17 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     parts = [input_ids, positions, slot_mapping, attn_query_start, attn_seq_lens, logits_indices, sampling_rows,
              gather_at, gather_rows, attn_tables.reshape(-1)]
     if layout is not None:
-        parts += [layout.first, layout.num_drafts, layout.owner, layout.offset, layout.next_drafts]
+        parts += [layout.first, layout.num_drafts, layout.owner, layout.offset, layout.next_drafts, position_rows]
     # What only some requests ask for travels only when asked (a plain step copies nothing more).
     extras = (constrained_at, top_at, score_at, score_targets)
     asked = any(len(part) for part in extras)
     views = runner._staging.fill(parts + list(extras) if asked else parts)
     (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
      tables_d) = views[:10]
-    verify = None
+    verify = verify_rows = None
     if layout is not None:
-        verify = DeviceLayout(*views[10:15], layout.max_drafts)
-        views = views[:10] + views[15:]
+        verify, verify_rows = DeviceLayout(*views[10:15], layout.max_drafts), views[15]
+        views = views[:10] + views[16:]
     constrained_d, top_d, score_at_d, score_targets_d = views[10:] if asked else (None,) * 4
     if len(gather_at):
         ids_d.index_copy_(0, gather_at_d, runner.last_sampled.index_select(0, gather_rows_d))
@@ -134,7 +134,7 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
                      top_ks=top_ks, top_positions=top_d if top_ks is not None else None,
                      score_indices=score_at_d if scored else None,
                      score_targets=score_targets_d if scored else None, scored=scored or None,
-                     verify=verify, spec=spec, draft_plan=draft_plan)
+                     verify=verify, verify_rows=verify_rows, spec=spec, draft_plan=draft_plan)
 
 
 def _verifies_as_decodes(runner: ModelRunner, counts: np.ndarray, num_tokens: int) -> bool:

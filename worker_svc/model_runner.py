@@ -53,7 +53,7 @@ from worker_svc.prompt_scoring import score_prompt
 from worker_svc.runner_io import InvalidStepError, RequestFailure, StaleMirrorError, StepInput, StepOutput, WorkerInfo
 from worker_svc.spec_decode.bookkeeping import Bookkeeping, SpecStep
 from worker_svc.spec_decode.proposers import build_proposer
-from worker_svc.spec_decode.verification import accept, preceding_drafts
+from worker_svc.spec_decode.verification import accept, decode_rows, preceding_drafts
 from worker_svc.staging import Logprobs, OutputSlots, PendingStep, Staging, to_host
 from worker_svc.step_batch import StepBatch
 from worker_svc.step_checks import StepLimits, check_step
@@ -114,10 +114,12 @@ class ModelRunner:
         # The step's integer inputs: input ids, positions and slots per token; query starts,
         # lengths and block tables per request; logits indices, sampling rows and the decode
         # tokens to gather per sampling request; constrained and top-logprob positions among
-        # them; prompt tokens to score and their targets; a verification's layout.
-        self._staging = Staging((10 if k else 5) * max_tokens + max_seqs * (self.max_blocks_per_seq + 10) + 1,
+        # them; prompt tokens to score and their targets; a verification's layout and the row of
+        # each verified position.
+        self._staging = Staging((11 if k else 5) * max_tokens + max_seqs * (self.max_blocks_per_seq + 10) + 1,
                                 self.device)
-        self._outputs = OutputSlots(max_seqs * (k + 1), self.device)
+        max_positions = decode_rows(max_seqs, k)   # sampled positions of a step: every request verifying k drafts
+        self._outputs = OutputSlots(max_positions, self.device)
         self._decode_layout = DecodeLayout(max_seqs)
         # Speculative decoding: the proposer, and the bookkeeping of steps whose tokens are not
         # back yet, which changes the batch from the thread that reads a step's result.
@@ -133,12 +135,12 @@ class ModelRunner:
         rows = self.device_sampler.capacity + 1 if self.device_sampler is not None else max_seqs
         self.last_sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         if self.device_sampler is not None:   # where it samples outside the graphs (every verified position)
-            self._tokens = torch.zeros(max_seqs * (k + 1), dtype=torch.int64, device=self.device)
-            self._logprobs = torch.zeros(max_seqs * (k + 1), dtype=torch.float32, device=self.device)
+            self._tokens = torch.zeros(max_positions, dtype=torch.int64, device=self.device)
+            self._logprobs = torch.zeros(max_positions, dtype=torch.float32, device=self.device)
         self._row_index = torch.arange(max_seqs, device=self.device)   # every row of a decode batch
         self.decode_graphs = None   # captured below, once the KV cache they read exists
         if k and self.device_sampler is not None:   # verified positions' scratch, before the KV cache's share
-            self.device_sampler.reserve_ahead(max_seqs * (k + 1))
+            self.device_sampler.reserve_ahead(max_positions)
         self.num_kv_blocks = startup.size_kv_cache(self)
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.num_kv_blocks, self.block_size,
                                                    self.num_kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
@@ -422,8 +424,7 @@ class ModelRunner:
         else:
             logprobs = self._logprobs[:n]
             preceding = preceding_drafts(batch.verify) if sampler.processes(batch.position_rows) else None
-            sampler.sample_ahead(logits, batch.sampling_rows_device.index_select(0, batch.verify.owner),
-                                 batch.verify.offset, tokens, logprobs, preceding)
+            sampler.sample_ahead(logits, batch.verify_rows, batch.verify.offset, tokens, logprobs, preceding)
             if not sampler.wants_logprobs(batch.position_rows):
                 logprobs = None
         self._apply_verification(batch, None, tokens, batch.spec)
@@ -441,8 +442,7 @@ class ModelRunner:
             self.sampler.record(meta, tokens, emitted)
         if self.device_sampler is not None:   # its next draws are keyed by the rows' new output indices
             if self.device_sampler.processes(batch.position_rows):
-                self.device_sampler.count_emitted(batch.sampling_rows_device.index_select(0, batch.verify.owner),
-                                                  tokens, emitted)
+                self.device_sampler.count_emitted(batch.verify_rows, tokens, emitted)
             self.device_sampler.advance(batch.sampling_rows_device, accepted + 1)
         if batch.constrained is not None and self.structured is not None:
             self.structured.record(batch.constrained[1], tokens, batch.constrained[2], emitted)

@@ -41,6 +41,7 @@ class StepBatch:
     graph: bool = False
     # Speculative decoding: the verification's layout on the device, and the step's bookkeeping.
     verify: DeviceLayout | None = None
+    verify_rows: torch.Tensor | None = None   # int64 [sampled positions]: position_rows on the device
     spec: SpecStep | None = None
     accepted: torch.Tensor | None = None   # drafts each sampling request accepted (device), once sampled
     draft_plan: DraftPlan | None = None    # a device proposer's drafting plan
