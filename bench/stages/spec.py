@@ -226,9 +226,7 @@ def profiled(args: argparse.Namespace, label: str, counters: "Counters", generat
     host = cProfile.Profile()
     runner, inner = counters.runner, counters.runner.launch
 
-    def launch(step):   # a traced run's host times are the trace's, without cProfile's overhead
-        if trace_to is not None:
-            return inner(step)
+    def launch(step):
         host.enable()
         try:
             return inner(step)
@@ -241,7 +239,7 @@ def profiled(args: argparse.Namespace, label: str, counters: "Counters", generat
     before = counters.snapshot()[0]
     sync()
     started = time.perf_counter()
-    runner.launch = launch
+    runner.launch = launch if trace_to is None else inner   # a traced run's host times are the trace's
     try:
         activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
         if trace_to is not None and cuda:
@@ -265,9 +263,9 @@ def profiled(args: argparse.Namespace, label: str, counters: "Counters", generat
     for name, total in ms.items():
         kinds[kernel_kind(name)] += total / steps
     top = sorted(ms.items(), key=lambda kv: -kv[1])[:16]
-    functions = [(f"{func} ({pathlib.Path(file).name}:{line})", tt * 1e3 / steps, ct * 1e3 / steps)
-                 for (file, line, func), (_, _, tt, ct, _) in
-                 (pstats.Stats(host).stats.items() if trace_to is None else ())]
+    functions = ([] if trace_to is not None else   # cProfile did not run
+                 [(f"{func} ({pathlib.Path(file).name}:{line})", tt * 1e3 / steps, ct * 1e3 / steps)
+                  for (file, line, func), (_, _, tt, ct, _) in pstats.Stats(host).stats.items()])
     return {"host_own": [(f, round(tt, 4)) for f, tt, _ in sorted(functions, key=lambda f: -f[1])[:12]],
             "host_cumulative": [(f, round(ct, 4)) for f, _, ct in sorted(functions, key=lambda f: -f[2])[:16]],
             "proposer": label, "steps": steps, "wall_ms_per_step": wall_ms / steps,

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import statistics
 import sys
-import urllib.request
 
 from bench.options import config_dir, load_config
 from bench.stages.spec import METHOD_K, REPEATS, Shape, _eagle3_dir, _prompts, predicted_speedup
@@ -104,11 +103,9 @@ def _measure(args: argparse.Namespace, shape: Shape, addr: str, metrics_port: in
 
 def _spec_counters(port: int) -> tuple[float, float, float]:
     """The scheduler's verifications, draft tokens and accepted drafts so far (Prometheus)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from tools.loadtest.metrics import scrape_metrics
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {sample.name: sample.value for family in text_string_to_metric_families(text)
-              for sample in family.samples}
+    values = scrape_metrics(port)
     return tuple(values.get(f"llm_spec_decode_{name}_total", 0.0)
                  for name in ("verifications", "draft_tokens", "accepted_tokens"))
 

@@ -9,8 +9,12 @@ Definitions (as vLLM's `bench serve`):
 - E2E: from sending the request to the end of its stream.
 - Goodput: completed requests per second whose TTFT, TPOT and E2E all meet the given SLOs
   (a one-token request's TPOT counts as 0, as vLLM counts it).
+
+`scrape_metrics` reads the server's side: the scheduler's Prometheus samples.
 """
 from __future__ import annotations
+
+import urllib.request
 
 from collections import Counter
 from dataclasses import dataclass, field
@@ -227,3 +231,10 @@ def requests_in_flight(records: list[RequestRecord]) -> tuple[np.ndarray, np.nda
     times = np.array([0.0] + [t for t, _ in events])
     counts = np.concatenate([[0], np.cumsum([step for _, step in events])])
     return times, counts
+
+
+def scrape_metrics(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """The scheduler's Prometheus samples on `port`, keyed as exposed: name{labels}."""
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    return {name: float(value) for name, _, value in
+            (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}

@@ -37,7 +37,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
@@ -50,6 +49,7 @@ from tools.launch import free_port, scheduler_proc, worker_proc
 from tools.loadtest.arrivals import arrival_offsets
 from tools.loadtest.hostile import HostileRounds, HostileSettings
 from tools.loadtest.hostile import measure as measure_hostile
+from tools.loadtest.metrics import scrape_metrics
 
 # Outcomes of one request, as the client saw it.
 COMPLETED, CANCELLED, REFUSED, DEADLINE, ERROR = "completed", "cancelled", "refused", "deadline", "error"
@@ -105,9 +105,7 @@ class Processes:
         self.worker.stop(timeout=20)
 
     def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        return {name: float(value) for name, _, value in
-                (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
+        return scrape_metrics(self.metrics_port)
 
 
 async def _wait_ready(stub: GenerationStub, procs: Processes, timeout_s: float) -> pb.ModelInfo:
