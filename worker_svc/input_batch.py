@@ -149,12 +149,6 @@ class InputBatch:
             self.num_blocks[row] = start + count
             offset += count
 
-    def cut_blocks(self, row: int, num_blocks: int) -> None:
-        """Keeps only the row's first num_blocks block ids (those of rejected drafts go)."""
-        if num_blocks < self.num_blocks[row]:
-            self.block_tables[row, num_blocks:self.num_blocks[row]] = 0
-            self.num_blocks[row] = num_blocks
-
     def _grow(self, capacity: int) -> None:
         def grown(array: np.ndarray) -> np.ndarray:
             out = np.zeros((capacity, *array.shape[1:]), dtype=array.dtype)

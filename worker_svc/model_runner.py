@@ -127,8 +127,8 @@ class ModelRunner:
         # that asks for drafts.
         self.proposer = build_proposer(self, config) if k else None
         self.drafter = self.proposer if k and self.proposer.on_device else None
-        self._batch_lock = threading.Lock()
-        self.bookkeeping = (Bookkeeping(self.batch, self.block_size, self.max_model_len, self._batch_lock,
+        self._batch_lock = threading.RLock()   # launch holds it while _execute takes it again
+        self.bookkeeping = (Bookkeeping(self.batch, self.max_model_len, self._batch_lock,
                                         None if self.drafter else self.proposer.propose_on_host) if k else None)
         # Each row's newest sampled token, on the device: the next decode's input (with the device
         # sampler, one more entry for its dummy row, which the padding of a graph's batch samples).
@@ -194,6 +194,9 @@ class ModelRunner:
         started = time.perf_counter()
         if parallel_state.group_broken().is_set():
             raise RuntimeError("the tensor-parallel group is broken; this worker is exiting")
+        # A speculating worker holds its batch until the step is launched: the replies of the steps
+        # before it (settled here) go out only then, so their handling on the host (in one
+        # process: the scheduler's too) runs while this step's kernels do, not between its launches.
         with self._batch_lock if self.bookkeeping is not None else contextlib.nullcontext():
             if self.bookkeeping is not None and (step.num_drafts is not None or self.bookkeeping.must_settle):
                 self.bookkeeping.settle_all()
@@ -202,16 +205,16 @@ class ModelRunner:
             if self.device_sampler is not None:
                 self.device_sampler.flush()
             batch = prepare_batch(self, rows, counts, drafts, step.propose_drafts) if len(rows) else None
-        if batch is None:
-            pending = PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
-        else:
-            prepared = time.perf_counter()
-            try:
-                pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
-            except Exception as exc:
-                if self.tp_size > 1:   # the other ranks are left waiting in a collective
-                    parallel_state.mark_broken(f"step {step.step_id} failed: {exc!r}")
-                raise
+            if batch is None:
+                pending = PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
+            else:
+                prepared = time.perf_counter()
+                try:
+                    pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
+                except Exception as exc:
+                    if self.tp_size > 1:   # the other ranks are left waiting in a collective
+                        parallel_state.mark_broken(f"step {step.step_id} failed: {exc!r}")
+                    raise
         pending.failed += failed
         return pending
 

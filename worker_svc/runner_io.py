@@ -48,8 +48,9 @@ class StepInput:
     new_block_indices: np.ndarray   # int64: cached entries whose block table grows, ascending
     new_block_counts: np.ndarray    # int64: how many ids each of those gets
     new_block_ids: np.ndarray       # int64: the ids, concatenated
-    # Speculative decoding: drafts each cached request verifies after its decode token (0: none),
-    # and whether to propose drafts for the next step.
+    # Speculative decoding: the most drafts each cached request verifies after its decode token
+    # (0: none; the step checks fit it to the drafts the worker holds), and whether to propose
+    # drafts for the next step.
     num_drafts: np.ndarray | None = None    # int64 [len(cached_seq_ids)]; None: no drafts
     propose_drafts: bool = False
 
@@ -100,10 +101,12 @@ class StepOutput:
     top_logprobs: TopLogprobs | None = None       # parallel to token_ids, when any request asked
     prompt_logprobs: PromptLogprobs | None = None
     failed: tuple[RequestFailure, ...] = ()
-    # Speculative decoding: tokens per sampling request when the step verified drafts (None: one
-    # each), and the drafts held for each for the next step when it proposed (None: none).
+    # Speculative decoding: tokens per sampling request and the drafts each verified when the step
+    # verified drafts (None: one each), and the drafts held for each for the next step when it
+    # proposed (None: none).
     token_counts: list[int] | None = None
     num_drafts: list[int] | None = None
+    verified_drafts: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

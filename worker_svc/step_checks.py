@@ -144,17 +144,16 @@ def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: 
 
 def _check_drafts(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: InputBatch, start: np.ndarray,
                   counts: np.ndarray, refuse) -> np.ndarray:
-    """Entries that verify drafts: each a decode of its newest token, verifying at most the drafts
-    this worker holds for it, within max_model_len. Returns the drafts per entry."""
+    """Entries that verify drafts: each a decode of its newest token, verifying the drafts this
+    worker holds for it up to the count asked (a scheduler that scheduled this step before the
+    last one's answer asks for the most it may hold), within max_model_len. Fits step.num_drafts to
+    them and returns it."""
     drafts = step.num_drafts
     drafted = drafts > 0
     not_decode = drafted & ((counts != 1) | (start + counts != batch.num_tokens[rows]))
     if np.any(not_decode):
         refuse(not_decode, lambda i: "verifies drafts but does not decode its newest token")
-    held = batch.num_drafts[rows]
-    too_many = drafts > held
-    if np.any(too_many):
-        refuse(too_many, lambda i: f"verifies {drafts[i]} drafts; this worker holds {held[i]} for it")
+    np.minimum(drafts, batch.num_drafts[rows], out=drafts)
     too_long = start + counts + drafts > limits.max_model_len
     if np.any(too_long):
         refuse(too_long, lambda i: f"{drafts[i]} drafts from position {start[i] + 1} pass max_model_len "

@@ -87,6 +87,7 @@ def build_step_response(output: StepOutput) -> worker_pb2.StepResponse:
                                        total_ms=output.total_ms, device_ms=output.device_ms),
         token_counts=output.token_counts or (),
         num_drafts=output.num_drafts or (),
+        verified_drafts=output.verified_drafts or (),
     )
     if output.top_logprobs is not None:
         _top_to_proto(output.top_logprobs, msg.top_logprobs)

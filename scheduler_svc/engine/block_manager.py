@@ -138,9 +138,11 @@ class BlockManager:
         return True
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grows seq's table to hold num_new_tokens more tokens past the computed ones (a
-        chunk may need several blocks). All or nothing; False when blocks run out."""
-        num_needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        """Grows seq's table to hold num_new_tokens more tokens past the computed ones and the
+        drafts steps in flight verify (a chunk may need several blocks). All or nothing; False
+        when blocks run out."""
+        num_needed = (self.blocks_for(seq.num_computed_tokens + seq.num_unresolved_drafts + num_new_tokens)
+                      - len(seq.block_table))
         if num_needed > len(self.free_block_ids):
             return False
         for _ in range(num_needed):
@@ -176,18 +178,6 @@ class BlockManager:
                     self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
-
-    def free_tail(self, seq: Sequence, num_blocks: int) -> None:
-        """Gives back seq's blocks past its first num_blocks (slots reserved for draft tokens that
-        were rejected: they hold no computed token, so no cached block is among them)."""
-        for block_id in reversed(seq.block_table[num_blocks:]):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                block.forget()
-                self.free_block_ids[block_id] = None
-                self.free_block_ids.move_to_end(block_id, last=False)
-        del seq.block_table[num_blocks:]
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (the worker lost its KV). Every sequence must be freed."""

@@ -256,8 +256,7 @@ class GroupRunner:
             while True:
                 if not self.healthy:
                     await self._reconnect()
-                if (len(in_flight) < depth and self.scheduler.has_unfinished()
-                        and (not in_flight or self.scheduler.may_schedule_ahead())):
+                if len(in_flight) < depth and self.scheduler.has_unfinished():
                     output = self.scheduler.schedule()
                     if not output.is_empty:
                         in_flight.append(self._send(output))
@@ -349,7 +348,8 @@ class GroupRunner:
         self.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms,
                                  result.device_ms or result.forward_ms)
         try:
-            received = self.scheduler.update(output, result.token_ids, result.token_counts, result.num_drafts)
+            received = self.scheduler.update(output, result.token_ids, result.token_counts, result.num_drafts,
+                                             result.verified_drafts)
         except ValueError as e:       # the reply lacks tokens the step had to sample
             raise WorkerError(f"group {self.index}: {e}") from e
         for seq in output.seqs:       # a step that went through clears its requests of suspicion

@@ -25,8 +25,13 @@ fail is alone among the suspects of the next failure and can be blamed for it (G
 
 Speculative decoding (speculation.py has the rules): a decode whose worker holds draft tokens for
 it may verify some of them in its step, with KV slots reserved for each; the step then brings
-it the accepted drafts and one more token, cut at a stop, and the blocks only rejected drafts used
-go back. A step whose drafts depend on the previous step's result is never scheduled ahead of it.
+it the accepted drafts and one more token, cut at a stop. Such steps are scheduled ahead too: the
+worker settles a verification before it prepares the next step, and computes that step's positions
+from its own count, so the scheduler need not know how many drafts were accepted. Until it does,
+it reserves their slots (num_unresolved_drafts), asks the next step to verify the most drafts the
+one in flight may propose (the worker verifies those it holds), and, once the answer comes, moves
+the entries of the later step in flight by the drafts accepted. Rejected drafts' slots stay in the
+block table for the tokens that follow.
 """
 from __future__ import annotations
 
@@ -221,6 +226,11 @@ class Scheduler:
         # others still hold its prefix blocks; the worker drops the old mirror first.
         self._schedule_waiting(output, budget)
         output.propose_drafts = self.speculating
+        if self.config.speculation.num_speculative_tokens:
+            # What the worker will hold for each once this step ran: the most it may propose.
+            most = self.config.speculation.num_speculative_tokens if output.propose_drafts else 0
+            for seq in output.sampling_seqs:
+                seq.num_drafts = most if seq.sampling.speculative else 0
         if output.seqs:
             # Sent with this step; when nothing is scheduled no step is sent, so they wait.
             output.finished_seq_ids, self._finished_ids = self._finished_ids, []
@@ -242,12 +252,6 @@ class Scheduler:
         batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
         return spec.num_speculative_tokens > 0 and batch <= spec.max_batch_size
 
-    def may_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the last one's result is applied: not
-        after a step that verifies or proposes drafts (the next one's drafts depend on it)."""
-        last = self._in_flight[-1] if self._in_flight else None
-        return last is None or not (last.propose_drafts or last.cached.draft_indices)
-
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Every running sequence gets its next tokens while the budget lasts. The common case,
         a decode that stays inside its last block, touches nothing but the output's columns."""
@@ -258,16 +262,16 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             placeholders = seq.num_placeholder_tokens
-            if placeholders and self._finishes_by_length(seq, placeholders):
-                i += 1                        # its last token is in flight: nothing left to run
+            if placeholders and self._finishes_by_length(seq, placeholders + seq.num_unresolved_drafts):
+                i += 1                        # its last token may be in flight: wait for the answer
                 continue
             num_computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids) + placeholders - num_computed
-            if speculating and seq.num_drafts and num_tokens == 1 and not placeholders:
+            if speculating and seq.num_drafts and num_tokens == 1:
                 budget -= self._schedule_decode_with_drafts(output, seq, budget)
                 i += 1
                 continue
-            if num_tokens == 1 and num_computed < len(seq.block_table) * bs:
+            if num_tokens == 1 and num_computed + seq.num_unresolved_drafts < len(seq.block_table) * bs:
                 self._add_cached(output, seq, 1, num_computed, False)   # the decode fast path
                 budget -= 1
                 i += 1
@@ -285,7 +289,8 @@ class Scheduler:
         bm = self.block_manager
         k = num_drafts_to_verify(seq, self.config.speculation, budget - 1, self.config.max_model_len)
         # As many as the free blocks hold: drafts never take a block from another request.
-        k = min(k, (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens - 1)
+        k = min(k, (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+                - seq.num_unresolved_drafts - 1)
         if k > 0 and bm.append_slots(seq, 1 + k):
             self._add_cached(output, seq, 1, seq.num_computed_tokens, True, k)
             return 1 + k
@@ -353,6 +358,7 @@ class Scheduler:
             cached.draft_counts.append(num_drafts)
             output.sampling_draft_indices.append(len(output.sampling_seqs))   # a decode: it samples
             output.num_scheduled_tokens += num_drafts
+            seq.num_unresolved_drafts += num_drafts
         if may_have_new_blocks and len(seq.block_table) > seq.num_blocks_on_worker:
             new_blocks = seq.block_table[seq.num_blocks_on_worker:]
             cached.new_block_indices.append(index)
@@ -387,7 +393,7 @@ class Scheduler:
         """Gives back seq's blocks; what steps in flight compute or sample for it is dropped."""
         self.block_manager.free(seq)
         seq.num_placeholder_tokens = 0
-        seq.num_drafts = 0
+        seq.num_drafts = seq.num_unresolved_drafts = 0
 
     def _requeue(self, seq: Sequence) -> None:
         """Recompute-style preemption: free everything, wait at the front of the queue."""
@@ -416,11 +422,12 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, token_ids: Sequence_[int], token_counts: Sequence_[int] = (),
-               num_drafts: Sequence_[int] = ()) -> list[Sequence]:
+               num_drafts: Sequence_[int] = (), verified_drafts: Sequence_[int] = ()) -> list[Sequence]:
         """Applies the result of the oldest step in flight: `token_ids` holds one token per
         entry of output.sampling_seqs, in that order, or `token_counts[i]` for entry i when the
         step verified drafts (1 + its accepted drafts); `num_drafts[i]`, when given, is how many
-        drafts the worker now holds for entry i. Registers the blocks the step filled, appends
+        drafts the worker now holds for entry i, and `verified_drafts[i]` how many it verified
+        (default: the count asked). Registers the blocks the step filled, appends
         each sampled token and checks the stop conditions (a stop inside a run cuts it there),
         freeing finished sequences at once. Returns the sequences that received tokens (finished
         ones included, with finish_reason set), in batch order; output.received_counts says how
@@ -432,7 +439,7 @@ class Scheduler:
             raise RuntimeError("step results must be applied in the order the steps were scheduled")
         # Check before changing anything, so a bad reply leaves every sequence as it was.
         check_reply(output.sampling_seqs, output.sampling_draft_indices, output.cached.draft_counts, len(token_ids),
-                    token_counts, num_drafts, self.config.speculation.num_speculative_tokens)
+                    token_counts, num_drafts, self.config.speculation.num_speculative_tokens, verified_drafts)
         self._in_flight.popleft()
         bs = self.block_manager.block_size
         running = SequenceStatus.RUNNING
@@ -446,7 +453,8 @@ class Scheduler:
                     and not (drafted and index in drafted)):
                 self.block_manager.cache_computed_blocks(seq, start, start + n)
         if drafted:
-            return self._apply_runs(output, token_ids, token_counts or [1] * len(output.sampling_seqs), num_drafts)
+            return self._apply_runs(output, token_ids, token_counts or [1] * len(output.sampling_seqs), num_drafts,
+                                    verified_drafts)
         received: list[Sequence] = []
         finished = False
         eos, max_model_len = self.eos_token_ids, self.config.max_model_len
@@ -458,8 +466,8 @@ class Scheduler:
             tokens = seq.token_ids
             tokens.append(token)
             seq.num_placeholder_tokens -= 1
-            if speculation:
-                seq.num_drafts = held
+            if speculation and not seq.num_placeholder_tokens:
+                seq.num_drafts = held         # (else a later step in flight proposes its next ones)
             received.append(seq)
             params = seq.sampling
             num_output = len(tokens) - seq.num_prompt_tokens
@@ -475,11 +483,15 @@ class Scheduler:
         return received
 
     def _apply_runs(self, output: SchedulerOutput, token_ids: Sequence_[int], counts: Sequence_[int],
-                    num_drafts: Sequence_[int]) -> list[Sequence]:
+                    num_drafts: Sequence_[int], verified: Sequence_[int]) -> list[Sequence]:
         """update() for a step that verified drafts: each sampling sequence gets a run of tokens."""
         running = SequenceStatus.RUNNING
         drafts_of = dict(zip(output.sampling_draft_indices, output.cached.draft_counts))
         entry_of = dict(zip(output.sampling_draft_indices, output.cached.draft_indices))
+        for j, k in drafts_of.items():        # resolved, whatever becomes of the sequence
+            seq = output.sampling_seqs[j]
+            if seq.num_admissions == output.sampling_admissions[j] and seq.status is running:
+                seq.num_unresolved_drafts -= k
         received: list[Sequence] = []
         received_counts: list[int] = []
         offset = 0
@@ -492,14 +504,15 @@ class Scheduler:
             appended = self._append_run(seq, run)
             received.append(seq)
             received_counts.append(appended)
-            k = drafts_of.get(j, 0)
+            k = (verified[j] if verified else drafts_of[j]) if j in drafts_of else 0
             if k:
                 output.num_verifications += 1
                 output.num_draft_tokens += k
                 output.num_accepted_tokens += appended - 1
             if seq.status is running:
-                seq.num_drafts = num_drafts[j] if num_drafts else 0
-                if k:
+                if not seq.num_placeholder_tokens:   # (else a later step in flight proposes its next ones)
+                    seq.num_drafts = num_drafts[j] if num_drafts else 0
+                if j in drafts_of:
                     self._keep_accepted(seq, output.num_computed[entry_of[j]], n)
         self.running = [seq for seq in self.running if seq.status is running]
         output.received_counts = received_counts
@@ -523,15 +536,16 @@ class Scheduler:
 
     def _keep_accepted(self, seq: Sequence, start: int, num_tokens: int) -> None:
         """After a verification from position `start` that brought num_tokens tokens: the accepted
-        drafts' KV counts as computed, the blocks it filled are registered, and the blocks past the
-        next decode's slot (which only rejected drafts used) go back; the worker cuts its table alike."""
-        seq.num_computed_tokens = start + num_tokens
+        drafts' KV counts as computed (past whatever later steps in flight compute for seq, whose
+        entries move by as many positions) and the blocks it filled are registered."""
+        accepted = num_tokens - 1
+        seq.num_computed_tokens += accepted
+        if accepted:
+            for later in self._in_flight:
+                later.shift_positions(seq, accepted)
         end = start + num_tokens
         if end // self.block_manager.block_size != start // self.block_manager.block_size:
             self.block_manager.cache_computed_blocks(seq, start, end)
-        keep = self.block_manager.blocks_for(seq.num_computed_tokens + 1)
-        self.block_manager.free_tail(seq, keep)
-        seq.num_blocks_on_worker = min(seq.num_blocks_on_worker, keep)
 
     def _finishes_by_length(self, seq: Sequence, num_more_tokens: int) -> bool:
         """Whether seq reaches max_tokens or max_model_len once num_more_tokens are appended."""

@@ -95,6 +95,14 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.seqs
 
+    def shift_positions(self, seq: Sequence, by: int) -> None:
+        """seq's entry starts `by` positions later than scheduled: a verification in flight before
+        this step accepted that many drafts (the worker computes this step's positions itself)."""
+        for i, s in enumerate(self.seqs):
+            if s is seq:
+                self.num_computed[i] += by
+                return
+
     @property
     def scheduled(self) -> list[ScheduledSequence]:
         sampling = {id(s) for s in self.sampling_seqs}

@@ -35,6 +35,7 @@ class Sequence:
         "num_cached_prompt_tokens", "block_table", "block_hashes", "status", "finish_reason",
         "sampling", "arrival_time", "num_admissions", "on_worker", "num_blocks_on_worker",
         "num_placeholder_tokens", "arrival_order", "paused", "suspect", "num_failures", "num_drafts",
+        "num_unresolved_drafts",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -79,8 +80,13 @@ class Sequence:
         # (num_failures counts those; GroupRunner fails it at --max-request-failures).
         self.suspect = False
         self.num_failures = 0
-        # Draft tokens its worker mirror holds for its next decode to verify (speculative decoding).
+        # Draft tokens its worker mirror holds for its next decode to verify (speculative decoding):
+        # what the last answer said, or, while a step in flight proposes for it, the most that
+        # step may propose (the worker verifies those it holds, up to the count asked).
         self.num_drafts = 0
+        # Drafts that steps in flight verify: each may be accepted, so their positions are
+        # reserved (KV slots, max_tokens) until the answer says how many were.
+        self.num_unresolved_drafts = 0
 
     @property
     def priority(self) -> int:

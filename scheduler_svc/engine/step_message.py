@@ -73,6 +73,7 @@ class StepResult:
     # worker holds for each for the next step (empty: none).
     token_counts: list[int] = field(default_factory=list)
     num_drafts: list[int] = field(default_factory=list)
+    verified_drafts: list[int] = field(default_factory=list)   # parallel to token_counts, when any verified
 
 
 def _top_columns(msg: top_logprobs_pb2.TopLogprobColumns) -> TopLogprobColumns | None:
@@ -91,4 +92,4 @@ def parse_step_response(response: worker_pb2.StepResponse) -> StepResult:
     failed = {f.seq_id: RequestError(f.code, f.message, f.about_constraint) for f in response.failed}
     return StepResult(list(response.token_ids), list(response.logprobs) or None, t.forward_ms, t.device_ms,
                       _top_columns(response.top_logprobs), prompt, failed, list(response.token_counts),
-                      list(response.num_drafts))
+                      list(response.num_drafts), list(response.verified_drafts))

@@ -43,9 +43,10 @@ class FakeWorker:
         self.mirrors: dict[int, Mirror] = {}
         self.num_speculative_tokens = num_speculative_tokens
         self.propose = propose
-        # The last step's reply beyond its tokens: tokens per sampling request (empty: one each)
-        # and drafts held per sampling request (empty: none proposed).
+        # The last step's reply beyond its tokens: tokens and drafts verified per sampling request
+        # (empty: one each, none verified) and drafts held per sampling request (empty: none proposed).
         self.token_counts: list[int] = []
+        self.verified_drafts: list[int] = []
         self.num_drafts: list[int] = []
 
     def slot(self, block_ids: list[int], position: int):
@@ -71,8 +72,10 @@ class FakeWorker:
             offset += count
         scheduled = []
         for i, seq_id in enumerate(cached.seq_ids):
-            self.mirrors[seq_id].block_ids.extend(new_blocks.get(i, []))
-            scheduled.append((seq_id, counts.get(i, 1), drafts.get(i, 0)))
+            mirror = self.mirrors[seq_id]
+            mirror.block_ids.extend(new_blocks.get(i, []))
+            # It verifies the drafts it holds, up to the count asked.
+            scheduled.append((seq_id, counts.get(i, 1), min(drafts.get(i, 0), len(mirror.drafts))))
         for new in request.new_requests:
             assert new.seq_id not in self.mirrors
             mirror = Mirror(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
@@ -83,13 +86,13 @@ class FakeWorker:
             mirror = self.mirrors[seq_id]
             start = mirror.num_computed_tokens
             assert n >= 1 and start + n <= len(mirror.token_ids)
-            assert k <= len(mirror.drafts) and (not k or start + n == len(mirror.token_ids))
+            assert not k or start + n == len(mirror.token_ids)
             assert start + n + k <= len(mirror.block_ids) * self.block_size
             tokens = mirror.token_ids + mirror.drafts[:k]
             for p in range(start, start + n + k):
                 self.kv[mirror.block_ids[p // self.block_size]][p % self.block_size] = tuple(tokens[:p + 1])
             mirror.num_computed_tokens += n
-        sampled, self.token_counts, self.num_drafts = [], [], []
+        sampled, self.token_counts, self.verified_drafts, self.num_drafts = [], [], [], []
         for seq_id, _, k in scheduled:
             mirror = self.mirrors[seq_id]
             self.assert_kv(mirror)
@@ -97,7 +100,10 @@ class FakeWorker:
                 run = self._verify(mirror, sample, k)
                 sampled += run
                 self.token_counts.append(len(run))
+                self.verified_drafts.append(k)
                 self.num_drafts.append(self._propose(mirror) if request.propose_drafts else 0)
+        if not any(self.verified_drafts):
+            self.verified_drafts = []
         if all(c == 1 for c in self.token_counts):
             self.token_counts = []
         if not request.propose_drafts:
@@ -106,8 +112,8 @@ class FakeWorker:
 
     def _verify(self, mirror: Mirror, sample: Callable[[list[int]], int], k: int) -> list[int]:
         """The samples at the newest token and at each of k drafts, up to the first that differs
-        from the next draft; the accepted drafts' KV counts as computed, and the block table keeps
-        the blocks of its computed tokens plus one, as the scheduler's does."""
+        from the next draft; the accepted drafts' KV counts as computed (the rejected ones' slots
+        stay in the block table)."""
         run = []
         for j in range(k + 1):
             run.append(sample(mirror.token_ids + run))
@@ -116,7 +122,6 @@ class FakeWorker:
         mirror.token_ids += run
         if k:
             mirror.num_computed_tokens += len(run) - 1
-            del mirror.block_ids[-(-(mirror.num_computed_tokens + 1) // self.block_size):]
         mirror.drafts = []
         return run
 
@@ -158,6 +163,8 @@ class FakeWorkerClient:
         self.num_steps = 0
         self._turn = asyncio.Lock()        # FIFO: the first step sent runs first
         self.num_in_flight = self.max_in_flight = 0
+        # Steps that verify drafts in flight now, and steps sent while one was (scheduled ahead of it).
+        self.verifying_in_flight = self.sent_behind_verification = 0
         self.lease = WorkerLease()
 
     async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
@@ -188,6 +195,9 @@ class FakeWorkerClient:
     async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
         self.num_in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        self.sent_behind_verification += self.verifying_in_flight > 0
+        verifies = len(request.cached.draft_indices) > 0
+        self.verifying_in_flight += verifies
         try:
             async with self._turn:
                 await asyncio.sleep(self.step_s)     # the forward pass
@@ -202,9 +212,11 @@ class FakeWorkerClient:
                 self._check_lease(request.lease_epoch, f"step {request.step_id}")
                 sampled = self.worker.step(request, lambda tokens: prefix_token(tokens, self.vocab_size))
             return worker_pb2.StepResponse(step_id=request.step_id, token_ids=sampled,
-                                           token_counts=self.worker.token_counts, num_drafts=self.worker.num_drafts)
+                                           token_counts=self.worker.token_counts, num_drafts=self.worker.num_drafts,
+                                           verified_drafts=self.worker.verified_drafts)
         finally:
             self.num_in_flight -= 1
+            self.verifying_in_flight -= verifies
 
     def _poisoned(self, request: worker_pb2.StepRequest) -> bool:
         firsts = [new.token_ids[0] for new in request.new_requests]

@@ -4,7 +4,7 @@ the worker holds for it (tests/unit/test_spec_decode_runner.py, tests/e2e/test_r
 from __future__ import annotations
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
-from tests.support.runner_driver import BLOCK_SIZE, add_new_blocks, grow_blocks, make_runner, prompt
+from tests.support.runner_driver import add_new_blocks, grow_blocks, make_runner, prompt
 from worker_svc.model_runner import ModelRunner
 from worker_svc.step_message import parse_step_request
 
@@ -25,6 +25,10 @@ class Loop:
         self.step_id = 0
         self.num_verified = self.num_accepted = 0
         self.propose = True                  # what each step's propose_drafts says (the batch threshold)
+        # Drafts each decode asks to verify; None: those the worker said it holds. A scheduler
+        # that schedules ahead asks for the most the step before may propose.
+        self.ask: int | None = None
+        self.num_fitted = 0                  # verifications the worker fitted to fewer drafts than asked
 
     def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
         return grow_blocks(self.blocks[seq_id], self.free_blocks, num_tokens)
@@ -46,7 +50,7 @@ class Loop:
         columns = pb.CachedRequests(seq_ids=order)
         drafts = {}
         for i, seq_id in enumerate(order):
-            k = drafts[seq_id] = self.held.get(seq_id, 0)
+            k = drafts[seq_id] = self.held.get(seq_id, 0) if self.ask is None else self.ask
             fresh = self._grow(seq_id, self.computed[seq_id] + 1 + k)
             if k:
                 columns.draft_indices.append(i)
@@ -60,23 +64,22 @@ class Loop:
         output = self.runner.step(parse_step_request(request))
         counts = output.token_counts or [1] * len(order)
         held_drafts = output.num_drafts or [0] * len(order)     # a plain runner proposes none
-        assert len(output.token_ids) == sum(counts) and len(held_drafts) == len(order)
+        verified = output.verified_drafts or [0] * len(order)
+        assert len(output.token_ids) == sum(counts) and len(held_drafts) == len(order) == len(verified)
         offset = 0
-        for seq_id, n, held in zip(order, counts, held_drafts):
+        for seq_id, n, held, k in zip(order, counts, held_drafts, verified):
             run = output.token_ids[offset:offset + n]
             if output.logprobs is not None:
                 self.logprobs[seq_id] += output.logprobs[offset:offset + n]
             if output.top_logprobs is not None:
                 self.tops[seq_id] += output.top_logprobs.token_ids[offset * 3:(offset + n) * 3]
             offset += n
-            assert 1 <= n <= drafts.get(seq_id, 0) + 1
-            if drafts.get(seq_id):
+            assert k == min(drafts.get(seq_id, 0), self.held.get(seq_id, 0)) and 1 <= n <= k + 1
+            self.num_fitted += k < drafts.get(seq_id, 0)
+            if k:
                 self.num_verified += 1
                 self.num_accepted += n - 1
-                self.computed[seq_id] += n       # the decode and the accepted drafts
-                keep = -(-(self.computed[seq_id] + 1) // BLOCK_SIZE)
-                self.free_blocks += self.blocks[seq_id][keep:]
-                del self.blocks[seq_id][keep:]
+                self.computed[seq_id] += n       # the decode and the accepted drafts (rejected ones' slots stay)
             elif self.computed[seq_id] < len(self.tokens[seq_id]):
                 self.computed[seq_id] += 1
             self.tokens[seq_id] += run

@@ -57,8 +57,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.worker = FakeWorker(num_blocks, block_size, self.num_speculative_tokens,
                                  lambda tokens: guess(tokens, self.num_speculative_tokens, len(tokens)))
         # Steps the worker has run (it runs each when it is sent) whose results are not applied:
-        # the output, the tokens, the tokens per sampling request and the drafts it holds.
-        self.in_flight: list[tuple[SchedulerOutput, list[int], list[int], list[int]]] = []
+        # the output, the tokens, the tokens per sampling request, the drafts it holds and verified.
+        self.in_flight: list[tuple[SchedulerOutput, list[int], list[int], list[int], list[int]]] = []
         self.running_since_sent: set[int] = set()
         self.seqs: list[Sequence] = []
         self.prefix_by_hash: dict[int, tuple[int, ...]] = {}
@@ -88,8 +88,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         flight, or when nothing more could be scheduled."""
         # A step that schedules nothing sends nothing: its preemptions go with the next one.
         self.note_on_worker()
-        if self.in_flight and not self.sched.may_schedule_ahead():
-            self.apply_oldest()
         output = self.sched.schedule()
         if output.is_empty:
             if not self.in_flight:
@@ -104,13 +102,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             # Mostly the prefix's own token, so that drafts (its true continuation) are often right.
             sampled = self.worker.step(build_step_request(1, output), lambda tokens: rng.choice(
                 [prefix_token(tokens, len(VOCAB))] * 3 + list(VOCAB)))
-            self.in_flight.append((output, sampled, self.worker.token_counts, self.worker.num_drafts))
+            self.in_flight.append((output, sampled, self.worker.token_counts, self.worker.num_drafts,
+                                   self.worker.verified_drafts))
         if abort_in_flight is not None and self.sched.running:
             self.sched.abort(self.sched.running[abort_in_flight % self.sched.num_running].seq_id)
         if output.is_empty or len(self.in_flight) == self.depth:
-            self.apply_oldest()
-        # A step that verified drafts is ahead on the worker by its accepted ones: apply it now.
-        while any(o.cached.draft_indices for o, *_ in self.in_flight):
             self.apply_oldest()
 
     def note_on_worker(self) -> None:
@@ -119,9 +115,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.running_since_sent |= {s.seq_id for s in self.unfinished if s.on_worker}
 
     def apply_oldest(self) -> None:
-        output, sampled, counts, drafts = self.in_flight.pop(0)
+        output, sampled, counts, drafts, verified = self.in_flight.pop(0)
         lengths = {s.seq_id: s.num_tokens for s in self.seqs}
-        received = self.sched.update(output, sampled, counts, drafts)
+        received = self.sched.update(output, sampled, counts, drafts, verified)
         runs, offset = {}, 0
         for seq, n in zip(output.sampling_seqs, counts or [1] * len(output.sampling_seqs)):
             runs[seq.seq_id] = sampled[offset:offset + n]
@@ -213,14 +209,20 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def worker_mirrors_match(self):
-        """The worker is ahead by the steps in flight: their tokens are placeholders here."""
+        """The worker is ahead by the steps in flight: the tokens they sampled (one placeholder each
+        here) and the drafts they accepted (unresolved here)."""
         holding = self.sched.running + [s for s in self.sched.paused.values() if s.status is SequenceStatus.RUNNING]
         for seq in holding:
             mirror = self.worker.mirrors[seq.seq_id]
+            runs = [counts[j] if counts else 1 for output, _, counts, *_ in self.in_flight
+                    for j, s in enumerate(output.sampling_seqs)
+                    if s is seq and output.sampling_admissions[j] == seq.num_admissions]
             assert mirror.token_ids[:seq.num_tokens] == seq.token_ids
-            assert len(mirror.token_ids) == seq.num_tokens + seq.num_placeholder_tokens
+            assert len(mirror.token_ids) == seq.num_tokens + sum(runs)
             assert mirror.block_ids == seq.block_table
-            assert mirror.num_computed_tokens == seq.num_computed_tokens < len(mirror.token_ids)
+            accepted = sum(runs) - len(runs)
+            assert mirror.num_computed_tokens == seq.num_computed_tokens + accepted < len(mirror.token_ids)
+            assert accepted <= seq.num_unresolved_drafts
             assert seq.num_placeholder_tokens == sum(
                 1 for output, *_ in self.in_flight for s in output.scheduled
                 if s.seq is seq and s.num_admissions == seq.num_admissions and s.samples)
@@ -267,11 +269,11 @@ def run_to_completion(requests, arrivals, num_blocks: int, block_size: int, budg
     worker = FakeWorker(num_blocks, block_size, num_speculative_tokens,
                         lambda tokens: guess(tokens, num_speculative_tokens, 7))
     seqs = [Sequence(i, f"r{i}", prompt, params) for i, (prompt, params, _) in enumerate(requests)]
-    in_flight: list[tuple[SchedulerOutput, list[int], list[int], list[int]]] = []
+    in_flight: list[tuple[SchedulerOutput, list[int], list[int], list[int], list[int]]] = []
 
     def apply_oldest() -> None:
-        output, sampled, counts, drafts = in_flight.pop(0)
-        for seq in sched.update(output, sampled, counts, drafts):
+        output, sampled, counts, drafts, verified = in_flight.pop(0)
+        for seq in sched.update(output, sampled, counts, drafts, verified):
             stop_after = requests[seq.seq_id][2]
             if not seq.is_finished and stop_after is not None and seq.num_output_tokens >= stop_after:
                 sched.finish(seq.seq_id)
@@ -282,12 +284,10 @@ def run_to_completion(requests, arrivals, num_blocks: int, block_size: int, budg
                 sched.add(seq)
         if not sched.has_unfinished() and not in_flight and step_index > max(arrivals):
             break
-        if in_flight and not sched.may_schedule_ahead():
-            apply_oldest()
         output = sched.schedule()
         if not output.is_empty:
             sampled = worker.step(build_step_request(step_index, output), lambda t: prefix_token(t, len(VOCAB)))
-            in_flight.append((output, sampled, worker.token_counts, worker.num_drafts))
+            in_flight.append((output, sampled, worker.token_counts, worker.num_drafts, worker.verified_drafts))
         if in_flight and (output.is_empty or len(in_flight) == depth):
             apply_oldest()
     assert all(seq.is_finished for seq in seqs)

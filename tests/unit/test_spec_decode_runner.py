@@ -158,20 +158,24 @@ def test_the_device_sampler_verifies_drafts_drawing_the_tokens_it_draws_without_
                for s, (p, _) in requests.items())
 
 
-def test_steps_asking_for_drafts_the_worker_does_not_hold_are_refused(tiny_model_dir):
+def test_a_step_asking_for_more_drafts_than_held_verifies_those_held(tiny_model_dir):
+    """As a scheduler that schedules ahead asks: the most drafts the last step may have proposed;
+    the worker verifies those it holds (none, for a request without a match) and says how many."""
+    requests = {1: (repeating(8, 3, 6), GREEDY), 2: (prompt(9, 20), GREEDY)}
+    loop = Loop(ngram_runner(tiny_model_dir))
+    loop.ask = 4
+    outputs = loop.run(requests, 20)
+    assert loop.num_accepted > 5 and loop.num_fitted > 0
+    for seq_id, (token_ids, _) in requests.items():
+        assert outputs[seq_id] == hf_greedy(tiny_model_dir, token_ids, 20)
+
+
+def test_steps_verifying_drafts_where_they_cannot_are_refused(tiny_model_dir):
     runner = ngram_runner(tiny_model_dir)
     loop = Loop(runner)
     loop.start({1: (repeating(8, 3, 6), GREEDY), 2: (prompt(9, 20), GREEDY)})
     while not loop.held[1]:
         loop.decode()
-    held = loop.held[1]
-
-    def refused(match: str, index: int, count: int) -> None:
-        columns = pb.CachedRequests(seq_ids=[1, 2], draft_indices=[index], draft_counts=[count])
-        with pytest.raises(InvalidStepError, match=match):
-            runner.step(parse_step_request(pb.StepRequest(step_id=loop.step_id + 1, cached=columns)))
-
-    refused(f"verifies {held + 1} drafts; this worker holds {held}", 0, held + 1)
     # A request halfway through its prompt: nothing to verify drafts after.
     loop.step_id += 1
     half = pb.NewRequest(seq_id=3, token_ids=prompt(10, 20), num_prompt_tokens=20, num_scheduled_tokens=8,

@@ -1,5 +1,5 @@
 """The host side of a step that speculates, once its tokens are back: the persistent batch learns
-how many drafts each request accepted (its counts and block table are cut to match), every token
+how many drafts each request accepted (its counts move back over the rejected ones), every token
 the step emitted is written into the rows (so proposers on the host see each request's whole
 history), the drafts proposed for the next step are kept, and the reply lists only emitted tokens.
 
@@ -42,14 +42,14 @@ class SpecStep:
     settled: bool = False
     emitted: np.ndarray | None = None      # bool per sampled position
     token_counts: list[int] | None = None
+    verified_drafts: list[int] | None = None
     num_drafts: list[int] | None = None
 
 
 class Bookkeeping:
-    def __init__(self, batch: InputBatch, block_size: int, max_model_len: int, lock: threading.Lock,
+    def __init__(self, batch: InputBatch, max_model_len: int, lock: threading.Lock,
                  propose_on_host: HostProposer | None) -> None:
         self.batch = batch
-        self.block_size = block_size
         self.max_model_len = max_model_len
         self.lock = lock                   # also held by the runner while it changes the batch
         self.propose_on_host = propose_on_host
@@ -77,13 +77,15 @@ class Bookkeeping:
             if not step.settled:                # dropped by a reset: its rows are gone anyway
                 self._settle(step)
         if step.emitted is None or step.emitted.all():
-            return dataclasses.replace(output, token_counts=step.token_counts, num_drafts=step.num_drafts)
+            return dataclasses.replace(output, token_counts=step.token_counts, num_drafts=step.num_drafts,
+                                       verified_drafts=step.verified_drafts)
         keep = step.emitted
         tokens = [t for t, k in zip(output.token_ids, keep) if k]
         logprobs = [v for v, k in zip(output.logprobs, keep) if k] if output.logprobs is not None else None
         return dataclasses.replace(output, token_ids=tokens, logprobs=logprobs,
                                    top_logprobs=_kept_top(output.top_logprobs, keep),
-                                   token_counts=step.token_counts, num_drafts=step.num_drafts)
+                                   token_counts=step.token_counts, num_drafts=step.num_drafts,
+                                   verified_drafts=step.verified_drafts)
 
     def _settle(self, step: SpecStep) -> None:
         if step.event is not None:
@@ -101,6 +103,7 @@ class Bookkeeping:
             self._cut_rejected(step.rows[live], layout.num_drafts[live], accepted[live])
             if layout.max_drafts:
                 step.token_counts = (accepted + 1).tolist()
+                step.verified_drafts = layout.num_drafts.tolist()
         else:
             owner, offset, values = np.arange(num_rows), np.zeros(num_rows, np.int64), tokens[:num_rows]
         self._write_tokens(step, live, owner, offset, values, accepted)
@@ -118,15 +121,13 @@ class Bookkeeping:
         b.num_host_tokens[rows] = np.minimum(np.maximum(b.num_host_tokens[rows], ends), b.num_tokens[rows])
 
     def _cut_rejected(self, rows: np.ndarray, num_drafts: np.ndarray, accepted: np.ndarray) -> None:
-        """Rows that verified drafts: their rejected drafts' positions are not computed, and the
-        blocks past the next decode's slot go (the scheduler cuts its table alike)."""
-        b, bs = self.batch, self.block_size
+        """Rows that verified drafts: their rejected drafts' positions are not computed (their KV
+        slots stay in the block table, for the tokens that follow to overwrite)."""
+        b = self.batch
         drafted = num_drafts > 0
         rows, rejected, accepted = rows[drafted], (num_drafts - accepted)[drafted], accepted[drafted]
         b.num_computed[rows] -= rejected
         b.num_tokens[rows] += accepted
-        for row, computed in zip(rows.tolist(), b.num_computed[rows].tolist()):
-            b.cut_blocks(row, -(-(computed + 1) // bs))
 
     def _keep_drafts(self, step: SpecStep, live: np.ndarray) -> None:
         """The drafts each row holds for its next step: those proposed now, else none."""

@@ -173,7 +173,7 @@ class StepTimings(_message.Message):
     def __init__(self, prepare_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., device_ms: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "token_ids", "logprobs", "timings", "top_logprobs", "prompt_logprobs", "failed", "token_counts", "num_drafts")
+    __slots__ = ("step_id", "token_ids", "logprobs", "timings", "top_logprobs", "prompt_logprobs", "failed", "token_counts", "num_drafts", "verified_drafts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class StepResponse(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -192,7 +193,8 @@ class StepResponse(_message.Message):
     failed: _containers.RepeatedCompositeFieldContainer[FailedRequest]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
     num_drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., top_logprobs: _Optional[_Union[_top_logprobs_pb2.TopLogprobColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., token_counts: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    verified_drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., top_logprobs: _Optional[_Union[_top_logprobs_pb2.TopLogprobColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., failed: _Optional[_Iterable[_Union[FailedRequest, _Mapping]]] = ..., token_counts: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., verified_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FailedRequest(_message.Message):
     __slots__ = ("seq_id", "code", "message", "about_constraint")
