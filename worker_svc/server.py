@@ -22,6 +22,7 @@ from common.reflection import enable_server_reflection
 from common.security import TokenAuthInterceptor
 from common.status_guard import StatusGuardInterceptor, bounded_message
 from common.constraint import Constraint, GrammarError
+from worker_svc.late_compiles import watch_late_compiles
 from worker_svc.lease import DEFAULT_MAX_DURATION_S, LeaseHeld, StaleLease, WorkerLease
 from worker_svc.model_runner import ModelRunner
 from worker_svc.runner_io import InvalidStepError, StaleMirrorError
@@ -192,6 +193,7 @@ class WorkerServer:
     def serve(self, runner: ModelRunner) -> None:
         self.servicer.attach(runner)
         freeze_startup_heap()    # the model's objects: no full collection walks them mid-step
+        watch_late_compiles()    # a kernel variant first reached while serving is named in the log
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s", WORKER_SERVICE)
 
