@@ -95,7 +95,14 @@ def _path_of_non_finite(text: str | bytes) -> str | None:
         if isinstance(item, float) and not math.isfinite(item):
             return path or None
         if isinstance(item, _Members):
-            stack.extend((f"{path}.{key}" if path else str(key), v) for key, v in reversed(item))
+            stack.extend((f"{path}.{_shown(key)}" if path else _shown(key), v) for key, v in reversed(item))
         elif isinstance(item, list):
             stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item))))
     return None
+
+
+def _shown(key: str, limit: int = 64) -> str:
+    """A member's name as a path shows it: at most `limit` characters, a lone UTF-16 surrogate
+    (which JSON's \\u escapes can spell and UTF-8 cannot carry back) as its escape."""
+    shown = key if len(key) <= limit else key[:limit] + "..."
+    return shown.encode("utf-8", "backslashreplace").decode("utf-8")

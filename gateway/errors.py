@@ -156,7 +156,19 @@ def validation_error(exc: RequestValidationError, required: Sequence[str] = ()) 
 
 
 def _respond(error: GatewayError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(_encodable(error.body()), status_code=error.status)
+
+
+def _encodable(value):
+    """An error body whose texts UTF-8 can carry: a lone surrogate from the request (a \\ud800 in
+    a name that a message quotes) as its escape, not a reply that cannot be written."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {key: _encodable(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_encodable(item) for item in value]
+    return value
 
 
 async def _on_gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:

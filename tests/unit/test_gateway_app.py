@@ -269,6 +269,9 @@ def test_a_body_the_parser_cannot_read_is_400_saying_why(fake, raw, says):
      "temperature"),
     ("/v1/completions", b'{"prompt": "a", "top_p": 1e999}', "1e999", "top_p"),
     ("/tokenize", b'{"prompt": "a", "x": [1, {"y": -Infinity}]}', "-Infinity", "x[1].y"),
+    # A name UTF-8 cannot carry (a lone surrogate) is quoted as its escape; a long one cut short.
+    ("/v1/completions", b'{"prompt": "a", "\\ud800": NaN}', "NaN", "\\ud800"),
+    ("/v1/completions", b'{"prompt": "a", "' + b"k" * 5000 + b'": NaN}', "NaN", "k" * 64 + "..."),
 ])
 def test_numbers_json_does_not_have_are_400_naming_them(fake, path, raw, number, param):
     """Python's parser takes NaN, Infinity and 1e999; JSON has none of them, and a reply that echoed
