@@ -346,3 +346,32 @@ def test_flash_attn_kernels_compiled_once_load_from_disk_after_a_restart(tmp_pat
     assert list((tmp_path / "flash_attn_cute").rglob("*.o")), "nothing was written to the kernel cache"
     second = warm_up_seconds()
     assert second < first / 3, f"warm-up took {first:.1f} s, then {second:.1f} s with the kernels on disk"
+
+
+@cuda
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16-kv", "fp8-kv"])
+def test_after_the_triton_warm_up_no_step_compiles_a_kernel(kv_cache_dtype):
+    """The service's first requests waited ~1 s per kernel variant that the warm-up had not
+    compiled (PERF_NOTES v27: block tables of one column, or of a width of another class than the
+    warm-up's, were variants of their own). After the warm-up, steps of any size, mixed or not,
+    over block tables of any width, compile nothing."""
+    from worker_svc.late_compiles import late_compiles, stop_watching, watch_late_compiles
+    from worker_svc.layers.attention.selection import run_step, synthetic_kv_scales
+
+    shape = dataclasses.replace(QWEN3_0_6B, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048,
+                                kv_cache_dtype=kv_cache_dtype)
+    backend = get_attention_backend("triton")
+    warm_up_backend(backend, shape, CUDA)
+    kv_scales, scale = synthetic_kv_scales(shape, CUDA), shape.head_dim ** -0.5
+    watch_late_compiles()
+    try:
+        for i, context in enumerate((3, 15, 40, 255, 256, 700)):   # tables of 1, 1, 3, 16, 17 and 44 blocks
+            for n in (1, 2, 5, 17, 33, 64):
+                decodes = ((context, 1),) * n
+                for requests in (decodes, ((0, 20),) + decodes[1:], ((context, 9),) + decodes[1:]):
+                    step = synthetic_step(requests, shape, CUDA, pool_blocks=64, seed=i * 100 + n)
+                    run_step(backend, step, scale, kv_scales)
+        torch.cuda.synchronize()
+        assert late_compiles() == 0
+    finally:
+        stop_watching()

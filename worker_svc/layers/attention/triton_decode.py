@@ -73,7 +73,9 @@ def _values_t(v, p_t, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     return o_t
 
 
-@triton.jit(do_not_specialize=["num_requests"])
+# Not specialised (Triton would compile a variant for 1, for multiples of 16 and for the rest): both
+# change from step to step, and a variant first met mid-serving stalls the batch (PERF_NOTES v27).
+@triton.jit(do_not_specialize=["num_requests", "stride_bt"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     k_scale_ptr, v_scale_ptr,

@@ -142,7 +142,9 @@ def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr
     return lo
 
 
-@triton.jit(do_not_specialize=["num_requests"])
+# Not specialised (Triton would compile a variant for 1, for multiples of 16 and for the rest): both
+# change from step to step, and a variant first met mid-serving stalls the batch (PERF_NOTES v27).
+@triton.jit(do_not_specialize=["num_requests", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     k_scale_ptr, v_scale_ptr,
