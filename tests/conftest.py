@@ -9,8 +9,18 @@ import pytest
 # Two cores: one torch thread per process keeps the worker, scheduler and test from fighting.
 # (Set before anything imports torch, whose OpenMP runtime reads it once.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+from hypothesis import settings  # noqa: E402
+
 from common.tiny_model import write_tiny_draft, write_tiny_eagle3, write_tiny_qwen3  # noqa: E402
 from tests.support.procs import running_services  # noqa: E402
+
+# The property tests draw the same examples on every run: a suite that finds a new bug only on
+# some runs fails whichever change it happens to run on. To hunt for new bugs, draw afresh:
+# `HYPOTHESIS_PROFILE=explore pytest tests/unit/test_gateway_fuzz.py` (or --hypothesis-seed=N);
+# what it finds becomes an @example or a plain test.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 def pytest_configure(config):
