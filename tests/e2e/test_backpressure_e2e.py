@@ -5,7 +5,6 @@ others run on, and when it reads again it gets the rest, token for token the uni
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from tests.support.client import generate, model_info
 from tests.support.procs import free_port, running_services
+from tools.loadtest.metrics import scrape_metrics
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,15 +22,9 @@ PROMPT = [17, 99, 4, 250, 31, 8, 77]
 MAX_TOKENS = 300
 
 
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {name: float(value) for name, _, value in
-            (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
-
-
 def _wait_metric(port: int, name: str, value: float, timeout_s: float = 60.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
-    while (m := _scrape(port)).get(name) != value:
+    while (m := scrape_metrics(port)).get(name) != value:
         assert time.monotonic() < deadline, f"{name} is {m.get(name)}, not {value}"
         time.sleep(0.1)
     return m
@@ -44,7 +38,7 @@ def test_a_reader_that_stops_after_10_tokens_has_at_most_the_window_generated(ti
     with running_services(tiny_model_dir, tmp_path / "logs", scheduler_args=(
             "--stream-window", str(WINDOW), "--metrics-port", str(port))) as svc, svc.channel() as ch:
         reference = generate(ch, token_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
-        before = _scrape(port)["llm_sampled_tokens_total"]
+        before = scrape_metrics(port)["llm_sampled_tokens_total"]
         slow_channel = grpc.insecure_channel(svc.scheduler_addr, options=[
             ("grpc.http2.lookahead_bytes", LOOKAHEAD_BYTES), ("grpc.http2.bdp_probe", 0),
             ("grpc.use_local_subchannel_pool", 1)])
@@ -60,9 +54,9 @@ def test_a_reader_that_stops_after_10_tokens_has_at_most_the_window_generated(ti
             # The batch goes on without it.
             other = generate(ch, token_ids=[5, 6, 7], max_tokens=40, ignore_eos=True)
             assert other.usage.completion_tokens == 40
-            generated = _scrape(port)["llm_sampled_tokens_total"] - before - 40
+            generated = scrape_metrics(port)["llm_sampled_tokens_total"] - before - 40
             time.sleep(0.5)
-            assert _scrape(port)["llm_sampled_tokens_total"] - before - 40 == generated, "it kept generating"
+            assert scrape_metrics(port)["llm_sampled_tokens_total"] - before - 40 == generated, "it kept generating"
             # What the client's transport holds unread: its window over the smallest message (+5 bytes framing).
             in_transport = LOOKAHEAD_BYTES // (min(sizes) + 5) + 1
             print(f"read {len(read)}, generated {generated:.0f} (window {WINDOW}, transport <= {in_transport})")

@@ -1,24 +1,13 @@
 """The scheduler's Prometheus endpoint reports queue, KV, prefix-cache, latency and worker health."""
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 
 from tests.support.client import generate, generate_many
 from tests.support.procs import free_port
+from tools.loadtest.metrics import scrape_metrics
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def test_metrics_endpoint(launch_services):
@@ -27,7 +16,7 @@ def test_metrics_endpoint(launch_services):
     with launch_services(scheduler_args=("--metrics-port", str(port))) as svc, svc.channel() as ch:
         generate(ch, token_ids=prompt, max_tokens=4, ignore_eos=True)
         generate_many(ch, [dict(token_ids=prompt + [7, 8], max_tokens=6, ignore_eos=True)] * 3)
-        m = _scrape(port)
+        m = scrape_metrics(port)
     assert m['llm_requests_finished_total{reason="length"}'] == 4
     assert m["llm_generated_tokens_total"] == 4 + 3 * 6
     assert m["llm_time_to_first_token_seconds_count"] == 4

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
-from tests.e2e.test_metrics_e2e import _scrape
+from tools.loadtest.metrics import scrape_metrics
 from tests.support.client import generate_many, model_info
 from tests.support.hf_reference import hf_greedy
 from tests.support.procs import free_port, running_services, scheduler_proc, worker_proc
@@ -32,7 +32,7 @@ def _requests(rng_seed: int, n: int, max_tokens: int, **sampling) -> list[dict]:
 
 
 def _spec_counters(port: int) -> tuple[float, float, float, float]:
-    m = _scrape(port)
+    m = scrape_metrics(port)
     return (m["llm_spec_decode_verifications_total"], m["llm_spec_decode_draft_tokens_total"],
             m["llm_spec_decode_accepted_tokens_total"], m["llm_sampled_tokens_total"])
 

@@ -14,7 +14,7 @@ import pytest
 from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.client import generate_many, model_info
 from tests.support.hf_reference import hf_greedy
-from tests.e2e.test_metrics_e2e import _scrape as scrape_metrics
+from tools.loadtest.metrics import scrape_metrics
 from tools.offline import LLM
 from common.sampling import SamplingParams
 from tests.support.procs import free_port, tensor_parallel_args, worker_proc
