@@ -12,6 +12,8 @@
 #   spec-service  the same through the real processes (bench/stages/spec_service.py), flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
+#   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
+#             turn (the json of each under $OUT/ref and $OUT/tree)
 #   spec-ab   the spec stage (or SPEC_STAGE=spec_service) on .gpu/ref (another tree: scripts/gpu_ref.sh
 #             REF writes it) and on this tree, with the flags in EXTRA, then both side by side (carry
 #             .gpu with .whl)
@@ -128,6 +130,14 @@ PY
         timeout ${TIMEOUT:-400} $PY -m bench.stages.$STAGE --out "$BENCH/$NAME" ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-40}
         cp "$BENCH/$NAME"/*.json "$BENCH/$NAME"/*.json.gz "$OUT/" 2>/dev/null; true
         ;;
+    ab)
+        base
+        [[ -d .gpu/ref ]] || { echo "no .gpu/ref: run scripts/gpu_ref.sh REF here first" >&2; exit 2; }
+        echo "== .gpu/ref ($STAGE)"
+        (cd .gpu/ref && OUT=$OUT/ref BENCH=/tmp/bench-ref NAME=$STAGE bash bench/gpu_session.sh stage)
+        echo "== this tree ($STAGE)"
+        OUT=$OUT/tree BENCH=/tmp/bench-tree NAME=$STAGE bash "$0" stage
+        ;;
     spec-ab)
         base
         [[ -d .gpu/ref ]] || { echo "no .gpu/ref: run scripts/gpu_ref.sh REF here first" >&2; exit 2; }
@@ -152,5 +162,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|stage|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|stage|ab|spec-ab" >&2; exit 2 ;;
 esac

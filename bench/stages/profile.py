@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from bench.options import model_dir
+from bench.options import config_dir, model_dir
 
 REQUIRES = ("checkpoint",)
 PROFILED_STEPS = 10
@@ -19,11 +19,19 @@ PROFILED_STEPS = 10
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-batches", default="1,64,256")
     p.add_argument("--profile-context", type=int, default=1024, help="context of the profile stage")
+    p.add_argument("--profile-config", default=None,
+                   help="profile a config of bench.options.CONFIGS (e.g. 8b) with dummy weights instead of the checkpoint")
+    p.add_argument("--profile-quantization", choices=("fp8",), default=None,
+                   help="the profiled config's weights quantized on load (block FP8)")
 
 
 def run(args: argparse.Namespace) -> dict:
-    return {"rows": profile_decode(model_dir(args), batches=[int(b) for b in args.profile_batches.split(",")],
-                                   context=args.profile_context, attention_backend=args.attention_backend)}
+    dummy = args.profile_config is not None
+    path = config_dir(args, args.profile_config) if dummy else model_dir(args)
+    return {"rows": profile_decode(path, batches=[int(b) for b in args.profile_batches.split(",")],
+                                   context=args.profile_context, attention_backend=args.attention_backend,
+                                   load_format="dummy" if dummy else "auto", quantization=args.profile_quantization),
+            "model": args.profile_config or "checkpoint", "quantization": args.profile_quantization}
 
 
 def _step(runner, step_id: int, new=(), cached=(), counts=None):
@@ -35,7 +43,8 @@ def _step(runner, step_id: int, new=(), cached=(), counts=None):
     return runner.launch(StepInput(step_id, [], list(new), cached, num, empty, empty, empty)).result()
 
 
-def profile_decode(path, *, batches: list[int], context: int, attention_backend: str = "auto") -> list[dict]:
+def profile_decode(path, *, batches: list[int], context: int, attention_backend: str = "auto",
+                   load_format: str = "auto", quantization: str | None = None) -> list[dict]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -48,7 +57,8 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
     steps_needed = 4 + PROFILED_STEPS
     runner = ModelRunner(WorkerConfig(model=str(path), device="cuda", attention_backend=attention_backend,
                                       max_num_seqs=largest, max_num_batched_tokens=16384,
-                                      max_model_len=context + steps_needed + 16))
+                                      max_model_len=context + steps_needed + 16, load_format=load_format,
+                                      quantization=quantization))
     rng = np.random.default_rng(0)
     bs = runner.block_size
     blocks_per_seq = -(-(context + steps_needed + 1) // bs)
@@ -91,8 +101,10 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
 
 
 def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
-    for row in results["profile"]["result"]["rows"]:
-        print(f"\nprofile: decode graph replay at batch {row['batch']}, context {row['context']}: "
+    result = results["profile"]["result"]
+    model = f"{result.get('model', 'checkpoint')}{' ' + result['quantization'] if result.get('quantization') else ''}"
+    for row in result["rows"]:
+        print(f"\nprofile ({model}): decode graph replay at batch {row['batch']}, context {row['context']}: "
               f"{row['device_ms_per_step']:.2f} ms of kernels per step; top kernels (ms per step, share)")
         for name, ms in row["top"][:12]:
             print(f"  {ms:7.3f} {ms / row['device_ms_per_step']:6.1%}  {name[:90]}")
