@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.pb.llm.v1 import generation_pb2, generation_pb2_grpc
 from tests.support.procs import running_services, scheduler_proc, worker_proc
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -56,8 +56,10 @@ def test_check_and_watch_follow_an_idle_scheduler_and_a_worker_from_start_to_sig
     try:
         with grpc.insecure_channel(worker.addr) as worker_ch:
             # wait_for_ready: the watch starts as soon as the port opens, before or after the model loads.
+            # Its deadline covers the whole test (the worker's load, the scheduler's start and stop) on a
+            # loaded machine: at 60 s it could end before the worker's SIGTERM was seen.
             worker_watch = health_pb2_grpc.HealthStub(worker_ch).Watch(
-                health_pb2.HealthCheckRequest(service="llm.worker.v1.Worker"), timeout=60, wait_for_ready=True)
+                health_pb2.HealthCheckRequest(service="llm.worker.v1.Worker"), timeout=150, wait_for_ready=True)
             seen = [next(worker_watch).status]
             while seen[-1] != SERVING:
                 assert seen[-1] == NOT_SERVING, seen      # loading: never SERVICE_UNKNOWN
