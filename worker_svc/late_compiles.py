@@ -47,7 +47,10 @@ def watch_late_compiles() -> bool:
         return before(**kwargs) if before else None   # a true answer skips the compile: theirs only
 
     def post_compile_hook(**kwargs) -> None:
-        _report(kwargs)
+        try:
+            _report(kwargs)
+        except Exception:   # a report that fails must not fail the kernel
+            logger.debug("could not report a late compile", exc_info=True)
         if after:
             after(**kwargs)
 
@@ -76,8 +79,15 @@ def _report(kwargs: dict) -> None:
     fn = kwargs.get("fn")
     name = getattr(fn, "name", None) or str(fn)
     params = getattr(getattr(fn, "jit_function", None), "params", None) or []
-    constants = (kwargs.get("compile") or {}).get("constants") or {}
+    compile_info = kwargs.get("compile") or {}
+    constants = compile_info.get("constants") or {}
     shown = ", ".join(f"{_name(k, params)}={v}" for k, v in constants.items() if not callable(v))
+    # Integer arguments specialised as multiples of 16 (their other values compile another variant).
+    signature, attrs = compile_info.get("signature") or {}, (compile_info.get("configs") or [{}])[0] or {}
+    multiples = [n for n in (_name(k, params) for k, v in attrs.items() if v)
+                 if str(signature.get(n, "")).startswith(("i", "u"))]
+    if multiples:
+        shown += f"{'; ' if shown else ''}multiples of 16: {', '.join(multiples)}"
     took = f" in {(time.perf_counter() - began) * 1e3:.0f} ms" if began is not None else ""
     logger.warning("kernel %s compiled after start-up%s (the step waited for it): %s", name, took,
                    shown or "no compile-time constants")
