@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import pathlib
 import statistics
 import sys
 
@@ -90,13 +91,26 @@ def _one_variant(args, worker: Proc, scheduler: Proc, prompts, interval: int) ->
         named.update({f"client{i}": pid for i, pid in enumerate(client_pids)})
         samplers.append(CpuSampler(named).__enter__())
 
+    log_start = worker.log.stat().st_size if worker.log.exists() else 0
     records, seconds = send_all(args, scheduler, prompts, on_start=watch)
     samplers[0].__exit__(None, None, None)
     tpots = [r["tpot_s"] for r in records if r["tpot_s"] is not None]
     return {"frontends": args.frontends, "stream_interval": interval,
             "output_tokens": sum(r["output_tokens"] for r in records), "seconds": seconds,
             "ttft_median_s": statistics.median(r["ttft_s"] for r in records),
-            "tpot_median_s": statistics.median(tpots) if tpots else None, "cpu": samplers[0].summary()}
+            "tpot_median_s": statistics.median(tpots) if tpots else None, "cpu": samplers[0].summary(),
+            "late_compiles": late_compiles_in(worker.log, log_start)}
+
+
+def late_compiles_in(log: pathlib.Path, start: int = 0) -> int:
+    """Kernels the worker compiled while serving (worker_svc/late_compiles.py's WARNINGs) in its log
+    from byte `start` on: each one stalled a step for up to a second."""
+    try:
+        with log.open("rb") as f:
+            f.seek(start)
+            return f.read().count(b"compiled after start-up")
+    except OSError:
+        return 0
 
 
 def _greedy(scheduler: Proc, args: argparse.Namespace) -> list[list[int]]:
@@ -119,7 +133,8 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
         of_floor = f"{tps / floor_tps:6.1%}" if floor_tps else "-"
         print(f"  frontends {v.get('frontends', '?')}, stream interval {v.get('stream_interval', 1)}: "
               f"{tps:8.0f} tok/s ({of_floor} of floor), TTFT median {v['ttft_median_s'] * 1e3:.0f} ms, "
-              f"TPOT median {(v['tpot_median_s'] or 0) * 1e3:.2f} ms")
+              f"TPOT median {(v['tpot_median_s'] or 0) * 1e3:.2f} ms"
+              + (f", {v['late_compiles']} kernels compiled mid-run (see the worker's log)" if v.get("late_compiles") else ""))
         cpu = v.get("cpu", {})
         if cpu:
             print("    cpu: " + ", ".join(f"{name} {c['median']:.2f} (max {c['max']:.2f})" for name, c in cpu.items()))

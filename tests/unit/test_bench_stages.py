@@ -74,3 +74,15 @@ def test_the_kernel_stages_run_through_the_driver_with_the_flags_it_parses(monke
     assert calls == [("linear", "sweep"), ("attention", tmp_path, "cpu")]
     assert gpu_bench.run_stage(args) == 0
     assert '"rows": 2' in (tmp_path / "linear.json").read_text()
+
+
+def test_the_service_stage_counts_the_kernels_the_worker_compiled_during_its_run(tmp_path):
+    from bench.stages.service import late_compiles_in
+
+    log = tmp_path / "worker.log"
+    log.write_text("INFO serving\nWARNING kernel _a compiled after start-up in 900 ms (the step waited for it): X=1\n")
+    start = log.stat().st_size
+    assert late_compiles_in(log) == 1 and late_compiles_in(log, start) == 0
+    with log.open("a") as f:
+        f.write("WARNING kernel _b compiled after start-up in 3 ms (the step waited for it): Y=2\nINFO done\n")
+    assert late_compiles_in(log, start) == 1 and late_compiles_in(tmp_path / "missing.log") == 0
