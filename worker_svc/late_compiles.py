@@ -17,6 +17,8 @@ import time
 
 logger = logging.getLogger(__name__)
 
+MARK = "compiled after start-up"   # in every such line: what a log reader counts (bench/stages/service.py)
+
 _lock = threading.Lock()
 _count = 0
 _started: dict[int, float] = {}                   # thread -> when its compile began (one at a time)
@@ -89,8 +91,7 @@ def _report(kwargs: dict) -> None:
     if multiples:
         shown += f"{'; ' if shown else ''}multiples of 16: {', '.join(multiples)}"
     took = f" in {(time.perf_counter() - began) * 1e3:.0f} ms" if began is not None else ""
-    logger.warning("kernel %s compiled after start-up%s (the step waited for it): %s", name, took,
-                   shown or "no compile-time constants")
+    logger.warning("kernel %s %s%s (the step waited for it): %s", name, MARK, took, shown or "no compile-time constants")
 
 
 def _name(key: object, params: list) -> str:

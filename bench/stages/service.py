@@ -13,6 +13,7 @@ import sys
 from bench.options import engine_args, model_dir, worker_args, workload
 from bench.stages.correctness import CORRECTNESS_TOKENS, correctness_prompts
 from tools.launch import Proc, scheduler_proc, worker_proc
+from worker_svc.late_compiles import MARK
 
 REQUIRES = ("checkpoint",)
 
@@ -108,7 +109,7 @@ def late_compiles_in(log: pathlib.Path, start: int = 0) -> int:
     try:
         with log.open("rb") as f:
             f.seek(start)
-            return f.read().count(b"compiled after start-up")
+            return f.read().count(MARK.encode())
     except OSError:
         return 0
 
