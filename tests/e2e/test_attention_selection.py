@@ -360,7 +360,7 @@ def test_after_the_triton_warm_up_no_step_compiles_a_kernel(kv_cache_dtype):
 
     shape = dataclasses.replace(QWEN3_0_6B, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048,
                                 kv_cache_dtype=kv_cache_dtype)
-    backend = get_attention_backend("triton")
+    backend = get_attention_backend("triton", CUDA)
     warm_up_backend(backend, shape, CUDA)
     kv_scales, scale = synthetic_kv_scales(shape, CUDA), shape.head_dim ** -0.5
     watch_late_compiles()
