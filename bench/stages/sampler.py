@@ -4,7 +4,9 @@ Qwen3-0.6B-shaped runner (dummy weights) with --sampler torch and kernels.
 
 - sampling: per batch and mode, ms per call of the torch sampler, of the kernels launched eagerly
   and of the kernels replayed in a CUDA graph; `ok` checks every drawn token against the torch
-  sampler's distribution (greedy: the same token; else a token it gives a nonzero probability).
+  sampler's distribution (greedy: the same token; else a token it gives a nonzero probability);
+  `paths` counts how the truncating rows found their cut (layers/sampling_kernels.py: gathered,
+  bracketed, alone, min-p).
 - steps: per batch, the step's wall time (launch to tokens on the host, one at a time) and what the
   host launched outside CUDA graphs in one profiled pure-decode step (kernels, graph replays, copies).
 
@@ -103,7 +105,9 @@ def sampling_case(logits, mode: str, iters: int) -> dict:
     new_ms = timed(device, new_eager, iters)
     graph_ms = timed_graph(device, new_eager, iters) if device.type == "cuda" else None
     new_eager()
-    return {"old_ms": old_ms, "new_ms": new_ms, "new_graph_ms": graph_ms, "ok": agrees(old, meta, logits, tokens, mode)}
+    paths = collections.Counter(p for p in new.cut_paths(batch) if p != "none")
+    return {"old_ms": old_ms, "new_ms": new_ms, "new_graph_ms": graph_ms, "ok": agrees(old, meta, logits, tokens, mode),
+            "paths": dict(paths)}
 
 
 def agrees(old, meta, logits, tokens, mode: str) -> bool:
@@ -236,12 +240,13 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     result = results["sampler"]["result"]
     print("\nsampler: ms per call over the vocabulary (bf16 logits); ok: every token drawn is one the torch "
           "sampler can draw (greedy: its token)")
-    print(f"{'batch':>5s} {'mode':12s} {'torch':>8s} {'kernels':>8s} {'in graph':>9s} {'speed-up':>9s} ok")
+    print(f"{'batch':>5s} {'mode':12s} {'torch':>8s} {'kernels':>8s} {'in graph':>9s} {'speed-up':>9s} ok  paths")
     for r in result["sampling"]:
         best = r["new_graph_ms"] if r["new_graph_ms"] is not None else r["new_ms"]
         graph = f"{r['new_graph_ms']:9.3f}" if r["new_graph_ms"] is not None else f"{'-':>9s}"
+        paths = " ".join(f"{name} {count}" for name, count in sorted(r.get("paths", {}).items()))
         print(f"{r['batch']:5d} {r['mode']:12s} {r['old_ms']:8.3f} {r['new_ms']:8.3f} {graph} "
-              f"{r['old_ms'] / best:8.1f}x {'yes' if r['ok'] else 'NO'}")
+              f"{r['old_ms'] / best:8.1f}x {'yes' if r['ok'] else 'NO ':3s} {paths}")
     print("\nsampler: decode steps of Qwen3-0.6B (dummy weights, mixed sampling rows); launched outside "
           "graphs in one step")
     print(f"{'sampler':8s} {'batch':>5s} {'step ms':>8s} {'kernels':>8s} {'graphs':>7s} {'copies':>7s}")

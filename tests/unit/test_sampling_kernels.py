@@ -41,7 +41,9 @@ def interpreted_like_a_gpu():
 def device_sampler(vocab: int, **settings):
     from worker_svc.layers.device_sampler import DeviceSampler
 
-    return DeviceSampler(vocab, DEVICE, **({"capacity": 32, "max_rows": 32, "chunk": 16, "gather_cap": 8} | settings))
+    # the passes most rows skip run on fewer programs than chunks: a program takes several
+    return DeviceSampler(vocab, DEVICE, **({"capacity": 32, "max_rows": 32, "chunk": 16, "gather_cap": 8,
+                                            "split_programs": 5} | settings))
 
 
 def sample(sampler, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], list[float], torch.Tensor]:
@@ -112,9 +114,9 @@ def replica_token(logits_row: torch.Tensor, options: SamplingOptions, counter: i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_kernels_draw_the_replicas_token(dtype):
-    """Rows of 40 tokens in chunks of 16 (the last one short), a search that gathers at most 8
-    candidates: the draw outside the kept set, several search rounds and (in flat bfloat16 rows)
-    ties at the cut occur."""
+    """Rows of 40 tokens in chunks of 16 (the last one short), a buffer of 8 gathered tokens:
+    truncating rows gather their kept set, bracket their cut, or search it alone, and (in flat
+    bfloat16 rows) ties at the cut occur."""
     modes = [*MODES.values(), dict(top_k=1, temperature=2.0), dict(top_p=0.3, min_p=0.2)]
     options, logits = random_rows(modes, 40, (2.0, 0.3), seed=11, dtype=dtype)
     sampler = device_sampler(40)
@@ -122,6 +124,93 @@ def test_the_kernels_draw_the_replicas_token(dtype):
         sampler.add(row, [1] * (3 + row), 3, o)   # output index `row`: the counters differ
     tokens, _, _ = sample(sampler, logits, list(range(len(options))))
     assert tokens == [replica_token(logits[r], o, r) for r, o in enumerate(options)]
+
+
+def adversarial_rows(vocab: int) -> tuple[list[SamplingOptions], torch.Tensor]:
+    """Rows made to break a cut: three values (ties everywhere), all equal, half -inf, a few tokens
+    beyond SEARCH_DEPTH, nearly flat, the largest tokens in pairs of neighbours (one group's maximum
+    stands for two: more than k tokens pass the bound), steep rows whose top-p cut a bracket of a
+    small buffer holds with other candidates; with k = 1, k >= the finite tokens, k = vocab
+    (off), top_p tiny and 1.0 (off), min_p over flat rows, and the modes together."""
+    g = torch.Generator().manual_seed(21)
+    ties = torch.randint(0, 3, (vocab,), generator=g).float()
+    flat = torch.zeros(vocab)
+    masked = torch.randn(vocab, generator=g) * 2
+    masked[::2] = float("-inf")
+    deep = torch.randn(vocab, generator=g)
+    deep[:5] = -45.0
+    near_flat = torch.randn(vocab, generator=g) * 1e-3
+    spread = torch.randn(vocab, generator=g) * 3
+    pairs = torch.randn(vocab, generator=g)
+    pairs[[8, 9, 20, 21, 32, 33]] = torch.tensor([5.0, 4.9, 4.5, 4.4, 4.0, 3.9])
+    steep = [torch.randn(vocab, generator=g) * 1.5 for _ in range(3)]   # top-p brackets with candidates
+    shelf = torch.randn(vocab, generator=g) * 0.5 - 6   # top-k 8 weighs tokens that min-p 0.3 drops: top-p 0.7
+    shelf[[3, 11, 17, 22, 26, 30, 35, 38]] = torch.tensor([3.0, 2.9, 2.0, 1.0, 0.9, 0.8, 0.7, 0.6])   # keeps 3
+    cases = [(pairs, dict(top_k=3)), (pairs, dict(top_k=4, top_p=0.9)), (pairs, dict(top_p=0.6)),
+             (ties, dict(top_k=4)), (ties, dict(top_p=0.5)), (ties, dict(top_k=7, top_p=0.8)), (ties, dict(min_p=0.5)),
+             (ties, dict(top_k=9, min_p=0.4)),
+             (flat, dict(top_k=3)), (flat, dict(top_p=0.3)), (flat, dict(min_p=0.9)),
+             (flat, dict(top_k=2, top_p=0.5, min_p=0.5)),
+             (masked, dict(top_k=30)), (masked, dict(top_p=0.9, temperature=0.5)), (masked, dict(min_p=0.1)),
+             (deep, dict(top_k=39)), (deep, dict(top_p=0.999)),
+             (spread, dict(top_k=1)), (spread, dict(top_k=vocab)), (spread, dict(top_p=1e-6)),
+             (spread, dict(top_p=1.0, temperature=2.0)), (spread, dict(top_p=0.8, min_p=0.05)),
+             (spread, dict(top_k=12)), (pairs, dict(top_k=10)), (spread, dict(min_p=0.9)),
+             (steep[0], dict(top_p=0.7)), (steep[1], dict(top_p=0.6)), (steep[2], dict(top_p=0.75, min_p=0.02)),
+             (spread, dict(top_k=8, top_p=0.6, min_p=0.3)), (shelf, dict(top_k=8, top_p=0.7, min_p=0.3)),
+             (spread, dict(top_k=30, top_p=0.99, min_p=0.5, temperature=3.0)),
+             (masked, dict(top_k=15, top_p=0.95, min_p=0.4, temperature=2.0)),
+             (near_flat, dict(min_p=0.999)), (near_flat, dict(top_p=0.95, min_p=0.999))]
+    options = [SamplingOptions(seed=200 + i, **c) for i, (_, c) in enumerate(cases)]
+    return options, torch.stack([row for row, _ in cases])
+
+
+def kept_by_cut(logits_row: torch.Tensor, options: SamplingOptions, cut: float) -> np.ndarray:
+    """The kept set a kernel's cut stands for: z >= cut and, with min-p, z - max z >= log(min_p)."""
+    z = logits_row.float().numpy() * np.float32(1.0 / options.temperature)
+    keep = z >= np.float32(cut)
+    if options.min_p > 0:
+        keep &= z - z.max() >= np.float32(math.log(options.min_p))
+    return keep
+
+
+@pytest.mark.parametrize("gather_cap", [8, 64], ids=["overflowing", "gathered"])
+def test_kept_sets_and_tokens_equal_the_replicas_on_adversarial_rows(gather_cap):
+    """The kept set of each row (its cut, ties at it kept) is the replica's, whichever way the row
+    found it, and so is its token. A buffer of 8 sends rows down every path."""
+    options, logits = adversarial_rows(40)
+    sampler = device_sampler(40, gather_cap=gather_cap)
+    for row, o in enumerate(options):
+        sampler.add(row, [1] * (3 + row), 3, o)
+    tokens, _, _ = sample(sampler, logits, list(range(len(options))))
+    assert tokens == [replica_token(logits[r], o, r) for r, o in enumerate(options)]
+    taken = sampler.cut_paths(len(options))
+    for row, (o, path) in enumerate(zip(options, taken)):
+        z = logits[row].numpy() * np.float32(1.0 / o.temperature)
+        expected = replica.kept(z, top_k=o.top_k, top_p=o.top_p, min_p=o.min_p)
+        if path != "alone":   # the single-program search keeps no cut when its first draw is kept
+            assert np.array_equal(kept_by_cut(logits[row], o, float(sampler.cuts[row])), expected), (row, o, path)
+    expected_paths = {"gathered", "bracketed", "alone", "min-p", "none"} if gather_cap == 8 else {
+        "gathered", "min-p", "none"}
+    assert set(taken) == expected_paths
+
+
+def test_a_row_draws_the_same_token_whichever_way_it_finds_its_cut():
+    """Fresh random rows sampled with buffers of 8 and 64 tokens (the rows overflowing it or not):
+    the same tokens, the replica's."""
+    modes = [dict(top_k=5), dict(top_p=0.7), dict(top_k=6, top_p=0.9, min_p=0.02), dict(min_p=0.2),
+             dict(top_p=0.9, min_p=0.1, temperature=1.5)]
+    options, logits = random_rows(modes, 40, (3.0, 1.0, 0.2), seed=22, dtype=torch.bfloat16)
+    expected = [replica_token(logits[r], o, r) for r, o in enumerate(options)]
+    taken = set()
+    for gather_cap in (8, 64):
+        sampler = device_sampler(40, gather_cap=gather_cap)
+        for row, o in enumerate(options):
+            sampler.add(row, [1] * (3 + row), 3, o)
+        tokens, _, _ = sample(sampler, logits, list(range(len(options))))
+        assert tokens == expected, f"gather_cap {gather_cap}"
+        taken |= set(sampler.cut_paths(len(options)))
+    assert {"gathered", "bracketed", "min-p"} <= taken
 
 
 def test_greedy_rows_take_the_first_argmax_among_drawing_rows():

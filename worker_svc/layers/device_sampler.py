@@ -1,5 +1,7 @@
 """Sampling on the device, from per-row options kept in device tensors (the Triton kernels are
-layers/sampling_kernels.py; layers/sampler.py is the torch path and the reference).
+layers/sampling_kernels.py, the passes and what they share; layers/sampling_cut.py, the top-k /
+top-p / min-p cut; layers/sampling_finish.py, the last pass; layers/sampler.py is the torch path
+and the reference).
 
 The runner's persistent batch gives each request a row. `add` and `remove` write a row's options
 into a host table; `flush` copies the rows that changed to the device, before the step that
@@ -31,6 +33,7 @@ import torch
 import triton
 
 from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, seed_hash
+from worker_svc.layers import sampling_cut, sampling_finish
 from worker_svc.layers import sampling_kernels as kernels
 from worker_svc.layers.penalties import PenaltyTable
 from worker_svc.layers.sampler import SamplingMetadata, SamplingOptions, probabilities
@@ -39,11 +42,15 @@ from worker_svc.row_pool import RowPool, grown_capacity
 logger = logging.getLogger(__name__)
 
 CHUNK = 8192          # tokens of a row per program of the vocabulary-wide passes
-GATHER_CAP = 2048     # candidates the threshold search sorts once it has narrowed to them
-NUM_PIVOTS = 4        # pivots the search counts per pass over a row
-MAX_ROUNDS = 24       # passes after which the search keeps what it knows is kept
+SPLIT_PROGRAMS = 1024  # programs of a pass most rows skip: S per row, each over every S-th chunk
+GATHER_CAP = 4096     # tokens a truncating row gathers, sorts and draws from (its kept set, with slack)
+SORT_SIZES = (256, 1024)   # smaller sorts of a gathered set that fits them
+GROUP_LANES = 2       # lanes of a scan tile's row whose maxima make one group (16 tokens at CHUNK 8192)
+PLAN_ROUNDS = 16      # bisection steps of a truncating row's bound (30 nats / 2**16)
+BRACKET_PIVOTS = 16   # pivots between a row's bound and its top, counted in one pass, when its gather overflows
+NUM_PIVOTS = 4        # pivots the one-program search counts per pass over a row
+MAX_ROUNDS = 24       # passes after which the one-program search keeps what it knows is kept
 AHEAD_CHUNK = 64      # verified positions with scores to process drawn per pass (their scratch: ~9 bytes a token each)
-
 
 def wanted(mode: str, device: torch.device, tensor_parallel_size: int) -> bool:
     """Whether a worker samples with these kernels (--sampler): kernels (also on the CPU, under
@@ -74,14 +81,18 @@ class _State(NamedTuple):
 
 class DeviceSampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, capacity: int = 256,
-                 max_rows: int = 256, chunk: int = CHUNK, gather_cap: int = GATHER_CAP) -> None:
+                 max_rows: int = 256, chunk: int = CHUNK, gather_cap: int = GATHER_CAP,
+                 split_programs: int = SPLIT_PROGRAMS) -> None:
         if chunk % 4:
             raise ValueError(f"chunk must be a multiple of 4, got {chunk}")
+        if gather_cap & (gather_cap - 1):
+            raise ValueError(f"gather_cap must be a power of 2, got {gather_cap}")
         self.vocab_size, self.device = vocab_size, device
         self.chunk = min(chunk, -(-vocab_size // 4) * 4)
-        self.gather_cap = gather_cap
+        self.gather_cap, self.split_programs = gather_cap, split_programs
         self.num_chunks = -(-vocab_size // self.chunk)
         self._tile = min(256, triton.next_power_of_2(self.chunk) // 4)   # [tile, 4] tokens per step
+        self._groups = self._tile * 4 // GROUP_LANES                      # group maxima per chunk
         self._rng = np.random.default_rng(seed)
         self.penalties = PenaltyTable(vocab_size, device)
         self._slots = RowPool()
@@ -270,24 +281,55 @@ class DeviceSampler:
         if n > self.max_rows:
             self._grow_scratch(n)
         grid = (n, self.num_chunks)
+        split = (n, max(1, min(self.num_chunks, self.split_programs // n)))   # for the passes most rows skip
         chunks = triton.next_power_of_2(self.num_chunks)
         table, keys, counters, processed = state.table, state.keys, state.counters, state.processed
-        kernels._penalize_kernel[grid](
+        block = min(1024, 4 * self._tile)
+        kernels._penalize_kernel[split](
             logits, logits.stride(0), processed, rows, table, state.prompt_mask,
-            state.counts, state.bias_ids, state.bias_values, vocab, self.chunk,
-            MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=min(1024, 4 * self._tile), num_warps=4)
+            state.counts, state.bias_ids, state.bias_values, vocab, self.chunk, self.num_chunks,
+            MAX_BIAS=MAX_LOGIT_BIAS_ENTRIES, BLOCK=block, num_warps=4)
         kernels._scan_kernel[grid](
             logits, logits.stride(0), processed, rows, table, keys, counters,
-            self.part_f, self.part_i, vocab, self.chunk, self.num_chunks, G=self._tile,
-            BLOCK=min(1024, 4 * self._tile), num_warps=8)
-        kernels._verify_kernel[grid](
-            logits, logits.stride(0), processed, rows, table, self.part_f, self.part_i, self.part_v,
-            vocab, self.chunk, self.num_chunks, CHUNKS=chunks, BLOCK=min(1024, 4 * self._tile), num_warps=4)
-        kernels._finish_kernel[(n,)](
+            self.part_f, self.part_i, self.groups, vocab, self.chunk, self.num_chunks, G=self._tile,
+            LANES=GROUP_LANES, BLOCK=block, num_warps=8)
+        sampling_cut._plan_kernel[(n,)](
+            rows, table, self.part_f, self.part_i, self.groups, self.plan_f, self.plan_i, self.num_chunks,
+            CHUNKS=chunks, GROUPS=self._groups, ROUNDS=PLAN_ROUNDS, num_warps=16 if chunks * self._groups > 8192 else 8)
+        sampling_cut._gather_kernel[split](
+            logits, logits.stride(0), processed, rows, table, keys, counters, self.part_f,
+            self.part_i, self.plan_f, self.plan_i, self.gathered, self.gathered_ids, vocab, self.chunk, self.num_chunks,
+            CAP=self.gather_cap, G=min(128, self._tile), BLOCK=block, num_warps=4)
+        sampling_cut._pivot_kernel[split](
+            logits, logits.stride(0), processed, rows, table, self.plan_f, self.plan_i, self.pivot_n,
+            self.pivot_m, vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, P=BRACKET_PIVOTS,
+            BLOCK=min(512, block), num_warps=4)
+        sampling_cut._bracket_kernel[split](
+            logits, logits.stride(0), processed, rows, table, keys, counters, self.part_f,
+            self.part_i, self.plan_f, self.plan_i, self.pivot_n, self.pivot_m, self.gathered, self.gathered_ids,
+            vocab, self.chunk, self.num_chunks, CAP=self.gather_cap, CHUNKS=chunks, P=BRACKET_PIVOTS,
+            G=min(128, self._tile), BLOCK=block, num_warps=4)
+        sampling_finish._finish_kernel[(n,)](
             logits, logits.stride(0), processed, rows, table, keys, counters,
-            state.counts, self.part_f, self.part_i, self.part_v, self.gather, tokens, logprobs,
-            last_sampled, vocab, self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, 4 * self._tile),
-            NUM_PIVOTS=NUM_PIVOTS, CAP=self.gather_cap, MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
+            state.counts, self.part_f, self.part_i, self.plan_f, self.plan_i, self.pivot_n,
+            self.pivot_m, self.gathered, self.gathered_ids, tokens, logprobs, last_sampled, self.cuts, vocab,
+            self.num_chunks, CHUNKS=chunks, G=self._tile, BLOCK=min(512, block), BRACKET_PIVOTS=BRACKET_PIVOTS,
+            NUM_PIVOTS=NUM_PIVOTS,
+            CAP=self.gather_cap, SMALL=min(SORT_SIZES[0], self.gather_cap), MID=min(SORT_SIZES[1], self.gather_cap),
+            MAX_ROUNDS=MAX_ROUNDS, num_warps=16)
+
+    def cut_paths(self, n: int) -> list[str]:
+        """How each of the last call's first n rows found its cut (benchmarks and tests; waits for
+        the device): "gathered" (its kept set fit the buffer), "bracketed" (pivots, then the
+        bracket), "alone" (the one-program search), "min-p" (min-p alone), "none" (no truncation)."""
+        plan = self.plan_i.view(-1, kernels.NUM_PLAN)[:n].tolist()
+        paths = []
+        for (mode, gathered, _, _), cut in zip(plan, self.cuts[:n].tolist()):
+            if mode != kernels.MODE_GATHER.value:
+                paths.append("min-p" if mode == kernels.MODE_MIN_P.value else "none")
+            else:
+                paths.append("alone" if math.isnan(cut) else "gathered" if gathered <= self.gather_cap else "bracketed")
+        return paths
 
     def probabilities(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The distribution each row would draw from ([n, vocab] float32; greedy rows one-hot), by
@@ -379,5 +421,11 @@ class DeviceSampler:
         parts = rows * self.num_chunks * kernels.NUM_PARTS
         self.part_f = torch.zeros(parts, dtype=torch.float32, device=self.device)
         self.part_i = torch.zeros(parts, dtype=torch.int32, device=self.device)
-        self.part_v = torch.zeros(parts, dtype=torch.float32, device=self.device)
-        self.gather = torch.zeros(rows * self.gather_cap, dtype=torch.float32, device=self.device)
+        self.groups = torch.zeros(rows * self.num_chunks * self._groups, dtype=torch.float32, device=self.device)
+        self.plan_f = torch.zeros(rows * kernels.NUM_PLAN, dtype=torch.float32, device=self.device)
+        self.plan_i = torch.zeros(rows * kernels.NUM_PLAN, dtype=torch.int32, device=self.device)
+        self.pivot_n = torch.zeros(rows * self.num_chunks * BRACKET_PIVOTS, dtype=torch.int32, device=self.device)
+        self.pivot_m = torch.zeros(rows * self.num_chunks * BRACKET_PIVOTS, dtype=torch.float32, device=self.device)
+        self.gathered = torch.zeros(rows * self.gather_cap, dtype=torch.float32, device=self.device)
+        self.gathered_ids = torch.zeros(rows * self.gather_cap, dtype=torch.int32, device=self.device)
+        self.cuts = torch.zeros(rows, dtype=torch.float32, device=self.device)   # each row's cut (tests read it)
