@@ -90,29 +90,6 @@ def test_block_fp8_matmul_matches_its_emulation(fp8_kernels, out_dtype, rows, co
     assert relative_error(actual, expected) <= (FP8_GEMM_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
 
 
-@pytest.mark.parametrize("width", [512, 384], ids=["even-groups", "odd-groups"])
-def test_every_start_up_tile_matches_the_emulation(fp8_kernels, width):
-    """Each FP8 GEMM tile the start-up selection may choose (linear_selection.FP8_GEMM_TILES),
-    with activations quantized first and on load; two K groups a step where the group count is
-    even, one where it is odd."""
-    from worker_svc.layers.linear_selection import FP8_GEMM_TILES
-
-    g = torch.Generator().manual_seed(40 + width)
-    block = (128, 128)
-    weight, scale = quantize_blocks(torch.randn(320, width, generator=g) * 0.05, block)
-    x = torch.randn(70, width, generator=g)
-    expected = {}
-    for reciprocal in (False, True):
-        x_values, x_scales = reference_group_quant(x, block[1], reciprocal=reciprocal)
-        x_dequantized = (x_values.double().unflatten(-1, (-1, block[1])) * x_scales[..., None].double()).flatten(-2)
-        expected[reciprocal] = x_dequantized @ dequantize_blocks(weight, scale, block, torch.float64).T
-    for tile in FP8_GEMM_TILES:
-        for on_load in (False, True):
-            actual = fp8_kernels.fp8_linear(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), block,
-                                            quantize_on_load=on_load, config=dict(tile))
-            assert relative_error(actual, expected[on_load]) <= FP8_GEMM_VS_EMULATION, (tile, on_load)
-
-
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_quantizing_on_load_gives_the_quantize_first_product(fp8_kernels, out_dtype):
     """One launch instead of two: the GEMM quantizes each activation tile per token group as it

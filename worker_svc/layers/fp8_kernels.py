@@ -77,28 +77,12 @@ def _quantize_tile(a, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
 
 
 @triton.jit
-def _group_operands(a_ptrs, b_ptrs, a_s_ptrs, b_s_ptrs, group, m_mask, n_mask,
-                    QUANTIZE_A: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
-    """One K group's FP8 tiles and their scales: (a, b, activation scales [BLOCK_M], weight
-    scales [BLOCK_N])."""
-    a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-    b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-    if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
-        a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
-    else:
-        a_s = tl.load(a_s_ptrs + group, mask=m_mask, other=0.0)
-    b_s = tl.load(b_s_ptrs + group, mask=n_mask, other=0.0)
-    return a, b, a_s, b_s
-
-
-@triton.jit
 def _block_fp8_matmul_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr,
     M, N, K, stride_am, stride_as, stride_bn, stride_bs, stride_cm,
     GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr, QUANTIZE_A: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GROUPS_PER_STEP: tl.constexpr = 1,
 ):
     # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
     # by several row tiles in a row.
@@ -119,21 +103,17 @@ def _block_fp8_matmul_kernel(
     a_s_ptrs = a_s_ptr + offs_m * stride_as
     b_s_ptrs = b_s_ptr + (offs_n // GROUP_N) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K is whole groups (no mask along it), and with GROUPS_PER_STEP 2 an even number of them.
-    for k in range(0, K, BLOCK_K * GROUPS_PER_STEP):
-        group = k // BLOCK_K
-        a, b, a_s, b_s = _group_operands(a_ptrs, b_ptrs, a_s_ptrs, b_s_ptrs, group, m_mask, n_mask,
-                                         QUANTIZE_A, FP8_MAX, MIN_AMAX)
-        if GROUPS_PER_STEP == 2:   # both groups' products issued before either is waited for
-            a2, b2, a2_s, b2_s = _group_operands(a_ptrs + BLOCK_K, b_ptrs + BLOCK_K, a_s_ptrs, b_s_ptrs, group + 1,
-                                                 m_mask, n_mask, QUANTIZE_A, FP8_MAX, MIN_AMAX)
-            first = tl.dot(a, b)
-            second = tl.dot(a2, b2)
-            acc += first * a_s[:, None] * b_s[None, :] + second * a2_s[:, None] * b2_s[None, :]
+    for k in range(0, K, BLOCK_K):   # K is whole groups: no mask along it
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
+            a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
         else:
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        a_ptrs += BLOCK_K * GROUPS_PER_STEP
-        b_ptrs += BLOCK_K * GROUPS_PER_STEP
+            a_s = tl.load(a_s_ptrs + k // BLOCK_K, mask=m_mask, other=0.0)
+        b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -170,8 +150,6 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
     if num_rows == 0:
         return out
     config = config or _matmul_config(num_rows)
-    if config.get("GROUPS_PER_STEP", 1) == 2 and (width // bk) % 2:   # an odd number of K groups
-        config = {**config, "GROUPS_PER_STEP": 1}
     grid = (triton.cdiv(num_rows, config["BLOCK_M"]) * triton.cdiv(num_cols, config["BLOCK_N"]),)
     launch(
         _block_fp8_matmul_kernel, grid,

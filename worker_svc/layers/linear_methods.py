@@ -139,8 +139,6 @@ class Fp8Gemm(Method):
     def name(self) -> str:
         settings = dict(self.config)
         tiles = f"{settings['BLOCK_M']}x{settings['BLOCK_N']} w{settings['num_warps']} s{settings['num_stages']}"
-        if settings.get("GROUPS_PER_STEP", 1) > 1:
-            tiles += f" k{settings['GROUPS_PER_STEP']}"
         return f"fp8-gemm({'on-load' if self.quantize_on_load else 'quant+'} {tiles})"
 
     def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:

@@ -54,19 +54,10 @@ ROW_ACC_TILES = ((4, 512, 4, 3), (8, 512, 4, 3), (16, 512, 8, 3))
 MIN_FMA_BLOCK_K = 64
 DOT_TILES = ((32, 128, 4, 4), (32, 128, 4, 6), (64, 128, 4, 4), (128, 128, 8, 3))
 # FP8 GEMM tiles tried with activations quantized on load, past GEMV_MAX_ROWS rows (fewer rows
-# try fp8_kernels' own choice). At 256 rows of Qwen3-8B the first three lost to cuBLAS on a bf16
-# copy for every kind but gate_up (PERF_NOTES v28): narrower tiles for the 4096-column kinds
-# (more programs than SMs), deeper pipelines, and two K groups' products issued per wait
-# (GROUPS_PER_STEP: the block scales make each group's product wait before it is scaled).
+# try fp8_kernels' own choice).
 FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
                   dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-                  dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-                  dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=4),
-                  dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-                  dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
-                  dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=3, GROUPS_PER_STEP=2),
-                  dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=2, GROUPS_PER_STEP=2),
-                  dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=2, GROUPS_PER_STEP=2))
+                  dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3))
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
