@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -127,6 +128,10 @@ def with_requirements(names: list[str], done: set[str]) -> list[str]:
 def run_stage(args: argparse.Namespace) -> int:
     """The subprocess side: runs one stage and records its result or its error."""
     stage = STAGES[args.run_stage]
+    # An in-process worker's start-up choices (linear methods per kind, attention backend, graph
+    # sizes) go to the stage's log, where a surprising number can be traced to them.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("worker_svc").setLevel(logging.INFO)
     started = time.perf_counter()
     try:
         record = {"ok": True, "result": stage.run(args)}
