@@ -93,29 +93,35 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
              gather_at, gather_rows, attn_tables.reshape(-1)]
     if layout is not None:
         parts += [layout.first, layout.num_drafts, layout.owner, layout.offset, layout.next_drafts, position_rows]
+    # A proposer on the device runs only in steps that ask for drafts (at most the scheduler's
+    # batch threshold): past it, a step costs what it costs without speculation. Its plan
+    # travels in the step's copy.
+    plan = None
+    if runner.drafter is not None:
+        if propose:
+            plan = runner.drafter.plan(b, rows, seq_lens, query_start, samples,
+                                       layout.num_drafts if layout is not None else None)
+            parts += plan.parts
+        else:
+            b.drafter_behind[rows] = True   # the drafter misses this step: no drafts for these rows again
     # What only some requests ask for travels only when asked (a plain step copies nothing more).
     extras = (constrained_at, top_at, score_at, score_targets)
     asked = any(len(part) for part in extras)
     views = runner._staging.fill(parts + list(extras) if asked else parts)
     (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
      tables_d) = views[:10]
+    views = views[10:]
     verify = verify_rows = None
     if layout is not None:
-        verify, verify_rows = DeviceLayout(*views[10:15], layout.max_drafts), views[15]
-        views = views[:10] + views[16:]
-    constrained_d, top_d, score_at_d, score_targets_d = views[10:] if asked else (None,) * 4
+        verify, verify_rows = DeviceLayout(*views[:5], layout.max_drafts), views[5]
+        views = views[6:]
+    draft_plan = None
+    if plan is not None:
+        draft_plan, views = plan.on_device(views[:4]), views[4:]
+    constrained_d, top_d, score_at_d, score_targets_d = views if asked else (None,) * 4
     if len(gather_at):
         ids_d.index_copy_(0, gather_at_d, runner.last_sampled.index_select(0, gather_rows_d))
     spec = _spec_step(b, sampling_rows, layout, propose) if runner.bookkeeping is not None else None
-    # A proposer on the device runs only in steps that ask for drafts (at most the scheduler's
-    # batch threshold): past it, a step costs what it costs without speculation.
-    draft_plan = None
-    if runner.drafter is not None:
-        if propose:
-            draft_plan = runner.drafter.plan(b, rows, seq_lens, query_start, samples,
-                                             layout.num_drafts if layout is not None else None)
-        else:
-            b.drafter_behind[rows] = True   # the drafter misses this step: no drafts for these rows again
     b.num_computed[rows] = seq_lens
     b.num_tokens[sampling_rows] += 1
     meta = AttentionMetadata(

@@ -115,9 +115,9 @@ class ModelRunner:
         # lengths and block tables per request; logits indices, sampling rows and the decode
         # tokens to gather per sampling request; constrained and top-logprob positions among
         # them; prompt tokens to score and their targets; a verification's layout and the row of
-        # each verified position.
-        self._staging = Staging((11 if k else 5) * max_tokens + max_seqs * (self.max_blocks_per_seq + 10) + 1,
-                                self.device)
+        # each verified position; a device proposer's drafting plan (spec_decode/drafter.py).
+        self._staging = Staging((11 if k else 5) * max_tokens + max_seqs * (self.max_blocks_per_seq + 10) + 1
+                                + (max_seqs * (self.max_blocks_per_seq + 3) if k else 0), self.device)
         max_positions = decode_rows(max_seqs, k)   # sampled positions of a step: every request verifying k drafts
         self._outputs = OutputSlots(max_positions, self.device)
         self._decode_layout = DecodeLayout(max_seqs)

@@ -22,7 +22,7 @@ from worker_svc import kv_cache
 from worker_svc.input_batch import InputBatch
 from worker_svc.layers.attention import AttentionMetadata
 from worker_svc.spec_decode.verification import decode_rows
-from worker_svc.staging import Staging, to_host
+from worker_svc.staging import to_host
 
 if TYPE_CHECKING:
     from worker_svc.cuda_graphs import DecodeGraphs
@@ -38,6 +38,19 @@ class DraftPlan:
     tables: torch.Tensor           # int64 [sampling rows, width]: block tables, scratch past each row's blocks
     base_positions: torch.Tensor   # int64 [sampling rows]: the newest token's position when no draft is accepted
     max_seq_len: int               # bound of the drafting passes' context lengths
+
+
+@dataclass
+class HostPlan:
+    """A step's drafting plan on the host: DraftPlan's four tensors as staging parts."""
+    parts: list[np.ndarray]
+    width: int
+    max_seq_len: int
+
+    def on_device(self, views: list[torch.Tensor]) -> DraftPlan:
+        """The plan over the device views of its parts."""
+        last, host_ids, flat, base = views
+        return DraftPlan(last, host_ids, flat.view(len(base), self.width), base, self.max_seq_len)
 
 
 class ModelProposer:
@@ -57,7 +70,6 @@ class ModelProposer:
         self.host_lengths = not runner.backend.supports_cuda_graphs   # its attention reads the host lists
         self.scratch_per_row = num_drafts // runner.block_size + 2
         self.num_shared_blocks = 0
-        self._staging = Staging(self.max_rows * (runner.max_blocks_per_seq + 3) + 1, runner.device)
         self._arange = torch.arange(self.max_rows + 1, device=runner.device)
         # CUDA graphs (capture_graphs, on a GPU): None runs eagerly.
         self.catch_up_graphs: DecodeGraphs | None = None
@@ -88,9 +100,10 @@ class ModelProposer:
     # --- a step ----------------------------------------------------------------------------------
 
     def plan(self, b: InputBatch, rows: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray,
-             samples: np.ndarray, num_drafts: np.ndarray | None) -> DraftPlan:
-        """The step's drafting plan, from the batch before the step's counts advance: `seq_lens`
-        per row after the step, `num_drafts` per sampling row (None: none verified)."""
+             samples: np.ndarray, num_drafts: np.ndarray | None) -> HostPlan:
+        """The step's drafting plan on the host, from the batch before the step's counts advance:
+        `seq_lens` per row after the step, `num_drafts` per sampling row (None: none verified). Its
+        parts travel in the step's one host-to-device copy (batch_prep.py)."""
         bs, k = self.block_size, self.num_drafts
         after = np.minimum(seq_lens, self.max_model_len - 1)
         next_host = np.where(seq_lens < b.num_host_tokens[rows], b.token_ids[rows, after], 0)
@@ -104,8 +117,7 @@ class ModelProposer:
         scratch = (self.num_shared_blocks + np.arange(len(sampling_rows))[:, None] * self.scratch_per_row
                    + np.clip(column - owned, 0, self.scratch_per_row - 1))
         tables = np.where(column < owned, b.block_tables[sampling_rows, :width], scratch)
-        last, host_ids, flat, base_d = self._staging.fill([query_start[1:] - 1, next_host, tables.reshape(-1), base])
-        return DraftPlan(last, host_ids, flat.view(len(sampling_rows), width), base_d, max_seq_len)
+        return HostPlan([query_start[1:] - 1, next_host, tables.reshape(-1), base], width, max_seq_len)
 
     # --- CUDA graphs ----------------------------------------------------------------------------
 
