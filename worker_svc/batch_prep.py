@@ -1,7 +1,8 @@
 """A step's batch preparation: the flat inputs of the step's rows and scheduled tokens, built with
 vectorised host work over rows and tokens (never over a request's whole context) and sent to the
 device in one copy (staging.py). A pure-decode step the decode graphs can take is staged where
-they read it; a step that verifies drafts carries its verification layout (spec_decode/).
+they read it, and so is a verifying step whose tokens are laid out as decode rows; a step that
+verifies drafts carries its verification layout (spec_decode/).
 """
 from __future__ import annotations
 
@@ -74,23 +75,27 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     seeded = _seeded_output_indices(runner, position_rows, offsets) if runner.sampler is not None else []
     score_at, score_targets, scored = (plan_prompt_scoring(b, rows, start, seq_lens, query_start)
                                        if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
-    if (runner.decode_graphs is not None and runner.decode_graphs.staged and runner.bookkeeping is None
-            and num_tokens == len(rows)
-            and len(rows) <= runner.decode_graphs.batch_sizes[-1] and samples.all() and not scored):
+    # A decode-shaped step whose every row samples is staged where the decode graphs read it: no
+    # kernel runs on the device before their replay.
+    as_decodes = layout is not None and _verifies_as_decodes(runner, counts, num_tokens)
+    graphs = runner.decode_graphs
+    staged = (graphs is not None and graphs.staged and (num_tokens == len(rows) or as_decodes)
+              and num_tokens <= graphs.batch_sizes[-1] and samples.all() and not scored)
+    if staged and runner.bookkeeping is None:   # a plain decode step: its sampling replays a graph too
         ids = np.where(on_host, input_ids, -1)
         b.num_computed[rows] = seq_lens
         b.num_tokens[sampling_rows] += 1
         return _stage_decode(runner, ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at,
                              constrained, top_at, top_ks)
     attn_query_start, attn_seq_lens, attn_tables, attn_sizes = query_start, seq_lens, block_tables, sizes
-    if layout is not None and _verifies_as_decodes(runner, counts, num_tokens):
+    if as_decodes:
         # Each token of a verified run attends as a decode row over its own prefix (the store
         # writes every token's KV before the attention reads): the decode graphs' shape.
         attn_sizes = np.ones(num_tokens, np.int64)
         attn_query_start, attn_seq_lens = np.arange(num_tokens + 1), positions + 1
         attn_tables = b.block_tables[token_rows, :width]
-    parts = [input_ids, positions, slot_mapping, attn_query_start, attn_seq_lens, logits_indices, sampling_rows,
-             gather_at, gather_rows, attn_tables.reshape(-1)]
+    # After the forward's inputs, what the sampling, the verification and the proposer read.
+    parts = [sampling_rows]
     if layout is not None:
         parts += [layout.first, layout.num_drafts, layout.owner, layout.offset, layout.next_drafts, position_rows]
     # A proposer on the device runs only in steps that ask for drafts (at most the scheduler's
@@ -107,10 +112,36 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     # What only some requests ask for travels only when asked (a plain step copies nothing more).
     extras = (constrained_at, top_at, score_at, score_targets)
     asked = any(len(part) for part in extras)
-    views = runner._staging.fill(parts + list(extras) if asked else parts)
-    (ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, sampling_d, gather_at_d, gather_rows_d,
-     tables_d) = views[:10]
-    views = views[10:]
+    if asked:
+        parts += extras
+    if staged:   # a speculating worker's: the graph's first kernel unpacks its inputs
+        inputs = [runner._decode_layout.header(num_tokens, width), np.where(on_host, input_ids, -1), positions,
+                  slot_mapping, attn_seq_lens, token_rows, attn_tables.reshape(-1)]
+        views = runner._staging.fill(inputs + parts, runner._decode_layout.offsets(num_tokens, width)[:-1])
+        views = views[len(inputs):]
+        ids_d, positions_d = graphs.input_ids[:num_tokens], graphs.positions[:num_tokens]
+        logits_d = runner._row_index[:num_tokens]
+        meta = graphs.staged_meta(attn_seq_lens, max_seq_len)
+    else:
+        inputs = [input_ids, positions, slot_mapping, attn_query_start, attn_seq_lens, logits_indices, gather_at,
+                  gather_rows, attn_tables.reshape(-1)]
+        views = runner._staging.fill(inputs + parts)
+        ids_d, positions_d, slots_d, query_start_d, seq_lens_d, logits_d, gather_at_d, gather_rows_d, tables_d = \
+            views[:len(inputs)]
+        views = views[len(inputs):]
+        if len(gather_at):
+            ids_d.index_copy_(0, gather_at_d, runner.last_sampled.index_select(0, gather_rows_d))
+        meta = AttentionMetadata(
+            slot_mapping=slots_d,
+            query_start_loc=query_start_d.to(torch.int32),
+            seq_lens=seq_lens_d.to(torch.int32),
+            block_tables=tables_d.view(len(attn_sizes), width).to(torch.int32),
+            max_query_len=int(attn_sizes.max()),
+            max_seq_len=max_seq_len,
+            query_lens_cpu=attn_sizes.tolist(),
+            seq_lens_cpu=attn_seq_lens.tolist(),
+        )
+    sampling_d, views = views[0], views[1:]
     verify = verify_rows = None
     if layout is not None:
         verify, verify_rows = DeviceLayout(*views[:5], layout.max_drafts), views[5]
@@ -119,28 +150,16 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     if plan is not None:
         draft_plan, views = plan.on_device(views[:4]), views[4:]
     constrained_d, top_d, score_at_d, score_targets_d = views if asked else (None,) * 4
-    if len(gather_at):
-        ids_d.index_copy_(0, gather_at_d, runner.last_sampled.index_select(0, gather_rows_d))
     spec = _spec_step(b, sampling_rows, layout, propose) if runner.bookkeeping is not None else None
     b.num_computed[rows] = seq_lens
     b.num_tokens[sampling_rows] += 1
-    meta = AttentionMetadata(
-        slot_mapping=slots_d,
-        query_start_loc=query_start_d.to(torch.int32),
-        seq_lens=seq_lens_d.to(torch.int32),
-        block_tables=tables_d.view(len(attn_sizes), width).to(torch.int32),
-        max_query_len=int(attn_sizes.max()),
-        max_seq_len=max_seq_len,
-        query_lens_cpu=attn_sizes.tolist(),
-        seq_lens_cpu=attn_seq_lens.tolist(),
-    )
     return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, position_rows, seeded,
                      constrained=(constrained_at.tolist(), constrained, constrained_d) if constrained else None,
                      constrained_next_drafts=next_drafts,
                      top_ks=top_ks, top_positions=top_d if top_ks is not None else None,
                      score_indices=score_at_d if scored else None,
                      score_targets=score_targets_d if scored else None, scored=scored or None,
-                     verify=verify, verify_rows=verify_rows, spec=spec, draft_plan=draft_plan)
+                     verify=verify, verify_rows=verify_rows, spec=spec, draft_plan=draft_plan, graph=staged)
 
 
 def _verifies_as_decodes(runner: ModelRunner, counts: np.ndarray, num_tokens: int) -> bool:
@@ -197,11 +216,8 @@ def _stage_decode(runner: ModelRunner, ids, positions, slot_mapping, seq_lens, r
     n, width = block_tables.shape
     parts = [runner._decode_layout.header(n, width), ids, positions, slot_mapping, seq_lens, rows,
              block_tables.reshape(-1)]
-    offsets = runner._decode_layout.offsets(n, width)
     extras = [part for part in (constrained_at, top_at) if len(part)]
-    for part in extras:
-        offsets.append(offsets[-1] + len(part))
-    views = runner._staging.fill(parts + extras, offsets[:len(parts) + len(extras)])
+    views = runner._staging.fill(parts + extras, runner._decode_layout.offsets(n, width)[:-1])
     extra_views = iter(views[len(parts):])
     constrained_d = next(extra_views) if len(constrained_at) else None
     top_d = next(extra_views) if top_ks is not None else None

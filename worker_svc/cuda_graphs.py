@@ -10,7 +10,9 @@ attend to nothing). Two ways in:
   them (graph_inputs.py), and the graph's first kernel unpacks them; with a `sample` body, a
   second graph per size takes the hidden states through the LM head and the device sampler
   (`replay_sample`), so a decode step launches the two replays and nothing else. The sampling
-  graphs are captured again when the sampler's tensors were reallocated (its `graph_key`).
+  graphs are captured again when the sampler's tensors were reallocated (its `graph_key`). A
+  speculating worker stages its decode-shaped steps too (a verification's tokens as decode rows)
+  and samples outside the graphs; graphs given DecodeInputs are never `run`.
 - `inputs_of` another DecodeGraphs: graphs of a second forward over the same step (a draft model's
   catch-up) read that one's static inputs, so after its `run` the second replays with no copies.
 
@@ -24,6 +26,7 @@ import bisect
 import logging
 from typing import Callable
 
+import numpy as np
 import torch
 
 from worker_svc.graph_inputs import DecodeInputs
@@ -107,7 +110,9 @@ class DecodeGraphs:
         return self.inputs is not None and self.usable
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return self.usable and meta.is_pure_decode and meta.seq_lens.shape[0] <= self.batch_sizes[-1]
+        """Whether `run` takes this step (graphs that unpack staged inputs only `replay`)."""
+        return (self.usable and self.inputs is None and meta.is_pure_decode
+                and meta.seq_lens.shape[0] <= self.batch_sizes[-1])
 
     def disable(self, why: str) -> None:
         if self.usable:
@@ -139,6 +144,21 @@ class DecodeGraphs:
         static buffer: read it before the next replay); `rows[:n]` then holds its sampling rows."""
         self.graphs[self.padded(n)].replay()
         return self.outputs[:n]
+
+    def staged_meta(self, seq_lens: np.ndarray, max_seq_len: int) -> AttentionMetadata:
+        """The attention metadata of a staged decode step of len(seq_lens) requests, over the static
+        buffers its replay writes (read them after it): what an eager pass over the same step reads."""
+        n = len(seq_lens)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start_loc[:n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n],   # columns past a request's blocks: stale, never read
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_lens_cpu=[1] * n,
+            seq_lens_cpu=seq_lens.tolist(),
+        )
 
     def replay_sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After `replay(n)`: samples the step's rows; (tokens, logprobs) views of static buffers."""

@@ -40,7 +40,7 @@ from worker_svc import kv_cache, parallel_state, startup
 from worker_svc.batch_prep import prepare_batch
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
-from worker_svc.graph_inputs import DecodeLayout
+from worker_svc.graph_inputs import HEADER, DecodeLayout
 from worker_svc.layers import device_sampler
 from worker_svc.layers.attention import AttentionMetadata
 from worker_svc.layers.attention.kv_quant import dtype_name, resolve_kv_cache_dtype
@@ -116,11 +116,16 @@ class ModelRunner:
         # tokens to gather per sampling request; constrained and top-logprob positions among
         # them; prompt tokens to score and their targets; a verification's layout and the row of
         # each verified position; a device proposer's drafting plan (spec_decode/drafter.py).
+        # A speculating worker's decode-shaped steps are staged in the decode graphs' layout
+        # (graph_inputs.py), with one row per token of a verified run.
+        self.graph_tokens = startup.decode_graph_tokens(max_seqs, k, config.speculative_graph_batch_size)
         self._staging = Staging((11 if k else 5) * max_tokens + max_seqs * (self.max_blocks_per_seq + 10) + 1
-                                + (max_seqs * (self.max_blocks_per_seq + 3) if k else 0), self.device)
+                                + (max_seqs * (self.max_blocks_per_seq + 3)
+                                   + HEADER + self.graph_tokens * (self.max_blocks_per_seq + 5) if k else 0),
+                                self.device)
         max_positions = decode_rows(max_seqs, k)   # sampled positions of a step: every request verifying k drafts
         self._outputs = OutputSlots(max_positions, self.device)
-        self._decode_layout = DecodeLayout(max_seqs)
+        self._decode_layout = DecodeLayout(self.graph_tokens)
         # Speculative decoding: the proposer, and the bookkeeping of steps whose tokens are not
         # back yet, which changes the batch from the thread that reads a step's result.
         # A proposer on the device (eagle3, draft: the drafter) runs after the sampling of each step
@@ -137,7 +142,7 @@ class ModelRunner:
         if self.device_sampler is not None:   # where it samples outside the graphs (every verified position)
             self._tokens = torch.zeros(max_positions, dtype=torch.int64, device=self.device)
             self._logprobs = torch.zeros(max_positions, dtype=torch.float32, device=self.device)
-        self._row_index = torch.arange(max_seqs, device=self.device)   # every row of a decode batch
+        self._row_index = torch.arange(self.graph_tokens, device=self.device)   # every row of a decode batch
         self.decode_graphs = None   # captured below, once the KV cache they read exists
         if k and self.device_sampler is not None:   # verified positions' scratch, before the KV cache's share
             self.device_sampler.reserve_ahead(max_positions)
@@ -320,8 +325,10 @@ class ModelRunner:
         fill = (self.structured.start_fill(batch.constrained[1], batch.constrained_next_drafts)
                 if batch.constrained is not None else None)
         extra = aux = tokens = None
-        if batch.graph:
-            hidden = self.decode_graphs.replay(len(batch.sampling_rows))
+        if batch.graph:   # every token of a staged step is sampled
+            hidden = self.decode_graphs.replay(len(batch.position_rows))
+            if batch.draft_plan is not None and self.drafter.aux_layers:
+                aux = self.decode_graphs.aux(len(hidden))
         elif batch.draft_plan is not None and self.drafter.aux_layers:   # eagle3 reads them
             hidden, aux = self.run_model(batch.input_ids, batch.positions, batch.meta, self.drafter.aux_layers)
         else:
@@ -373,7 +380,7 @@ class ModelRunner:
         without rows that need the host (a grammar's mask, top logprobs) samples inside its graph."""
         n = len(batch.position_rows)
         failed: list[RequestFailure] = []
-        if batch.graph and batch.constrained is None and batch.top_ks is None:
+        if batch.graph and self.decode_graphs.sample is not None and batch.constrained is None and batch.top_ks is None:
             tokens, logprobs = self.decode_graphs.replay_sample(n)
             return tokens, logprobs if self.device_sampler.wants_logprobs(batch.sampling_rows) else None, extra, failed
         logits = self.model.compute_logits(hidden, self._row_index[:n] if batch.graph else batch.logits_indices)

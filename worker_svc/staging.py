@@ -142,9 +142,10 @@ class Staging:
         self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if self.cuda else None
         self._next = 0
 
-    def fill(self, parts: list[np.ndarray], offsets: list[int] | None = None) -> list[torch.Tensor]:
-        """Copies the parts to the device in one transfer; returns device views of each. Parts go
-        one after the other, or each at its offset when given (a layout its reader fixed)."""
+    def fill(self, parts: list[np.ndarray], offsets: list[int] = ()) -> list[torch.Tensor]:
+        """Copies the parts to the device in one transfer; returns device views of each. The first
+        len(offsets) parts go each at its offset (a layout its reader fixed), the others one after
+        the other behind them."""
         i = self._next
         self._next = (i + 1) % len(self.host)
         if self.events[i] is not None:
@@ -152,9 +153,11 @@ class Staging:
         host = self.host[i]
         view = host.numpy()
         sizes = [len(p) for p in parts]
-        if offsets is None:
-            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist() if parts else []
+        offsets = list(offsets)
         end = max((offset + size for offset, size in zip(offsets, sizes)), default=0)
+        for size in sizes[len(offsets):]:
+            offsets.append(end)
+            end += size
         for part, offset, size in zip(parts, offsets, sizes):
             view[offset:offset + size] = part
         if self.cuda:

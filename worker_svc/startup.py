@@ -206,18 +206,17 @@ def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
 
     start = time.perf_counter()
     inputs = sample = sample_key = None
-    # The step's inputs staged for the graph, and the sampling in one (a speculating worker's steps
-    # are not staged: their rows' drafts and counts are settled on the host first).
-    if runner.device_sampler is not None and runner.bookkeeping is None:
+    # The step's inputs staged for the graph, and the sampling in one (a speculating worker samples
+    # outside the graphs: a verification samples every position, then accepts).
+    if runner.device_sampler is not None:
         inputs = DecodeInputs(runner._staging.on_device, runner._decode_layout, runner.last_sampled,
                               runner.device_sampler.dummy_row)
-        sample, sample_key = runner.sample_in_graph, runner.device_sampler.graph_key
+        if runner.bookkeeping is None:
+            sample, sample_key = runner.sample_in_graph, runner.device_sampler.graph_key
     forward = runner.model
     if runner.drafter is not None and runner.drafter.aux_layers:   # eagle3 reads them in the steps that draft
         forward = functools.partial(runner.model, aux_layers=runner.drafter.aux_layers)
-    config = runner.config
-    graphs = DecodeGraphs(forward, max_batch_size=decode_graph_tokens(config.max_num_seqs, runner.num_speculative_tokens,
-                                                                      config.speculative_graph_batch_size),
+    graphs = DecodeGraphs(forward, max_batch_size=runner.graph_tokens,
                           max_blocks_per_seq=runner.max_blocks_per_seq, max_model_len=runner.max_model_len,
                           device=runner.device, inputs=inputs, sample=sample, sample_key=sample_key)
     logger.info("captured %d decode graphs%s in %.1f s", len(graphs.graphs),

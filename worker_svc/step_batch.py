@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 @dataclass
 class StepBatch:
     """A launched step's device inputs and the host facts the sampling needs. A decode step staged
-    for the graphs (`graph`) has no input tensors: the graph reads its staged columns."""
+    for the graphs (`graph`) has no input tensors of its own: the graph reads its staged columns
+    (a speculating worker's: its input tensors and metadata are views of the graphs' static
+    buffers, which the replay writes)."""
     input_ids: torch.Tensor | None  # int64 [num_tokens]
     positions: torch.Tensor | None  # int64 [num_tokens]
     meta: AttentionMetadata | None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,6 +192,8 @@ def test_capturing_the_sampling_again_draws_for_no_row_of_the_step(graphs_on_the
     graphs = DecodeGraphs(lambda ids, positions, meta: weights[ids], max_batch_size=max_batch,
                           max_blocks_per_seq=4, max_model_len=64, device=cpu, inputs=inputs,
                           sample=lambda *args: sampler.sample(*args, last_sampled), sample_key=sampler.graph_key)
+    # Graphs that unpack staged columns take no copied-in inputs: a decode step not staged runs eagerly.
+    assert not graphs.can_run(graphs.staged_meta(np.array([5, 6, 7]), 64))
     # Requests with penalties admitted after start-up grow the sampler's tensors: the next
     # sampling replay captures its graphs again.
     for row in range(3):

@@ -7,6 +7,7 @@ same drafts (so the same acceptance) as the same runner run eagerly. Steps with 
 the drafting graphs hold run the passes eagerly."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -17,8 +18,10 @@ from tests.support.hf_reference import hf_greedy
 from tests.support.markers import requires_cuda
 from tests.support.runner_driver import GREEDY, make_runner, prompt
 from tests.support.speculative_loop import Loop
+from tests.support.triton_interpreter import gpu_faithful
 from worker_svc import startup
 from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.graph_inputs import DecodeInputs
 from worker_svc.layers.attention.torch_backend import TorchAttentionBackend, causal_attention, gather_context
 
 class DeviceLengthsAttention(TorchAttentionBackend):
@@ -43,17 +46,22 @@ def graphs_on_the_cpu(monkeypatch):
     monkeypatch.setattr(startup, "select_backend", lambda runner: DeviceLengthsAttention())
 
 
-def speculating_runner(model_dir, method: str, head_dir, graphed: bool, graph_requests: int = 4):
+def speculating_runner(model_dir, method: str, head_dir, graphed: bool, graph_requests: int = 4,
+                       staged: bool = False):
+    """A speculating runner, eager or (graphed) replaying graphs whose inputs are copied in, or
+    (staged: the device sampler's, as on a GPU) unpacked by the graph from the step's staged columns."""
     runner = make_runner(model_dir, speculative_method=method, speculative_model=str(head_dir),
                          num_speculative_tokens=3, max_num_seqs=16, max_model_len=64,
-                         speculative_graph_batch_size=graph_requests)
+                         speculative_graph_batch_size=graph_requests, sampler="kernels" if staged else "torch")
     if graphed:   # what startup.capture_decode_graphs does on a GPU, with the replays set to run their bodies
         forward = runner.model
         if runner.drafter.aux_layers:
             forward = functools.partial(runner.model, aux_layers=runner.drafter.aux_layers)
-        runner.decode_graphs = DecodeGraphs(forward, max_batch_size=runner.config.max_num_seqs,
+        inputs = (DecodeInputs(runner._staging.host[0], runner._decode_layout, runner.last_sampled,
+                               runner.device_sampler.dummy_row) if staged else None)
+        runner.decode_graphs = DecodeGraphs(forward, max_batch_size=runner.graph_tokens,
                                             max_blocks_per_seq=runner.max_blocks_per_seq,
-                                            max_model_len=runner.max_model_len, device=runner.device)
+                                            max_model_len=runner.max_model_len, device=runner.device, inputs=inputs)
         runner.drafter.capture_graphs(runner, runner.decode_graphs)
         for graphs in (runner.decode_graphs, runner.drafter.catch_up_graphs, runner.drafter.drafting_graphs):
             for size, graph in graphs.graphs.items():
@@ -76,24 +84,31 @@ def replays(graphs) -> int:
 
 
 @cpu_only
+@pytest.mark.parametrize("staged", [False, True], ids=["inputs-copied", "inputs-staged"])
 @pytest.mark.parametrize("method", ["draft", "eagle3"])
 def test_the_proposers_graphs_draft_as_its_eager_passes(tiny_model_dir, tiny_self_draft_dir, tiny_eagle3_dir,
-                                                        graphs_on_the_cpu, method):
+                                                        graphs_on_the_cpu, method, staged):
     head = tiny_self_draft_dir if method == "draft" else tiny_eagle3_dir
     # Three requests: drafting graphs of 4 rows, one a padding row; verifying steps of 12 tokens in
     # the target's and the catch-up's graphs of 16.
     requests = {1: (prompt(4, 21), GREEDY), 2: (prompt(5, 6), GREEDY), 3: (prompt(6, 13), GREEDY)}
     loops = {}
     for graphed in (False, True):
-        loop = loops[graphed] = Loop(speculating_runner(tiny_model_dir, method, head, graphed))
-        loop.runner.drafter.run = recording(loop.runner.drafter.run, drafted := [])
-        outputs = loop.run(requests, 8)
+        with gpu_faithful() if staged else contextlib.nullcontext():   # the device sampler's kernels, interpreted
+            loop = loops[graphed] = Loop(speculating_runner(tiny_model_dir, method, head, graphed, staged=staged))
+            loop.runner.drafter.run = recording(loop.runner.drafter.run, drafted := [])
+            if graphed:   # staged steps replay without copying their inputs in
+                graphs, copied = loop.runner.decode_graphs, []
+                graphs.run = lambda *args, run=graphs.run, copied=copied: copied.append(args) or run(*args)
+            outputs = loop.run(requests, 8)
         for seq_id, (p, _) in requests.items():
             assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 8), f"{method}, graphs {graphed}, sequence {seq_id}"
         loop.drafts = [d for d in drafted if d is not None]
     eager, graphed = loops[False], loops[True]
     assert graphed.drafts == eager.drafts and graphed.num_accepted == eager.num_accepted
     drafter = graphed.runner.drafter
+    assert graphed.runner.decode_graphs.staged == staged and (copied == []) == staged
+    assert replays(graphed.runner.decode_graphs) >= len(graphed.drafts) - 1   # every decode step's forward
     assert replays(drafter.drafting_graphs) == len(graphed.drafts) > 2
     assert replays(drafter.catch_up_graphs) >= len(graphed.drafts) - 1   # every decode step's catch-up
     if method == "draft":   # the target's own drafts

@@ -145,7 +145,8 @@ class ModelProposer:
         """Whether this step's target forward ran the decode graphs, and its catch-up has one too."""
         graphs = self.catch_up_graphs
         return (graphs is not None and runner.decode_graphs is self._target_graphs and graphs.usable
-                and runner.decode_graphs.can_run(batch.meta) and len(batch.input_ids) <= graphs.batch_sizes[-1])
+                and (batch.graph or runner.decode_graphs.can_run(batch.meta))
+                and len(batch.input_ids) <= graphs.batch_sizes[-1])
 
     # --- a step ----------------------------------------------------------------------------------
 
