@@ -28,6 +28,13 @@ def test_parts_given_offsets_land_there():
     assert [v.tolist() for v in views] == [[1, 2], [3], [4, 5, 6]]
 
 
+def test_parts_after_those_given_offsets_follow_the_last_of_them():
+    staging = Staging(64, CPU)
+    views = staging.fill([np.array([1, 2]), np.array([3]), np.arange(4, 7), EMPTY_PART, np.array([8])], [0, 10])
+    assert [v.tolist() for v in views] == [[1, 2], [3], [4, 5, 6], [], [8]]
+    assert staging.host[0][11:15].tolist() == [4, 5, 6, 8]
+
+
 def test_a_steps_views_survive_the_next_steps_fill():
     staging = Staging(16, CPU)
     first = staging.fill([np.arange(4), np.arange(4, 8)])
