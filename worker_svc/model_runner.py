@@ -56,7 +56,7 @@ from worker_svc.spec_decode.proposers import build_proposer
 from worker_svc.spec_decode.verification import accept, decode_rows, preceding_drafts
 from worker_svc.staging import Logprobs, OutputSlots, PendingStep, Staging, to_host
 from worker_svc.step_batch import StepBatch
-from worker_svc.step_checks import StepLimits, check_step
+from worker_svc.step_checks import StepLimits, check_requests, check_rows
 from worker_svc.step_limits import with_step_limits
 from worker_svc.structured_output import MaskFill, StructuredOutput
 
@@ -203,9 +203,11 @@ class ModelRunner:
         # before it (settled here) go out only then, so their handling on the host (in one
         # process: the scheduler's too) runs while this step's kernels do, not between its launches.
         with self._batch_lock if self.bookkeeping is not None else contextlib.nullcontext():
+            # What the steps in flight do not change is checked while they still run.
+            cached_rows = check_requests(step, self.limits, self.batch)
             if self.bookkeeping is not None and (step.num_drafts is not None or self.bookkeeping.must_settle):
                 self.bookkeeping.settle_all()
-            cached_rows, matchers, failed = check_step(step, self.limits, self.batch, self.structured)
+            matchers, failed = check_rows(step, cached_rows, self.limits, self.batch, self.structured)
             rows, counts, drafts = self._apply(step, cached_rows, matchers)
             if self.device_sampler is not None:
                 self.device_sampler.flush()

@@ -6,6 +6,8 @@ and the scheduler's view differ: a request not held, or held twice). The cached 
 checked as columns, vectorised over rows; new requests one by one. A new request's grammar
 matcher is made here; a request whose grammar fails comes back as a RequestFailure (run
 unconstrained in this step, its token void, the scheduler ends it) and the rest of the step goes on.
+It runs in two halves, `check_requests` and `check_rows`, so that a speculating worker checks the
+first while the steps before this one still run (their acceptance changes only the rows' counts).
 """
 from __future__ import annotations
 
@@ -34,6 +36,14 @@ def check_step(step: StepInput, limits: StepLimits, batch: InputBatch,
     """Checks the whole step; returns the cached requests' rows, the new requests' grammar
     matchers by seq_id (`structured` makes them; None on ranks that do not sample), and the new
     requests whose grammar failed."""
+    rows = check_requests(step, limits, batch)
+    return rows, *check_rows(step, rows, limits, batch, structured)
+
+
+def check_requests(step: StepInput, limits: StepLimits, batch: InputBatch) -> np.ndarray:
+    """The step's first half: what no step in flight changes (which requests the batch holds, the
+    step's sizes, the new requests); returns the cached requests' rows. A speculating worker runs
+    it before it waits for the steps before this one to be settled."""
     sid = step.step_id
     if step.num_requests > limits.max_num_seqs:
         raise InvalidStepError(f"step {sid}: {step.num_requests} requests exceed max_num_seqs {limits.max_num_seqs}")
@@ -58,11 +68,18 @@ def check_step(step: StepInput, limits: StepLimits, batch: InputBatch,
     if num_tokens > limits.max_num_batched_tokens:
         raise InvalidStepError(f"step {sid}: {num_tokens} tokens exceed max_num_batched_tokens "
                                f"{limits.max_num_batched_tokens}")
+    return rows
+
+
+def check_rows(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: InputBatch,
+               structured) -> tuple[dict, list[RequestFailure]]:
+    """The step's second half: the cached requests against their rows' counts and drafts (as the
+    steps before left them); then the new requests' grammar matchers and failures (check_step)."""
     if len(rows):
         _check_cached(step, rows, limits, batch)
     if structured is None:
-        return rows, {}, []
-    return rows, *_matchers(step, structured)
+        return {}, []
+    return _matchers(step, structured)
 
 
 def _check_new(sid: int, new: NewRequest, limits: StepLimits, batch: InputBatch, seen: set[int],
