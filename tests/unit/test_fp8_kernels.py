@@ -175,9 +175,10 @@ def test_fp8_linear_replays_in_a_cuda_graph(fp8_kernels):
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 64, 256])
+@pytest.mark.parametrize("rows", [1, 3, 64, 256])
 def test_cublas_block_scaled_fp8_matches_the_emulation(fp8_kernels, rows):
-    """cuBLAS's 1x128 by 128x128 block scaling (Hopper, CUDA 12.9+) on Qwen3-8B's down projection."""
+    """cuBLAS's 1x128 by 128x128 block scaling (Hopper, CUDA 12.9+) on Qwen3-8B's down projection
+    (token counts not a multiple of 4 are padded to one)."""
     g = torch.Generator(device="cuda").manual_seed(38)
     weight, scale = quantize_blocks(torch.randn(4096, 12288, generator=g, device="cuda") * 0.02, (128, 128))
     x = torch.randn(rows, 12288, generator=g, device="cuda").to(torch.bfloat16)

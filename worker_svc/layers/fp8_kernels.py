@@ -190,11 +190,16 @@ def cublas_fp8_linear(x: torch.Tensor, weight: torch.Tensor, cublas_scales: torc
     blocks by 128 x 128 weight blocks: Hopper with CUDA 12.9+); cublas_scales from
     cublas_weight_scales. Raises where this torch or device lacks it."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
+    num_rows = rows.shape[0]
+    # cuBLASLt's block scaling takes the token count only in multiples of 4 (else it finds no
+    # algorithm: CUBLAS_STATUS_NOT_SUPPORTED): zero rows pad it, and their outputs are dropped.
+    if num_rows % 4:
+        rows = F.pad(rows, (0, 0, 0, -num_rows % 4))
+    elif rows.stride(-1) != 1:
         rows = rows.contiguous()
     values, scales = per_token_group_quant(rows, block[1], rows_major_scales=True)
     out = F.scaled_mm(values, weight.t(), scales, F.ScalingType.BlockWise1x128, cublas_scales,
-                      F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+                      F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:num_rows]
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
