@@ -63,6 +63,7 @@ STAGES: dict[str, Stage] = {
     "moe_kernel": Stage(moe_kernel),
     "fp8_gemm": Stage(fp8_gemm),
     "moe_e2e": Stage(moe_e2e),
+    "moe_e2e_fp8": Stage(moe_e2e, {"quantization": "fp8"}),
     **{fixed_batch.stage_name(m, d): Stage(fixed_batch, {"model": m, "dtype": d})
        for m in fixed_batch.MODELS for d in fixed_batch.DTYPES},
     "host_path": Stage(host_path),
@@ -75,7 +76,7 @@ STAGES: dict[str, Stage] = {
 GROUPS = {
     "headline": ("checkpoint", "bandwidth", "service", "structured", "offline", "hf_default", "hf_tuned", "decode",
                  "profile", "correctness"),
-    "moe": ("bandwidth", "moe_kernel", "fp8_gemm", "moe_e2e", *(n for n in STAGES if n.startswith("decode_"))),
+    "moe": ("bandwidth", "moe_kernel", "fp8_gemm", "moe_e2e", "moe_e2e_fp8", *(n for n in STAGES if n.startswith("decode_"))),
     "kernels": ("linear", "attention"),
     "all": tuple(STAGES),
 }

@@ -120,7 +120,7 @@ PY
         base
         with_floor moe
         timeout ${TIMEOUT:-420} $PY -m bench.gpu_bench --out "$BENCH/moe" \
-            --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
+            --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,moe_e2e_fp8,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;
     stage)
