@@ -16,12 +16,14 @@ import torch
 from common.pb.llm.worker.v1 import worker_pb2 as pb
 from tests.support.graph_stand_ins import cpu_only, speculating_runner
 from tests.support.hf_reference import hf_greedy
+from tests.support.markers import requires_cuda
 from tests.support.runner_driver import GREEDY, make_runner, prompt
 from tests.support.speculative_loop import AheadLoop, Loop
 from tests.support.triton_interpreter import INTERPRETED, gpu_faithful
 from worker_svc import model_runner
 
-pytestmark = [cpu_only, pytest.mark.skipif(not INTERPRETED, reason="the derivation's kernel, interpreted")]
+# On the CPU: graph stand-ins, and the derivation's kernel interpreted (a GPU runs the last test).
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="the derivation's kernel, interpreted")
 
 K = 3
 # Prompts ending on both sides of a block boundary (16); request 4 never speculates (verifies none).
@@ -80,6 +82,8 @@ def batch_state(runner) -> dict:
             "drafts": [b.draft_tokens[r, :h].tolist() for r, h in zip(rows, held)]}
 
 
+@cpu_only
+@interpreted
 @pytest.mark.parametrize("staged", [False, True], ids=["eager", "staged"])
 def test_inputs_derived_on_the_device_equal_those_built_on_the_host_after_the_settle(
         tiny_model_dir, tiny_eagle3_dir, graphs_on_the_cpu, monkeypatch, staged):
@@ -102,6 +106,8 @@ def test_inputs_derived_on_the_device_equal_those_built_on_the_host_after_the_se
     assert any(n == 0 for n in settled_state["held"]) and max(settled_state["held"]) == K
 
 
+@cpu_only
+@interpreted
 @pytest.mark.parametrize("staged", [False, True], ids=["eager", "staged"])
 @pytest.mark.parametrize("method", ["eagle3", "draft"])
 def test_a_scheduler_ahead_gets_its_verifying_steps_launched_before_the_settle(
@@ -122,6 +128,8 @@ def test_a_scheduler_ahead_gets_its_verifying_steps_launched_before_the_settle(
     assert (loop.num_accepted > 0) == (method == "draft")
 
 
+@cpu_only
+@interpreted
 def test_with_two_steps_in_flight_a_step_settles_first_and_stays_exact(tiny_model_dir, tiny_self_draft_dir,
                                                                        graphs_on_the_cpu):
     requests = {1: (prompt(5, 17), GREEDY), 2: (prompt(6, 8), GREEDY)}
@@ -135,6 +143,8 @@ def test_with_two_steps_in_flight_a_step_settles_first_and_stays_exact(tiny_mode
     assert flags[:3] == [False, True, False] and False in flags[3:] and loop.num_accepted > 0
 
 
+@cpu_only
+@interpreted
 def test_a_step_admitting_a_request_settles_first(tiny_model_dir, tiny_eagle3_dir, graphs_on_the_cpu):
     runner = speculating_runner(tiny_model_dir, "eagle3", tiny_eagle3_dir, graphed=False)
     seen = recording_inputs(runner)
@@ -156,3 +166,25 @@ def test_a_step_admitting_a_request_settles_first(tiny_model_dir, tiny_eagle3_di
     assert last.token_ids[-1] == hf_greedy(tiny_model_dir, second, 1)[0]
     produced = loop.tokens[1][12:] + last.token_ids[:-1]
     assert produced == hf_greedy(tiny_model_dir, first, len(produced))
+
+
+@requires_cuda
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_on_a_gpu_verifying_steps_go_ahead_with_the_targets_greedy_output(tiny_model_dir, tiny_self_draft_dir,
+                                                                          tiny_eagle3_dir, method):
+    """Real graphs and the device sampler (float32, the tiny model): every verifying step after the
+    first is launched ahead, greedy output equals transformers', the self-draft's drafts are accepted."""
+    head = tiny_self_draft_dir if method == "draft" else tiny_eagle3_dir
+    runner = make_runner(tiny_model_dir, device="cuda", dtype="float32", speculative_method=method,
+                         speculative_model=str(head), num_speculative_tokens=K, max_num_seqs=16)
+    assert runner.decode_graphs is not None and runner.decode_graphs.staged
+    flags = []
+    execute = runner._execute
+    runner._execute = lambda step_id, batch, *args: flags.append(batch.ahead) or execute(step_id, batch, *args)
+    requests = {1: (prompt(1, 40), GREEDY), 2: (prompt(2, 9), GREEDY), 3: (prompt(3, 17), GREEDY)}
+    loop = AheadLoop(runner, K)
+    outputs = loop.run(requests, 16)
+    for seq_id, (p, _) in requests.items():
+        assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 16), f"sequence {seq_id}"
+    assert flags == [False] + [True] * (len(flags) - 1)
+    assert (loop.num_accepted > 0) == (method == "draft")
