@@ -16,7 +16,8 @@ logprobs of sampled tokens (layers/logprobs.py) and the scores of prompt tokens 
 Speculative decoding (spec_decode/): a decode may compute draft tokens after its newest token and
 sample at each of them (spec_decode/verification.py says how that stays exact); the persistent
 batch learns what was accepted once the step's tokens are back (spec_decode/bookkeeping.py), so a
-step that verifies drafts waits for the steps before it. A proposer on the device (eagle3, draft:
+step that verifies drafts waits for the steps before it, unless the device can derive its inputs
+from the acceptance of the one in flight (spec_decode/ahead.py). A proposer on the device (eagle3, draft:
 spec_decode/drafter.py) runs after the sampling, on the same batch, in every step that asks for drafts;
 the others (past the scheduler's batch threshold) replay the decode graphs as without speculation.
 """
