@@ -183,9 +183,16 @@ def derive(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_
         HAS_BASE=base is not None, num_warps=1)
 
 
-# Integer arguments that vary with the step are not specialised (Triton would compile a variant per
-# "equals 1" / "multiple of 16" class of each, mid-serving: PERF_NOTES v27).
-@triton.jit(do_not_specialize=["width", "drafts_stride", "draft_stride"])
+# Nothing that varies with the step is specialised, or Triton would compile a variant per class of it
+# mid-serving (PERF_NOTES v27): the integers' "equals 1" / "multiple of 16", and the pointers' 16-byte
+# alignment (most are views into the staging buffer at offsets that move with the step's sizes).
+_POINTERS = ["ids_ptr", "positions_ptr", "slots_ptr", "seq_lens_ptr", "tables_ptr", "owner_ptr", "offset_ptr",
+             "num_drafts_ptr", "next_drafts_ptr", "token_rows_ptr", "index_ptr", "rejectable_ptr", "accepted_ptr",
+             "drafts_ptr", "last_sampled_ptr", "base_ptr"]
+
+
+@triton.jit(do_not_specialize=["width", "block_size", "drafts_stride", "draft_stride"],
+            do_not_specialize_on_alignment=_POINTERS)
 def _derive_kernel(ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, tables_ptr, width, block_size, owner_ptr,
                    offset_ptr, num_drafts_ptr, next_drafts_ptr, token_rows_ptr, index_ptr, rejectable_ptr,
                    accepted_ptr, drafts_ptr, drafts_stride, draft_stride, last_sampled_ptr, base_ptr,
