@@ -188,3 +188,22 @@ def test_on_a_gpu_verifying_steps_go_ahead_with_the_targets_greedy_output(tiny_m
         assert outputs[seq_id] == hf_greedy(tiny_model_dir, p, 16), f"sequence {seq_id}"
     assert flags == [False] + [True] * (len(flags) - 1)
     assert (loop.num_accepted > 0) == (method == "draft")
+
+
+@cpu_only
+@interpreted
+def test_start_up_compiles_the_derivation_where_steps_can_go_ahead(tiny_model_dir, tiny_eagle3_dir,
+                                                                   graphs_on_the_cpu, monkeypatch):
+    """Its first use would otherwise compile it mid-serving: warm_up_derive runs it, with and
+    without a drafting plan, over dummy inputs of the step's dtypes; a worker without a proposer on
+    the device runs nothing."""
+    from worker_svc.spec_decode import ahead
+
+    calls = []
+    real = ahead.derive
+    monkeypatch.setattr(ahead, "derive", lambda *args: calls.append(args[-1] is not None) or real(*args))
+    ahead.warm_up_derive(speculating_runner(tiny_model_dir, "eagle3", tiny_eagle3_dir, graphed=True, staged=True))
+    assert calls == [False, True]
+    calls.clear()
+    ahead.warm_up_derive(make_runner(tiny_model_dir))
+    assert calls == []

@@ -164,6 +164,22 @@ def prepare_ahead(runner: ModelRunner, rows: np.ndarray, ahead: Ahead, propose: 
                      verify_rows=verify_rows, spec=spec, draft_plan=draft_plan, graph=staged, ahead=True)
 
 
+def warm_up_derive(runner: ModelRunner) -> None:
+    """Compiles the derivation kernel (with and without a drafting plan) at start-up, over dummy
+    int64 tensors like the step's (a first use mid-serving would stall the batch ~1 s: PERF_NOTES
+    v27). Nothing where the step never takes this path."""
+    if runner.drafter is None or not _derivable(runner):
+        return
+    device = runner.device
+    ones = torch.ones(2, dtype=torch.int64, device=device)
+    zeros = torch.zeros(2, dtype=torch.int64, device=device)
+    layout = DeviceLayout(zeros, ones, zeros, zeros, zeros.clone(), 1)
+    drafts = torch.zeros(2, 2, dtype=torch.int64, device=device)
+    for base in (None, zeros.clone()):
+        derive(zeros.clone(), ones.clone(), zeros.clone(), zeros.clone(), zeros.clone(), 1, runner.block_size, layout,
+               zeros, zeros, ones, ones, drafts, runner.last_sampled, base)
+
+
 def derive(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
            tables: torch.Tensor, width: int, block_size: int, verify: DeviceLayout, token_rows: torch.Tensor,
            index: torch.Tensor, rejectable: torch.Tensor, accepted: torch.Tensor | None,
