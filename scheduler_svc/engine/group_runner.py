@@ -335,7 +335,7 @@ class GroupRunner:
     def _send(self, output: SchedulerOutput) -> tuple[SchedulerOutput, asyncio.Task, float]:
         request = build_step_request(next(self._step_ids), output)
         request.lease_epoch = self._lease_epoch
-        reply = asyncio.create_task(self.client.step(request, timeout=self.config.step_timeout_s))
+        reply = asyncio.ensure_future(self.client.step(request, timeout=self.config.step_timeout_s))
         return output, reply, time.perf_counter()
 
     def _apply(self, output: SchedulerOutput, reply, sent_at: float) -> None:

@@ -6,7 +6,7 @@ sampled tokens are the answer (the ranks keep their mirrors in step among themse
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol, Sequence
+from typing import Awaitable, Protocol, Sequence
 
 import grpc
 
@@ -30,7 +30,7 @@ class WorkerClient(Protocol):
     address: str
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo: ...
-    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse: ...
+    def step(self, request: worker_pb2.StepRequest, timeout: float) -> Awaitable[worker_pb2.StepResponse]: ...
     async def reset(self, lease_epoch: int, timeout: float) -> None: ...
     async def claim(self, owner: str, epoch: int, lease_s: float, timeout: float) -> str:
         """Takes or renews the worker's lease (worker_svc/lease.py); returns its instance id."""
@@ -62,17 +62,23 @@ class GrpcWorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     async def _call(self, method, request, timeout: float):
-        try:
-            return await method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.aio.AioRpcError as e:
-            raise WorkerError(f"worker {self.address}: {e.code().name}: {e.details()}", e.code().name,
-                              e.details() or "") from e
+        return await self._reply(method(request, timeout=timeout, metadata=self._metadata))
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return await self._call(self._stub.Describe, worker_pb2.DescribeRequest(), timeout)
 
-    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
-        return await self._call(self._stub.Step, request, timeout)
+    def step(self, request: worker_pb2.StepRequest, timeout: float) -> Awaitable[worker_pb2.StepResponse]:
+        """Starts the call now, before the caller next yields to the event loop (a step is on the
+        critical path: each task hop before it goes out waits behind the loop's other work)."""
+        return self._reply(self._stub.Step(request, timeout=timeout, metadata=self._metadata))
+
+    async def _reply(self, call: grpc.aio.Call):
+        """The answer of a call under way, or a WorkerError."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            raise WorkerError(f"worker {self.address}: {e.code().name}: {e.details()}", e.code().name,
+                              e.details() or "") from e
 
     async def reset(self, lease_epoch: int, timeout: float) -> None:
         await self._call(self._stub.Reset, worker_pb2.ResetRequest(lease_epoch=lease_epoch), timeout)
@@ -106,9 +112,16 @@ class WorkerGroupClient:
     async def describe(self, timeout: float) -> list[worker_pb2.WorkerInfo]:
         return list(await asyncio.gather(*(r.describe(timeout) for r in self.ranks)))
 
-    async def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
-        replies = await asyncio.gather(*(r.step(request, timeout) for r in self.ranks))
-        return replies[0]
+    def step(self, request: worker_pb2.StepRequest, timeout: float) -> Awaitable[worker_pb2.StepResponse]:
+        """Rank 0's reply, once every rank answered; each rank's call starts now (see GrpcWorkerClient.step)."""
+        replies = [r.step(request, timeout) for r in self.ranks]
+        if len(replies) == 1:
+            return replies[0]
+        return self._first_of(replies)
+
+    @staticmethod
+    async def _first_of(replies) -> worker_pb2.StepResponse:
+        return (await asyncio.gather(*replies))[0]
 
     async def reset(self, lease_epoch: int, timeout: float) -> None:
         await asyncio.gather(*(r.reset(lease_epoch, timeout) for r in self.ranks))
