@@ -52,6 +52,7 @@ NUM_PIVOTS = 4        # pivots the one-program search counts per pass over a row
 MAX_ROUNDS = 24       # passes after which the one-program search keeps what it knows is kept
 AHEAD_CHUNK = 64      # verified positions with scores to process drawn per pass (their scratch: ~9 bytes a token each)
 
+
 def wanted(mode: str, device: torch.device, tensor_parallel_size: int) -> bool:
     """Whether a worker samples with these kernels (--sampler): kernels (also on the CPU, under
     Triton's interpreter: for tests), auto (on a GPU) or torch (layers/sampler.py). A

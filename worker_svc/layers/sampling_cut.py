@@ -201,14 +201,16 @@ def _draw_gathered(values_ptr, ids_ptr, n, top, k, top_p, limit, has_k, has_p, n
 
 
 @triton.jit
-def _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS: tl.constexpr):
-    """A restricted draw over all the row's chunks: (its score, its token)."""
+def _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS: tl.constexpr, SCORE: tl.constexpr,
+                   TOKEN: tl.constexpr):
+    """The best of the row's chunks by their SCORE part (a draw's, or the scan's): (its score, its
+    TOKEN part; the lowest such token on a tie)."""
     c = tl.arange(0, CHUNKS)
     valid = c < num_chunks
     at = (i * num_chunks + c) * PARTS
-    best = tl.load(part_f_ptr + at + P_DRAWN, mask=valid, other=float("-inf"))
+    best = tl.load(part_f_ptr + at + SCORE, mask=valid, other=float("-inf"))
     winner = tl.max(best)
-    tokens = tl.load(part_i_ptr + at + P_DRAWN_TOKEN, mask=valid, other=NO_TOKEN)
+    tokens = tl.load(part_i_ptr + at + TOKEN, mask=valid, other=NO_TOKEN)
     return winner, tl.min(tl.where(valid & (best == winner), tokens, NO_TOKEN))
 
 
@@ -261,7 +263,8 @@ def _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr,
         best, token, cut = _draw_sized(values_ptr, ids_ptr, n, top, top_k, top_p, limit, has_k, has_p, n_above,
                                        m_above, hi, log_min_p, key, counter, SMALL, MID, CAP)
         if bracketed != 0:   # the tokens above the bracket drew in the bracket pass
-            above, above_token = _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
+            above, above_token = _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS, P_DRAWN,
+                                                      P_DRAWN_TOKEN)
             if (above > best) | ((above == best) & (above_token < token)):
                 token = above_token
     return token, cut, alone

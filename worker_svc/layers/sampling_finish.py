@@ -13,8 +13,8 @@ import triton.language as tl
 from worker_svc.layers.sampling_cut import _combined_best, _draw_truncated
 from worker_svc.layers.sampling_kernels import (
     C_INV_TEMPERATURE, C_PENALTY_ROW, C_TOP_K, C_TOP_P, F_GREEDY, F_LOGPROB, F_MIN_P, F_PENALTY, F_TOP_K,
-    F_TOP_P, L_MODE, MODE_GATHER, MODE_MIN_P, NO_TOKEN, P_BAD, P_BEST, P_RAW_SUM, P_RAW_TOP, P_TOKEN, P_TOP,
-    PARTS, PLAN, SEARCH_DEPTH, _float_at, _load_scores, _log_min_p, _row, _scan, _scores,
+    F_TOP_P, L_MODE, MODE_GATHER, MODE_MIN_P, P_BAD, P_BEST, P_DRAWN, P_DRAWN_TOKEN, P_RAW_SUM, P_RAW_TOP,
+    P_TOKEN, P_TOP, PARTS, PLAN, SEARCH_DEPTH, _float_at, _load_scores, _log_min_p, _row, _scan, _scores,
 )
 
 
@@ -23,13 +23,10 @@ from worker_svc.layers.sampling_kernels import (
 @triton.jit
 def _combined_scan(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS: tl.constexpr):
     """The row's scan over all its chunks: (its token, top z, bad, raw max, raw sum of exp)."""
+    _, token = _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS, P_BEST, P_TOKEN)
     c = tl.arange(0, CHUNKS)
     valid = c < num_chunks
     at = (i * num_chunks + c) * PARTS
-    best = tl.load(part_f_ptr + at + P_BEST, mask=valid, other=float("-inf"))
-    winner = tl.max(best)
-    tokens = tl.load(part_i_ptr + at + P_TOKEN, mask=valid, other=NO_TOKEN)
-    token = tl.min(tl.where(valid & (best == winner), tokens, NO_TOKEN))
     top = tl.max(tl.load(part_f_ptr + at + P_TOP, mask=valid, other=float("-inf")))
     bad = tl.max(tl.load(part_i_ptr + at + P_BAD, mask=valid, other=0))
     raw_tops = tl.load(part_f_ptr + at + P_RAW_TOP, mask=valid, other=float("-inf"))
@@ -283,7 +280,7 @@ def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
         else:
             token = _raw_argmax(raw, processed, vocab, G)
     elif mode == MODE_MIN_P:
-        _, token = _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS)
+        _, token = _combined_best(part_f_ptr, part_i_ptr, i, num_chunks, CHUNKS, P_DRAWN, P_DRAWN_TOKEN)
     elif mode == MODE_GATHER:
         token, cut, alone = _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr,
                                             values, ids, i, num_chunks, flags, top_k, top_p, log_min_p, key, counter,
