@@ -40,7 +40,7 @@ from worker_svc import kv_cache, parallel_state, startup
 from worker_svc.batch_prep import prepare_batch
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
-from worker_svc.graph_inputs import HEADER, DecodeLayout
+from worker_svc.graph_inputs import DecodeLayout
 from worker_svc.layers import device_sampler
 from worker_svc.layers.attention import AttentionMetadata
 from worker_svc.layers.attention.kv_quant import dtype_name, resolve_kv_cache_dtype
@@ -119,13 +119,13 @@ class ModelRunner:
         # A speculating worker's decode-shaped steps are staged in the decode graphs' layout
         # (graph_inputs.py), with one row per token of a verified run.
         self.graph_tokens = startup.decode_graph_tokens(max_seqs, k, config.speculative_graph_batch_size)
+        self._decode_layout = DecodeLayout(self.graph_tokens)
+        staged_decode = self._decode_layout.offsets(self.graph_tokens, self.max_blocks_per_seq)[-1]
         self._staging = Staging((11 if k else 5) * max_tokens + max_seqs * (self.max_blocks_per_seq + 10) + 1
-                                + (max_seqs * (self.max_blocks_per_seq + 3)
-                                   + HEADER + self.graph_tokens * (self.max_blocks_per_seq + 5) if k else 0),
+                                + (max_seqs * (self.max_blocks_per_seq + 3) + staged_decode if k else 0),
                                 self.device)
         max_positions = decode_rows(max_seqs, k)   # sampled positions of a step: every request verifying k drafts
         self._outputs = OutputSlots(max_positions, self.device)
-        self._decode_layout = DecodeLayout(self.graph_tokens)
         # Speculative decoding: the proposer, and the bookkeeping of steps whose tokens are not
         # back yet, which changes the batch from the thread that reads a step's result.
         # A proposer on the device (eagle3, draft: the drafter) runs after the sampling of each step
