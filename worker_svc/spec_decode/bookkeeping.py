@@ -76,16 +76,14 @@ class Bookkeeping:
                 self._settle(self._pending.popleft())
             if not step.settled:                # dropped by a reset: its rows are gone anyway
                 self._settle(step)
+        counts = dict(token_counts=step.token_counts, num_drafts=step.num_drafts, verified_drafts=step.verified_drafts)
         if step.emitted is None or step.emitted.all():
-            return dataclasses.replace(output, token_counts=step.token_counts, num_drafts=step.num_drafts,
-                                       verified_drafts=step.verified_drafts)
+            return dataclasses.replace(output, **counts)
         keep = step.emitted
         tokens = [t for t, k in zip(output.token_ids, keep) if k]
         logprobs = [v for v, k in zip(output.logprobs, keep) if k] if output.logprobs is not None else None
         return dataclasses.replace(output, token_ids=tokens, logprobs=logprobs,
-                                   top_logprobs=_kept_top(output.top_logprobs, keep),
-                                   token_counts=step.token_counts, num_drafts=step.num_drafts,
-                                   verified_drafts=step.verified_drafts)
+                                   top_logprobs=_kept_top(output.top_logprobs, keep), **counts)
 
     def _settle(self, step: SpecStep) -> None:
         if step.event is not None:
