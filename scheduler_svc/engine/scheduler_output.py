@@ -90,6 +90,7 @@ class SchedulerOutput:
     num_verifications: int = 0         # sequences that verified drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    _entry_of: dict[int, int] | None = field(default=None, init=False, repr=False)   # id(seq) -> index
 
     @property
     def is_empty(self) -> bool:
@@ -98,10 +99,11 @@ class SchedulerOutput:
     def shift_positions(self, seq: Sequence, by: int) -> None:
         """seq's entry starts `by` positions later than scheduled: a verification in flight before
         this step accepted that many drafts (the worker computes this step's positions itself)."""
-        for i, s in enumerate(self.seqs):
-            if s is seq:
-                self.num_computed[i] += by
-                return
+        if self._entry_of is None:   # once per step: every verifying sequence of the step before asks
+            self._entry_of = {id(s): i for i, s in enumerate(self.seqs)}
+        i = self._entry_of.get(id(seq))
+        if i is not None:
+            self.num_computed[i] += by
 
     @property
     def scheduled(self) -> list[ScheduledSequence]:
