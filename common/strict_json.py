@@ -104,5 +104,10 @@ def _path_of_non_finite(text: str | bytes) -> str | None:
 def _shown(key: str, limit: int = 64) -> str:
     """A member's name as a path shows it: at most `limit` characters, a lone UTF-16 surrogate
     (which JSON's \\u escapes can spell and UTF-8 cannot carry back) as its escape."""
-    shown = key if len(key) <= limit else key[:limit] + "..."
-    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
+    return utf8_safe(key if len(key) <= limit else key[:limit] + "...")
+
+
+def utf8_safe(text: str) -> str:
+    """`text` with each lone UTF-16 surrogate (which JSON's \\u escapes can spell and UTF-8 cannot
+    carry) as its backslash escape; any other text unchanged."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

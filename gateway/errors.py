@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.client import RequestError
-from common.strict_json import JsonProblem
+from common.strict_json import JsonProblem, utf8_safe
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def _encodable(value):
     """An error body whose texts UTF-8 can carry: a lone surrogate from the request (a \\ud800 in
     a name that a message quotes) as its escape, not a reply that cannot be written."""
     if isinstance(value, str):
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return utf8_safe(value)
     if isinstance(value, dict):
         return {key: _encodable(item) for key, item in value.items()}
     if isinstance(value, list):
