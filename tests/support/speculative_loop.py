@@ -1,6 +1,8 @@
 """A speculating ModelRunner driven as the scheduler would drive it, for whole requests: Loop's
 first step computes every prompt, then each step decodes every request, verifying all the drafts
-the worker holds for it (tests/unit/test_spec_decode_runner.py, tests/e2e/test_runner_grammar_e2e.py)."""
+the worker holds for it (tests/unit/test_spec_decode_runner.py, tests/e2e/test_runner_grammar_e2e.py);
+AheadLoop launches each step before the reply of the step before is read, as a scheduler that
+schedules ahead does (tests/unit/test_spec_decode_ahead.py)."""
 from __future__ import annotations
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
@@ -101,3 +103,56 @@ def ngram_runner(model_dir, **overrides) -> ModelRunner:
 
 def repeating(seed: int, period: int, repeats: int) -> list[int]:
     return prompt(seed, period) * repeats
+
+
+class AheadLoop:
+    """A scheduler that schedules ahead, as the engine's does: up to `depth` steps are launched whose
+    replies are not read (2: step n + 1 is launched before step n's reply is read), every request
+    asking for the most drafts the step before may have proposed (K). Every request gets all its
+    blocks with its prompt, so no step depends on a reply."""
+
+    def __init__(self, runner: ModelRunner, num_drafts: int, depth: int = 2) -> None:
+        self.runner, self.num_drafts, self.depth = runner, num_drafts, depth
+        self.tokens: dict[int, list[int]] = {}
+        self.step_id = 0
+        self.in_flight: list = []
+        self.num_accepted = 0
+
+    def run(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]], num_new: int,
+            steps: int | None = None) -> dict[int, list[int]]:
+        """Steps until every request has num_new tokens (or `steps` steps); their first num_new."""
+        free = list(range(self.runner.num_kv_blocks))[::-1]
+        new = []
+        for seq_id, (token_ids, sampling) in requests.items():
+            self.tokens[seq_id] = list(token_ids)
+            blocks = grow_blocks([], free, len(token_ids) + num_new + 2 * (self.num_drafts + 1))
+            new.append(pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
+                                     num_scheduled_tokens=len(token_ids), block_ids=blocks, sampling=sampling))
+        order = list(requests)
+        self._launch(pb.StepRequest(new_requests=new, propose_drafts=True))
+        if len(self.in_flight) == self.depth:
+            self._read(order)
+        while (self.step_id < steps if steps is not None
+               else min(len(self.tokens[s]) - len(p) for s, (p, _) in requests.items()) < num_new):
+            columns = pb.CachedRequests(seq_ids=order, draft_indices=range(len(order)),
+                                        draft_counts=[self.num_drafts] * len(order))
+            self._launch(pb.StepRequest(cached=columns, propose_drafts=True))
+            if len(self.in_flight) == self.depth:
+                self._read(order)
+        while self.in_flight:
+            self._read(order)
+        return {s: self.tokens[s][len(p):len(p) + num_new] for s, (p, _) in requests.items()}
+
+    def _launch(self, request: pb.StepRequest) -> None:
+        self.step_id += 1
+        request.step_id = self.step_id
+        self.in_flight.append(self.runner.launch(parse_step_request(request)))
+
+    def _read(self, order: list[int]) -> None:
+        output = self.in_flight.pop(0).result()
+        counts = output.token_counts or [1] * len(order)
+        offset = 0
+        for seq_id, n in zip(order, counts, strict=True):
+            self.tokens[seq_id] += output.token_ids[offset:offset + n]
+            self.num_accepted += n - 1
+            offset += n
