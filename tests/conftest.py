@@ -9,7 +9,7 @@ import pytest
 # Two cores: one torch thread per process keeps the worker, scheduler and test from fighting.
 # (Set before anything imports torch, whose OpenMP runtime reads it once.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hypothesis import settings  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 from common.tiny_model import write_tiny_draft, write_tiny_eagle3, write_tiny_qwen3  # noqa: E402
 from tests.support.procs import running_services  # noqa: E402
@@ -18,8 +18,10 @@ from tests.support.procs import running_services  # noqa: E402
 # some runs fails whichever change it happens to run on. To hunt for new bugs, draw afresh:
 # `HYPOTHESIS_PROFILE=explore pytest tests/unit/test_gateway_fuzz.py` (or --hypothesis-seed=N);
 # what it finds becomes an @example or a plain test.
-settings.register_profile("repeatable", derandomize=True)
-settings.register_profile("explore", derandomize=False)
+# Neither fails a test for an example or its drawing taking long: that depends on how busy the machine is.
+_NOT_TIMED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("repeatable", derandomize=True, **_NOT_TIMED)
+settings.register_profile("explore", derandomize=False, **_NOT_TIMED)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
