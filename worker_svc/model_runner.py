@@ -57,7 +57,7 @@ from worker_svc.spec_decode.verification import accept, decode_rows, preceding_d
 from worker_svc.staging import Logprobs, OutputSlots, PendingStep, Staging, to_host
 from worker_svc.step_batch import StepBatch
 from worker_svc.step_checks import StepLimits, check_requests, check_rows
-from worker_svc.step_limits import with_step_limits
+from worker_svc.step_limits import HELD_PER_SEQ_SLOT, with_step_limits
 from worker_svc.structured_output import MaskFill, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,13 @@ class ModelRunner:
         self.num_speculative_tokens = k = config.num_speculative_tokens if config.speculative_method else 0
         self.verify_as_decodes = True     # a decode-only verifying step replays the decode graphs
         self.sampler = self.device_sampler = None
+        # Requests held at once: each running one and as many paused beside them (a paused request
+        # keeps its mirror). Per-row tensors the decode graphs read are sized for them; the
+        # scheduler keeps within it (WorkerInfo.max_held_requests).
+        self.max_held_requests = HELD_PER_SEQ_SLOT * config.max_num_seqs
         if self.tp_rank == 0 and device_sampler.wanted(config.sampler, self.device, self.tp_size):
             self.device_sampler = device_sampler.DeviceSampler(
-                self.vocab_size, self.device, config.seed, capacity=2 * config.max_num_seqs,
+                self.vocab_size, self.device, config.seed, capacity=self.max_held_requests,
                 max_rows=config.max_num_seqs)
         if self.tp_rank == 0 and self.device_sampler is None:
             self.sampler = Sampler(self.vocab_size, self.device, config.seed)
@@ -137,7 +141,7 @@ class ModelRunner:
                                         None if self.drafter else self.proposer.propose_on_host) if k else None)
         # Each row's newest sampled token, on the device: the next decode's input (with the device
         # sampler, one more entry for its dummy row, which the padding of a graph's batch samples).
-        rows = self.device_sampler.capacity + 1 if self.device_sampler is not None else max_seqs
+        rows = self.device_sampler.capacity + 1 if self.device_sampler is not None else self.max_held_requests
         self.last_sampled = torch.zeros(rows, dtype=torch.int64, device=self.device)
         if self.device_sampler is not None:   # where it samples outside the graphs (every verified position)
             self._tokens = torch.zeros(max_positions, dtype=torch.int64, device=self.device)
@@ -184,6 +188,7 @@ class ModelRunner:
             features=self.features,
             speculative_method=self.config.speculative_method or "",
             num_speculative_tokens=self.num_speculative_tokens,
+            max_held_requests=self.max_held_requests,
         )
 
     def step(self, step: StepInput) -> StepOutput:

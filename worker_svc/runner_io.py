@@ -130,3 +130,4 @@ class WorkerInfo:
     features: tuple[Feature, ...] = ()   # the optional features and whether this worker serves each
     speculative_method: str = ""    # the proposer; empty: none
     num_speculative_tokens: int = 0
+    max_held_requests: int = 0      # running and paused at once without turning the graphs off

@@ -18,6 +18,9 @@ CPU_MAX_NUM_BATCHED_TOKENS = 2048
 # (device memory from, tokens per step), largest first: the warm-up forward of a step this size
 # takes ~1-2 GiB of activations on an 8B model, small beside the KV cache on such a device.
 CUDA_MAX_NUM_BATCHED_TOKENS = ((64 * GIB, 16384), (24 * GIB, 8192), (0, 4096))
+# Requests held at once per slot of max_num_seqs: a running one and a paused one (which keeps its
+# mirror). Reported as WorkerInfo.max_held_requests; the scheduler drops paused mirrors past it.
+HELD_PER_SEQ_SLOT = 2
 
 
 def default_max_num_batched_tokens(device_type: str, total_memory: int) -> int:

@@ -126,9 +126,10 @@ class GroupRunner:
         self.info = first
         self.healthy = True
         self._down_reason = None
-        logger.info("group %d connected: %s, %d KV blocks of %d tokens, %s, steps of up to %d tokens and %d requests",
-                    self.index, ",".join(self.client.addresses), first.num_kv_blocks, first.block_size, first.device,
-                    limits.max_num_batched_tokens, limits.max_num_seqs)
+        held = f"{limits.max_held_requests} held at once" if limits.max_held_requests else "no bound said on those held"
+        logger.info("group %d connected: %s, %d KV blocks of %d tokens, %s, steps of up to %d tokens and %d requests"
+                    " (%s)", self.index, ",".join(self.client.addresses), first.num_kv_blocks, first.block_size,
+                    first.device, limits.max_num_batched_tokens, limits.max_num_seqs, held)
         self.hooks.on_connected(self)
 
     async def _reconnect(self) -> None:
@@ -154,6 +155,7 @@ class GroupRunner:
             block_size=infos[0].block_size,
             priority_aging_s=self.config.priority_aging_s,
             speculation=self._speculation(infos),
+            max_held_requests=min((info.max_held_requests for info in infos if info.max_held_requests), default=0),
         )
 
     def _speculation(self, infos: list) -> SpeculationConfig:

@@ -57,11 +57,16 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0   # >0: a prefill takes at most this many per step
     priority_aging_s: float = 0.0       # seconds of waiting one priority level is worth (waiting_queue.py)
     speculation: SpeculationConfig = SpeculationConfig()   # off unless given
+    # Requests the worker holds at once, running and paused (WorkerInfo.max_held_requests): the
+    # longest-paused lose their mirrors past it. 0: no bound.
+    max_held_requests: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        if self.max_held_requests and self.max_held_requests < self.max_num_seqs:
+            raise ValueError(f"max_held_requests {self.max_held_requests} is below max_num_seqs {self.max_num_seqs}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must not be negative")
         if not self.priority_aging_s >= 0:
@@ -160,7 +165,8 @@ class Scheduler:
     # -- backpressure ----------------------------------------------------------------------
     def pause(self, seq_id: int) -> bool:
         """Takes a request out of the batch until resume(): it keeps its blocks and worker
-        mirror, unless another request needs the blocks first. False when there is no such
+        mirror, unless another request needs the blocks first or the worker would hold more
+        requests than it can (the longest-paused then lose theirs). False when there is no such
         unfinished request or it is paused already."""
         seq = self._unfinished.get(seq_id)
         if seq is None or seq.paused:
@@ -171,6 +177,12 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.paused = True
         self.paused[seq_id] = seq
+        if seq.status is SequenceStatus.RUNNING and self.config.max_held_requests:
+            # Running requests never pass max_num_seqs, so the paused that keep their mirrors are
+            # held to the rest; each reclaimed one drops its mirror with its blocks.
+            spare = self.config.max_held_requests - self.config.max_num_seqs
+            while sum(held.status is SequenceStatus.RUNNING for held in self.paused.values()) > spare:
+                self._reclaim_paused()
         return True
 
     def resume(self, seq_id: int) -> bool:

@@ -189,6 +189,21 @@ def test_describe_reset_and_cache_sizing(tiny_model_dir):
         runner.step(parse_step_request(step_request(1, cached=[(1, 1, [])])))
 
 
+def test_the_requests_it_says_it_holds_fit_what_its_graphs_read(tiny_model_dir, sampler):
+    """WorkerInfo.max_held_requests: that many requests at once (running, and paused ones that keep
+    their mirrors) fit the per-row tensors the decode graphs read (last_sampled, the device
+    sampler's table), so holding them never reallocates those (which turns the graphs off)."""
+    runner = make_runner(tiny_model_dir, max_num_seqs=2, sampler=sampler)
+    assert runner.describe().max_held_requests == 4
+    read_by_graphs = runner.last_sampled
+    d = Driver(runner)
+    d.step(new=[d.new(1, prompt(1, 3), 3), d.new(2, prompt(2, 3), 3)])
+    d.step(new=[d.new(3, prompt(3, 3), 3), d.new(4, prompt(4, 3), 3)])   # 1 and 2 paused: 4 held
+    assert len(runner.batch) == 4 and runner.last_sampled is read_by_graphs
+    d.step(new=[d.new(5, prompt(5, 3), 3)])                                 # past what it said
+    assert len(runner.batch) == 5 and runner.last_sampled is not read_by_graphs
+
+
 @torch.inference_mode()
 def hf_logprobs(model_dir, token_ids: list[int]) -> torch.Tensor:
     """log_softmax of transformers' float32 logits at every position of token_ids."""

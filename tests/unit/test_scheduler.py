@@ -17,11 +17,12 @@ _ids = itertools.count(1)
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   budget: int = 64, max_model_len: int | None = None, threshold: int = 0) -> Scheduler:
+                   budget: int = 64, max_model_len: int | None = None, threshold: int = 0,
+                   max_held_requests: int = 0) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=max_model_len or num_blocks * block_size,
                              block_size=block_size,
-                             long_prefill_token_threshold=threshold)
+                             long_prefill_token_threshold=threshold, max_held_requests=max_held_requests)
     return Scheduler(config, BlockManager(num_blocks, block_size), eos_token_ids=[EOS])
 
 

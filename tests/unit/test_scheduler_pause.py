@@ -3,6 +3,8 @@ keeps its blocks and its worker mirror, gets the tokens of steps already in flig
 blocks up first when another request needs them, and resumes without a recompute when it can."""
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.engine.sequence import SequenceStatus
 from tests.unit.test_scheduler import add, make_scheduler, sample, scheduled_tokens, step
 
@@ -106,3 +108,34 @@ def test_an_aborted_paused_request_frees_its_blocks():
     assert sched.num_paused == 0 and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     out = sched.schedule()
     assert out.is_empty
+
+
+def test_past_what_the_worker_holds_the_longest_paused_lose_their_mirrors():
+    # A worker that holds 3 requests at once (WorkerInfo.max_held_requests) beside 2 running: one
+    # paused mirror fits; a second pause takes the first one's blocks and mirror back.
+    sched = make_scheduler(max_num_seqs=2, max_held_requests=3)
+    a, b = add(sched, [1, 2, 3]), add(sched, [4, 5, 6])
+    step(sched)
+    sched.pause(a.seq_id)
+    c = add(sched, [7, 8, 9])
+    step(sched)                                # c takes a's slot; a keeps its mirror (3 held)
+    assert a.on_worker and a.status is SequenceStatus.RUNNING and sched.num_preemptions == 0
+    sched.pause(b.seq_id)
+    assert a.status is SequenceStatus.PREEMPTED and not a.on_worker and a.block_table == []
+    assert b.on_worker and b.status is SequenceStatus.RUNNING and sched.num_preemptions == 1
+    out, _ = step(sched)
+    assert out.preempted_seq_ids == [a.seq_id] and scheduled_tokens(out) == {c.seq_id: 1}
+    assert sum(s.on_worker for s in (a, b, c)) == 2
+    # b resumes where it stopped; a waits for a slot and is then recomputed from its tokens.
+    sched.resume(b.seq_id)
+    sched.resume(a.seq_id)
+    out, _ = step(sched)
+    assert not out.new_requests and scheduled_tokens(out) == {c.seq_id: 1, b.seq_id: 1}
+    sched.finish(c.seq_id)
+    out, _ = step(sched)
+    assert [r.seq_id for r in out.new_requests] == [a.seq_id] and a.num_output_tokens == 2
+
+
+def test_max_held_requests_is_at_least_max_num_seqs():
+    with pytest.raises(ValueError, match="max_held_requests 1 is below max_num_seqs 2"):
+        make_scheduler(max_num_seqs=2, max_held_requests=1)

@@ -45,13 +45,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 4),
                 budget=st.integers(1, 12), max_num_seqs=st.integers(1, 6),
-                threshold=st.integers(0, 3), max_speculative_batch=st.integers(1, 6))
-    def setup(self, num_blocks, block_size, budget, max_num_seqs, threshold, max_speculative_batch):
+                threshold=st.integers(0, 3), max_speculative_batch=st.integers(1, 6),
+                held_beyond=st.integers(-1, 3))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, threshold, max_speculative_batch, held_beyond):
         self.block_size = block_size
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                  max_model_len=num_blocks * block_size, block_size=block_size,
                                  long_prefill_token_threshold=threshold,
-                                 speculation=SpeculationConfig(self.num_speculative_tokens, max_speculative_batch))
+                                 speculation=SpeculationConfig(self.num_speculative_tokens, max_speculative_batch),
+                                 # -1: the worker states no bound
+                                 max_held_requests=max_num_seqs + held_beyond if held_beyond >= 0 else 0)
         self.bm = BlockManager(num_blocks, block_size)
         self.sched = Scheduler(config, self.bm, eos_token_ids=[EOS])
         self.worker = FakeWorker(num_blocks, block_size, self.num_speculative_tokens,
@@ -232,6 +235,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.block_table == [] and seq.num_computed_tokens == seq.num_placeholder_tokens == 0
         for seq in self.sched.paused.values():
             assert seq.paused and not seq.is_finished
+
+    @invariant()
+    def the_worker_holds_no_more_requests_than_it_said(self):
+        """Running and paused mirrors within WorkerInfo.max_held_requests (mirrors to drop go
+        first in the next step sent, before any request it adds)."""
+        if self.sched.config.max_held_requests:
+            assert sum(s.on_worker for s in self.unfinished) <= self.sched.config.max_held_requests
 
 
 class AsyncSchedulerMachine(SchedulerMachine):

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "rank", "world_size", "device", "attention_backend", "dtype", "instance_id", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "features", "speculative_method", "num_speculative_tokens")
+    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "rank", "world_size", "device", "attention_backend", "dtype", "instance_id", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "features", "speculative_method", "num_speculative_tokens", "max_held_requests")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WorkerInfo(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -47,7 +48,8 @@ class WorkerInfo(_message.Message):
     features: _containers.RepeatedCompositeFieldContainer[Feature]
     speculative_method: str
     num_speculative_tokens: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    max_held_requests: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_held_requests: _Optional[int] = ...) -> None: ...
 
 class Feature(_message.Message):
     __slots__ = ("name", "available", "detail")
