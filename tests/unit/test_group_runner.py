@@ -151,9 +151,11 @@ def test_a_groups_step_limits_are_its_tightest_ranks():
     runner = GroupRunner(0, WorkerGroupClient([FakeWorkerClient(), FakeWorkerClient()]), EngineConfig(), [0],
                          metrics=None, hooks=None)
     infos = [worker_pb2.WorkerInfo(max_model_len=64, block_size=4, num_kv_blocks=16, max_num_seqs=seqs,
-                                   max_num_batched_tokens=tokens) for seqs, tokens in ((8, 512), (6, 1024))]
+                                   max_num_batched_tokens=tokens, max_held_requests=held)
+             for seqs, tokens, held in ((8, 512, 16), (6, 1024, 12), (8, 512, 0))]   # 0: no bound said
     config = runner.scheduler_config(infos)
-    assert (config.max_num_seqs, config.max_num_batched_tokens) == (6, 512)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_held_requests) == (6, 512, 12)
+    assert runner.scheduler_config(infos[2:]).max_held_requests == 0
 
 
 def test_a_request_that_makes_the_worker_fail_is_failed_alone_after_bounded_retries():
