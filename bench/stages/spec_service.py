@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> dict:
         with _services(args, shape, method) as (addr, metrics_port):
             for b in shape.batches:
                 rows.append(_measure(args, shape, addr, metrics_port, method, prompts[b]))
+                # As measured, so that a call cut short (a lost machine, a timeout) still shows it.
+                print(f"spec_service: {method} batch {b}: {rows[-1]['step_ms']:.2f} ms a step", flush=True)
     baseline = {row["batch"]: row for row in rows if row["proposer"] == "none"}
     for row in rows:
         if row["proposer"] != "none" and row["batch"] in baseline:
