@@ -114,7 +114,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def note_on_worker(self) -> None:
         """Remembers which requests the worker holds now: only those can be named as preempted
-        in the next step sent (a resume may preempt a paused one before it is sent)."""
+        in the next step sent (a resume or a pause may preempt a paused one before it is sent)."""
         self.running_since_sent |= {s.seq_id for s in self.unfinished if s.on_worker}
 
     def apply_oldest(self) -> None:
@@ -166,6 +166,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.in_flight.clear()
         elif kind == "pause":                      # its client stopped reading (backpressure)
             seq = self.unfinished[index % len(self.unfinished)]
+            self.note_on_worker()                  # past max_held_requests a paused one is preempted
             assert self.sched.pause(seq.seq_id) != seq.paused or seq.paused
             assert seq.paused and seq not in self.sched.running and seq not in self.sched.waiting
         elif kind == "resume" and self.sched.paused:
@@ -347,3 +348,18 @@ def test_speculative_decoding_changes_no_request_s_tokens(requests, data, num_bl
     for depth in (1, 2):
         assert run_to_completion(requests, arrivals, num_blocks, block_size, budget, depth,
                                  num_speculative_tokens) == plain
+
+
+def test_a_pause_past_the_held_bound_preempts_a_request_the_worker_held():
+    """Found by the state machine: with one slot and nothing held beyond it, pausing the one running
+    request drops its mirror at once; the step that resumes it names it as preempted."""
+    state = SchedulerMachine()
+    state.setup(num_blocks=3, block_size=1, budget=1, max_num_seqs=1, threshold=0, max_speculative_batch=1,
+                held_beyond=0)
+    state.add(base=0, ignore_eos=False, max_tokens=1, min_tokens=0, stop_token_ids=[], suffix=[0, 0])
+    state.step(abort_in_flight=None, num_steps=1, seed=0)
+    state.disrupt(index=0, kind="pause")
+    state.the_worker_holds_no_more_requests_than_it_said()
+    state.worker_mirrors_match()
+    state.drain(seed=0)
+    state.teardown()
