@@ -15,8 +15,8 @@
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
 #   spec-ab   the spec stage (or SPEC_STAGE=spec_service) on .gpu/ref (another tree: scripts/gpu_ref.sh
-#             REF writes it) and on this tree, with the flags in EXTRA, then both side by side (carry
-#             .gpu with .whl)
+#             REF writes it) and on this tree, with the flags in EXTRA (the reference's in REF_EXTRA when
+#             given, e.g. fewer methods), then both side by side (carry .gpu with .whl)
 set -uo pipefail
 PY=${PY:-$(command -v python3)}
 [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
@@ -144,7 +144,7 @@ PY
         mkdir -p "$OUT/ref"
         SPEC_STAGE=${SPEC_STAGE:-spec}
         (cd .gpu/ref && OUT=$OUT/ref BENCH=/tmp/bench-ref TIMEOUT=${TIMEOUT:-270} LINES_OUT=2 \
-            STAGE=$SPEC_STAGE NAME=$SPEC_STAGE bash bench/gpu_session.sh stage)
+            EXTRA="${REF_EXTRA:-${EXTRA:-}}" STAGE=$SPEC_STAGE NAME=$SPEC_STAGE bash bench/gpu_session.sh stage)
         TIMEOUT=${TIMEOUT:-270} LINES_OUT=${LINES_OUT:-60} STAGE=$SPEC_STAGE NAME=$SPEC_STAGE bash "$0" stage
         $PY - "$OUT/ref/$SPEC_STAGE.json" "$OUT/$SPEC_STAGE.json" <<'PY'
 import json, sys
