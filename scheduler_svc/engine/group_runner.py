@@ -155,7 +155,7 @@ class GroupRunner:
             block_size=infos[0].block_size,
             priority_aging_s=self.config.priority_aging_s,
             speculation=self._speculation(infos),
-            max_held_requests=min((info.max_held_requests for info in infos if info.max_held_requests), default=0),
+            max_held_requests=_least_reported("max_held_requests", infos),
         )
 
     def _speculation(self, infos: list) -> SpeculationConfig:
@@ -182,7 +182,7 @@ class GroupRunner:
         """The configured limit, or when unset the least any rank takes in one step. A worker
         refuses a step past its own limit, so a configured one above it is refused here."""
         flag = "--" + name.replace("_", "-")
-        capacity = min((getattr(info, name) for info in infos if getattr(info, name)), default=0)  # 0: not said
+        capacity = _least_reported(name, infos)
         configured = getattr(self.config, name)
         if configured is None:
             if not capacity:
@@ -365,3 +365,8 @@ class GroupRunner:
     @property
     def load(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting if self.scheduler else 0
+
+
+def _least_reported(name: str, infos: list) -> int:
+    """The least value of WorkerInfo field `name` that any rank reports; 0 when none says one."""
+    return min((getattr(info, name) for info in infos if getattr(info, name)), default=0)
