@@ -92,6 +92,15 @@ def tiny_self_draft_dir(tiny_model_dir, tmp_path_factory) -> pathlib.Path:
     return pathlib.Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("models") / "tiny-self-draft"))
 
 
+@pytest.fixture
+def graphs_on_the_cpu(monkeypatch):
+    """CUDA graphs on the CPU that replay what they captured, over an attention that reads every
+    length from the device (tests/support/graph_stand_ins.py)."""
+    from tests.support.graph_stand_ins import replaying_graphs_on_the_cpu
+
+    replaying_graphs_on_the_cpu(monkeypatch)
+
+
 @pytest.fixture(scope="session")
 def services(tiny_model_dir, tmp_path_factory):
     """A scheduler and one worker on the tiny model, with default settings."""

@@ -77,7 +77,7 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
                                        if b.num_scoring else (EMPTY_PART, EMPTY_PART, None))
     # A decode-shaped step whose every row samples is staged where the decode graphs read it: no
     # kernel runs on the device before their replay.
-    as_decodes = layout is not None and _verifies_as_decodes(runner, counts, num_tokens)
+    as_decodes = layout is not None and verifies_as_decodes(runner, counts, num_tokens)
     graphs = runner.decode_graphs
     staged = (graphs is not None and graphs.staged and (num_tokens == len(rows) or as_decodes)
               and num_tokens <= graphs.batch_sizes[-1] and samples.all() and not scored)
@@ -150,7 +150,7 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     if plan is not None:
         draft_plan, views = plan.on_device(views[:4]), views[4:]
     constrained_d, top_d, score_at_d, score_targets_d = views if asked else (None,) * 4
-    spec = _spec_step(b, sampling_rows, layout, propose) if runner.bookkeeping is not None else None
+    spec = spec_step(b, sampling_rows, layout, propose) if runner.bookkeeping is not None else None
     b.num_computed[rows] = seq_lens
     b.num_tokens[sampling_rows] += 1
     return StepBatch(ids_d, positions_d, meta, logits_d, sampling_rows, sampling_d, position_rows, seeded,
@@ -162,7 +162,7 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
                      verify=verify, verify_rows=verify_rows, spec=spec, draft_plan=draft_plan, graph=staged)
 
 
-def _verifies_as_decodes(runner: ModelRunner, counts: np.ndarray, num_tokens: int) -> bool:
+def verifies_as_decodes(runner: ModelRunner, counts: np.ndarray, num_tokens: int) -> bool:
     """A step of decodes and their drafts only, which the decode graphs can take as decode rows."""
     graphs = runner.decode_graphs
     return (runner.verify_as_decodes and bool((counts == 1).all())
@@ -201,7 +201,7 @@ def _top_logprobs(b: InputBatch, position_rows: np.ndarray) -> tuple[np.ndarray,
     return top_at, top_ks if len(top_at) else None
 
 
-def _spec_step(b: InputBatch, sampling_rows: np.ndarray, layout: VerifyLayout | None, propose: bool) -> SpecStep:
+def spec_step(b: InputBatch, sampling_rows: np.ndarray, layout: VerifyLayout | None, propose: bool) -> SpecStep:
     """The bookkeeping record of a step (before its counts advance)."""
     proposable = (np.array([b.options[r].speculative for r in sampling_rows.tolist()], dtype=bool)
                   & ~b.drafter_behind[sampling_rows] if propose else np.zeros(len(sampling_rows), dtype=bool))

@@ -16,7 +16,8 @@ logprobs of sampled tokens (layers/logprobs.py) and the scores of prompt tokens 
 Speculative decoding (spec_decode/): a decode may compute draft tokens after its newest token and
 sample at each of them (spec_decode/verification.py says how that stays exact); the persistent
 batch learns what was accepted once the step's tokens are back (spec_decode/bookkeeping.py), so a
-step that verifies drafts waits for the steps before it. A proposer on the device (eagle3, draft:
+step that verifies drafts waits for the steps before it, unless the device can derive its inputs
+from the acceptance of the one in flight (spec_decode/ahead.py). A proposer on the device (eagle3, draft:
 spec_decode/drafter.py) runs after the sampling, on the same batch, in every step that asks for drafts;
 the others (past the scheduler's batch threshold) replay the decode graphs as without speculation.
 """
@@ -51,6 +52,7 @@ from worker_svc.models.qwen3 import head_dim_of
 from worker_svc.parallel_state import broadcast_tokens
 from worker_svc.prompt_scoring import score_prompt
 from worker_svc.runner_io import InvalidStepError, RequestFailure, StaleMirrorError, StepInput, StepOutput, WorkerInfo
+from worker_svc.spec_decode.ahead import Ahead, plan_ahead, prepare_ahead
 from worker_svc.spec_decode.bookkeeping import Bookkeeping, SpecStep
 from worker_svc.spec_decode.proposers import build_proposer
 from worker_svc.spec_decode.verification import accept, decode_rows, preceding_drafts
@@ -97,7 +99,9 @@ class ModelRunner:
         # keeps its mirror). Per-row tensors the decode graphs read are sized for them; the
         # scheduler keeps within it (WorkerInfo.max_held_requests).
         self.max_held_requests = HELD_PER_SEQ_SLOT * config.max_num_seqs
-        if self.tp_rank == 0 and device_sampler.wanted(config.sampler, self.device, self.tp_size):
+        # Every rank knows whether rank 0 samples on the device (ranks decide a step's path alike).
+        self.samples_on_device = device_sampler.wanted(config.sampler, self.device, self.tp_size)
+        if self.tp_rank == 0 and self.samples_on_device:
             self.device_sampler = device_sampler.DeviceSampler(
                 self.vocab_size, self.device, config.seed, capacity=self.max_held_requests,
                 max_rows=config.max_num_seqs)
@@ -210,13 +214,8 @@ class ModelRunner:
         with self._batch_lock if self.bookkeeping is not None else contextlib.nullcontext():
             # What the steps in flight do not change is checked while they still run.
             cached_rows = check_requests(step, self.limits, self.batch)
-            if self.bookkeeping is not None and (step.num_drafts is not None or self.bookkeeping.must_settle):
-                self.bookkeeping.settle_all()
-            matchers, failed = check_rows(step, cached_rows, self.limits, self.batch, self.structured)
-            rows, counts, drafts = self._apply(step, cached_rows, matchers)
-            if self.device_sampler is not None:
-                self.device_sampler.flush()
-            batch = prepare_batch(self, rows, counts, drafts, step.propose_drafts) if len(rows) else None
+            ahead = self._ahead_or_settle(step, cached_rows)
+            batch, failed = self._prepare(step, cached_rows, ahead)
             if batch is None:
                 pending = PendingStep(step.step_id, started, 0.0, 0.0, 0, None, None, None, None)
             else:
@@ -229,6 +228,28 @@ class ModelRunner:
                     raise
         pending.failed += failed
         return pending
+
+    def _ahead_or_settle(self, step: StepInput, cached_rows: np.ndarray) -> Ahead | None:
+        """How to launch a verifying step before the step in flight is settled (spec_decode/ahead.py),
+        or None once every step in flight is settled, where this step's rows depend on them."""
+        if self.bookkeeping is None or (step.num_drafts is None and not self.bookkeeping.must_settle):
+            return None
+        ahead = plan_ahead(self, step, cached_rows)
+        if ahead is None:
+            self.bookkeeping.settle_all()
+        return ahead
+
+    def _prepare(self, step: StepInput, cached_rows: np.ndarray,
+                 ahead: Ahead | None) -> tuple[StepBatch | None, list[RequestFailure]]:
+        """Checks the rest of the step (launched ahead: plan_ahead did), applies it and prepares its inputs."""
+        matchers, failed = ({}, []) if ahead else check_rows(step, cached_rows, self.limits, self.batch,
+                                                             self.structured)
+        rows, counts, drafts = self._apply(step, cached_rows, matchers)
+        if self.device_sampler is not None:
+            self.device_sampler.flush()
+        if ahead is not None:
+            return prepare_ahead(self, rows, ahead, step.propose_drafts), failed
+        return (prepare_batch(self, rows, counts, drafts, step.propose_drafts) if len(rows) else None), failed
 
     def prepare_grammar(self, constraint: Constraint) -> None:
         """Compiles a constraint before its request's first step (StructuredOutput.prepare)."""
@@ -351,8 +372,10 @@ class ModelRunner:
             tokens, logprobs, extra, failed = self._sample(batch, hidden, extra, fill)
         if batch.draft_plan is not None:
             drafts = self.drafter.run(self, batch, aux, tokens, spec is not None and spec.propose)
-            if drafts is not None:
-                spec.drafts, spec.draft_counts = drafts
+            if drafts is not None:   # kept on the device too, for a step launched before this one settles
+                spec.device_drafts, spec.draft_counts = drafts
+                # A host copy the next step's drafting cannot overwrite (on the CPU, to_host is the buffer).
+                spec.drafts = to_host(drafts[0]) if drafts[0].is_cuda else drafts[0].clone()
         if num_sampled:
             slot = self._outputs.acquire()
             release = lambda: self._outputs.release(slot)  # noqa: E731
@@ -464,7 +487,7 @@ class ModelRunner:
         if batch.constrained is not None and self.structured is not None:
             self.structured.record(batch.constrained[1], tokens, batch.constrained[2], emitted)
         if spec is not None:
-            spec.accepted = to_host(accepted)
+            spec.accepted, spec.device_accepted = to_host(accepted), accepted
 
     def sample_in_graph(self, hidden: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
                         logprobs: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from worker_svc.loader import init_dummy_weights, load_safetensors, safetensors_
 from worker_svc.models import build_model
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, get_tp_rank, get_tp_size
 from worker_svc.runner_io import NewRequest, StepInput
+from worker_svc.spec_decode.ahead import warm_up_derive
 from worker_svc.spec_decode.verification import decode_rows
 
 if TYPE_CHECKING:
@@ -169,6 +170,7 @@ def warm_up(runner: ModelRunner) -> None:
     if runner.device_sampler is not None:   # the padding's dummy row: compiles the kernels
         rows = torch.full((config.max_num_seqs,), runner.device_sampler.dummy_row, device=device)
         runner.device_sampler.sample(logits, rows, runner._tokens, runner._logprobs, runner.last_sampled)
+    warm_up_derive(runner)   # a verifying step launched ahead derives its inputs with it (spec_decode/ahead.py)
     runner.reset()
     kv_cache.unbind_kv_cache(runner.model)
     if runner.drafter is not None:

@@ -47,3 +47,4 @@ class StepBatch:
     spec: SpecStep | None = None
     accepted: torch.Tensor | None = None   # drafts each sampling request accepted (device), once sampled
     draft_plan: DraftPlan | None = None    # a device proposer's drafting plan
+    ahead: bool = False                    # launched before the step before it was settled (spec_decode/ahead.py)

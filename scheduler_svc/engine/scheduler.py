@@ -26,8 +26,8 @@ fail is alone among the suspects of the next failure and can be blamed for it (G
 Speculative decoding (speculation.py has the rules): a decode whose worker holds draft tokens for
 it may verify some of them in its step, with KV slots reserved for each; the step then brings
 it the accepted drafts and one more token, cut at a stop. Such steps are scheduled ahead too: the
-worker settles a verification before it prepares the next step, and computes that step's positions
-from its own count, so the scheduler need not know how many drafts were accepted. Until it does,
+worker computes the next step's positions from its own count of the accepted drafts (on the device,
+or on the host once the verification is settled), so the scheduler need not know how many there were. Until it does,
 it reserves their slots (num_unresolved_drafts), asks the next step to verify the most drafts the
 one in flight may propose (the worker verifies those it holds), and, once the answer comes, moves
 the entries of the later step in flight by the drafts accepted. Rejected drafts' slots stay in the

@@ -1,6 +1,8 @@
 """A speculating ModelRunner driven as the scheduler would drive it, for whole requests: Loop's
 first step computes every prompt, then each step decodes every request, verifying all the drafts
-the worker holds for it (tests/unit/test_spec_decode_runner.py, tests/e2e/test_runner_grammar_e2e.py)."""
+the worker holds for it (tests/unit/test_spec_decode_runner.py, tests/e2e/test_runner_grammar_e2e.py);
+AheadLoop launches each step before the reply of the step before is read, as a scheduler that
+schedules ahead does (tests/unit/test_spec_decode_ahead.py)."""
 from __future__ import annotations
 
 from common.pb.llm.worker.v1 import worker_pb2 as pb
@@ -101,3 +103,71 @@ def ngram_runner(model_dir, **overrides) -> ModelRunner:
 
 def repeating(seed: int, period: int, repeats: int) -> list[int]:
     return prompt(seed, period) * repeats
+
+
+class AheadLoop:
+    """A scheduler that schedules ahead, as the engine's does: up to `depth` steps are launched whose
+    replies are not read (2: step n + 1 is launched before step n's reply is read), every request
+    asking for the most drafts the step before may have proposed (K). By default every step decodes
+    every request in admission order, each got all its blocks with its prompt, and every step asks
+    for drafts; `orders` (cycled) names the requests each step decodes, in its order, `on_demand`
+    hands each request only the blocks its largest acceptance can need by then (new blocks arrive
+    with the steps, at block boundaries), and `proposes` (cycled) which steps ask for drafts."""
+
+    def __init__(self, runner: ModelRunner, num_drafts: int, depth: int = 2, orders: list[list[int]] | None = None,
+                 on_demand: bool = False, proposes: list[bool] = (True,)) -> None:
+        self.runner, self.num_drafts, self.depth = runner, num_drafts, depth
+        self.orders, self.on_demand, self.proposes = orders, on_demand, proposes
+        self.tokens: dict[int, list[int]] = {}
+        self.step_id = 0
+        self.in_flight: list = []   # (pending step, the requests it decodes in order)
+        self.num_accepted = 0
+
+    def run(self, requests: dict[int, tuple[list[int], pb.SamplingOptions]], num_new: int,
+            steps: int | None = None) -> dict[int, list[int]]:
+        """Steps until every request has num_new tokens (or `steps` steps); their first num_new."""
+        free = list(range(self.runner.num_kv_blocks))[::-1]
+        limit = self.runner.max_model_len
+        blocks, scheduled, new = {}, dict.fromkeys(requests, 0), []
+        for seq_id, (token_ids, sampling) in requests.items():
+            self.tokens[seq_id] = list(token_ids)
+            wanted = len(token_ids) if self.on_demand else len(token_ids) + num_new + 2 * (self.num_drafts + 1)
+            blocks[seq_id] = grow_blocks([], free, min(wanted, limit))
+            new.append(pb.NewRequest(seq_id=seq_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
+                                     num_scheduled_tokens=len(token_ids), block_ids=list(blocks[seq_id]),
+                                     sampling=sampling))
+        self._launch(pb.StepRequest(new_requests=new, propose_drafts=True), list(requests))
+        decodes = 0
+        while (self.step_id < steps if steps is not None
+               else min(len(self.tokens[s]) - len(p) for s, (p, _) in requests.items()) < num_new):
+            order = self.orders[decodes % len(self.orders)] if self.orders else list(requests)
+            columns = pb.CachedRequests(seq_ids=order, draft_indices=range(len(order)),
+                                        draft_counts=[self.num_drafts] * len(order))
+            for i, seq_id in enumerate(order):
+                scheduled[seq_id] += 1
+                if self.on_demand:   # a decode step computes up to 1 + K tokens
+                    reach = len(requests[seq_id][0]) + scheduled[seq_id] * (1 + self.num_drafts)
+                    add_new_blocks(columns, i, grow_blocks(blocks[seq_id], free, min(reach, limit)))
+            self._launch(pb.StepRequest(cached=columns, propose_drafts=self.proposes[decodes % len(self.proposes)]),
+                         order)
+            decodes += 1
+        while self.in_flight:
+            self._read()
+        return {s: self.tokens[s][len(p):len(p) + num_new] for s, (p, _) in requests.items()}
+
+    def _launch(self, request: pb.StepRequest, order: list[int]) -> None:
+        self.step_id += 1
+        request.step_id = self.step_id
+        self.in_flight.append((self.runner.launch(parse_step_request(request)), order))
+        if len(self.in_flight) == self.depth:
+            self._read()
+
+    def _read(self) -> None:
+        pending, order = self.in_flight.pop(0)
+        output = pending.result()
+        counts = output.token_counts or [1] * len(order)
+        offset = 0
+        for seq_id, n in zip(order, counts, strict=True):
+            self.tokens[seq_id] += output.token_ids[offset:offset + n]
+            self.num_accepted += n - 1
+            offset += n

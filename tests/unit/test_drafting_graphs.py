@@ -8,65 +8,15 @@ the drafting graphs hold run the passes eagerly."""
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import pytest
-import torch
 
-from tests.support.graph_stand_ins import ReplayingGraph, capture_on_the_cpu, cpu_only
+from tests.support.graph_stand_ins import cpu_only, speculating_runner
 from tests.support.hf_reference import hf_greedy
 from tests.support.markers import requires_cuda
 from tests.support.runner_driver import GREEDY, make_runner, prompt
 from tests.support.speculative_loop import Loop
 from tests.support.triton_interpreter import gpu_faithful
-from worker_svc import startup
-from worker_svc.cuda_graphs import DecodeGraphs
-from worker_svc.graph_inputs import DecodeInputs
-from worker_svc.layers.attention.torch_backend import TorchAttentionBackend, causal_attention, gather_context
-
-class DeviceLengthsAttention(TorchAttentionBackend):
-    """The reference attention reading query and context lengths from the device tensors only, as
-    a graph-capturable backend does; a row of length 0 (a graph's padding) attends to nothing."""
-    supports_cuda_graphs = True
-
-    def attend(self, q, k_cache, v_cache, meta, scale, kv_scales=None):
-        out = torch.zeros_like(q)
-        starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-        for i, seq_len in enumerate(seq_lens):
-            if seq_len:
-                table, rows = meta.block_tables[i], slice(starts[i], starts[i + 1])
-                out[rows] = causal_attention(q[rows], gather_context(k_cache, table, seq_len),
-                                             gather_context(v_cache, table, seq_len), scale)
-        return out
-
-
-@pytest.fixture
-def graphs_on_the_cpu(monkeypatch):
-    capture_on_the_cpu(monkeypatch, ReplayingGraph)
-    monkeypatch.setattr(startup, "select_backend", lambda runner: DeviceLengthsAttention())
-
-
-def speculating_runner(model_dir, method: str, head_dir, graphed: bool, graph_requests: int = 4,
-                       staged: bool = False):
-    """A speculating runner, eager or (graphed) replaying graphs whose inputs are copied in, or
-    (staged: the device sampler's, as on a GPU) unpacked by the graph from the step's staged columns."""
-    runner = make_runner(model_dir, speculative_method=method, speculative_model=str(head_dir),
-                         num_speculative_tokens=3, max_num_seqs=16, max_model_len=64,
-                         speculative_graph_batch_size=graph_requests, sampler="kernels" if staged else "torch")
-    if graphed:   # what startup.capture_decode_graphs does on a GPU, with the replays set to run their bodies
-        forward = runner.model
-        if runner.drafter.aux_layers:
-            forward = functools.partial(runner.model, aux_layers=runner.drafter.aux_layers)
-        inputs = (DecodeInputs(runner._staging.host[0], runner._decode_layout, runner.last_sampled,
-                               runner.device_sampler.dummy_row) if staged else None)
-        runner.decode_graphs = DecodeGraphs(forward, max_batch_size=runner.graph_tokens,
-                                            max_blocks_per_seq=runner.max_blocks_per_seq,
-                                            max_model_len=runner.max_model_len, device=runner.device, inputs=inputs)
-        runner.drafter.capture_graphs(runner, runner.decode_graphs)
-        for graphs in (runner.decode_graphs, runner.drafter.catch_up_graphs, runner.drafter.drafting_graphs):
-            for size, graph in graphs.graphs.items():
-                graph.body = functools.partial(graphs._captured, size)
-    return runner
 
 
 def recording(run, drafted: list):

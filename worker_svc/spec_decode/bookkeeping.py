@@ -4,7 +4,9 @@ the step emitted is written into the rows (so proposers on the host see each req
 history), the drafts proposed for the next step are kept, and the reply lists only emitted tokens.
 
 Steps are settled in the order they were launched, each once: by its own result(), or earlier by
-the launch of a step that needs it settled (one that verifies drafts, or follows a step that did).
+the launch of a step that needs it settled (one that verifies drafts, or follows a step that did),
+unless that step was launched ahead of the acceptance (spec_decode/ahead.py): its counts then move
+right after the step before it is settled (`advance`), as its preparation would have moved them.
 A row that changed hands meanwhile (its generation moved on) is left alone.
 """
 from __future__ import annotations
@@ -38,6 +40,12 @@ class SpecStep:
     accepted: torch.Tensor | None = None   # host, per row (when drafts were verified)
     drafts: torch.Tensor | None = None     # host [rows, k]: drafts a device proposer made
     draft_counts: np.ndarray | None = None
+    # The same on the device, for a step launched before this one is settled (spec_decode/ahead.py).
+    device_accepted: torch.Tensor | None = None
+    device_drafts: torch.Tensor | None = None
+    # Launched ahead of the step before's acceptance: tokens each row computes, added to its count
+    # once that step is settled (token_index is set then).
+    advance: np.ndarray | None = None
     event: object = None
     settled: bool = False
     emitted: np.ndarray | None = None      # bool per sampled position
@@ -64,6 +72,13 @@ class Bookkeeping:
         """A step in flight verified drafts: the next one's rows are not known until it is settled."""
         return any(step.layout is not None for step in self._pending)
 
+    def only_in_flight(self) -> SpecStep | None:
+        """The one step in flight, if exactly one is and its own counts have moved (call with the
+        lock held): a step may be launched ahead of its acceptance."""
+        if len(self._pending) != 1 or self._pending[0].advance is not None:
+            return None
+        return self._pending[0]
+
     def settle_all(self) -> None:
         """Settles every step launched so far, waiting for their tokens (call with the lock held)."""
         while self._pending:
@@ -86,6 +101,8 @@ class Bookkeeping:
                                    top_logprobs=_kept_top(output.top_logprobs, keep), **counts)
 
     def _settle(self, step: SpecStep) -> None:
+        if step.advance is not None:   # the step before it never settled (dropped by a reset)
+            self._advance(step)
         if step.event is not None:
             step.event.synchronize()
         b = self.batch
@@ -107,6 +124,20 @@ class Bookkeeping:
         self._write_tokens(step, live, owner, offset, values, accepted)
         self._keep_drafts(step, live)
         step.settled = True
+        step.device_accepted = step.device_drafts = None
+        if self._pending and self._pending[0].advance is not None:
+            self._advance(self._pending[0])
+
+    def _advance(self, step: SpecStep) -> None:
+        """A step launched ahead of the acceptance of the one just settled: its rows' counts move
+        now, as its preparation would have moved them had it been prepared after that settle."""
+        b = self.batch
+        live = b.generation[step.rows] == step.generations
+        step.token_index = b.num_tokens[step.rows].copy()
+        rows = step.rows[live]
+        b.num_computed[rows] += step.advance[live]
+        b.num_tokens[rows] += 1
+        step.advance = None
 
     def _write_tokens(self, step: SpecStep, live: np.ndarray, owner: np.ndarray, offset: np.ndarray,
                       values: np.ndarray, accepted: np.ndarray) -> None:

@@ -22,7 +22,6 @@ from worker_svc import kv_cache
 from worker_svc.input_batch import InputBatch
 from worker_svc.layers.attention import AttentionMetadata
 from worker_svc.spec_decode.verification import decode_rows
-from worker_svc.staging import to_host
 
 if TYPE_CHECKING:
     from worker_svc.cuda_graphs import DecodeGraphs
@@ -154,7 +153,7 @@ class ModelProposer:
     def run(self, runner: ModelRunner, batch: StepBatch, aux: list[torch.Tensor] | None,
             tokens: torch.Tensor | None, propose: bool) -> tuple[torch.Tensor, np.ndarray] | None:
         """Catches up on the step's tokens; when asked (and the step sampled), drafts after each
-        sampling row's newest token: (drafts [rows, k] on their way to the host, counts)."""
+        sampling row's newest token: (drafts [rows, k] on the device, counts)."""
         state = self.catch_up(runner, batch, aux, tokens)
         if not propose or tokens is None:
             return None
@@ -165,7 +164,7 @@ class ModelProposer:
             drafts = self.drafting_graphs.run(token, hidden, start, plan.tables)
         else:
             drafts = self.draft_passes(token, hidden, start, plan.tables, max_seq_len=plan.max_seq_len)
-        return to_host(drafts), np.full(len(batch.sampling_rows), self.num_drafts, dtype=np.int64)
+        return drafts, np.full(len(batch.sampling_rows), self.num_drafts, dtype=np.int64)
 
     def catch_up(self, runner: ModelRunner, batch: StepBatch, aux, tokens):
         """Computes the step's positions in its own cache; returns what drafting starts from."""

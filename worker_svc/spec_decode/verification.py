@@ -37,13 +37,16 @@ class VerifyLayout:
     next_drafts: np.ndarray      # int64 [positions]: the draft after each position; -1 after the last
 
     @classmethod
-    def build(cls, num_drafts: np.ndarray, draft_tokens: np.ndarray) -> "VerifyLayout":
-        """num_drafts per sampling request and their draft tokens ([requests, >= max drafts])."""
+    def build(cls, num_drafts: np.ndarray, draft_tokens: np.ndarray | None) -> "VerifyLayout":
+        """num_drafts per sampling request and their draft tokens ([requests, >= max drafts]; None:
+        known on the device only, next_drafts then all -1 here)."""
         sizes = num_drafts + 1
         first = np.zeros(len(sizes), np.int64)
         np.cumsum(sizes[:-1], out=first[1:])
         owner = np.repeat(np.arange(len(sizes)), sizes)
         offset = np.arange(int(sizes.sum())) - first[owner]
+        if draft_tokens is None:
+            return cls(num_drafts, first, owner, offset, np.full(len(owner), -1, np.int64))
         has_next = offset < num_drafts[owner]
         next_drafts = np.where(has_next, draft_tokens[owner, np.minimum(offset, draft_tokens.shape[1] - 1)], -1)
         return cls(num_drafts, first, owner, offset, next_drafts)
