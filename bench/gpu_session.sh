@@ -10,7 +10,7 @@
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   spec-service  the same through the real processes (bench/stages/spec_service.py), flags in EXTRA
-#   moe       the MoE/FP8 stages given in STAGES
+#   moe       the MoE/FP8 stages given in STAGES (their options in EXTRA)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -120,7 +120,7 @@ PY
         base
         with_floor moe
         timeout ${TIMEOUT:-420} $PY -m bench.gpu_bench --out "$BENCH/moe" \
-            --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,moe_e2e_fp8,decode_8b_bf16,decode_8b_fp8} 2>&1 | tail -${LINES_OUT:-45}
+            --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,moe_e2e_fp8,decode_8b_bf16,decode_8b_fp8} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;
     stage)

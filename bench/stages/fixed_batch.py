@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-prompt", type=int, default=32,
                    help="prompt tokens of each decode_<model>_<dtype> request (short: the step is about the weights)")
     p.add_argument("--fixed-steps", type=int, default=128, help="decode steps timed in the decode_<model>_<dtype> stages")
+    p.add_argument("--fixed-kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"),
+                   help="the KV cache of the decode_<model>_<dtype> stages (fp8: FP8 weights with an FP8 KV cache)")
 
 
 def stage_name(model: str, dtype: str) -> str:
@@ -37,7 +39,8 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
     batch, prompt_len, steps = (8, 16, 16) if args.tiny else (args.fixed_batch, args.fixed_prompt, args.fixed_steps)
     started = time.perf_counter()
     llm = dummy_llm(args, model, quantization=None if dtype == "bf16" else dtype, max_num_seqs=batch,
-                    max_num_batched_tokens=16384, max_model_len=prompt_len + steps + 16)
+                    max_num_batched_tokens=16384, max_model_len=prompt_len + steps + 16,
+                    kv_cache_dtype=args.fixed_kv_cache_dtype)
     startup_s = time.perf_counter() - started
 
     def timed_run(seed: int, max_tokens: int) -> float:
@@ -52,14 +55,15 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
     timed_run(0, 1 + steps)   # compiles every shape the timed runs use
     prefill_s = statistics.median(timed_run(seed, 1) for seed in (1, 2))
     decode_s = timed_run(3, 1 + steps) - prefill_s
-    return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "decode_s": decode_s,
+    return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "kv_cache_dtype": args.fixed_kv_cache_dtype,
+            "decode_s": decode_s,
             "prefill_s": prefill_s, "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
 
 
 def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     rates = measured_rates(results)
-    print("\ndecode at a fixed batch, in-process engine (dummy weights); floor: weights + KV over the copy "
-          "bandwidth, or the FLOPs at the measured rate")
+    print(f"\ndecode at a fixed batch, in-process engine (dummy weights, KV cache {args.fixed_kv_cache_dtype}); "
+          "floor: weights + KV over the copy bandwidth, or the FLOPs at the measured rate")
     print(f"{'model':14s} {'batch':>5s} {'tok/s':>9s} {'floor':>9s} {'of floor':>8s} {'vs bf16':>8s}")
     for model in MODELS:
         for dtype in DTYPES:
