@@ -84,10 +84,11 @@ def batch_state(runner) -> dict:
 
 
 def settled_and_ahead(tiny_model_dir, tiny_eagle3_dir, monkeypatch, acceptances, requests, staged=False,
-                      state=batch_state, **loop) -> tuple[list[bool], list, list, tuple, tuple]:
+                      state=batch_state, **loop) -> tuple[list[bool], tuple]:
     """The same steps run with each launched once the one before is settled (depth 1) and ahead of
-    it (depth 2), every verification accepting `acceptances`: (whether each step of the second went
-    ahead, each run's step inputs, each run's outputs and final batch state)."""
+    it (depth 2), every verification accepting `acceptances`; asserts that both runs gave every step
+    the same inputs and ended with the same outputs and batch state. Returns whether each step of the
+    second run went ahead, and that end (outputs, state)."""
     runs = {}
     for depth in (1, 2):
         forced_acceptance(monkeypatch, acceptances)
@@ -99,13 +100,11 @@ def settled_and_ahead(tiny_model_dir, tiny_eagle3_dir, monkeypatch, acceptances,
     (settled, *settled_end), (ahead, *ahead_end) = runs[1], runs[2]
     assert [entry.pop("ahead") for entry in settled] == [False] * len(settled)
     flags = [entry.pop("ahead") for entry in ahead]
-    return flags, settled, ahead, tuple(settled_end), tuple(ahead_end)
-
-
-def assert_same_steps(settled: list, ahead: list) -> None:
     assert len(ahead) == len(settled)
     for step, (built, derived) in enumerate(zip(settled, ahead), start=1):
         assert derived == built, f"step {step}"
+    assert ahead_end == settled_end
+    return flags, tuple(settled_end)
 
 
 @cpu_only
@@ -113,12 +112,9 @@ def assert_same_steps(settled: list, ahead: list) -> None:
 @pytest.mark.parametrize("staged", [False, True], ids=["eager", "staged"])
 def test_inputs_derived_on_the_device_equal_those_built_on_the_host_after_the_settle(
         tiny_model_dir, tiny_eagle3_dir, graphs_on_the_cpu, monkeypatch, staged):
-    flags, settled, ahead, settled_end, ahead_end = settled_and_ahead(
-        tiny_model_dir, tiny_eagle3_dir, monkeypatch, ACCEPTANCES, REQUESTS, staged)
-    assert flags == [False] + [True] * (len(ahead) - 1) and len(ahead) == len(ACCEPTANCES) + 1
-    assert_same_steps(settled, ahead)
-    assert ahead_end == settled_end
-    held = settled_end[1]["held"]
+    flags, end = settled_and_ahead(tiny_model_dir, tiny_eagle3_dir, monkeypatch, ACCEPTANCES, REQUESTS, staged)
+    assert flags == [False] + [True] * len(ACCEPTANCES)
+    held = end[1]["held"]
     assert any(n == 0 for n in held) and max(held) == K
 
 
@@ -135,24 +131,20 @@ def test_rows_in_other_orders_and_blocks_that_arrive_with_the_step_derive_the_sa
         tiny_model_dir, tiny_eagle3_dir, graphs_on_the_cpu, monkeypatch, staged, on_demand):
     """Blocks on demand: each step brings the blocks its largest acceptance may need, so rows cross
     block boundaries in the steps launched ahead."""
-    flags, settled, ahead, settled_end, ahead_end = settled_and_ahead(
+    flags, _ = settled_and_ahead(
         tiny_model_dir, tiny_eagle3_dir, monkeypatch, ACCEPTANCES, REQUESTS, staged, orders=ORDERS,
         on_demand=on_demand)
     assert sum(flags) >= 3 and not all(flags[1:])   # [1, 3] then [3, 1, 4, 2]: that one settles
-    assert_same_steps(settled, ahead)
-    assert ahead_end == settled_end
 
 
 @cpu_only
 @interpreted
 def test_a_step_that_asks_for_no_drafts_and_the_steps_after_it_derive_the_same_inputs(
         tiny_model_dir, tiny_eagle3_dir, graphs_on_the_cpu, monkeypatch):
-    flags, settled, ahead, settled_end, ahead_end = settled_and_ahead(
+    flags, _ = settled_and_ahead(
         tiny_model_dir, tiny_eagle3_dir, monkeypatch, ACCEPTANCES, REQUESTS, on_demand=True,
         proposes=[True, False, True, True])
     assert any(flags)
-    assert_same_steps(settled, ahead)
-    assert ahead_end == settled_end
 
 
 @cpu_only
@@ -170,10 +162,7 @@ def test_rows_reaching_max_model_len_derive_the_same_inputs(tiny_model_dir, tiny
         return b.num_computed[rows].tolist(), b.num_tokens[rows].tolist(), b.num_drafts[rows].tolist()
 
     acceptances = [[3, 3], [3, 3], [1, 2], [3, 3]][:steps - 1]
-    flags, settled, ahead, settled_end, ahead_end = settled_and_ahead(
-        tiny_model_dir, tiny_eagle3_dir, monkeypatch, acceptances, requests, state=state)
-    assert_same_steps(settled, ahead)
-    assert ahead_end == settled_end
+    settled_and_ahead(tiny_model_dir, tiny_eagle3_dir, monkeypatch, acceptances, requests, state=state)
 
 
 @cpu_only
