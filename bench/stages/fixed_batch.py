@@ -56,8 +56,7 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
     prefill_s = statistics.median(timed_run(seed, 1) for seed in (1, 2))
     decode_s = timed_run(3, 1 + steps) - prefill_s
     return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "kv_cache_dtype": args.fixed_kv_cache_dtype,
-            "decode_s": decode_s,
-            "prefill_s": prefill_s, "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
+            "decode_s": decode_s, "prefill_s": prefill_s, "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
 
 
 def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
