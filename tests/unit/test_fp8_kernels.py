@@ -214,3 +214,129 @@ def test_qwen3_8b_shapes(fp8_kernels, rows):
             expected = (x_values.float().unflatten(-1, (-1, 128)) * x_scales[..., None]).flatten(-2) @ w.T
             actual = fp8_kernels.fp8_linear(x, weight, scale, (128, 128), quantize_on_load=on_load)
             assert relative_error(actual, expected) <= QWEN3_8B_FP8_BOUND, (cols, width, on_load)
+
+
+# --- the quantization fused into the kernel that produces the activation (issue 24.1) ---------
+
+@pytest.fixture(scope="module")
+def fused(fp8_kernels):
+    from worker_svc.layers import fused_kernels
+
+    return fused_kernels
+
+
+def assert_same_activation(actual, values: torch.Tensor, scales: torch.Tensor) -> None:
+    """actual (an Fp8Activation) holds these rows' values and scales bit for bit, its padding rows
+    zeros, its scales laid out for cuBLAS."""
+    rows, width = values.shape
+    padded = -(-rows // 4) * 4
+    assert actual.num_rows == rows and actual.values.shape == (padded, width)
+    assert actual.scales.shape == (padded, scales.shape[1]) and actual.scales.stride() == (1, padded)
+    assert torch.equal(actual.values[:rows].cpu().view(torch.uint8), values.cpu().view(torch.uint8))
+    assert torch.equal(actual.scales[:rows].cpu(), scales.cpu())
+    assert not actual.values[rows:].cpu().float().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width,group", [(1, 256, 128), (6, 96, 32), (8, 384, 128)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_is_the_norm_then_its_quantization(fused, dtype, rows, width, group, with_residual):
+    """One kernel gives what rms_norm then per_token_group_quant give, bit for bit (96 columns:
+    a partial last power-of-two block; 1 and 6 rows: padded to 4 and 8)."""
+    g = torch.Generator().manual_seed(40 + rows)
+    x, residual = ((torch.randn(rows, width, generator=g) * 2).to(dtype).to(DEVICE) for _ in range(2))
+    weight = (torch.randn(width, generator=g) * 0.5 + 1).to(dtype).to(DEVICE)
+    residual = residual if with_residual else None
+    expected = fused.rms_norm(x, weight, 1e-6, residual)
+    normed = expected[0] if with_residual else expected
+    values, scales = fused.fp8_kernels.per_token_group_quant(normed, group)
+    actual = fused.rms_norm_fp8(x, weight, 1e-6, residual, group)
+    if with_residual:
+        actual, total = actual
+        assert torch.equal(total.cpu(), expected[1].cpu())
+    assert actual.dtype == dtype
+    assert_same_activation(actual, values, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width,group", [(3, 96, 32), (4, 2560, 128)])
+def test_silu_and_mul_fp8_is_the_activation_then_its_quantization(fused, dtype, rows, width, group):
+    """2,560 columns: three programs a row, the last one partial."""
+    g = torch.Generator().manual_seed(50 + rows)
+    gate_up = (torch.randn(rows, 2 * width, generator=g) * 3).to(dtype).to(DEVICE)
+    gate_up[0, :group] = 0.0   # a group of zeros
+    values, scales = fused.fp8_kernels.per_token_group_quant(fused.silu_and_mul(gate_up), group)
+    assert_same_activation(fused.silu_and_mul_fp8(gate_up, group), values, scales)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [3, 256])
+def test_cublas_takes_the_norms_quantized_output(fused, rows):
+    """cuBLAS's block-scaled GEMM over rms_norm_fp8's output gives what it gives over rms_norm's
+    output quantized by its own kernel, bit for bit (Qwen3-8B's qkv projection)."""
+    g = torch.Generator(device="cuda").manual_seed(42)
+    weight, scale = quantize_blocks(torch.randn(6144, 4096, generator=g, device="cuda") * 0.02, (128, 128))
+    x, residual = (torch.randn(rows, 4096, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    norm_weight = torch.rand(4096, generator=g, device="cuda").to(torch.bfloat16) + 0.5
+    cublas_scales = fused.fp8_kernels.cublas_weight_scales(scale)
+    try:
+        expected = fused.fp8_kernels.cublas_fp8_linear(fused.rms_norm(x, norm_weight, 1e-6, residual)[0], weight,
+                                                        cublas_scales, (128, 128))
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"no block-scaled FP8 in this torch / cuBLAS: {exc}")
+    quantized, _ = fused.rms_norm_fp8(x, norm_weight, 1e-6, residual, 128)
+    actual = fused.fp8_kernels.cublas_fp8_linear(quantized, weight, cublas_scales, (128, 128))
+    assert actual.shape == (rows, 6144) and torch.equal(actual, expected)
+
+
+def emulated_block_scaled_mm(values, weight, scales, cublas_scales, out_dtype):
+    """fp8_kernels.block_scaled_mm in float64 on any device and block size: the CPU stand-in."""
+    group = values.shape[1] // scales.shape[1]
+    bn = -(-weight.shape[0] // cublas_scales.shape[1])
+    a = values.double() * scales.double().repeat_interleave(group, 1)
+    w_scales = cublas_scales.t()[:, :weight.shape[1] // group].double()
+    w = weight.double() * w_scales.repeat_interleave(bn, 0)[:weight.shape[0]].repeat_interleave(group, 1)
+    return (a @ w.T).to(out_dtype)
+
+
+def test_an_fp8_model_quantizes_in_its_norms_and_swiglu(fused, fp8_checkpoint):
+    """Every FP8 projection on cuBLAS's runner (the GEMM emulated here): the model's norms and
+    SwiGLU quantize for it, so the only quantization kernels left are the o projections', and the
+    logits are those of quantizing in a kernel of its own, bit for bit."""
+    from worker_svc.layers.linear import _ParallelLinear
+    from worker_svc.layers.linear_methods import CublasFp8Runner, LinearPlan
+
+    fp8_dir, _ = fp8_checkpoint
+    config = load_model_config(fp8_dir)
+    with torch.device(DEVICE):
+        model = fp8_layers_model(fp8_dir)
+    for layer in model.modules():
+        if isinstance(layer, _ParallelLinear):
+            layer.plan = LinearPlan([], [], CublasFp8Runner(layer.operands()))
+    kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, torch.float32, DEVICE)
+    g = torch.Generator().manual_seed(41)
+    prompt = torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=g).tolist()
+    meta = _on_device(paged_metadata(random_block_tables([PROMPT_LEN], 8, 32, g), [PROMPT_LEN], [PROMPT_LEN], 8))
+
+    def logits(fusion: bool) -> tuple[torch.Tensor, collections.Counter]:
+        calls = collections.Counter()
+        with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+            patch.setattr(fused, "FP8_QUANT_FUSION", fusion)
+            patch.setattr(fused.fp8_kernels, "block_scaled_mm", emulated_block_scaled_mm)
+            for module, name in ((fused.fp8_kernels, "per_token_group_quant"), (fused, "rms_norm_fp8"),
+                                 (fused, "silu_and_mul_fp8")):
+                kernel = getattr(module, name)
+                patch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.update([_n]) or _k(*a, **kw))
+            if DEVICE.type == "cpu":   # the layers pick the fused kernels for CUDA tensors only
+                patch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+            hidden = model(torch.tensor(prompt, device=DEVICE), positions_of([PROMPT_LEN], [PROMPT_LEN]).to(DEVICE),
+                           meta)
+            return model.compute_logits(hidden, torch.arange(PROMPT_LEN, device=DEVICE)).cpu(), calls
+
+    (reference, separate), (actual, fused_calls) = logits(False), logits(True)
+    layers = config.num_hidden_layers
+    dense_mlps = sum(not hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    assert separate == {"per_token_group_quant": layers + layers + 2 * dense_mlps}   # qkv, o (+ gate_up, down)
+    assert fused_calls == {"per_token_group_quant": layers, "rms_norm_fp8": layers + dense_mlps,
+                           "silu_and_mul_fp8": dense_mlps}
+    assert torch.equal(actual, reference)

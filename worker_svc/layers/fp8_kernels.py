@@ -9,12 +9,16 @@ scale per output column, accumulated in float32 and rounded once to x's dtype:
 With `quantize_on_load` the GEMM quantizes each activation tile as it loads it (one launch, no
 quantization kernel; the tile is quantized once per column tile, which costs little next to
 the weight read at decode). `cublas_fp8_linear` runs the same product through cuBLAS's
-block-scaled FP8 GEMM where torch and the device have it.
+block-scaled FP8 GEMM where torch and the device have it; its input may come quantized already
+(an `Fp8Activation`, from the RMSNorm or SwiGLU kernel that produced it: fused_kernels), so no
+quantization kernel runs between them.
 Shapes depend only on the token count, and nothing is read back to the host, so the layers
 that call this are capturable in CUDA graphs. Under TRITON_INTERPRET=1 the kernels run on the
 CPU (slowly) for the tests.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +181,39 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+CUBLAS_ROW_MULTIPLE = 4   # cuBLASLt's block scaling takes token counts in multiples of 4
+
+
+def cublas_rows(num_rows: int) -> int:
+    """The row count cuBLAS's block-scaled GEMM is called with: num_rows padded with zero rows."""
+    return -(-num_rows // CUBLAS_ROW_MULTIPLE) * CUBLAS_ROW_MULTIPLE
+
+
+@dataclass(frozen=True)
+class Fp8Activation:
+    """An activation quantized per token and group of columns for cuBLAS's block-scaled GEMM by
+    the kernel that produced it: values [cublas_rows(num_rows), K] FP8 (the rows past num_rows
+    zeros) and float32 scales of the same rows by K / group, laid out column by column (strides
+    (1, rows)); `dtype` is the model dtype the product comes back in."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    num_rows: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.num_rows, self.values.shape[1]
+
+
+def empty_activation(num_rows: int, width: int, group: int, dtype: torch.dtype, device: torch.device
+                     ) -> Fp8Activation:
+    """Room for a kernel to write an Fp8Activation of num_rows x width into."""
+    rows = cublas_rows(num_rows)
+    values = torch.empty(rows, width, dtype=FP8_DTYPE, device=device)
+    scales = torch.empty(width // group, rows, dtype=torch.float32, device=device).t()
+    return Fp8Activation(values, scales, num_rows, dtype)
+
+
 def cublas_weight_scales(weight_scale: torch.Tensor) -> torch.Tensor:
     """A weight's [N / bn, K / bk] block scales as cuBLAS's 128 x 128 block scaling reads them:
     K blocks padded to a multiple of 4, laid out K-block-major ([K4, N / bn], strides (1, K4))."""
@@ -184,22 +221,33 @@ def cublas_weight_scales(weight_scale: torch.Tensor) -> torch.Tensor:
     return padded.t()
 
 
-def cublas_fp8_linear(x: torch.Tensor, weight: torch.Tensor, cublas_scales: torch.Tensor, block: tuple[int, int],
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+def cublas_fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, cublas_scales: torch.Tensor,
+                      block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_linear through cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm, 1 x 128 activation
     blocks by 128 x 128 weight blocks: Hopper with CUDA 12.9+); cublas_scales from
-    cublas_weight_scales. Raises where this torch or device lacks it."""
-    rows = x.reshape(-1, x.shape[-1])
-    num_rows = rows.shape[0]
-    # cuBLASLt's block scaling takes the token count only in multiples of 4 (else it finds no
-    # algorithm: CUBLAS_STATUS_NOT_SUPPORTED): zero rows pad it, and their outputs are dropped.
-    if num_rows % 4:
-        rows = F.pad(rows, (0, 0, 0, -num_rows % 4))
-    elif rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    values, scales = per_token_group_quant(rows, block[1], rows_major_scales=True)
-    out = F.scaled_mm(values, weight.t(), scales, F.ScalingType.BlockWise1x128, cublas_scales,
-                      F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:num_rows]
+    cublas_weight_scales. x in the model dtype is quantized here; an Fp8Activation is used as it
+    is ([num_rows, N] out). Raises where this torch or device lacks it."""
+    if isinstance(x, Fp8Activation):
+        values, scales, num_rows, dtype, lead = x.values, x.scales, x.num_rows, x.dtype, (x.num_rows,)
+    else:
+        rows = x.reshape(-1, x.shape[-1])
+        num_rows, dtype, lead = rows.shape[0], x.dtype, x.shape[:-1]
+        # cuBLASLt's block scaling takes the token count only in multiples of 4 (else it finds no
+        # algorithm: CUBLAS_STATUS_NOT_SUPPORTED): zero rows pad it, and their outputs are dropped.
+        if num_rows % CUBLAS_ROW_MULTIPLE:
+            rows = F.pad(rows, (0, 0, 0, cublas_rows(num_rows) - num_rows))
+        elif rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        values, scales = per_token_group_quant(rows, block[1], rows_major_scales=True)
+    out = block_scaled_mm(values, weight, scales, cublas_scales, dtype)[:num_rows]
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*lead, weight.shape[0])
+
+
+def block_scaled_mm(values: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, cublas_scales: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """values [M, K] FP8 (M a multiple of 4) with 1 x 128 block scales, by weight [N, K] with
+    128 x 128 block scales (cublas_weight_scales): [M, N] in out_dtype, by cuBLAS."""
+    return F.scaled_mm(values, weight.t(), scales, F.ScalingType.BlockWise1x128, cublas_scales,
+                       F.ScalingType.BlockWise128x128, output_dtype=out_dtype)

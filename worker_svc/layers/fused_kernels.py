@@ -8,6 +8,11 @@ and costs a launch. These three kernels do each group in one pass:
 - `silu_and_mul`: SwiGLU over the packed [gate | up] projection.
 - `qk_norm_rope_`: Qwen3's per-head RMSNorm of q and k, then RoPE, in place over the packed qkv
   projection (one program per token covers all its q and k heads).
+- `rms_norm_fp8`, `silu_and_mul_fp8`: the first two with their output quantized per token and
+  group of columns for cuBLAS's block-scaled FP8 GEMM (fp8_kernels.Fp8Activation), where the
+  next projection runs it: the quantization kernel it would launch first is gone. The values
+  and scales are per_token_group_quant's of the unquantized kernel's output, bit for bit.
+  WORKER_FP8_QUANT_FUSION=0 leaves the quantization to its own kernel (for comparisons).
 
 Each rounds to the model dtype exactly where the torch path (layernorm.py, activation.py,
 rotary.py, which mirror transformers) does, so bf16 results match it up to the order of float32
@@ -22,8 +27,43 @@ import torch
 import triton
 import triton.language as tl
 
+from worker_svc.layers import fp8_kernels
+from worker_svc.layers.fp8 import FP8_MAX, MIN_AMAX
+
 ENABLED = os.environ.get("WORKER_FUSED_KERNELS", "1") != "0"
+FP8_QUANT_FUSION = os.environ.get("WORKER_FP8_QUANT_FUSION", "1") != "0"
 SILU_BLOCK = 1024   # columns of the activation per program
+
+
+@triton.jit
+def _add_rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, stride_x, stride_r, stride_ro,
+                      cols, mask, num_cols, eps, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One row's RMSNorm (after the residual add, whose sum it stores) in the model dtype."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the model dtype first: it is the residual the torch path keeps.
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (x + residual).to(dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, total, mask=mask)
+        x = total.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (x * rstd).to(dtype).to(tl.float32)   # cast before the weight, as transformers does
+    return (normed * weight).to(dtype)
+
+
+@triton.jit
+def _quantize_groups(values, q_ptr, s_ptr, row, first_group, stride_q, stride_sm, stride_sg, num_cols,
+                     GROUPS: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """Stores a row's values (GROUPS x GROUP of them, from column first_group * GROUP) as FP8 with
+    one float32 scale per group, as fp8_kernels.per_token_group_quant does."""
+    v = tl.reshape(values.to(tl.float32), (GROUPS, GROUP))
+    groups = first_group + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), MIN_AMAX), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < num_cols)
 
 
 @triton.jit
@@ -35,18 +75,34 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
-    dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        # The sum is rounded to the model dtype first: it is the residual the torch path keeps.
-        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        total = (x + residual).to(dtype)
-        tl.store(residual_out_ptr + row * stride_ro + cols, total, mask=mask)
-        x = total.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = (x * rstd).to(dtype).to(tl.float32)   # cast before the weight, as transformers does
-    tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(dtype), mask=mask)
+    y = _add_rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, stride_x, stride_r, stride_ro,
+                          cols, mask, num_cols, eps, out_ptr.dtype.element_ty, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(
+    x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr,
+    stride_x, stride_r, stride_q, stride_sm, stride_sg, stride_ro, num_rows, num_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+):
+    # One program per row of the padded activation: rows past num_rows read nothing (zeros).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < num_cols) & (row < num_rows)
+    y = _add_rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, stride_x, stride_r, stride_ro,
+                          cols, mask, num_cols, eps, x_ptr.dtype.element_ty, HAS_RESIDUAL)
+    _quantize_groups(y, q_ptr, s_ptr, row, 0, stride_q, stride_sm, stride_sg, num_cols,
+                     BLOCK // GROUP, GROUP, FP8_MAX, MIN_AMAX)
+
+
+@triton.jit
+def _silu_mul_tile(x_ptr, row, stride_x, cols, mask, num_cols, dtype: tl.constexpr):
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)   # F.silu rounds its output
+    return (activated * up).to(dtype)
 
 
 @triton.jit
@@ -54,11 +110,20 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
-    dtype = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)   # F.silu rounds its output
-    tl.store(out_ptr + row * stride_o + cols, (activated * up).to(dtype), mask=mask)
+    y = _silu_mul_tile(x_ptr, row, stride_x, cols, mask, num_cols, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sm, stride_sg, num_rows, num_cols,
+                             BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                             FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (cols < num_cols) & (row < num_rows)
+    y = _silu_mul_tile(x_ptr, row, stride_x, cols, mask, num_cols, x_ptr.dtype.element_ty)
+    _quantize_groups(y, q_ptr, s_ptr, row, tl.program_id(1) * (BLOCK // GROUP), stride_q, stride_sm, stride_sg,
+                     num_cols, BLOCK // GROUP, GROUP, FP8_MAX, MIN_AMAX)
 
 
 @triton.jit
@@ -132,7 +197,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_rows,)](
             rows, residual_rows, weight, out, residual_out,
             rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), num_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
         )
     if residual is None:
         return out.view(x.shape)
@@ -150,6 +215,54 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], num_cols)
+
+
+def _norm_warps(block: int) -> int:
+    return min(max(block // 256, 1), 8)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, group: int
+                 ) -> fp8_kernels.Fp8Activation | tuple[fp8_kernels.Fp8Activation, torch.Tensor]:
+    """rms_norm(x, weight, eps, residual) with the normalised rows quantized per group of `group`
+    columns for cuBLAS (fp8_kernels.Fp8Activation): what per_token_group_quant(rms_norm(...))
+    gives, in one launch. With `residual`, (that, x + residual)."""
+    assert weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    rows = _rows(x)
+    num_rows, num_cols = rows.shape
+    block = _pow2(num_cols)
+    assert num_cols % group == 0 and group & (group - 1) == 0 and group <= block, (num_cols, group)
+    out = fp8_kernels.empty_activation(num_rows, num_cols, group, x.dtype, x.device)
+    if residual is None:
+        residual_rows = residual_out = rows   # unused by the kernel
+    else:
+        residual_rows = _rows(residual)
+        residual_out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    _rms_norm_fp8_kernel[(out.values.shape[0],)](
+        rows, residual_rows, weight, out.values, out.scales, residual_out,
+        rows.stride(0), residual_rows.stride(0), out.values.stride(0), out.scales.stride(0), out.scales.stride(1),
+        residual_out.stride(0), num_rows, num_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, GROUP=group, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        num_warps=_norm_warps(block),
+    )
+    if residual is None:
+        return out
+    return out, residual_out.view(x.shape)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor, group: int) -> fp8_kernels.Fp8Activation:
+    """silu_and_mul(gate_up) quantized per group of `group` columns for cuBLAS
+    (fp8_kernels.Fp8Activation), in one launch."""
+    rows = _rows(gate_up)
+    num_rows, num_cols = rows.shape[0], rows.shape[1] // 2
+    block = min(SILU_BLOCK, _pow2(num_cols))
+    assert num_cols % group == 0 and group & (group - 1) == 0 and group <= block, (num_cols, group)
+    out = fp8_kernels.empty_activation(num_rows, num_cols, group, gate_up.dtype, gate_up.device)
+    _silu_and_mul_fp8_kernel[(out.values.shape[0], triton.cdiv(num_cols, block))](
+        rows, out.values, out.scales, rows.stride(0), out.values.stride(0), out.scales.stride(0),
+        out.scales.stride(1), num_rows, num_cols, BLOCK=block, GROUP=group,
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4,
+    )
+    return out
 
 
 def qk_norm_rope_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_eps: float,

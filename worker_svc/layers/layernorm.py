@@ -11,14 +11,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, into=None):
         """norm(x); with `residual`, (norm(x + residual), x + residual): the sum is the next
-        residual, so a decoder layer's residual add and its norm are one step (one kernel on CUDA)."""
+        residual, so a decoder layer's residual add and its norm are one step (one kernel on CUDA).
+        `into`: the linear layer that takes norm(x); where it takes its input quantized to FP8
+        (linear.py's quant_group), norm(x) comes quantized for it, from the same kernel."""
         if x.is_cuda:
             from worker_svc.layers import fused_kernels   # imports Triton, which CUDA installs have
 
             if fused_kernels.ENABLED:
+                group = (into.quant_group(x.numel() // x.shape[-1])
+                         if into is not None and fused_kernels.FP8_QUANT_FUSION else None)
+                if group is not None:
+                    return fused_kernels.rms_norm_fp8(x, self.weight, self.eps, residual, group)
                 return fused_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

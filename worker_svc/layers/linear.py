@@ -16,7 +16,9 @@ A row-parallel layer built with `input_activation="silu_and_mul"` takes the pack
 projection and multiplies silu(gate) * up itself (the MLP's down projection), so that a kernel
 can apply the activation as it loads its input. On a GPU, linear_selection gives each layer a
 `plan` (linear_methods.LinearPlan) that picks the fastest measured kernel for the step's row
-count; without one (the CPU, or before the choice) a layer computes as described above.
+count; without one (the CPU, or before the choice) a layer computes as described above. Where
+the plan's runner for a row count takes its input quantized to FP8 (`quant_group`), the RMSNorm
+before the layer quantizes its output for it (layernorm.py) and the layer gets that instead.
 """
 from __future__ import annotations
 
@@ -109,7 +111,12 @@ class _ParallelLinear(nn.Module):
         return LinearOperands(self.weight, self.weight_scale_inv if fp8 else None, self.quant.block if fp8 else None,
                               silu_mul=self.act_fn is not None)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def quant_group(self, num_rows: int) -> int | None:
+        """The column group of the FP8 quantization this layer takes its input in at num_rows
+        rows (then an fp8_kernels.Fp8Activation), or None: the model dtype."""
+        return self.plan.quant_group(num_rows) if self.plan is not None else None
+
+    def _matmul(self, x, bias: torch.Tensor | None) -> torch.Tensor:
         if self.plan is not None:
             return self.plan(x, bias)
         if self.act_fn is not None:

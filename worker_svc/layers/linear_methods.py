@@ -10,7 +10,9 @@ block scales) and whether its input is [gate | up], to be multiplied as silu(gat
   applied as it loads x);
 - `Fp8Gemm`: fp8_kernels' block-scaled FP8 x FP8 GEMM, activations quantized inside it
   (`quantize_on_load`) or by their own kernel first;
-- `Fp8Cublas`: cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm);
+- `Fp8Cublas`: cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm); its input quantized by the
+  RMSNorm that produced it (the layer's `quant_group` tells the norm to: linear.py), or after
+  SwiGLU in the same kernel, or by its own kernel;
 - `Dequantized`: F.linear over a bf16 copy of an FP8 weight (costs that copy's memory).
 A `LinearPlan` maps row counts to runners (chosen by linear_selection at start-up); every
 runner is graph-capturable, so the plan runs inside the decode graphs.
@@ -159,9 +161,24 @@ class Fp8Cublas(Method):
         return operands.fp8 and operands.block == (128, 128) and operands.weight.shape[0] % 128 == 0
 
     def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
-        weight, block = operands.weight, operands.block
-        scales = fp8_kernels.cublas_weight_scales(operands.weight_scale)
-        return lambda x, bias: fp8_kernels.cublas_fp8_linear(operands.activate(x), weight, scales, block, bias)
+        return CublasFp8Runner(operands)
+
+
+class CublasFp8Runner:
+    """Fp8Cublas bound to a layer. Takes x in the model dtype (quantized here: with SwiGLU in one
+    kernel for the down projection) or an fp8_kernels.Fp8Activation of `quant_group`-wide groups
+    that the kernel producing x quantized already."""
+
+    def __init__(self, operands: LinearOperands) -> None:
+        self.weight, self.block, self.silu_mul = operands.weight, operands.block, operands.silu_mul
+        self.scales = fp8_kernels.cublas_weight_scales(operands.weight_scale)
+        self.quant_group = self.block[1]
+
+    def __call__(self, x: torch.Tensor | fp8_kernels.Fp8Activation, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.silu_mul and not isinstance(x, fp8_kernels.Fp8Activation):
+            x = (fused_kernels.silu_and_mul_fp8(x, self.quant_group) if fused_kernels.FP8_QUANT_FUSION
+                 else fused_kernels.silu_and_mul(x))
+        return fp8_kernels.cublas_fp8_linear(x, self.weight, self.scales, self.block, bias)
 
 
 class LinearPlan:
@@ -176,5 +193,11 @@ class LinearPlan:
         i = bisect.bisect_left(self.bounds, num_rows)
         return self.runners[i] if i < len(self.runners) else self.beyond
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.runner_for(x.numel() // x.shape[-1])(x, bias)
+    def quant_group(self, num_rows: int) -> int | None:
+        """The column group whose FP8 quantization the runner for num_rows takes as its input
+        (an fp8_kernels.Fp8Activation), or None: it takes the model dtype."""
+        return getattr(self.runner_for(num_rows), "quant_group", None)
+
+    def __call__(self, x: torch.Tensor | fp8_kernels.Fp8Activation, bias: torch.Tensor | None) -> torch.Tensor:
+        num_rows = x.num_rows if isinstance(x, fp8_kernels.Fp8Activation) else x.numel() // x.shape[-1]
+        return self.runner_for(num_rows)(x, bias)

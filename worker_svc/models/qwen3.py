@@ -65,6 +65,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            quant=_layer_quant(quant, prefix, "down_proj"),
                                            input_activation="silu_and_mul")
+        self.input_linear = self.gate_up_proj   # what the norm before the MLP feeds (layernorm.py's `into`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -82,13 +83,15 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it). Each residual add is done
-        by the norm that follows it (one kernel on CUDA), in the model dtype as the reference adds."""
+        by the norm that follows it (one kernel on CUDA), in the model dtype as the reference adds;
+        each norm is told the projection it feeds, which may take its output quantized to FP8."""
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, into=qkv_proj), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, into=qkv_proj)
         hidden = self.self_attn(hidden, cos_sin, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, into=getattr(self.mlp, "input_linear", None))
         return self.mlp(hidden), residual
 
 
