@@ -270,3 +270,45 @@ def test_compile_ahead_turns_launches_into_compiles(selection):
     assert [w[0] for w in kernel.warmed] == [(0,), (1,), (2,)] and not kernel.launched
     triton_compile.launch(kernel, (7,), 7, BLOCK=16)
     assert kernel.launched == [((7,), (7,), {"BLOCK": 16})]
+
+
+@pytest.mark.parametrize("norm_fed", [False, True])
+def test_a_method_fed_quantized_input_is_timed_on_it(selection, norm_fed):
+    """A runner that takes its input quantized to FP8 (cuBLAS's block-scaled GEMM) is timed on
+    input quantized ahead where the layer's RMSNorm quantizes for it (the model runs no
+    quantization kernel of the layer's own then), and on the model dtype otherwise."""
+    linear_selection, methods = selection
+    from worker_svc.layers import fp8_kernels
+
+    g = torch.Generator().manual_seed(53)
+    values, scale = quantize_blocks(torch.randn(64, 128, generator=g) * 0.05, (32, 32))
+    operands = methods.LinearOperands(values.to(DEVICE), scale.to(DEVICE), (32, 32), norm_fed=norm_fed)
+    seen = []
+
+    class Quantizing:
+        quant_group = 32
+
+        def __call__(self, x, bias):
+            seen.append(type(x).__name__)
+            if isinstance(x, fp8_kernels.Fp8Activation):
+                dequantized = (x.values.float() * x.scales.repeat_interleave(32, 1))[:x.num_rows].to(x.dtype)
+                x = dequantized
+            return F.linear(x, operands.dense_weight(x.dtype))
+
+    @dataclasses.dataclass(frozen=True)
+    class Fed(methods.Method):
+        name = "fed"
+
+        def bind(self, op, dtype):
+            return Quantizing()
+
+    def measure(method, runners, x):
+        runners[0](x, None)
+        return 1.0
+
+    choice = linear_selection.choose_methods("proj", [operands], torch.bfloat16, DEVICE, max_rows=2, sms=4,
+                                             measure=measure, candidate_methods=lambda *a: [Fed(), methods.Dequantized()])
+    assert {str(m) for m in choice.chosen.values()} == {"fed"}
+    # Each row count: the product's check on the model dtype, then the measured call.
+    timed = seen[1::2]
+    assert timed == (["Fp8Activation"] * 2 if norm_fed else ["Tensor"] * 2) and set(seen[::2]) == {"Tensor"}

@@ -214,6 +214,19 @@ def empty_activation(num_rows: int, width: int, group: int, dtype: torch.dtype, 
     return Fp8Activation(values, scales, num_rows, dtype)
 
 
+def quantize_activation(x: torch.Tensor, group: int) -> Fp8Activation:
+    """x [..., K] in the model dtype as an Fp8Activation (per_token_group_quant, rows padded):
+    what a kernel that quantizes its output for cuBLAS gives, from a kernel of its own."""
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    if num_rows % CUBLAS_ROW_MULTIPLE:
+        rows = F.pad(rows, (0, 0, 0, cublas_rows(num_rows) - num_rows))
+    elif rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    values, scales = per_token_group_quant(rows, group, rows_major_scales=True)
+    return Fp8Activation(values, scales, num_rows, x.dtype)
+
+
 def cublas_weight_scales(weight_scale: torch.Tensor) -> torch.Tensor:
     """A weight's [N / bn, K / bk] block scales as cuBLAS's 128 x 128 block scaling reads them:
     K blocks padded to a multiple of 4, laid out K-block-major ([K4, N / bn], strides (1, K4))."""
@@ -227,19 +240,12 @@ def cublas_fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, cub
     blocks by 128 x 128 weight blocks: Hopper with CUDA 12.9+); cublas_scales from
     cublas_weight_scales. x in the model dtype is quantized here; an Fp8Activation is used as it
     is ([num_rows, N] out). Raises where this torch or device lacks it."""
-    if isinstance(x, Fp8Activation):
-        values, scales, num_rows, dtype, lead = x.values, x.scales, x.num_rows, x.dtype, (x.num_rows,)
-    else:
-        rows = x.reshape(-1, x.shape[-1])
-        num_rows, dtype, lead = rows.shape[0], x.dtype, x.shape[:-1]
-        # cuBLASLt's block scaling takes the token count only in multiples of 4 (else it finds no
-        # algorithm: CUBLAS_STATUS_NOT_SUPPORTED): zero rows pad it, and their outputs are dropped.
-        if num_rows % CUBLAS_ROW_MULTIPLE:
-            rows = F.pad(rows, (0, 0, 0, cublas_rows(num_rows) - num_rows))
-        elif rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        values, scales = per_token_group_quant(rows, block[1], rows_major_scales=True)
-    out = block_scaled_mm(values, weight, scales, cublas_scales, dtype)[:num_rows]
+    # cuBLASLt's block scaling takes the token count only in multiples of 4 (else it finds no
+    # algorithm: CUBLAS_STATUS_NOT_SUPPORTED): zero rows pad it, and their outputs are dropped.
+    lead = (x.num_rows,) if isinstance(x, Fp8Activation) else x.shape[:-1]
+    if not isinstance(x, Fp8Activation):
+        x = quantize_activation(x, block[1])
+    out = block_scaled_mm(x.values, weight, x.scales, cublas_scales, x.dtype)[:x.num_rows]
     if bias is not None:
         out = out + bias
     return out.view(*lead, weight.shape[0])

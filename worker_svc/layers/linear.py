@@ -37,6 +37,7 @@ INPUT_ACTIVATIONS = ("silu_and_mul",)
 class _ParallelLinear(nn.Module):
     shard_ids: tuple = (None,)   # a plain layer is filled by one checkpoint tensor
     plan = None                  # linear_methods.LinearPlan, once linear_selection has chosen
+    norm_fed = False             # the model feeds it an RMSNorm's output (RMSNorm.forward's `into`)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int,
                  quant: Fp8Config | None = None, input_activation: str | None = None) -> None:
@@ -109,7 +110,7 @@ class _ParallelLinear(nn.Module):
 
         fp8 = self.weight.dtype == FP8_DTYPE
         return LinearOperands(self.weight, self.weight_scale_inv if fp8 else None, self.quant.block if fp8 else None,
-                              silu_mul=self.act_fn is not None)
+                              silu_mul=self.act_fn is not None, norm_fed=self.norm_fed)
 
     def quant_group(self, num_rows: int) -> int | None:
         """The column group of the FP8 quantization this layer takes its input in at num_rows

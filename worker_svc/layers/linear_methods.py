@@ -40,6 +40,7 @@ class LinearOperands:
     weight_scale: torch.Tensor | None = None   # FP8: [ceil(N / bn), K / bk] float32
     block: tuple[int, int] | None = None       # FP8: (bn, bk)
     silu_mul: bool = False                 # the input is [gate | up] (2K wide)
+    norm_fed: bool = False                 # the input comes from an RMSNorm, which can quantize it
 
     @property
     def fp8(self) -> bool:

@@ -5,9 +5,10 @@ lm_head; a tensor-parallel rank sees its own shards). At each row count of ROW_B
 what a step can hold, every candidate method (linear_methods) is first checked against the
 product in float32 on random input, then timed as the decode graphs run it: CUDA-graph
 replays of one call per layer of the kind in turn, so weights stream from memory as they do in
-the model instead of sitting in L2. The fastest wins each row count (ties: the earlier
-candidate; cuBLAS, or for FP8 weights the FP8 GEMM, comes first, so no measured shape is slower
-than it), and each layer gets a LinearPlan that runs the winner for its row count. A bf16 copy
+the model instead of sitting in L2, and with the input the model gives (a method that takes
+its input quantized to FP8 from the RMSNorm before the layer gets it so: `as_fed`). The fastest
+wins each row count (ties: the earlier candidate; cuBLAS, or for FP8 weights the FP8 GEMM,
+comes first, so no measured shape is slower than it), and each layer gets a LinearPlan that runs the winner for its row count. A bf16 copy
 of FP8 weights is kept only where it beats every FP8 method by DEQUANTIZED_MARGIN.
 
 One log line per kind gives the winners and their times. This runs after the weights are
@@ -184,6 +185,25 @@ def relative_error(run: Runner, operands: LinearOperands, x: torch.Tensor) -> fl
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
+def as_fed(runners: list[Runner], operands: LinearOperands, x: torch.Tensor) -> list[Runner]:
+    """The runners as the model calls them: one that takes its input quantized to FP8 (its
+    `quant_group`) gets x quantized once, ahead, where the RMSNorm before the layer quantizes its
+    output for it; its own quantization kernel does not run in the model, so it is not timed."""
+    from worker_svc.layers import fused_kernels
+
+    if not (operands.norm_fed and fused_kernels.ENABLED and fused_kernels.FP8_QUANT_FUSION):
+        return runners
+    fed = []
+    for run in runners:
+        group = getattr(run, "quant_group", None)
+        if group is None:
+            fed.append(run)
+        else:
+            quantized = fp8_kernels.quantize_activation(x, group)
+            fed.append(lambda _x, bias, run=run, quantized=quantized: run(quantized, bias))
+    return fed
+
+
 def _timed_layers(operands: Sequence[LinearOperands], device: torch.device) -> list[LinearOperands]:
     """The first layers whose weights together exceed L2_MULTIPLE L2 caches (or all of them)."""
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if device.type == "cuda" else 0
@@ -240,7 +260,7 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
                 tolerance = ACTIVATION_QUANT_TOLERANCE if isinstance(method, (Fp8Gemm, Fp8Cublas)) else TOLERANCE
                 if not error <= tolerance:
                     raise ValueError(f"relative error {error:.3g} > {tolerance}")
-                times[name] = measure(method, runners, x)
+                times[name] = measure(method, as_fed(runners, operands[0], x), x)
                 methods[name] = method
             except Exception as exc:   # noqa: BLE001 - a candidate that cannot run here is not chosen
                 choice.rejected[name] = f"{type(exc).__name__}: {exc}"[:300]
@@ -291,7 +311,7 @@ def linear_kinds(model: nn.Module) -> dict[tuple, tuple[str, list[nn.Module]]]:
         operands = module.operands()
         kind = name.rsplit(".", 1)[-1]
         num_cols, width = operands.weight.shape
-        key = (kind, num_cols, width, operands.block, operands.silu_mul, operands.weight.dtype)
+        key = (kind, num_cols, width, operands.block, operands.silu_mul, operands.norm_fed, operands.weight.dtype)
         weight_format = "fp8" if operands.fp8 else str(operands.weight.dtype).removeprefix("torch.")
         label = f"{kind} {num_cols}x{width} {weight_format}"
         kinds.setdefault(key, (label, []))[1].append(module)

@@ -66,6 +66,7 @@ class Qwen3MLP(nn.Module):
                                            quant=_layer_quant(quant, prefix, "down_proj"),
                                            input_activation="silu_and_mul")
         self.input_linear = self.gate_up_proj   # what the norm before the MLP feeds (layernorm.py's `into`)
+        self.gate_up_proj.norm_fed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -79,6 +80,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(config, backend, f"{prefix}.self_attn", quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = mlp
+        self.self_attn.qkv_proj.norm_fed = True
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
