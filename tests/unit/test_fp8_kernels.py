@@ -340,3 +340,31 @@ def test_an_fp8_model_quantizes_in_its_norms_and_swiglu(fused, fp8_checkpoint):
     assert fused_calls == {"per_token_group_quant": layers, "rms_norm_fp8": layers + dense_mlps,
                            "silu_and_mul_fp8": dense_mlps}
     assert torch.equal(actual, reference)
+
+
+def test_the_fused_quantization_checks_itself_at_start_up(fused):
+    """Start-up runs the fused kernels against the unfused ones; a fault (a kernel that fails to
+    compile, or gives other values) is named, and the workers keep the separate kernels."""
+    assert fused.fp8_fusion_fault(DEVICE, torch.float32) is None
+    with pytest.MonkeyPatch.context() as patch:
+        wrong = fused.silu_and_mul_fp8
+        patch.setattr(fused, "silu_and_mul_fp8", lambda x, group: wrong(x * 2, group))
+        assert "silu_and_mul_fp8 differs" in fused.fp8_fusion_fault(DEVICE, torch.float32)
+        patch.setattr(fused, "rms_norm_fp8", lambda *a: (_ for _ in ()).throw(RuntimeError("no compile")))
+        assert fused.fp8_fusion_fault(DEVICE, torch.float32) == "RuntimeError: no compile"
+
+
+def test_a_failed_start_up_check_turns_the_fusion_off(fused, caplog):
+    from worker_svc.layers import linear_methods, linear_selection
+
+    values, scale = quantize_blocks(torch.randn(64, 128, generator=torch.Generator().manual_seed(43)), (32, 32))
+    fp8 = [linear_methods.LinearOperands(values, scale, (32, 32))]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused, "FP8_QUANT_FUSION", True)
+        linear_selection._check_fp8_fusion(fp8, DEVICE, torch.float32)
+        assert fused.FP8_QUANT_FUSION
+        patch.setattr(fused, "fp8_fusion_fault", lambda *a: "RuntimeError: no compile")
+        linear_selection._check_fp8_fusion([linear_methods.LinearOperands(values.float())], DEVICE, torch.float32)
+        assert fused.FP8_QUANT_FUSION   # no FP8 layer: nothing to check
+        linear_selection._check_fp8_fusion(fp8, DEVICE, torch.float32)
+        assert not fused.FP8_QUANT_FUSION and "start-up check (RuntimeError: no compile)" in caplog.text

@@ -265,6 +265,29 @@ def silu_and_mul_fp8(gate_up: torch.Tensor, group: int) -> fp8_kernels.Fp8Activa
     return out
 
 
+def fp8_fusion_fault(device: torch.device, dtype: torch.dtype, group: int = 128) -> str | None:
+    """Why rms_norm_fp8 and silu_and_mul_fp8 cannot stand in for their unfused kernels and
+    per_token_group_quant here (a compile failure, or any value or scale not theirs bit for bit),
+    or None: they can. Run once at start-up, before the FP8 layers are planned."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    width = 4 * group
+    try:
+        x, residual = (torch.randn(6, width, generator=generator, device=device).to(dtype) for _ in range(2))
+        weight = torch.rand(width, generator=generator, device=device).to(dtype) + 0.5
+        gate_up = torch.randn(6, 2 * width, generator=generator, device=device).to(dtype) * 3
+        normed, total = rms_norm(x, weight, 1e-6, residual)
+        cases = (("rms_norm_fp8", rms_norm_fp8(x, weight, 1e-6, residual, group)[0], normed),
+                 ("silu_and_mul_fp8", silu_and_mul_fp8(gate_up, group), silu_and_mul(gate_up)))
+        for name, fused, unfused in cases:
+            values, scales = fp8_kernels.per_token_group_quant(unfused, group)
+            if not (torch.equal(fused.values[:6].view(torch.uint8), values.view(torch.uint8))
+                    and torch.equal(fused.scales[:6], scales)):
+                return f"{name} differs from its unfused kernel and the quantization"
+    except Exception as exc:   # noqa: BLE001 - any failure here means: keep the separate kernels
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
+
+
 def qk_norm_rope_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_eps: float,
                   k_eps: float, cos_sin: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> None:
     """In place over qkv [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]: each q and

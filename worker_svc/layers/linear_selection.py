@@ -204,6 +204,20 @@ def as_fed(runners: list[Runner], operands: LinearOperands, x: torch.Tensor) -> 
     return fed
 
 
+def _check_fp8_fusion(kinds: Sequence[LinearOperands], device: torch.device, dtype: torch.dtype) -> None:
+    """Leaves the FP8 quantization to its own kernel (fused_kernels.FP8_QUANT_FUSION off) where
+    the fused kernels fail their start-up check on this device; logged once."""
+    from worker_svc.layers import fused_kernels
+
+    if not (fused_kernels.ENABLED and fused_kernels.FP8_QUANT_FUSION and any(op.fp8 for op in kinds)):
+        return
+    fault = fused_kernels.fp8_fusion_fault(device, dtype)
+    if fault is not None:
+        fused_kernels.FP8_QUANT_FUSION = False
+        logger.warning("FP8 activations are quantized by their own kernel: the fused kernels failed their "
+                       "start-up check (%s)", fault)
+
+
 def _timed_layers(operands: Sequence[LinearOperands], device: torch.device) -> list[LinearOperands]:
     """The first layers whose weights together exceed L2_MULTIPLE L2 caches (or all of them)."""
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if device.type == "cuda" else 0
@@ -329,6 +343,7 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
     choices = {}
     kinds = linear_kinds(model).values()
     with torch.inference_mode():
+        _check_fp8_fusion([layers[0].operands() for _, layers in kinds], device, dtype)
         pdl = pdl_in_graphs(device)
         candidate_methods = functools.partial(candidates, pdl=pdl)
         started = time.perf_counter()
