@@ -299,12 +299,17 @@ def emulated_block_scaled_mm(values, weight, scales, cublas_scales, out_dtype):
     return (a @ w.T).to(out_dtype)
 
 
-def test_an_fp8_model_quantizes_in_its_norms_and_swiglu(fused, fp8_checkpoint):
-    """Every FP8 projection on cuBLAS's runner (the GEMM emulated here): the model's norms and
-    SwiGLU quantize for it, so the only quantization kernels left are the o projections', and the
-    logits are those of quantizing in a kernel of its own, bit for bit."""
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+def test_an_fp8_model_quantizes_in_its_norms_and_swiglu(fused, fp8_checkpoint, gemm):
+    """Every FP8 projection on cuBLAS's GEMM (emulated here) or the Triton GEMM with activations
+    quantized first: the model's norms and SwiGLU quantize for it, so the only quantization
+    kernels left are the o projections', and the logits are those of quantizing in a kernel of
+    its own, bit for bit."""
     from worker_svc.layers.linear import _ParallelLinear
-    from worker_svc.layers.linear_methods import CublasFp8Runner, LinearPlan
+    from worker_svc.layers.linear_methods import Fp8Cublas, Fp8Gemm, LinearPlan
+
+    method = (Fp8Cublas() if gemm == "cublas"
+              else Fp8Gemm.of(fused.fp8_kernels._matmul_config(PROMPT_LEN), quantize_on_load=False))
 
     fp8_dir, _ = fp8_checkpoint
     config = load_model_config(fp8_dir)
@@ -312,7 +317,7 @@ def test_an_fp8_model_quantizes_in_its_norms_and_swiglu(fused, fp8_checkpoint):
         model = fp8_layers_model(fp8_dir)
     for layer in model.modules():
         if isinstance(layer, _ParallelLinear):
-            layer.plan = LinearPlan([], [], CublasFp8Runner(layer.operands()))
+            layer.plan = LinearPlan([], [], method.bind(layer.operands(), torch.float32))
     kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, torch.float32, DEVICE)
     g = torch.Generator().manual_seed(41)
     prompt = torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=g).tolist()

@@ -83,7 +83,7 @@ def _quantize_tile(a, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
 @triton.jit
 def _block_fp8_matmul_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr,
-    M, N, K, stride_am, stride_as, stride_bn, stride_bs, stride_cm,
+    M, N, K, stride_am, stride_as, stride_ask, stride_bn, stride_bs, stride_cm,
     GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr, QUANTIZE_A: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -113,7 +113,7 @@ def _block_fp8_matmul_kernel(
         if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
             a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
         else:
-            a_s = tl.load(a_s_ptrs + k // BLOCK_K, mask=m_mask, other=0.0)
+            a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)
         b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
@@ -139,8 +139,8 @@ def _matmul_config(num_rows: int) -> dict:
 def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
                      block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                      config: dict | None = None) -> torch.Tensor:
-    """a [M, K] FP8 with a_scale [M, K / bk], or a in the model dtype with a_scale None (then
-    quantized per token group as the GEMM loads it); weight [N, K] FP8 with weight_scale
+    """a [M, K] FP8 with a_scale [M, K / bk] (any strides), or a in the model dtype with a_scale
+    None (then quantized per token group as the GEMM loads it); weight [N, K] FP8 with weight_scale
     [ceil(N / bn), K / bk]: (a @ weight^T) dequantized, plus bias, as out_dtype [M, N]."""
     num_rows, width = a.shape
     num_cols = weight.shape[0]
@@ -158,18 +158,23 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
     launch(
         _block_fp8_matmul_kernel, grid,
         a, weight_scale if quantize_a else a_scale, weight, weight_scale, out, bias if bias is not None else out,
-        num_rows, num_cols, width, a.stride(0), 0 if quantize_a else a_scale.stride(0), weight.stride(0),
+        num_rows, num_cols, width, a.stride(0), 0 if quantize_a else a_scale.stride(0),
+        0 if quantize_a else a_scale.stride(1), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, QUANTIZE_A=quantize_a,
         FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, **config,
     )
     return out
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
-               bias: torch.Tensor | None = None, *, quantize_on_load: bool = False,
+def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
+               block: tuple[int, int], bias: torch.Tensor | None = None, *, quantize_on_load: bool = False,
                config: dict | None = None) -> torch.Tensor:
     """F.linear(x, dequantized weight, bias) with x quantized per token group of bk on the fly:
-    by per_token_group_quant first, or inside the GEMM (`quantize_on_load`: one launch)."""
+    by per_token_group_quant first, or inside the GEMM (`quantize_on_load`: one launch); or x
+    quantized already by the kernel that produced it (an Fp8Activation: [num_rows, N] out)."""
+    if isinstance(x, Fp8Activation):
+        n = x.num_rows
+        return block_fp8_matmul(x.values[:n], x.scales[:n], weight, weight_scale, block, x.dtype, bias, config)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

@@ -9,10 +9,10 @@ block scales) and whether its input is [gate | up], to be multiplied as silu(gat
 - `Gemv`: gemv_kernels' few-row kernel (FP8 weights dequantized inside it, the activation
   applied as it loads x);
 - `Fp8Gemm`: fp8_kernels' block-scaled FP8 x FP8 GEMM, activations quantized inside it
-  (`quantize_on_load`) or by their own kernel first;
-- `Fp8Cublas`: cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm); its input quantized by the
-  RMSNorm that produced it (the layer's `quant_group` tells the norm to: linear.py), or after
-  SwiGLU in the same kernel, or by its own kernel;
+  (`quantize_on_load`) or before it (as for Fp8Cublas);
+- `Fp8Cublas`: cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm), its input quantized before
+  it: by the RMSNorm that produced it (the layer's `quant_group` tells the norm to: linear.py),
+  after SwiGLU in the same kernel, or else by a kernel of its own (`QuantizedInputRunner`);
 - `Dequantized`: F.linear over a bf16 copy of an FP8 weight (costs that copy's memory).
 A `LinearPlan` maps row counts to runners (chosen by linear_selection at start-up); every
 runner is graph-capturable, so the plan runs inside the decode graphs.
@@ -148,10 +148,12 @@ class Fp8Gemm(Method):
         return operands.fp8
 
     def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
-        weight, scale, block = operands.weight, operands.weight_scale, operands.block
-        config, on_load = dict(self.config), self.quantize_on_load
-        return lambda x, bias: fp8_kernels.fp8_linear(operands.activate(x), weight, scale, block, bias,
-                                                      quantize_on_load=on_load, config=config)
+        weight, scale, block, config = operands.weight, operands.weight_scale, operands.block, dict(self.config)
+        if self.quantize_on_load:
+            return lambda x, bias: fp8_kernels.fp8_linear(operands.activate(x), weight, scale, block, bias,
+                                                          quantize_on_load=True, config=config)
+        return QuantizedInputRunner(operands, lambda x, bias: fp8_kernels.fp8_linear(x, weight, scale, block, bias,
+                                                                                     config=config))
 
 
 @dataclass(frozen=True)
@@ -162,24 +164,26 @@ class Fp8Cublas(Method):
         return operands.fp8 and operands.block == (128, 128) and operands.weight.shape[0] % 128 == 0
 
     def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
-        return CublasFp8Runner(operands)
+        weight, block = operands.weight, operands.block
+        scales = fp8_kernels.cublas_weight_scales(operands.weight_scale)
+        return QuantizedInputRunner(operands, lambda x, bias: fp8_kernels.cublas_fp8_linear(x, weight, scales, block,
+                                                                                            bias))
 
 
-class CublasFp8Runner:
-    """Fp8Cublas bound to a layer. Takes x in the model dtype (quantized here: with SwiGLU in one
-    kernel for the down projection) or an fp8_kernels.Fp8Activation of `quant_group`-wide groups
-    that the kernel producing x quantized already."""
+class QuantizedInputRunner:
+    """An FP8 x FP8 product bound to a layer, `gemm(x, bias)` taking x in the model dtype
+    (quantizing it by a kernel of its own) or as an fp8_kernels.Fp8Activation of `quant_group`-wide
+    groups, which the kernel producing x quantized already. SwiGLU's input (the down projection)
+    is activated and quantized here in one kernel."""
 
-    def __init__(self, operands: LinearOperands) -> None:
-        self.weight, self.block, self.silu_mul = operands.weight, operands.block, operands.silu_mul
-        self.scales = fp8_kernels.cublas_weight_scales(operands.weight_scale)
-        self.quant_group = self.block[1]
+    def __init__(self, operands: LinearOperands, gemm: Runner) -> None:
+        self.gemm, self.silu_mul, self.quant_group = gemm, operands.silu_mul, operands.block[1]
 
     def __call__(self, x: torch.Tensor | fp8_kernels.Fp8Activation, bias: torch.Tensor | None) -> torch.Tensor:
         if self.silu_mul and not isinstance(x, fp8_kernels.Fp8Activation):
             x = (fused_kernels.silu_and_mul_fp8(x, self.quant_group) if fused_kernels.FP8_QUANT_FUSION
                  else fused_kernels.silu_and_mul(x))
-        return fp8_kernels.cublas_fp8_linear(x, self.weight, self.scales, self.block, bias)
+        return self.gemm(x, bias)
 
 
 class LinearPlan:
