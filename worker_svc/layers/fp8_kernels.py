@@ -29,7 +29,9 @@ from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
 from worker_svc.layers.triton_compile import launch
 
 
-@triton.jit
+# Scale strides follow the row count when scales are laid out for cuBLAS: not specialised on (a
+# step of a new row count would compile a variant mid-serving).
+@triton.jit(do_not_specialize=["stride_s", "stride_sg"])
 def _token_group_quant_kernel(
     x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, stride_sg, num_groups,
     GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
@@ -80,7 +82,7 @@ def _quantize_tile(a, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     return values.to(tl.float8e4nv), scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_as", "stride_ask"])
 def _block_fp8_matmul_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr,
     M, N, K, stride_am, stride_as, stride_ask, stride_bn, stride_bs, stride_cm,

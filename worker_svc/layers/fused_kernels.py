@@ -80,7 +80,12 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
-@triton.jit
+# The arguments that follow the step's row count are not specialised on (Triton would compile a
+# variant for each of "equals 1" and "multiple of 16" the first time a step met it: mid-serving).
+ROWS_ARGS = ["stride_sm", "stride_sg", "num_rows"]
+
+
+@triton.jit(do_not_specialize=ROWS_ARGS)
 def _rms_norm_fp8_kernel(
     x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr,
     stride_x, stride_r, stride_q, stride_sm, stride_sg, stride_ro, num_rows, num_cols, eps,
@@ -114,7 +119,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROWS_ARGS)
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sm, stride_sg, num_rows, num_cols,
                              BLOCK: tl.constexpr, GROUP: tl.constexpr,
                              FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
