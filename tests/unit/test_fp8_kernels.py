@@ -373,3 +373,38 @@ def test_a_failed_start_up_check_turns_the_fusion_off(fused, caplog):
         assert fused.FP8_QUANT_FUSION   # no FP8 layer: nothing to check
         linear_selection._check_fp8_fusion(fp8, DEVICE, torch.float32)
         assert not fused.FP8_QUANT_FUSION and "start-up check (RuntimeError: no compile)" in caplog.text
+
+
+@needs_cuda
+def test_steps_of_new_row_counts_compile_nothing_new(fused):
+    """After steps of 4 and 16 rows (as the graphs' capture meets them), steps of other row counts
+    reach no new variant of the quantizing kernels or the FP8 GEMM with the tiles a plan gave it
+    (the arguments that follow the row count are not specialised on): nothing would compile
+    mid-serving."""
+    from worker_svc import late_compiles
+
+    g = torch.Generator(device="cuda").manual_seed(44)
+    weight, scale = quantize_blocks(torch.randn(512, 512, generator=g, device="cuda") * 0.05, (128, 128))
+    norm_weight = torch.rand(512, generator=g, device="cuda").to(torch.bfloat16) + 0.5
+    tiles = fused.fp8_kernels._matmul_config(16)   # a plan's: one tile setting for a bucket of row counts
+
+    def step(rows: int) -> None:
+        x, residual = (torch.randn(rows, 512, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+        normed, _ = fused.rms_norm_fp8(x, norm_weight, 1e-6, residual, 128)
+        activated = fused.silu_and_mul_fp8(torch.cat([x, residual], 1), 128)
+        for quantized in (normed, activated, fused.fp8_kernels.quantize_activation(x, 128)):
+            fused.fp8_kernels.fp8_linear(quantized, weight, scale, (128, 128), config=tiles)
+        fused.fp8_kernels.fp8_linear(x, weight, scale, (128, 128), config=tiles)
+        fused.fp8_kernels.fp8_linear(x, weight, scale, (128, 128), quantize_on_load=True, config=tiles)
+
+    for rows in (4, 16):
+        step(rows)
+    torch.cuda.synchronize()
+    assert late_compiles.watch_late_compiles()
+    try:
+        for rows in (5, 8, 12, 13, 17, 31, 64):
+            step(rows)
+        torch.cuda.synchronize()
+        assert late_compiles.late_compiles() == 0
+    finally:
+        late_compiles.stop_watching()

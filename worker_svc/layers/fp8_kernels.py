@@ -82,7 +82,7 @@ def _quantize_tile(a, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     return values.to(tl.float8e4nv), scale
 
 
-@triton.jit(do_not_specialize=["stride_as", "stride_ask"])
+@triton.jit(do_not_specialize=["M", "stride_as", "stride_ask"])
 def _block_fp8_matmul_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr,
     M, N, K, stride_am, stride_as, stride_ask, stride_bn, stride_bs, stride_cm,
