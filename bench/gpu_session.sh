@@ -11,6 +11,9 @@
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   spec-service  the same through the real processes (bench/stages/spec_service.py), flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES (their options in EXTRA)
+#   fp8       Qwen3-8B decode, FP8 weights against bf16 (in-process): at 256 rows with the quantization fused
+#             into RMSNorm/SwiGLU and without (WORKER_FP8_QUANT_FUSION=0), with an FP8 KV cache under both,
+#             and at 1 row (issue 24's 1.3x and 1.7x); each run's tables and logs under $OUT/<run>
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -122,6 +125,14 @@ PY
         timeout ${TIMEOUT:-420} $PY -m bench.gpu_bench --out "$BENCH/moe" \
             --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,moe_e2e_fp8,decode_8b_bf16,decode_8b_fp8} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
+        ;;
+    fp8)
+        base
+        run() { OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=${TIMEOUT:-100} bash "$0" moe | grep -v "^ *$"; }
+        run on bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256"
+        WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256"
+        run kv decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256 --fixed-kv-cache-dtype fp8"
+        run b1 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256"
         ;;
     stage)
         base
