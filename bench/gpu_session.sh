@@ -128,7 +128,10 @@ PY
         ;;
     fp8)
         base
-        run() { OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=${TIMEOUT:-100} bash "$0" moe | grep -v "^ *$"; }
+        run() {   # then whatever the stage logs say of the fused kernels' start-up check or late compiles
+            OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=${TIMEOUT:-100} bash "$0" moe | grep -v "^ *$"
+            grep -rh "start-up check\|compiled after start-up" "$BENCH/moe" 2>/dev/null | head -3
+        }
         run on bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256"
         WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256"
         run kv decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256 --fixed-kv-cache-dtype fp8"
