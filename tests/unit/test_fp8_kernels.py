@@ -318,6 +318,8 @@ def test_an_fp8_model_quantizes_in_its_norms_and_swiglu(fused, fp8_checkpoint, g
     for layer in model.modules():
         if isinstance(layer, _ParallelLinear):
             layer.plan = LinearPlan([], [], method.bind(layer.operands(), torch.float32))
+    fed = {name.rsplit(".", 1)[-1] for name, layer in model.named_modules() if getattr(layer, "norm_fed", False)}
+    assert fed == {"qkv_proj", "gate_up_proj"}   # what the norms feed (the selection times them on FP8 input)
     kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, torch.float32, DEVICE)
     g = torch.Generator().manual_seed(41)
     prompt = torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=g).tolist()

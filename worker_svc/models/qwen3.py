@@ -65,8 +65,10 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            quant=_layer_quant(quant, prefix, "down_proj"),
                                            input_activation="silu_and_mul")
-        self.input_linear = self.gate_up_proj   # what the norm before the MLP feeds (layernorm.py's `into`)
-        self.gate_up_proj.norm_fed = True
+    @property
+    def input_linear(self) -> MergedColumnParallelLinear:
+        """The projection that takes the MLP's input (the norm before it feeds it: layernorm.py's `into`)."""
+        return self.gate_up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -80,7 +82,9 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(config, backend, f"{prefix}.self_attn", quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = mlp
-        self.self_attn.qkv_proj.norm_fed = True
+        for linear in (self.self_attn.qkv_proj, getattr(mlp, "input_linear", None)):   # what the norms feed
+            if linear is not None:
+                linear.norm_fed = True
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
