@@ -29,6 +29,15 @@ from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
 from worker_svc.layers.triton_compile import launch
 
 
+@triton.jit
+def quantize_groups(x, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """(FP8 values as float32, scales) of x [groups, group] in float32, one scale per group
+    (its largest magnitude over FP8_MAX). Correctly rounded divisions (Triton's `/` is the GPU's
+    approximate one): the scales and values are then exactly torch's, bit for bit."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), FP8_MAX)
+    return tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX), scale
+
+
 # Scale strides follow the row count when scales are laid out for cuBLAS: not specialised on (a
 # step of a new row count would compile a variant mid-serving).
 @triton.jit(do_not_specialize=["stride_s", "stride_sg"])
@@ -41,10 +50,7 @@ def _token_group_quant_kernel(
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (groups < num_groups)[:, None]
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    # Correctly rounded divisions (Triton's `/` is the GPU's approximate one): the scales and
-    # values are then exactly torch's, bit for bit.
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    q, scale = quantize_groups(x, FP8_MAX, MIN_AMAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s + groups * stride_sg, scale, mask=groups < num_groups)
 
@@ -188,7 +194,9 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_sca
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-CUBLAS_ROW_MULTIPLE = 4   # cuBLASLt's block scaling takes token counts in multiples of 4
+# cuBLASLt's block scaling takes the token count only in multiples of 4 (else it finds no
+# algorithm: CUBLAS_STATUS_NOT_SUPPORTED): zero rows pad it, and their outputs are dropped.
+CUBLAS_ROW_MULTIPLE = 4
 
 
 def cublas_rows(num_rows: int) -> int:
@@ -206,10 +214,6 @@ class Fp8Activation:
     scales: torch.Tensor
     num_rows: int
     dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.num_rows, self.values.shape[1]
 
 
 def empty_activation(num_rows: int, width: int, group: int, dtype: torch.dtype, device: torch.device
@@ -247,11 +251,10 @@ def cublas_fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, cub
     blocks by 128 x 128 weight blocks: Hopper with CUDA 12.9+); cublas_scales from
     cublas_weight_scales. x in the model dtype is quantized here; an Fp8Activation is used as it
     is ([num_rows, N] out). Raises where this torch or device lacks it."""
-    # cuBLASLt's block scaling takes the token count only in multiples of 4 (else it finds no
-    # algorithm: CUBLAS_STATUS_NOT_SUPPORTED): zero rows pad it, and their outputs are dropped.
-    lead = (x.num_rows,) if isinstance(x, Fp8Activation) else x.shape[:-1]
-    if not isinstance(x, Fp8Activation):
-        x = quantize_activation(x, block[1])
+    if isinstance(x, Fp8Activation):
+        lead = (x.num_rows,)
+    else:
+        lead, x = x.shape[:-1], quantize_activation(x, block[1])
     out = block_scaled_mm(x.values, weight, x.scales, cublas_scales, x.dtype)[:x.num_rows]
     if bias is not None:
         out = out + bias

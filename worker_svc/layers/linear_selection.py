@@ -8,8 +8,9 @@ replays of one call per layer of the kind in turn, so weights stream from memory
 the model instead of sitting in L2, and with the input the model gives (a method that takes
 its input quantized to FP8 from the RMSNorm before the layer gets it so: `as_fed`). The fastest
 wins each row count (ties: the earlier candidate; cuBLAS, or for FP8 weights the FP8 GEMM,
-comes first, so no measured shape is slower than it), and each layer gets a LinearPlan that runs the winner for its row count. A bf16 copy
-of FP8 weights is kept only where it beats every FP8 method by DEQUANTIZED_MARGIN.
+comes first, so no measured shape is slower than it), and each layer gets a LinearPlan that
+runs the winner for its row count. A bf16 copy of FP8 weights is kept only where it beats every
+FP8 method by DEQUANTIZED_MARGIN.
 
 One log line per kind gives the winners and their times. This runs after the weights are
 loaded and before the KV cache is sized and the graphs are captured; it compiles the Triton
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.layers import fp8_kernels
+from worker_svc.layers import fp8_kernels, fused_kernels
 from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, GemvConfig, pdl_in_graphs
 from worker_svc.layers.linear_methods import (Cublas, Dequantized, Fp8Cublas, Fp8Gemm, Gemv, LinearOperands,
                                               LinearPlan, Method, Runner)
@@ -189,26 +190,24 @@ def as_fed(runners: list[Runner], operands: LinearOperands, x: torch.Tensor) -> 
     """The runners as the model calls them: one that takes its input quantized to FP8 (its
     `quant_group`) gets x quantized once, ahead, where the RMSNorm before the layer quantizes its
     output for it; its own quantization kernel does not run in the model, so it is not timed."""
-    from worker_svc.layers import fused_kernels
-
     if not (operands.norm_fed and fused_kernels.ENABLED and fused_kernels.FP8_QUANT_FUSION):
         return runners
+    quantized: dict[int, fp8_kernels.Fp8Activation] = {}   # by group: one quantization for every layer's runner
     fed = []
     for run in runners:
         group = getattr(run, "quant_group", None)
         if group is None:
             fed.append(run)
         else:
-            quantized = fp8_kernels.quantize_activation(x, group)
-            fed.append(lambda _x, bias, run=run, quantized=quantized: run(quantized, bias))
+            if group not in quantized:
+                quantized[group] = fp8_kernels.quantize_activation(x, group)
+            fed.append(lambda _x, bias, run=run, q=quantized[group]: run(q, bias))
     return fed
 
 
 def _check_fp8_fusion(kinds: Sequence[LinearOperands], device: torch.device, dtype: torch.dtype) -> None:
     """Leaves the FP8 quantization to its own kernel (fused_kernels.FP8_QUANT_FUSION off) where
     the fused kernels fail their start-up check on this device; logged once."""
-    from worker_svc.layers import fused_kernels
-
     if not (fused_kernels.ENABLED and fused_kernels.FP8_QUANT_FUSION and any(op.fp8 for op in kinds)):
         return
     fault = fused_kernels.fp8_fusion_fault(device, dtype)
@@ -342,13 +341,14 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     choices = {}
     kinds = linear_kinds(model).values()
+    first_layers = [layers[0].operands() for _, layers in kinds]   # one layer's operands of each kind
     with torch.inference_mode():
-        _check_fp8_fusion([layers[0].operands() for _, layers in kinds], device, dtype)
+        _check_fp8_fusion(first_layers, device, dtype)
         pdl = pdl_in_graphs(device)
         candidate_methods = functools.partial(candidates, pdl=pdl)
         started = time.perf_counter()
         try:
-            failed = precompile([layers[0].operands() for _, layers in kinds], dtype, device, max_rows=max_rows,
+            failed = precompile(first_layers, dtype, device, max_rows=max_rows,
                                 sms=sms, candidate_methods=candidate_methods)
             logger.info("linear candidates compiled in %.1f s (%d failed)", time.perf_counter() - started, failed)
         except Exception as exc:  # noqa: BLE001 - the measurement below compiles them one by one instead
