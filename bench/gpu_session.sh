@@ -14,6 +14,7 @@
 #   fp8       Qwen3-8B decode, FP8 weights against bf16 (in-process): at 256 rows with the quantization fused
 #             into RMSNorm/SwiGLU and without (WORKER_FP8_QUANT_FUSION=0), with an FP8 KV cache under both,
 #             and at 1 row (issue 24's 1.3x and 1.7x); each run's tables and logs under $OUT/<run>
+#   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -137,6 +138,20 @@ PY
         run kv decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256 --fixed-kv-cache-dtype fp8"
         run b1 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256"
         ;;
+    b1ab)   # Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref and on this tree (one machine: the batch-1
+            # FP8 question of PERF_NOTES v34), and each tree's start-up choice at 1 row per FP8 kind
+        base
+        [[ -d .gpu/ref ]] || { echo "no .gpu/ref: run scripts/gpu_ref.sh REF here first" >&2; exit 2; }
+        for tree in ref tree; do
+            dir=$([[ $tree == ref ]] && echo .gpu/ref || echo .)
+            mkdir -p "/tmp/b1-$tree" && cp "$BENCH/bandwidth.json" "/tmp/b1-$tree/" 2>/dev/null
+            (cd "$dir" && timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/b1-$tree" \
+                --stages ${STAGES:-bandwidth,decode_8b_bf16,decode_8b_fp8} --fixed-batch 1 --fixed-steps 256 2>&1 \
+                | grep -v "^ *$" | tail -8 | sed "s/^/$tree: /")
+            grep -rhao "linear [a-z_]* [0-9x]* fp8 .*ms per call by rows: 1: [^;]*" "/tmp/b1-$tree" 2>/dev/null \
+                | sed "s/ms per call by rows: //; s/^/$tree: /" | head -4
+        done
+        ;;
     stage)
         base
         NAME=${NAME:-$STAGE}
@@ -176,5 +191,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|fp8|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac
