@@ -82,7 +82,7 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 _SORT_BLOCK = 1024   # assignments per program of the counting and scattering kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments"])
 def _count_kernel(ids_ptr, counts_ptr, num_assignments, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_assignments
@@ -90,7 +90,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_assignments, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + experts, 1, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments", "max_blocks"])
 def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_ids_ptr, num_padded_ptr,
                     num_experts, num_assignments, max_blocks,
                     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
@@ -113,7 +113,7 @@ def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, sorted_ids_ptr, nu
         tl.store(sorted_ids_ptr + rows, num_assignments, mask=rows < max_blocks * BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments"])
 def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_assignments, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_assignments
@@ -150,7 +150,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, num_padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments"])
 def _grouped_gemm_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     N, K, num_assignments,

@@ -13,7 +13,7 @@ import triton.language as tl
 from worker_svc.layers.sampling_kernels import (
     C_INV_TEMPERATURE, C_LOG_MIN_P, C_TOP_K, C_TOP_P, F_GREEDY, F_MIN_P, F_TOP_K, F_TOP_P, L_BRACKETED,
     L_GATHERED, L_LIMIT, L_LO, L_MODE, L_TOP, MODE_GATHER, MODE_MIN_P, MODE_NONE, NO_TOKEN, P_BAD, P_DRAWN,
-    P_DRAWN_TOKEN, P_MASS, P_TOP, PARTS, PLAN, SEARCH_DEPTH, _float_at, _gumbel, _gumbel_at, _load_scores,
+    P_DRAWN_TOKEN, P_MASS, P_TOP, PARTS, PLAN, ROWS_PTR, SEARCH_DEPTH, _float_at, _gumbel, _gumbel_at, _load_scores,
     _log_min_p, _row, _scores,
 )
 
@@ -272,7 +272,7 @@ def _draw_truncated(part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr,
 
 # --- the kernels ---------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROWS_PTR)
 def _plan_kernel(rows_ptr, table_ptr, part_f_ptr, part_i_ptr, groups_ptr, plan_f_ptr, plan_i_ptr, num_chunks,
                  CHUNKS: tl.constexpr, GROUPS: tl.constexpr, ROUNDS: tl.constexpr):
     i = tl.program_id(0)
@@ -317,7 +317,7 @@ def _plan_kernel(rows_ptr, table_ptr, part_f_ptr, part_i_ptr, groups_ptr, plan_f
     tl.store(plan_i + L_BRACKETED, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROWS_PTR)
 def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
                    part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, values_ptr, ids_ptr, vocab, chunk, num_chunks,
                    CAP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
@@ -350,7 +350,7 @@ def _gather_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr
                 tl.store(part_i_ptr + out + P_DRAWN_TOKEN, at)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROWS_PTR)
 def _pivot_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, plan_f_ptr, plan_i_ptr,
                   pivot_n_ptr, pivot_m_ptr, vocab, chunk, num_chunks, CAP: tl.constexpr, P: tl.constexpr,
                   BLOCK: tl.constexpr):
@@ -376,7 +376,7 @@ def _pivot_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr,
             tl.store(pivot_m_ptr + cells, masses)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROWS_PTR)
 def _bracket_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
                     part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr, values_ptr, ids_ptr,
                     vocab, chunk, num_chunks, CAP: tl.constexpr, CHUNKS: tl.constexpr, P: tl.constexpr,

@@ -14,7 +14,7 @@ from worker_svc.layers.sampling_cut import _combined_best, _draw_truncated
 from worker_svc.layers.sampling_kernels import (
     C_INV_TEMPERATURE, C_PENALTY_ROW, C_TOP_K, C_TOP_P, F_GREEDY, F_LOGPROB, F_MIN_P, F_PENALTY, F_TOP_K,
     F_TOP_P, L_MODE, MODE_GATHER, MODE_MIN_P, P_BAD, P_BEST, P_DRAWN, P_DRAWN_TOKEN, P_RAW_SUM, P_RAW_TOP,
-    P_TOKEN, P_TOP, PARTS, PLAN, SEARCH_DEPTH, _float_at, _load_scores, _log_min_p, _row, _scan, _scores,
+    P_TOKEN, P_TOP, PARTS, PLAN, ROWS_PTR, SEARCH_DEPTH, _float_at, _load_scores, _log_min_p, _row, _scan, _scores,
 )
 
 
@@ -241,7 +241,7 @@ def _draw_alone(raw_ptr, processed_ptr, use_processed, vocab, inv_t, key, counte
 
 # --- the kernel ----------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROWS_PTR)
 def _finish_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
                    counts_ptr, part_f_ptr, part_i_ptr, plan_f_ptr, plan_i_ptr, pivot_n_ptr, pivot_m_ptr, values_ptr,
                    ids_ptr, tokens_ptr, logprobs_ptr, last_sampled_ptr, cuts_ptr, vocab, num_chunks,

@@ -88,6 +88,11 @@ C_FREQUENCY = tl.constexpr(10)
 NUM_COLUMNS = 16                    # the host's view; kernels read ROW_COLUMNS
 ROW_COLUMNS = tl.constexpr(NUM_COLUMNS)
 
+# The rows each kernel samples: in an eager step a view into the step's staging copy, at an offset
+# that follows the step's sizes (8-byte aligned, 16 only at times). Specialised on its alignment,
+# every kernel would compile a second variant mid-serving (found by tools/sm90_compile.py).
+ROWS_PTR = ["rows_ptr"]
+
 SEARCH_DEPTH = tl.constexpr(30.0)   # nats below the top where a truncating row stops looking
 NO_TOKEN = tl.constexpr(2 ** 30)
 
@@ -266,7 +271,7 @@ def _penalized(x, in_prompt, counts, repetition, presence, frequency):
     return x - frequency * counts.to(tl.float32) - presence * (counts > 0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROWS_PTR)
 def _penalize_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, prompt_mask_ptr, counts_ptr,
                      bias_ids_ptr, bias_values_ptr, vocab, chunk, num_chunks, MAX_BIAS: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -310,7 +315,7 @@ def _penalize_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_p
                 tl.store(dst + ids, x, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROWS_PTR)
 def _scan_kernel(logits_ptr, stride_logits, processed_ptr, rows_ptr, table_ptr, keys_ptr, counters_ptr,
                  part_f_ptr, part_i_ptr, groups_ptr, vocab, chunk, num_chunks, G: tl.constexpr, LANES: tl.constexpr,
                  BLOCK: tl.constexpr):

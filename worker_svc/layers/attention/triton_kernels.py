@@ -95,7 +95,7 @@ def _to_cache(x, inv_scale, cache_ptr, KV_FP8: tl.constexpr):
     return x.to(cache_ptr.dtype.element_ty)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_inv_ptr, v_inv_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
