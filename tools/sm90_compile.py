@@ -164,6 +164,10 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
             f8.fp8_linear(x, weight, weight_scale, (128, 128))
             f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True)
             f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128))
+            if rows <= 64:   # split-K, as linear_selection's few-row candidates run it
+                split = dict(f8._matmul_config(rows), SPLIT_K=8)
+                f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=split)
+                f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=split)
     cases["fp8"] = fp8
 
     def gemv() -> None:

@@ -90,6 +90,38 @@ def test_block_fp8_matmul_matches_its_emulation(fp8_kernels, out_dtype, rows, co
     assert relative_error(actual, expected) <= (FP8_GEMM_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
 
 
+@pytest.mark.parametrize("split", [2, 3, 7])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_split_k_matches_its_emulation_and_leaves_the_counters_at_zero(fp8_kernels, split, rows):
+    """K's 7 groups in 2, 3 or 7 slices (3: uneven, the last slice shorter), each activation path
+    (quantized first, by a kernel upstream as an Fp8Activation, on load), with a bias: the same
+    product as one program over K to float32 rounding, and the tile counters back at zero."""
+    from worker_svc.layers.gemv_kernels import split_counters
+
+    g = torch.Generator().manual_seed(40 + split + rows)
+    block = (32, 32)
+    weight, scale = quantize_blocks(torch.randn(96, 7 * 32, generator=g) * 0.05, block)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(rows, 7 * 32, generator=g).to(DEVICE)
+    b = torch.randn(96, generator=g).to(DEVICE)
+    tile = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=2)
+    x_values, x_scales = reference_group_quant(x.cpu(), block[1])
+    x_dequantized = (x_values.double().unflatten(-1, (-1, block[1])) * x_scales[..., None].double()).flatten(-2)
+    expected = x_dequantized @ dequantize_blocks(weight.cpu(), scale.cpu(), block, torch.float64).T + b.cpu().double()
+    for inputs in ({}, {"quantize_on_load": True}, "activation"):
+        def run(config, inputs=inputs):
+            if inputs == "activation":
+                return fp8_kernels.fp8_linear(fp8_kernels.quantize_activation(x, block[1]), weight, scale, block, b,
+                                              config=config)
+            return fp8_kernels.fp8_linear(x, weight, scale, block, b, config=config, **inputs)
+        whole, sliced = run(tile), run({**tile, "SPLIT_K": split})
+        assert sliced.shape == (rows, 96)
+        assert relative_error(sliced, whole) <= FP8_GEMM_VS_EMULATION, inputs
+        if inputs != {"quantize_on_load": True}:   # on load rounds by the reciprocal (the test below)
+            assert relative_error(sliced, expected) <= FP8_GEMM_VS_EMULATION, inputs
+        assert not split_counters(x.device).any()
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_quantizing_on_load_gives_the_quantize_first_product(fp8_kernels, out_dtype):
     """One launch instead of two: the GEMM quantizes each activation tile per token group as it

@@ -312,3 +312,28 @@ def test_a_method_fed_quantized_input_is_timed_on_it(selection, norm_fed):
     # Each row count: the product's check on the model dtype, then the measured call.
     timed = seen[1::2]
     assert timed == (["Fp8Activation"] * 2 if norm_fed else ["Tensor"] * 2) and set(seen[::2]) == {"Tensor"}
+
+
+def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
+    """At a few rows a 4,096-column FP8 weight has 64 column tiles of the FP8 GEMM, fewer programs
+    than a Hopper's 132 SMs: the candidates add the GEMM with K split over more programs (both
+    activation paths), sized to about SPLIT_PROGRAMS_PER_SM programs an SM with at least two of
+    K's groups each; none past GEMV_MAX_ROWS."""
+    linear_selection, methods = selection
+    shapes = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 12288), "gate_up": (24576, 4096)}
+
+    def candidates(name, rows):
+        operands = methods.LinearOperands(torch.empty(shapes[name], dtype=torch.float8_e4m3fn),
+                                          torch.ones(shapes[name][0] // 128, shapes[name][1] // 128), (128, 128))
+        return [str(m) for m in linear_selection.candidates(operands, rows, torch.bfloat16, sms=132)]
+
+    def splits(names):
+        return sorted({n.split("split")[1].rstrip(")") for n in names if n.startswith("fp8-gemm") and "split" in n})
+
+    assert splits(candidates("o", 1)) == ["16"] and splits(candidates("qkv", 1)) == ["11"]
+    assert splits(candidates("down", 1)) == ["16"] and splits(candidates("gate_up", 1)) == ["3"]
+    one_row = candidates("qkv", 1)
+    assert "fp8-gemm(quant+ 16x64 w4 s4 split11)" in one_row and "fp8-gemm(on-load 16x64 w4 s4 split11)" in one_row
+    assert splits(candidates("gate_up", 64)) == ["3"] and splits(candidates("qkv", 128)) == []
+    # o: 64 tiles would want 17 slices for 8 programs an SM; 32 groups allow 16 of two groups each.
+    assert linear_selection.fp8_split(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == 16

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
+from worker_svc.layers.gemv_kernels import MAX_SPLIT_TILES, split_counters
 from worker_svc.layers.triton_compile import launch
 
 
@@ -90,15 +91,18 @@ def _quantize_tile(a, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "stride_as", "stride_ask"])
 def _block_fp8_matmul_kernel(
-    a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr,
-    M, N, K, stride_am, stride_as, stride_ask, stride_bn, stride_bs, stride_cm,
+    a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr, partial_ptr, counter_ptr,
+    M, N, K, groups_per_split, stride_am, stride_as, stride_ask, stride_bn, stride_bs, stride_cm,
     GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr, QUANTIZE_A: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
-    # by several row tiles in a row.
+    # by several row tiles in a row. With SPLIT_K > 1, program_id(1) takes one of SPLIT_K slices
+    # of K (groups_per_split groups each) and the tile's last program to finish sums the slices.
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
@@ -110,12 +114,14 @@ def _block_fp8_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask, n_mask = offs_m < M, offs_n < N
-    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    k_begin = pid_k * groups_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + groups_per_split * BLOCK_K, K)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + (k_begin + offs_k)[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + (k_begin + offs_k)[:, None]
     a_s_ptrs = a_s_ptr + offs_m * stride_as
     b_s_ptrs = b_s_ptr + (offs_n // GROUP_N) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):   # K is whole groups: no mask along it
+    for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
         if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
@@ -126,10 +132,29 @@ def _block_fp8_matmul_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:   # as gemv_kernels' split-K: partials in float32, summed in split order (deterministic)
+        tile_partial = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_k.to(tl.int64) * M * N + tile_partial, acc, mask=out_mask)
+        tl.debug_barrier()   # every thread's partial is written before the tile is counted
+        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                acc += tl.load(partial_ptr + s * M * N + tile_partial, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            _store_product(acc, bias_ptr, c_ptr, offs_m, offs_n, n_mask, out_mask, stride_cm, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + pid, 0)
+    else:
+        _store_product(acc, bias_ptr, c_ptr, offs_m, offs_n, n_mask, out_mask, stride_cm, HAS_BIAS)
+
+
+@triton.jit
+def _store_product(acc, bias_ptr, c_ptr, offs_m, offs_n, n_mask, out_mask, stride_cm, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _matmul_config(num_rows: int) -> dict:
@@ -161,15 +186,25 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
     out = torch.empty(num_rows, num_cols, dtype=out_dtype, device=a.device)
     if num_rows == 0:
         return out
-    config = config or _matmul_config(num_rows)
-    grid = (triton.cdiv(num_rows, config["BLOCK_M"]) * triton.cdiv(num_cols, config["BLOCK_N"]),)
+    config = dict(config or _matmul_config(num_rows))
+    groups = width // bk
+    split_k = max(1, min(config.pop("SPLIT_K", 1), groups))
+    groups_per_split = triton.cdiv(groups, split_k)
+    split_k = triton.cdiv(groups, groups_per_split)   # no slice without a group
+    tiles = triton.cdiv(num_rows, config["BLOCK_M"]) * triton.cdiv(num_cols, config["BLOCK_N"])
+    if split_k > 1:
+        assert tiles <= MAX_SPLIT_TILES, (tiles, MAX_SPLIT_TILES)
+        partial = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=a.device)
+        counters = split_counters(a.device)
+    else:
+        partial = counters = out   # unused (SPLIT_K is a constant: the variant without slices reads neither)
     launch(
-        _block_fp8_matmul_kernel, grid,
+        _block_fp8_matmul_kernel, (tiles, split_k),
         a, weight_scale if quantize_a else a_scale, weight, weight_scale, out, bias if bias is not None else out,
-        num_rows, num_cols, width, a.stride(0), 0 if quantize_a else a_scale.stride(0),
+        partial, counters, num_rows, num_cols, width, groups_per_split, a.stride(0), 0 if quantize_a else a_scale.stride(0),
         0 if quantize_a else a_scale.stride(1), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, QUANTIZE_A=quantize_a,
-        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, **config,
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, SPLIT_K=split_k, **config,
     )
     return out
 

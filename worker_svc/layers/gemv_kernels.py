@@ -278,9 +278,10 @@ def _store_output(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stri
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """The device's tile counters: zeros, left at zero by every launch. Allocated by the first
-    eager call, never during a CUDA-graph capture."""
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's tile counters: zeros, left at zero by every launch (of this module's GEMV and
+    of fp8_kernels' split-K GEMM). Allocated by the first eager call, never during a CUDA-graph
+    capture."""
     counters = _counters.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -360,10 +361,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
     grid = (triton.cdiv(num_cols, config.block_n), split_k, triton.cdiv(num_rows, config.block_m))
     if split_k > 1:
         partial = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device)
+        counters = split_counters(x.device)
         assert grid[0] * grid[2] <= MAX_SPLIT_TILES, (grid, MAX_SPLIT_TILES)
     else:
-        counters = _split_counters(x.device)
+        counters = split_counters(x.device)
         partial = counters.view(torch.float32)   # unused; typed as the split launches', so one compile serves both
     group_n, group_k = fp8_block if fp8 else (1, 1)
     pdl = config.pdl and x.device.type == "cuda"   # the interpreter runs no PTX

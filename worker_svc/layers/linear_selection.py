@@ -106,6 +106,15 @@ def auto_split(num_cols: int, width: int, rows: int, config: GemvConfig, sms: in
     return max(1, min(wanted, k_tiles // 2, MAX_SPLIT))
 
 
+def fp8_split(num_cols: int, width: int, rows: int, tile: dict, sms: int, group: int) -> int:
+    """Split-K factor of the FP8 GEMM (fp8_kernels' SPLIT_K) that gives about SPLIT_PROGRAMS_PER_SM
+    programs per SM, each over at least two of K's groups: at a few rows a 4,096-column weight
+    has 64 column tiles, fewer programs than the SMs (PERF_NOTES v36)."""
+    programs = math.ceil(num_cols / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
+    wanted = math.ceil(SPLIT_PROGRAMS_PER_SM * sms / programs)
+    return max(1, min(wanted, width // group // 2, MAX_SPLIT))
+
+
 def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True,
                  fp8: bool = False) -> list[GemvConfig]:
     """The GEMV launch settings tried at this row count (with programmatic dependent launch
@@ -137,6 +146,11 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
         tiles = [default] if rows <= GEMV_MAX_ROWS else [default, *(t for t in FP8_GEMM_TILES if t != default)]
         methods: list[Method] = [Fp8Gemm.of(default, quantize_on_load=False),
                                  *(Fp8Gemm.of(t, quantize_on_load=True) for t in tiles), Fp8Cublas(), Dequantized()]
+        if rows <= GEMV_MAX_ROWS:   # few column tiles: K split over more programs, both activation paths
+            split = fp8_split(*operands.weight.shape, rows, default, sms, operands.block[1])
+            if split > 1:
+                methods += [Fp8Gemm.of({**default, "SPLIT_K": split}, quantize_on_load=on_load)
+                            for on_load in (False, True)]
     else:
         methods = [Cublas()]
     if rows <= GEMV_MAX_ROWS:
