@@ -137,6 +137,9 @@ PY
         WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256"
         run kv decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256 --fixed-kv-cache-dtype fp8"
         run b1 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256"
+        # what the start-up selection chose at 1 row for each FP8 kind (v37: the split-K FP8 GEMM or not)
+        grep -rhao "linear [a-z_]* [0-9x]* fp8 .*ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" 2>/dev/null \
+            | sed "s/ms per call by rows: //" | head -4
         ;;
     b1ab)   # Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref and on this tree (one machine: the batch-1
             # FP8 question of PERF_NOTES v34), and each tree's start-up choice at 1 row per FP8 kind
