@@ -4,7 +4,8 @@ Triton's interpreter runs the kernels' arithmetic on the CPU (the kernel tests),
 compilation: a kernel that the interpreter runs may still fail to compile for the GPU (a plain
 module global inside a kernel, a type that only the compiler checks), and a launch argument that
 Triton specialises on (an integer equal to 1 or a multiple of 16) makes a new variant compile
-while serving. Both were found on a GPU only, each costing a device session (PERF_NOTES v14, v27).
+while serving; and a tile may ask more shared memory than a block has, which only the launch
+refuses. Each was found on a GPU only, at the cost of device time (PERF_NOTES v14, v27, v28).
 
 `offline_compiles()` stands in for Triton's launcher: `kernel[grid](...)` binds and specialises
 its arguments exactly as a launch does (Triton's own binder, for the CUDA backend and sm_90),
@@ -32,6 +33,9 @@ from collections import defaultdict
 from typing import Callable, Iterator
 
 TARGET_ARCH = 90
+# Shared memory one block may use on an H100 / H200 (227 KiB): Triton compiles past it, and the launch
+# then fails (OutOfResources). A variant over it is a compile error here.
+SHARED_LIMIT = 232_448
 
 
 @dataclasses.dataclass
@@ -113,6 +117,11 @@ def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
                           if not param.is_constexpr}
         record.compiled[name].append(Compiled(name, key, kernel.metadata.shared, time.perf_counter() - started,
                                               design, argument_specs))
+        if kernel.metadata.shared > SHARED_LIMIT:
+            constants = ", ".join(f"{self.params[k[0]].name}={v}" for k, v in constexprs.items()
+                                  if self.params[k[0]].is_constexpr)
+            record.errors.setdefault(name, f"{kernel.metadata.shared} bytes of shared memory, over sm_{arch}'s "
+                                           f"{SHARED_LIMIT} a block: the launch would fail ({constants})")
         return None
 
     original = triton_jit.JITFunction.run
