@@ -15,6 +15,7 @@
 #             into RMSNorm/SwiGLU and without (WORKER_FP8_QUANT_FUSION=0), with an FP8 KV cache under both,
 #             and at 1 row (issue 24's 1.3x and 1.7x); each run's tables and logs under $OUT/<run>
 #   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
+#   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload, and FP8 with WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=0
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -127,6 +128,14 @@ PY
             --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,moe_e2e_fp8,decode_8b_bf16,decode_8b_fp8} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;
+    moe8)   # Qwen3-30B-A3B on bench.py's workload: bf16, FP8 (default modes), FP8 with every expert GEMM FP8 x FP8
+        base
+        OUT=$OUT/moe STAGES=moe_e2e,moe_e2e_fp8 LINES_OUT=6 TIMEOUT=${TIMEOUT:-250} bash "$0" moe | grep "tok/s\|fp8 / bf16"
+        echo "== WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=0"
+        WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=0 OUT=$OUT/moe-fp8x8 STAGES=moe_e2e_fp8 LINES_OUT=6 TIMEOUT=${TIMEOUT:-250} \
+            bash "$0" moe | grep "tok/s\|fp8 / bf16"
+        grep -rh "compiled after start-up" "$BENCH/moe/logs" 2>/dev/null | head -3
+        ;;
     fp8)
         base
         run() {   # then whatever the stage logs say of the fused kernels' start-up check or late compiles
@@ -194,5 +203,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|fp8|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac

@@ -25,6 +25,8 @@ quantization kernel); `fp8_activations` picks, by rows per expert unless told.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,8 +37,10 @@ from worker_svc.layers.fp8_kernels import _quantize_tile, per_token_group_quant
 
 FP8_ACTIVATIONS = ("weight_only", "on_load", "given")
 _FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)   # globals a kernel may read
-# Rows per expert up to which FP8 experts multiply bf16 activations (weight-only) by default.
-WEIGHT_ONLY_MAX_ROWS_PER_EXPERT = 16
+# Rows per expert up to which FP8 experts multiply bf16 activations (weight-only) by default; past
+# it the activations are quantized as loaded. WORKER_MOE_FP8_WEIGHT_ONLY_ROWS sets it (0: always
+# FP8 x FP8, which converts no weights: the A/B of PERF_NOTES v37).
+WEIGHT_ONLY_MAX_ROWS_PER_EXPERT = float(os.environ.get("WORKER_MOE_FP8_WEIGHT_ONLY_ROWS", "16"))
 
 
 @triton.jit
