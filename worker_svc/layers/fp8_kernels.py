@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
-from worker_svc.layers.gemv_kernels import MAX_SPLIT_TILES, split_counters
+from worker_svc.layers.gemv_kernels import MAX_SPLIT_TILES, finish_split_k, split_counters
 from worker_svc.layers.triton_compile import launch
 
 
@@ -132,29 +132,8 @@ def _block_fp8_matmul_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K > 1:   # as gemv_kernels' split-K: partials in float32, summed in split order (deterministic)
-        tile_partial = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(partial_ptr + pid_k.to(tl.int64) * M * N + tile_partial, acc, mask=out_mask)
-        tl.debug_barrier()   # every thread's partial is written before the tile is counted
-        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, SPLIT_K):
-                acc += tl.load(partial_ptr + s * M * N + tile_partial, mask=out_mask, other=0.0,
-                               cache_modifier=".cg")
-            _store_product(acc, bias_ptr, c_ptr, offs_m, offs_n, n_mask, out_mask, stride_cm, HAS_BIAS)
-            tl.atomic_xchg(counter_ptr + pid, 0)
-    else:
-        _store_product(acc, bias_ptr, c_ptr, offs_m, offs_n, n_mask, out_mask, stride_cm, HAS_BIAS)
-
-
-@triton.jit
-def _store_product(acc, bias_ptr, c_ptr, offs_m, offs_n, n_mask, out_mask, stride_cm, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+    finish_split_k(acc, partial_ptr, counter_ptr, pid, pid_k, SPLIT_K, M, N, offs_m, offs_n, n_mask,
+                   m_mask[:, None] & n_mask[None, :], bias_ptr, c_ptr, stride_cm, HAS_BIAS, 1)
 
 
 def _matmul_config(num_rows: int) -> dict:

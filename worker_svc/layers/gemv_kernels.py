@@ -245,14 +245,25 @@ def _gemv_kernel(
                         SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
+    finish_split_k(acc, partial_ptr, counter_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, M, N, offs_m,
+                   offs_n, n_mask, out_mask, bias_ptr, out_ptr, stride_om, HAS_BIAS, SPLIT_CHUNK)
+
+
+@triton.jit
+def finish_split_k(acc, partial_ptr, counter_ptr, tile, pid_k, split_k, M, N, offs_m, offs_n, n_mask, out_mask,
+                   bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """The output tile from this program's float32 sums `acc` (rows offs_m, columns offs_n), plus
+    the bias, rounded once to the output's dtype. With split_k > 1 `acc` is slice pid_k's partial:
+    written to the float32 workspace [split_k, M, N], the tile counted in, and the tile's last
+    program to arrive sums the partials in split order, SPLIT_CHUNK per load (deterministic),
+    stores the tile and resets its counter to 0. Shared by fp8_kernels' block-FP8 GEMM."""
     if split_k > 1:
         tile_partial = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(partial_ptr + pid_k.to(tl.int64) * M * N + tile_partial, acc, mask=out_mask)
         tl.debug_barrier()   # every thread's partial is written before the tile is counted
-        tile = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:   # the tile's last program sums the partials, SPLIT_CHUNK per load
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if arrived == split_k - 1:
+            acc = tl.zeros_like(acc)
             if SPLIT_CHUNK == 1:
                 for s in range(0, split_k):
                     acc += tl.load(partial_ptr + s * M * N + tile_partial, mask=out_mask, other=0.0,
