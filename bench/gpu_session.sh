@@ -11,9 +11,9 @@
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   spec-service  the same through the real processes (bench/stages/spec_service.py), flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES (their options in EXTRA)
-#   fp8       Qwen3-8B decode, FP8 weights against bf16 (in-process): at 256 rows with the quantization fused
-#             into RMSNorm/SwiGLU and without (WORKER_FP8_QUANT_FUSION=0), with an FP8 KV cache under both,
-#             and at 1 row (issue 24's 1.3x and 1.7x); each run's tables and logs under $OUT/<run>
+#   fp8       Qwen3-8B decode, FP8 weights against bf16 (in-process): at 1 row (and the start-up choice
+#             there per FP8 kind), 16 rows, and 256 rows with the quantization fused into RMSNorm/SwiGLU and
+#             without (WORKER_FP8_QUANT_FUSION=0): issue 24's 1.7x and 1.3x; tables and logs under $OUT/<run>
 #   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
 #   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload, and FP8 with WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=0
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
@@ -138,17 +138,17 @@ PY
         ;;
     fp8)
         base
-        run() {   # then whatever the stage logs say of the fused kernels' start-up check or late compiles
-            OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=${TIMEOUT:-100} bash "$0" moe | grep -v "^ *$"
+        run() {   # NAME STAGES EXTRA TIMEOUT; then what the stage logs say of the fused kernels' start-up check or late compiles
+            OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=$4 bash "$0" moe | grep -v "^ *$"
             grep -rh "start-up check\|compiled after start-up" "$BENCH/moe" 2>/dev/null | head -3
         }
-        run on bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256"
-        WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256"
-        run kv decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256 --fixed-kv-cache-dtype fp8"
-        run b1 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256"
+        run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256" 240   # cold: compiles
         # what the start-up selection chose at 1 row for each FP8 kind (v37: the split-K FP8 GEMM or not)
         grep -rhao "linear [a-z_]* [0-9x]* fp8 .*ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" 2>/dev/null \
             | sed "s/ms per call by rows: //" | head -4
+        run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256" 120
+        run on decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256" 120
+        WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256" 100
         ;;
     b1ab)   # Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref and on this tree (one machine: the batch-1
             # FP8 question of PERF_NOTES v34), and each tree's start-up choice at 1 row per FP8 kind
