@@ -109,10 +109,12 @@ def auto_split(num_cols: int, width: int, rows: int, config: GemvConfig, sms: in
 def fp8_split(num_cols: int, width: int, rows: int, tile: dict, sms: int, group: int) -> int:
     """Split-K factor of the FP8 GEMM (fp8_kernels' SPLIT_K) that gives about SPLIT_PROGRAMS_PER_SM
     programs per SM, each over at least two of K's groups: at a few rows a 4,096-column weight
-    has 64 column tiles, fewer programs than the SMs (PERF_NOTES v36)."""
+    has 64 column tiles, fewer programs than the SMs (PERF_NOTES v36). The float32 partials
+    (written and read: 8 bytes a row and column a slice) stay within a quarter of the FP8
+    weight's bytes (one a column and K), so more rows split less."""
     programs = math.ceil(num_cols / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
     wanted = math.ceil(SPLIT_PROGRAMS_PER_SM * sms / programs)
-    return max(1, min(wanted, width // group // 2, MAX_SPLIT))
+    return max(1, min(wanted, width // group // 2, MAX_SPLIT, width // (4 * 8 * rows)))
 
 
 def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True,
