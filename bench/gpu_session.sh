@@ -15,7 +15,7 @@
 #             there per FP8 kind), 16 rows, and 256 rows with the quantization fused into RMSNorm/SwiGLU and
 #             without (WORKER_FP8_QUANT_FUSION=0): issue 24's 1.7x and 1.3x; tables and logs under $OUT/<run>
 #   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
-#   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload, and FP8 with WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=0
+#   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload; FP8 with the experts' modes by the old rule too
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -128,12 +128,16 @@ PY
             --stages ${STAGES:-moe_kernel,fp8_gemm,moe_e2e,moe_e2e_fp8,decode_8b_bf16,decode_8b_fp8} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-45}
         copy_logs moe
         ;;
-    moe8)   # Qwen3-30B-A3B on bench.py's workload: bf16, FP8 (default modes), FP8 with every expert GEMM FP8 x FP8
+    moe8)   # Qwen3-30B-A3B on bench.py's workload: bf16 and FP8 (the experts' modes measured at start-up),
+            # then FP8 by the rows-per-expert rule, and by the rule with every expert GEMM FP8 x FP8
         base
         OUT=$OUT/moe STAGES=moe_e2e,moe_e2e_fp8 LINES_OUT=6 TIMEOUT=${TIMEOUT:-250} bash "$0" moe | grep "tok/s\|fp8 / bf16"
-        echo "== WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=0"
-        WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=0 OUT=$OUT/moe-fp8x8 STAGES=moe_e2e_fp8 LINES_OUT=6 TIMEOUT=${TIMEOUT:-250} \
-            bash "$0" moe | grep "tok/s\|fp8 / bf16"
+        grep -rh "activation mode by tokens\|activation modes failed" "$BENCH/moe/logs" 2>/dev/null | sed 's/.*INFO //' | head -2
+        for rows in 16 0; do
+            echo "== WORKER_MOE_FP8_SELECTION=0 WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=$rows"
+            WORKER_MOE_FP8_SELECTION=0 WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=$rows OUT=$OUT/moe-rule$rows STAGES=moe_e2e_fp8 \
+                LINES_OUT=6 TIMEOUT=${TIMEOUT:-250} bash "$0" moe | grep "tok/s\|fp8 / bf16"
+        done
         grep -rh "compiled after start-up" "$BENCH/moe/logs" 2>/dev/null | head -3
         ;;
     fp8)

@@ -112,7 +112,9 @@ def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
     parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
     if runner.device.type == "cuda":   # each linear layer's fastest kernel by row count (imports Triton)
         from worker_svc.layers.linear_selection import select_linear_methods
+        from worker_svc.layers.moe_selection import select_fp8_modes
         select_linear_methods(model, runner.device, runner.dtype, max_rows=config.max_num_batched_tokens)
+        select_fp8_modes(model, runner.device, runner.dtype, max_tokens=config.max_num_batched_tokens)
     return model
 
 

@@ -139,6 +139,7 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = bool(config.norm_topk_prob)
         self.gate = Router(config.hidden_size, config.num_experts)
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, quant)
+        self.fp8_modes = None   # FP8 experts: the activation mode by token count, measured (moe_selection)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)
@@ -151,6 +152,7 @@ class SparseMoeBlock(nn.Module):
                 w13_scale=getattr(experts, "w13_weight_scale_inv", None),
                 w2_scale=getattr(experts, "w2_weight_scale_inv", None),
                 block=experts.quant.block if experts.is_fp8 else None,
+                fp8_activations=self.fp8_modes.mode_for(x.shape[0]) if self.fp8_modes is not None else None,
             )
         else:
             if x.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -292,7 +292,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block: tuple[int, int] | None = None) -> torch.Tensor:
+              block: tuple[int, int] | None = None, fp8_activations: str | None = None) -> torch.Tensor:
     """The sparse MoE block's experts for x [T, H] given its router logits [T, E]."""
     topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
-    return fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale, block=block)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale, block=block,
+                         fp8_activations=fp8_activations)

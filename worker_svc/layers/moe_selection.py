@@ -1,0 +1,126 @@
+"""The start-up choice of how FP8 experts take their activations (moe_kernels.FP8_ACTIVATIONS),
+by token count, measured as linear_selection measures the linear layers.
+
+The grouped GEMM multiplies FP8 expert weights either by bf16 activations, converting each weight
+tile for the dot ("weight_only": nothing quantized, the conversion's cost on every weight), or by
+activations quantized per token group as it loads them ("on_load": FP8 x FP8 on the tensor
+cores, the activation tile converted instead). Which is faster depends on the rows each expert
+gets and the GPU (PERF_NOTES v36-v37: the dense layers' weight-only paths read ~1.8 TB/s on an
+H200 where FP8 x FP8 reads 3.4); `moe_kernels.default_fp8_activations` guesses by rows per expert.
+Here each token-count bucket of linear_selection.row_buckets times both on the model's own
+experts (one layer; random routing, as decode spreads tokens) in a CUDA graph, keeps "on_load"
+only where its product stays within ACTIVATION_QUANT_TOLERANCE of the weight-only one, and the
+SparseMoeBlocks then ask `Fp8Modes.mode_for(num_tokens)`. Any failure leaves the guess in place
+(one WARNING). Nothing on the CPU, with WORKER_LINEAR_KERNELS=0 or WORKER_MOE_FP8_SELECTION=0 (the
+rule decides: the A/B), or for bf16 experts.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from worker_svc.layers import linear_selection
+
+logger = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("WORKER_MOE_FP8_SELECTION", "1") != "0"
+MODES = ("weight_only", "on_load")
+# A mode's time: (run, x) -> ms per call, run a functools.partial with keywords["mode"]. Real runs:
+# linear_selection.graph_time's CUDA graph.
+Measure = Callable[[Callable[[torch.Tensor, None], torch.Tensor], torch.Tensor], float]
+
+
+@dataclass
+class Fp8Modes:
+    """The mode each token count runs: modes[i] up to bounds[i] tokens (above bounds[i - 1]),
+    `beyond` past the last bound; with what was measured."""
+    bounds: list[int]
+    modes: list[str]
+    beyond: str
+    times: dict[int, dict[str, float]] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+
+    def mode_for(self, num_tokens: int) -> str:
+        at = bisect.bisect_left(self.bounds, num_tokens)
+        return self.modes[at] if at < len(self.modes) else self.beyond
+
+    def summary(self) -> str:
+        parts = []
+        for tokens, mode in zip(self.bounds, self.modes):
+            times = self.times.get(tokens, {})
+            timing = " / ".join(f"{m} {t:.4f}" for m, t in times.items())
+            parts.append(f"{tokens}: {mode}" + (f" ({timing})" if timing else "")
+                         + (f" [on_load refused: {self.rejected[tokens]}]" if tokens in self.rejected else ""))
+        return "; ".join(parts) + f"; >{self.bounds[-1]}: {self.beyond}"
+
+
+def _graph_measure(run: Callable, x: torch.Tensor) -> float:
+    return linear_selection.graph_time(None, [run], x)
+
+
+def choose_fp8_modes(experts: nn.Module, top_k: int, dtype: torch.dtype, device: torch.device, *,
+                     max_tokens: int, measure: Measure = _graph_measure) -> Fp8Modes:
+    """Times both modes on `experts` (a moe.FusedExperts in FP8) at each token bucket."""
+    from worker_svc.layers import moe_kernels
+
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    scales = dict(w13_scale=experts.w13_weight_scale_inv, w2_scale=experts.w2_weight_scale_inv,
+                  block=experts.quant.block)
+    num_experts, hidden = w13.shape[0], w2.shape[1]
+    generator = torch.Generator(device=device).manual_seed(0)
+    bounds, modes, times, rejected = [], [], {}, {}
+    for tokens in linear_selection.row_buckets(max_tokens):
+        x = torch.randn(tokens, hidden, generator=generator, device=device).to(dtype)
+        logits = torch.randn(tokens, num_experts, generator=generator, device=device).to(dtype)
+        weights, ids = moe_kernels.route_topk(logits, top_k, True)
+
+        def run(x_in, _bias=None, *, mode, weights=weights, ids=ids):
+            return moe_kernels.fused_experts(x_in, w13, w2, weights, ids, fp8_activations=mode, **scales)
+
+        runs = {mode: functools.partial(run, mode=mode) for mode in MODES}
+        reference = runs["weight_only"](x).float()
+        error = ((runs["on_load"](x).float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+        timed = {"weight_only": measure(runs["weight_only"], x)}
+        if error <= linear_selection.ACTIVATION_QUANT_TOLERANCE:
+            timed["on_load"] = measure(runs["on_load"], x)
+        else:
+            rejected[tokens] = f"relative error {error:.3g} > {linear_selection.ACTIVATION_QUANT_TOLERANCE}"
+        bounds.append(tokens)
+        modes.append(min(timed, key=timed.get))   # ties keep weight_only (listed first): no quantization
+        times[tokens] = timed
+    return Fp8Modes(bounds, modes, modes[-1], times, rejected)
+
+
+def select_fp8_modes(model: nn.Module, device: torch.device, dtype: torch.dtype, *, max_tokens: int,
+                     measure: Measure = _graph_measure) -> Fp8Modes | None:
+    """Chooses on the first FP8 MoE block and installs the choice on every one (their experts
+    have one shape); None where there is nothing to choose or the measurement failed."""
+    from worker_svc.layers.moe import SparseMoeBlock
+
+    device = torch.device(device)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.experts.is_fp8]
+    if not blocks or device.type != "cuda" or not linear_selection.ENABLED or not ENABLED:
+        return None
+    try:
+        with torch.inference_mode():
+            choice = choose_fp8_modes(blocks[0].experts, blocks[0].top_k, dtype, device, max_tokens=max_tokens,
+                                      measure=measure)
+    except Exception as exc:  # noqa: BLE001 - the rows-per-expert guess stays: slower at worst, never wrong
+        logger.warning("timing the FP8 experts' activation modes failed (%s: %s); they follow the rows-per-expert "
+                       "rule (moe_kernels.default_fp8_activations)", type(exc).__name__, str(exc)[:300])
+        return None
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for block in blocks:
+        block.fp8_modes = choice
+    logger.info("FP8 experts (%d layers), activation mode by tokens, ms per call: %s", len(blocks),
+                choice.summary())
+    return choice
