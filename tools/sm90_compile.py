@@ -180,17 +180,22 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
     cases["fp8"] = fp8
 
     def gemv() -> None:
-        from worker_svc.layers.gemv_kernels import gemv as run_gemv
+        from worker_svc.layers import gemv_kernels
         from worker_svc.layers.linear_selection import gemv_configs
         weight = torch.randn(1024, 4096, dtype=bf16)
         fp8_weight = weight.to(torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
-        for rows in (1, 2, 4, 8, 16, 32, 64):
-            for config in gemv_configs(rows, 1024, 4096, sms=132, pdl=True, fp8=True):
-                x = torch.randn(rows, 4096, dtype=bf16)
-                for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config
-                    run_gemv(x[:n], weight, config)
-                    run_gemv(x[:n], fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128))
+        launches = gemv_kernels.pdl_launches
+        gemv_kernels.pdl_launches = lambda device: True   # as on a GPU: the PDL variants (gdc_wait, prefetches)
+        try:
+            for rows in (1, 2, 4, 8, 16, 32, 64):
+                for config in gemv_configs(rows, 1024, 4096, sms=132, pdl=True, fp8=True):
+                    x = torch.randn(rows, 4096, dtype=bf16)
+                    for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config
+                        gemv_kernels.gemv(x[:n], weight, config)
+                        gemv_kernels.gemv(x[:n], fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128))
+        finally:
+            gemv_kernels.pdl_launches = launches
     cases["gemv"] = gemv
 
     cases.update(_attention_cases())
@@ -352,6 +357,9 @@ def _moe_cases() -> dict[str, Callable[[], None]]:
             logits = torch.randn(rows, experts, dtype=bf16)
             moe_kernels.fused_moe(x, logits, w13, w2, top_k, True)
             moe_kernels.fused_moe(x, logits, q13, q2, top_k, True, w13_scale=s13, w2_scale=s2, block=block)
+            for mode in ("weight_only", "on_load"):   # either, at any size: moe_selection's choice
+                moe_kernels.fused_moe(x, logits, q13, q2, top_k, True, w13_scale=s13, w2_scale=s2, block=block,
+                                      fp8_activations=mode)
             weights, ids = moe_kernels.route_topk(logits, top_k, False)   # without renormalisation
             if rows in (1, 100):   # FP8 activations quantized by their own kernel first ("given": tests only;
                 # fused_moe picks weight-only up to 16 rows an expert, quantized on load past that)

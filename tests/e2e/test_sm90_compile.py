@@ -16,15 +16,23 @@ pytest.importorskip("triton")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _compiler_env() -> dict[str, str]:
+def _compiler_env(cache=None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    if cache is not None:   # a cache of the test's own: every kernel really compiled, nothing written elsewhere
+        env["TRITON_CACHE_DIR"] = str(cache)
     return env
 
 
 def _has_cuda_backend() -> bool:
-    probe = "from triton.backends.nvidia.compiler import CUDABackend; from triton.backends.nvidia import bin"
-    return subprocess.run([sys.executable, "-c", probe], env=_compiler_env(), capture_output=True).returncode == 0
+    """Triton's CUDA backend and its ptxas, which runs."""
+    probe = ("import subprocess; from triton.backends.nvidia.compiler import CUDABackend, get_ptxas; "
+             "subprocess.run([get_ptxas(90).path, '--version'], check=True, capture_output=True)")
+    try:
+        return subprocess.run([sys.executable, "-c", probe], env=_compiler_env(), capture_output=True,
+                              timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 pytestmark = pytest.mark.skipif(not _has_cuda_backend(), reason="this Triton has no CUDA backend (ptxas)")
@@ -33,7 +41,7 @@ pytestmark = pytest.mark.skipif(not _has_cuda_backend(), reason="this Triton has
 def test_every_kernel_compiles_for_sm90_and_no_step_size_compiles_another(tmp_path):
     out = tmp_path / "sm90.json"
     proc = subprocess.run([sys.executable, "-m", "tools.sm90_compile", "--json", str(out)], cwd=REPO,
-                          env=_compiler_env(), capture_output=True, text=True, timeout=900)
+                          env=_compiler_env(tmp_path / "cache"), capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["errors"] == {}, result["errors"]
@@ -73,7 +81,7 @@ def test_the_check_sees_an_argument_that_follows_the_step_size(tmp_path):
                           "variants": {k: len(v) for k, v in record.compiled.items()}, "errors": record.errors}))
     """)
     (tmp_path / "kernels.py").write_text(script)   # Triton reads a kernel's source from its file
-    proc = subprocess.run([sys.executable, str(tmp_path / "kernels.py")], cwd=REPO, env=_compiler_env(),
+    proc = subprocess.run([sys.executable, str(tmp_path / "kernels.py")], cwd=REPO, env=_compiler_env(tmp_path / "c"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -41,13 +41,15 @@ def test_each_token_count_runs_the_faster_mode(selection):
     moe_selection, _ = selection
     timed = []
 
-    def measure(run, x):
-        mode = run.keywords["mode"]
+    def measure(runs, x):
+        mode = runs[0].keywords["mode"]
+        assert [r.keywords["experts"] for r in runs] == layers and {r.keywords["mode"] for r in runs} == {mode}
         timed.append((x.shape[0], mode))
         tokens = x.shape[0]
         return {"weight_only": 1.0, "on_load": 2.0 if tokens < 4 else (1.0 if tokens == 4 else 0.5)}[mode]
 
-    modes = moe_selection.choose_fp8_modes(fp8_experts(), 2, torch.bfloat16, DEVICE, max_tokens=16, measure=measure)
+    layers = [fp8_experts(), fp8_experts()]   # timed in turn: experts of other layers, as serving reads them
+    modes = moe_selection.choose_fp8_modes(layers, 2, torch.bfloat16, DEVICE, max_tokens=16, measure=measure)
     assert modes.bounds == [1, 2, 4, 8, 16]
     assert modes.modes == ["weight_only", "weight_only", "weight_only", "on_load", "on_load"]
     assert [modes.mode_for(n) for n in (1, 3, 4, 5, 16, 17, 4096)] == [
@@ -59,8 +61,9 @@ def test_each_token_count_runs_the_faster_mode(selection):
 def test_a_mode_that_strays_from_the_weight_only_product_is_never_chosen(selection, monkeypatch):
     moe_selection, _ = selection
     monkeypatch.setattr(moe_selection.linear_selection, "ACTIVATION_QUANT_TOLERANCE", 0.0)
-    modes = moe_selection.choose_fp8_modes(fp8_experts(), 2, torch.bfloat16, DEVICE, max_tokens=4,
-                                           measure=lambda run, x: 1.0 if run.keywords["mode"] == "weight_only" else 0.1)
+    modes = moe_selection.choose_fp8_modes([fp8_experts()], 2, torch.bfloat16, DEVICE, max_tokens=4,
+                                           measure=lambda runs, x: 1.0 if runs[0].keywords["mode"] == "weight_only"
+                                           else 0.1)
     assert modes.modes == ["weight_only"] * 3 and modes.beyond == "weight_only"
     assert set(modes.rejected) == {1, 2, 4} and "relative error" in modes.rejected[1]
 
@@ -123,7 +126,8 @@ def test_a_failed_measurement_keeps_the_rule_and_says_so(selection, monkeypatch,
 def test_on_a_gpu_both_modes_are_timed_in_cuda_graphs(selection):
     moe_selection, _ = selection
     experts = fp8_experts(num_experts=8, hidden=256, intermediate=256)
-    modes = moe_selection.choose_fp8_modes(experts, 2, torch.bfloat16, torch.device(DEVICE), max_tokens=64)
+    modes = moe_selection.choose_fp8_modes([experts, fp8_experts(num_experts=8, hidden=256, intermediate=256)], 2,
+                                           torch.bfloat16, torch.device(DEVICE), max_tokens=64)
     assert modes.bounds == [1, 2, 4, 8, 16, 32, 64] and set(modes.modes) <= {"weight_only", "on_load"}
     assert all(t > 0 for times in modes.times.values() for t in times.values())
     assert all(len(modes.times[b]) == 2 for b in modes.bounds if b not in modes.rejected)

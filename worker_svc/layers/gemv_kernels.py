@@ -302,6 +302,12 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
+def pdl_launches(device: torch.device) -> bool:
+    """Whether a config's PDL is launched on this device: CUDA only (the interpreter runs no PTX;
+    tools.sm90_compile says yes to compile those variants on the CPU)."""
+    return device.type == "cuda"
+
+
 @functools.cache
 def pdl_in_graphs(device: torch.device) -> bool:
     """Whether programmatic dependent launches replay correctly from a CUDA graph here (driver
@@ -378,7 +384,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         counters = split_counters(x.device)
         partial = counters.view(torch.float32)   # unused; typed as the split launches', so one compile serves both
     group_n, group_k = fp8_block if fp8 else (1, 1)
-    pdl = config.pdl and x.device.type == "cuda"   # the interpreter runs no PTX
+    pdl = config.pdl and pdl_launches(x.device)
     launch(
         _gemv_kernel, grid,
         rows, weight, weight_scale if fp8 else weight, bias if bias is not None else out, out, partial, counters,

@@ -114,7 +114,9 @@ def fp8_split(num_cols: int, width: int, rows: int, tile: dict, sms: int, group:
     weight's bytes (one a column and K), so more rows split less."""
     programs = math.ceil(num_cols / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
     wanted = math.ceil(SPLIT_PROGRAMS_PER_SM * sms / programs)
-    return max(1, min(wanted, width // group // 2, MAX_SPLIT, width // (4 * 8 * rows)))
+    split = max(1, min(wanted, width // group // 2, MAX_SPLIT, width // (4 * 8 * rows)))
+    groups = width // group
+    return math.ceil(groups / math.ceil(groups / split))   # the slices that run: none without a group
 
 
 def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True,

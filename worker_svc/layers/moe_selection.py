@@ -8,10 +8,13 @@ cores, the activation tile converted instead). Which is faster depends on the ro
 gets and the GPU (PERF_NOTES v36-v37: the dense layers' weight-only paths read ~1.8 TB/s on an
 H200 where FP8 x FP8 reads 3.4); `moe_kernels.default_fp8_activations` guesses by rows per expert.
 Here each token-count bucket of linear_selection.row_buckets times both on the model's own
-experts (one layer; random routing, as decode spreads tokens) in a CUDA graph, keeps "on_load"
+experts (random routing, as decode spreads tokens; the layers in turn, up to TIMED_LAYERS, so the
+experts a few tokens touch come from memory, not L2, as when serving) in a CUDA graph, keeps "on_load"
 only where its product stays within ACTIVATION_QUANT_TOLERANCE of the weight-only one, and the
 SparseMoeBlocks then ask `Fp8Modes.mode_for(num_tokens)`. Any failure leaves the guess in place
-(one WARNING). Nothing on the CPU, with WORKER_LINEAR_KERNELS=0 or WORKER_MOE_FP8_SELECTION=0 (the
+(one WARNING). Under tensor parallelism each rank measures its own shards, as linear_selection
+does: ranks may choose differently near a tie, which changes no result's correctness (each rank's
+partial is summed by the all-reduce either way). Nothing on the CPU, with WORKER_LINEAR_KERNELS=0 or WORKER_MOE_FP8_SELECTION=0 (the
 rule decides: the A/B), or for bf16 experts.
 """
 from __future__ import annotations
@@ -32,9 +35,12 @@ logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("WORKER_MOE_FP8_SELECTION", "1") != "0"
 MODES = ("weight_only", "on_load")
-# A mode's time: (run, x) -> ms per call, run a functools.partial with keywords["mode"]. Real runs:
-# linear_selection.graph_time's CUDA graph.
-Measure = Callable[[Callable[[torch.Tensor, None], torch.Tensor], torch.Tensor], float]
+# Layers timed in turn: one token's 8 experts of Qwen3-30B-A3B are 38 MB, under an H100's 50 MB of
+# L2; 16 layers' are 600 MB.
+TIMED_LAYERS = 16
+# A mode's time: (runs, x) -> ms per call, each run (one layer's) a functools.partial with
+# keywords["mode"]. Real runs: linear_selection.graph_time's CUDA graph calling them in turn.
+Measure = Callable[[list[Callable[[torch.Tensor, None], torch.Tensor]], torch.Tensor], float]
 
 
 @dataclass
@@ -61,19 +67,17 @@ class Fp8Modes:
         return "; ".join(parts) + f"; >{self.bounds[-1]}: {self.beyond}"
 
 
-def _graph_measure(run: Callable, x: torch.Tensor) -> float:
-    return linear_selection.graph_time(None, [run], x)
+def _graph_measure(runs: list[Callable], x: torch.Tensor) -> float:
+    return linear_selection.graph_time(None, runs, x)
 
 
-def choose_fp8_modes(experts: nn.Module, top_k: int, dtype: torch.dtype, device: torch.device, *,
+def choose_fp8_modes(layers: list[nn.Module], top_k: int, dtype: torch.dtype, device: torch.device, *,
                      max_tokens: int, measure: Measure = _graph_measure) -> Fp8Modes:
-    """Times both modes on `experts` (a moe.FusedExperts in FP8) at each token bucket."""
+    """Times both modes at each token bucket on `layers` (moe.FusedExperts in FP8 of one shape),
+    the first's product checked, all of them timed in turn."""
     from worker_svc.layers import moe_kernels
 
-    w13, w2 = experts.w13_weight, experts.w2_weight
-    scales = dict(w13_scale=experts.w13_weight_scale_inv, w2_scale=experts.w2_weight_scale_inv,
-                  block=experts.quant.block)
-    num_experts, hidden = w13.shape[0], w2.shape[1]
+    num_experts, hidden = layers[0].w13_weight.shape[0], layers[0].w2_weight.shape[1]
     generator = torch.Generator(device=device).manual_seed(0)
     bounds, modes, times, rejected = [], [], {}, {}
     for tokens in linear_selection.row_buckets(max_tokens):
@@ -81,12 +85,14 @@ def choose_fp8_modes(experts: nn.Module, top_k: int, dtype: torch.dtype, device:
         logits = torch.randn(tokens, num_experts, generator=generator, device=device).to(dtype)
         weights, ids = moe_kernels.route_topk(logits, top_k, True)
 
-        def run(x_in, _bias=None, *, mode, weights=weights, ids=ids):
-            return moe_kernels.fused_experts(x_in, w13, w2, weights, ids, fp8_activations=mode, **scales)
+        def run(x_in, _bias=None, *, mode, experts, weights=weights, ids=ids):
+            return moe_kernels.fused_experts(
+                x_in, experts.w13_weight, experts.w2_weight, weights, ids, fp8_activations=mode,
+                w13_scale=experts.w13_weight_scale_inv, w2_scale=experts.w2_weight_scale_inv, block=experts.quant.block)
 
-        runs = {mode: functools.partial(run, mode=mode) for mode in MODES}
-        reference = runs["weight_only"](x).float()
-        error = ((runs["on_load"](x).float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+        runs = {mode: [functools.partial(run, mode=mode, experts=e) for e in layers] for mode in MODES}
+        reference = runs["weight_only"][0](x).float()
+        error = ((runs["on_load"][0](x).float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
         timed = {"weight_only": measure(runs["weight_only"], x)}
         if error <= linear_selection.ACTIVATION_QUANT_TOLERANCE:
             timed["on_load"] = measure(runs["on_load"], x)
@@ -100,8 +106,9 @@ def choose_fp8_modes(experts: nn.Module, top_k: int, dtype: torch.dtype, device:
 
 def select_fp8_modes(model: nn.Module, device: torch.device, dtype: torch.dtype, *, max_tokens: int,
                      measure: Measure = _graph_measure) -> Fp8Modes | None:
-    """Chooses on the first FP8 MoE block and installs the choice on every one (their experts
-    have one shape); None where there is nothing to choose or the measurement failed."""
+    """Chooses on the FP8 MoE blocks (their experts have one shape; up to TIMED_LAYERS timed) and
+    installs the choice on every one; None where there is nothing to choose or the measurement
+    failed."""
     from worker_svc.layers.moe import SparseMoeBlock
 
     device = torch.device(device)
@@ -110,8 +117,8 @@ def select_fp8_modes(model: nn.Module, device: torch.device, dtype: torch.dtype,
         return None
     try:
         with torch.inference_mode():
-            choice = choose_fp8_modes(blocks[0].experts, blocks[0].top_k, dtype, device, max_tokens=max_tokens,
-                                      measure=measure)
+            choice = choose_fp8_modes([b.experts for b in blocks[:TIMED_LAYERS]], blocks[0].top_k, dtype, device,
+                                      max_tokens=max_tokens, measure=measure)
     except Exception as exc:  # noqa: BLE001 - the rows-per-expert guess stays: slower at worst, never wrong
         logger.warning("timing the FP8 experts' activation modes failed (%s: %s); they follow the rows-per-expert "
                        "rule (moe_kernels.default_fp8_activations)", type(exc).__name__, str(exc)[:300])
