@@ -248,6 +248,38 @@ def test_qwen3_8b_shapes(fp8_kernels, rows):
             assert relative_error(actual, expected) <= QWEN3_8B_FP8_BOUND, (cols, width, on_load)
 
 
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, rows):
+    """qkv, o and down of Qwen3-8B with K split as linear_selection.fp8_split splits it on an H100 /
+    H200, input quantized ahead as the norms and SwiGLU give it: the unsplit product to float32
+    rounding before the bf16 output's (the tensor cores' sums are the same, only their order
+    across slices differs), in a CUDA graph replayed twice (the counters start at zero again)."""
+    from worker_svc.layers.gemv_kernels import split_counters
+    from worker_svc.layers.linear_selection import fp8_split
+
+    g = torch.Generator(device="cuda").manual_seed(37)
+    for cols, width in [(6144, 4096), (4096, 4096), (4096, 12288)]:
+        weight, scale = quantize_blocks(torch.randn(cols, width, generator=g, device="cuda") * 0.02, (128, 128))
+        x = torch.randn(rows, width, generator=g, device="cuda").to(torch.bfloat16)
+        tile = fp8_kernels._matmul_config(rows)
+        split = fp8_split(cols, width, rows, tile, 132, 128)
+        assert split > 1, (cols, width, rows)
+        activation = fp8_kernels.quantize_activation(x, 128)
+        whole = fp8_kernels.fp8_linear(activation, weight, scale, (128, 128), config=tile).float()
+        sliced = fp8_kernels.fp8_linear(activation, weight, scale, (128, 128), config={**tile, "SPLIT_K": split})
+        assert relative_error(sliced, whole) <= 2 ** -7, (cols, width, split)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fp8_kernels.fp8_linear(activation, weight, scale, (128, 128), config={**tile, "SPLIT_K": split})
+        for _ in range(2):
+            captured.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, sliced), (cols, width, split)   # the slices' sum is in a fixed order
+        assert not split_counters(x.device).any()
+
+
 # --- the quantization fused into the kernel that produces the activation (issue 24.1) ---------
 
 @pytest.fixture(scope="module")
