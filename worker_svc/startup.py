@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import pathlib
 import time
@@ -113,8 +114,18 @@ def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
     if runner.device.type == "cuda":   # each linear layer's fastest kernel by row count (imports Triton)
         from worker_svc.layers.linear_selection import select_linear_methods
         from worker_svc.layers.moe_selection import select_fp8_modes
-        select_linear_methods(model, runner.device, runner.dtype, max_rows=config.max_num_batched_tokens)
-        select_fp8_modes(model, runner.device, runner.dtype, max_tokens=config.max_num_batched_tokens)
+
+        rounds = itertools.count()
+
+        def agree(times: list[float]) -> list[float]:   # the ranks run the same kernels: the slowest rank's times
+            parallel_state.barrier(f"kernels measured {next(rounds)}")   # first compiles take uneven time
+            return all_reduce_max(times, runner.device)
+
+        reduce = agree if runner.tp_size > 1 else None
+        select_linear_methods(model, runner.device, runner.dtype, max_rows=config.max_num_batched_tokens,
+                              reduce_across_ranks=reduce)
+        select_fp8_modes(model, runner.device, runner.dtype, max_tokens=config.max_num_batched_tokens,
+                         reduce_across_ranks=reduce)
     return model
 
 

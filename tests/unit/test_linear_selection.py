@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -339,3 +340,35 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     assert splits(candidates("down", 16)) == ["16"] and splits(candidates("o", 16)) == ["8"]
     # o: 64 tiles would want 17 slices for 8 programs an SM; 32 groups allow 16 of two groups each.
     assert linear_selection.fp8_split(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == 16
+
+
+def test_the_ranks_of_a_group_run_the_slowest_ranks_choice(selection):
+    """Here the GEMV wins at 1 and 2 rows; another rank (the reduction: element-wise max with its
+    times) finds it slow at 2 rows and cannot run `zeros` (refused here too, on its product): every
+    measured row count goes through the reduction once, with one time per candidate in order (inf
+    for a refused one), and the choice is the slowest rank's."""
+    linear_selection, methods = selection
+    gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64))
+
+    @dataclasses.dataclass(frozen=True)
+    class Zeros(methods.Method):
+        name = "zeros"
+
+        def bind(self, operands, dtype):
+            return lambda x, bias: torch.zeros(x.shape[0], operands.weight.shape[0], dtype=x.dtype, device=x.device)
+
+    theirs = {1: [math.inf, 1.0, 0.5], 2: [math.inf, 1.0, 3.0]}   # zeros, cublas, gemv on the other rank
+    reduced = []
+
+    def reduce(times):
+        reduced.append(list(times))
+        return [max(a, b) for a, b in zip(times, theirs[len(reduced)])]
+
+    choice = linear_selection.choose_methods(
+        "proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=4, sms=4,
+        measure=timings({"zeros": 0.1, "cublas": 1.0, "gemv": 0.5}),
+        candidate_methods=lambda op, rows, *a: [Zeros(), methods.Cublas(), gemv] if rows <= 2 else [methods.Cublas()],
+        reduce_across_ranks=reduce)
+    assert reduced == [[math.inf, 1.0, 0.5], [math.inf, 1.0, 0.5]]   # one call per measured row count
+    assert [str(m) for m in choice.chosen.values()] == [str(gemv), "cublas", "cublas"]
+    assert choice.times[2] == {"cublas": 1.0, str(gemv): 3.0}

@@ -131,3 +131,32 @@ def test_on_a_gpu_both_modes_are_timed_in_cuda_graphs(selection):
     assert modes.bounds == [1, 2, 4, 8, 16, 32, 64] and set(modes.modes) <= {"weight_only", "on_load"}
     assert all(t > 0 for times in modes.times.values() for t in times.values())
     assert all(len(modes.times[b]) == 2 for b in modes.bounds if b not in modes.rejected)
+
+
+def test_the_ranks_agree_and_a_bucket_that_fails_here_still_reduces_once(selection):
+    """Here on_load is faster everywhere; another rank finds it slower at 4 tokens. At 2 tokens
+    on_load's measurement raises here: the bucket still goes through the reduction once, on_load
+    as inf, so no rank runs it there. Where neither mode runs on some rank the choice raises after
+    the last bucket (every rank the same; select_fp8_modes then keeps the rule)."""
+    moe_selection, _ = selection
+    inf = float("inf")
+    reduced = []
+    theirs = {1: [1.0, 0.5], 2: [1.0, 0.5], 4: [1.0, 2.0]}
+
+    def measure(runs, x, failing=("on_load",)):
+        mode = runs[0].keywords["mode"]
+        if x.shape[0] == 2 and mode in failing:
+            raise RuntimeError("out of memory")
+        return {"weight_only": 1.0, "on_load": 0.5}[mode]
+
+    def reduce(times):
+        reduced.append(list(times))
+        return [max(a, b) for a, b in zip(times, theirs[[1, 2, 4][len(reduced) - 1]])]
+
+    modes = moe_selection.choose_fp8_modes([fp8_experts()], 2, torch.bfloat16, DEVICE, max_tokens=4,
+                                           measure=measure, reduce_across_ranks=reduce)
+    assert reduced == [[1.0, 0.5], [1.0, inf], [1.0, 0.5]]
+    assert modes.modes == ["on_load", "weight_only", "weight_only"] and "out of memory" in modes.rejected[2]
+    with pytest.raises(RuntimeError, match=r"neither mode runs at \[2\] tokens"):
+        moe_selection.choose_fp8_modes([fp8_experts()], 2, torch.bfloat16, DEVICE, max_tokens=4,
+                                       measure=lambda runs, x: measure(runs, x, failing=moe_selection.MODES))

@@ -163,6 +163,7 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
 
 
 Measure = Callable[[Method, list[Runner], torch.Tensor], float]
+Reduce = Callable[[list[float]], list[float]]   # every rank's values -> their element-wise maximum
 
 
 def graph_time(method: Method, runners: list[Runner], x: torch.Tensor) -> float:
@@ -267,9 +268,13 @@ def precompile(kinds: Sequence[LinearOperands], dtype: torch.dtype, device: torc
 
 def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.dtype, device: torch.device, *,
                    max_rows: int, sms: int, measure: Measure = graph_time,
-                   candidate_methods: Callable[..., list[Method]] = candidates) -> KindChoice:
+                   candidate_methods: Callable[..., list[Method]] = candidates,
+                   reduce_across_ranks: Reduce | None = None) -> KindChoice:
     """Measures the candidates of one kind of layer (operands: every layer of the kind) at each
-    row count up to max_rows; returns what each row count runs."""
+    row count up to max_rows; returns what each row count runs. With `reduce_across_ranks` (a
+    tensor-parallel group) the ranks agree: each row count's times, one per candidate in the
+    candidates' order (inf where refused here), go through it once on every rank, so every rank
+    runs the same kernels (a rank that ran a slower one would hold every all-reduce up)."""
     choice = KindChoice(label, len(operands))
     timed = _timed_layers(operands, device)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -278,10 +283,11 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
         x = torch.randn(rows, operands[0].input_width, generator=generator, device=device).to(dtype)
         times: dict[str, float] = {}
         methods = {}
-        listed = [m for m in candidate_methods(operands[0], rows, dtype, sms) if str(m) not in choice.rejected]
-        if len(listed) == 1:   # nothing to choose between (cuBLAS past the GEMV's rows)
-            choice.times[rows], choice.chosen[rows] = {}, listed[0]
-            unbounded = {str(listed[0]): (listed[0], 0.0)} if listed[0].max_rows is None else {}
+        every = candidate_methods(operands[0], rows, dtype, sms)   # the same on every rank
+        listed = [m for m in every if str(m) not in choice.rejected]
+        if len(every) == 1:   # nothing to choose between (cuBLAS past the GEMV's rows)
+            choice.times[rows], choice.chosen[rows] = {}, every[0]
+            unbounded = {str(every[0]): (every[0], 0.0)} if every[0].max_rows is None else {}
             continue
         for method in listed:
             name = str(method)
@@ -298,6 +304,9 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
                 logger.info("linear %s: %s rejected at %d rows (%s)", label, name, rows, choice.rejected[name])
             finally:
                 runners = None
+        if reduce_across_ranks is not None:
+            agreed = reduce_across_ranks([times.get(str(m), math.inf) for m in every])
+            times = {str(m): t for m, t in zip(every, agreed) if str(m) in times and math.isfinite(t)}
         if not times:
             raise RuntimeError(f"linear {label}: no method runs at {rows} rows ({choice.rejected})")
         choice.times[rows] = times
@@ -350,7 +359,8 @@ def linear_kinds(model: nn.Module) -> dict[tuple, tuple[str, list[nn.Module]]]:
 
 
 def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.dtype, *, max_rows: int,
-                          measure: Measure = graph_time) -> dict[str, KindChoice]:
+                          measure: Measure = graph_time, reduce_across_ranks: Reduce | None = None
+                          ) -> dict[str, KindChoice]:
     """Chooses and installs every planned linear layer's methods (see the module docstring);
     returns the choices by kind. Nothing on the CPU or with WORKER_LINEAR_KERNELS=0."""
     device = torch.device(device)
@@ -376,7 +386,7 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
         for label, layers in kinds:
             operands = [layer.operands() for layer in layers]
             choice = choose_methods(label, operands, dtype, device, max_rows=max_rows, sms=sms, measure=measure,
-                                    candidate_methods=candidate_methods)
+                                    candidate_methods=candidate_methods, reduce_across_ranks=reduce_across_ranks)
             for layer, op in zip(layers, operands, strict=True):
                 layer.plan = bind_plan(choice, op, dtype)
             choices[label] = choice

@@ -12,9 +12,8 @@ experts (random routing, as decode spreads tokens; the layers in turn, up to TIM
 experts a few tokens touch come from memory, not L2, as when serving) in a CUDA graph, keeps "on_load"
 only where its product stays within ACTIVATION_QUANT_TOLERANCE of the weight-only one, and the
 SparseMoeBlocks then ask `Fp8Modes.mode_for(num_tokens)`. Any failure leaves the guess in place
-(one WARNING). Under tensor parallelism each rank measures its own shards, as linear_selection
-does: ranks may choose differently near a tie, which changes no result's correctness (each rank's
-partial is summed by the all-reduce either way). Nothing on the CPU, with WORKER_LINEAR_KERNELS=0 or WORKER_MOE_FP8_SELECTION=0 (the
+(one WARNING). Under tensor parallelism each rank measures its own shards and the ranks agree on
+the slowest rank's times, as the linear and attention selections do. Nothing on the CPU, with WORKER_LINEAR_KERNELS=0 or WORKER_MOE_FP8_SELECTION=0 (the
 rule decides: the A/B), or for bf16 experts.
 """
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -72,9 +72,12 @@ def _graph_measure(runs: list[Callable], x: torch.Tensor) -> float:
 
 
 def choose_fp8_modes(layers: list[nn.Module], top_k: int, dtype: torch.dtype, device: torch.device, *,
-                     max_tokens: int, measure: Measure = _graph_measure) -> Fp8Modes:
+                     max_tokens: int, measure: Measure = _graph_measure,
+                     reduce_across_ranks: linear_selection.Reduce | None = None) -> Fp8Modes:
     """Times both modes at each token bucket on `layers` (moe.FusedExperts in FP8 of one shape),
-    the first's product checked, all of them timed in turn."""
+    the first's product checked, all of them timed in turn. With `reduce_across_ranks` every
+    bucket's two times (inf where refused or failed here) go through it once on every rank, so the
+    ranks agree; a bucket where neither mode ran anywhere raises, after the last bucket."""
     from worker_svc.layers import moe_kernels
 
     num_experts, hidden = layers[0].w13_weight.shape[0], layers[0].w2_weight.shape[1]
@@ -91,21 +94,32 @@ def choose_fp8_modes(layers: list[nn.Module], top_k: int, dtype: torch.dtype, de
                 w13_scale=experts.w13_weight_scale_inv, w2_scale=experts.w2_weight_scale_inv, block=experts.quant.block)
 
         runs = {mode: [functools.partial(run, mode=mode, experts=e) for e in layers] for mode in MODES}
-        reference = runs["weight_only"][0](x).float()
-        error = ((runs["on_load"][0](x).float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
-        timed = {"weight_only": measure(runs["weight_only"], x)}
-        if error <= linear_selection.ACTIVATION_QUANT_TOLERANCE:
-            timed["on_load"] = measure(runs["on_load"], x)
-        else:
-            rejected[tokens] = f"relative error {error:.3g} > {linear_selection.ACTIVATION_QUANT_TOLERANCE}"
+        timed = dict.fromkeys(MODES, math.inf)
+        try:
+            reference = runs["weight_only"][0](x).float()
+            error = ((runs["on_load"][0](x).float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+            timed["weight_only"] = measure(runs["weight_only"], x)
+            if error <= linear_selection.ACTIVATION_QUANT_TOLERANCE:
+                timed["on_load"] = measure(runs["on_load"], x)
+            else:
+                rejected[tokens] = f"relative error {error:.3g} > {linear_selection.ACTIVATION_QUANT_TOLERANCE}"
+        except Exception as exc:  # noqa: BLE001 - inf: the ranks still agree, once per bucket
+            rejected[tokens] = f"{type(exc).__name__}: {exc}"[:300]
+        if reduce_across_ranks is not None:
+            timed = dict(zip(MODES, reduce_across_ranks([timed[mode] for mode in MODES])))
+        timed = {mode: t for mode, t in timed.items() if math.isfinite(t)}
         bounds.append(tokens)
-        modes.append(min(timed, key=timed.get))   # ties keep weight_only (listed first): no quantization
+        modes.append(min(timed, key=timed.get) if timed else "")   # ties keep weight_only (listed first)
         times[tokens] = timed
+    failed = [tokens for tokens, mode in zip(bounds, modes) if not mode]
+    if failed:
+        raise RuntimeError(f"neither mode runs at {failed} tokens: {[rejected.get(t) for t in failed]}")
     return Fp8Modes(bounds, modes, modes[-1], times, rejected)
 
 
 def select_fp8_modes(model: nn.Module, device: torch.device, dtype: torch.dtype, *, max_tokens: int,
-                     measure: Measure = _graph_measure) -> Fp8Modes | None:
+                     measure: Measure = _graph_measure,
+                     reduce_across_ranks: linear_selection.Reduce | None = None) -> Fp8Modes | None:
     """Chooses on the FP8 MoE blocks (their experts have one shape; up to TIMED_LAYERS timed) and
     installs the choice on every one; None where there is nothing to choose or the measurement
     failed."""
@@ -118,7 +132,7 @@ def select_fp8_modes(model: nn.Module, device: torch.device, dtype: torch.dtype,
     try:
         with torch.inference_mode():
             choice = choose_fp8_modes([b.experts for b in blocks[:TIMED_LAYERS]], blocks[0].top_k, dtype, device,
-                                      max_tokens=max_tokens, measure=measure)
+                                      max_tokens=max_tokens, measure=measure, reduce_across_ranks=reduce_across_ranks)
     except Exception as exc:  # noqa: BLE001 - the rows-per-expert guess stays: slower at worst, never wrong
         logger.warning("timing the FP8 experts' activation modes failed (%s: %s); they follow the rows-per-expert "
                        "rule (moe_kernels.default_fp8_activations)", type(exc).__name__, str(exc)[:300])
