@@ -27,6 +27,9 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
+import subprocess
+import tempfile
 import sys
 import time
 from collections import defaultdict
@@ -46,6 +49,8 @@ class Compiled:
     seconds: float
     design: tuple      # what the caller chose: the constants' values and the launch options
     argument_specs: dict[str, str]   # each other argument's specialisation: type, alignment, "equals 1"
+    registers: int = 0     # per thread (cuobjdump's resource usage; 0 where it could not run)
+    stack: int = 0         # bytes of stack per thread: registers spilled to local memory, most often
 
 
 @dataclasses.dataclass
@@ -115,8 +120,9 @@ def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
                                if self.params[k[0]].is_constexpr)), repr(sorted(options.__dict__.items())))
         argument_specs = {param.name: repr(spec) for param, spec in zip(self.params, specialization)
                           if not param.is_constexpr}
+        registers, stack = _resource_usage(kernel.asm["cubin"])
         record.compiled[name].append(Compiled(name, key, kernel.metadata.shared, time.perf_counter() - started,
-                                              design, argument_specs))
+                                              design, argument_specs, registers, stack))
         if kernel.metadata.shared > SHARED_LIMIT:
             constants = ", ".join(f"{self.params[k[0]].name}={v}" for k, v in constexprs.items()
                                   if self.params[k[0]].is_constexpr)
@@ -131,6 +137,23 @@ def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
     finally:
         triton_jit.JITFunction.run = original
     del triton
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) per thread of a cubin's kernel, by Triton's bundled cuobjdump."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        cuobjdump = pathlib.Path(get_ptxas(TARGET_ARCH).path).with_name("cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                   timeout=60).stdout
+        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+    except (OSError, subprocess.SubprocessError, ImportError, TypeError):
+        return 0, 0
 
 
 # --- the launches: each layer's wrapper on CPU tensors ---------------------------------------------
@@ -509,12 +532,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     record = compile_catalogue(args.cases or None)
     varying = record.varying_arguments()
-    print(f"{'kernel':36s} {'launches':>8s} {'variants':>8s} {'shared':>8s} {'compile s':>9s}")
+    print(f"{'kernel':36s} {'launches':>8s} {'variants':>8s} {'shared':>8s} {'regs':>5s} {'spilled':>7s} "
+          f"{'compile s':>9s}")
     for name in sorted(set(record.launches)):
         compiled = record.compiled.get(name, [])
         shared = max((c.shared for c in compiled), default=0)
-        print(f"{name:36s} {record.launches[name]:8d} {len(compiled):8d} {shared:8d} "
-              f"{sum(c.seconds for c in compiled):9.2f}")
+        registers = max((c.registers for c in compiled), default=0)
+        spilled = sum(c.stack > 0 for c in compiled)   # variants using stack: spills, as a rule
+        print(f"{name:36s} {record.launches[name]:8d} {len(compiled):8d} {shared:8d} {registers:5d} "
+              f"{spilled:7d} {sum(c.seconds for c in compiled):9.2f}")
     for name, error in record.errors.items():
         print(f"FAILED {name}: {error}")
     for name, arguments in varying.items():
