@@ -186,7 +186,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
     cases["fused"] = fused
 
     def fp8() -> None:
-        from worker_svc.layers import fp8_kernels as f8
+        from worker_svc.layers import fp8_kernels as f8, gemv_kernels
         weight = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
         for rows in DECODE_ROWS:
@@ -196,10 +196,18 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
             f8.fp8_linear(x, weight, weight_scale, (128, 128))
             f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True)
             f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128))
-            if rows <= 64:   # split-K, as linear_selection's few-row candidates run it
+            if rows <= 64:   # split-K, as linear_selection's few-row candidates run it, and with PDL
                 split = dict(f8._matmul_config(rows), SPLIT_K=8)
                 f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=split)
                 f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=split)
+                launches = gemv_kernels.pdl_launches
+                gemv_kernels.pdl_launches = lambda device: True   # as on a GPU
+                try:
+                    for slices in (1, 8):
+                        f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
+                                      config={**split, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2})
+                finally:
+                    gemv_kernels.pdl_launches = launches
     cases["fp8"] = fp8
 
     def gemv() -> None:

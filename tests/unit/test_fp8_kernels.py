@@ -255,7 +255,7 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
     H200, input quantized ahead as the norms and SwiGLU give it: the unsplit product to float32
     rounding before the bf16 output's (the tensor cores' sums are the same, only their order
     across slices differs), in a CUDA graph replayed twice (the counters start at zero again)."""
-    from worker_svc.layers.gemv_kernels import split_counters
+    from worker_svc.layers.gemv_kernels import pdl_in_graphs, split_counters
     from worker_svc.layers.linear_selection import fp8_split
 
     g = torch.Generator(device="cuda").manual_seed(37)
@@ -278,6 +278,19 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
             torch.cuda.synchronize()
             assert torch.equal(captured, sliced), (cols, width, split)   # the slices' sum is in a fixed order
         assert not split_counters(x.device).any()
+        if pdl_in_graphs(x.device):   # with PDL, its input quantized by the kernel just before it in the graph
+            for slices in (1, split):
+                config = {**tile, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2}
+                graph = torch.cuda.CUDAGraph()
+                fp8_kernels.fp8_linear(fp8_kernels.quantize_activation(x, 128), weight, scale, (128, 128),
+                                       config=config)
+                with torch.cuda.graph(graph):
+                    chained = fp8_kernels.fp8_linear(fp8_kernels.quantize_activation(x, 128), weight, scale,
+                                                     (128, 128), config=config)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert relative_error(chained, whole) <= 2 ** -7, (cols, width, slices)
+            assert not split_counters(x.device).any()
 
 
 # --- the quantization fused into the kernel that produces the activation (issue 24.1) ---------

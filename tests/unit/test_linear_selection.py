@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -329,12 +330,14 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
         return [str(m) for m in linear_selection.candidates(operands, rows, torch.bfloat16, sms=132)]
 
     def splits(names):
-        return sorted({n.split("split")[1].rstrip(")") for n in names if n.startswith("fp8-gemm") and "split" in n})
+        return sorted({re.search(r"split(\d+)", n).group(1) for n in names if n.startswith("fp8-gemm") and "split" in n})
 
     assert splits(candidates("o", 1)) == ["16"] and splits(candidates("qkv", 1)) == ["11"]
     assert splits(candidates("down", 1)) == ["16"] and splits(candidates("gate_up", 1)) == ["3"]
     one_row = candidates("qkv", 1)
     assert "fp8-gemm(quant+ 16x64 w4 s4 split11)" in one_row and "fp8-gemm(on-load 16x64 w4 s4 split11)" in one_row
+    # With PDL (where graphs replay it): the quantized-input GEMM, split and not, prefetching its first weights.
+    assert {"fp8-gemm(quant+ 16x64 w4 s4 pdl pf2)", "fp8-gemm(quant+ 16x64 w4 s4 split11 pdl pf2)"} <= set(one_row)
     # 64 rows: the partials' traffic caps gate_up at 2 slices (4096 / (32 x 64)); none past GEMV_MAX_ROWS.
     assert splits(candidates("gate_up", 64)) == ["2"] and splits(candidates("qkv", 128)) == []
     assert splits(candidates("down", 16)) == ["16"] and splits(candidates("o", 16)) == ["8"]

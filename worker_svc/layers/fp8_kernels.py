@@ -26,7 +26,10 @@ import triton
 import triton.language as tl
 
 from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
-from worker_svc.layers.gemv_kernels import MAX_SPLIT_TILES, finish_split_k, split_counters
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from worker_svc.layers import gemv_kernels
+from worker_svc.layers.gemv_kernels import MAX_SPLIT_TILES, finish_split_k, prefetch_rows_l2, split_counters
 from worker_svc.layers.triton_compile import launch
 
 
@@ -96,13 +99,19 @@ def _block_fp8_matmul_kernel(
     GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr, QUANTIZE_A: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr,
 ):
     # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
     # by several row tiles in a row. With SPLIT_K > 1, program_id(1) takes one of SPLIT_K slices
     # of K (groups_per_split groups each) and the tile's last program to finish sums the slices.
+    # PDL (programmatic dependent launch, as gemv_kernels'): the kernel may start while the one
+    # before it ends; it asks L2 for its first PREFETCH_TILES weight tiles (weights never depend
+    # on that kernel), then waits for it before reading anything it wrote (the activations and
+    # their scales, and the split-K counters).
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
@@ -120,6 +129,12 @@ def _block_fp8_matmul_kernel(
     b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + (k_begin + offs_k)[:, None]
     a_s_ptrs = a_s_ptr + offs_m * stride_as
     b_s_ptrs = b_s_ptr + (offs_n // GROUP_N) * stride_bs
+    if PDL:
+        if PREFETCH_TILES > 0:
+            rows = b_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_bn + k_begin
+            span = tl.minimum(k_end - k_begin, PREFETCH_TILES * BLOCK_K)   # FP8: one byte an element
+            prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
+        gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
@@ -166,6 +181,8 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
     if num_rows == 0:
         return out
     config = dict(config or _matmul_config(num_rows))
+    pdl = config.pop("PDL", False) and gemv_kernels.pdl_launches(a.device)
+    prefetch = config.pop("PREFETCH", 0) if pdl else 0
     groups = width // bk
     split_k = max(1, min(config.pop("SPLIT_K", 1), groups))
     groups_per_split = triton.cdiv(groups, split_k)
@@ -183,7 +200,8 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
         partial, counters, num_rows, num_cols, width, groups_per_split, a.stride(0), 0 if quantize_a else a_scale.stride(0),
         0 if quantize_a else a_scale.stride(1), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, QUANTIZE_A=quantize_a,
-        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, SPLIT_K=split_k, **config,
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, SPLIT_K=split_k, PDL=pdl, PREFETCH_TILES=prefetch,
+        launch_pdl=pdl, **config,
     )
     return out
 

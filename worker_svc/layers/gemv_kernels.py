@@ -196,7 +196,7 @@ def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
 
 
 @triton.jit
-def _prefetch_rows_l2(row_ptrs, num_bytes):
+def prefetch_rows_l2(row_ptrs, num_bytes):
     """Asks L2 for num_bytes from each row pointer (sm90's bulk prefetch: a hint, nothing waits)."""
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
                               [row_ptrs, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
@@ -229,7 +229,7 @@ def _gemv_kernel(
         rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_begin
         element_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
         span = tl.minimum(k_end - k_begin, PREFETCH_TILES * BLOCK_K) * element_bytes
-        _prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
+        prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     if USE_DOT:
         acc = _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,

@@ -144,6 +144,8 @@ class Fp8Gemm(Method):
         tiles = f"{settings['BLOCK_M']}x{settings['BLOCK_N']} w{settings['num_warps']} s{settings['num_stages']}"
         if settings.get("SPLIT_K", 1) > 1:
             tiles += f" split{settings['SPLIT_K']}"
+        if settings.get("PDL"):
+            tiles += " pdl" + (f" pf{settings['PREFETCH']}" if settings.get("PREFETCH") else "")
         return f"fp8-gemm({'on-load' if self.quantize_on_load else 'quant+'} {tiles})"
 
     def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:

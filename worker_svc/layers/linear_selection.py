@@ -60,6 +60,7 @@ DOT_TILES = ((32, 128, 4, 4), (32, 128, 4, 6), (64, 128, 4, 4), (128, 128, 8, 3)
 FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
                   dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
                   dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3))
+FP8_PDL_PREFETCH = 2            # K tiles of weights the FP8 GEMM asks into L2 before its PDL wait
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
@@ -155,6 +156,9 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
             if split > 1:
                 methods += [Fp8Gemm.of({**default, "SPLIT_K": split}, quantize_on_load=on_load)
                             for on_load in (False, True)]
+            if pdl:   # the weights' first tiles asked for while the kernel before ends (as the GEMVs do)
+                methods += [Fp8Gemm.of({**default, "SPLIT_K": s, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH},
+                                       quantize_on_load=False) for s in sorted({1, split})]
     else:
         methods = [Cublas()]
     if rows <= GEMV_MAX_ROWS:
