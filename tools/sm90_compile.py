@@ -161,6 +161,20 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
 DECODE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 64, 100, 256)   # a step's row counts (graphs capture some)
 
 
+@contextlib.contextmanager
+def _as_on_a_hopper() -> Iterator[None]:
+    """Within: the layers launch as on an H100 (gemv_kernels' PDL launches and the norms' triggers),
+    so those variants compile too."""
+    from worker_svc.layers import gemv_kernels
+
+    saved = gemv_kernels.pdl_launches, gemv_kernels.pdl_triggers
+    gemv_kernels.pdl_launches = gemv_kernels.pdl_triggers = lambda device: True
+    try:
+        yield
+    finally:
+        gemv_kernels.pdl_launches, gemv_kernels.pdl_triggers = saved
+
+
 def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
     """Named cases, each calling wrappers as the model calls them on a GPU (Qwen3-0.6B / 8B shapes,
     bf16; FP8 weights in 128 x 128 blocks) over DECODE_ROWS. `extended` adds the slow ones (each
@@ -172,6 +186,9 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
 
     def fused() -> None:
         from worker_svc.layers import fused_kernels as fk
+        with _as_on_a_hopper():   # the norms' PDL trigger
+            fk.rms_norm(torch.randn(3, 1024, dtype=bf16), torch.ones(1024, dtype=bf16), 1e-6)
+            fk.rms_norm_fp8(torch.randn(3, 1024, dtype=bf16), torch.ones(1024, dtype=bf16), 1e-6, None, 128)
         for rows in DECODE_ROWS:
             for hidden in (1024, 4096):
                 x, r = torch.randn(rows, hidden, dtype=bf16), torch.randn(rows, hidden, dtype=bf16)
@@ -186,7 +203,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
     cases["fused"] = fused
 
     def fp8() -> None:
-        from worker_svc.layers import fp8_kernels as f8, gemv_kernels
+        from worker_svc.layers import fp8_kernels as f8
         weight = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
         for rows in DECODE_ROWS:
@@ -200,14 +217,10 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                 split = dict(f8._matmul_config(rows), SPLIT_K=8)
                 f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=split)
                 f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=split)
-                launches = gemv_kernels.pdl_launches
-                gemv_kernels.pdl_launches = lambda device: True   # as on a GPU
-                try:
+                with _as_on_a_hopper():
                     for slices in (1, 8):
                         f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
                                       config={**split, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2})
-                finally:
-                    gemv_kernels.pdl_launches = launches
     cases["fp8"] = fp8
 
     def gemv() -> None:
@@ -216,17 +229,13 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
         weight = torch.randn(1024, 4096, dtype=bf16)
         fp8_weight = weight.to(torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
-        launches = gemv_kernels.pdl_launches
-        gemv_kernels.pdl_launches = lambda device: True   # as on a GPU: the PDL variants (gdc_wait, prefetches)
-        try:
+        with _as_on_a_hopper():   # the PDL variants (gdc_wait, prefetches), as on a GPU
             for rows in (1, 2, 4, 8, 16, 32, 64):
                 for config in gemv_configs(rows, 1024, 4096, sms=132, pdl=True, fp8=True):
                     x = torch.randn(rows, 4096, dtype=bf16)
                     for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config
                         gemv_kernels.gemv(x[:n], weight, config)
                         gemv_kernels.gemv(x[:n], fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128))
-        finally:
-            gemv_kernels.pdl_launches = launches
     cases["gemv"] = gemv
 
     cases.update(_attention_cases())

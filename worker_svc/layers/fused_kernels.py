@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_svc.layers import fp8_kernels
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from worker_svc.layers import fp8_kernels, gemv_kernels
 from worker_svc.layers.fp8 import FP8_MAX, MIN_AMAX
 
 ENABLED = os.environ.get("WORKER_FUSED_KERNELS", "1") != "0"
@@ -68,8 +70,10 @@ def _quantize_groups(values, q_ptr, s_ptr, row, first_group, stride_q, stride_sm
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, num_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:   # the projection after it may launch now (gemv_kernels.pdl_triggers)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -88,8 +92,10 @@ def _rms_norm_fp8_kernel(
     x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr,
     stride_x, stride_r, stride_q, stride_sm, stride_sg, stride_ro, num_rows, num_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:   # the projection after it may launch now (gemv_kernels.pdl_triggers)
+        gdc_launch_dependents()
     # One program per row of the padded activation: rows past num_rows read nothing (zeros).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -200,7 +206,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_rows,)](
             rows, residual_rows, weight, out, residual_out,
             rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), num_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, TRIGGER=gemv_kernels.pdl_triggers(x.device),
+            num_warps=_norm_warps(block),
         )
     if residual is None:
         return out.view(x.shape)
@@ -245,7 +252,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         rows.stride(0), residual_rows.stride(0), out.values.stride(0), out.scales.stride(0), out.scales.stride(1),
         residual_out.stride(0), num_rows, num_cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, GROUP=group, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-        num_warps=_norm_warps(block),
+        TRIGGER=gemv_kernels.pdl_triggers(x.device), num_warps=_norm_warps(block),
     )
     if residual is None:
         return out

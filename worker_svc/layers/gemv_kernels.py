@@ -308,6 +308,19 @@ def pdl_launches(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def pdl_triggers(device: torch.device) -> bool:
+    """Whether the kernels that feed a GEMV or FP8 GEMM (the RMSNorms) let it launch at their start
+    (griddepcontrol.launch_dependents: Hopper and later): a kernel launched with PDL then asks for
+    its first weights while they run, and waits for them before reading what they wrote; any
+    other kernel after them waits for their end as ever."""
+    return pdl_launches(device) and _hopper_or_later(device)
+
+
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @functools.cache
 def pdl_in_graphs(device: torch.device) -> bool:
     """Whether programmatic dependent launches replay correctly from a CUDA graph here (driver
