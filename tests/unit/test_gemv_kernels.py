@@ -184,6 +184,39 @@ def test_gemv_replays_in_a_cuda_graph(kernels, tiles, pdl):
 
 
 @requires_cuda
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, rows):
+    """The RMSNorm lets the GEMV after it launch at its start (gemv_kernels.pdl_triggers); the
+    GEMV, launched with PDL, reads the norm's output only after its wait: in a graph replayed on
+    new inputs, norm + GEMV equal the same pair launched plainly, bit for bit."""
+    gemv_kernels = kernels[0]
+    from worker_svc.layers import fused_kernels
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not gemv_kernels.pdl_in_graphs(device):
+        pytest.skip("programmatic dependent launch does not replay in graphs here")
+    assert gemv_kernels.pdl_triggers(device)
+    g = torch.Generator(device="cuda").manual_seed(46)
+    w = torch.randn(4096, 1024, generator=g, device="cuda").to(torch.bfloat16)
+    norm_weight = torch.rand(1024, generator=g, device="cuda").to(torch.bfloat16) + 0.5
+    x = torch.randn(rows, 1024, generator=g, device="cuda").to(torch.bfloat16)
+    pdl, plain = (gemv_kernels.GemvConfig(rows if rows < 16 else 16, 8, 512 if rows < 16 else 128, pdl=on)
+                  for on in (True, False))
+
+    def pair(cfg):
+        return gemv_kernels.gemv(fused_kernels.rms_norm(x, norm_weight, 1e-6), w, cfg)
+
+    pair(pdl)   # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pair(pdl)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        assert torch.equal(out, pair(plain)), seed
+
+
+@requires_cuda
 @pytest.mark.parametrize("rows", [1, 4, 16, 64])
 def test_qwen3_8b_shapes_bf16_and_fp8(kernels, rows):
     """Qwen3-8B's projections, every start-up GEMV candidate, against F.linear in float64."""
