@@ -119,9 +119,12 @@ def barrier(name: str) -> None:
 
 
 def _store_barrier(store: dist.Store, name: str, world_size: int) -> None:
-    if store.add(f"arrived/{name}", 1) == world_size:
-        store.set(f"all/{name}", "1")
-    store.wait([f"all/{name}"])
+    """A barrier a name may serve again: every world_size arrivals under it make one round."""
+    arrived = store.add(f"arrived/{name}", 1)
+    done = f"all/{name}/{(arrived - 1) // world_size}"
+    if arrived % world_size == 0:
+        store.set(done, "1")
+    store.wait([done])
 
 
 def _heartbeat(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:

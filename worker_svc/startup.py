@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import pathlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -90,12 +89,21 @@ def select_backend(runner: ModelRunner) -> AttentionBackend:
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=runner.max_model_len, kv_cache_dtype=runner.kv_cache_dtype)
 
-    def agree(totals: list[float]) -> list[float]:
-        parallel_state.barrier("attention measured")   # first compiles take uneven time
-        return all_reduce_max(totals, runner.device)
-
     return select_attention_backend(config.attention_backend, runner.device, shape,
-                                    reduce_across_ranks=agree if runner.tp_size > 1 else None)
+                                    reduce_across_ranks=_slowest_rank(runner, "attention measured"))
+
+
+def _slowest_rank(runner: ModelRunner, name: str) -> Callable[[list[float]], list[float]] | None:
+    """For a start-up choice the ranks of a group must agree on: every rank's measured times
+    reduced to their element-wise maximum (so each rank chooses what the slowest measured), after
+    a barrier (first compiles take uneven time); None on a single rank."""
+    if runner.tp_size == 1:
+        return None
+
+    def agree(times: list[float]) -> list[float]:
+        parallel_state.barrier(name)
+        return all_reduce_max(times, runner.device)
+    return agree
 
 
 def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
@@ -115,13 +123,7 @@ def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
         from worker_svc.layers.linear_selection import select_linear_methods
         from worker_svc.layers.moe_selection import select_fp8_modes
 
-        rounds = itertools.count()
-
-        def agree(times: list[float]) -> list[float]:   # the ranks run the same kernels: the slowest rank's times
-            parallel_state.barrier(f"kernels measured {next(rounds)}")   # first compiles take uneven time
-            return all_reduce_max(times, runner.device)
-
-        reduce = agree if runner.tp_size > 1 else None
+        reduce = _slowest_rank(runner, "kernels measured")   # the ranks run the same kernels
         select_linear_methods(model, runner.device, runner.dtype, max_rows=config.max_num_batched_tokens,
                               reduce_across_ranks=reduce)
         select_fp8_modes(model, runner.device, runner.dtype, max_tokens=config.max_num_batched_tokens,

@@ -174,3 +174,34 @@ def test_steps_run_one_at_a_time_in_step_id_order():
     assert _run_steps(impatient, [8, 7]) == [7, 8]           # numbered otherwise: the lowest first
     assert _run_steps(impatient, [10]) == [10]               # step 9 never comes: 10 runs anyway
     assert 0.6 <= time.monotonic() - start < 4.5           # two waits of 0.3 s, not forever
+
+
+def test_a_named_barrier_holds_every_round_not_only_the_first():
+    """Two ranks pass a barrier of one name three times; the second rank's second pass waits for
+    the first rank, which arrives only after recording its work (a barrier that released once and
+    then stayed open would let the second rank through first)."""
+    from worker_svc.parallel_state import _store_barrier
+
+    store = dist.HashStore()
+    order = []
+
+    def first():
+        _store_barrier(store, "measured", 2)
+        time.sleep(0.3)
+        order.append("first rank's work")
+        _store_barrier(store, "measured", 2)
+        _store_barrier(store, "measured", 2)
+
+    def second():
+        _store_barrier(store, "measured", 2)
+        _store_barrier(store, "measured", 2)
+        order.append("second rank past round two")
+        _store_barrier(store, "measured", 2)
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert order == ["first rank's work", "second rank past round two"]
