@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from worker_svc.layers import gemv_kernels
-from worker_svc.layers.gemv_kernels import MAX_SPLIT_TILES, finish_split_k, prefetch_rows_l2, split_counters
+from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
+from worker_svc.layers.gemv_kernels import (MAX_SPLIT_TILES, finish_split_k, prefetch_rows_l2, split_counters,
+                                            split_slices)
 from worker_svc.layers.triton_compile import launch
 
 
@@ -183,10 +183,7 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
     config = dict(config or _matmul_config(num_rows))
     pdl = config.pop("PDL", False) and gemv_kernels.pdl_launches(a.device)
     prefetch = config.pop("PREFETCH", 0) if pdl else 0
-    groups = width // bk
-    split_k = max(1, min(config.pop("SPLIT_K", 1), groups))
-    groups_per_split = triton.cdiv(groups, split_k)
-    split_k = triton.cdiv(groups, groups_per_split)   # no slice without a group
+    groups_per_split, split_k = split_slices(width // bk, config.pop("SPLIT_K", 1))
     tiles = triton.cdiv(num_rows, config["BLOCK_M"]) * triton.cdiv(num_cols, config["BLOCK_N"])
     if split_k > 1:
         assert tiles <= MAX_SPLIT_TILES, (tiles, MAX_SPLIT_TILES)

@@ -289,6 +289,13 @@ def _store_output(acc, bias_ptr, out_ptr, offs_m, offs_n, n_mask, out_mask, stri
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+def split_slices(units: int, split: int) -> tuple[int, int]:
+    """(units per slice, slices) of K's `units` (tiles or groups) split about `split` ways: every
+    slice has units, so the count may come out below `split`."""
+    per_slice = triton.cdiv(units, max(1, min(split, units)))
+    return per_slice, triton.cdiv(units, per_slice)
+
+
 def split_counters(device: torch.device) -> torch.Tensor:
     """The device's tile counters: zeros, left at zero by every launch (of this module's GEMV and
     of fp8_kernels' split-K GEMM). Allocated by the first eager call, never during a CUDA-graph
@@ -384,10 +391,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
     if num_rows == 0:
         return out.view(*x.shape[:-1], num_cols)
     fp8 = weight_scale is not None
-    k_tiles = triton.cdiv(width, config.block_k)
-    split_k = max(1, min(config.split_k, k_tiles))
-    tiles_per_split = triton.cdiv(k_tiles, split_k)
-    split_k = triton.cdiv(k_tiles, tiles_per_split)   # no split without a tile
+    tiles_per_split, split_k = split_slices(triton.cdiv(width, config.block_k), config.split_k)
     grid = (triton.cdiv(num_cols, config.block_n), split_k, triton.cdiv(num_rows, config.block_m))
     if split_k > 1:
         partial = torch.empty(split_k, num_rows, num_cols, dtype=torch.float32, device=x.device)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.layers import fp8_kernels, fused_kernels
-from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, GemvConfig, pdl_in_graphs
+from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, GemvConfig, pdl_in_graphs, split_slices
 from worker_svc.layers.linear_methods import (Cublas, Dequantized, Fp8Cublas, Fp8Gemm, Gemv, LinearOperands,
                                               LinearPlan, Method, Runner)
 from worker_svc.layers.triton_compile import compile_ahead
@@ -116,8 +116,7 @@ def fp8_split(num_cols: int, width: int, rows: int, tile: dict, sms: int, group:
     programs = math.ceil(num_cols / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
     wanted = math.ceil(SPLIT_PROGRAMS_PER_SM * sms / programs)
     split = max(1, min(wanted, width // group // 2, MAX_SPLIT, width // (4 * 8 * rows)))
-    groups = width // group
-    return math.ceil(groups / math.ceil(groups / split))   # the slices that run: none without a group
+    return split_slices(width // group, split)[1]   # the slices that run
 
 
 def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True,
