@@ -91,7 +91,7 @@ def test_the_moe_block_runs_the_mode_chosen_for_its_token_count(selection, monke
     x = torch.randn(5, 64, device=DEVICE).to(torch.bfloat16)
     block(x[:2])
     assert seen == [None]   # nothing measured: the rows-per-expert rule decides inside
-    block.fp8_modes = moe_selection.Fp8Modes([2, 4], ["weight_only", "on_load"], "weight_only")
+    block.fp8_modes = moe_selection.Fp8Modes([2, 4, 8], ["weight_only", "on_load", "weight_only"])
     for tokens in (1, 3, 5):
         block(x[:tokens])
     assert seen[1:] == ["weight_only", "on_load", "weight_only"]

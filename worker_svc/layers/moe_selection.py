@@ -46,16 +46,18 @@ Measure = Callable[[list[Callable[[torch.Tensor, None], torch.Tensor]], torch.Te
 @dataclass
 class Fp8Modes:
     """The mode each token count runs: modes[i] up to bounds[i] tokens (above bounds[i - 1]),
-    `beyond` past the last bound; with what was measured."""
+    the last bound's past it; with what was measured."""
     bounds: list[int]
     modes: list[str]
-    beyond: str
     times: dict[int, dict[str, float]] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
 
+    @property
+    def beyond(self) -> str:
+        return self.modes[-1]
+
     def mode_for(self, num_tokens: int) -> str:
-        at = bisect.bisect_left(self.bounds, num_tokens)
-        return self.modes[at] if at < len(self.modes) else self.beyond
+        return self.modes[min(bisect.bisect_left(self.bounds, num_tokens), len(self.modes) - 1)]
 
     def summary(self) -> str:
         parts = []
@@ -114,7 +116,7 @@ def choose_fp8_modes(layers: list[nn.Module], top_k: int, dtype: torch.dtype, de
     failed = [tokens for tokens, mode in zip(bounds, modes) if not mode]
     if failed:
         raise RuntimeError(f"neither mode runs at {failed} tokens: {[rejected.get(t) for t in failed]}")
-    return Fp8Modes(bounds, modes, modes[-1], times, rejected)
+    return Fp8Modes(bounds, modes, times, rejected)
 
 
 def select_fp8_modes(model: nn.Module, device: torch.device, dtype: torch.dtype, *, max_tokens: int,
@@ -138,8 +140,7 @@ def select_fp8_modes(model: nn.Module, device: torch.device, dtype: torch.dtype,
                        "rule (moe_kernels.default_fp8_activations)", type(exc).__name__, str(exc)[:300])
         return None
     finally:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     for block in blocks:
         block.fp8_modes = choice
     logger.info("FP8 experts (%d layers), activation mode by tokens, ms per call: %s", len(blocks),
