@@ -47,6 +47,11 @@ copy_logs() {   # the JSON results, and the logs as one archive, under $OUT (8 f
     true
 }
 
+one_row_choices() {   # DIR: what the start-up selection chose at 1 row for each FP8 kind, from the logs under DIR
+    grep -rhao "linear [a-z_]* [0-9x]* fp8 .*ms per call by rows: 1: [^;]*" "$1" 2>/dev/null \
+        | sed "s/ms per call by rows: //" | head -4
+}
+
 with_floor() {  # the bandwidth measured by `checkpoint`, for the floor in the tables
     mkdir -p "$BENCH/$1" && cp "$BENCH/bandwidth.json" "$BENCH/$1/" 2>/dev/null
     true
@@ -148,8 +153,7 @@ PY
         }
         run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256" 240   # cold: compiles
         # what the start-up selection chose at 1 row for each FP8 kind (v37: the split-K FP8 GEMM or not)
-        grep -rhao "linear [a-z_]* [0-9x]* fp8 .*ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" 2>/dev/null \
-            | sed "s/ms per call by rows: //" | head -4
+        one_row_choices "$BENCH/moe/logs"
         run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256" 120
         run on decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256" 120
         WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256" 100
@@ -164,8 +168,7 @@ PY
             (cd "$dir" && timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/b1-$tree" \
                 --stages ${STAGES:-bandwidth,decode_8b_bf16,decode_8b_fp8} --fixed-batch 1 --fixed-steps 256 2>&1 \
                 | grep -v "^ *$" | tail -8 | sed "s/^/$tree: /")
-            grep -rhao "linear [a-z_]* [0-9x]* fp8 .*ms per call by rows: 1: [^;]*" "/tmp/b1-$tree" 2>/dev/null \
-                | sed "s/ms per call by rows: //; s/^/$tree: /" | head -4
+            one_row_choices "/tmp/b1-$tree" | sed "s/^/$tree: /"
         done
         ;;
     stage)
