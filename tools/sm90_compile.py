@@ -58,8 +58,6 @@ class Record:
     compiled: dict[str, list[Compiled]] = dataclasses.field(default_factory=lambda: defaultdict(list))
     errors: dict[str, str] = dataclasses.field(default_factory=dict)     # kernel -> first compile error
     launches: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
-    case: str = ""
-    cases: dict[str, set[str]] = dataclasses.field(default_factory=lambda: defaultdict(set))   # kernel -> cases
 
     def varying_arguments(self) -> dict[str, list[str]]:
         """Per kernel, the arguments whose specialisation alone made a second variant: variants of
@@ -81,7 +79,6 @@ class Record:
 @contextlib.contextmanager
 def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
     """Within: every Triton launch compiles for sm_<arch> (once per specialisation) and runs nothing."""
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile, make_backend
     from triton.runtime import jit as triton_jit
@@ -97,7 +94,6 @@ def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
     def run(self, *args, grid, warmup, **kwargs):
         name = self.__name__
         record.launches[name] += 1
-        record.cases[name].add(record.case)
         kwargs.pop("launch_pdl", None)   # a launch option; the kernel's code is the same
         binder = binders.get(id(self))
         if binder is None:
@@ -116,18 +112,17 @@ def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
         except Exception as exc:  # noqa: BLE001 - recorded: the caller asserts there are none
             record.errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
             return None
-        design = (tuple(sorted((k, repr(v)) for k, v in constexprs.items()
-                               if self.params[k[0]].is_constexpr)), repr(sorted(options.__dict__.items())))
+        constants = {self.params[k[0]].name: v for k, v in constexprs.items() if self.params[k[0]].is_constexpr}
+        design = (tuple(sorted((k, repr(v)) for k, v in constants.items())), repr(sorted(options.__dict__.items())))
         argument_specs = {param.name: repr(spec) for param, spec in zip(self.params, specialization)
                           if not param.is_constexpr}
         registers, stack = _resource_usage(kernel.asm["cubin"])
         record.compiled[name].append(Compiled(name, key, kernel.metadata.shared, time.perf_counter() - started,
                                               design, argument_specs, registers, stack))
         if kernel.metadata.shared > SHARED_LIMIT:
-            constants = ", ".join(f"{self.params[k[0]].name}={v}" for k, v in constexprs.items()
-                                  if self.params[k[0]].is_constexpr)
             record.errors.setdefault(name, f"{kernel.metadata.shared} bytes of shared memory, over sm_{arch}'s "
-                                           f"{SHARED_LIMIT} a block: the launch would fail ({constants})")
+                                           f"{SHARED_LIMIT} a block: the launch would fail "
+                                           f"({', '.join(f'{k}={v}' for k, v in constants.items())})")
         return None
 
     original = triton_jit.JITFunction.run
@@ -136,7 +131,6 @@ def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
         yield record
     finally:
         triton_jit.JITFunction.run = original
-    del triton
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -536,7 +530,6 @@ def compile_catalogue(names: list[str] | None = None) -> Record:
         for name, case in cases.items():
             if names and name not in names:
                 continue
-            record.case = name
             case()
     return record
 
