@@ -34,6 +34,20 @@ def fp8_experts(num_experts=4, hidden=64, intermediate=64):
     return experts
 
 
+def fp8_moe_block():
+    """A SparseMoeBlock of fp8_experts(): 4 experts, top-2, hidden 64."""
+    from worker_svc.layers.moe import SparseMoeBlock
+
+    class Config:
+        hidden_act, num_experts_per_tok, norm_topk_prob = "silu", 2, True
+        hidden_size, num_experts, moe_intermediate_size = 64, 4, 64
+
+    with torch.device(DEVICE):
+        block = SparseMoeBlock(Config, Fp8Config(block=(32, 32)))
+    block.experts = fp8_experts()
+    return block
+
+
 def test_each_token_count_runs_the_faster_mode(selection):
     """on_load is timed faster from 8 tokens on here: the buckets up to 4 keep weight_only (the
     tie at 4 too: no quantization where it buys nothing), the rest and the counts past the last
@@ -70,15 +84,7 @@ def test_a_mode_that_strays_from_the_weight_only_product_is_never_chosen(selecti
 
 def test_the_moe_block_runs_the_mode_chosen_for_its_token_count(selection, monkeypatch):
     moe_selection, moe_kernels = selection
-    from worker_svc.layers.moe import SparseMoeBlock
-
-    class Config:
-        hidden_act, num_experts_per_tok, norm_topk_prob = "silu", 2, True
-        hidden_size, num_experts, moe_intermediate_size = 64, 4, 64
-
-    with torch.device(DEVICE):
-        block = SparseMoeBlock(Config, Fp8Config(block=(32, 32)))
-    block.experts = fp8_experts()
+    block = fp8_moe_block()
     block.gate.weight.data = (torch.randn(4, 64, device=DEVICE) * 0.1).to(torch.bfloat16)
     seen = []
     real = moe_kernels.fused_experts
@@ -100,15 +106,7 @@ def test_the_moe_block_runs_the_mode_chosen_for_its_token_count(selection, monke
 def test_a_failed_measurement_keeps_the_rule_and_says_so(selection, monkeypatch, caplog):
     """Nothing is installed and one WARNING names the failure; the worker starts regardless."""
     moe_selection, _ = selection
-    from worker_svc.layers.moe import SparseMoeBlock
-
-    class Config:
-        hidden_act, num_experts_per_tok, norm_topk_prob = "silu", 2, True
-        hidden_size, num_experts, moe_intermediate_size = 64, 4, 64
-
-    with torch.device(DEVICE):
-        model = torch.nn.Sequential(SparseMoeBlock(Config, Fp8Config(block=(32, 32))))
-    model[0].experts = fp8_experts()
+    model = torch.nn.Sequential(fp8_moe_block())
 
     def failing(*args, **kwargs):
         raise RuntimeError("no graphs here")
