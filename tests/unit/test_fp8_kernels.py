@@ -55,6 +55,15 @@ def reference_group_quant(x: torch.Tensor, group: int, *, reciprocal: bool = Fal
     return values.flatten(-2), scale
 
 
+def emulated_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], *,
+                    reciprocal: bool = False, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The block-FP8 GEMM emulated: x quantized per token group (reference_group_quant) and
+    dequantized, times the dequantized weight, in `dtype`."""
+    values, scales = reference_group_quant(x, block[1], reciprocal=reciprocal)
+    x_dequantized = (values.to(dtype).unflatten(-1, (-1, block[1])) * scales[..., None].to(dtype)).flatten(-2)
+    return x_dequantized @ dequantize_blocks(weight, scale, block, dtype).T
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width,group", [(128 * 20, 128), (96, 32)])
 def test_token_group_quant_is_torch_rounding(fp8_kernels, dtype, width, group):
@@ -79,9 +88,7 @@ def test_block_fp8_matmul_matches_its_emulation(fp8_kernels, out_dtype, rows, co
     weight, scale = quantize_blocks(torch.randn(cols, width, generator=g) * 0.05, block)
     x = torch.randn(rows, width, generator=g).to(out_dtype)
     b = torch.randn(cols, generator=g).to(out_dtype) if bias else None
-    x_values, x_scales = reference_group_quant(x, block[1])
-    x_dequantized = (x_values.double().unflatten(-1, (-1, block[1])) * x_scales[..., None].double()).flatten(-2)
-    expected = x_dequantized @ dequantize_blocks(weight, scale, block, torch.float64).T
+    expected = emulated_linear(x, weight, scale, block)
     if bias:
         expected += b.double()
     actual = fp8_kernels.fp8_linear(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), block,
@@ -105,9 +112,7 @@ def test_split_k_matches_its_emulation_and_leaves_the_counters_at_zero(fp8_kerne
     x = torch.randn(rows, 7 * 32, generator=g).to(DEVICE)
     b = torch.randn(96, generator=g).to(DEVICE)
     tile = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=2)
-    x_values, x_scales = reference_group_quant(x.cpu(), block[1])
-    x_dequantized = (x_values.double().unflatten(-1, (-1, block[1])) * x_scales[..., None].double()).flatten(-2)
-    expected = x_dequantized @ dequantize_blocks(weight.cpu(), scale.cpu(), block, torch.float64).T + b.cpu().double()
+    expected = emulated_linear(x.cpu(), weight.cpu(), scale.cpu(), block) + b.cpu().double()
     for inputs in ({}, {"quantize_on_load": True}, "activation"):
         def run(config, inputs=inputs):
             if inputs == "activation":
@@ -135,9 +140,7 @@ def test_quantizing_on_load_gives_the_quantize_first_product(fp8_kernels, out_dt
     on_load = fp8_kernels.fp8_linear(x, weight, scale, block, b, quantize_on_load=True)
     assert relative_error(on_load, first) <= (FP8_GEMM_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
     # Its activations are exactly the reciprocal-multiplying reference's.
-    x_values, x_scales = reference_group_quant(x.cpu(), block[1], reciprocal=True)
-    x_dequantized = (x_values.double().unflatten(-1, (-1, block[1])) * x_scales[..., None].double()).flatten(-2)
-    expected = x_dequantized @ dequantize_blocks(weight.cpu(), scale.cpu(), block, torch.float64).T + b.cpu().double()
+    expected = emulated_linear(x.cpu(), weight.cpu(), scale.cpu(), block, reciprocal=True) + b.cpu().double()
     assert relative_error(on_load, expected) <= (FP8_GEMM_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
 
 
@@ -218,9 +221,7 @@ def test_cublas_block_scaled_fp8_matches_the_emulation(fp8_kernels, rows):
         actual = fp8_kernels.cublas_fp8_linear(x, weight, fp8_kernels.cublas_weight_scales(scale), (128, 128))
     except (RuntimeError, NotImplementedError) as exc:
         pytest.skip(f"no block-scaled FP8 in this torch / cuBLAS: {exc}")
-    x_values, x_scales = reference_group_quant(x, 128)
-    x_dequantized = (x_values.float().unflatten(-1, (-1, 128)) * x_scales[..., None]).flatten(-2)
-    expected = x_dequantized @ dequantize_blocks(weight, scale, (128, 128), torch.float32).T
+    expected = emulated_linear(x, weight, scale, (128, 128), dtype=torch.float32)
     assert relative_error(actual, expected) <= 2 ** -7
 
 
@@ -240,10 +241,8 @@ def test_qwen3_8b_shapes(fp8_kernels, rows):
     for cols, width in [(24576, 4096), (4096, 12288)]:
         weight, scale = quantize_blocks(torch.randn(cols, width, generator=g, device="cuda") * 0.02, (128, 128))
         x = torch.randn(rows, width, generator=g, device="cuda").to(torch.bfloat16)
-        w = dequantize_blocks(weight, scale, (128, 128), torch.float32)
         for on_load in (False, True):
-            x_values, x_scales = reference_group_quant(x, 128, reciprocal=on_load)
-            expected = (x_values.float().unflatten(-1, (-1, 128)) * x_scales[..., None]).flatten(-2) @ w.T
+            expected = emulated_linear(x, weight, scale, (128, 128), reciprocal=on_load, dtype=torch.float32)
             actual = fp8_kernels.fp8_linear(x, weight, scale, (128, 128), quantize_on_load=on_load)
             assert relative_error(actual, expected) <= QWEN3_8B_FP8_BOUND, (cols, width, on_load)
 
