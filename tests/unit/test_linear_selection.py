@@ -41,6 +41,17 @@ def timings(table: dict[str, float]):
     return measure
 
 
+def zeros_method(methods):
+    """A method whose product is all zeros: its check against the product refuses it."""
+    @dataclasses.dataclass(frozen=True)
+    class Zeros(methods.Method):
+        name = "zeros"
+
+        def bind(self, operands, dtype):
+            return lambda x, bias: torch.zeros(x.shape[0], operands.weight.shape[0], dtype=x.dtype, device=x.device)
+    return Zeros()
+
+
 def bf16_operands(methods, cols=48, width=64, seed=51):
     g = torch.Generator().manual_seed(seed)
     return methods.LinearOperands((torch.randn(cols, width, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE))
@@ -76,17 +87,10 @@ def test_the_fastest_method_wins_each_row_count(selection):
 
 def test_a_method_that_disagrees_with_the_product_is_never_chosen(selection):
     linear_selection, methods = selection
-
-    @dataclasses.dataclass(frozen=True)
-    class Zeros(methods.Method):
-        name = "zeros"
-
-        def bind(self, operands, dtype):
-            return lambda x, bias: torch.zeros(x.shape[0], operands.weight.shape[0], dtype=x.dtype, device=x.device)
-
     choice = linear_selection.choose_methods(
         "proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=2, sms=4,
-        measure=timings({"zeros": 0.1, "cublas": 1.0}), candidate_methods=lambda *a: [Zeros(), methods.Cublas()])
+        measure=timings({"zeros": 0.1, "cublas": 1.0}),
+        candidate_methods=lambda *a: [zeros_method(methods), methods.Cublas()])
     assert {str(m) for m in choice.chosen.values()} == {"cublas"}
     assert "relative error" in choice.rejected["zeros"]
 
@@ -353,13 +357,6 @@ def test_the_ranks_of_a_group_run_the_slowest_ranks_choice(selection):
     linear_selection, methods = selection
     gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64))
 
-    @dataclasses.dataclass(frozen=True)
-    class Zeros(methods.Method):
-        name = "zeros"
-
-        def bind(self, operands, dtype):
-            return lambda x, bias: torch.zeros(x.shape[0], operands.weight.shape[0], dtype=x.dtype, device=x.device)
-
     theirs = {1: [math.inf, 1.0, 0.5], 2: [math.inf, 1.0, 3.0]}   # zeros, cublas, gemv on the other rank
     reduced = []
 
@@ -370,7 +367,7 @@ def test_the_ranks_of_a_group_run_the_slowest_ranks_choice(selection):
     choice = linear_selection.choose_methods(
         "proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=4, sms=4,
         measure=timings({"zeros": 0.1, "cublas": 1.0, "gemv": 0.5}),
-        candidate_methods=lambda op, rows, *a: [Zeros(), methods.Cublas(), gemv] if rows <= 2 else [methods.Cublas()],
+        candidate_methods=lambda op, rows, *a: [zeros_method(methods), methods.Cublas(), gemv] if rows <= 2 else [methods.Cublas()],
         reduce_across_ranks=reduce)
     assert reduced == [[math.inf, 1.0, 0.5], [math.inf, 1.0, 0.5]]   # one call per measured row count
     assert [str(m) for m in choice.chosen.values()] == [str(gemv), "cublas", "cublas"]
