@@ -151,11 +151,11 @@ PY
             OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=$4 bash "$0" moe | grep -v "^ *$"
             grep -rh "start-up check\|compiled after start-up" "$BENCH/moe" 2>/dev/null | head -3
         }
-        run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256" 240   # cold: compiles
+        run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240   # cold: compiles
         # what the start-up selection chose at 1 row for each FP8 kind (v37: the split-K FP8 GEMM or not)
         one_row_choices "$BENCH/moe/logs"
-        run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256" 120
-        run on decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256" 120
+        run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256 --fixed-profile" 120
+        run on decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256 --fixed-profile" 150
         WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256" 100
         ;;
     b1ab)   # Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref and on this tree (one machine: the batch-1

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import time
 
 from common.constraint import Constraint, GrammarError
 from common.model_dir import read_model_facts
@@ -92,6 +93,9 @@ class LLM:
         self._eos_token_ids = read_model_facts(model).eos_token_ids
         self._engine_config = EngineConfig(**engine)
         self._counter = itertools.count(1)
+        # When each step's tokens reached generate (time.perf_counter), for the last call: the
+        # intervals are its steps' times, free of the call's own start and prefill.
+        self.step_times: list[float] = []
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Runs every prompt (token ids) to completion, all submitted at once; returns the
@@ -118,10 +122,13 @@ class LLM:
                     raise ValueError(f"request {request.request_id} refused: {result.message}")
             outputs: dict[int, list[int]] = {seq_id: [] for seq_id in seq_ids}
             pending = set(seq_ids)
+            self.step_times = []
             while pending:
                 event = await events.get()
                 if event.outputs is None:
                     continue
+                if event.outputs.token_ids:
+                    self.step_times.append(time.perf_counter())
                 for seq_id, token in zip(event.outputs.seq_ids, event.outputs.token_ids):
                     outputs[seq_id].append(token)
                 pending.difference_update(f.seq_id for f in event.outputs.finished)

@@ -1,7 +1,7 @@
 """Stages decode_<model>_<dtype>: Qwen3-0.6B and Qwen3-8B configs, bf16 and --quantization fp8
 (dummy weights), decode tok/s at --fixed-batch through the in-process engine against each one's
-floor. Two runs of the same shape, one with a single output token: their difference is the decode
-time of --fixed-steps steps."""
+floor. The decode time is the span from the prefill's token to the last of --fixed-steps decode
+steps' tokens as the engine returned them (with each step's median and 90th-percentile time)."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-steps", type=int, default=128, help="decode steps timed in the decode_<model>_<dtype> stages")
     p.add_argument("--fixed-kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"),
                    help="the KV cache of the decode_<model>_<dtype> stages (fp8: FP8 weights with an FP8 KV cache)")
+    p.add_argument("--fixed-profile", action="store_true",
+                   help="also the kernels' time a decode step (torch.profiler over two more runs, CUDA only): "
+                        "what the step's wall time holds beyond its device work")
 
 
 def stage_name(model: str, dtype: str) -> str:
@@ -54,16 +57,42 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
 
     timed_run(0, 1 + steps)   # compiles every shape the timed runs use
     prefill_s = statistics.median(timed_run(seed, 1) for seed in (1, 2))
-    decode_s = timed_run(3, 1 + steps) - prefill_s
-    return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "kv_cache_dtype": args.fixed_kv_cache_dtype,
-            "decode_s": decode_s, "prefill_s": prefill_s, "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
+    total_s = timed_run(3, 1 + steps)
+    # The decode steps' own times: from the prefill's token to the last step's, as generate received
+    # them (v38: the call's start-up and prefill, subtracted as two runs' difference, varied by ~0.1 s).
+    times = llm.step_times
+    if len(times) != steps + 1:
+        raise RuntimeError(f"{len(times)} steps returned tokens, expected {steps + 1} (one prefill, {steps} decodes)")
+    intervals = [b - a for a, b in zip(times, times[1:])]
+    decode_s = times[-1] - times[0]
+    device_ms = None
+    if args.fixed_profile and args.device != "cpu":   # the decode steps' kernels: a long run's less a 1-token run's
+        device_ms = (kernel_ms(lambda: timed_run(4, 1 + steps)) - kernel_ms(lambda: timed_run(5, 1))) / steps
+    return {"device_ms_per_step": device_ms,"batch": batch, "prompt_len": prompt_len, "steps": steps, "kv_cache_dtype": args.fixed_kv_cache_dtype,
+            "decode_s": decode_s, "decode_s_by_difference": total_s - prefill_s, "prefill_s": prefill_s,
+            "step_ms_median": statistics.median(intervals) * 1e3,
+            "step_ms_p90": statistics.quantiles(intervals, n=10)[-1] * 1e3,
+            "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
+
+
+def kernel_ms(call) -> float:
+    """Milliseconds of CUDA kernels (and copies) that call ran, by torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
 def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     rates = measured_rates(results)
     print(f"\ndecode at a fixed batch, in-process engine (dummy weights, KV cache {args.fixed_kv_cache_dtype}); "
           "floor: weights + KV over the copy bandwidth, or the FLOPs at the measured rate")
-    print(f"{'model':14s} {'batch':>5s} {'tok/s':>9s} {'floor':>9s} {'of floor':>8s} {'vs bf16':>8s}")
+    print(f"{'model':14s} {'batch':>5s} {'tok/s':>9s} {'floor':>9s} {'of floor':>8s} {'vs bf16':>8s} "
+          f"{'step p50':>8s} {'p90 ms':>7s} {'device':>7s}")
     for model in MODELS:
         for dtype in DTYPES:
             record = results.get(stage_name(model, dtype), {})
@@ -81,7 +110,10 @@ def _print_row(args, model: str, dtype: str, r: dict, bf16: dict, rates: dict | 
         floor = f"{floor_tps:9.0f} {r['tok_per_s'] / floor_tps:8.1%}"
     speedup = f"{r['tok_per_s'] / bf16['result']['tok_per_s']:7.2f}x" if dtype != "bf16" and bf16.get("ok") else ""
     label = f"{'tiny ' + model if args.tiny else 'Qwen3-' + model.upper()} {dtype}"
-    print(f"{label:14s} {r['batch']:5d} {r['tok_per_s']:9.0f} {floor} {speedup:>8s}")
+    steps = f"{r['step_ms_median']:8.2f} {r['step_ms_p90']:7.2f}" if "step_ms_median" in r else ""
+    if r.get("device_ms_per_step") is not None:
+        steps += f" {r['device_ms_per_step']:7.2f}"
+    print(f"{label:14s} {r['batch']:5d} {r['tok_per_s']:9.0f} {floor} {speedup:>8s} {steps}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 
 import numpy as np
 
@@ -54,7 +55,7 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
     from worker_svc.step_message import NewRequest
 
     largest = max(batches)
-    steps_needed = 4 + PROFILED_STEPS
+    steps_needed = 4 + 2 * PROFILED_STEPS
     runner = ModelRunner(WorkerConfig(model=str(path), device="cuda", attention_backend=attention_backend,
                                       max_num_seqs=largest, max_num_batched_tokens=16384,
                                       max_model_len=context + steps_needed + 16, load_format=load_format,
@@ -84,6 +85,11 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
             step_id += 1
             _step(runner, step_id, cached=seq_ids)
         torch.cuda.synchronize()
+        started = time.perf_counter()    # the same steps unprofiled: wall time a step (launch to result)
+        for _ in range(PROFILED_STEPS):
+            step_id += 1
+            _step(runner, step_id, cached=seq_ids)
+        wall_ms = (time.perf_counter() - started) * 1e3 / PROFILED_STEPS
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(PROFILED_STEPS):
                 step_id += 1
@@ -95,7 +101,7 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
                 per_kernel[event.name] += event.device_time / 1e3 / PROFILED_STEPS   # us -> ms per step
         total = sum(per_kernel.values())
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
-        rows.append({"batch": batch, "context": context, "device_ms_per_step": total,
+        rows.append({"batch": batch, "context": context, "device_ms_per_step": total, "wall_ms_per_step": wall_ms,
                      "top": [(name, round(ms, 4)) for name, ms in top[:25]]})
     return rows
 
@@ -105,7 +111,8 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     model = f"{result.get('model', 'checkpoint')}{' ' + result['quantization'] if result.get('quantization') else ''}"
     for row in result["rows"]:
         print(f"\nprofile ({model}): decode graph replay at batch {row['batch']}, context {row['context']}: "
-              f"{row['device_ms_per_step']:.2f} ms of kernels per step; top kernels (ms per step, share)")
+              f"{row['device_ms_per_step']:.2f} ms of kernels per step (profiled), "
+              f"{row.get('wall_ms_per_step', float('nan')):.2f} ms wall a step unprofiled; top kernels (ms per step, share)")
         for name, ms in row["top"][:12]:
             print(f"  {ms:7.3f} {ms / row['device_ms_per_step']:6.1%}  {name[:90]}")
 

@@ -1,0 +1,30 @@
+"""The decode_<model>_<dtype> stages (bench/stages/fixed_batch.py) on the tiny 8B stand-in, bf16 and
+FP8, on the CPU: the decode time is the span of the steps' own tokens as the engine returned them
+(one prefill step, then --fixed-steps decode steps), not the difference of two calls' times, and
+the table prints each step's median and 90th percentile. Times are reported, never asserted."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.gpu_bench import main
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_decode_stages_time_the_steps_themselves(tmp_path, capsys):
+    code = main(["--stages", "decode_8b_bf16,decode_8b_fp8", "--out", str(tmp_path), "--device", "cpu", "--tiny"])
+    printed = capsys.readouterr().out
+    print(printed)
+    records = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("decode_8b_bf16", "decode_8b_fp8")}
+    assert code == 0 and all(r["ok"] for r in records.values()), {n: r.get("error") for n, r in records.items()}
+    for record in records.values():
+        r = record["result"]
+        assert r["tok_per_s"] == pytest.approx(r["batch"] * r["steps"] / r["decode_s"])
+        # the span holds `steps` intervals: their median and 90th percentile lie within it
+        assert 0 < r["step_ms_median"] <= r["step_ms_p90"] <= r["decode_s"] * 1e3
+        assert r["step_ms_median"] * r["steps"] < 2 * r["decode_s"] * 1e3
+        # the span leaves out the call's start-up and prefill, which the old difference of two calls kept in
+        assert r["decode_s"] < r["decode_s_by_difference"] + r["prefill_s"]
+    assert "step p50" in printed and "tiny 8b fp8" in printed
