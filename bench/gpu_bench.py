@@ -133,6 +133,8 @@ def run_stage(args: argparse.Namespace) -> int:
     # sizes) go to the stage's log, where a surprising number can be traced to them.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("worker_svc").setLevel(logging.INFO)
+    # every candidate's time in the linear selection, not only the winner's and the runner-up's (v38)
+    logging.getLogger("worker_svc.layers.linear_selection").setLevel(logging.DEBUG)
     started = time.perf_counter()
     try:
         record = {"ok": True, "result": stage.run(args)}

@@ -83,6 +83,8 @@ def test_the_fastest_method_wins_each_row_count(selection):
         assert ((plan(x, None).double() - expected).abs().max() / expected.abs().max()).item() <= 2 ** -7
     assert plan.runner_for(1) is not plan.runner_for(2) is plan.runner_for(3) is plan.runner_for(9)
     assert choice.summary().startswith("1: gemv(m2 n16 k64") and choice.summary().endswith("4: cublas; >4: cublas")
+    # the full table: every candidate at each measured row count, quickest first (4 rows: nothing measured)
+    assert choice.table() == f"1: {gemv} 0.5000, cublas 1.0000; 2: cublas 1.0000, {gemv} 1.0000"
 
 
 def test_a_method_that_disagrees_with_the_product_is_never_chosen(selection):

@@ -97,6 +97,11 @@ class KindChoice:
         parts.append(f">{max(self.chosen)}: {self.beyond}")
         return "; ".join(parts)
 
+    def table(self) -> str:
+        """rows: every candidate measured there, quickest first, with its ms (what summary leaves out)."""
+        return "; ".join(f"{rows}: " + ", ".join(f"{name} {ms:.4f}" for name, ms in sorted(times.items(), key=lambda kv: kv[1]))
+                         for rows, times in self.times.items() if times)
+
 
 def auto_split(num_cols: int, width: int, rows: int, config: GemvConfig, sms: int) -> int:
     """Split-K factor that gives about SPLIT_PROGRAMS_PER_SM programs per SM, each with at least
@@ -394,5 +399,6 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
                 layer.plan = bind_plan(choice, op, dtype)
             choices[label] = choice
             logger.info("linear %s (%d layers), ms per call by rows: %s", label, len(layers), choice.summary())
+            logger.debug("linear %s, every candidate's ms per call by rows: %s", label, choice.table())
     torch.cuda.empty_cache()
     return choices
