@@ -198,6 +198,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
 
     def fp8() -> None:
         from worker_svc.layers import fp8_kernels as f8
+        from worker_svc.layers.linear_selection import FP8_NARROW_MAX_ROWS, FP8_NARROW_TILES
         weight = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
         for rows in DECODE_ROWS:
@@ -215,6 +216,13 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                     for slices in (1, 8):
                         f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
                                       config={**split, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2})
+            if rows <= FP8_NARROW_MAX_ROWS:   # narrow column tiles over the whole of K, with PDL too
+                for tile in FP8_NARROW_TILES:
+                    narrow = {**f8._matmul_config(rows), **tile}
+                    f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=narrow)
+                    with _as_on_a_hopper():
+                        f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
+                                      config={**narrow, "PDL": True, "PREFETCH": 2})
     cases["fp8"] = fp8
 
     def gemv() -> None:

@@ -233,6 +233,29 @@ def test_cublas_block_scaled_fp8_matches_the_emulation(fp8_kernels, rows):
 QWEN3_8B_FP8_BOUND = 2 ** -6
 
 
+@pytest.mark.parametrize("tile", [dict(BLOCK_N=16, num_stages=8), dict(BLOCK_N=32, num_stages=6)])
+def test_narrow_column_tiles_match_the_emulation(fp8_kernels, tile):
+    """linear_selection's narrow FP8 GEMM tiles at a few rows (16 and 32 columns: more programs,
+    each over the whole of K), input quantized first and as an Fp8Activation, with a bias: the
+    emulation's product, as the default tile gives it."""
+    from worker_svc.layers.linear_selection import FP8_NARROW_TILES
+
+    assert tile in FP8_NARROW_TILES
+    g = torch.Generator().manual_seed(44 + tile["BLOCK_N"])
+    block = (32, 32)
+    weight, scale = quantize_blocks(torch.randn(80, 4 * 32, generator=g) * 0.05, block)   # 80: a partial tile
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    b = torch.randn(80, generator=g).to(DEVICE)
+    for rows in (1, 3):
+        x = torch.randn(rows, 4 * 32, generator=g).to(DEVICE)
+        config = {**fp8_kernels._matmul_config(rows), **tile}
+        expected = emulated_linear(x.cpu(), weight.cpu(), scale.cpu(), block) + b.cpu().double()
+        for activation in (x, fp8_kernels.quantize_activation(x, block[1])):
+            actual = fp8_kernels.fp8_linear(activation, weight, scale, block, b, config=config)
+            assert actual.shape == (rows, 80)
+            assert relative_error(actual, expected) <= FP8_GEMM_VS_EMULATION, (rows, type(activation).__name__)
+
+
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 64, 256, 2048])
 def test_qwen3_8b_shapes(fp8_kernels, rows):

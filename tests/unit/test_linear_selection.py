@@ -347,6 +347,11 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     # 64 rows: the partials' traffic caps gate_up at 2 slices (4096 / (32 x 64)); none past GEMV_MAX_ROWS.
     assert splits(candidates("gate_up", 64)) == ["2"] and splits(candidates("qkv", 128)) == []
     assert splits(candidates("down", 16)) == ["16"] and splits(candidates("o", 16)) == ["8"]
+    # Up to 16 rows also narrow column tiles over the whole of K (no split), quantized input, with PDL too.
+    narrow = {"fp8-gemm(quant+ 16x16 w4 s8)", "fp8-gemm(quant+ 16x32 w4 s6)", "fp8-gemm(quant+ 16x16 w4 s8 pdl pf2)",
+              "fp8-gemm(quant+ 16x32 w4 s6 pdl pf2)"}
+    assert narrow <= set(one_row) and narrow <= set(candidates("down", 16))
+    assert not any(n.startswith("fp8-gemm(quant+ 32x16") for n in candidates("o", 32))
     # o: 64 tiles would want 17 slices for 8 programs an SM; 32 groups allow 16 of two groups each.
     assert linear_selection.fp8_split(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == 16
 

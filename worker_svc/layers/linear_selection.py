@@ -61,6 +61,11 @@ FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stag
                   dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
                   dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3))
 FP8_PDL_PREFETCH = 2            # K tiles of weights the FP8 GEMM asks into L2 before its PDL wait
+# Narrow column tiles of the unsplit FP8 GEMM up to FP8_NARROW_MAX_ROWS rows (quantized input): more
+# programs than the 64-column tile gives a 4,096-column weight, each over the whole of K (no partials),
+# with deeper pipelines for their smaller loads (PERF_NOTES v38: split-K lost at one row on an H100).
+FP8_NARROW_TILES = (dict(BLOCK_N=16, num_stages=8), dict(BLOCK_N=32, num_stages=6))
+FP8_NARROW_MAX_ROWS = 16
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
@@ -163,6 +168,12 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
             if pdl:   # the weights' first tiles asked for while the kernel before ends (as the GEMVs do)
                 methods += [Fp8Gemm.of({**default, "SPLIT_K": s, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH},
                                        quantize_on_load=False) for s in sorted({1, split})]
+        if rows <= FP8_NARROW_MAX_ROWS:
+            for narrow in ({**default, **tile} for tile in FP8_NARROW_TILES):
+                methods.append(Fp8Gemm.of(narrow, quantize_on_load=False))
+                if pdl:
+                    methods.append(Fp8Gemm.of({**narrow, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH},
+                                              quantize_on_load=False))
     else:
         methods = [Cublas()]
     if rows <= GEMV_MAX_ROWS:
