@@ -198,7 +198,8 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
 
     def fp8() -> None:
         from worker_svc.layers import fp8_kernels as f8
-        from worker_svc.layers.linear_selection import FP8_NARROW_MAX_ROWS, FP8_NARROW_TILES
+        from worker_svc.layers.linear_selection import (FP8_GEMM_TILES, FP8_NARROW_MAX_ROWS, FP8_NARROW_TILES,
+                                                        FP8_WAVE_SPLIT_MAX_ROWS, GEMV_MAX_ROWS)
         weight = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
         for rows in DECODE_ROWS:
@@ -216,6 +217,10 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                     for slices in (1, 8):
                         f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
                                       config={**split, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2})
+            if GEMV_MAX_ROWS < rows <= FP8_WAVE_SPLIT_MAX_ROWS:   # the prefill tiles with K in two slices
+                for tile in FP8_GEMM_TILES[:2]:
+                    f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
+                                  config={**tile, "SPLIT_K": 2})
             if rows <= FP8_NARROW_MAX_ROWS:   # narrow column tiles over the whole of K, with PDL too
                 for tile in FP8_NARROW_TILES:
                     narrow = {**f8._matmul_config(rows), **tile}

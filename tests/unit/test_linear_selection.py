@@ -326,7 +326,7 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     """At a few rows a 4,096-column FP8 weight has 64 column tiles of the FP8 GEMM, fewer programs
     than a Hopper's 132 SMs: the candidates add the GEMM with K split over more programs (both
     activation paths), sized to about SPLIT_PROGRAMS_PER_SM programs an SM with at least two of
-    K's groups each; none past GEMV_MAX_ROWS."""
+    K's groups each; past GEMV_MAX_ROWS only two slices, where the tiles fill less than two waves."""
     linear_selection, methods = selection
     shapes = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 12288), "gate_up": (24576, 4096)}
 
@@ -344,14 +344,18 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     assert "fp8-gemm(quant+ 16x64 w4 s4 split11)" in one_row and "fp8-gemm(on-load 16x64 w4 s4 split11)" in one_row
     # With PDL (where graphs replay it): the quantized-input GEMM, split and not, prefetching its first weights.
     assert {"fp8-gemm(quant+ 16x64 w4 s4 pdl pf2)", "fp8-gemm(quant+ 16x64 w4 s4 split11 pdl pf2)"} <= set(one_row)
-    # 64 rows: the partials' traffic caps gate_up at 2 slices (4096 / (32 x 64)); none past GEMV_MAX_ROWS.
-    assert splits(candidates("gate_up", 64)) == ["2"] and splits(candidates("qkv", 128)) == []
+    # 64 rows: the partials' traffic caps gate_up at 2 slices (4096 / (32 x 64)).
+    assert splits(candidates("gate_up", 64)) == ["2"]
     assert splits(candidates("down", 16)) == ["16"] and splits(candidates("o", 16)) == ["8"]
     # Up to 16 rows also narrow column tiles over the whole of K (no split), quantized input, with PDL too.
     narrow = {"fp8-gemm(quant+ 16x16 w4 s8)", "fp8-gemm(quant+ 16x32 w4 s6)", "fp8-gemm(quant+ 16x16 w4 s8 pdl pf2)",
               "fp8-gemm(quant+ 16x32 w4 s6 pdl pf2)"}
     assert narrow <= set(one_row) and narrow <= set(candidates("down", 16))
     assert not any(n.startswith("fp8-gemm(quant+ 32x16") for n in candidates("o", 32))
+    # 128-512 rows: K in two slices for the 64 x 128 tiles where they fill less than two waves (not gate_up).
+    assert splits(candidates("o", 256)) == splits(candidates("down", 256)) == splits(candidates("qkv", 256)) == ["2"]
+    assert "fp8-gemm(quant+ 64x128 w8 s3 split2)" in candidates("o", 512) and splits(candidates("qkv", 512)) == []
+    assert splits(candidates("gate_up", 256)) == [] and splits(candidates("o", 2048)) == []
     # o: 64 tiles would want 17 slices for 8 programs an SM; 32 groups allow 16 of two groups each.
     assert linear_selection.fp8_split(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == 16
 

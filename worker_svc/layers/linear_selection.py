@@ -66,6 +66,10 @@ FP8_PDL_PREFETCH = 2            # K tiles of weights the FP8 GEMM asks into L2 b
 # with deeper pipelines for their smaller loads (PERF_NOTES v38: split-K lost at one row on an H100).
 FP8_NARROW_TILES = (dict(BLOCK_N=16, num_stages=8), dict(BLOCK_N=32, num_stages=6))
 FP8_NARROW_MAX_ROWS = 16
+# Past GEMV_MAX_ROWS, up to FP8_WAVE_SPLIT_MAX_ROWS: the first two FP8_GEMM_TILES with K in two slices
+# where their tiles fill less than two waves of the SMs (4,096 columns at 256 rows: 128 tiles; cuBLAS
+# runs o and down there at 40-48% of the FP8 rate, PERF_NOTES v36/v38); the partials (8 MB for o) stay in L2.
+FP8_WAVE_SPLIT_MAX_ROWS = 512
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
@@ -168,6 +172,11 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
             if pdl:   # the weights' first tiles asked for while the kernel before ends (as the GEMVs do)
                 methods += [Fp8Gemm.of({**default, "SPLIT_K": s, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH},
                                        quantize_on_load=False) for s in sorted({1, split})]
+        elif rows <= FP8_WAVE_SPLIT_MAX_ROWS:
+            for tile in FP8_GEMM_TILES[:2]:
+                programs = math.ceil(operands.weight.shape[0] / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
+                if programs < 2 * sms:
+                    methods.append(Fp8Gemm.of({**tile, "SPLIT_K": 2}, quantize_on_load=False))
         if rows <= FP8_NARROW_MAX_ROWS:
             for narrow in ({**default, **tile} for tile in FP8_NARROW_TILES):
                 methods.append(Fp8Gemm.of(narrow, quantize_on_load=False))
