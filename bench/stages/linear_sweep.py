@@ -96,6 +96,8 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
     if rows > 1 or fp8:
         bases += [GemvConfig(max(block_m, DOT_MIN_ROWS), n, k, num_warps=w, num_stages=s, pdl=pdl)
                   for n, k, w, s in SWEEP_DOT]
+    if fp8:   # FP8 weights on CUDA cores taken by their bits too (gemv_kernels' fp8_bits)
+        bases += [GemvConfig(**{**base.__dict__, "fp8_bits": True}) for base in bases if not base.use_dot]
     configs = {}
     for base in bases:
         split = auto_split(num_cols, width, rows, base, sms)
@@ -316,7 +318,7 @@ def suggested_configs(records: list[dict]) -> dict[str, list[tuple[str, int]]]:
     return {k: c.most_common(6) for k, c in sorted(counts.items())}
 
 
-GEMV_FAMILIES = ("fma", "rows", "pf", "chunk", "dot")
+GEMV_FAMILIES = ("fma", "rows", "pf", "chunk", "bits", "dot")
 
 
 def gemv_family(name: str) -> str | None:
@@ -324,6 +326,8 @@ def gemv_family(name: str) -> str | None:
     if not name.startswith("gemv("):
         return None
     tokens = name.removeprefix("gemv(").removesuffix(")").split()
+    if "bits" in tokens:
+        return "bits"
     if any(t.startswith("pf") for t in tokens):
         return "pf"
     if any(t.startswith("chunk") for t in tokens):

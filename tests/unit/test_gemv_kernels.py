@@ -106,6 +106,33 @@ def test_fp8_weight_only_gemv_matches_the_dequantized_reference(kernels, tiles, 
         assert relative_error(actual, expected) <= RELATIVE[dtype]
 
 
+@pytest.mark.parametrize("tiles,row_acc", [((1, 16, 64, 1), False), ((2, 16, 64, 3), False),
+                                           ((1, 16, 64, 1), True), ((4, 32, 128, 2), True)])
+def test_fp8_weights_taken_by_their_bits_give_the_converted_product_bit_for_bit(kernels, tiles, row_acc):
+    """fp8_bits: each e4m3 weight as a float32 2^-120 of its value, made by moving bits, with the
+    activation scaled by 2^64 and the sums by 2^56: every e4m3 byte (zeros, subnormals, both
+    signs, the largest) gives the converted loop's output exactly, split or not, silu_mul too."""
+    gemv_kernels = kernels[0]
+    g = torch.Generator().manual_seed(46)
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    every_byte = every_byte[(every_byte & 0x7F) != 0x7F]   # e4m3's two NaN codes
+    weight = every_byte[torch.randint(len(every_byte), (48, 256), generator=g)].view(torch.float8_e4m3fn)
+    assert (weight.float() == 0).any() and (weight.float().abs() < 2 ** -6).any()   # zeros and subnormals
+    scale = torch.rand(2, 4, generator=g) * 0.01 + 1e-4
+    converted, moved = config(kernels, *tiles, row_acc=row_acc), config(kernels, *tiles, row_acc=row_acc, fp8_bits=True)
+    gemv_kernels.check_config(moved, 48, 256, fp8_block=(32, 64))
+    for rows, silu_mul in ((1, False), (3, False), (2, True)):
+        x = torch.randn(rows, 512 if silu_mul else 256, generator=g).to(torch.bfloat16).to(DEVICE)
+        w, ws = weight.to(DEVICE), scale.to(DEVICE)
+        expected = gemv_kernels.gemv(x, w, converted, weight_scale=ws, fp8_block=(32, 64), silu_mul=silu_mul)
+        actual = gemv_kernels.gemv(x, w, moved, weight_scale=ws, fp8_block=(32, 64), silu_mul=silu_mul)
+        assert torch.equal(actual, expected), (rows, silu_mul)
+    with pytest.raises(ValueError, match="moving bits"):   # bf16 weights, or tensor cores
+        gemv_kernels.check_config(moved, 48, 256)
+    with pytest.raises(ValueError, match="moving bits"):
+        gemv_kernels.check_config(config(kernels, 16, 16, 64, fp8_bits=True), 48, 256, fp8_block=(32, 64))
+
+
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(kernels):
     gemv_kernels = kernels[0]
     g = torch.Generator().manual_seed(43)
@@ -231,7 +258,7 @@ def test_qwen3_8b_shapes_bf16_and_fp8(kernels, rows):
         x = torch.randn(rows, width, generator=g, device="cuda").to(torch.bfloat16)
         expected = F.linear(x.double(), w.double())
         expected8 = F.linear(x.double(), dequantize_blocks(w8, scale, (128, 128), torch.float64))
-        for cfg in gemv_configs(rows, cols, width, torch.cuda.get_device_properties(0).multi_processor_count):
+        for cfg in gemv_configs(rows, cols, width, torch.cuda.get_device_properties(0).multi_processor_count, fp8=True):
             assert relative_error(gemv_kernels.gemv(x, w, cfg), expected) <= 2 ** -7, cfg
             try:
                 gemv_kernels.check_config(cfg, cols, width, fp8_block=(128, 128))

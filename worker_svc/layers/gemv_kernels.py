@@ -19,7 +19,11 @@ Options, each a compile-time switch:
 - FP8 weights (float8_e4m3fn with one float32 scale per GROUP_N x GROUP_K block, fp8.py) with
   bf16 activations (weight-only: no activation quantization). A tile lies in one row of scale
   blocks; the FMA loop scales x by each column's block scale, the tensor-core loop scales each
-  tile's product (its K tile then lies in one scale block);
+  tile's product (its K tile then lies in one scale block). With `fp8_bits` the CUDA-core loops
+  take each weight as a float32 by moving its bits (`_fp8_bits_as_f32`: exact, no conversion
+  instruction; Hopper converts e4m3 through f16 at 16 an SM a clock, which bounds one row's read
+  at ~1.8 TB/s, PERF_NOTES v22/v38): the weight comes out 2^-120 of its value, the activation is
+  scaled by 2^64 and the sums by 2^56, all exact powers of two, so the product is the same;
 - SILU_MUL: x is [gate | up] (2K wide) and the kernel multiplies silu(gate) * up, rounded to
   x's dtype exactly as fused_kernels.silu_and_mul rounds it, so the down projection needs no
   separate activation kernel;
@@ -62,6 +66,7 @@ class GemvConfig:
     row_acc: bool = False   # FMA rows: one accumulator per row, the loop pipelined num_stages deep
     prefetch: int = 0       # with pdl: K tiles of weights asked into L2 before waiting for the previous kernel
     split_chunk: int = 1    # split-K partials the tile's last program sums per load
+    fp8_bits: bool = False  # FP8 weights on CUDA cores: float32 by moving bits, not by conversion
 
     @property
     def use_dot(self) -> bool:
@@ -71,7 +76,7 @@ class GemvConfig:
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}{' rows' if self.row_acc else ''}"
                 f"{f' pf{self.prefetch}' if self.prefetch else ''}"
-                f"{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}")
+                f"{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}{' bits' if self.fp8_bits else ''}")
 
 
 @triton.jit
@@ -89,6 +94,23 @@ def _load_x(x_ptrs, mask, K, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _fp8_bits_as_f32(w):
+    """e4m3 weights as float32 times 2^-120, by moving bits: the sign to bit 31, exponent and
+    mantissa to bits 20-26 (float32's exponent bias is 127, e4m3's 7). Exact for every finite
+    e4m3 value, zero and subnormals included (they land on float32 subnormals)."""
+    b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
+    return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_weight_f32(w, FP8_BITS: tl.constexpr):
+    """A weight tile as float32: converted, or (FP8_BITS) its bits moved (2^-120 of its value)."""
+    if FP8_BITS:
+        return _fp8_bits_as_f32(w)
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _tile_mask(rows_mask, k, k_end, offs_k, EVEN_K: tl.constexpr):
     """Which elements of the tile of these rows at column k lie before k_end (with whole tiles,
     a mask uniform along K, which keeps loads vectorized)."""
@@ -103,7 +125,7 @@ def _tile_mask(rows_mask, k, k_end, offs_k, EVEN_K: tl.constexpr):
 def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
               PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              dtype: tl.constexpr):
+              dtype: tl.constexpr, FP8_BITS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] float32 sums over this program's K range, on CUDA cores. The next weight
     tile is loaded before the current one is used (two tiles in flight), and the first before
     waiting for the previous kernel (PDL): weights never depend on it."""
@@ -116,11 +138,17 @@ def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
         w_next = tl.load(w_ptrs, mask=_tile_mask(n_mask, k + BLOCK_K, k_end, offs_k, EVEN_K), other=0.0)
         x = _load_x(x_ptrs, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, dtype).to(tl.float32)
         if FP8:   # scaling x (BLOCK_M rows) costs less than scaling the tile (BLOCK_N rows)
-            x = x * tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)[None, :]
-        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
+            scale = tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)
+            if FP8_BITS:
+                scale = scale * 18446744073709551616.0   # 2^64: the weights below are 2^-120 of theirs
+            x = x * scale[None, :]
+        acc3 += x[:, None, :] * _fp8_weight_f32(w, FP8_BITS)[None, :, :]
         w = w_next
         x_ptrs += BLOCK_K
-    return tl.sum(acc3, axis=2)
+    acc = tl.sum(acc3, axis=2)
+    if FP8_BITS:
+        acc = acc * 72057594037927936.0   # 2^56: 2^64 * 2^-120 undone
+    return acc
 
 
 @triton.jit
@@ -138,7 +166,7 @@ def _fma_row(x_ptrs, row_ok, k, k_end, offs_k, scale, K, SILU_MUL: tl.constexpr,
 def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs_k, k_begin, k_end, K,
                    GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   dtype: tl.constexpr):
+                   dtype: tl.constexpr, FP8_BITS: tl.constexpr):
     """The FMA loop's sums (ROW_ACC) for up to ROW_ACC_MAX_ROWS rows from x_ptrs, row0's row: each
     row keeps a [BLOCK_N, BLOCK_K] accumulator in the weight tile's own layout (no data moves
     between threads inside the loop), reduced over K once after it. tl.range pipelines the loop:
@@ -148,9 +176,11 @@ def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0).to(tl.float32)
+        w = _fp8_weight_f32(tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0), FP8_BITS)
         if FP8:   # one scale per column's block: scaling x (a row) costs less than scaling w (a tile)
             scale = tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)
+            if FP8_BITS:
+                scale = scale * 18446744073709551616.0   # 2^64: the weights are 2^-120 of theirs
         else:
             scale = 1.0
         acc0 += _fma_row(x_ptrs, row0 < M, k, k_end, offs_k, scale, K, SILU_MUL, EVEN_K, dtype)[None, :] * w
@@ -171,6 +201,8 @@ def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs
     if BLOCK_M > 2:
         acc = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], acc)
         acc = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], acc)
+    if FP8_BITS:
+        acc = acc * 72057594037927936.0   # 2^56: 2^64 * 2^-120 undone
     return acc
 
 
@@ -210,7 +242,7 @@ def _gemv_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
     ROW_ACC: tl.constexpr, PREFETCH_TILES: tl.constexpr, SPLIT_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_BITS: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:   # a dependent launch may start now: it reads nothing of ours before its own gdc_wait
@@ -239,10 +271,11 @@ def _gemv_kernel(
             gdc_wait()
         row_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
         acc = _fma_rows_loop(row_ptrs, stride_xm, w_ptrs, w_scale_row, pid_m * BLOCK_M, M, n_mask, offs_k, k_begin,
-                             k_end, K, GROUP_K, FP8, SILU_MUL, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, dtype)
+                             k_end, K, GROUP_K, FP8, SILU_MUL, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, dtype,
+                             FP8_BITS)
     else:
         acc = _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
-                        SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype)
+                        SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     finish_split_k(acc, partial_ptr, counter_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, M, N, offs_m,
@@ -366,6 +399,8 @@ def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tu
         raise ValueError(f"gemv {config}: L2 prefetches need rows of whole 16-byte units ({width} columns)")
     if config.split_k > 1 and triton.cdiv(num_cols, config.block_n) > MAX_SPLIT_TILES:
         raise ValueError(f"gemv {config}: {num_cols} columns are more split-K tiles than {MAX_SPLIT_TILES}")
+    if config.fp8_bits and (fp8_block is None or config.use_dot):
+        raise ValueError(f"gemv {config}: moving bits is for FP8 weights on CUDA cores")
     if fp8_block is not None:
         bn, bk = fp8_block
         if bn % config.block_n:
@@ -411,6 +446,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         EVEN_K=width % config.block_k == 0, USE_DOT=config.use_dot, PDL=pdl, ROW_ACC=config.row_acc,
         PREFETCH_TILES=config.prefetch, SPLIT_CHUNK=config.split_chunk, NUM_STAGES=config.num_stages,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        FP8_BITS=fp8 and config.fp8_bits and not config.use_dot,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     return out.view(*x.shape[:-1], num_cols)
