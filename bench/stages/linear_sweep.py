@@ -96,8 +96,8 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
     if rows > 1 or fp8:
         bases += [GemvConfig(max(block_m, DOT_MIN_ROWS), n, k, num_warps=w, num_stages=s, pdl=pdl)
                   for n, k, w, s in SWEEP_DOT]
-    if fp8:   # FP8 weights on CUDA cores taken by their bits too (gemv_kernels' fp8_bits)
-        bases += [GemvConfig(**{**base.__dict__, "fp8_bits": True}) for base in bases if not base.use_dot]
+    if fp8:   # FP8 weights taken by their bits too (gemv_kernels' fp8_bits)
+        bases += [GemvConfig(**{**base.__dict__, "fp8_bits": True}) for base in bases]
     configs = {}
     for base in bases:
         split = auto_split(num_cols, width, rows, base, sms)

@@ -107,11 +107,13 @@ def test_fp8_weight_only_gemv_matches_the_dequantized_reference(kernels, tiles, 
 
 
 @pytest.mark.parametrize("tiles,row_acc", [((1, 16, 64, 1), False), ((2, 16, 64, 3), False),
-                                           ((1, 16, 64, 1), True), ((4, 32, 128, 2), True)])
+                                           ((1, 16, 64, 1), True), ((4, 32, 128, 2), True),
+                                           ((16, 16, 32, 1), False), ((16, 32, 64, 2), False)])
 def test_fp8_weights_taken_by_their_bits_give_the_converted_product_bit_for_bit(kernels, tiles, row_acc):
-    """fp8_bits: each e4m3 weight as a float32 2^-120 of its value, made by moving bits, with the
-    activation scaled by 2^64 and the sums by 2^56: every e4m3 byte (zeros, subnormals, both
-    signs, the largest) gives the converted loop's output exactly, split or not, silu_mul too."""
+    """fp8_bits: each e4m3 weight as a float32 (CUDA cores) or bfloat16 (tensor cores) 2^-120 of
+    its value, made by moving bits, with the activation scaled by 2^64 and the sums by 2^56: every
+    e4m3 byte (zeros, subnormals, both signs, the largest) gives the converted loop's output
+    exactly, split or not, silu_mul too."""
     gemv_kernels = kernels[0]
     g = torch.Generator().manual_seed(46)
     every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -127,10 +129,11 @@ def test_fp8_weights_taken_by_their_bits_give_the_converted_product_bit_for_bit(
         expected = gemv_kernels.gemv(x, w, converted, weight_scale=ws, fp8_block=(32, 64), silu_mul=silu_mul)
         actual = gemv_kernels.gemv(x, w, moved, weight_scale=ws, fp8_block=(32, 64), silu_mul=silu_mul)
         assert torch.equal(actual, expected), (rows, silu_mul)
-    with pytest.raises(ValueError, match="moving bits"):   # bf16 weights, or tensor cores
+    with pytest.raises(ValueError, match="moving bits"):   # bf16 weights, or tensor cores on other activations
         gemv_kernels.check_config(moved, 48, 256)
     with pytest.raises(ValueError, match="moving bits"):
-        gemv_kernels.check_config(config(kernels, 16, 16, 64, fp8_bits=True), 48, 256, fp8_block=(32, 64))
+        gemv_kernels.check_config(config(kernels, 16, 16, 64, fp8_bits=True), 48, 256, fp8_block=(32, 64),
+                                  dtype=torch.float16)
 
 
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(kernels):

@@ -19,11 +19,12 @@ Options, each a compile-time switch:
 - FP8 weights (float8_e4m3fn with one float32 scale per GROUP_N x GROUP_K block, fp8.py) with
   bf16 activations (weight-only: no activation quantization). A tile lies in one row of scale
   blocks; the FMA loop scales x by each column's block scale, the tensor-core loop scales each
-  tile's product (its K tile then lies in one scale block). With `fp8_bits` the CUDA-core loops
-  take each weight as a float32 by moving its bits (`_fp8_bits_as_f32`: exact, no conversion
-  instruction; Hopper converts e4m3 through f16 at 16 an SM a clock, which bounds one row's read
-  at ~1.8 TB/s, PERF_NOTES v22/v38): the weight comes out 2^-120 of its value, the activation is
-  scaled by 2^64 and the sums by 2^56, all exact powers of two, so the product is the same;
+  tile's product (its K tile then lies in one scale block). With `fp8_bits` the loops take each
+  weight as a float32 (CUDA cores) or bfloat16 (tensor cores) by moving its bits (exact, no
+  conversion instruction; Hopper converts e4m3 through f16 at 16 an SM a clock, which bounds one
+  row's read at ~1.8 TB/s, PERF_NOTES v22/v38): the weight comes out 2^-120 of its value, the
+  activation is scaled by 2^64 and the sums by 2^56, all exact powers of two, so the product is
+  the same;
 - SILU_MUL: x is [gate | up] (2K wide) and the kernel multiplies silu(gate) * up, rounded to
   x's dtype exactly as fused_kernels.silu_and_mul rounds it, so the down projection needs no
   separate activation kernel;
@@ -66,7 +67,7 @@ class GemvConfig:
     row_acc: bool = False   # FMA rows: one accumulator per row, the loop pipelined num_stages deep
     prefetch: int = 0       # with pdl: K tiles of weights asked into L2 before waiting for the previous kernel
     split_chunk: int = 1    # split-K partials the tile's last program sums per load
-    fp8_bits: bool = False  # FP8 weights on CUDA cores: float32 by moving bits, not by conversion
+    fp8_bits: bool = False  # FP8 weights as float32 / bfloat16 by moving bits, not by conversion
 
     @property
     def use_dot(self) -> bool:
@@ -100,6 +101,14 @@ def _fp8_bits_as_f32(w):
     e4m3 value, zero and subnormals included (they land on float32 subnormals)."""
     b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
     return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_bits_as_bf16(w):
+    """e4m3 weights as bfloat16 times 2^-120, by moving bits (bfloat16 is float32's upper half):
+    exact for every finite e4m3 value, subnormals landing on bfloat16 subnormals."""
+    b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -210,17 +219,26 @@ def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs
 def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
               PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              dtype: tl.constexpr):
-    """The same sums on tensor cores (Triton pipelines the loads through shared memory)."""
+              dtype: tl.constexpr, FP8_BITS: tl.constexpr):
+    """The same sums on tensor cores (Triton pipelines the loads through shared memory). With
+    FP8_BITS (bfloat16 activations) the weights enter the dot as fp8_bits_as_bf16 gives them and
+    the activations times 2^64, so each product is 2^-56 of the converted one, undone after."""
     if PDL:
         gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         x = _load_x(x_ptrs, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, dtype)
         w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0)
-        product = tl.dot(x, tl.trans(w.to(dtype)))
+        if FP8_BITS:
+            scaled = (x.to(tl.float32) * 18446744073709551616.0).to(tl.bfloat16)   # x 2^64 (exact), w 2^-120
+            product = tl.dot(scaled, tl.trans(fp8_bits_as_bf16(w)))
+        else:
+            product = tl.dot(x, tl.trans(w.to(dtype)))
         if FP8:   # the K tile lies in one scale block (GROUP_K is a multiple of BLOCK_K)
-            product = product * tl.load(w_scale_row + k // GROUP_K)
+            scale = tl.load(w_scale_row + k // GROUP_K)
+            if FP8_BITS:
+                scale = scale * 72057594037927936.0   # 2^56
+            product = product * scale
         acc += product
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -265,7 +283,7 @@ def _gemv_kernel(
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     if USE_DOT:
         acc = _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
-                        SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype)
+                        SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS)
     elif ROW_ACC:
         if PDL:
             gdc_wait()
@@ -399,8 +417,8 @@ def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tu
         raise ValueError(f"gemv {config}: L2 prefetches need rows of whole 16-byte units ({width} columns)")
     if config.split_k > 1 and triton.cdiv(num_cols, config.block_n) > MAX_SPLIT_TILES:
         raise ValueError(f"gemv {config}: {num_cols} columns are more split-K tiles than {MAX_SPLIT_TILES}")
-    if config.fp8_bits and (fp8_block is None or config.use_dot):
-        raise ValueError(f"gemv {config}: moving bits is for FP8 weights on CUDA cores")
+    if config.fp8_bits and (fp8_block is None or (config.use_dot and dtype != torch.bfloat16)):
+        raise ValueError(f"gemv {config}: moving bits is for FP8 weights (with bfloat16 activations on tensor cores)")
     if fp8_block is not None:
         bn, bk = fp8_block
         if bn % config.block_n:
@@ -446,7 +464,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         EVEN_K=width % config.block_k == 0, USE_DOT=config.use_dot, PDL=pdl, ROW_ACC=config.row_acc,
         PREFETCH_TILES=config.prefetch, SPLIT_CHUNK=config.split_chunk, NUM_STAGES=config.num_stages,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        FP8_BITS=fp8 and config.fp8_bits and not config.use_dot,
+        FP8_BITS=fp8 and config.fp8_bits,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     return out.view(*x.shape[:-1], num_cols)
