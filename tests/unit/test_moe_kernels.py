@@ -153,6 +153,34 @@ def test_fp8_experts_match_their_emulation_and_stay_near_full_precision(kernels,
         assert relative_error(actual, dequantized) <= 0.1
 
 
+def test_weight_only_experts_take_fp8_weights_by_their_bits_bit_for_bit(kernels, monkeypatch):
+    """bfloat16 activations against FP8 experts, weight-only: each weight as a bfloat16 2^-120 of its
+    value by moving bits (activations x 2^64, products x 2^56) gives the converted weights' output
+    exactly, over every e4m3 byte (zeros, subnormals, both signs) in the experts' weights."""
+    moe_kernels, _ = kernels
+    g = torch.Generator().manual_seed(25)
+    block, hidden, intermediate, num_experts = (32, 32), 64, 32, 4
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    every_byte = every_byte[(every_byte & 0x7F) != 0x7F]   # e4m3's two NaN codes
+    def weight(*shape):
+        return every_byte[torch.randint(len(every_byte), shape, generator=g)].view(torch.float8_e4m3fn).to(DEVICE)
+    q13, q2 = weight(num_experts, 2 * intermediate, hidden), weight(num_experts, hidden, intermediate)
+    s13 = (torch.rand(num_experts, 2 * intermediate // 32, hidden // 32, generator=g) * 1e-3 + 1e-5).to(DEVICE)
+    s2 = (torch.rand(num_experts, hidden // 32, intermediate // 32, generator=g) * 1e-3 + 1e-5).to(DEVICE)
+    x = torch.randn(5, hidden, generator=g).to(torch.bfloat16).to(DEVICE)
+    weights, ids = moe.route(torch.randn(5, num_experts, generator=g), 2, False)
+
+    def run():
+        return moe_kernels.fused_experts(x, q13, q2, weights.to(DEVICE), ids.to(DEVICE), w13_scale=s13, w2_scale=s2,
+                                         block=block, fp8_activations="weight_only")
+
+    assert moe_kernels.WEIGHT_BITS
+    by_bits = run()
+    monkeypatch.setattr(moe_kernels, "WEIGHT_BITS", False)
+    converted = run()
+    assert torch.isfinite(converted.float()).all() and torch.equal(by_bits, converted)
+
+
 def test_fp8_experts_take_bf16_activations_while_few_rows_reach_each_expert(kernels):
     moe_kernels, _ = kernels
     assert moe_kernels.default_fp8_activations(256 * 8, 128) == "weight_only"    # a decode of 256 tokens

@@ -21,7 +21,10 @@ With FP8 experts (block scales, fp8.py) the products are scaled per weight block
 activations either stay in the model dtype against the dequantized expert tile (`weight_only`:
 decode, where few rows reach each expert and the weight read is all that counts) or are
 quantized per token group as the GEMM loads them (FP8 x FP8 on the tensor cores, no separate
-quantization kernel); `fp8_activations` picks, by rows per expert unless told.
+quantization kernel); `fp8_activations` picks, by rows per expert unless told. Weight-only with
+bfloat16 activations takes each FP8 weight as a bfloat16 by moving its bits (gemv_kernels.
+fp8_bits_as_bf16: no conversion instruction, the same product bit for bit; WORKER_MOE_FP8_BITS=0
+converts instead, for comparisons).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import triton.language as tl
 from worker_svc.layers import fused_kernels
 from worker_svc.layers.fp8 import FP8_MAX, MIN_AMAX
 from worker_svc.layers.fp8_kernels import _quantize_tile, per_token_group_quant
+from worker_svc.layers.gemv_kernels import fp8_bits_as_bf16
 
 FP8_ACTIVATIONS = ("weight_only", "on_load", "given")
 _FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)   # globals a kernel may read
@@ -41,6 +45,8 @@ _FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)   # globals 
 # it the activations are quantized as loaded. WORKER_MOE_FP8_WEIGHT_ONLY_ROWS sets it (0: always
 # FP8 x FP8, which converts no weights: the A/B of PERF_NOTES v37).
 WEIGHT_ONLY_MAX_ROWS_PER_EXPERT = float(os.environ.get("WORKER_MOE_FP8_WEIGHT_ONLY_ROWS", "16"))
+# Weight-only FP8 experts with bfloat16 activations: weights by their bits (0: converted, the A/B of v38).
+WEIGHT_BITS = os.environ.get("WORKER_MOE_FP8_BITS", "1") != "0"
 
 
 @triton.jit
@@ -160,7 +166,7 @@ def _grouped_gemm_kernel(
     N, K, num_assignments,
     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     A_ROW_DIVISOR: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, FP8: tl.constexpr, FP8_ACTIVATIONS: tl.constexpr,
-    GROUP_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WEIGHT_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -185,7 +191,10 @@ def _grouped_gemm_kernel(
         if FP8:   # K is whole groups of BLOCK_K; one scale per row and group, per column and group
             b_s = tl.load(b_s_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn + k // BLOCK_K,
                           mask=n_mask, other=0.0)
-            if FP8_ACTIVATIONS == "weight_only":
+            if FP8_ACTIVATIONS == "weight_only" and WEIGHT_BITS:   # bfloat16 a: b 2^-120 of itself, a x 2^64
+                scaled = (a.to(tl.float32) * 18446744073709551616.0).to(tl.bfloat16)
+                acc += tl.dot(scaled, fp8_bits_as_bf16(b)) * (b_s * 72057594037927936.0)[None, :]
+            elif FP8_ACTIVATIONS == "weight_only":
                 acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_s[None, :]
             else:
                 if FP8_ACTIVATIONS == "on_load":
@@ -247,6 +256,7 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorte
         A_ROW_DIVISOR=top_k if a_per_token else 1, MUL_ROUTED_WEIGHT=topk_weights is not None, FP8=fp8,
         FP8_ACTIVATIONS=fp8_activations,
         GROUP_N=block[0] if fp8 else 1, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        WEIGHT_BITS=WEIGHT_BITS and fp8 and fp8_activations == "weight_only" and a.dtype == torch.bfloat16,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
