@@ -15,7 +15,8 @@
 #             there per FP8 kind), 16 rows, and 256 rows with the quantization fused into RMSNorm/SwiGLU and
 #             without (WORKER_FP8_QUANT_FUSION=0): issue 24's 1.7x and 1.3x; tables and logs under $OUT/<run>
 #   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
-#   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload; FP8 with the experts' modes by the old rule too
+#   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload; FP8 with the experts' modes by the old rule too,
+#             and with the weight-only experts converting their weights (WORKER_MOE_FP8_BITS=0)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -136,13 +137,16 @@ PY
     moe8)   # Qwen3-30B-A3B on bench.py's workload: bf16 and FP8 (the experts' modes measured at start-up),
             # then FP8 by the rows-per-expert rule, and by the rule with every expert GEMM FP8 x FP8
         base
-        OUT=$OUT/moe STAGES=moe_e2e,moe_e2e_fp8 LINES_OUT=6 TIMEOUT=${TIMEOUT:-250} bash "$0" moe | grep "tok/s\|fp8 / bf16"
+        OUT=$OUT/moe STAGES=moe_e2e,moe_e2e_fp8 LINES_OUT=25 TIMEOUT=${TIMEOUT:-250} bash "$0" moe | grep "fp8\|bf16\|tok/s"
         grep -rh "activation mode by tokens\|activation modes failed" "$BENCH/moe/logs" 2>/dev/null | sed 's/.*INFO //' | head -2
         for rows in 16 0; do
             echo "== WORKER_MOE_FP8_SELECTION=0 WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=$rows"
             WORKER_MOE_FP8_SELECTION=0 WORKER_MOE_FP8_WEIGHT_ONLY_ROWS=$rows OUT=$OUT/moe-rule$rows STAGES=moe_e2e_fp8 \
-                LINES_OUT=6 TIMEOUT=${TIMEOUT:-250} bash "$0" moe | grep "tok/s\|fp8 / bf16"
+                LINES_OUT=25 TIMEOUT=${TIMEOUT:-250} bash "$0" moe | grep "fp8\|tok/s"
         done
+        echo "== WORKER_MOE_FP8_BITS=0 (weight-only experts convert their weights: v38's A/B)"
+        WORKER_MOE_FP8_BITS=0 OUT=$OUT/moe-convert STAGES=moe_e2e_fp8 LINES_OUT=25 TIMEOUT=${TIMEOUT:-250} \
+            bash "$0" moe | grep "fp8\|tok/s"
         grep -rh "compiled after start-up" "$BENCH/moe/logs" 2>/dev/null | head -3
         ;;
     fp8)
