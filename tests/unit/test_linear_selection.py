@@ -145,10 +145,12 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
     names = {gemv_family(f"gemv({c})") for c in sweep_gemv_configs(1, 4096, 4096, 132, fp8=True, pdl=True)}
     assert names == {"fma", "rows", "pf", "chunk", "bits", "dot"}
     assert gemv_family("gemv(m16 n32 k128 split1 w4 s4 pdl)") == "dot" and gemv_family("cublas") is None
-    # FP8 weights on CUDA cores: each FMA setting also with the weights taken by their bits
-    one_row_fp8 = [str(c) for c in linear_selection.gemv_configs(1, 4096, 4096, sms=132, fp8=True)]
-    assert "m1 n8 k512 split1 w4 s1 pdl bits" in one_row_fp8 and not any("bits" in str(c) for c in
-                                                                       linear_selection.gemv_configs(1, 4096, 4096, sms=132))
+    # FP8 weights on tensor cores: each tile also with the weights taken by their bits (not the FMA loops,
+    # nor bf16 weights); the sweep has both loops' bits settings
+    one_row_fp8 = linear_selection.gemv_configs(1, 4096, 4096, sms=132, fp8=True)
+    assert {str(c) for c in one_row_fp8 if c.fp8_bits} == {f"{c} bits" for c in one_row_fp8 if c.use_dot and not c.fp8_bits}
+    assert not any(c.fp8_bits for c in linear_selection.gemv_configs(4, 4096, 4096, sms=132))
+    assert any(c.fp8_bits and not c.use_dot for c in sweep_gemv_configs(1, 4096, 4096, 132, fp8=True, pdl=True))
     record = {"projection": "p", "rows": 1, "bf16_times": {"cublas": 1.0, "gemv(m1 n8 k512 split1 w4 s1 pdl)": 3.0,
                                                            "gemv(m1 n4 k512 split1 w4 s1 pdl)": 2.0,
                                                            "gemv(m1 n8 k512 split2 w4 s3 pdl rows pf2)": 1.5,

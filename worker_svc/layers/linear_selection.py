@@ -150,8 +150,10 @@ def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = Tru
             bases += [GemvConfig(DOT_MIN_ROWS, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
     else:
         bases = [GemvConfig(block_m, n, k, num_warps=w, num_stages=s, pdl=pdl) for n, k, w, s in DOT_TILES]
-    if fp8:   # FP8 weights also taken by their bits, without conversion instructions
-        bases += [GemvConfig(**{**base.__dict__, "fp8_bits": True}) for base in bases]
+    if fp8:   # tensor-core tiles also taking FP8 weights by their bits: no per-element f16 -> bf16
+        # conversion (the CUDA-core loops' packed conversion costs fewer instructions than the move:
+        # PERF_NOTES v38; the bench's sweep times both)
+        bases += [GemvConfig(**{**base.__dict__, "fp8_bits": True}) for base in bases if base.use_dot]
     configs = []
     for base in bases:
         split = auto_split(num_cols, width, rows, base, sms)
