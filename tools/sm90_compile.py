@@ -243,6 +243,13 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                     for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config
                         gemv_kernels.gemv(x[:n], weight, config)
                         gemv_kernels.gemv(x[:n], fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128))
+            # the CUDA-core loops taking FP8 weights by their bits (the bench's sweep times them)
+            for config in (gemv_kernels.GemvConfig(1, 8, 512, num_warps=4, num_stages=1, pdl=True, fp8_bits=True),
+                           gemv_kernels.GemvConfig(4, 8, 128, num_warps=4, num_stages=3, pdl=True, row_acc=True,
+                                                   fp8_bits=True)):
+                for rows in (1, 3):
+                    gemv_kernels.gemv(torch.randn(rows, 4096, dtype=bf16), fp8_weight, config, weight_scale=weight_scale,
+                                      fp8_block=(128, 128))
     cases["gemv"] = gemv
 
     cases.update(_attention_cases())
