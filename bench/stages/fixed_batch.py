@@ -68,8 +68,8 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
     device_ms = None
     if args.fixed_profile and args.device != "cpu":   # the decode steps' kernels: a long run's less a 1-token run's
         device_ms = (kernel_ms(lambda: timed_run(4, 1 + steps)) - kernel_ms(lambda: timed_run(5, 1))) / steps
-    return {"device_ms_per_step": device_ms,"batch": batch, "prompt_len": prompt_len, "steps": steps, "kv_cache_dtype": args.fixed_kv_cache_dtype,
-            "decode_s": decode_s, "decode_s_by_difference": total_s - prefill_s, "prefill_s": prefill_s,
+    return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "kv_cache_dtype": args.fixed_kv_cache_dtype,
+            "device_ms_per_step": device_ms, "decode_s": decode_s, "decode_s_by_difference": total_s - prefill_s, "prefill_s": prefill_s,
             "step_ms_median": statistics.median(intervals) * 1e3,
             "step_ms_p90": statistics.quantiles(intervals, n=10)[-1] * 1e3,
             "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}

@@ -20,11 +20,11 @@ Options, each a compile-time switch:
   bf16 activations (weight-only: no activation quantization). A tile lies in one row of scale
   blocks; the FMA loop scales x by each column's block scale, the tensor-core loop scales each
   tile's product (its K tile then lies in one scale block). With `fp8_bits` the loops take each
-  weight as a float32 (CUDA cores) or bfloat16 (tensor cores) by moving its bits (exact, no
-  conversion instruction; Hopper converts e4m3 through f16 at 16 an SM a clock, which bounds one
-  row's read at ~1.8 TB/s, PERF_NOTES v22/v38): the weight comes out 2^-120 of its value, the
-  activation is scaled by 2^64 and the sums by 2^56, all exact powers of two, so the product is
-  the same;
+  weight as a float32 (CUDA cores) or bfloat16 (tensor cores) by moving its bits, with no
+  conversion instruction (the tensor-core loop otherwise converts every element f16 -> bf16 on
+  the 16-lane conversion pipe; on CUDA cores the packed conversion costs fewer instructions than
+  the move: PERF_NOTES v38): the weight comes out 2^-120 of its value, the activation is scaled
+  by 2^64 and the sums by 2^56, all exact powers of two, so the product is the same;
 - SILU_MUL: x is [gate | up] (2K wide) and the kernel multiplies silu(gate) * up, rounded to
   x's dtype exactly as fused_kernels.silu_and_mul rounds it, so the down projection needs no
   separate activation kernel;
