@@ -180,9 +180,11 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
 
     def fused() -> None:
         from worker_svc.layers import fused_kernels as fk
-        with _as_on_a_hopper():   # the norms' PDL trigger
+        with _as_on_a_hopper():   # the norms' and SwiGLU's PDL trigger
             fk.rms_norm(torch.randn(3, 1024, dtype=bf16), torch.ones(1024, dtype=bf16), 1e-6)
             fk.rms_norm_fp8(torch.randn(3, 1024, dtype=bf16), torch.ones(1024, dtype=bf16), 1e-6, None, 128)
+            fk.silu_and_mul(torch.randn(3, 2 * 3072, dtype=bf16))
+            fk.silu_and_mul_fp8(torch.randn(3, 2 * 3072, dtype=bf16), 128)
         for rows in DECODE_ROWS:
             for hidden in (1024, 4096):
                 x, r = torch.randn(rows, hidden, dtype=bf16), torch.randn(rows, hidden, dtype=bf16)
@@ -332,7 +334,7 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
             q, k, v = (part.view(-1, n, head_dim) for part, n in zip(parts, (heads, kv_heads, kv_heads)))
             backend.forward(q, k, v, k_cache, v_cache, meta, scale, scales)
 
-        with _hopper_multiprocessors():
+        with _hopper_multiprocessors(), _as_on_a_hopper():   # attention triggers the o projection's launch
             # Pure decode (eager: tables as wide as the step's longest context; the split-K factor, a
             # constant, follows the request count by design: decode_variant_counts).
             for rows in DECODE_ROWS:

@@ -213,6 +213,64 @@ def test_gemv_replays_in_a_cuda_graph(kernels, tiles, pdl):
         assert relative_error(out, F.linear(x.double(), w.double())) <= 2 ** -7
 
 
+def attention_and_swiglu_chain(rows: int, device: torch.device):
+    """(inputs, run): Triton decode attention (Qwen3-0.6B's heads) into an o projection's GEMV, and
+    SwiGLU into a down projection's GEMV; run(cfg) gives both outputs with the GEMVs launched as cfg."""
+    from worker_svc.layers import fused_kernels
+    from worker_svc.layers.attention import triton_kernels
+    from worker_svc.layers.attention.selection import AttentionShape, synthetic_step
+    from worker_svc.layers.gemv_kernels import gemv
+
+    shape = AttentionShape(16, 8, 128, torch.bfloat16, 16, max_num_seqs=64, max_num_batched_tokens=1024,
+                           max_model_len=4096)
+    q, _, _, k_cache, v_cache, meta = synthetic_step([(300, 1)] * rows, shape, device, pool_blocks=64, seed=rows)
+    g = torch.Generator().manual_seed(47)
+    w_o = (torch.randn(1024, 16 * 128, generator=g) * 0.05).to(torch.bfloat16).to(device)
+    w_down = (torch.randn(1024, 3072, generator=g) * 0.05).to(torch.bfloat16).to(device)
+    gate_up = torch.randn(rows, 2 * 3072, generator=g).to(torch.bfloat16).to(device)
+
+    def run(cfg):
+        attended = triton_kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                                  meta.block_tables, 128 ** -0.5, pure_decode=True)
+        return gemv(attended.reshape(rows, -1), w_o, cfg), gemv(fused_kernels.silu_and_mul(gate_up), w_down, cfg)
+
+    return (q, gate_up), run
+
+
+def test_the_attention_and_swiglu_chain_runs_here(kernels):
+    """attention_and_swiglu_chain's shapes, on whatever device the tests run (the GPU test below
+    replays it with PDL)."""
+    (q, _), run = attention_and_swiglu_chain(2, torch.device(DEVICE))
+    o, down = run(config(kernels, 2, 8, 256))
+    assert o.shape == down.shape == (2, 1024) and torch.isfinite(o.float()).all() and torch.isfinite(down.float()).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 8])
+def test_pdl_gemvs_after_triggering_attention_and_swiglu_read_their_outputs(kernels, rows):
+    """Decode attention and SwiGLU let the projection after them launch at their start (as the
+    norms do); GEMVs launched with PDL read their outputs only after their waits: in a graph
+    replayed on new inputs, the chain equals the same kernels launched plainly, bit for bit."""
+    gemv_kernels = kernels[0]
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not gemv_kernels.pdl_in_graphs(device):
+        pytest.skip("programmatic dependent launch does not replay in graphs here")
+    (q, gate_up), run = attention_and_swiglu_chain(rows, device)
+    block_m = 1 << (rows - 1).bit_length()
+    pdl, plain = (config(kernels, block_m, 8, 512 // block_m, pdl=on) for on in (True, False))
+    run(pdl)   # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run(pdl)
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
+        gate_up.copy_(torch.randn(gate_up.shape, generator=g, device="cuda"))
+        graph.replay()
+        expected = run(plain)
+        assert all(torch.equal(a, b) for a, b in zip(outs, expected)), seed
+
+
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 3, 64])
 def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, rows):

@@ -115,7 +115,9 @@ def _silu_mul_tile(x_ptr, row, stride_x, cols, mask, num_cols, dtype: tl.constex
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:   # the down projection after it may launch now (gemv_kernels.pdl_triggers)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -126,7 +128,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl
 @triton.jit(do_not_specialize=ROWS_ARGS)
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sm, stride_sg, num_rows, num_cols,
                              BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                             FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+                             FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:   # the down projection after it may launch now (gemv_kernels.pdl_triggers)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (cols < num_cols) & (row < num_rows)
@@ -222,7 +226,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows:
         block = min(SILU_BLOCK, _pow2(num_cols))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](
-            rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4,
+            rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block,
+            TRIGGER=gemv_kernels.pdl_triggers(gate_up.device), num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], num_cols)
 
@@ -270,7 +275,7 @@ def silu_and_mul_fp8(gate_up: torch.Tensor, group: int) -> fp8_kernels.Fp8Activa
     _silu_and_mul_fp8_kernel[(out.values.shape[0], triton.cdiv(num_cols, block))](
         rows, out.values, out.scales, rows.stride(0), out.values.stride(0), out.scales.stride(0),
         out.scales.stride(1), num_rows, num_cols, BLOCK=block, GROUP=group,
-        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4,
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, TRIGGER=gemv_kernels.pdl_triggers(gate_up.device), num_warps=4,
     )
     return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from worker_svc.layers.attention.triton_split_merge import _write_result
 
@@ -87,8 +88,10 @@ def _paged_decode_kernel(
     COLS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
+        gdc_launch_dependents()
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

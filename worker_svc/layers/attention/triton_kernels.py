@@ -35,7 +35,9 @@ from typing import Callable
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
+from worker_svc.layers import gemv_kernels
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
 from worker_svc.layers.attention.triton_decode import F16_MAX, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _merge_splits_kernel, _write_result
@@ -157,7 +159,10 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_DECODES: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
+        gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -451,7 +456,7 @@ def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, f
         COLS=max(MIN_DECODE_COLS if use_dot else 1, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        TRIGGER=_triggers(step, num_splits, fused_merge), num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=not pure_decode)
 
@@ -477,9 +482,17 @@ def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merg
         BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
         MERGE_CHUNK=_merge_chunk(step, num_splits), SKIP_DECODES=skip_decodes,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        TRIGGER=_triggers(step, num_splits, fused_merge), num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=False)
+
+
+def _triggers(step: _Step, num_splits: int, fused_merge: bool) -> bool:
+    """Whether an attention launch lets the kernel after it launch at its start (as the norms do
+    for the projections: gemv_kernels.pdl_triggers): so the o projection, GEMV or FP8 GEMM launched
+    with PDL, asks for its first weights while attention runs, and waits for its end before
+    reading the output. Not where a separate merge launch follows (that one triggers instead)."""
+    return (num_splits == 1 or fused_merge) and gemv_kernels.pdl_triggers(step.q.device)
 
 
 def _split_buffers(step: _Step, num_splits: int, fused_merge: bool) -> tuple[torch.Tensor, ...]:
@@ -510,5 +523,5 @@ def _merge_apart(step: _Step, buffers: tuple[torch.Tensor, ...], num_splits: int
     _merge_splits_kernel[(rows, step.q.shape[1])](
         part_out, part_lse, step.out, step.query_start_loc, step.out.stride(0), step.out.stride(1),
         NUM_HEADS=step.q.shape[1], HEAD_DIM=step.q.shape[2], DIM_PAD=step.dim_pad, NUM_SPLITS=num_splits,
-        ONE_TOKEN_REQUESTS=one_token_requests,
+        ONE_TOKEN_REQUESTS=one_token_requests, TRIGGER=gemv_kernels.pdl_triggers(step.q.device),
     )

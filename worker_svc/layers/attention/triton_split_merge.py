@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -86,10 +87,12 @@ def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, token, kv_head, stride_ot,
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, ONE_TOKEN_REQUESTS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, ONE_TOKEN_REQUESTS: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """One program per (query token, head): its output from its partials. ONE_TOKEN_REQUESTS:
     the first axis counts requests instead, and only those computing one token were split."""
+    if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     if ONE_TOKEN_REQUESTS:
         request = tl.program_id(0)
