@@ -17,6 +17,7 @@
 #   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
 #   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload; FP8 with the experts' modes by the old rule too,
 #             and with the weight-only experts converting their weights (WORKER_MOE_FP8_BITS=0)
+#   prof8     Qwen3-8B decode-graph kernels a step, FP8 (1/16/256 rows) and bf16 (1/256), context 128
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -175,6 +176,15 @@ PY
             one_row_choices "/tmp/b1-$tree" | sed "s/^/$tree: /"
         done
         ;;
+    prof8)  # Qwen3-8B decode-graph kernels a step (profile stage), FP8 at 1/16/256 rows and bf16 at 1/256, context
+            # 128: the top kernels and the serial wall time of a step (v38's table)
+        for q in fp8 bf16; do
+            X="--profile-batches 1,256"; [[ $q == fp8 ]] && X="--profile-quantization fp8 --profile-batches 1,16,256"
+            STAGE=profile NAME=prof-$q TIMEOUT=${TIMEOUT:-200} LINES_OUT=60 EXTRA="--profile-config 8b $X --profile-context 128" \
+                bash "$0" stage 2>&1 | grep "profile (\|  .*%  " | head -40
+            cp "$OUT/profile.json" "$OUT/profile-$q.json" 2>/dev/null
+        done
+        ;;
     stage)
         base
         NAME=${NAME:-$STAGE}
@@ -214,5 +224,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac
