@@ -18,6 +18,7 @@
 #   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload; FP8 with the experts' modes by the old rule too,
 #             and with the weight-only experts converting their weights (WORKER_MOE_FP8_BITS=0)
 #   prof8     Qwen3-8B decode-graph kernels a step, FP8 (1/16/256 rows) and bf16 (1/256), context 128
+#   prof06    Qwen3-0.6B decode-graph kernels a step at 1/16/256 rows, context 1024 (issue 23's table)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -185,6 +186,14 @@ PY
             cp "$OUT/profile.json" "$OUT/profile-$q.json" 2>/dev/null
         done
         ;;
+    prof06) # Qwen3-0.6B (the checkpoint stage's seeded weights) decode-graph kernels a step at 1/16/256 rows,
+            # context 1024: issue 23's profile table (batch-1 step target 0.8 ms)
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        STAGE=profile NAME=prof-06b TIMEOUT=${TIMEOUT:-240} LINES_OUT=60 \
+            EXTRA="--model $BENCH/model --profile-batches 1,16,256 --profile-context 1024" bash "$0" stage 2>&1 \
+            | grep "profile (\|  .*%  " | head -40
+        ;;
     stage)
         base
         NAME=${NAME:-$STAGE}
@@ -224,5 +233,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac
