@@ -227,6 +227,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                 for tile in FP8_NARROW_TILES:
                     narrow = {**f8._matmul_config(rows), **tile}
                     f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=narrow)
+                    f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=narrow)
                     with _as_on_a_hopper():
                         f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
                                       config={**narrow, "PDL": True, "PREFETCH": 2})

@@ -236,8 +236,8 @@ QWEN3_8B_FP8_BOUND = 2 ** -6
 @pytest.mark.parametrize("tile", [dict(BLOCK_N=16, num_stages=8), dict(BLOCK_N=32, num_stages=6)])
 def test_narrow_column_tiles_match_the_emulation(fp8_kernels, tile):
     """linear_selection's narrow FP8 GEMM tiles at a few rows (16 and 32 columns: more programs,
-    each over the whole of K), input quantized first and as an Fp8Activation, with a bias: the
-    emulation's product, as the default tile gives it."""
+    each over the whole of K), input quantized first, as an Fp8Activation and on load, with a
+    bias: the emulation's product, as the default tile gives it."""
     from worker_svc.layers.linear_selection import FP8_NARROW_TILES
 
     assert tile in FP8_NARROW_TILES
@@ -254,6 +254,9 @@ def test_narrow_column_tiles_match_the_emulation(fp8_kernels, tile):
             actual = fp8_kernels.fp8_linear(activation, weight, scale, block, b, config=config)
             assert actual.shape == (rows, 80)
             assert relative_error(actual, expected) <= FP8_GEMM_VS_EMULATION, (rows, type(activation).__name__)
+        # quantized as loaded: the same values but for the reciprocal's rare last-bit rounding
+        on_load = fp8_kernels.fp8_linear(x, weight, scale, block, b, quantize_on_load=True, config=config)
+        assert relative_error(on_load, expected) <= 2 ** -7, rows
 
 
 @needs_cuda

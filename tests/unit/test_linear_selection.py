@@ -353,9 +353,9 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     # 64 rows: the partials' traffic caps gate_up at 2 slices (4096 / (32 x 64)).
     assert splits(candidates("gate_up", 64)) == ["2"]
     assert splits(candidates("down", 16)) == ["16"] and splits(candidates("o", 16)) == ["8"]
-    # Up to 16 rows also narrow column tiles over the whole of K (no split), quantized input, with PDL too.
+    # Up to 16 rows also narrow column tiles over the whole of K (no split), both activation paths, with PDL too.
     narrow = {"fp8-gemm(quant+ 16x16 w4 s8)", "fp8-gemm(quant+ 16x32 w4 s6)", "fp8-gemm(quant+ 16x16 w4 s8 pdl pf2)",
-              "fp8-gemm(quant+ 16x32 w4 s6 pdl pf2)"}
+              "fp8-gemm(quant+ 16x32 w4 s6 pdl pf2)", "fp8-gemm(on-load 16x16 w4 s8)", "fp8-gemm(on-load 16x32 w4 s6)"}
     assert narrow <= set(one_row) and narrow <= set(candidates("down", 16))
     assert not any(n.startswith("fp8-gemm(quant+ 32x16") for n in candidates("o", 32))
     # 128-512 rows: K in two slices for the 64 x 128 tiles where they fill less than two waves (not gate_up).

@@ -61,7 +61,7 @@ FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stag
                   dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
                   dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3))
 FP8_PDL_PREFETCH = 2            # K tiles of weights the FP8 GEMM asks into L2 before its PDL wait
-# Narrow column tiles of the unsplit FP8 GEMM up to FP8_NARROW_MAX_ROWS rows (quantized input): more
+# Narrow column tiles of the unsplit FP8 GEMM up to FP8_NARROW_MAX_ROWS rows (both activation paths): more
 # programs than the 64-column tile gives a 4,096-column weight, each over the whole of K (no partials),
 # with deeper pipelines for their smaller loads (PERF_NOTES v38: split-K lost at one row on an H100).
 FP8_NARROW_TILES = (dict(BLOCK_N=16, num_stages=8), dict(BLOCK_N=32, num_stages=6))
@@ -181,9 +181,9 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
                 programs = math.ceil(operands.weight.shape[0] / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
                 if programs < 2 * sms:
                     methods.append(Fp8Gemm.of({**tile, "SPLIT_K": 2}, quantize_on_load=False))
-        if rows <= FP8_NARROW_MAX_ROWS:
-            for narrow in ({**default, **tile} for tile in FP8_NARROW_TILES):
-                methods.append(Fp8Gemm.of(narrow, quantize_on_load=False))
+        if rows <= FP8_NARROW_MAX_ROWS:   # quantized first (by the norm before qkv and gate_up), or on load
+            for narrow in ({**default, **tile} for tile in FP8_NARROW_TILES):   # (o: no quantization kernel)
+                methods += [Fp8Gemm.of(narrow, quantize_on_load=False), Fp8Gemm.of(narrow, quantize_on_load=True)]
                 if pdl:
                     methods.append(Fp8Gemm.of({**narrow, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH},
                                               quantize_on_load=False))
