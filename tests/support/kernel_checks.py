@@ -11,6 +11,14 @@ from tests.support.triton_interpreter import INTERPRETED
 FP8_GEMM_VS_EMULATION = 1e-5 if INTERPRETED else 2 ** -10
 
 
+def every_e4m3_byte(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """An FP8 (e4m3) tensor of `shape` drawn over every finite e4m3 byte: zeros, subnormals, both
+    signs, the largest (the two NaN codes left out)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    return codes[torch.randint(len(codes), shape, generator=generator)].view(torch.float8_e4m3fn)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest difference over the largest expected magnitude, in float64 on the CPU."""
     actual, expected = actual.double().cpu(), expected.double().cpu()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.markers import requires_cuda
-from tests.support.kernel_checks import relative_error
+from tests.support.kernel_checks import every_e4m3_byte, relative_error
 from tests.support.triton_interpreter import DEVICE, gpu_faithful
 from worker_svc.layers.fp8 import dequantize_blocks, quantize_blocks
 
@@ -116,9 +116,7 @@ def test_fp8_weights_taken_by_their_bits_give_the_converted_product_bit_for_bit(
     exactly, split or not, silu_mul too."""
     gemv_kernels = kernels[0]
     g = torch.Generator().manual_seed(46)
-    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    every_byte = every_byte[(every_byte & 0x7F) != 0x7F]   # e4m3's two NaN codes
-    weight = every_byte[torch.randint(len(every_byte), (48, 256), generator=g)].view(torch.float8_e4m3fn)
+    weight = every_e4m3_byte((48, 256), g)
     assert (weight.float() == 0).any() and (weight.float().abs() < 2 ** -6).any()   # zeros and subnormals
     scale = torch.rand(2, 4, generator=g) * 0.01 + 1e-4
     converted, moved = config(kernels, *tiles, row_acc=row_acc), config(kernels, *tiles, row_acc=row_acc, fp8_bits=True)

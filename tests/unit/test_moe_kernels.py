@@ -31,7 +31,7 @@ from worker_svc.loader import load_safetensors
 from worker_svc.model_config import load_model_config
 from worker_svc.models.qwen3_moe import Qwen3MoeForCausalLM
 from tests.support.markers import requires_cuda
-from tests.support.kernel_checks import FP8_GEMM_VS_EMULATION, relative_error
+from tests.support.kernel_checks import FP8_GEMM_VS_EMULATION, every_e4m3_byte, relative_error
 
 needs_cuda = requires_cuda
 
@@ -160,11 +160,8 @@ def test_weight_only_experts_take_fp8_weights_by_their_bits_bit_for_bit(kernels,
     moe_kernels, _ = kernels
     g = torch.Generator().manual_seed(25)
     block, hidden, intermediate, num_experts = (32, 32), 64, 32, 4
-    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    every_byte = every_byte[(every_byte & 0x7F) != 0x7F]   # e4m3's two NaN codes
-    def weight(*shape):
-        return every_byte[torch.randint(len(every_byte), shape, generator=g)].view(torch.float8_e4m3fn).to(DEVICE)
-    q13, q2 = weight(num_experts, 2 * intermediate, hidden), weight(num_experts, hidden, intermediate)
+    q13 = every_e4m3_byte((num_experts, 2 * intermediate, hidden), g).to(DEVICE)
+    q2 = every_e4m3_byte((num_experts, hidden, intermediate), g).to(DEVICE)
     s13 = (torch.rand(num_experts, 2 * intermediate // 32, hidden // 32, generator=g) * 1e-3 + 1e-5).to(DEVICE)
     s2 = (torch.rand(num_experts, hidden // 32, intermediate // 32, generator=g) * 1e-3 + 1e-5).to(DEVICE)
     x = torch.randn(5, hidden, generator=g).to(torch.bfloat16).to(DEVICE)

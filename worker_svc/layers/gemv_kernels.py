@@ -94,6 +94,12 @@ def _load_x(x_ptrs, mask, K, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
     return x
 
 
+# Weights taken by their bits (fp8_bits) come out 2^-120 of their values; the activation is scaled
+# by BITS_X_SCALE and the sums by BITS_SUM_SCALE, exact powers of two, so the product is the same.
+BITS_X_SCALE = tl.constexpr(2.0 ** 64)
+BITS_SUM_SCALE = tl.constexpr(2.0 ** 56)   # 2^64 * 2^-120 undone
+
+
 @triton.jit
 def _fp8_bits_as_f32(w):
     """e4m3 weights as float32 times 2^-120, by moving bits: the sign to bit 31, exponent and
@@ -149,14 +155,14 @@ def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
         if FP8:   # scaling x (BLOCK_M rows) costs less than scaling the tile (BLOCK_N rows)
             scale = tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)
             if FP8_BITS:
-                scale = scale * 18446744073709551616.0   # 2^64: the weights below are 2^-120 of theirs
+                scale = scale * BITS_X_SCALE
             x = x * scale[None, :]
         acc3 += x[:, None, :] * _fp8_weight_f32(w, FP8_BITS)[None, :, :]
         w = w_next
         x_ptrs += BLOCK_K
     acc = tl.sum(acc3, axis=2)
     if FP8_BITS:
-        acc = acc * 72057594037927936.0   # 2^56: 2^64 * 2^-120 undone
+        acc = acc * BITS_SUM_SCALE
     return acc
 
 
@@ -189,7 +195,7 @@ def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs
         if FP8:   # one scale per column's block: scaling x (a row) costs less than scaling w (a tile)
             scale = tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)
             if FP8_BITS:
-                scale = scale * 18446744073709551616.0   # 2^64: the weights are 2^-120 of theirs
+                scale = scale * BITS_X_SCALE
         else:
             scale = 1.0
         acc0 += _fma_row(x_ptrs, row0 < M, k, k_end, offs_k, scale, K, SILU_MUL, EVEN_K, dtype)[None, :] * w
@@ -211,7 +217,7 @@ def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs
         acc = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], acc)
         acc = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], acc)
     if FP8_BITS:
-        acc = acc * 72057594037927936.0   # 2^56: 2^64 * 2^-120 undone
+        acc = acc * BITS_SUM_SCALE
     return acc
 
 
@@ -230,14 +236,14 @@ def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
         x = _load_x(x_ptrs, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, dtype)
         w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0)
         if FP8_BITS:
-            scaled = (x.to(tl.float32) * 18446744073709551616.0).to(tl.bfloat16)   # x 2^64 (exact), w 2^-120
+            scaled = (x.to(tl.float32) * BITS_X_SCALE).to(tl.bfloat16)   # exact
             product = tl.dot(scaled, tl.trans(fp8_bits_as_bf16(w)))
         else:
             product = tl.dot(x, tl.trans(w.to(dtype)))
         if FP8:   # the K tile lies in one scale block (GROUP_K is a multiple of BLOCK_K)
             scale = tl.load(w_scale_row + k // GROUP_K)
             if FP8_BITS:
-                scale = scale * 72057594037927936.0   # 2^56
+                scale = scale * BITS_SUM_SCALE
             product = product * scale
         acc += product
         x_ptrs += BLOCK_K

@@ -121,14 +121,18 @@ def auto_split(num_cols: int, width: int, rows: int, config: GemvConfig, sms: in
     return max(1, min(wanted, k_tiles // 2, MAX_SPLIT))
 
 
+def fp8_tiles(num_cols: int, rows: int, tile: dict) -> int:
+    """Output tiles (programs without a split) of the FP8 GEMM with this tile."""
+    return math.ceil(num_cols / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
+
+
 def fp8_split(num_cols: int, width: int, rows: int, tile: dict, sms: int, group: int) -> int:
     """Split-K factor of the FP8 GEMM (fp8_kernels' SPLIT_K) that gives about SPLIT_PROGRAMS_PER_SM
     programs per SM, each over at least two of K's groups: at a few rows a 4,096-column weight
     has 64 column tiles, fewer programs than the SMs (PERF_NOTES v36). The float32 partials
     (written and read: 8 bytes a row and column a slice) stay within a quarter of the FP8
     weight's bytes (one a column and K), so more rows split less."""
-    programs = math.ceil(num_cols / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
-    wanted = math.ceil(SPLIT_PROGRAMS_PER_SM * sms / programs)
+    wanted = math.ceil(SPLIT_PROGRAMS_PER_SM * sms / fp8_tiles(num_cols, rows, tile))
     split = max(1, min(wanted, width // group // 2, MAX_SPLIT, width // (4 * 8 * rows)))
     return split_slices(width // group, split)[1]   # the slices that run
 
@@ -177,10 +181,8 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
                 methods += [Fp8Gemm.of({**default, "SPLIT_K": s, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH},
                                        quantize_on_load=False) for s in sorted({1, split})]
         elif rows <= FP8_WAVE_SPLIT_MAX_ROWS:
-            for tile in FP8_GEMM_TILES[:2]:
-                programs = math.ceil(operands.weight.shape[0] / tile["BLOCK_N"]) * math.ceil(rows / tile["BLOCK_M"])
-                if programs < 2 * sms:
-                    methods.append(Fp8Gemm.of({**tile, "SPLIT_K": 2}, quantize_on_load=False))
+            methods += [Fp8Gemm.of({**tile, "SPLIT_K": 2}, quantize_on_load=False) for tile in FP8_GEMM_TILES[:2]
+                        if fp8_tiles(operands.weight.shape[0], rows, tile) < 2 * sms]
         if rows <= FP8_NARROW_MAX_ROWS:   # quantized first (by the norm before qkv and gate_up), or on load
             for narrow in ({**default, **tile} for tile in FP8_NARROW_TILES):   # (o: no quantization kernel)
                 methods += [Fp8Gemm.of(narrow, quantize_on_load=False), Fp8Gemm.of(narrow, quantize_on_load=True)]

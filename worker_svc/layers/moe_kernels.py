@@ -37,7 +37,7 @@ import triton.language as tl
 from worker_svc.layers import fused_kernels
 from worker_svc.layers.fp8 import FP8_MAX, MIN_AMAX
 from worker_svc.layers.fp8_kernels import _quantize_tile, per_token_group_quant
-from worker_svc.layers.gemv_kernels import fp8_bits_as_bf16
+from worker_svc.layers.gemv_kernels import BITS_SUM_SCALE, BITS_X_SCALE, fp8_bits_as_bf16
 
 FP8_ACTIVATIONS = ("weight_only", "on_load", "given")
 _FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)   # globals a kernel may read
@@ -192,8 +192,8 @@ def _grouped_gemm_kernel(
             b_s = tl.load(b_s_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn + k // BLOCK_K,
                           mask=n_mask, other=0.0)
             if FP8_ACTIVATIONS == "weight_only" and WEIGHT_BITS:   # bfloat16 a: b 2^-120 of itself, a x 2^64
-                scaled = (a.to(tl.float32) * 18446744073709551616.0).to(tl.bfloat16)
-                acc += tl.dot(scaled, fp8_bits_as_bf16(b)) * (b_s * 72057594037927936.0)[None, :]
+                scaled = (a.to(tl.float32) * BITS_X_SCALE).to(tl.bfloat16)
+                acc += tl.dot(scaled, fp8_bits_as_bf16(b)) * (b_s * BITS_SUM_SCALE)[None, :]
             elif FP8_ACTIVATIONS == "weight_only":
                 acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_s[None, :]
             else:
