@@ -55,6 +55,10 @@ one_row_choices() {   # DIR: what the start-up selection chose at 1 row for each
         | sed "s/ms per call by rows: //" | head -4
 }
 
+profile_table() {   # NAME TIMEOUT EXTRA: the profile stage's tables (top kernels, serial wall time a step)
+    STAGE=profile NAME=$1 TIMEOUT=$2 LINES_OUT=60 EXTRA="$3" bash "$0" stage 2>&1 | grep "profile (\|  .*%  " | head -40
+}
+
 with_floor() {  # the bandwidth measured by `checkpoint`, for the floor in the tables
     mkdir -p "$BENCH/$1" && cp "$BENCH/bandwidth.json" "$BENCH/$1/" 2>/dev/null
     true
@@ -181,8 +185,7 @@ PY
             # 128: the top kernels and the serial wall time of a step (v38's table)
         for q in fp8 bf16; do
             X="--profile-batches 1,256"; [[ $q == fp8 ]] && X="--profile-quantization fp8 --profile-batches 1,16,256"
-            STAGE=profile NAME=prof-$q TIMEOUT=${TIMEOUT:-200} LINES_OUT=60 EXTRA="--profile-config 8b $X --profile-context 128" \
-                bash "$0" stage 2>&1 | grep "profile (\|  .*%  " | head -40
+            profile_table prof-$q ${TIMEOUT:-200} "--profile-config 8b $X --profile-context 128"
             cp "$OUT/profile.json" "$OUT/profile-$q.json" 2>/dev/null
         done
         ;;
@@ -190,9 +193,7 @@ PY
             # context 1024: issue 23's profile table (batch-1 step target 0.8 ms)
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
-        STAGE=profile NAME=prof-06b TIMEOUT=${TIMEOUT:-240} LINES_OUT=60 \
-            EXTRA="--model $BENCH/model --profile-batches 1,16,256 --profile-context 1024" bash "$0" stage 2>&1 \
-            | grep "profile (\|  .*%  " | head -40
+        profile_table prof-06b ${TIMEOUT:-240} "--model $BENCH/model --profile-batches 1,16,256 --profile-context 1024"
         ;;
     stage)
         base
