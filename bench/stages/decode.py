@@ -3,10 +3,11 @@
 
 Drives a real worker process over loopback gRPC with the service's own scheduling code and its
 async scheduling: the Scheduler and BlockManager decide each step, build_step_request encodes it,
-two steps are in flight (step N+1 is sent before N's reply), and each reply goes back through
-Scheduler.update. The client streams and frontends are left out (the host_path stage covers
-them). Every request may generate until the last prompt's chunked prefill is done and the timed
-steps are over, so each case reaches steps where the whole batch decodes; the timing stops there.
+two steps are in flight (step N+1 is sent before N's reply; --decode-in-flight 2,3 measures each
+case at each depth), and each reply goes back through Scheduler.update. The client streams and
+frontends are left out (the host_path stage covers them). Every request may generate until the
+last prompt's chunked prefill is done and the timed steps are over, so each case reaches steps
+where the whole batch decodes; the timing stops there.
 Per pure-decode step, medians over the measured steps after warm-up:
     step        = time between consecutive replies (what the service's decode rate is)
     device      = the worker's device time of the step (CUDA events: forward, sampling, copies)
@@ -31,12 +32,16 @@ from bench.options import MAX_MESSAGE_BYTES, max_token_id, model_dir
 
 REQUIRES = ("checkpoint", "bandwidth")
 LEASE_EPOCH = time.time_ns()     # this run's lease of the worker (worker_svc/lease.py)
-STEPS_IN_FLIGHT = 2
+STEPS_IN_FLIGHT = 2     # the default; --decode-in-flight
+MOST_IN_FLIGHT = 4      # the most --decode-in-flight may ask (each case's requests outlast that many more steps)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-cases", default="1x1024,64x1024,256x1024,512x1024,256x4096",
                    help="BATCHxCONTEXT cases of the decode stage")
+    p.add_argument("--decode-in-flight", default=str(STEPS_IN_FLIGHT),
+                   help="comma-separated steps in flight to measure each case at (the service's group runner keeps 2, "
+                        "or 3 for small batches: docs/PERF_NOTES.md v39)")
     p.add_argument("--decode-warmup-steps", type=int, default=8)
     p.add_argument("--decode-measured-steps", type=int, default=48)
     p.add_argument("--decode-gpu-memory-utilization", type=float, default=0.95,
@@ -54,7 +59,7 @@ class Case:
         batch, context = (int(x) for x in text.split("x"))
         # Chunked prefill runs the prompts in order, budget tokens a step minus the decodes beside them.
         prefill_steps = -(-batch * context // max(budget - batch, 1)) + 1
-        return cls(batch, context, prefill_steps + warmup_steps + measured_steps + 2 * STEPS_IN_FLIGHT)
+        return cls(batch, context, prefill_steps + warmup_steps + measured_steps + 2 * MOST_IN_FLIGHT)
 
     def blocks_needed(self, block_size: int) -> int:
         return self.batch * -(-(self.context + self.max_tokens) // block_size)
@@ -104,13 +109,22 @@ async def _measure_all(worker_addr: str, all_cases: list[Case], args: argparse.N
                 rows.append({"batch": case.batch, "context": case.context, "steps": 0,
                              "skipped": f"KV cache too small: needs {needed} blocks, has {info.num_kv_blocks}"})
                 continue
-            rows.append(await _measure_one(stub, info, case, rng, top_id, seq_ids, args))
+            for depth in in_flight_depths(args):
+                row = await _measure_one(stub, info, case, rng, top_id, seq_ids, args, depth)
+                rows.append({**row, "in_flight": depth})
         await stub.Reset(worker_pb2.ResetRequest(lease_epoch=LEASE_EPOCH), timeout=60)
         return rows
 
 
+def in_flight_depths(args: argparse.Namespace) -> list[int]:
+    depths = [int(d) for d in str(args.decode_in_flight).split(",")]
+    if not all(1 <= d <= MOST_IN_FLIGHT for d in depths):
+        raise ValueError(f"--decode-in-flight: each depth must lie in 1..{MOST_IN_FLIGHT}, not {args.decode_in_flight}")
+    return depths
+
+
 async def _measure_one(stub, info, case: Case, rng: random.Random, top_id: int, seq_ids,
-                       args: argparse.Namespace) -> dict:
+                       args: argparse.Namespace, depth: int = STEPS_IN_FLIGHT) -> dict:
     from common.pb.llm.worker.v1 import worker_pb2
     from common.sampling import SamplingParams
     from scheduler_svc.engine.block_manager import BlockManager
@@ -130,7 +144,7 @@ async def _measure_one(stub, info, case: Case, rng: random.Random, top_id: int, 
     in_flight = []      # (output, pure decode, scheduler ms, reply task)
     samples, decode_steps, last_reply = [], 0, None
     while (scheduler.has_unfinished() and len(samples) < args.decode_measured_steps) or in_flight:
-        while len(in_flight) < STEPS_IN_FLIGHT and scheduler.has_unfinished() \
+        while len(in_flight) < depth and scheduler.has_unfinished() \
                 and len(samples) < args.decode_measured_steps:
             t0 = time.perf_counter()
             output = scheduler.schedule()
@@ -170,19 +184,21 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     decode, rates = results["decode"]["result"], measured_rates(results)
     shape = ModelShape.from_file(model_dir(args) / "config.json")
     fused = "on" if decode.get("fused_kernels", True) else "off"
-    print(f"\npipelined decode steps (two in flight; medians, ms; fused kernels {fused}; "
+    print(f"\npipelined decode steps (steps in flight: fl; medians, ms; fused kernels {fused}; "
           f"floor: weights + the batch's KV over the copy bandwidth{'' if rates else ': no bandwidth stage'})")
-    print(f"{'batch':>5s} {'ctx':>5s} {'step':>7s} {'device':>7s} {'floor':>7s} {'step/dev':>8s} {'dev/floor':>9s} "
+    print(f"{'batch':>5s} {'ctx':>5s} {'fl':>2s} {'step':>7s} {'device':>7s} {'floor':>7s} {'step/dev':>8s} {'dev/floor':>9s} "
           f"{'step/floor':>10s} {'sched':>6s} {'prep':>6s} {'launch':>6s} {'tok/s':>8s}")
     for row in decode["rows"]:
         kv_tokens = row.get("kv_tokens") or row["batch"] * row["context"]
         floor_ms = decode_step_floor_s(shape, row["batch"], kv_tokens, rates) * 1e3 if rates else float("nan")
         if "step_ms" not in row:
             reason = row.get("skipped", "no pure-decode steps measured")
-            print(f"{row['batch']:5d} {row['context']:5d} {'-':>7s} {'-':>7s} {floor_ms:7.3f}   {reason}")
+            print(f"{row['batch']:5d} {row['context']:5d} {row.get('in_flight', STEPS_IN_FLIGHT):2d} {'-':>7s} "
+                  f"{'-':>7s} {floor_ms:7.3f}   {reason}")
             continue
         device = row["device_ms"] or float("nan")    # 0: no device timing (a CPU run)
-        print(f"{row['batch']:5d} {row['context']:5d} {row['step_ms']:7.2f} {device:7.2f} {floor_ms:7.3f} "
+        print(f"{row['batch']:5d} {row['context']:5d} {row.get('in_flight', STEPS_IN_FLIGHT):2d} "
+              f"{row['step_ms']:7.2f} {device:7.2f} {floor_ms:7.3f} "
               f"{row['step_ms'] / device:8.2f} {device / floor_ms:9.2f} "
               f"{row['step_ms'] / floor_ms:10.2f} {row['scheduler_ms']:6.2f} {row['prepare_ms']:6.2f} "
               f"{row['launch_ms']:6.2f} {row['batch'] / row['step_ms'] * 1e3:8.0f}")
