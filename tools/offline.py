@@ -41,7 +41,8 @@ class LocalWorkerClient:
         self.address = "local"
         self._runner = runner
         self._launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
-        self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="step-wait")
+        # One waiter per step the engine keeps in flight (EngineConfig.third_step_max_seqs: up to 3).
+        self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="step-wait")
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return build_worker_info(self._runner.describe())

@@ -131,7 +131,8 @@ class OutputSlots:
 class Staging:
     """One host buffer per step holding every integer input, copied to the device in one go.
     Two pinned buffers alternate; the host waits for a buffer's last copy before refilling it
-    (with at most two steps launched ahead, it never does in practice)."""
+    (a step's copy is the first thing it runs, so with up to three steps in flight the copy two
+    steps back is done long before: it never waits in practice)."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device

@@ -34,6 +34,15 @@ class EngineConfig:
     # that run steps in the order sent, as the gRPC worker and LocalWorkerClient do.
     async_scheduling: bool = flag(True, group=ENGINE, help="wait for each step's reply before scheduling the next "
                                                            "(without it: one step ahead)")
+    # With async scheduling a third step is sent while few requests run: a small batch's device
+    # step (~1.2 ms for Qwen3-0.6B at one row) can be shorter than the host's round trip (reply
+    # out, update, schedule, the step message in, the worker's prepare and launch: 1.0-1.8 ms by
+    # host), and with two in flight the device then waits for it (docs/PERF_NOTES.md v39). Not
+    # with speculative decoding (a verifying step's drafts come from the step before it).
+    third_step_max_seqs: int = flag(
+        32, group=ENGINE, metavar="N",
+        help="with async scheduling, keep a third step in flight while at most N requests run or wait (small "
+             "batches' device steps are shorter than the host's round trip; not with speculative decoding; 0: never)")
     # Whose workers these are: the identity this scheduler leases them under; another identity
     # waits until worker_lease_s pass without a step or renewal. None: HOSTNAME:PID.
     instance_id: str | None = flag(

@@ -239,6 +239,20 @@ class GroupRunner:
     # -- step loop ------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=f"group-{self.index}")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A step loop that raised (a bug: worker failures are handled inside it) is logged with
+        its traceback and started again, as after a worker failure: the group goes down, its
+        requests move to healthy groups or wait, and the new loop reconnects (resetting the
+        workers) and re-sends them. Without this the group would stop scheduling in silence."""
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("group %d: its step loop failed; restarting it", self.index, exc_info=task.exception())
+        if self.scheduler is not None and self.healthy:
+            self._mark_down(f"the step loop failed: {task.exception()!r}")
+        self.healthy = False
+        self.start()
 
     async def stop(self) -> None:
         if self._task:
@@ -251,14 +265,14 @@ class GroupRunner:
     async def _loop(self) -> None:
         # Steps sent whose replies are not applied yet, oldest first: with async scheduling one
         # more is scheduled and sent as soon as the last one is, so the worker (which runs steps
-        # in step_id order) finds it queued when it finishes the current one.
-        depth = 2 if self.config.async_scheduling else 1
+        # in step_id order) finds it queued when it finishes the current one; two more while the
+        # batch is small (EngineConfig.third_step_max_seqs).
         in_flight: deque[tuple[SchedulerOutput, asyncio.Task, float]] = deque()
         try:
             while True:
                 if not self.healthy:
                     await self._reconnect()
-                if len(in_flight) < depth and self.scheduler.has_unfinished():
+                if len(in_flight) < self._depth() and self.scheduler.has_unfinished():
                     output = self.scheduler.schedule()
                     if not output.is_empty:
                         in_flight.append(self._send(output))
@@ -288,6 +302,16 @@ class GroupRunner:
         finally:
             for _, reply, _ in in_flight:
                 reply.cancel()
+
+    def _depth(self) -> int:
+        """How many steps may be in flight now: 1 without async scheduling, 3 while few requests
+        run or wait (without speculative decoding), else 2."""
+        if not self.config.async_scheduling:
+            return 1
+        scheduler, most = self.scheduler, self.config.third_step_max_seqs
+        if not most or scheduler.config.speculation.num_speculative_tokens:
+            return 2
+        return 3 if len(scheduler.running) + len(scheduler.waiting) <= most else 2
 
     def _log_restart(self) -> None:
         """Says what a worker restart costs: the requests it was computing (those still queued

@@ -1,16 +1,25 @@
-"""The engine's step loop with a step in flight: it sends step N+1 before step N's reply is back
-and gives every request the tokens, text and finish reason of the synchronous loop, through
-preemptions, stop strings and a worker that dies with a step in flight. The engine core and a
-frontend in one process, as with --frontends 0."""
+"""The engine's step loop with steps in flight: it sends step N+1 (and, while the batch is small,
+N+2) before step N's reply is back and gives every request the tokens, text and finish reason of
+the synchronous loop, through preemptions, stop strings and a worker that dies with steps in
+flight. The engine core and a frontend in one process, as with --frontends 0."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
+
+import pytest
 
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models
 
+from scheduler_svc.engine.block_manager import BlockManager
 from scheduler_svc.engine.core import EngineConfig, EngineCore
+from scheduler_svc.engine.group_runner import GroupHooks, GroupRunner
+from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine.sequence import Sequence
+from scheduler_svc.engine.speculation import SpeculationConfig
 from scheduler_svc.frontend.core_client import LocalCoreClient
 from scheduler_svc.frontend.streams import Frontend
 from common.sampling import SamplingParams
@@ -41,11 +50,11 @@ def random_requests(seed: int, num: int) -> list[tuple[list[int], SamplingParams
     return requests
 
 
-async def generate(requests, client: FakeWorkerClient, async_scheduling: bool):
+async def generate(requests, client: FakeWorkerClient, async_scheduling: bool, third_step_max_seqs: int = 32):
     """Every request's (token ids, text, finish reason), all submitted at once."""
     core = EngineCore([WorkerGroupClient([client])], eos_token_ids=[EOS],
                       config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, reconnect_interval_s=0.001,
-                                          async_scheduling=async_scheduling))
+                                          async_scheduling=async_scheduling, third_step_max_seqs=third_step_max_seqs))
     frontend = Frontend(LocalCoreClient(core), letter_tokenizer())
     events = asyncio.create_task(frontend.run())
     await core.start()
@@ -66,19 +75,70 @@ async def generate(requests, client: FakeWorkerClient, async_scheduling: bool):
         events.cancel()
 
 
-def test_a_step_in_flight_gives_the_synchronous_outputs():
+@pytest.mark.parametrize("third_step_max_seqs, depth", [(0, 2), (32, 3)])
+def test_steps_in_flight_give_the_synchronous_outputs(third_step_max_seqs, depth):
     requests = random_requests(seed=1, num=12)         # 12 blocks of 2 for 4 at a time: preemptions
     sync_client, async_client = FakeWorkerClient(), FakeWorkerClient()
     expected = asyncio.run(generate(requests, sync_client, async_scheduling=False))
-    assert asyncio.run(generate(requests, async_client, async_scheduling=True)) == expected
-    assert (sync_client.max_in_flight, async_client.max_in_flight) == (1, 2)
+    assert asyncio.run(generate(requests, async_client, async_scheduling=True,
+                                third_step_max_seqs=third_step_max_seqs)) == expected
+    assert (sync_client.max_in_flight, async_client.max_in_flight) == (1, depth)
     reasons = {reason for _, _, reason in expected}
     assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
 
 
-def test_a_worker_that_dies_with_a_step_in_flight_is_reset_and_the_outputs_hold():
+def test_a_third_step_only_while_few_requests_run_or_wait_and_none_speculates():
+    def runner(async_scheduling=True, third_step_max_seqs=3, num_speculative_tokens=0) -> GroupRunner:
+        group = GroupRunner(0, WorkerGroupClient([FakeWorkerClient()]),
+                            EngineConfig(async_scheduling=async_scheduling, third_step_max_seqs=third_step_max_seqs),
+                            [EOS], SchedulerMetrics(), GroupHooks(lambda g: None, lambda *a: None, lambda g: None))
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=2,
+                                 speculation=SpeculationConfig(num_speculative_tokens=num_speculative_tokens))
+        group.scheduler = Scheduler(config, BlockManager(64, 2), eos_token_ids=[EOS])
+        return group
+
+    def add(group: GroupRunner, n: int) -> None:
+        for _ in range(n):
+            group.scheduler.add(Sequence(next(ids), "r", [1, 2, 3], SamplingParams(max_tokens=4)))
+
+    ids = itertools.count(1)
+    group = runner()
+    assert group._depth() == 3                 # idle
+    add(group, 3)
+    assert group._depth() == 3                 # 3 waiting
+    group.scheduler.schedule()
+    assert len(group.scheduler.running) == 3 and group._depth() == 3
+    add(group, 1)
+    assert group._depth() == 2                 # 3 running + 1 waiting
+    assert runner(third_step_max_seqs=0)._depth() == 2
+    assert runner(async_scheduling=False)._depth() == 1
+    assert runner(num_speculative_tokens=2)._depth() == 2
+
+
+@pytest.mark.parametrize("third_step_max_seqs, depth", [(0, 2), (32, 3)])
+def test_a_worker_that_dies_with_steps_in_flight_is_reset_and_the_outputs_hold(third_step_max_seqs, depth):
     requests = random_requests(seed=2, num=8)
     expected = asyncio.run(generate(requests, FakeWorkerClient(), async_scheduling=False))
     client = FakeWorkerClient(die_at={3, 9})
-    assert asyncio.run(generate(requests, client, async_scheduling=True)) == expected
-    assert client.restarts == 2 and client.max_in_flight == 2
+    assert asyncio.run(generate(requests, client, async_scheduling=True,
+                                third_step_max_seqs=third_step_max_seqs)) == expected
+    assert client.restarts == 2 and client.max_in_flight == depth
+
+
+def test_a_step_loop_that_raises_is_restarted_and_the_outputs_hold(monkeypatch, caplog):
+    """A bug in the step loop (here: its depth rule raising once, mid-run) is logged with its
+    traceback; the group goes down, reconnects and re-sends its requests, which all finish as if
+    nothing had happened."""
+    requests = random_requests(seed=4, num=8)
+    expected = asyncio.run(generate(requests, FakeWorkerClient(), async_scheduling=False))
+    depth, calls = GroupRunner._depth, itertools.count()
+
+    def fails_once(self):
+        if next(calls) == 20:
+            raise RuntimeError("a bug")
+        return depth(self)
+
+    monkeypatch.setattr(GroupRunner, "_depth", fails_once)
+    assert asyncio.run(generate(requests, FakeWorkerClient(), async_scheduling=True)) == expected
+    assert next(calls) > 21
+    assert any("step loop failed" in r.getMessage() and r.exc_info for r in caplog.records)
