@@ -217,8 +217,10 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                 f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=split)
                 with _as_on_a_hopper():
                     for slices in (1, 8):
-                        f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
-                                      config={**split, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2})
+                        for late in (False, True):   # the trigger at the start, or after the loop
+                            f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
+                                          config={**split, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2,
+                                                  "LATE_TRIGGER": late})
             if GEMV_MAX_ROWS < rows <= FP8_WAVE_SPLIT_MAX_ROWS:   # the prefill tiles with K in two slices
                 for tile in FP8_GEMM_TILES[:2]:
                     f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
@@ -229,8 +231,9 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                     f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=narrow)
                     f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=narrow)
                     with _as_on_a_hopper():
-                        f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
-                                      config={**narrow, "PDL": True, "PREFETCH": 2})
+                        for late in (False, True):
+                            f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
+                                          config={**narrow, "PDL": True, "PREFETCH": 2, "LATE_TRIGGER": late})
     cases["fp8"] = fp8
 
     def gemv() -> None:
@@ -241,7 +244,11 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
         weight_scale = torch.ones(8, 32)
         with _as_on_a_hopper():   # the PDL variants (gdc_wait, prefetches), as on a GPU
             for rows in (1, 2, 4, 8, 16, 32, 64):
-                for config in gemv_configs(rows, 1024, 4096, sms=132, pdl=True, fp8=True):
+                configs = gemv_configs(rows, 1024, 4096, sms=132, pdl=True, fp8=True)
+                if rows in (1, 2, 16):   # twins with the trigger after the loop (timed where their config wins):
+                    # the loops' three families (FMA, one accumulator a row, tensor cores), not every tile
+                    configs += [dataclasses.replace(c, late_trigger=True) for c in configs if not c.fp8_bits]
+                for config in configs:
                     x = torch.randn(rows, 4096, dtype=bf16)
                     for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config
                         gemv_kernels.gemv(x[:n], weight, config)

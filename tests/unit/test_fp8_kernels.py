@@ -304,8 +304,8 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
             assert torch.equal(captured, sliced), (cols, width, split)   # the slices' sum is in a fixed order
         assert not split_counters(x.device).any()
         if pdl_in_graphs(x.device):   # with PDL, its input quantized by the kernel just before it in the graph
-            for slices in (1, split):
-                config = {**tile, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2}
+            for slices, late in ((1, False), (split, False), (1, True), (split, True)):   # late: the trigger after the loop
+                config = {**tile, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2, "LATE_TRIGGER": late}
                 graph = torch.cuda.CUDAGraph()
                 fp8_kernels.fp8_linear(fp8_kernels.quantize_activation(x, 128), weight, scale, (128, 128),
                                        config=config)

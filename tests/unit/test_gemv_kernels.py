@@ -191,15 +191,16 @@ def test_programmatic_dependent_launch_replays_in_graphs_on_hopper(kernels):
 
 
 @requires_cuda
-@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("pdl, late", [(False, False), (True, False), (True, True)], ids=["plain", "pdl", "late"])
 @pytest.mark.parametrize("tiles", [(1, 8, 512, 4), (16, 32, 128, 2)], ids=["fma", "dot"])
-def test_gemv_replays_in_a_cuda_graph(kernels, tiles, pdl):
-    """Split-K counters (and programmatic dependent launch) inside a captured graph."""
+def test_gemv_replays_in_a_cuda_graph(kernels, tiles, pdl, late):
+    """Split-K counters (and programmatic dependent launch, its trigger at the start or after the
+    loop) inside a captured graph."""
     gemv_kernels = kernels[0]
     g = torch.Generator(device="cuda").manual_seed(44)
     w = torch.randn(1024, 2048, generator=g, device="cuda").to(torch.bfloat16)
     x = torch.randn(tiles[0], 2048, generator=g, device="cuda").to(torch.bfloat16)
-    cfg = gemv_kernels.GemvConfig(*tiles, pdl=pdl)
+    cfg = gemv_kernels.GemvConfig(*tiles, pdl=pdl, late_trigger=late)
     gemv_kernels.gemv(x, w, cfg)   # compiles and allocates the counters outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -301,6 +302,41 @@ def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, rows
         x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
         graph.replay()
         assert torch.equal(out, pair(plain)), seed
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_chain_of_gemvs_triggering_after_their_loops_reads_each_others_outputs(kernels, rows):
+    """Three PDL GEMVs in a graph, each letting the next launch only once its loop is done (its
+    stores and split-K sums still to come): each reads the one before it's whole output, bit for
+    bit against the chain launched plainly, over replays on new inputs."""
+    gemv_kernels = kernels[0]
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not gemv_kernels.pdl_in_graphs(device):
+        pytest.skip("programmatic dependent launch does not replay in CUDA graphs here")
+    g = torch.Generator(device="cuda").manual_seed(47)
+    weights = [(torch.randn(cols, width, generator=g, device="cuda") / width ** 0.5).to(torch.bfloat16)
+               for cols, width in ((2048, 1024), (1024, 2048), (512, 1024))]
+    x = torch.randn(rows, 1024, generator=g, device="cuda").to(torch.bfloat16)
+    tiles = (1, 8, 512) if rows == 1 else (16, 32, 128)
+    late, plain = (gemv_kernels.GemvConfig(*tiles, split_k=split, pdl=on, late_trigger=on)
+                   for split, on in ((4, True), (4, False)))
+
+    def chain(cfg):
+        out = x
+        for w in weights:
+            out = gemv_kernels.gemv(out, w, cfg)
+        return out
+
+    chain(late)   # compiles and allocates the counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(late)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        assert torch.equal(out, chain(plain)), seed
+    assert not gemv_kernels.split_counters(device).any()
 
 
 @requires_cuda

@@ -389,3 +389,42 @@ def test_the_ranks_of_a_group_run_the_slowest_ranks_choice(selection):
     assert reduced == [[math.inf, 1.0, 0.5], [math.inf, 1.0, 0.5]]   # one call per measured row count
     assert [str(m) for m in choice.chosen.values()] == [str(gemv), "cublas", "cublas"]
     assert choice.times[2] == {"cublas": 1.0, str(gemv): 3.0}
+
+
+def test_a_winning_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(selection):
+    """Where a PDL launch wins, its twin that lets the next kernel launch only after its loop is
+    timed once more (every rank the same twin, through the reduction) and kept where faster."""
+    linear_selection, methods = selection
+    gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64, pdl=True))
+    late = gemv.late_twin()
+    assert str(late) == f"{str(gemv)[:-1]} late)" and late.late_twin() is None
+    assert methods.Gemv(linear_selection.GemvConfig(2, 16, 64)).late_twin() is None
+    assert methods.Cublas().late_twin() is None
+    fp8 = methods.Fp8Gemm.of({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PDL": True})
+    assert str(fp8.late_twin()).endswith("pdl late)") and dict(fp8.late_twin().config)["LATE_TRIGGER"]
+    from worker_svc.layers.gemv_kernels import check_config
+    with pytest.raises(ValueError, match="late trigger"):
+        check_config(linear_selection.GemvConfig(2, 16, 64, late_trigger=True), 48, 64)
+
+    timed = collections.Counter()
+
+    def measure(method, runners, x):
+        timed[(x.shape[0], str(method))] += 1
+        if str(method) == str(late):
+            return 0.4 if x.shape[0] == 1 else 0.6
+        return 0.5 if str(method) == str(gemv) else 1.0
+
+    reduced = []
+
+    def reduce(times):
+        reduced.append(list(times))
+        return times
+
+    choice = linear_selection.choose_methods(
+        "proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=2, sms=4, measure=measure,
+        candidate_methods=lambda *a: [methods.Cublas(), gemv], reduce_across_ranks=reduce)
+    assert [str(m) for m in choice.chosen.values()] == [str(late), str(gemv)]
+    assert choice.times[1] == {"cublas": 1.0, str(gemv): 0.5, str(late): 0.4}
+    assert choice.times[2][str(late)] == 0.6
+    assert set(timed.values()) == {1} and len(timed) == 6   # each once at each row count
+    assert reduced == [[1.0, 0.5], [0.4], [1.0, 0.5], [0.6]]

@@ -99,7 +99,7 @@ def _block_fp8_matmul_kernel(
     GROUP_N: tl.constexpr, HAS_BIAS: tl.constexpr, QUANTIZE_A: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
 ):
     # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
     # by several row tiles in a row. With SPLIT_K > 1, program_id(1) takes one of SPLIT_K slices
@@ -107,10 +107,11 @@ def _block_fp8_matmul_kernel(
     # PDL (programmatic dependent launch, as gemv_kernels'): the kernel may start while the one
     # before it ends; it asks L2 for its first PREFETCH_TILES weight tiles (weights never depend
     # on that kernel), then waits for it before reading anything it wrote (the activations and
-    # their scales, and the split-K counters).
+    # their scales, and the split-K counters). With LATE_TRIGGER the next kernel may launch only
+    # once this one's loop is done (gemv_kernels' late_trigger).
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PDL:
+    if PDL and not LATE_TRIGGER:
         gdc_launch_dependents()
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -147,6 +148,8 @@ def _block_fp8_matmul_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if PDL and LATE_TRIGGER:
+        gdc_launch_dependents()
     finish_split_k(acc, partial_ptr, counter_ptr, pid, pid_k, SPLIT_K, M, N, offs_m, offs_n, n_mask,
                    m_mask[:, None] & n_mask[None, :], bias_ptr, c_ptr, stride_cm, HAS_BIAS, 1)
 
@@ -183,6 +186,7 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
     config = dict(config or _matmul_config(num_rows))
     pdl = config.pop("PDL", False) and gemv_kernels.pdl_launches(a.device)
     prefetch = config.pop("PREFETCH", 0) if pdl else 0
+    late = config.pop("LATE_TRIGGER", False) and pdl
     groups_per_split, split_k = split_slices(width // bk, config.pop("SPLIT_K", 1))
     tiles = triton.cdiv(num_rows, config["BLOCK_M"]) * triton.cdiv(num_cols, config["BLOCK_N"])
     if split_k > 1:
@@ -198,7 +202,7 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
         0 if quantize_a else a_scale.stride(1), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, QUANTIZE_A=quantize_a,
         FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, SPLIT_K=split_k, PDL=pdl, PREFETCH_TILES=prefetch,
-        launch_pdl=pdl, **config,
+        LATE_TRIGGER=late, launch_pdl=pdl, **config,
     )
     return out
 

@@ -33,6 +33,9 @@ Options, each a compile-time switch:
   previous kernel (weights never depend on it), and the next kernel may launch at once
   (`pdl_in_graphs` says whether CUDA graphs replay this here); with `prefetch`, the first
   K tiles of the program's weight rows are asked into L2 (sm90's bulk prefetch) before that wait.
+  With `late_trigger` the next kernel may launch only once this one's loop is done (before its
+  stores and split-K sums), so its programs ask for their weights during this one's tail
+  instead of taking SM slots and bandwidth from the whole of its loop.
 Under TRITON_INTERPRET=1 the kernel runs on the CPU for the tests.
 """
 from __future__ import annotations
@@ -68,6 +71,7 @@ class GemvConfig:
     prefetch: int = 0       # with pdl: K tiles of weights asked into L2 before waiting for the previous kernel
     split_chunk: int = 1    # split-K partials the tile's last program sums per load
     fp8_bits: bool = False  # FP8 weights as float32 / bfloat16 by moving bits, not by conversion
+    late_trigger: bool = False  # with pdl: the next kernel may launch once this one's loop is done, not at its start
 
     @property
     def use_dot(self) -> bool:
@@ -77,7 +81,8 @@ class GemvConfig:
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}{' rows' if self.row_acc else ''}"
                 f"{f' pf{self.prefetch}' if self.prefetch else ''}"
-                f"{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}{' bits' if self.fp8_bits else ''}")
+                f"{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}{' bits' if self.fp8_bits else ''}"
+                f"{' late' if self.late_trigger else ''}")
 
 
 @triton.jit
@@ -267,9 +272,10 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
     ROW_ACC: tl.constexpr, PREFETCH_TILES: tl.constexpr, SPLIT_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_BITS: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PDL:   # a dependent launch may start now: it reads nothing of ours before its own gdc_wait
+    if PDL and not LATE_TRIGGER:   # a dependent launch may start now: it reads nothing of ours before its gdc_wait
         gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -301,6 +307,8 @@ def _gemv_kernel(
         acc = _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
                         SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS)
 
+    if PDL and LATE_TRIGGER:   # the loop is done: the next kernel may launch (its wait still waits for our end)
+        gdc_launch_dependents()
     out_mask = m_mask[:, None] & n_mask[None, :]
     finish_split_k(acc, partial_ptr, counter_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, M, N, offs_m,
                    offs_n, n_mask, out_mask, bias_ptr, out_ptr, stride_om, HAS_BIAS, SPLIT_CHUNK)
@@ -417,6 +425,8 @@ def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tu
         raise ValueError(f"gemv {config}: tensor-core tiles need 16-bit activations and 16-wide N and K tiles")
     if config.row_acc and (config.use_dot or config.block_m > ROW_ACC_MAX_ROWS):
         raise ValueError(f"gemv {config}: one accumulator per row is for CUDA-core tiles of <= {ROW_ACC_MAX_ROWS} rows")
+    if config.late_trigger and not config.pdl:
+        raise ValueError(f"gemv {config}: a late trigger is a PDL launch's")
     if config.split_chunk & (config.split_chunk - 1) or config.split_chunk < 1:
         raise ValueError(f"gemv {config}: split_chunk must be a power of two")
     if config.prefetch and width % 16:
@@ -470,7 +480,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         EVEN_K=width % config.block_k == 0, USE_DOT=config.use_dot, PDL=pdl, ROW_ACC=config.row_acc,
         PREFETCH_TILES=config.prefetch, SPLIT_CHUNK=config.split_chunk, NUM_STAGES=config.num_stages,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        FP8_BITS=fp8 and config.fp8_bits,
+        FP8_BITS=fp8 and config.fp8_bits, LATE_TRIGGER=config.late_trigger,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     return out.view(*x.shape[:-1], num_cols)

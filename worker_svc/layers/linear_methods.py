@@ -20,6 +20,7 @@ runner is graph-capturable, so the plan runs inside the decode graphs.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,6 +73,11 @@ class Method:
 
     def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
         raise NotImplementedError
+
+    def late_twin(self) -> "Method | None":
+        """The same launch with programmatic dependent launch's trigger after the main loop
+        instead of at the start (linear_selection times it where this one wins), or None."""
+        return None
 
     def __str__(self) -> str:
         return self.name
@@ -127,6 +133,11 @@ class Gemv(Method):
         return lambda x, bias: gemv(x, weight, config, bias=bias, weight_scale=scale, fp8_block=block,
                                     silu_mul=silu_mul)
 
+    def late_twin(self) -> "Gemv | None":
+        if not self.config.pdl or self.config.late_trigger:
+            return None
+        return Gemv(dataclasses.replace(self.config, late_trigger=True), self.max_rows)
+
 
 @dataclass(frozen=True)
 class Fp8Gemm(Method):
@@ -146,6 +157,7 @@ class Fp8Gemm(Method):
             tiles += f" split{settings['SPLIT_K']}"
         if settings.get("PDL"):
             tiles += " pdl" + (f" pf{settings['PREFETCH']}" if settings.get("PREFETCH") else "")
+            tiles += " late" if settings.get("LATE_TRIGGER") else ""
         return f"fp8-gemm({'on-load' if self.quantize_on_load else 'quant+'} {tiles})"
 
     def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
@@ -158,6 +170,12 @@ class Fp8Gemm(Method):
                                                           quantize_on_load=True, config=config)
         return QuantizedInputRunner(operands, lambda x, bias: fp8_kernels.fp8_linear(x, weight, scale, block, bias,
                                                                                      config=config))
+
+    def late_twin(self) -> "Fp8Gemm | None":
+        settings = dict(self.config)
+        if not settings.get("PDL") or settings.get("LATE_TRIGGER"):
+            return None
+        return Fp8Gemm.of({**settings, "LATE_TRIGGER": True}, self.quantize_on_load)
 
 
 @dataclass(frozen=True)
