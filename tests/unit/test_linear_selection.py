@@ -391,9 +391,10 @@ def test_the_ranks_of_a_group_run_the_slowest_ranks_choice(selection):
     assert choice.times[2] == {"cublas": 1.0, str(gemv): 3.0}
 
 
-def test_a_winning_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(selection):
-    """Where a PDL launch wins, its twin that lets the next kernel launch only after its loop is
-    timed once more (every rank the same twin, through the reduction) and kept where faster."""
+def test_the_fastest_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(selection):
+    """The fastest PDL launch's twin that lets the next kernel launch only after its loop is timed
+    once more (every rank the same twin, through the reduction) and kept where faster: at 1 row
+    it beats the early trigger, at 2 rows neither beats cuBLAS but the late twin."""
     linear_selection, methods = selection
     gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64, pdl=True))
     late = gemv.late_twin()
@@ -411,8 +412,10 @@ def test_a_winning_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(selec
     def measure(method, runners, x):
         timed[(x.shape[0], str(method))] += 1
         if str(method) == str(late):
-            return 0.4 if x.shape[0] == 1 else 0.6
-        return 0.5 if str(method) == str(gemv) else 1.0
+            return 0.4 if x.shape[0] == 1 else 0.9
+        if str(method) == str(gemv):
+            return 0.5 if x.shape[0] == 1 else 1.2
+        return 1.0
 
     reduced = []
 
@@ -423,8 +426,15 @@ def test_a_winning_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(selec
     choice = linear_selection.choose_methods(
         "proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=2, sms=4, measure=measure,
         candidate_methods=lambda *a: [methods.Cublas(), gemv], reduce_across_ranks=reduce)
-    assert [str(m) for m in choice.chosen.values()] == [str(late), str(gemv)]
+    assert [str(m) for m in choice.chosen.values()] == [str(late), str(late)]
     assert choice.times[1] == {"cublas": 1.0, str(gemv): 0.5, str(late): 0.4}
-    assert choice.times[2][str(late)] == 0.6
+    assert choice.times[2] == {"cublas": 1.0, str(gemv): 1.2, str(late): 0.9}
     assert set(timed.values()) == {1} and len(timed) == 6   # each once at each row count
-    assert reduced == [[1.0, 0.5], [0.4], [1.0, 0.5], [0.6]]
+    assert reduced == [[1.0, 0.5], [0.4], [1.0, 1.2], [0.9]]
+    # no PDL candidate: nothing more is timed
+    reduced.clear()
+    plain = methods.Gemv(linear_selection.GemvConfig(2, 16, 64))
+    linear_selection.choose_methods("proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=1, sms=4,
+                                    measure=timings({"cublas": 1.0, "gemv": 0.5}),
+                                    candidate_methods=lambda *a: [methods.Cublas(), plain], reduce_across_ranks=reduce)
+    assert reduced == [[1.0, 0.5]]

@@ -335,9 +335,10 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
             times = {str(m): t for m, t in zip(every, agreed) if str(m) in times and math.isfinite(t)}
         if not times:
             raise RuntimeError(f"linear {label}: no method runs at {rows} rows ({choice.rejected})")
-        # The winner's twin with the PDL trigger after its loop (one more timing where a PDL launch
-        # wins; every rank has the same winner, so every rank times the same twin).
-        twin = methods[_fastest(times, methods)].late_twin()
+        # The fastest PDL launch's twin with the trigger after its loop (one more timing; the times
+        # are agreed, so every rank times the same twin).
+        pdl = [name for name in times if methods[name].late_twin() is not None]
+        twin = methods[min(pdl, key=times.__getitem__)].late_twin() if pdl else None
         if twin is not None:
             elapsed = (math.inf if str(twin) in choice.rejected else
                        _time_method(twin, label, rows, x, operands, timed, dtype, measure, choice.rejected))
