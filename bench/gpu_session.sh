@@ -19,6 +19,8 @@
 #             and with the weight-only experts converting their weights (WORKER_MOE_FP8_BITS=0)
 #   prof8     Qwen3-8B decode-graph kernels a step, FP8 (1/16/256 rows) and bf16 (1/256), context 128
 #   prof06    Qwen3-0.6B decode-graph kernels a step at 1/16/256 rows, context 1024 (issue 23's table)
+#   depth     Qwen3-0.6B pipelined decode at 1/4/16/64 x 1024 with two and three steps in flight (the
+#             scheduler's third step at small batches, PERF_NOTES v39), the service's headline beside it
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -195,6 +197,11 @@ PY
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
         profile_table prof-06b ${TIMEOUT:-240} "--model $BENCH/model --profile-batches 1,16,256 --profile-context 1024"
         ;;
+    depth)
+        STAGES=${STAGES:-bandwidth,service,decode} NAME=depth TIMEOUT=${TIMEOUT:-400} LINES_OUT=30 \
+            EXTRA="--decode-cases 1x1024,4x1024,16x1024,64x1024 --decode-in-flight 2,3 --decode-measured-steps 40 --stream-intervals 1" \
+            bash "$0" bench
+        ;;
     stage)
         base
         NAME=${NAME:-$STAGE}
@@ -234,5 +241,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac
