@@ -253,6 +253,17 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                     for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config
                         gemv_kernels.gemv(x[:n], weight, config)
                         gemv_kernels.gemv(x[:n], fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128))
+            # the RMSNorm folded in (qkv and gate_up at up to FOLD_NORM_MAX_ROWS rows), with and without the residual
+            for rows in (1, 2, 4):
+                for config in gemv_configs(rows, 1024, 4096, sms=132, pdl=True, fp8=True):
+                    if config.row_acc or config.fp8_bits:
+                        continue
+                    x = torch.randn(rows, 4096, dtype=bf16)
+                    for residual in (None, torch.randn(rows, 4096, dtype=bf16)):
+                        norm = gemv_kernels.FoldedNorm(torch.ones(4096, dtype=bf16), 1e-6, residual)
+                        gemv_kernels.gemv(x, weight, config, norm=norm)
+                        gemv_kernels.gemv(x, fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128),
+                                          norm=norm)
             # the CUDA-core loops taking FP8 weights by their bits (the bench's sweep times them)
             for config in (gemv_kernels.GemvConfig(1, 8, 512, num_warps=4, num_stages=1, pdl=True, fp8_bits=True),
                            gemv_kernels.GemvConfig(4, 8, 128, num_warps=4, num_stages=3, pdl=True, row_acc=True,

@@ -304,6 +304,57 @@ def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, rows
         assert torch.equal(out, pair(plain)), seed
 
 
+@pytest.mark.parametrize("tiles,rows,bias,dtype", CASES, ids=lambda v: "m{}n{}k{}s{}".format(*v)
+                         if isinstance(v, tuple) else None)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_folded_norm_gives_the_norm_kernel_then_the_gemv(kernels, tiles, rows, bias, dtype, residual, fp8):
+    """The RMSNorm folded into the GEMV (each program's rows' inverse RMS over the whole of K; the
+    column-0 tiles storing x + residual over their K slices): the product of fused_kernels.rms_norm's
+    output, bit for bit on the CPU (the GPU's sums of squares may come in another order: one
+    rounding), and the new residual exactly; bf16 and FP8 weights, split K and not, both loops."""
+    gemv_kernels, fused_kernels = kernels
+    if fp8 and dtype == torch.float32:
+        pytest.skip("FP8 weights take 16-bit activations here")
+    g = torch.Generator().manual_seed(48 + rows)
+    width = 96
+    x = torch.randn(rows, width, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(rows, width, generator=g).to(dtype).to(DEVICE) if residual else None
+    norm_weight = (torch.rand(width, generator=g) + 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(40, generator=g).to(dtype).to(DEVICE) if bias else None
+    w = (torch.randn(40, width, generator=g) / width ** 0.5).to(dtype).to(DEVICE)
+    kwargs = {}
+    if fp8:
+        w, scale = quantize_blocks(w.float().cpu(), (16, 32))
+        w, kwargs = w.to(DEVICE), dict(weight_scale=scale.to(DEVICE), fp8_block=(16, 32))
+    cfg = config(kernels, *tiles[:3], split_k=tiles[3])
+    if fp8:
+        gemv_kernels.check_config(cfg, 40, width, fp8_block=(16, 32), dtype=dtype)
+    normed = fused_kernels.rms_norm(x, norm_weight, 1e-6, res)
+    expected = gemv_kernels.gemv(normed[0] if residual else normed, w, cfg, bias=b, **kwargs)
+    out_residual = torch.empty_like(x) if residual else None
+    got = gemv_kernels.gemv(x, w, cfg, bias=b, norm=gemv_kernels.FoldedNorm(norm_weight, 1e-6, res, out_residual),
+                            **kwargs)
+    if residual:
+        got, total = got
+        assert total is not None and total.data_ptr() == out_residual.data_ptr()
+        assert torch.equal(total, normed[1])
+    if DEVICE.type == "cpu":
+        assert torch.equal(got, expected)
+    else:
+        assert relative_error(got, expected) <= RELATIVE[dtype]
+
+
+def test_a_folded_norm_is_refused_where_it_cannot_run(kernels):
+    gemv_kernels, _ = kernels
+    x, w = torch.zeros(1, 64, device=DEVICE), torch.zeros(8, 64, device=DEVICE)
+    norm = gemv_kernels.FoldedNorm(torch.ones(64, device=DEVICE), 1e-6)
+    with pytest.raises(AssertionError, match="folded norm"):
+        gemv_kernels.gemv(x, w, config(kernels, 1, 8, 32, row_acc=True), norm=norm)
+    with pytest.raises(AssertionError, match="folded norm"):
+        gemv_kernels.gemv(torch.zeros(1, 128, device=DEVICE), w, config(kernels, 1, 8, 32), norm=norm, silu_mul=True)
+
+
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 16])
 def test_a_chain_of_gemvs_triggering_after_their_loops_reads_each_others_outputs(kernels, rows):

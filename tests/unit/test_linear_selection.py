@@ -159,23 +159,28 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
                                        "best": {"fma": 2.0, "pf": 1.5, "rows": 1.8}}]
 
 
-def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir):
+@pytest.mark.parametrize("fold", [False, True], ids=["gemv", "norm-folded"])
+def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir, fold):
     """Every projection kind of a tiny Qwen3 (the down projection with SwiGLU fused, the LM head)
-    planned to run the GEMV for decode-sized steps and cuBLAS for a prompt; the float32 logits
-    match those of the same model without plans up to the order of sums."""
+    planned to run the GEMV for decode-sized steps and cuBLAS for a prompt; with `fold`, qkv and
+    gate_up (fed by the RMSNorms) fold the norm before them in; the float32 logits match those of
+    the same model without plans up to the order of sums."""
     linear_selection, methods = selection
     dtype = torch.float32
     config = load_model_config(tiny_model_dir)
     model = tiny_qwen3_with_cache(tiny_model_dir, dtype, DEVICE)
     gemv = methods.Gemv(linear_selection.GemvConfig(2, 64, 64, split_k=2))
+    folded = methods.Gemv(linear_selection.GemvConfig(2, 64, 64, split_k=2), fold_norm=True)
     kinds = linear_selection.linear_kinds(model)
     assert sorted(label.split()[0] for label, _ in kinds.values()) == ["down_proj", "gate_up_proj", "lm_head",
                                                                        "o_proj", "qkv_proj"]
     for label, layers in kinds.values():
         operands = [layer.operands() for layer in layers]
-        choice = linear_selection.choose_methods(label, operands, dtype, DEVICE, max_rows=2, sms=4,
-                                                 measure=timings({"gemv": 0.5, "cublas": 1.0}),
-                                                 candidate_methods=lambda *a: [methods.Cublas(), gemv])
+        choice = linear_selection.choose_methods(
+            label, operands, dtype, DEVICE, max_rows=2, sms=4,
+            measure=timings({str(folded): 0.3, "gemv": 0.5, "cublas": 1.0}),
+            candidate_methods=lambda op, *a: [m for m in [methods.Cublas(), gemv] + [folded] * fold
+                                              if m.supports(op, dtype)])
         for layer, op in zip(layers, operands, strict=True):
             layer.plan = linear_selection.bind_plan(choice, op, dtype)
     g = torch.Generator().manual_seed(53)
@@ -194,7 +199,8 @@ def test_a_model_running_its_plans_matches_the_model_without_them(selection, tin
                     for layer in layers:
                         patch.setattr(layer, "plan", None)
             original = methods.gemv
-            patch.setattr(methods, "gemv", lambda *a, **kw: gemv_calls.update([kw["silu_mul"]]) or original(*a, **kw))
+            patch.setattr(methods, "gemv", lambda *a, **kw: gemv_calls.update(
+                ["norm" if kw.get("norm") is not None else kw["silu_mul"]]) or original(*a, **kw))
             if DEVICE.type == "cpu":   # the layers' fused kernels run on "CUDA" tensors only
                 patch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
             hidden = model(input_ids, positions, meta)
@@ -204,7 +210,10 @@ def test_a_model_running_its_plans_matches_the_model_without_them(selection, tin
     (expected, unplanned_calls), (actual, planned_calls) = logits(False), logits(True)
     layers = config.num_hidden_layers
     assert not unplanned_calls
-    assert planned_calls == {False: 3 * layers + 1, True: layers}   # qkv, o, gate_up, lm_head; down with SwiGLU
+    if fold:   # o and lm_head; down with SwiGLU; qkv and gate_up with the norm before them
+        assert planned_calls == {False: layers + 1, True: layers, "norm": 2 * layers}
+    else:      # qkv, o, gate_up, lm_head; down with SwiGLU
+        assert planned_calls == {False: 3 * layers + 1, True: layers}
     error = ((actual - expected).norm() / expected.norm()).item()
     assert error < 1e-5, error
 
@@ -438,3 +447,40 @@ def test_the_fastest_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(sel
                                     measure=timings({"cublas": 1.0, "gemv": 0.5}),
                                     candidate_methods=lambda *a: [methods.Cublas(), plain], reduce_across_ranks=reduce)
     assert reduced == [[1.0, 0.5]]
+
+
+def test_layers_fed_by_a_norm_also_try_gemvs_that_fold_it_in_at_a_few_rows(selection):
+    """qkv and gate_up (norm_fed) get a folded twin of every GEMV but the one-accumulator-a-row loop
+    up to FOLD_NORM_MAX_ROWS rows; the SwiGLU-fed down projection and the others never do. Where
+    the twins are candidates, every candidate is timed with the norm (as_fed's with_norm), and a
+    folded one is checked on a NormedInput against the product of the normalised input."""
+    linear_selection, methods = selection
+    weight = (torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) / 8).to(torch.bfloat16).to(DEVICE)
+    fed = methods.LinearOperands(weight, norm_fed=True)
+    for rows in (1, 2, 4, 8):
+        names = [str(m) for m in linear_selection.candidates(fed, rows, torch.bfloat16, sms=4)]
+        folded = [n for n in names if n.endswith(" +norm")]
+        plain = {n for n in names if n.startswith("gemv(") and not n.endswith(" +norm") and " rows" not in n}
+        assert bool(folded) == (rows <= linear_selection.FOLD_NORM_MAX_ROWS)
+        if folded:
+            assert {n.removesuffix(" +norm") for n in folded} == plain and not any(" rows" in n for n in folded)
+    for other in (methods.LinearOperands(weight), methods.LinearOperands(weight, silu_mul=True, norm_fed=True)):
+        assert not any(str(m).endswith("+norm") for m in linear_selection.candidates(other, 1, torch.bfloat16, sms=4))
+
+    fold = methods.Gemv(linear_selection.GemvConfig(1, 16, 64, split_k=2), fold_norm=True)
+    x = (4 * torch.randn(1, 128, generator=torch.Generator().manual_seed(6))).to(torch.bfloat16).to(DEVICE)
+    assert linear_selection.relative_error(fold.bind(fed, torch.bfloat16), fed, x) <= 2 ** -7
+    broken = dataclasses.replace(fold, config=linear_selection.GemvConfig(1, 16, 64, split_k=2))   # no norm
+    assert linear_selection.relative_error(
+        methods.NormFoldingRunner(lambda x, bias, norm: broken.bind(fed, torch.bfloat16)(x, bias)), fed, x) > 0.1
+    seen = []
+
+    def measure(method, runners, x):
+        seen.append(str(method))
+        return 0.5 if str(method) == str(fold) else 1.0
+
+    choice = linear_selection.choose_methods("qkv", [fed], torch.bfloat16, DEVICE, max_rows=1, sms=4, measure=measure,
+                                             candidate_methods=lambda *a: [methods.Cublas(), fold])
+    assert str(choice.chosen[1]) == str(fold) and seen == ["cublas", str(fold)]
+    plan = linear_selection.bind_plan(choice, fed, torch.bfloat16)
+    assert plan.takes_norm(1) and not plan.takes_norm(2)

@@ -28,6 +28,11 @@ Options, each a compile-time switch:
 - SILU_MUL: x is [gate | up] (2K wide) and the kernel multiplies silu(gate) * up, rounded to
   x's dtype exactly as fused_kernels.silu_and_mul rounds it, so the down projection needs no
   separate activation kernel;
+- NORM (`gemv(..., norm=FoldedNorm)`): the RMSNorm before the layer folded in, its launch gone:
+  each program first sums its rows' squares over the whole of K (of x + residual, the sum rounded
+  to x's dtype as fused_kernels.rms_norm rounds it), then normalises each activation tile as it
+  loads it; the programs of column tile 0 store x + residual over their K slices, so the new
+  residual is written once. Not with SILU_MUL or `row_acc`;
 - a bias, added in float32 before the single rounding to x's dtype;
 - PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the
   previous kernel (weights never depend on it), and the next kernel may launch at once
@@ -89,7 +94,22 @@ class GemvConfig:
 def _load_x(x_ptrs, mask, K, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
     """An activation tile: x, or silu(gate) * up for the gate tile at x_ptrs (up lies K columns
     later), rounded as fused_kernels.silu_and_mul rounds it."""
-    if SILU_MUL:
+    return _load_act(x_ptrs, x_ptrs, x_ptrs, 0.0, mask, K, SILU_MUL, False, False, dtype)
+
+
+@triton.jit
+def _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, mask, K, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+              NORM_RESIDUAL: tl.constexpr, dtype: tl.constexpr):
+    """_load_x's tile, or with NORM the RMSNorm of x (+ the residual at r_ptrs, the sum rounded
+    first) by each row's inverse RMS `rstd` and the norm's weight at nw_ptrs, rounded as
+    fused_kernels.rms_norm rounds it."""
+    if NORM:
+        t = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if NORM_RESIDUAL:
+            t = (t + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        weight = tl.load(nw_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = ((t * rstd[:, None]).to(dtype).to(tl.float32) * weight).to(dtype)
+    elif SILU_MUL:
         gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -145,7 +165,8 @@ def _tile_mask(rows_mask, k, k_end, offs_k, EVEN_K: tl.constexpr):
 def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
               PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              dtype: tl.constexpr, FP8_BITS: tl.constexpr):
+              dtype: tl.constexpr, FP8_BITS: tl.constexpr, r_ptrs, nw_ptrs, rstd, NORM: tl.constexpr,
+              NORM_RESIDUAL: tl.constexpr):
     """[BLOCK_M, BLOCK_N] float32 sums over this program's K range, on CUDA cores. The next weight
     tile is loaded before the current one is used (two tiles in flight), and the first before
     waiting for the previous kernel (PDL): weights never depend on it."""
@@ -156,7 +177,8 @@ def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
     for k in range(k_begin, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
         w_next = tl.load(w_ptrs, mask=_tile_mask(n_mask, k + BLOCK_K, k_end, offs_k, EVEN_K), other=0.0)
-        x = _load_x(x_ptrs, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, dtype).to(tl.float32)
+        x = _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, NORM,
+                      NORM_RESIDUAL, dtype).to(tl.float32)
         if FP8:   # scaling x (BLOCK_M rows) costs less than scaling the tile (BLOCK_N rows)
             scale = tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)
             if FP8_BITS:
@@ -165,6 +187,8 @@ def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
         acc3 += x[:, None, :] * _fp8_weight_f32(w, FP8_BITS)[None, :, :]
         w = w_next
         x_ptrs += BLOCK_K
+        r_ptrs += BLOCK_K
+        nw_ptrs += BLOCK_K
     acc = tl.sum(acc3, axis=2)
     if FP8_BITS:
         acc = acc * BITS_SUM_SCALE
@@ -230,7 +254,8 @@ def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs
 def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
               PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              dtype: tl.constexpr, FP8_BITS: tl.constexpr):
+              dtype: tl.constexpr, FP8_BITS: tl.constexpr, r_ptrs, nw_ptrs, rstd, NORM: tl.constexpr,
+              NORM_RESIDUAL: tl.constexpr):
     """The same sums on tensor cores (Triton pipelines the loads through shared memory). With
     FP8_BITS (bfloat16 activations) the weights enter the dot as fp8_bits_as_bf16 gives them and
     the activations times 2^64, so each product is 2^-56 of the converted one, undone after."""
@@ -238,7 +263,8 @@ def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
         gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
-        x = _load_x(x_ptrs, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, dtype)
+        x = _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, NORM,
+                      NORM_RESIDUAL, dtype)
         w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0)
         if FP8_BITS:
             scaled = (x.to(tl.float32) * BITS_X_SCALE).to(tl.bfloat16)   # exact
@@ -253,7 +279,30 @@ def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_en
         acc += product
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        r_ptrs += BLOCK_K
+        nw_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def _rms_of_rows(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, K, k_begin, k_end, writes_residual, stride_xm,
+                 eps, NORM_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """Each row's inverse RMS over the whole of K (of x + residual, the sum rounded to the model
+    dtype as the norm kernel rounds it); a program of column tile 0 (writes_residual) also stores
+    the sum over its own K slice, so the program tiles of column 0 store the new residual once."""
+    rows = offs_m.to(tl.int64)[:, None] * stride_xm
+    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + offs_k
+        mask = m_mask[:, None] & (cols < K)[None, :]
+        t = tl.load(x_ptr + rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NORM_RESIDUAL:
+            total = (t + tl.load(res_ptr + rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            mine = mask & writes_residual & (cols >= k_begin)[None, :] & (cols < k_end)[None, :]
+            tl.store(res_out_ptr + rows + cols[None, :], total, mask=mine)
+            t = total.to(tl.float32)
+        squares += t * t
+    return tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
 
 
 @triton.jit
@@ -263,16 +312,16 @@ def prefetch_rows_l2(row_ptrs, num_bytes):
                               [row_ptrs, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit(do_not_specialize=["M", "split_k", "tiles_per_split"])
+@triton.jit(do_not_specialize=["M", "split_k", "tiles_per_split", "eps"])
 def _gemv_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, split_k, tiles_per_split,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, res_ptr, nw_ptr, res_out_ptr,
+    M, N, K, split_k, tiles_per_split, eps,
     stride_xm, stride_wn, stride_wsn, stride_om,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
     ROW_ACC: tl.constexpr, PREFETCH_TILES: tl.constexpr, SPLIT_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_BITS: tl.constexpr,
-    LATE_TRIGGER: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr, NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL and not LATE_TRIGGER:   # a dependent launch may start now: it reads nothing of ours before its gdc_wait
@@ -293,10 +342,20 @@ def _gemv_kernel(
         span = tl.minimum(k_end - k_begin, PREFETCH_TILES * BLOCK_K) * element_bytes
         prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
+    r_ptrs = res_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
+    nw_ptrs = nw_ptr + (k_begin + offs_k)[None, :] + 0 * offs_m[:, None]
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:   # the RMSNorm before this projection, folded in: each row's inverse RMS over the whole of K
+        if PDL:
+            gdc_wait()
+        rstd = _rms_of_rows(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, K, k_begin, k_end, pid_n == 0,
+                            stride_xm, eps, NORM_RESIDUAL, BLOCK_M, BLOCK_K, dtype)
+    LOOP_PDL: tl.constexpr = PDL and not NORM   # (waited already)
     if USE_DOT:
         acc = _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
-                        SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS)
-    elif ROW_ACC:
+                        SILU_MUL, EVEN_K, LOOP_PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd,
+                        NORM, NORM_RESIDUAL)
+    elif ROW_ACC:   # (never with NORM: check_config)
         if PDL:
             gdc_wait()
         row_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
@@ -305,7 +364,8 @@ def _gemv_kernel(
                              FP8_BITS)
     else:
         acc = _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
-                        SILU_MUL, EVEN_K, PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS)
+                        SILU_MUL, EVEN_K, LOOP_PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd,
+                        NORM, NORM_RESIDUAL)
 
     if PDL and LATE_TRIGGER:   # the loop is done: the next kernel may launch (its wait still waits for our end)
         gdc_launch_dependents()
@@ -443,22 +503,40 @@ def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tu
             raise ValueError(f"gemv {config}: tensor-core K tiles must divide the FP8 weight's {bk}-column blocks")
 
 
+@dataclass(frozen=True)
+class FoldedNorm:
+    """The RMSNorm a GEMV applies to its input first (`gemv(..., norm=)`): norm(x + residual)
+    with the residual (or norm(x) without one), as fused_kernels.rms_norm computes it."""
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    out_residual: torch.Tensor | None = None   # where x + residual goes (else a new tensor)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: torch.Tensor | None = None,
          weight_scale: torch.Tensor | None = None, fp8_block: tuple[int, int] | None = None,
-         silu_mul: bool = False) -> torch.Tensor:
+         silu_mul: bool = False, norm: FoldedNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """F.linear(a, W, bias) in x's dtype, where a = x, or silu(gate) * up for x = [gate | up]
-    with `silu_mul`; W = weight, or, for an FP8 weight, its values times `weight_scale`
-    [ceil(N / bn), K / bk] by `fp8_block` (bn, bk)."""
+    with `silu_mul`, or the RMSNorm `norm` of x (then, with its residual, returns (the product,
+    x + residual): the next residual, as fused_kernels.rms_norm returns it); W = weight, or, for
+    an FP8 weight, its values times `weight_scale` [ceil(N / bn), K / bk] by `fp8_block` (bn, bk)."""
     num_cols, width = weight.shape
     rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
+    if rows.stride(-1) != 1 or (norm is not None and rows.stride(0) != width):
         rows = rows.contiguous()
     num_rows = rows.shape[0]
     assert rows.shape[1] == (2 * width if silu_mul else width), (x.shape, weight.shape, silu_mul)
     assert weight.stride(-1) == 1 and (weight_scale is None) == (fp8_block is None)
+    assert norm is None or not (silu_mul or config.row_acc), "a folded norm takes x itself, in tile loops"
     out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    residual = residual_out = rows
+    if norm is not None and norm.residual is not None:
+        residual = norm.residual.reshape(-1, width).contiguous()
+        residual_out = torch.empty_like(rows) if norm.out_residual is None else norm.out_residual.view(rows.shape)
+        assert residual_out.is_contiguous() and residual_out.dtype == rows.dtype
     if num_rows == 0:
-        return out.view(*x.shape[:-1], num_cols)
+        out = out.view(*x.shape[:-1], num_cols)
+        return (out, residual_out.view(x.shape)) if norm is not None and norm.residual is not None else out
     fp8 = weight_scale is not None
     tiles_per_split, split_k = split_slices(triton.cdiv(width, config.block_k), config.split_k)
     grid = (triton.cdiv(num_cols, config.block_n), split_k, triton.cdiv(num_rows, config.block_m))
@@ -474,13 +552,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
     launch(
         _gemv_kernel, grid,
         rows, weight, weight_scale if fp8 else weight, bias if bias is not None else out, out, partial, counters,
-        num_rows, num_cols, width, split_k, tiles_per_split,
+        residual, norm.weight if norm is not None else rows, residual_out,
+        num_rows, num_cols, width, split_k, tiles_per_split, norm.eps if norm is not None else 0.0,
         rows.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, out.stride(0),
         GROUP_N=group_n, GROUP_K=group_k, FP8=fp8, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
         EVEN_K=width % config.block_k == 0, USE_DOT=config.use_dot, PDL=pdl, ROW_ACC=config.row_acc,
         PREFETCH_TILES=config.prefetch, SPLIT_CHUNK=config.split_chunk, NUM_STAGES=config.num_stages,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         FP8_BITS=fp8 and config.fp8_bits, LATE_TRIGGER=config.late_trigger,
+        NORM=norm is not None, NORM_RESIDUAL=norm is not None and norm.residual is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
-    return out.view(*x.shape[:-1], num_cols)
+    out = out.view(*x.shape[:-1], num_cols)
+    if norm is not None and norm.residual is not None:
+        return out, residual_out.view(x.shape)
+    return out

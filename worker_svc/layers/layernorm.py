@@ -15,7 +15,18 @@ class RMSNorm(nn.Module):
         """norm(x); with `residual`, (norm(x + residual), x + residual): the sum is the next
         residual, so a decoder layer's residual add and its norm are one step (one kernel on CUDA).
         `into`: the linear layer that takes norm(x); where it takes its input quantized to FP8
-        (linear.py's quant_group), norm(x) comes quantized for it, from the same kernel."""
+        (linear.py's quant_group), norm(x) comes quantized for it, from the same kernel; where it
+        computes the norm itself (linear.py's takes_norm: a GEMV of a few rows), norm(x) comes as
+        a linear_methods.NormedInput for it, and x + residual is written by that layer's kernel
+        into the tensor returned here (which nothing reads before the layer has run)."""
+        if into is not None and into.takes_norm(x.numel() // x.shape[-1]):
+            from worker_svc.layers.gemv_kernels import FoldedNorm   # imports Triton
+            from worker_svc.layers.linear_methods import NormedInput
+
+            if residual is None:
+                return NormedInput(x, FoldedNorm(self.weight, self.eps))
+            total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            return NormedInput(x, FoldedNorm(self.weight, self.eps, residual, total)), total
         if x.is_cuda:
             from worker_svc.layers import fused_kernels   # imports Triton, which CUDA installs have
 

@@ -117,6 +117,11 @@ class _ParallelLinear(nn.Module):
         rows (then an fp8_kernels.Fp8Activation), or None: the model dtype."""
         return self.plan.quant_group(num_rows) if self.plan is not None else None
 
+    def takes_norm(self, num_rows: int) -> bool:
+        """Whether at num_rows rows this layer computes the RMSNorm before it itself (its input
+        then a linear_methods.NormedInput: the norm's weight, the residual and x)."""
+        return self.plan is not None and self.plan.takes_norm(num_rows)
+
     def _matmul(self, x, bias: torch.Tensor | None) -> torch.Tensor:
         if self.plan is not None:
             return self.plan(x, bias)

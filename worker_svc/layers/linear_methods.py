@@ -7,7 +7,8 @@ block scales) and whether its input is [gate | up], to be multiplied as silu(gat
 `run(x, bias) -> y`:
 - `Cublas`: F.linear (the activation, if any, by fused_kernels.silu_and_mul first);
 - `Gemv`: gemv_kernels' few-row kernel (FP8 weights dequantized inside it, the activation
-  applied as it loads x);
+  applied as it loads x); with `fold_norm`, for a layer an RMSNorm feeds, the norm computed in
+  it too: the norm hands it a `NormedInput` (its `takes_norm` tells the norm to: linear.py);
 - `Fp8Gemm`: fp8_kernels' block-scaled FP8 x FP8 GEMM, activations quantized inside it
   (`quantize_on_load`) or before it (as for Fp8Cublas);
 - `Fp8Cublas`: cuBLAS's block-scaled FP8 GEMM (torch's scaled_mm), its input quantized before
@@ -29,9 +30,21 @@ import torch.nn.functional as F
 
 from worker_svc.layers import fp8_kernels, fused_kernels
 from worker_svc.layers.fp8 import dequantize_blocks
-from worker_svc.layers.gemv_kernels import GemvConfig, gemv
+from worker_svc.layers.gemv_kernels import FoldedNorm, GemvConfig, gemv
 
 Runner = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class NormedInput:
+    """A layer's input still to be normalised: what an RMSNorm hands the projection it feeds when
+    that projection's runner for the row count folds the norm in (`takes_norm`)."""
+    x: torch.Tensor
+    norm: FoldedNorm
+
+    @property
+    def num_rows(self) -> int:
+        return self.x.numel() // self.x.shape[-1]
 SILU_AND_MUL = "silu_and_mul"
 
 
@@ -112,15 +125,18 @@ class Dequantized(Method):
 class Gemv(Method):
     config: GemvConfig
     max_rows: int = 64
+    fold_norm: bool = False   # the RMSNorm before the layer computed in the kernel (takes a NormedInput)
     compiles = True
 
     @property
     def name(self) -> str:
-        return f"gemv({self.config})"
+        return f"gemv({self.config}){' +norm' if self.fold_norm else ''}"
 
     def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:
         from worker_svc.layers.gemv_kernels import check_config
 
+        if self.fold_norm and not (operands.norm_fed and not operands.silu_mul and not self.config.row_acc):
+            return False
         try:
             check_config(self.config, *operands.weight.shape, fp8_block=operands.block, dtype=dtype)
         except ValueError:
@@ -130,13 +146,31 @@ class Gemv(Method):
     def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
         weight, scale, block, config, silu_mul = (operands.weight, operands.weight_scale, operands.block,
                                                   self.config, operands.silu_mul)
+        if self.fold_norm:
+            return NormFoldingRunner(lambda x, bias, norm: gemv(x, weight, config, bias=bias, weight_scale=scale,
+                                                                 fp8_block=block, norm=norm))
         return lambda x, bias: gemv(x, weight, config, bias=bias, weight_scale=scale, fp8_block=block,
                                     silu_mul=silu_mul)
 
     def late_twin(self) -> "Gemv | None":
         if not self.config.pdl or self.config.late_trigger:
             return None
-        return Gemv(dataclasses.replace(self.config, late_trigger=True), self.max_rows)
+        return Gemv(dataclasses.replace(self.config, late_trigger=True), self.max_rows, self.fold_norm)
+
+
+class NormFoldingRunner:
+    """A runner that takes the RMSNorm's NormedInput and computes norm and product in one kernel
+    (the new residual written where the NormedInput says); given a plain tensor, the product of it."""
+    takes_norm = True
+
+    def __init__(self, run: Callable) -> None:
+        self._run = run
+
+    def __call__(self, x: "torch.Tensor | NormedInput", bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, NormedInput):
+            out = self._run(x.x, bias, x.norm)
+            return out[0] if isinstance(out, tuple) else out
+        return self._run(x, bias, None)
 
 
 @dataclass(frozen=True)
@@ -225,6 +259,12 @@ class LinearPlan:
         (an fp8_kernels.Fp8Activation), or None: it takes the model dtype."""
         return getattr(self.runner_for(num_rows), "quant_group", None)
 
-    def __call__(self, x: torch.Tensor | fp8_kernels.Fp8Activation, bias: torch.Tensor | None) -> torch.Tensor:
-        num_rows = x.num_rows if isinstance(x, fp8_kernels.Fp8Activation) else x.numel() // x.shape[-1]
+    def takes_norm(self, num_rows: int) -> bool:
+        """Whether the runner for num_rows folds the RMSNorm before the layer in (takes a NormedInput)."""
+        return getattr(self.runner_for(num_rows), "takes_norm", False)
+
+    def __call__(self, x: torch.Tensor | fp8_kernels.Fp8Activation | NormedInput,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        num_rows = (x.num_rows if isinstance(x, (fp8_kernels.Fp8Activation, NormedInput))
+                    else x.numel() // x.shape[-1])
         return self.runner_for(num_rows)(x, bias)

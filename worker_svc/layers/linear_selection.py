@@ -6,7 +6,9 @@ what a step can hold, every candidate method (linear_methods) is first checked a
 product in float32 on random input, then timed as the decode graphs run it: CUDA-graph
 replays of one call per layer of the kind in turn, so weights stream from memory as they do in
 the model instead of sitting in L2, and with the input the model gives (a method that takes
-its input quantized to FP8 from the RMSNorm before the layer gets it so: `as_fed`). The fastest
+its input quantized to FP8 from the RMSNorm before the layer gets it so: `as_fed`; at the few
+row counts where a layer fed by an RMSNorm also tries GEMVs that fold that norm in, every
+candidate is timed with the norm as the model runs it, so those rows' times include it). The fastest
 wins each row count (ties: the earlier candidate; cuBLAS, or for FP8 weights the FP8 GEMM,
 comes first, so no measured shape is slower than it), and each layer gets a LinearPlan that
 runs the winner for its row count. A bf16 copy of FP8 weights is kept only where it beats every
@@ -35,9 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.layers import fp8_kernels, fused_kernels
-from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, GemvConfig, pdl_in_graphs, split_slices
+from worker_svc.layers.gemv_kernels import (DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, FoldedNorm, GemvConfig, pdl_in_graphs,
+                                             split_slices)
 from worker_svc.layers.linear_methods import (Cublas, Dequantized, Fp8Cublas, Fp8Gemm, Gemv, LinearOperands,
-                                              LinearPlan, Method, Runner)
+                                              LinearPlan, Method, NormedInput, Runner)
 from worker_svc.layers.triton_compile import compile_ahead
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,11 @@ FP8_NARROW_MAX_ROWS = 16
 # where their tiles fill less than two waves of the SMs (4,096 columns at 256 rows: 128 tiles; cuBLAS
 # runs o and down there at 40-48% of the FP8 rate, PERF_NOTES v36/v38); the partials (8 MB for o) stay in L2.
 FP8_WAVE_SPLIT_MAX_ROWS = 512
+# Up to this many rows the GEMVs of a layer fed by an RMSNorm are also tried with the norm folded in
+# (each program reads its rows' whole activation once more for their inverse RMS: cheap at a few rows).
+# Where they are, every candidate is timed with the norm: the norm kernel before it, bf16 or FP8 as it
+# takes its input, or none for the folded GEMV.
+FOLD_NORM_MAX_ROWS = 4
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
@@ -80,6 +88,7 @@ DEQUANTIZED_MARGIN = 0.9
 # (4 mantissa bits) below the second.
 TOLERANCE, ACTIVATION_QUANT_TOLERANCE = 0.02, 0.1
 REFERENCE_COLUMNS = 4096        # output columns the check compares
+CHECK_NORM_EPS = 1e-6           # the RMSNorm's epsilon where a folded norm is checked and timed
 
 
 @dataclass
@@ -192,7 +201,11 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
     else:
         methods = [Cublas()]
     if rows <= GEMV_MAX_ROWS:
-        methods += [Gemv(config) for config in gemv_configs(rows, *operands.weight.shape, sms, pdl, operands.fp8)]
+        configs = gemv_configs(rows, *operands.weight.shape, sms, pdl, operands.fp8)
+        methods += [Gemv(config) for config in configs]
+        if rows <= FOLD_NORM_MAX_ROWS and operands.norm_fed and fused_kernels.ENABLED:
+            # the RMSNorm before the layer computed in the GEMV (its launch gone; Gemv.supports says where)
+            methods += [Gemv(config, fold_norm=True) for config in configs]
     return [m for m in methods if m.supports(operands, dtype)]
 
 
@@ -234,15 +247,26 @@ def relative_error(run: Runner, operands: LinearOperands, x: torch.Tensor) -> fl
         bn = operands.block[0]
         part = LinearOperands(operands.weight[:columns], operands.weight_scale[:math.ceil(columns / bn)],
                               operands.block, operands.silu_mul)
-    expected = F.linear(part.activate(x).float(), part.dense_weight(torch.float32))
-    actual = run(x, None)[:, :columns].float()
+    if getattr(run, "takes_norm", False):   # checked as the model runs it: on an RMSNorm's NormedInput
+        x32 = x.float()
+        expected_input = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + CHECK_NORM_EPS)).to(x.dtype)
+        actual = run(NormedInput(x, FoldedNorm(torch.ones_like(x[0]), CHECK_NORM_EPS)), None)[:, :columns].float()
+    else:
+        expected_input = part.activate(x)
+        actual = run(x, None)[:, :columns].float()
+    expected = F.linear(expected_input.float(), part.dense_weight(torch.float32))
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
-def as_fed(runners: list[Runner], operands: LinearOperands, x: torch.Tensor) -> list[Runner]:
+def as_fed(runners: list[Runner], operands: LinearOperands, x: torch.Tensor, with_norm: bool = False) -> list[Runner]:
     """The runners as the model calls them: one that takes its input quantized to FP8 (its
     `quant_group`) gets x quantized once, ahead, where the RMSNorm before the layer quantizes its
-    output for it; its own quantization kernel does not run in the model, so it is not timed."""
+    output for it; its own quantization kernel does not run in the model, so it is not timed.
+    `with_norm` (a row count where some candidate folds the norm in): each runner is timed with
+    the norm's kernel before it as the model runs it (the FP8 norm for one taking FP8, the bf16 one
+    otherwise), and one that folds the norm in gets the NormedInput instead."""
+    if with_norm:
+        return _with_norm(runners, x)
     if not (operands.norm_fed and fused_kernels.ENABLED and fused_kernels.FP8_QUANT_FUSION):
         return runners
     quantized: dict[int, fp8_kernels.Fp8Activation] = {}   # by group: one quantization for every layer's runner
@@ -255,6 +279,26 @@ def as_fed(runners: list[Runner], operands: LinearOperands, x: torch.Tensor) -> 
             if group not in quantized:
                 quantized[group] = fp8_kernels.quantize_activation(x, group)
             fed.append(lambda _x, bias, run=run, q=quantized[group]: run(q, bias))
+    return fed
+
+
+def _with_norm(runners: list[Runner], x: torch.Tensor) -> list[Runner]:
+    g = torch.Generator(device=x.device).manual_seed(1)
+    weight = (torch.rand(x.shape[-1], generator=g, device=x.device) + 0.5).to(x.dtype)
+    residual = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+    total = torch.empty_like(x)
+    quant_fused = fused_kernels.FP8_QUANT_FUSION
+    fed = []
+    for run in runners:
+        group = getattr(run, "quant_group", None)
+        if getattr(run, "takes_norm", False):
+            fed.append(lambda _x, bias, run=run: run(NormedInput(x, FoldedNorm(weight, CHECK_NORM_EPS, residual, total)),
+                                                     bias))
+        elif group is not None and quant_fused:
+            fed.append(lambda _x, bias, run=run, group=group: run(
+                fused_kernels.rms_norm_fp8(x, weight, CHECK_NORM_EPS, residual, group)[0], bias))
+        else:
+            fed.append(lambda _x, bias, run=run: run(fused_kernels.rms_norm(x, weight, CHECK_NORM_EPS, residual)[0], bias))
     return fed
 
 
@@ -326,8 +370,9 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
             continue
 
         times: dict[str, float] = {}
+        with_norm = any(getattr(m, "fold_norm", False) for m in every)   # the same on every rank
         for method in listed:
-            elapsed = _time_method(method, label, rows, x, operands, timed, dtype, measure, choice.rejected)
+            elapsed = _time_method(method, label, rows, x, operands, timed, dtype, measure, choice.rejected, with_norm)
             if math.isfinite(elapsed):
                 times[str(method)], methods[str(method)] = elapsed, method
         if reduce_across_ranks is not None:
@@ -341,7 +386,7 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
         twin = methods[min(pdl, key=times.__getitem__)].late_twin() if pdl else None
         if twin is not None:
             elapsed = (math.inf if str(twin) in choice.rejected else
-                       _time_method(twin, label, rows, x, operands, timed, dtype, measure, choice.rejected))
+                       _time_method(twin, label, rows, x, operands, timed, dtype, measure, choice.rejected, with_norm))
             if reduce_across_ranks is not None:
                 elapsed = reduce_across_ranks([elapsed])[0]
             if math.isfinite(elapsed):
@@ -357,7 +402,8 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
 
 
 def _time_method(method: Method, label: str, rows: int, x: torch.Tensor, operands: Sequence[LinearOperands],
-                 timed: list[LinearOperands], dtype: torch.dtype, measure: Measure, rejected: dict[str, str]) -> float:
+                 timed: list[LinearOperands], dtype: torch.dtype, measure: Measure, rejected: dict[str, str],
+                 with_norm: bool = False) -> float:
     """A candidate's ms per call at this row count, once its product is checked; inf (and the
     reason in `rejected`) where it cannot run here, so it is never chosen."""
     name = str(method)
@@ -368,7 +414,7 @@ def _time_method(method: Method, label: str, rows: int, x: torch.Tensor, operand
         tolerance = ACTIVATION_QUANT_TOLERANCE if isinstance(method, (Fp8Gemm, Fp8Cublas)) else TOLERANCE
         if not error <= tolerance:
             raise ValueError(f"relative error {error:.3g} > {tolerance}")
-        return measure(method, as_fed(runners, operands[0], x), x)
+        return measure(method, as_fed(runners, operands[0], x, with_norm), x)
     except Exception as exc:   # noqa: BLE001 - a candidate that cannot run here is not chosen
         rejected[name] = f"{type(exc).__name__}: {exc}"[:300]
         logger.info("linear %s: %s rejected at %d rows (%s)", label, name, rows, rejected[name])
