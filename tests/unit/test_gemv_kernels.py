@@ -391,6 +391,40 @@ def test_a_chain_of_gemvs_triggering_after_their_loops_reads_each_others_outputs
 
 
 @requires_cuda
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_pdl_gemv_folding_the_norm_reads_the_gemv_before_it(kernels, rows):
+    """o projection -> (residual add + RMSNorm folded into) gate_up, both PDL (the second waits
+    before its sums of squares), in a graph replayed on new inputs: bit for bit the same chain
+    launched plainly, the new residual too."""
+    gemv_kernels = kernels[0]
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not gemv_kernels.pdl_in_graphs(device):
+        pytest.skip("programmatic dependent launch does not replay in CUDA graphs here")
+    g = torch.Generator(device="cuda").manual_seed(49)
+    w_o = (torch.randn(1024, 2048, generator=g, device="cuda") / 45).to(torch.bfloat16)
+    w_up = (torch.randn(6144, 1024, generator=g, device="cuda") / 32).to(torch.bfloat16)
+    norm_weight = (torch.rand(1024, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+    attn = torch.randn(rows, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(rows, 1024, generator=g, device="cuda").to(torch.bfloat16)
+    block_m = 1 << (rows - 1).bit_length()
+    pdl, plain = (gemv_kernels.GemvConfig(block_m, 8, 512 // block_m, split_k=2, pdl=on) for on in (True, False))
+
+    def chain(cfg):
+        hidden = gemv_kernels.gemv(attn, w_o, cfg)
+        return gemv_kernels.gemv(hidden, w_up, cfg, norm=gemv_kernels.FoldedNorm(norm_weight, 1e-6, residual))
+
+    chain(pdl)   # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, total = chain(pdl)
+    for seed in range(3):
+        attn.copy_(torch.randn(attn.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        expected, expected_total = chain(plain)
+        assert torch.equal(out, expected) and torch.equal(total, expected_total), seed
+
+
+@requires_cuda
 @pytest.mark.parametrize("rows", [1, 4, 16, 64])
 def test_qwen3_8b_shapes_bf16_and_fp8(kernels, rows):
     """Qwen3-8B's projections, every start-up GEMV candidate, against F.linear in float64."""
