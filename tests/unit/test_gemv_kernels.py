@@ -35,6 +35,23 @@ def config(kernels, *args, **kwargs):
     return kernels[0].GemvConfig(*args, **kwargs)
 
 
+def assert_graph_replays_as_plain(run, pdl, plain, *inputs: torch.Tensor) -> None:
+    """run(pdl) captured in a CUDA graph (compiled outside it first), replayed three times on new
+    random values in `inputs`: each time bit for bit run(plain), every output of it."""
+    run(pdl)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(pdl)
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for tensor in inputs:
+            tensor.copy_(torch.randn(tensor.shape, generator=g, device="cuda"))
+        graph.replay()
+        expected = run(plain)
+        pairs = zip(captured, expected) if isinstance(captured, tuple) else [(captured, expected)]
+        assert all(torch.equal(a, b) for a, b in pairs), seed
+
+
 # (block_m, block_n, block_k, split_k), rows, bias, dtype: CUDA-core FMAs for one and a few rows
 # (split or not, partial K tiles, rows over two tiles), tensor cores for 16 rows and more.
 CASES = [
@@ -257,17 +274,7 @@ def test_pdl_gemvs_after_triggering_attention_and_swiglu_read_their_outputs(kern
     (q, gate_up), run = attention_and_swiglu_chain(rows, device)
     block_m = 1 << (rows - 1).bit_length()
     pdl, plain = (config(kernels, block_m, 8, 512 // block_m, pdl=on) for on in (True, False))
-    run(pdl)   # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = run(pdl)
-    for seed in range(3):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
-        gate_up.copy_(torch.randn(gate_up.shape, generator=g, device="cuda"))
-        graph.replay()
-        expected = run(plain)
-        assert all(torch.equal(a, b) for a, b in zip(outs, expected)), seed
+    assert_graph_replays_as_plain(lambda cfg: tuple(run(cfg)), pdl, plain, q, gate_up)
 
 
 @requires_cuda
@@ -294,14 +301,7 @@ def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, rows
     def pair(cfg):
         return gemv_kernels.gemv(fused_kernels.rms_norm(x, norm_weight, 1e-6), w, cfg)
 
-    pair(pdl)   # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = pair(pdl)
-    for seed in range(3):
-        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
-        graph.replay()
-        assert torch.equal(out, pair(plain)), seed
+    assert_graph_replays_as_plain(pair, pdl, plain, x)
 
 
 @pytest.mark.parametrize("tiles,rows,bias,dtype", CASES, ids=lambda v: "m{}n{}k{}s{}".format(*v)
@@ -379,14 +379,7 @@ def test_a_chain_of_gemvs_triggering_after_their_loops_reads_each_others_outputs
             out = gemv_kernels.gemv(out, w, cfg)
         return out
 
-    chain(late)   # compiles and allocates the counters outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(late)
-    for seed in range(3):
-        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
-        graph.replay()
-        assert torch.equal(out, chain(plain)), seed
+    assert_graph_replays_as_plain(chain, late, plain, x)
     assert not gemv_kernels.split_counters(device).any()
 
 
@@ -413,15 +406,7 @@ def test_a_pdl_gemv_folding_the_norm_reads_the_gemv_before_it(kernels, rows):
         hidden = gemv_kernels.gemv(attn, w_o, cfg)
         return gemv_kernels.gemv(hidden, w_up, cfg, norm=gemv_kernels.FoldedNorm(norm_weight, 1e-6, residual))
 
-    chain(pdl)   # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, total = chain(pdl)
-    for seed in range(3):
-        attn.copy_(torch.randn(attn.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
-        graph.replay()
-        expected, expected_total = chain(plain)
-        assert torch.equal(out, expected) and torch.equal(total, expected_total), seed
+    assert_graph_replays_as_plain(chain, pdl, plain, attn)
 
 
 @requires_cuda
