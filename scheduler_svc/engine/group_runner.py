@@ -38,6 +38,8 @@ from scheduler_svc.engine.worker_client import WorkerError, WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 
+LOOP_RESTART_MAX_S = 30.0   # the longest wait before restarting a step loop that keeps failing
+
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     """Whether `event` was set within timeout_s. Unlike asyncio.wait_for on Python 3.11, a
@@ -95,6 +97,9 @@ class GroupRunner:
         # their KV and mirrors, so they are the ones re-sent in full.
         self._lost_seq_ids: set[int] = set()
         self._prepare_slots = asyncio.Semaphore(config.grammar_prepare_concurrency)
+        self._loop_failures = 0            # step loops that raised since a step was last applied
+        self._restart: asyncio.TimerHandle | None = None
+        self._stopped = False
 
     # -- connection -----------------------------------------------------------------------
     async def connect(self) -> None:
@@ -245,16 +250,24 @@ class GroupRunner:
         """A step loop that raised (a bug: worker failures are handled inside it) is logged with
         its traceback and started again, as after a worker failure: the group goes down, its
         requests move to healthy groups or wait, and the new loop reconnects (resetting the
-        workers) and re-sends them. Without this the group would stop scheduling in silence."""
-        if task.cancelled() or task.exception() is None:
+        workers) and re-sends them. Without this the group would stop scheduling in silence.
+        Failures in a row (no step applied between them) wait longer each time, up to
+        LOOP_RESTART_MAX_S, so a failure that repeats does not spin."""
+        if task.cancelled() or task.exception() is None or self._stopped:
             return
-        logger.error("group %d: its step loop failed; restarting it", self.index, exc_info=task.exception())
+        self._loop_failures += 1
+        delay = min(self.config.reconnect_interval_s * 2 ** (self._loop_failures - 1), LOOP_RESTART_MAX_S)
+        logger.error("group %d: its step loop failed (%d in a row); restarting it in %.3g s", self.index,
+                     self._loop_failures, delay, exc_info=task.exception())
         if self.scheduler is not None and self.healthy:
             self._mark_down(f"the step loop failed: {task.exception()!r}")
         self.healthy = False
-        self.start()
+        self._restart = asyncio.get_running_loop().call_later(delay, self.start)
 
     async def stop(self) -> None:
+        self._stopped = True
+        if self._restart is not None:
+            self._restart.cancel()
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -367,6 +380,7 @@ class GroupRunner:
     def _apply(self, output: SchedulerOutput, reply, sent_at: float) -> None:
         """Applies a step's reply and hands what it produced to the owner."""
         now = time.perf_counter()
+        self._loop_failures = 0
         # A pipelined step queues behind the one before it: time it from when that one replied.
         self.last_step_ms = (now - max(sent_at, self._last_reply_at)) * 1000
         self._last_reply_at = now

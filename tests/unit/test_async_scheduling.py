@@ -141,4 +141,32 @@ def test_a_step_loop_that_raises_is_restarted_and_the_outputs_hold(monkeypatch, 
     monkeypatch.setattr(GroupRunner, "_depth", fails_once)
     assert asyncio.run(generate(requests, FakeWorkerClient(), async_scheduling=True)) == expected
     assert next(calls) > 21
-    assert any("step loop failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    assert any("step loop failed (1 in a row)" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_step_loop_that_keeps_failing_is_restarted_less_and_less_often(monkeypatch):
+    """Failures in a row wait twice as long each time (up to LOOP_RESTART_MAX_S): a bug that
+    repeats does not spin; stop() cancels a restart still pending."""
+    from scheduler_svc.engine import group_runner
+
+    async def run() -> list[float]:
+        delays = []
+        group = GroupRunner(0, WorkerGroupClient([FakeWorkerClient()]), EngineConfig(reconnect_interval_s=0.5),
+                            [EOS], SchedulerMetrics(), GroupHooks(lambda g: None, lambda *a: None, lambda g: None))
+        loop = asyncio.get_running_loop()
+        original = loop.call_later
+        monkeypatch.setattr(loop, "call_later", lambda delay, fn: delays.append(delay) or original(3600, fn))
+
+        async def fails():
+            raise RuntimeError("a bug")
+
+        for _ in range(8):
+            task = asyncio.ensure_future(fails())
+            await asyncio.gather(task, return_exceptions=True)
+            group._loop_ended(task)
+        await group.stop()
+        assert group._restart.cancelled()
+        return delays
+
+    assert asyncio.run(run()) == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert group_runner.LOOP_RESTART_MAX_S == 30.0
