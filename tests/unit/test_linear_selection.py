@@ -484,3 +484,31 @@ def test_layers_fed_by_a_norm_also_try_gemvs_that_fold_it_in_at_a_few_rows(selec
     assert str(choice.chosen[1]) == str(fold) and seen == ["cublas", str(fold)]
     plan = linear_selection.bind_plan(choice, fed, torch.bfloat16)
     assert plan.takes_norm(1) and not plan.takes_norm(2)
+
+
+def test_start_up_compiles_folded_gemvs_as_the_model_calls_them(selection, monkeypatch):
+    """precompile hands a folding GEMV the NormedInput, without and with a residual (two kernel
+    variants: the first layer's norm has none), and every other method the plain input."""
+    linear_selection, methods = selection
+    seen = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Recorded(methods.Method):
+        fold_norm: bool = False
+        compiles = True
+
+        @property
+        def name(self):
+            return f"recorded{self.fold_norm}"
+
+        def bind(self, operands, dtype):
+            def run(x, bias):
+                seen.append((self.fold_norm, type(x).__name__,
+                             getattr(getattr(x, "norm", None), "residual", None) is not None))
+            return run
+
+    monkeypatch.setattr(linear_selection, "compile_ahead", lambda calls: sum(call() or 0 for call in calls))
+    fed = bf16_operands(methods)
+    assert linear_selection.precompile([fed], torch.bfloat16, DEVICE, max_rows=1, sms=4,
+                                       candidate_methods=lambda *a: [Recorded(), Recorded(fold_norm=True)]) == 0
+    assert seen == [(False, "Tensor", False), (True, "NormedInput", False), (True, "NormedInput", True)]

@@ -341,8 +341,16 @@ def precompile(kinds: Sequence[LinearOperands], dtype: torch.dtype, device: torc
             x = torch.zeros(rows, operands.input_width, dtype=dtype, device=device)
             methods = candidate_methods(operands, rows, dtype, sms)
             methods += [twin for twin in (m.late_twin() for m in methods) if twin is not None]
-            calls += [lambda m=method, op=operands, x=x: m.bind(op, dtype)(x, None)
-                      for method in methods if method.compiles]
+            for method in methods:
+                if not method.compiles:
+                    continue
+                if getattr(method, "fold_norm", False):   # as the model calls it: both folded variants
+                    ones = torch.ones(operands.input_width, dtype=dtype, device=device)
+                    inputs = [NormedInput(x, FoldedNorm(ones, CHECK_NORM_EPS, residual)) for residual in (None, x)]
+                    calls += [lambda m=method, op=operands, normed=normed: m.bind(op, dtype)(normed, None)
+                              for normed in inputs]
+                else:
+                    calls.append(lambda m=method, op=operands, x=x: m.bind(op, dtype)(x, None))
     return compile_ahead(calls)
 
 
