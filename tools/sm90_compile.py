@@ -238,7 +238,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
 
     def gemv() -> None:
         from worker_svc.layers import gemv_kernels
-        from worker_svc.layers.linear_selection import gemv_configs
+        from worker_svc.layers.linear_selection import gemv_configs, tiled_configs
         weight = torch.randn(1024, 4096, dtype=bf16)
         fp8_weight = weight.to(torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
@@ -253,6 +253,12 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                     for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config
                         gemv_kernels.gemv(x[:n], weight, config)
                         gemv_kernels.gemv(x[:n], fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128))
+            # past the GEMV's rows, bf16 weights: the tensor-core loop as a tiled GEMM (SwiGLU's down projection too)
+            for rows in (100, 256, 512):
+                for config in tiled_configs(rows, 1024, 4096, sms=132):
+                    x = torch.randn(rows, 4096, dtype=bf16)
+                    gemv_kernels.gemv(x, weight, config)
+                    gemv_kernels.gemv(torch.randn(rows, 8192, dtype=bf16), weight, config, silu_mul=True)
             # the RMSNorm folded in (qkv and gate_up at up to FOLD_NORM_MAX_ROWS rows), with and without the residual
             for rows in (1, 2, 4):
                 for config in gemv_configs(rows, 1024, 4096, sms=132, pdl=True, fp8=True):

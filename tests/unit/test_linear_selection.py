@@ -512,3 +512,34 @@ def test_start_up_compiles_folded_gemvs_as_the_model_calls_them(selection, monke
     assert linear_selection.precompile([fed], torch.bfloat16, DEVICE, max_rows=1, sms=4,
                                        candidate_methods=lambda *a: [Recorded(), Recorded(fold_norm=True)]) == 0
     assert seen == [(False, "Tensor", False), (True, "NormedInput", False), (True, "NormedInput", True)]
+
+
+def test_past_the_gemv_rows_bf16_layers_try_the_tiled_tensor_core_loop_against_cublas(selection):
+    """From GEMV_MAX_ROWS to TILED_MAX_ROWS rows a bf16 kind's candidates are cuBLAS and the GEMV
+    kernel's tensor-core loop as a tiled GEMM (TILED_TILES, split over K where the tiles fill less
+    than two waves); FP8 kinds and larger steps keep their lists. The tiled product matches F.linear."""
+    linear_selection, methods = selection
+    from worker_svc.layers.gemv_kernels import check_config
+
+    configs = linear_selection.tiled_configs(256, 4096, 1024, sms=132)   # Qwen3-0.6B's qkv at 256 rows
+    assert [c for c in configs if c.split_k == 1] == [
+        linear_selection.GemvConfig(m, n, k, num_warps=w, num_stages=s) for m, n, k, w, s in linear_selection.TILED_TILES]
+    split = {(c.block_m, c.block_n): c.split_k for c in configs if c.split_k > 1}
+    # 256, 128, 128 and 64 tiles for 264 programs' two waves; at most a quarter of K's 16 tiles a slice
+    assert split == {(64, 64): 2, (64, 128): 3, (128, 64): 3, (128, 128): 4}
+    for cfg in configs:
+        check_config(cfg, 4096, 1024)
+    weight = (torch.randn(96, 128, generator=torch.Generator().manual_seed(7)) / 11).to(torch.bfloat16).to(DEVICE)
+    bf16, fp8 = methods.LinearOperands(weight), methods.LinearOperands(*quantize_blocks(weight.float().cpu(), (32, 32)),
+                                                                        (32, 32))
+    for rows in (128, 512, 2048):
+        names = [str(m) for m in linear_selection.candidates(bf16, rows, torch.bfloat16, sms=4)]
+        tiled = [n for n in names if n.startswith("gemv(")]
+        assert names[0] == "cublas" and bool(tiled) == (rows <= linear_selection.TILED_MAX_ROWS)
+        assert all(n.startswith(("gemv(m64", "gemv(m128")) for n in tiled)
+    assert not any(str(m).startswith("gemv") for m in linear_selection.candidates(fp8, 256, torch.bfloat16, sms=4))
+    x = torch.randn(100, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).to(DEVICE)
+    for cfg in (linear_selection.GemvConfig(64, 32, 32, num_warps=4, num_stages=2),
+                linear_selection.GemvConfig(64, 32, 32, split_k=2, num_warps=4, num_stages=2)):
+        run = methods.Gemv(cfg, max_rows=linear_selection.TILED_MAX_ROWS).bind(bf16, torch.bfloat16)
+        assert linear_selection.relative_error(run, bf16, x) <= 2 ** -7

@@ -78,6 +78,10 @@ FP8_WAVE_SPLIT_MAX_ROWS = 512
 # Where they are, every candidate is timed with the norm: the norm kernel before it, bf16 or FP8 as it
 # takes its input, or none for the folded GEMV.
 FOLD_NORM_MAX_ROWS = 4
+# Past GEMV_MAX_ROWS, up to TILED_MAX_ROWS rows of bf16 weights: the GEMV kernel's tensor-core loop
+# as a tiled GEMM, (block_m, block_n, block_k, num_warps, num_stages), against cuBLAS.
+TILED_MAX_ROWS = 512
+TILED_TILES = ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3))
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
@@ -206,7 +210,26 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
         if rows <= FOLD_NORM_MAX_ROWS and operands.norm_fed and fused_kernels.ENABLED:
             # the RMSNorm before the layer computed in the GEMV (its launch gone; Gemv.supports says where)
             methods += [Gemv(config, fold_norm=True) for config in configs]
+    elif rows <= TILED_MAX_ROWS and not operands.fp8:
+        methods += [Gemv(config, max_rows=TILED_MAX_ROWS) for config in tiled_configs(rows, *operands.weight.shape, sms)]
     return [m for m in methods if m.supports(operands, dtype)]
+
+
+def tiled_configs(rows: int, num_cols: int, width: int, sms: int) -> list[GemvConfig]:
+    """The GEMV kernel's tensor-core loop as a tiled GEMM past GEMV_MAX_ROWS rows (bf16 weights):
+    TILED_TILES, each unsplit and, where its tiles fill less than two waves of the SMs, with K
+    split so they do (cuBLAS leaves half the SMs idle on Qwen3-0.6B's 256-row projections:
+    PERF_NOTES v39)."""
+    configs = []
+    for block_m, block_n, block_k, warps, stages in TILED_TILES:
+        base = GemvConfig(block_m, block_n, block_k, num_warps=warps, num_stages=stages)
+        tiles = math.ceil(rows / block_m) * math.ceil(num_cols / block_n)
+        configs.append(base)
+        if tiles < 2 * sms:
+            split = max(1, min(math.ceil(2 * sms / tiles), math.ceil(width / block_k) // 4, MAX_SPLIT))
+            if split > 1:
+                configs.append(GemvConfig(**{**base.__dict__, "split_k": split}))
+    return configs
 
 
 Measure = Callable[[Method, list[Runner], torch.Tensor], float]
