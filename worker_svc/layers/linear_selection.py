@@ -306,6 +306,8 @@ def as_fed(runners: list[Runner], operands: LinearOperands, x: torch.Tensor, wit
 
 
 def _with_norm(runners: list[Runner], x: torch.Tensor) -> list[Runner]:
+    """as_fed's `with_norm`: each runner behind the norm kernel the model would run before it
+    (none for one that folds the norm in), with a residual, as every layer but the first has."""
     g = torch.Generator(device=x.device).manual_seed(1)
     weight = (torch.rand(x.shape[-1], generator=g, device=x.device) + 0.5).to(x.dtype)
     residual = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
