@@ -19,7 +19,7 @@
 #             and with the weight-only experts converting their weights (WORKER_MOE_FP8_BITS=0)
 #   prof8     Qwen3-8B decode-graph kernels a step, FP8 (1/16/256 rows) and bf16 (1/256), context 128
 #   prof06    Qwen3-0.6B decode-graph kernels a step at 1/16/256 rows, context 1024 (issue 23's table)
-#   depth     Qwen3-0.6B pipelined decode at 1/4/16/64 x 1024 with two and three steps in flight (the
+#   depth     Qwen3-0.6B pipelined decode at 1/4/16/64/256 x 1024 with two and three steps in flight (the
 #             scheduler's third step at small batches, PERF_NOTES v39), the service's headline beside it
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
@@ -199,7 +199,7 @@ PY
         ;;
     depth)
         STAGES=${STAGES:-bandwidth,service,decode} NAME=depth TIMEOUT=${TIMEOUT:-400} LINES_OUT=30 \
-            EXTRA="--decode-cases 1x1024,4x1024,16x1024,64x1024 --decode-in-flight 2,3 --decode-measured-steps 40 --stream-intervals 1" \
+            EXTRA="--decode-cases 1x1024,4x1024,16x1024,64x1024,256x1024 --decode-in-flight 2,3 --decode-measured-steps 40 --stream-intervals 1" \
             bash "$0" bench
         ;;
     stage)
