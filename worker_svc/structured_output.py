@@ -49,6 +49,8 @@ from worker_svc.runner_io import RequestFailure
 
 logger = logging.getLogger(__name__)
 
+# Host buffers the steps' masks take in turn: the steps in flight (up to three) and one more.
+MASK_BUFFERS = 4
 # Threads compiling one grammar's masks and filling a large batch's bitmask.
 _MAX_THREADS = 8
 DEFAULT_MASK_BUDGET_MS = 10.0
@@ -118,11 +120,12 @@ class _RowFill:
 
 
 class MaskFill:
-    """A step's constrained rows being filled in the background (StructuredOutput.start_fill)."""
-    __slots__ = ("rows", "bitmask")
+    """A step's constrained rows being filled in the background (StructuredOutput.start_fill),
+    into the host buffer `buffer` of StructuredOutput's MASK_BUFFERS."""
+    __slots__ = ("rows", "bitmask", "buffer")
 
-    def __init__(self, rows: list[_RowFill], bitmask: torch.Tensor) -> None:
-        self.rows, self.bitmask = rows, bitmask
+    def __init__(self, rows: list[_RowFill], bitmask: torch.Tensor, buffer: int = 0) -> None:
+        self.rows, self.bitmask, self.buffer = rows, bitmask, buffer
 
 
 class StructuredOutput:
@@ -137,7 +140,12 @@ class StructuredOutput:
         self.feature = feature or Feature("structured_output", True)
         self.mask_budget_ms = mask_budget_ms
         self._compiler = None
-        self._bitmask = None
+        # Host buffers for the steps' masks, in turn: a step's mask reaches the device by a copy that
+        # runs after its forward, so the next steps (up to three in flight) fill other buffers; a
+        # buffer is filled again only once the copy out of it (its event) is done.
+        self._bitmasks: list = [None] * MASK_BUFFERS
+        self._copied: list = [None] * MASK_BUFFERS
+        self._turn = 0
         self._threads = max(1, min(_MAX_THREADS, (os.cpu_count() or 1) // 2))
         self._fillers = self._new_fillers()
         self._lock = threading.Lock()
@@ -204,9 +212,13 @@ class StructuredOutput:
         the last)."""
         self._hand_out_pending()
         grammar = _grammar()
-        if self._bitmask is None:   # made here, in the step's thread: it allocates pinned memory
-            self._bitmask = grammar.GrammarBitmask(self.vocab_size, self.device)
-        bitmask = self._bitmask.rows(len(matchers))
+        buffer, self._turn = self._turn, (self._turn + 1) % MASK_BUFFERS
+        if self._bitmasks[buffer] is None:   # made here, in the step's thread: it allocates pinned memory
+            self._bitmasks[buffer] = grammar.GrammarBitmask(self.vocab_size, self.device)
+        if self._copied[buffer] is not None:   # the copy of MASK_BUFFERS steps ago (long done in practice)
+            self._copied[buffer].synchronize()
+            self._copied[buffer] = None
+        bitmask = self._bitmasks[buffer].rows(len(matchers))
         rows = _row_tasks(matchers, next_drafts)
         for row in sorted(rows, key=lambda r: r.matcher.last_cost_ms):   # the cheap ones first
             if row.matcher.failed:      # given up on: allows only the stop tokens until it is dropped
@@ -215,7 +227,7 @@ class StructuredOutput:
                 row.future = _done()
             else:
                 row.future = self._fillers.submit(self._fill_row, row, bitmask)
-        return MaskFill(rows, bitmask)
+        return MaskFill(rows, bitmask, buffer)
 
     def mask(self, logits: torch.Tensor, positions: list[int], fill: MaskFill) -> list[RequestFailure]:
         """Waits for the step's masks and sets every token a row's matcher does not allow to -inf
@@ -230,6 +242,9 @@ class StructuredOutput:
                 for i in row.rows:
                     grammar.allow_only(bitmask[i], self.stop_token_ids)
         _grammar().apply_bitmask(logits, positions, bitmask)
+        if logits.is_cuda:   # the buffer is refilled only once this step's copy out of it is done
+            self._copied[fill.buffer] = torch.cuda.Event()
+            self._copied[fill.buffer].record()
         return [RequestFailure(row.matcher.seq_id, *row.matcher.failed) for row in failed]
 
     def record(self, matchers: list, tokens: torch.Tensor, positions: torch.Tensor,
@@ -254,7 +269,7 @@ class StructuredOutput:
     @property
     def masked(self) -> bool:
         """Whether a step has had constrained rows (their masks' buffer exists)."""
-        return self._bitmask is not None
+        return any(bitmask is not None for bitmask in self._bitmasks)
 
     def clear(self) -> None:
         """Forgets tokens not accepted yet (the batch was reset: their matchers are gone)."""
@@ -339,7 +354,7 @@ class StructuredOutput:
         which later steps no longer use), and the rows still queued behind it move to new threads."""
         self._fillers.shutdown(wait=False)
         self._fillers = self._new_fillers()
-        self._bitmask.abandon()
+        self._bitmasks[fill.buffer].abandon()
         for future, row in list(waiting.items()):
             if future.cancel():            # not started: submit it again, to the new threads
                 del waiting[future]

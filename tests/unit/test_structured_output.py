@@ -55,3 +55,35 @@ def test_a_terminated_row_is_filled_in_a_step_under_inference_mode(tiny_model_di
     assert failed == [] and matcher.failed is None
     allowed = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
     assert allowed == set(stop_ids) and torch.isfinite(logits[0]).all()
+
+
+def test_steps_in_flight_fill_their_masks_into_buffers_of_their_own(tiny_model_dir):
+    """A step's mask reaches the device by a copy that runs after its forward, so the steps launched
+    meanwhile (up to three in flight) fill other host buffers; a buffer is filled again only after
+    waiting for the copy out of it (the event mask() records on a GPU)."""
+    from worker_svc.layers.grammar import GrammarCompiler    # imports xgrammar
+    from worker_svc.structured_output import MASK_BUFFERS
+
+    stop_ids = json.loads((tiny_model_dir / "generation_config.json").read_text())["eos_token_id"]
+    structured = StructuredOutput(tiny_model_dir, 512, stop_ids, torch.device("cpu"))
+    compiler = GrammarCompiler.from_model_dir(tiny_model_dir, 512, stop_ids)
+    matcher = compiler.matcher(Constraint("regex", "a+"))
+    matcher.seq_id, matcher.failed, matcher.pending, matcher.last_cost_ms = 7, None, [], 0.0
+
+    class Copy:
+        waited = False
+
+        def synchronize(self):
+            self.waited = True
+
+    pointers, copies = [], []
+    with torch.inference_mode():
+        for step in range(MASK_BUFFERS + 1):
+            if step == MASK_BUFFERS:          # the first buffer's copy still to be waited for
+                structured._copied[0] = copies[0]
+            fill = structured.start_fill([matcher])
+            structured.mask(torch.zeros(1, 512), [0], fill)
+            pointers.append(fill.bitmask.data_ptr())
+            copies.append(Copy())
+    assert len(set(pointers[:MASK_BUFFERS])) == MASK_BUFFERS == 4 and pointers[MASK_BUFFERS] == pointers[0]
+    assert copies[0].waited and structured._copied[0] is None and structured.masked
