@@ -3,11 +3,12 @@
 
 Drives a real worker process over loopback gRPC with the service's own scheduling code and its
 async scheduling: the Scheduler and BlockManager decide each step, build_step_request encodes it,
-two steps are in flight (step N+1 is sent before N's reply; --decode-in-flight 2,3 measures each
-case at each depth), and each reply goes back through Scheduler.update. The client streams and
-frontends are left out (the host_path stage covers them). Every request may generate until the
-last prompt's chunked prefill is done and the timed steps are over, so each case reaches steps
-where the whole batch decodes; the timing stops there.
+steps are in flight as the engine core keeps them (step N+1 sent before N's reply, and N+2 too up to
+32 requests; --decode-in-flight 2,3 measures each case at each depth instead), and each reply goes
+back through Scheduler.update. The client streams and frontends are left out (the host_path stage
+covers them). Every request may generate until the last prompt's chunked prefill is done and the
+timed steps are over, so each case reaches steps where the whole batch decodes; the timing stops
+there.
 Per pure-decode step, medians over the measured steps after warm-up:
     step        = time between consecutive replies (what the service's decode rate is)
     device      = the worker's device time of the step (CUDA events: forward, sampling, copies)
@@ -32,16 +33,17 @@ from bench.options import MAX_MESSAGE_BYTES, max_token_id, model_dir
 
 REQUIRES = ("checkpoint", "bandwidth")
 LEASE_EPOCH = time.time_ns()     # this run's lease of the worker (worker_svc/lease.py)
-STEPS_IN_FLIGHT = 2     # the default; --decode-in-flight
+STEPS_IN_FLIGHT = 2     # past the engine core's third-step bound; --decode-in-flight
 MOST_IN_FLIGHT = 4      # the most --decode-in-flight may ask (each case's requests outlast that many more steps)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-cases", default="1x1024,64x1024,256x1024,512x1024,256x4096",
                    help="BATCHxCONTEXT cases of the decode stage")
-    p.add_argument("--decode-in-flight", default=str(STEPS_IN_FLIGHT),
-                   help="comma-separated steps in flight to measure each case at (the service's group runner keeps 2, "
-                        "or 3 for small batches: docs/PERF_NOTES.md v39)")
+    p.add_argument("--decode-in-flight", default="auto",
+                   help="comma-separated steps in flight to measure each case at, or auto: as the service's engine "
+                        "core keeps them by default (3 up to its --third-step-max-seqs requests, else 2: "
+                        "docs/PERF_NOTES.md v39)")
     p.add_argument("--decode-warmup-steps", type=int, default=8)
     p.add_argument("--decode-measured-steps", type=int, default=48)
     p.add_argument("--decode-gpu-memory-utilization", type=float, default=0.95,
@@ -109,14 +111,19 @@ async def _measure_all(worker_addr: str, all_cases: list[Case], args: argparse.N
                 rows.append({"batch": case.batch, "context": case.context, "steps": 0,
                              "skipped": f"KV cache too small: needs {needed} blocks, has {info.num_kv_blocks}"})
                 continue
-            for depth in in_flight_depths(args):
+            for depth in in_flight_depths(args, case.batch):
                 row = await _measure_one(stub, info, case, rng, top_id, seq_ids, args, depth)
                 rows.append({**row, "in_flight": depth})
         await stub.Reset(worker_pb2.ResetRequest(lease_epoch=LEASE_EPOCH), timeout=60)
         return rows
 
 
-def in_flight_depths(args: argparse.Namespace) -> list[int]:
+def in_flight_depths(args: argparse.Namespace, batch: int) -> list[int]:
+    """The depths a case of `batch` requests is measured at (--decode-in-flight)."""
+    from scheduler_svc.engine.config import THIRD_STEP_MAX_SEQS
+
+    if args.decode_in_flight == "auto":
+        return [3 if batch <= THIRD_STEP_MAX_SEQS else STEPS_IN_FLIGHT]
     depths = [int(d) for d in str(args.decode_in_flight).split(",")]
     if not all(1 <= d <= MOST_IN_FLIGHT for d in depths):
         raise ValueError(f"--decode-in-flight: each depth must lie in 1..{MOST_IN_FLIGHT}, not {args.decode_in_flight}")

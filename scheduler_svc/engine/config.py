@@ -10,6 +10,7 @@ from common.cli import flag
 from common.speculation import DEFAULT_MAX_BATCH_SIZE, METHODS
 
 ENGINE = "engine core"
+THIRD_STEP_MAX_SEQS = 32   # EngineConfig.third_step_max_seqs's default (bench/stages/decode.py follows it)
 
 
 @dataclass
@@ -40,7 +41,7 @@ class EngineConfig:
     # host), and with two in flight the device then waits for it (docs/PERF_NOTES.md v39). Not
     # with speculative decoding (a verifying step's drafts come from the step before it).
     third_step_max_seqs: int = flag(
-        32, group=ENGINE, metavar="N",
+        THIRD_STEP_MAX_SEQS, group=ENGINE, metavar="N",
         help="with async scheduling, keep a third step in flight while at most N requests run or wait (small "
              "batches' device steps are shorter than the host's round trip; not with speculative decoding; 0: never)")
     # Whose workers these are: the identity this scheduler leases them under; another identity

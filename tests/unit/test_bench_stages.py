@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from bench.gpu_bench import STAGES, selected_stages, with_requirements
-from bench.stages.decode import STEPS_IN_FLIGHT, Case
+from bench.stages.decode import STEPS_IN_FLIGHT, Case, in_flight_depths
 from common.sampling import SamplingParams
 from scheduler_svc.engine.block_manager import BlockManager
 from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
@@ -86,3 +88,18 @@ def test_the_service_stage_counts_the_kernels_the_worker_compiled_during_its_run
     with log.open("a") as f:
         f.write("WARNING kernel _b compiled after start-up in 3 ms (the step waited for it): Y=2\nINFO done\n")
     assert late_compiles_in(log, start) == 1 and late_compiles_in(tmp_path / "missing.log") == 0
+
+
+def test_the_decode_stage_keeps_steps_in_flight_as_the_engine_core_does_unless_told():
+    """auto: three up to the engine core's third-step bound (32 requests), two past it; a list
+    measures each case at each depth; depths past what the cases' lengths allow are refused."""
+    import argparse
+
+    from scheduler_svc.engine.config import THIRD_STEP_MAX_SEQS, EngineConfig
+
+    assert EngineConfig().third_step_max_seqs == THIRD_STEP_MAX_SEQS == 32
+    auto = argparse.Namespace(decode_in_flight="auto")
+    assert [in_flight_depths(auto, batch) for batch in (1, 32, 33, 256)] == [[3], [3], [2], [2]]
+    assert in_flight_depths(argparse.Namespace(decode_in_flight="2,3"), 1) == [2, 3]
+    with pytest.raises(ValueError, match="each depth"):
+        in_flight_depths(argparse.Namespace(decode_in_flight="5"), 1)
