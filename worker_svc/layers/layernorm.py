@@ -42,7 +42,12 @@ class RMSNorm(nn.Module):
         return self._norm(total), total
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32; cast back before the weight multiply, as the reference does.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in torch: statistics in float32, cast back before the weight multiply, as the
+    reference does (the fused kernels' and the folded GEMVs' reference)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)

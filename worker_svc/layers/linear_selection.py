@@ -39,6 +39,7 @@ from torch import nn
 from worker_svc.layers import fp8_kernels, fused_kernels
 from worker_svc.layers.gemv_kernels import (DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, FoldedNorm, GemvConfig, pdl_in_graphs,
                                              split_slices)
+from worker_svc.layers.layernorm import rms_norm
 from worker_svc.layers.linear_methods import (Cublas, Dequantized, Fp8Cublas, Fp8Gemm, Gemv, LinearOperands,
                                               LinearPlan, Method, NormedInput, Runner)
 from worker_svc.layers.triton_compile import compile_ahead
@@ -271,9 +272,9 @@ def relative_error(run: Runner, operands: LinearOperands, x: torch.Tensor) -> fl
         part = LinearOperands(operands.weight[:columns], operands.weight_scale[:math.ceil(columns / bn)],
                               operands.block, operands.silu_mul)
     if getattr(run, "takes_norm", False):   # checked as the model runs it: on an RMSNorm's NormedInput
-        x32 = x.float()
-        expected_input = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + CHECK_NORM_EPS)).to(x.dtype)
-        actual = run(NormedInput(x, FoldedNorm(torch.ones_like(x[0]), CHECK_NORM_EPS)), None)[:, :columns].float()
+        ones = torch.ones_like(x[0])
+        expected_input = rms_norm(x, ones, CHECK_NORM_EPS)
+        actual = run(NormedInput(x, FoldedNorm(ones, CHECK_NORM_EPS)), None)[:, :columns].float()
     else:
         expected_input = part.activate(x)
         actual = run(x, None)[:, :columns].float()
@@ -366,14 +367,15 @@ def precompile(kinds: Sequence[LinearOperands], dtype: torch.dtype, device: torc
             x = torch.zeros(rows, operands.input_width, dtype=dtype, device=device)
             methods = candidate_methods(operands, rows, dtype, sms)
             methods += [twin for twin in (m.late_twin() for m in methods) if twin is not None]
+            ones = torch.ones(operands.input_width, dtype=dtype, device=device)
+            # as the model calls a folding GEMV: both variants (the first layer's norm has no residual)
+            normed_inputs = [NormedInput(x, FoldedNorm(ones, CHECK_NORM_EPS, residual)) for residual in (None, x)]
             for method in methods:
                 if not method.compiles:
                     continue
-                if getattr(method, "fold_norm", False):   # as the model calls it: both folded variants
-                    ones = torch.ones(operands.input_width, dtype=dtype, device=device)
-                    inputs = [NormedInput(x, FoldedNorm(ones, CHECK_NORM_EPS, residual)) for residual in (None, x)]
+                if getattr(method, "fold_norm", False):
                     calls += [lambda m=method, op=operands, normed=normed: m.bind(op, dtype)(normed, None)
-                              for normed in inputs]
+                              for normed in normed_inputs]
                 else:
                     calls.append(lambda m=method, op=operands, x=x: m.bind(op, dtype)(x, None))
     return compile_ahead(calls)
