@@ -436,7 +436,7 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 def pdl_launches(device: torch.device) -> bool:
     """Whether a config's PDL is launched on this device: CUDA only (the interpreter runs no PTX;
-    tools.sm90_compile says yes to compile those variants on the CPU)."""
+    tools.sm90_catalogue says yes to compile those variants on the CPU)."""
     return device.type == "cuda"
 
 
