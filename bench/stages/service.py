@@ -1,7 +1,9 @@
 """Stage service: a worker and the scheduler (engine core + --frontends processes) over loopback
 gRPC, all requests at once through the public Generate API from --client-processes processes, once
-per --stream-intervals value, with every process's CPU sampled; then greedy outputs of the
-correctness prompts, which the correctness stage compares with transformers."""
+per --stream-intervals value, with every process's CPU sampled and every step in the engine core's
+step log (scheduler_svc/engine/step_log.py: where the run's time went, by step kind and batch);
+then greedy outputs of the correctness prompts, which the correctness stage compares with
+transformers."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +11,7 @@ import contextlib
 import pathlib
 import statistics
 import sys
+import time
 
 from bench.options import engine_args, model_dir, worker_args, workload
 from bench.stages.correctness import CORRECTNESS_TOKENS, correctness_prompts
@@ -75,11 +78,26 @@ def run(args: argparse.Namespace) -> dict:
     variants, greedy = [], None
     with running_worker(args) as worker:
         for interval in (int(i) for i in args.stream_intervals.split(",")):
-            with running_scheduler(args, worker, "--stream-interval", str(interval)) as scheduler:
+            steps = args.out / "logs" / f"steps-interval{interval}.tsv"
+            steps.unlink(missing_ok=True)
+            with running_scheduler(args, worker, "--stream-interval", str(interval), "--step-log", str(steps)) \
+                    as scheduler:
                 variants.append(_one_variant(args, worker, scheduler, prompts, interval))
                 if greedy is None:
                     greedy = _greedy(scheduler, args)
+            # Complete once the engine core has shut down; only the workload's steps count.
+            variants[-1]["steps"] = _steps(steps, *variants[-1].pop("window"))
     return dict(variants[0], variants=variants, greedy=greedy)
+
+
+def _steps(path: pathlib.Path, start_s: float, end_s: float) -> dict | None:
+    from scheduler_svc.engine import step_log
+
+    try:
+        return step_log.summarize(path, start_s, end_s)
+    except (OSError, ValueError, KeyError) as exc:   # a scheduler without --step-log (an older tree), or cut short
+        print(f"no step log summary ({exc!r})", file=sys.stderr)
+        return None
 
 
 def _one_variant(args, worker: Proc, scheduler: Proc, prompts, interval: int) -> dict:
@@ -93,14 +111,16 @@ def _one_variant(args, worker: Proc, scheduler: Proc, prompts, interval: int) ->
         samplers.append(CpuSampler(named).__enter__())
 
     log_start = worker.log.stat().st_size if worker.log.exists() else 0
+    started = time.perf_counter()
     records, seconds = send_all(args, scheduler, prompts, on_start=watch)
+    ended = time.perf_counter()
     samplers[0].__exit__(None, None, None)
     tpots = [r["tpot_s"] for r in records if r["tpot_s"] is not None]
     return {"frontends": args.frontends, "stream_interval": interval,
             "output_tokens": sum(r["output_tokens"] for r in records), "seconds": seconds,
             "ttft_median_s": statistics.median(r["ttft_s"] for r in records),
             "tpot_median_s": statistics.median(tpots) if tpots else None, "cpu": samplers[0].summary(),
-            "late_compiles": late_compiles_in(worker.log, log_start)}
+            "late_compiles": late_compiles_in(worker.log, log_start), "window": (started, ended)}
 
 
 def late_compiles_in(log: pathlib.Path, start: int = 0) -> int:
@@ -139,6 +159,10 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
         cpu = v.get("cpu", {})
         if cpu:
             print("    cpu: " + ", ".join(f"{name} {c['median']:.2f} (max {c['max']:.2f})" for name, c in cpu.items()))
+        if v.get("steps"):
+            from scheduler_svc.engine import step_log
+
+            print("\n".join("    " + line for line in step_log.report_lines(v["steps"])))
 
 
 if __name__ == "__main__":

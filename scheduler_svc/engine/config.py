@@ -44,6 +44,10 @@ class EngineConfig:
         THIRD_STEP_MAX_SEQS, group=ENGINE, metavar="N",
         help="with async scheduling, keep a third step in flight while at most N requests run or wait (small "
              "batches' device steps are shorter than the host's round trip; not with speculative decoding; 0: never)")
+    step_log: str | None = flag(
+        None, group=ENGINE, metavar="PATH",
+        help="append a line per step to PATH (its time from the previous reply, the worker's device time, its "
+             "sequences and tokens: scheduler_svc/engine/step_log.py), for finding where a run's time goes")
     # Whose workers these are: the identity this scheduler leases them under; another identity
     # waits until worker_lease_s pass without a step or renewal. None: HOSTNAME:PID.
     instance_id: str | None = flag(

@@ -25,6 +25,7 @@ from common.features import Feature
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.group_runner import GroupHooks, GroupRunner
 from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.step_log import StepLog
 from scheduler_svc.engine.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.sequence import FinishReason, Sequence
 from scheduler_svc.engine.speculation import SpeculationConfig
@@ -60,7 +61,8 @@ class EngineCore:
         self.metrics = metrics or SchedulerMetrics()
         hooks = GroupHooks(on_connected=self._on_connected, on_step=self._on_step, on_down=self._on_down,
                            on_waiting=lambda group: self._publish_status(), on_failed=self._on_failed)
-        self.groups = [GroupRunner(i, g, self.config, self.eos_token_ids, self.metrics, hooks)
+        self.step_log = StepLog(self.config.step_log) if self.config.step_log else None
+        self.groups = [GroupRunner(i, g, self.config, self.eos_token_ids, self.metrics, hooks, self.step_log)
                        for i, g in enumerate(groups)]
         self._active: dict[int, _Active] = {}                  # seq_id -> request in flight
         self._by_request_id: dict[str, list[int]] = {}         # the samples in flight
@@ -97,6 +99,8 @@ class EngineCore:
         for group in self.groups:
             await group.stop()
             await group.client.close()
+        if self.step_log is not None:
+            self.step_log.close()
 
     @property
     def status(self) -> CoreStatus:

@@ -33,6 +33,7 @@ from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.sequence import Sequence
 from scheduler_svc.engine.speculation import SpeculationConfig
+from scheduler_svc.engine.step_log import StepLog
 from scheduler_svc.engine.step_message import StepResult, build_step_request, parse_step_response
 from scheduler_svc.engine.worker_client import WorkerError, WorkerGroupClient
 
@@ -75,13 +76,14 @@ class GroupHooks:
 
 class GroupRunner:
     def __init__(self, index: int, client: WorkerGroupClient, config: EngineConfig, eos_token_ids: list[int],
-                 metrics: SchedulerMetrics, hooks: GroupHooks) -> None:
+                 metrics: SchedulerMetrics, hooks: GroupHooks, step_log: StepLog | None = None) -> None:
         self.index = index
         self.client = client
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.metrics = metrics
         self.hooks = hooks
+        self.step_log = step_log                   # --step-log: a line per applied step
         self.scheduler: Scheduler | None = None    # once the group first connected
         self.healthy = False
         self.info = None                           # rank 0's WorkerInfo
@@ -300,7 +302,7 @@ class GroupRunner:
                     continue
                 output, reply, sent_at = in_flight.popleft()
                 try:
-                    self._apply(output, await reply, sent_at)
+                    self._apply(output, await reply, sent_at, len(in_flight))
                 except WorkerError as e:
                     # Let the steps sent after it settle first, so none still runs on the
                     # worker when the reconnect resets it; their results are void.
@@ -377,8 +379,9 @@ class GroupRunner:
         reply = asyncio.ensure_future(self.client.step(request, timeout=self.config.step_timeout_s))
         return output, reply, time.perf_counter()
 
-    def _apply(self, output: SchedulerOutput, reply, sent_at: float) -> None:
-        """Applies a step's reply and hands what it produced to the owner."""
+    def _apply(self, output: SchedulerOutput, reply, sent_at: float, behind: int = 0) -> None:
+        """Applies a step's reply and hands what it produced to the owner (`behind`: the steps
+        still in flight after it, for the step log)."""
         now = time.perf_counter()
         self._loop_failures = 0
         # A pipelined step queues behind the one before it: time it from when that one replied.
@@ -387,6 +390,8 @@ class GroupRunner:
         result = parse_step_response(reply)
         self.metrics.observe_step(output.num_scheduled_tokens, self.last_step_ms,
                                  result.device_ms or result.forward_ms)
+        if self.step_log is not None:
+            self.step_log.record(self.index, now, self.last_step_ms, result.device_ms, result.forward_ms, output, behind)
         try:
             received = self.scheduler.update(output, result.token_ids, result.token_counts, result.num_drafts,
                                              result.verified_drafts)

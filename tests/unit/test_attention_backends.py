@@ -262,6 +262,47 @@ def test_triton_decode_split_k_matches_reference(num_splits):
     assert err < TOLERANCE[torch.float32], f"seed {seed}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("kernel", ["tiles", "gqa"])
+def test_split_decode_merges_only_the_splits_with_keys(kernel, monkeypatch):
+    """With the fused merge, splits past a request's context return at once and the last split that
+    holds keys merges those alone: partial buffers full of NaN (what an unwritten partial could
+    hold) leave the output exact, a padded row without keys comes out zeros, and the counters are
+    left at zero (a second launch gives the same bits)."""
+    kernels = pytest.importorskip("worker_svc.layers.attention.triton_kernels")
+    seed = draw_seed()
+    rng = random.Random(seed)
+    # 8 splits of 16-key tiles: 1..3 of them hold keys at these contexts; one padded row.
+    context_lens = [rng.randint(1, 40) for _ in range(3)]
+    case = random_case(rng, context_lens=context_lens, query_lens=[1] * 3, num_kv_heads=2, group=2, head_dim=64,
+                       block_size=16, dtype=torch.float32)
+    reference = case.to(torch.device("cpu"), torch.float64)
+    expected = TorchAttentionBackend().forward(reference.q, reference.k, reference.v, reference.k_cache,
+                                               reference.v_cache, reference.meta, reference.scale)
+    m = case.meta
+    kernels.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping)
+    real_buffers = kernels._split_buffers
+
+    def poisoned(step, num_splits, fused_merge):
+        part_out, part_lse, counters = real_buffers(step, num_splits, fused_merge)
+        return part_out.fill_(float("nan")), part_lse.fill_(float("nan")), counters
+    monkeypatch.setattr(kernels, "_split_buffers", poisoned)
+    q = torch.cat([case.q, torch.randn(1, *case.q.shape[1:], device=case.q.device)])
+    seq_lens = torch.cat([m.seq_lens, torch.zeros(1, dtype=m.seq_lens.dtype, device=m.seq_lens.device)])
+    block_tables = torch.cat([m.block_tables, torch.zeros_like(m.block_tables[:1])])
+    launch = kernels.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=4, num_stages=1, kernel=kernel)
+
+    def attend():
+        return kernels.paged_attention(q, case.k_cache, case.v_cache, torch.arange(5, dtype=torch.int32), seq_lens,
+                                       block_tables, case.scale, pure_decode=True, num_splits=8, launch=launch,
+                                       fused_merge=True)
+    out = attend()
+    assert torch.isfinite(out).all(), f"seed {seed}: a merge read a partial no split wrote"
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])), f"seed {seed}"
+    err = relative_error(out[:-1], expected)
+    assert err < TOLERANCE[torch.float32], f"seed {seed}: relative error {err:.2e}"
+    assert torch.equal(attend(), out), f"seed {seed}: the counters were not left at zero"
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_padded_decode_rows_are_inert(backend_name):
     """CUDA-graph padding: rows with slot -1 and seq_len 0 write nothing to the cache and come

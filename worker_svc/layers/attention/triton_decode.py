@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from worker_svc.layers.attention.triton_split_merge import _write_result
+from worker_svc.layers.attention.triton_split_merge import _active_splits, _write_result
 
 F16_MAX = tl.constexpr(65504.0)
 
@@ -118,6 +118,9 @@ def _paged_decode_kernel(
         q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     kv_per_split = tl.cdiv(tl.cdiv(seq_len, KV_TILE), NUM_SPLITS) * KV_TILE
+    active = _active_splits(seq_len, kv_per_split, NUM_SPLITS, FUSED_MERGE)
+    if split >= active:   # no keys in this split's slice, and nothing of it to merge
+        return
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(seq_len, kv_lo + kv_per_split)
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for heads that see no key.
@@ -149,5 +152,6 @@ def _paged_decode_kernel(
         out_scale = tl.load(v_scale_ptr + kv_head)
     token_col = token + cols * 0
     _write_result(tl.trans(acc_t), m_i, l_i, out_scale, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-                  token_col, head, col_valid, dims, dim_valid, request, kv_head, split, token, stride_ot, stride_oh,
+                  token_col, head, col_valid, dims, dim_valid, request, kv_head, split, active, token, stride_ot,
+                  stride_oh,
                   NUM_HEADS, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS, FUSED_MERGE, MERGE_CHUNK)

@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from worker_svc.layers import gemv_kernels
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
 from worker_svc.layers.attention.triton_decode import F16_MAX, _kv_tile, _paged_decode_kernel
-from worker_svc.layers.attention.triton_split_merge import _merge_splits_kernel, _write_result
+from worker_svc.layers.attention.triton_split_merge import _active_splits, _merge_splits_kernel, _write_result
 
 LOG2_E = 1.4426950408889634
 # The tile kernel; the decode kernel (one-token requests only) on tensor cores, or on CUDA cores.
@@ -205,6 +205,9 @@ def _paged_attention_kernel(
     # Keys this tile needs: up to the position of its last query token; then this split's slice.
     kv_end = tl.minimum(context_len + (q_tile + 1) * BLOCK_Q, seq_len)
     kv_per_split = tl.cdiv(tl.cdiv(kv_end, KV_TILE), NUM_SPLITS) * KV_TILE
+    active = _active_splits(kv_end, kv_per_split, NUM_SPLITS, FUSED_MERGE)
+    if split >= active:   # no keys in this split's slice, and nothing of it to merge
+        return
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
 
@@ -232,7 +235,7 @@ def _paged_attention_kernel(
     if KV_FP8:
         out_scale = tl.load(v_scale_ptr + kv_head)
     _write_result(acc, m_i, l_i, out_scale, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-                  token, head, row_valid, dims, dim_valid, request, kv_head, split, q_start.to(tl.int64),
+                  token, head, row_valid, dims, dim_valid, request, kv_head, split, active, q_start.to(tl.int64),
                   stride_ot, stride_oh, NUM_HEADS, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS,
                   FUSED_MERGE, MERGE_CHUNK)
 

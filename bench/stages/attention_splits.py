@@ -1,0 +1,121 @@
+"""Attention-splits stage: the bfloat16 decode launch at small batches, the split-K factor and the
+launch config swept (PERF_NOTES v40). At one row Qwen3-0.6B's attention takes ~9.6 us a layer for
+~1 us of KV bytes (v39's profile); the default splits a 1 x 1024 decode 64 ways (decode_num_splits
+fills the GPU by the batch shape alone, as a captured graph must), so 48 of the 64 splits of each kv
+head find no keys, and the last split merges 64 partials. This sweep says what each split factor
+and config costs at 1/4/16/64 x 1024 (and 1 x 4096), each a CUDA-graph replay (triton's do_bench
+median, L2 flushed), with the error against the torch reference for each.
+
+    python -m bench.stages.attention_splits --out DIR          # H200: ~2 min, DIR/attention_splits.json
+    python -m bench.stages.attention_splits --out DIR --device cpu   # tiny shapes, Triton's interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import pathlib
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from bench.stages.attention import CPU, FLOOR_BANDWIDTH, GPU, kv_bytes, relative_error, shape_of, timer
+
+STAGE = "attention_splits"
+GPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 1024), (4, 1024), (16, 1024), (64, 1024),
+                                                                       (1, 4096)))
+CPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 64), (3, 32)))
+GPU_SPLITS = (2, 4, 8, 16, 32, 64)
+CPU_SPLITS = (1, 2, 4)
+# (kernel, kv_tile, num_warps, num_stages): the tile kernel's default first, then the decode kernel's.
+GPU_CONFIGS = (("tiles", 64, 4, 3), ("tiles", 128, 4, 3), ("tiles", 32, 4, 2), ("tiles", 64, 4, 2),
+               ("gqa", 32, 2, 1), ("gqa", 64, 2, 1), ("gqa", 32, 4, 2), ("gqa", 64, 4, 2))
+CPU_CONFIGS = (("tiles", 16, 4, 1), ("gqa", 16, 1, 1))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=pathlib.Path, help="folder for attention_splits.json")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    return p.parse_args(argv)
+
+
+@torch.inference_mode()
+def sweep(device: torch.device) -> list[dict]:
+    """A row per (case, launch): the default launch (its config and split factor from the tables),
+    then each config at each split factor."""
+    from worker_svc.layers.attention import triton_kernels as tk
+    from worker_svc.layers.attention.selection import synthetic_step
+    from worker_svc.layers.attention.torch_backend import TorchAttentionBackend
+
+    gpu = device.type == "cuda"
+    setup = GPU if gpu else CPU
+    cases, splits, configs = (GPU_CASES, GPU_SPLITS, GPU_CONFIGS) if gpu else (CPU_CASES, CPU_SPLITS, CPU_CONFIGS)
+    shape = shape_of(setup, setup.dtype)
+    time_ms, scale, rows = timer(device), setup.head_dim ** -0.5, []
+    for seed, (name, requests) in enumerate(cases):
+        q, _, _, k_cache, v_cache, meta = synthetic_step(requests, shape, device, seed=seed)
+        ref = TorchAttentionBackend().attend(q.float(), k_cache, v_cache, meta, scale, None)
+        floor_ms = kv_bytes(requests, setup, setup.dtype) / FLOOR_BANDWIDTH * 1e3
+        default = tk.decode_launch(False, len(requests))
+        launches = [("default", default, tk.decode_num_splits(len(requests), setup.num_kv_heads, device,
+                                                               default.num_warps))]
+        launches += [("swept", tk.LaunchConfig(16, kv, w, st, kernel), n)
+                     for kernel, kv, w, st in configs for n in splits]
+        for label, launch, num_splits in launches:
+            row = dict(case=name, label=label, floor_ms=floor_ms, num_splits=num_splits, **asdict(launch))
+
+            def call(q=q, k=k_cache, v=v_cache, m=meta, launch=launch, n=num_splits):
+                return tk.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale,
+                                          pure_decode=True, num_splits=n, launch=launch)
+            try:
+                row["err"] = relative_error(call(), ref)
+                row["ms"] = time_ms(call)
+            except Exception as exc:   # a config that does not compile or fit: recorded, the rest go on
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+        print(f"# swept {name}", flush=True)
+        del q, k_cache, v_cache, meta, ref
+        if gpu:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'case':18s} {'default ms':>10s} {'best ms':>8s} {'best/def':>8s} {'floor':>7s}  best launch (err); "
+          "runners-up")
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == case and "ms" in r and r["err"] < 2e-2]
+        default = next((r for r in mine if r["label"] == "default"), None)
+        ranked = sorted(mine, key=lambda r: r["ms"])
+        if not ranked or default is None:
+            print(f"{case:18s} no result")
+            continue
+        best = ranked[0]
+        label = lambda r: f"{r['kernel']} kv{r['kv_tile']} w{r['num_warps']} s{r['num_stages']} split{r['num_splits']}"  # noqa: E731
+        print(f"{case:18s} {default['ms']:10.4f} {best['ms']:8.4f} {best['ms'] / default['ms']:8.2f} "
+              f"{best['floor_ms']:7.4f}  {label(best)} ({best['err']:.1e}); "
+              + ", ".join(f"{label(r)} {r['ms']:.4f}" for r in ranked[1:5])
+              + f"  [default {label(default)}]")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    if args.device == "cpu":   # Triton's interpreter, patched to compute as a GPU does
+        from tools.triton_interpreter import gpu_faithful
+    else:
+        gpu_faithful = contextlib.nullcontext
+    with gpu_faithful():
+        rows = sweep(torch.device(args.device))
+    result = dict(ok=True, result=dict(rows=rows), wall_s=time.time() - started)
+    (args.out / f"{STAGE}.json").write_text(json.dumps(result, indent=1))
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
