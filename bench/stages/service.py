@@ -86,18 +86,43 @@ def run(args: argparse.Namespace) -> dict:
                 if greedy is None:
                     greedy = _greedy(scheduler, args)
             # Complete once the engine core has shut down; only the workload's steps count.
-            variants[-1]["steps"] = _steps(steps, *variants[-1].pop("window"))
+            start_s, end_s = variants[-1].pop("window")
+            variants[-1]["step_log"] = dict(path=str(steps), start_s=start_s, end_s=end_s)
+            variants[-1]["steps"] = _steps(variants[-1]["step_log"])
     return dict(variants[0], variants=variants, greedy=greedy)
 
 
-def _steps(path: pathlib.Path, start_s: float, end_s: float) -> dict | None:
+def _steps(where: dict, floor_ms=None) -> dict | None:
+    """The step log's summary over the variant's window (scheduler_svc/engine/step_log.py)."""
     from scheduler_svc.engine import step_log
 
     try:
-        return step_log.summarize(path, start_s, end_s)
+        return step_log.summarize(where["path"], where["start_s"], where["end_s"], floor_ms)
     except (OSError, ValueError, KeyError) as exc:   # a scheduler without --step-log (an older tree), or cut short
         print(f"no step log summary ({exc!r})", file=sys.stderr)
         return None
+
+
+def step_floor_ms(args: argparse.Namespace, results: dict[str, dict]):
+    """floor_ms(seqs, sampled, tokens, kv_tokens) of one step, from the model's shape and the bandwidth
+    stage's rates (None without them): a decode step's as bench/floor.py has it; a step with prefill
+    chunks reads the same bytes, or computes 2 FLOPs per linear weight and scheduled token (the LM
+    head's for its sampled rows), whichever takes longer (its attention FLOPs left out)."""
+    from bench.floor import ModelShape, decode_step_floor_s
+    from bench.options import measured_rates
+
+    rates, config = measured_rates(results), model_dir(args) / "config.json"
+    if not rates or not config.exists():
+        return None
+    shape = ModelShape.from_file(config)
+
+    def floor_ms(seqs: int, sampled: int, tokens: int, kv_tokens: int) -> float:
+        if tokens == seqs:
+            return decode_step_floor_s(shape, seqs, kv_tokens, rates) * 1e3
+        memory = (shape.step_bytes(tokens) + kv_tokens * shape.kv_bytes_per_token) / rates["copy_bytes_per_s"]
+        compute = (2 * tokens * shape.active_linear() + 2 * sampled * shape.lm_head) / rates["bf16_flops_per_s"]
+        return max(memory, compute) * 1e3
+    return floor_ms
 
 
 def _one_variant(args, worker: Proc, scheduler: Proc, prompts, interval: int) -> dict:
@@ -159,10 +184,14 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
         cpu = v.get("cpu", {})
         if cpu:
             print("    cpu: " + ", ".join(f"{name} {c['median']:.2f} (max {c['max']:.2f})" for name, c in cpu.items()))
-        if v.get("steps"):
+        steps = v.get("steps")
+        floor_ms = step_floor_ms(args, results)
+        if v.get("step_log") and floor_ms and pathlib.Path(v["step_log"]["path"]).exists():
+            steps = _steps(v["step_log"], floor_ms) or steps
+        if steps:
             from scheduler_svc.engine import step_log
 
-            print("\n".join("    " + line for line in step_log.report_lines(v["steps"])))
+            print("\n".join("    " + line for line in step_log.report_lines(steps)))
 
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ def test_split_decode_merges_only_the_splits_with_keys(kernel, monkeypatch):
     launch = kernels.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=4, num_stages=1, kernel=kernel)
 
     def attend():
-        return kernels.paged_attention(q, case.k_cache, case.v_cache, torch.arange(5, dtype=torch.int32), seq_lens,
+        return kernels.paged_attention(q, case.k_cache, case.v_cache, torch.arange(5, dtype=torch.int32, device=q.device), seq_lens,
                                        block_tables, case.scale, pure_decode=True, num_splits=8, launch=launch,
                                        fused_merge=True)
     out = attend()

@@ -103,3 +103,27 @@ def test_the_decode_stage_keeps_steps_in_flight_as_the_engine_core_does_unless_t
     assert in_flight_depths(argparse.Namespace(decode_in_flight="2,3"), 1) == [2, 3]
     with pytest.raises(ValueError, match="each depth"):
         in_flight_depths(argparse.Namespace(decode_in_flight="5"), 1)
+
+
+def test_the_service_stage_floors_each_logged_step(tmp_path):
+    """The service stage's floor of a logged step: a decode step's is bench/floor.py's; a step with
+    prefill chunks takes at least its linear FLOPs at the bf16 rate; without the bandwidth stage's
+    rates there is none."""
+    import argparse
+    import json
+
+    from bench.floor import ModelShape, decode_step_floor_s
+    from bench.stages.service import step_floor_ms
+
+    config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                  intermediate_size=128, vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = argparse.Namespace(model=tmp_path, out=tmp_path)
+    rates = dict(copy_bytes_per_s=1e9, bf16_flops_per_s=1e11, fp8_flops_per_s=2e11)
+    floor_ms = step_floor_ms(args, {"bandwidth": {"ok": True, "result": rates}})
+    shape = ModelShape(config)
+    assert floor_ms(4, 4, 4, 400) == decode_step_floor_s(shape, 4, 400, rates) * 1e3
+    prefill_ms = floor_ms(2, 1, 4096, 4096)
+    assert prefill_ms >= 2 * 4096 * shape.active_linear() / rates["bf16_flops_per_s"] * 1e3
+    assert prefill_ms > floor_ms(2, 2, 2, 4096)
+    assert step_floor_ms(args, {}) is None

@@ -49,6 +49,12 @@ def test_a_line_per_step_and_its_summary(tmp_path):
     assert sum(int(r["tokens"]) for r in rows) == 3 * 6 + 3 * 4    # prompts, then each later token once
     assert sum(int(r["sampled"]) for r in rows) == 3 * 5
     assert [float(r["reply_s"]) for r in rows] == sorted(float(r["reply_s"]) for r in rows)
+    # The first step computes the first prompt tokens: its KV is its own tokens; each later step's
+    # is every context so far. Over the run the last step's context sums to prompts + outputs but one.
+    assert rows[0]["kv_tokens"] == rows[0]["tokens"]
+    assert int(rows[-1]["kv_tokens"]) <= 3 * (6 + 4)
+    assert all(int(a["kv_tokens"]) <= int(b["kv_tokens"]) or int(b["seqs"]) < int(a["seqs"])
+               for a, b in zip(rows, rows[1:]))
 
     summary = step_log.summarize(path)
     assert summary["steps"] == len(rows) and summary["tokens"] == 3 * 6 + 3 * 4
@@ -57,7 +63,11 @@ def test_a_line_per_step_and_its_summary(tmp_path):
     assert sum(k["steps"] for k in kinds.values()) == len(rows)
     decodes = sum(k["tokens"] for name, k in kinds.items() if name.startswith("decode"))
     assert 0 < decodes < 3 * 4 + 1 and any(name.startswith("mixed") for name in kinds)
-    assert summary["span_s"] > 0
+    assert summary["span_s"] > 0 and summary["floor_ms"] == 0
+    # A floor of 1 ms a KV token sums to the KV tokens, and the report grows its floor columns.
+    floored = step_log.summarize(path, floor_ms=lambda seqs, sampled, tokens, kv_tokens: float(kv_tokens))
+    assert floored["floor_ms"] == sum(int(r["kv_tokens"]) for r in rows)
+    assert "dev/floor" in step_log.report_lines(floored)[1] and "dev/floor" not in step_log.report_lines(summary)[1]
     # A window that holds none of the steps, and a cut-off last line, count nothing.
     assert step_log.summarize(path, end_s=float(rows[0]["reply_s"]) - 1)["steps"] == 0
     path.write_text(path.read_text() + "0\t1.0\t2")
