@@ -4,7 +4,9 @@ launch config swept (PERF_NOTES v40). At one row Qwen3-0.6B's attention takes ~9
 fills the GPU by the batch shape alone, as a captured graph must), so 48 of the 64 splits of each kv
 head find no keys, and the last split merges 64 partials. This sweep says what each split factor
 and config costs at 1/4/16/64 x 1024 (and 1 x 4096), each a CUDA-graph replay (triton's do_bench
-median, L2 flushed), with the error against the torch reference for each.
+median, L2 flushed), with the error against the torch reference for each; and the default launch
+with its programs handed out longest context first (AttentionMetadata.decode_order), on a batch of
+256 contexts of 100-2048 tokens as the service's large batches hold.
 
     python -m bench.stages.attention_splits --out DIR          # H200: ~2 min, DIR/attention_splits.json
     python -m bench.stages.attention_splits --out DIR --device cpu   # tiny shapes, Triton's interpreter
@@ -15,6 +17,7 @@ import argparse
 import contextlib
 import json
 import pathlib
+import random
 import sys
 import time
 from dataclasses import asdict
@@ -24,8 +27,11 @@ import torch
 from bench.stages.attention import CPU, FLOOR_BANDWIDTH, GPU, kv_bytes, relative_error, shape_of, timer
 
 STAGE = "attention_splits"
-GPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 1024), (4, 1024), (16, 1024), (64, 1024),
-                                                                       (1, 4096)))
+GPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 1024), (4, 1024), (16, 1024), (64, 1024), (256, 1024),
+                                                                       (1, 4096))) + (
+    # The service's large batches hold contexts of 100-2048 tokens (bench.py's workload): one program
+    # per (request, kv head) unsplit, the longest ones end the launch alone.
+    ("decode 256 ragged", tuple((c - 1, 1) for c in random.Random(0).choices(range(100, 2049), k=256))),)
 CPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 64), (3, 32)))
 GPU_SPLITS = (2, 4, 8, 16, 32, 64)
 CPU_SPLITS = (1, 2, 4)
@@ -39,11 +45,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=pathlib.Path, help="folder for attention_splits.json")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--cases", default="", help="only the cases whose names contain this")
+    p.add_argument("--splits", default="", help="split factors to sweep, comma-separated (default: the table's)")
+    p.add_argument("--configs", type=int, default=0, help="only the first N launch configs (default: all)")
     return p.parse_args(argv)
 
 
 @torch.inference_mode()
-def sweep(device: torch.device) -> list[dict]:
+def sweep(device: torch.device, only: str = "", split_list: str = "", num_configs: int = 0) -> list[dict]:
     """A row per (case, launch): the default launch (its config and split factor from the tables),
     then each config at each split factor."""
     from worker_svc.layers.attention import triton_kernels as tk
@@ -53,6 +62,9 @@ def sweep(device: torch.device) -> list[dict]:
     gpu = device.type == "cuda"
     setup = GPU if gpu else CPU
     cases, splits, configs = (GPU_CASES, GPU_SPLITS, GPU_CONFIGS) if gpu else (CPU_CASES, CPU_SPLITS, CPU_CONFIGS)
+    cases = [(name, requests) for name, requests in cases if only in name]
+    splits = tuple(int(n) for n in split_list.split(",")) if split_list else splits
+    configs = configs[:num_configs or None]
     shape = shape_of(setup, setup.dtype)
     time_ms, scale, rows = timer(device), setup.head_dim ** -0.5, []
     for seed, (name, requests) in enumerate(cases):
@@ -60,16 +72,19 @@ def sweep(device: torch.device) -> list[dict]:
         ref = TorchAttentionBackend().attend(q.float(), k_cache, v_cache, meta, scale, None)
         floor_ms = kv_bytes(requests, setup, setup.dtype) / FLOOR_BANDWIDTH * 1e3
         default = tk.decode_launch(False, len(requests))
-        launches = [("default", default, tk.decode_num_splits(len(requests), setup.num_kv_heads, device,
-                                                               default.num_warps))]
+        default_splits = tk.decode_num_splits(len(requests), setup.num_kv_heads, device, default.num_warps)
+        launches = [("default", default, default_splits), ("longest first", default, default_splits)]
         launches += [("swept", tk.LaunchConfig(16, kv, w, st, kernel), n)
                      for kernel, kv, w, st in configs for n in splits]
         for label, launch, num_splits in launches:
             row = dict(case=name, label=label, floor_ms=floor_ms, num_splits=num_splits, **asdict(launch))
 
-            def call(q=q, k=k_cache, v=v_cache, m=meta, launch=launch, n=num_splits):
+            # Longest first: the order as AttentionMetadata.decode_order sorts it (once a step, not timed here).
+            order = torch.argsort(meta.seq_lens, descending=True).to(torch.int32) if label == "longest first" else None
+
+            def call(q=q, k=k_cache, v=v_cache, m=meta, launch=launch, n=num_splits, order=order):
                 return tk.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale,
-                                          pure_decode=True, num_splits=n, launch=launch)
+                                          pure_decode=True, num_splits=n, launch=launch, decode_order=order)
             try:
                 row["err"] = relative_error(call(), ref)
                 row["ms"] = time_ms(call)
@@ -89,12 +104,16 @@ def print_table(rows: list[dict]) -> None:
     for case in dict.fromkeys(r["case"] for r in rows):
         mine = [r for r in rows if r["case"] == case and "ms" in r and r["err"] < 2e-2]
         default = next((r for r in mine if r["label"] == "default"), None)
-        ranked = sorted(mine, key=lambda r: r["ms"])
+        ranked = sorted((r for r in mine if r["label"] != "longest first"), key=lambda r: r["ms"])
         if not ranked or default is None:
             print(f"{case:18s} no result")
             continue
         best = ranked[0]
         label = lambda r: f"{r['kernel']} kv{r['kv_tile']} w{r['num_warps']} s{r['num_stages']} split{r['num_splits']}"  # noqa: E731
+        ordered = next((r for r in mine if r["label"] == "longest first"), None)
+        if ordered is not None:
+            print(f"{case:18s} longest first {ordered['ms']:.4f} ms: {ordered['ms'] / default['ms']:.3f}x the default "
+                  f"(err {ordered['err']:.1e})")
         print(f"{case:18s} {default['ms']:10.4f} {best['ms']:8.4f} {best['ms'] / default['ms']:8.2f} "
               f"{best['floor_ms']:7.4f}  {label(best)} ({best['err']:.1e}); "
               + ", ".join(f"{label(r)} {r['ms']:.4f}" for r in ranked[1:5])
@@ -110,7 +129,7 @@ def main(argv=None) -> int:
     else:
         gpu_faithful = contextlib.nullcontext
     with gpu_faithful():
-        rows = sweep(torch.device(args.device))
+        rows = sweep(torch.device(args.device), args.cases, args.splits, args.configs)
     result = dict(ok=True, result=dict(rows=rows), wall_s=time.time() - started)
     (args.out / f"{STAGE}.json").write_text(json.dumps(result, indent=1))
     print_table(rows)

@@ -303,6 +303,66 @@ def test_split_decode_merges_only_the_splits_with_keys(kernel, monkeypatch):
     assert torch.equal(attend(), out), f"seed {seed}: the counters were not left at zero"
 
 
+@pytest.mark.parametrize("kernel,num_splits", [("tiles", 1), ("tiles", 4), ("gqa", 1), ("gqa", 4)])
+def test_longest_first_decode_gives_the_same_bits(kernel, num_splits):
+    """Programs handed out longest context first (AttentionMetadata.decode_order) compute what the
+    launch in request order computes, bit for bit: each program's work is the same, only their
+    order changes; with split-K too (the counters and merges are per request)."""
+    kernels = pytest.importorskip("worker_svc.layers.attention.triton_kernels")
+    seed = draw_seed()
+    rng = random.Random(seed)
+    context_lens, query_lens = decode_batch(rng, MAX_CONTEXT, DECODE_BATCH)
+    case = random_case(rng, context_lens=context_lens, query_lens=query_lens, num_kv_heads=2, group=2,
+                       head_dim=64, block_size=16, dtype=torch.float32)
+    m = case.meta
+    kernels.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping)
+    # Any order of the requests will do; the reversed one when the draw keeps them in place.
+    permutation = rng.sample(range(len(context_lens)), len(context_lens))
+    if permutation == sorted(permutation):
+        permutation.reverse()
+    order = torch.tensor(permutation, dtype=torch.int32, device=m.seq_lens.device)
+    launch = kernels.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=4, num_stages=1, kernel=kernel)
+
+    def attend(decode_order):
+        return kernels.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens,
+                                       m.block_tables, case.scale, pure_decode=True, num_splits=num_splits,
+                                       launch=launch, decode_order=decode_order)
+    assert torch.equal(attend(order), attend(None)), f"seed {seed}"
+
+
+def test_decode_order_is_asked_of_large_pure_decode_steps_only(monkeypatch):
+    """AttentionMetadata.decode_order: the requests longest first from LONGEST_FIRST_MIN_BATCH
+    pure-decode requests on, computed once per metadata; None below it and for mixed steps."""
+    from worker_svc.layers.attention import base
+
+    def meta(seq_lens, query_len=1):
+        n = len(seq_lens)
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(n * query_len, dtype=torch.int64),
+            query_start_loc=torch.arange(0, n * query_len + 1, query_len, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.zeros(n, 4, dtype=torch.int32),
+            max_query_len=query_len, max_seq_len=max(seq_lens), query_lens_cpu=[query_len] * n,
+            seq_lens_cpu=list(seq_lens))
+    monkeypatch.setattr(base, "LONGEST_FIRST_MIN_BATCH", 4)
+    assert meta([5, 9, 7]).decode_order is None
+    assert meta([5, 9, 7, 30], query_len=2).decode_order is None
+    step = meta([5, 9, 7, 30, 1])
+    assert step.decode_order.tolist() == [3, 1, 2, 0, 4] and step.decode_order.dtype == torch.int32
+    assert step.decode_order is step.decode_order   # one sort a step, whatever the layers
+
+
+def test_the_warm_up_reaches_the_longest_first_variant():
+    """The start-up warm-up runs a pure-decode step at every request count whose launch takes other
+    compile-time constants: the first ordered one (LONGEST_FIRST_MIN_BATCH) among them, so no step
+    compiles it while serving."""
+    from worker_svc.layers.attention.base import LONGEST_FIRST_MIN_BATCH
+    from worker_svc.layers.attention.triton_kernels import decode_variant_counts
+
+    pure, _ = decode_variant_counts(8, 256, False, torch.device("cpu"))   # the CPU's 4 "SMs": never split
+    assert pure == [1, LONGEST_FIRST_MIN_BATCH]
+    assert decode_variant_counts(8, LONGEST_FIRST_MIN_BATCH - 1, False, torch.device("cpu"))[0] == [1]
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_padded_decode_rows_are_inert(backend_name):
     """CUDA-graph padding: rows with slot -1 and seq_len 0 write nothing to the cache and come

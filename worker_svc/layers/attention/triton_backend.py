@@ -31,4 +31,5 @@ class TritonAttentionBackend:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                               scale, pure_decode=meta.is_pure_decode, kv_scales=kv_scales)
+                               scale, pure_decode=meta.is_pure_decode, kv_scales=kv_scales,
+                               decode_order=meta.decode_order)

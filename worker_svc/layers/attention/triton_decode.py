@@ -78,7 +78,7 @@ def _values_t(v, p_t, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 # change from step to step, and a variant first met mid-serving stalls the batch (PERF_NOTES v27).
 @triton.jit(do_not_specialize=["num_requests", "stride_bt"])
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, order_ptr,
     k_scale_ptr, v_scale_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale, num_requests,
@@ -88,7 +88,7 @@ def _paged_decode_kernel(
     COLS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_DOT: tl.constexpr, TRIGGER: tl.constexpr,
+    USE_DOT: tl.constexpr, TRIGGER: tl.constexpr, ORDERED: tl.constexpr,
 ):
     if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
         gdc_launch_dependents()
@@ -96,6 +96,8 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if PURE_DECODE:
+        if ORDERED:   # program i takes the i-th longest context (AttentionMetadata.decode_order)
+            request = tl.load(order_ptr + request)
         token = request.to(tl.int64)
     else:
         token = tl.load(query_start_loc_ptr + request).to(tl.int64)

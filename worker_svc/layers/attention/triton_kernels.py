@@ -38,6 +38,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from worker_svc.layers import gemv_kernels
+from worker_svc.layers.attention.base import LONGEST_FIRST_MIN_BATCH
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
 from worker_svc.layers.attention.triton_decode import F16_MAX, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _merge_splits_kernel, _write_result
@@ -148,7 +149,7 @@ def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr
 # change from step to step, and a variant first met mid-serving stalls the batch (PERF_NOTES v27).
 @triton.jit(do_not_specialize=["num_requests", "stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, order_ptr,
     k_scale_ptr, v_scale_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale, num_requests,
@@ -159,7 +160,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_DECODES: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, ORDERED: tl.constexpr,
 ):
     if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
         gdc_launch_dependents()
@@ -167,9 +168,11 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    if PURE_DECODE:  # one token per request: tile i is request i, query token i
+    if PURE_DECODE:  # one token per request: tile i is request i (or the i-th longest), its query token too
         request = tile
-        q_start = tile
+        if ORDERED:
+            request = tl.load(order_ptr + tile)
+        q_start = request
         q_len = 1
         q_tile = 0
     else:
@@ -340,18 +343,20 @@ def decode_variant_counts(num_kv_heads: int, max_requests: int, kv_fp8: bool,
     requests reach: of pure-decode steps, and of mixed steps where their decodes go apart. One
     step at each compiles every variant. (An FP8 cache's mixed steps reach ~10; warming up only
     the full batch left them to compile on the first requests: v19's 7.7 s time to first token.)"""
-    def firsts(launch_of: Callable[[int], LaunchConfig]) -> list[int]:
+    def firsts(launch_of: Callable[[int], LaunchConfig], ordered: Callable[[int], bool]) -> list[int]:
         seen, counts = set(), []
         for n in range(1, max_requests + 1):
             launch = launch_of(n)
-            key = (launch, decode_num_splits(n, num_kv_heads, device, launch.num_warps))
+            key = (launch, decode_num_splits(n, num_kv_heads, device, launch.num_warps), ordered(n))
             if key not in seen:
                 seen.add(key)
                 counts.append(n)
         return counts
 
-    pure = firsts(lambda n: decode_launch(kv_fp8, n))
-    return pure, firsts(gqa_decode_launch) if mixed_decodes_apart(kv_fp8) else []
+    # Pure-decode steps of LONGEST_FIRST_MIN_BATCH requests and more hand their programs out in order
+    # (AttentionMetadata.decode_order): another compile-time constant.
+    pure = firsts(lambda n: decode_launch(kv_fp8, n), lambda n: n >= LONGEST_FIRST_MIN_BATCH)
+    return pure, firsts(gqa_decode_launch, lambda n: False) if mixed_decodes_apart(kv_fp8) else []
 
 
 @dataclass(frozen=True)
@@ -366,6 +371,7 @@ class _Step:
     block_tables: torch.Tensor
     scale: float
     scales: KVScales | None
+    order: torch.Tensor | None = None   # pure decode: the requests longest first (AttentionMetadata.decode_order)
 
     @property
     def num_requests(self) -> int:
@@ -379,6 +385,7 @@ class _Step:
         """The positional arguments both attention kernels take."""
         q, k_cache, out, scales = self.q, self.k_cache, self.out, self.scales
         return (q, k_cache, self.v_cache, out, part_out, part_lse, counters,
+                self.order if self.order is not None else self.seq_lens,
                 scales.k if scales else out, scales.v if scales else out,
                 self.query_start_loc, self.seq_lens, self.block_tables,
                 self.scale * LOG2_E, self.num_requests,
@@ -409,6 +416,7 @@ def paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, *, pure_decode: bool, num_splits: int | None = None, kv_scales: KVScales | None = None,
     launch: LaunchConfig | None = None, fused_merge: bool | None = None, decodes_apart: bool | None = None,
+    decode_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache (see base.py).
     pure_decode: every request has exactly one query token (then num_tokens == batch).
@@ -416,14 +424,16 @@ def paged_attention(
     of a mixed batch's tile launch (by default 1). kv_scales: the layer's scales, for an FP8 cache.
     launch, fused_merge, decodes_apart: override the tables (decode_launch, prefill_launch,
     FUSED_SPLIT_MERGE, mixed_decodes_apart), for benchmarks and tests; in a mixed batch `launch`
-    is the tile launch's."""
+    is the tile launch's. decode_order: a pure-decode step's requests in the order its programs
+    should start, longest context first (AttentionMetadata.decode_order): the launch's last wave
+    then holds short contexts instead of a few long ones that end it alone."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.dtype == v_cache.dtype
     step = _Step(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-                 _fp8_scales(k_cache, kv_scales))
+                 _fp8_scales(k_cache, kv_scales), decode_order if pure_decode else None)
     fp8 = step.scales is not None
     fused_merge = FUSED_SPLIT_MERGE if fused_merge is None else fused_merge
     if pure_decode:
@@ -459,7 +469,8 @@ def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, f
         COLS=max(MIN_DECODE_COLS if use_dot else 1, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
-        TRIGGER=_triggers(step, num_splits, fused_merge), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        TRIGGER=_triggers(step, num_splits, fused_merge), ORDERED=step.order is not None,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=not pure_decode)
 
@@ -485,7 +496,8 @@ def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merg
         BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
         MERGE_CHUNK=_merge_chunk(step, num_splits), SKIP_DECODES=skip_decodes,
-        TRIGGER=_triggers(step, num_splits, fused_merge), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        TRIGGER=_triggers(step, num_splits, fused_merge), ORDERED=pure_decode and step.order is not None,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=False)
 
