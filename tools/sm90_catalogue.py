@@ -224,10 +224,14 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
                     tensors = step([(context, 1)] * rows, seed=rows)
                     backend.forward(*tensors, scale, scales)
                     model_path(tensors)
+                q, _, _, k_cache, v_cache, meta = tensors
                 if rows in SEPARATE_MERGE_ROWS:   # the merge as its own launch (benchmarks and tests)
-                    q, _, _, k_cache, v_cache, meta = tensors
                     tk.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                        scale, pure_decode=True, kv_scales=scales, fused_merge=False)
+                if rows >= 64:   # programs handed out longest first (WORKER_ATTENTION_LONGEST_FIRST)
+                    tk.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                       scale, pure_decode=True, kv_scales=scales,
+                                       decode_order=torch.argsort(meta.seq_lens, descending=True).to(torch.int32))
             # Decode graphs: static buffers of the largest batch, tables max_blocks_per_seq wide,
             # padding rows with slot -1 and length 0.
             largest, max_blocks = 256, 2560

@@ -332,7 +332,8 @@ def test_longest_first_decode_gives_the_same_bits(kernel, num_splits):
 
 def test_decode_order_is_asked_of_large_pure_decode_steps_only(monkeypatch):
     """AttentionMetadata.decode_order: the requests longest first from LONGEST_FIRST_MIN_BATCH
-    pure-decode requests on, computed once per metadata; None below it and for mixed steps."""
+    pure-decode requests on, computed once per metadata; None below it, for mixed steps, and while
+    the threshold is 0 (off)."""
     from worker_svc.layers.attention import base
 
     def meta(seq_lens, query_len=1):
@@ -343,6 +344,8 @@ def test_decode_order_is_asked_of_large_pure_decode_steps_only(monkeypatch):
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.zeros(n, 4, dtype=torch.int32),
             max_query_len=query_len, max_seq_len=max(seq_lens), query_lens_cpu=[query_len] * n,
             seq_lens_cpu=list(seq_lens))
+    monkeypatch.setattr(base, "LONGEST_FIRST_MIN_BATCH", 0)   # off: never asked
+    assert meta([5, 9, 7, 30, 1]).decode_order is None
     monkeypatch.setattr(base, "LONGEST_FIRST_MIN_BATCH", 4)
     assert meta([5, 9, 7]).decode_order is None
     assert meta([5, 9, 7, 30], query_len=2).decode_order is None
@@ -351,16 +354,19 @@ def test_decode_order_is_asked_of_large_pure_decode_steps_only(monkeypatch):
     assert step.decode_order is step.decode_order   # one sort a step, whatever the layers
 
 
-def test_the_warm_up_reaches_the_longest_first_variant():
+def test_the_warm_up_reaches_the_longest_first_variant(monkeypatch):
     """The start-up warm-up runs a pure-decode step at every request count whose launch takes other
     compile-time constants: the first ordered one (LONGEST_FIRST_MIN_BATCH) among them, so no step
-    compiles it while serving."""
-    from worker_svc.layers.attention.base import LONGEST_FIRST_MIN_BATCH
+    compiles it while serving; none while the order is off (0)."""
+    from worker_svc.layers.attention import base
     from worker_svc.layers.attention.triton_kernels import decode_variant_counts
 
-    pure, _ = decode_variant_counts(8, 256, False, torch.device("cpu"))   # the CPU's 4 "SMs": never split
-    assert pure == [1, LONGEST_FIRST_MIN_BATCH]
-    assert decode_variant_counts(8, LONGEST_FIRST_MIN_BATCH - 1, False, torch.device("cpu"))[0] == [1]
+    cpu = torch.device("cpu")   # its 4 "SMs": never split
+    monkeypatch.setattr(base, "LONGEST_FIRST_MIN_BATCH", 0)
+    assert decode_variant_counts(8, 256, False, cpu)[0] == [1]
+    monkeypatch.setattr(base, "LONGEST_FIRST_MIN_BATCH", 64)
+    assert decode_variant_counts(8, 256, False, cpu)[0] == [1, 64]
+    assert decode_variant_counts(8, 63, False, cpu)[0] == [1]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)

@@ -19,6 +19,7 @@ stored the step's K/V themselves (rotary.attend_qkv's fused kernel does, on CUDA
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -27,10 +28,17 @@ import torch
 from worker_svc.layers.attention.kv_quant import KVScales
 
 
-# Pure-decode steps of at least this many requests hand their attention programs out longest context
-# first: with contexts of 100-2048 tokens a 256-request launch ran at 91% of the copy rate against
-# 96% for equal contexts, its longest programs ending the launch alone (PERF_NOTES v40).
-LONGEST_FIRST_MIN_BATCH = 64
+# Pure-decode steps of at least this many requests may hand their attention programs out longest
+# context first: with contexts of 100-2048 tokens a 256-request launch ran at 91% of the copy rate
+# against 96% for equal contexts, its longest programs ending the launch alone (PERF_NOTES v40). Off
+# (0) until measured on a GPU, its sort captured in the decode graphs included;
+# WORKER_ATTENTION_LONGEST_FIRST=64 turns it on for that measurement.
+LONGEST_FIRST_MIN_BATCH = int(os.environ.get("WORKER_ATTENTION_LONGEST_FIRST", "0"))
+
+
+def longest_first(num_requests: int) -> bool:
+    """Whether a pure-decode step of num_requests requests attends longest context first."""
+    return 0 < LONGEST_FIRST_MIN_BATCH <= num_requests
 
 
 @dataclass
@@ -55,11 +63,11 @@ class AttentionMetadata:
     @functools.cached_property
     def decode_order(self) -> torch.Tensor | None:
         """A pure-decode step's requests, longest context first (int32 [batch]), for a kernel that
-        hands its programs out in that order (LONGEST_FIRST_MIN_BATCH); None for smaller or mixed
-        steps. Computed on the device when first asked, by the first layer's attention, and kept for
+        hands its programs out in that order (`longest_first`); None for smaller or mixed steps,
+        and while LONGEST_FIRST_MIN_BATCH is 0. Computed on the device when first asked, by the first layer's attention, and kept for
         the step's other layers: inside a CUDA-graph capture the sort is recorded into the graph and
         reruns at every replay. A metadata object is built per step (and per capture), never reused."""
-        if not self.is_pure_decode or self.seq_lens.shape[0] < LONGEST_FIRST_MIN_BATCH:
+        if not self.is_pure_decode or not longest_first(self.seq_lens.shape[0]):
             return None
         return torch.argsort(self.seq_lens, descending=True).to(torch.int32)
 

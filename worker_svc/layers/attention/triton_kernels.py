@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from worker_svc.layers import gemv_kernels
-from worker_svc.layers.attention.base import LONGEST_FIRST_MIN_BATCH
+from worker_svc.layers.attention import base as attention_base
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
 from worker_svc.layers.attention.triton_decode import F16_MAX, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _merge_splits_kernel, _write_result
@@ -353,9 +353,9 @@ def decode_variant_counts(num_kv_heads: int, max_requests: int, kv_fp8: bool,
                 counts.append(n)
         return counts
 
-    # Pure-decode steps of LONGEST_FIRST_MIN_BATCH requests and more hand their programs out in order
-    # (AttentionMetadata.decode_order): another compile-time constant.
-    pure = firsts(lambda n: decode_launch(kv_fp8, n), lambda n: n >= LONGEST_FIRST_MIN_BATCH)
+    # Pure-decode steps that hand their programs out longest first (AttentionMetadata.decode_order):
+    # another compile-time constant.
+    pure = firsts(lambda n: decode_launch(kv_fp8, n), attention_base.longest_first)
     return pure, firsts(gqa_decode_launch, lambda n: False) if mixed_decodes_apart(kv_fp8) else []
 
 
