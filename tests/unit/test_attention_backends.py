@@ -241,21 +241,34 @@ def test_backend_matches_torch_reference(backend_name, dtype, head_dim, group, b
     check_against_reference(backend, case, dtype, seed)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 8])
-def test_triton_decode_split_k_matches_reference(num_splits):
-    """The split-K decode path gives the same answer for any number of splits, including
-    splits that cover no key at all (short contexts, many splits)."""
-    kernels = pytest.importorskip("worker_svc.layers.attention.triton_kernels")
-    seed = draw_seed()
-    rng = random.Random(seed)
-    context_lens, query_lens = decode_batch(rng, MAX_CONTEXT, DECODE_BATCH)
+def _stored_decode_case(rng: random.Random, context_lens: list[int] | None = None):
+    """A float32 decode case (2 kv heads, GQA 2, head_dim 64, 16-token blocks) whose K/V the Triton
+    store kernel has written, and its float64 torch reference output. context_lens: by default
+    decode_batch's draw."""
+    from worker_svc.layers.attention import triton_kernels
+
+    if context_lens is None:
+        context_lens, query_lens = decode_batch(rng, MAX_CONTEXT, DECODE_BATCH)
+    else:
+        query_lens = [1] * len(context_lens)
     case = random_case(rng, context_lens=context_lens, query_lens=query_lens, num_kv_heads=2, group=2,
                        head_dim=64, block_size=16, dtype=torch.float32)
     reference = case.to(torch.device("cpu"), torch.float64)
     expected = TorchAttentionBackend().forward(reference.q, reference.k, reference.v, reference.k_cache,
                                                reference.v_cache, reference.meta, reference.scale)
     m = case.meta
-    kernels.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping)
+    triton_kernels.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping)
+    return case, expected
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+def test_triton_decode_split_k_matches_reference(num_splits):
+    """The split-K decode path gives the same answer for any number of splits, including
+    splits that cover no key at all (short contexts, many splits)."""
+    kernels = pytest.importorskip("worker_svc.layers.attention.triton_kernels")
+    seed = draw_seed()
+    case, expected = _stored_decode_case(random.Random(seed))
+    m = case.meta
     out = kernels.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens,
                                   m.block_tables, case.scale, pure_decode=True, num_splits=num_splits)
     err = relative_error(out, expected)
@@ -272,14 +285,8 @@ def test_split_decode_merges_only_the_splits_with_keys(kernel, monkeypatch):
     seed = draw_seed()
     rng = random.Random(seed)
     # 8 splits of 16-key tiles: 1..3 of them hold keys at these contexts; one padded row.
-    context_lens = [rng.randint(1, 40) for _ in range(3)]
-    case = random_case(rng, context_lens=context_lens, query_lens=[1] * 3, num_kv_heads=2, group=2, head_dim=64,
-                       block_size=16, dtype=torch.float32)
-    reference = case.to(torch.device("cpu"), torch.float64)
-    expected = TorchAttentionBackend().forward(reference.q, reference.k, reference.v, reference.k_cache,
-                                               reference.v_cache, reference.meta, reference.scale)
+    case, expected = _stored_decode_case(rng, [rng.randint(1, 40) for _ in range(3)])
     m = case.meta
-    kernels.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping)
     real_buffers = kernels._split_buffers
 
     def poisoned(step, num_splits, fused_merge):
@@ -292,9 +299,9 @@ def test_split_decode_merges_only_the_splits_with_keys(kernel, monkeypatch):
     launch = kernels.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=4, num_stages=1, kernel=kernel)
 
     def attend():
-        return kernels.paged_attention(q, case.k_cache, case.v_cache, torch.arange(5, dtype=torch.int32, device=q.device), seq_lens,
-                                       block_tables, case.scale, pure_decode=True, num_splits=8, launch=launch,
-                                       fused_merge=True)
+        query_start_loc = torch.arange(5, dtype=torch.int32, device=q.device)
+        return kernels.paged_attention(q, case.k_cache, case.v_cache, query_start_loc, seq_lens, block_tables,
+                                       case.scale, pure_decode=True, num_splits=8, launch=launch, fused_merge=True)
     out = attend()
     assert torch.isfinite(out).all(), f"seed {seed}: a merge read a partial no split wrote"
     assert torch.equal(out[-1], torch.zeros_like(out[-1])), f"seed {seed}"
@@ -311,13 +318,10 @@ def test_longest_first_decode_gives_the_same_bits(kernel, num_splits):
     kernels = pytest.importorskip("worker_svc.layers.attention.triton_kernels")
     seed = draw_seed()
     rng = random.Random(seed)
-    context_lens, query_lens = decode_batch(rng, MAX_CONTEXT, DECODE_BATCH)
-    case = random_case(rng, context_lens=context_lens, query_lens=query_lens, num_kv_heads=2, group=2,
-                       head_dim=64, block_size=16, dtype=torch.float32)
+    case, _ = _stored_decode_case(rng)
     m = case.meta
-    kernels.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping)
     # Any order of the requests will do; the reversed one when the draw keeps them in place.
-    permutation = rng.sample(range(len(context_lens)), len(context_lens))
+    permutation = rng.sample(range(len(m.seq_lens_cpu)), len(m.seq_lens_cpu))
     if permutation == sorted(permutation):
         permutation.reverse()
     order = torch.tensor(permutation, dtype=torch.int32, device=m.seq_lens.device)
