@@ -21,6 +21,9 @@
 #   prof06    Qwen3-0.6B decode-graph kernels a step at 1/16/256 rows, context 1024 (issue 23's table)
 #   depth     Qwen3-0.6B pipelined decode at 1/4/16/64/256 x 1024 with two and three steps in flight (the
 #             scheduler's third step at small batches, PERF_NOTES v39), the service's headline beside it
+#   longest   attention with its programs longest context first (PERF_NOTES v40): the splits stage's 256-request
+#             cases (ordered beside the default), then the service and large-batch decode with
+#             WORKER_ATTENTION_LONGEST_FIRST=64 and without, in one call (the step log's large-batch rows)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -202,6 +205,15 @@ PY
             EXTRA="--decode-cases 1x1024,4x1024,16x1024,64x1024,256x1024 --decode-in-flight 2,3 --decode-measured-steps 40 --stream-intervals 1" \
             bash "$0" bench
         ;;
+    longest)
+        STAGE=attention_splits NAME=asplit TIMEOUT=90 LINES_OUT=5 EXTRA="--cases 256 --splits 1 --configs 1" bash "$0" stage
+        for n in 0 64; do
+            echo "== WORKER_ATTENTION_LONGEST_FIRST=$n"
+            WORKER_ATTENTION_LONGEST_FIRST=$n STAGES=${STAGES:-bandwidth,service,decode} NAME=longest-$n TIMEOUT=240 \
+                LINES_OUT=24 EXTRA="--decode-cases 64x1024,256x1024 --stream-intervals 1" bash "$0" bench \
+                | grep -v "not run\|^ *$\|^==\|ok in\|cpu:"
+        done
+        ;;
     stage)
         base
         NAME=${NAME:-$STAGE}
@@ -241,5 +253,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|longest|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac
