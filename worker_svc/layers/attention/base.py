@@ -64,9 +64,10 @@ class AttentionMetadata:
     def decode_order(self) -> torch.Tensor | None:
         """A pure-decode step's requests, longest context first (int32 [batch]), for a kernel that
         hands its programs out in that order (`longest_first`); None for smaller or mixed steps,
-        and while LONGEST_FIRST_MIN_BATCH is 0. Computed on the device when first asked, by the first layer's attention, and kept for
-        the step's other layers: inside a CUDA-graph capture the sort is recorded into the graph and
-        reruns at every replay. A metadata object is built per step (and per capture), never reused."""
+        and while LONGEST_FIRST_MIN_BATCH is 0. Computed on the device when first asked, by the
+        first layer's attention, and kept for the step's other layers: inside a CUDA-graph capture
+        the sort is recorded into the graph and reruns at every replay. A metadata object is built
+        per step (and per capture), never reused."""
         if not self.is_pure_decode or not longest_first(self.seq_lens.shape[0]):
             return None
         return torch.argsort(self.seq_lens, descending=True).to(torch.int32)
