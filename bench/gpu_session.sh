@@ -21,6 +21,10 @@
 #   prof06    Qwen3-0.6B decode-graph kernels a step at 1/16/256 rows, context 1024 (issue 23's table)
 #   depth     Qwen3-0.6B pipelined decode at 1/4/16/64/256 x 1024 with two and three steps in flight (the
 #             scheduler's third step at small batches, PERF_NOTES v39), the service's headline beside it
+#   ab06      Qwen3-0.6B pipelined decode at 1/4/16 x 1024 (each tree's default steps in flight; compare the device
+#             column) on .gpu/ref and on this tree, one
+#             machine (scripts/gpu_ref.sh REF first; carry .gpu): e.g. REF 62abf9d, before the folded norm and
+#             the late trigger (PERF_NOTES v40: two H200s disagreed on the one-row device step)
 #   longest   attention with its programs longest context first (PERF_NOTES v40): the splits stage's 256-request
 #             cases (ordered beside the default), then the service and large-batch decode with
 #             WORKER_ATTENTION_LONGEST_FIRST=64 and without, in one call (the step log's large-batch rows)
@@ -205,6 +209,18 @@ PY
             EXTRA="--decode-cases 1x1024,4x1024,16x1024,64x1024,256x1024 --decode-in-flight 2,3 --decode-measured-steps 40 --stream-intervals 1" \
             bash "$0" bench
         ;;
+    ab06)
+        base
+        [[ -d .gpu/ref ]] || { echo "no .gpu/ref: run scripts/gpu_ref.sh REF here first" >&2; exit 2; }
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        for tree in ref tree; do
+            dir=$([[ $tree == ref ]] && echo .gpu/ref || echo .)
+            mkdir -p "/tmp/ab06-$tree" && cp "$BENCH/bandwidth.json" "/tmp/ab06-$tree/" 2>/dev/null
+            (cd "$dir" && timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/ab06-$tree" --model "$BENCH/model" \
+                --stages decode --decode-cases 1x1024,4x1024,16x1024 --decode-measured-steps 60 \
+                2>&1 | grep -v "^ *$" | tail -5 | sed "s/^/$tree: /")
+        done
+        ;;
     longest)
         STAGE=attention_splits NAME=asplit TIMEOUT=90 LINES_OUT=5 EXTRA="--cases 256 --splits 1 --configs 1" bash "$0" stage
         for n in 0 64; do
@@ -253,5 +269,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|longest|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac
