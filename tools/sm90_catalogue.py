@@ -177,7 +177,7 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
         from worker_svc.layers import fused_kernels
         from worker_svc.layers.attention import qkv_store
         from worker_svc.layers.attention import triton_kernels as tk
-        from worker_svc.layers.attention.base import AttentionMetadata
+        from worker_svc.layers.attention.base import AttentionMetadata, longest_first_order
         from worker_svc.layers.attention.kv_quant import FP8_KV_DTYPE
         from worker_svc.layers.attention.selection import AttentionShape, synthetic_kv_scales, synthetic_step
         from worker_svc.layers.attention.triton_backend import TritonAttentionBackend
@@ -231,7 +231,7 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
                 if rows >= 64:   # programs handed out longest first (WORKER_ATTENTION_LONGEST_FIRST)
                     tk.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                        scale, pure_decode=True, kv_scales=scales,
-                                       decode_order=torch.argsort(meta.seq_lens, descending=True).to(torch.int32))
+                                       decode_order=longest_first_order(meta.seq_lens))
             # Decode graphs: static buffers of the largest batch, tables max_blocks_per_seq wide,
             # padding rows with slot -1 and length 0.
             largest, max_blocks = 256, 2560

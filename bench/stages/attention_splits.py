@@ -56,6 +56,7 @@ def sweep(device: torch.device, only: str = "", split_list: str = "", num_config
     """A row per (case, launch): the default launch (its config and split factor from the tables),
     then each config at each split factor."""
     from worker_svc.layers.attention import triton_kernels as tk
+    from worker_svc.layers.attention.base import longest_first_order
     from worker_svc.layers.attention.selection import synthetic_step
     from worker_svc.layers.attention.torch_backend import TorchAttentionBackend
 
@@ -79,8 +80,8 @@ def sweep(device: torch.device, only: str = "", split_list: str = "", num_config
         for label, launch, num_splits in launches:
             row = dict(case=name, label=label, floor_ms=floor_ms, num_splits=num_splits, **asdict(launch))
 
-            # Longest first: the order as AttentionMetadata.decode_order sorts it (once a step, not timed here).
-            order = torch.argsort(meta.seq_lens, descending=True).to(torch.int32) if label == "longest first" else None
+            # Longest first: the order AttentionMetadata.decode_order takes (sorted once a step, not timed here).
+            order = longest_first_order(meta.seq_lens) if label == "longest first" else None
 
             def call(q=q, k=k_cache, v=v_cache, m=meta, launch=launch, n=num_splits, order=order):
                 return tk.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale,

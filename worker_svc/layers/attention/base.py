@@ -41,6 +41,11 @@ def longest_first(num_requests: int) -> bool:
     return 0 < LONGEST_FIRST_MIN_BATCH <= num_requests
 
 
+def longest_first_order(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The requests of a pure-decode step, longest context first (int32), on seq_lens' device."""
+    return torch.argsort(seq_lens, descending=True).to(torch.int32)
+
+
 @dataclass
 class AttentionMetadata:
     # Per token of the step (num_tokens entries), on the model's device.
@@ -70,7 +75,7 @@ class AttentionMetadata:
         per step (and per capture), never reused."""
         if not self.is_pure_decode or not longest_first(self.seq_lens.shape[0]):
             return None
-        return torch.argsort(self.seq_lens, descending=True).to(torch.int32)
+        return longest_first_order(self.seq_lens)
 
 
 class AttentionBackend(Protocol):
