@@ -120,8 +120,8 @@ def step_floor_ms(args: argparse.Namespace, results: dict[str, dict]):
         if tokens == seqs:
             return decode_step_floor_s(shape, seqs, kv_tokens, rates) * 1e3
         memory = (shape.step_bytes(tokens) + kv_tokens * shape.kv_bytes_per_token) / rates["copy_bytes_per_s"]
-        compute = (2 * tokens * shape.active_linear() + 2 * sampled * shape.lm_head) / rates["bf16_flops_per_s"]
-        return max(memory, compute) * 1e3
+        linear_flops, head_flops = shape.step_flops(tokens)[0], shape.step_flops(sampled)[1]
+        return max(memory, (linear_flops + head_flops) / rates["bf16_flops_per_s"]) * 1e3
     return floor_ms
 
 
@@ -174,6 +174,7 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     print(f"\nservice variants (--frontends, --stream-interval), client over {args.client_processes} processes; "
           "CPU: median cores of each process (scheduler = engine core; its children are the frontends)")
     service = results["service"]["result"]
+    floor_ms = step_floor_ms(args, results)
     for v in service.get("variants", [service]):
         tps = v["output_tokens"] / v["seconds"]
         of_floor = f"{tps / floor_tps:6.1%}" if floor_tps else "-"
@@ -185,7 +186,6 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
         if cpu:
             print("    cpu: " + ", ".join(f"{name} {c['median']:.2f} (max {c['max']:.2f})" for name, c in cpu.items()))
         steps = v.get("steps")
-        floor_ms = step_floor_ms(args, results)
         if v.get("step_log") and floor_ms and pathlib.Path(v["step_log"]["path"]).exists():
             steps = _steps(v["step_log"], floor_ms) or steps
         if steps:

@@ -379,7 +379,7 @@ class GroupRunner:
         reply = asyncio.ensure_future(self.client.step(request, timeout=self.config.step_timeout_s))
         return output, reply, time.perf_counter()
 
-    def _apply(self, output: SchedulerOutput, reply, sent_at: float, behind: int = 0) -> None:
+    def _apply(self, output: SchedulerOutput, reply, sent_at: float, behind: int) -> None:
         """Applies a step's reply and hands what it produced to the owner (`behind`: the steps
         still in flight after it, for the step log)."""
         now = time.perf_counter()
