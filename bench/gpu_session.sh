@@ -222,6 +222,11 @@ PY
         done
         ;;
     longest)
+        # first: the order's sort captured in the decode graphs replays the eager forward, and any order
+        # gives the same bits (WORKER_ATTENTION_LONGEST_FIRST=1 orders every pure-decode step)
+        echo "== tests with WORKER_ATTENTION_LONGEST_FIRST=1"
+        WORKER_ATTENTION_LONGEST_FIRST=1 TIMEOUT=150 LINES_OUT=6 TESTS="tests/unit/test_cuda_graphs.py \
+            tests/unit/test_attention_backends.py" bash "$0" tests
         STAGE=attention_splits NAME=asplit TIMEOUT=90 LINES_OUT=5 EXTRA="--cases 256 --splits 1 --configs 1" bash "$0" stage
         for n in 0 64; do
             echo "== WORKER_ATTENTION_LONGEST_FIRST=$n"
