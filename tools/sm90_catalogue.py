@@ -58,7 +58,8 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
     def fp8() -> None:
         from worker_svc.layers import fp8_kernels as f8
         from worker_svc.layers.linear_selection import (FP8_GEMM_TILES, FP8_NARROW_MAX_ROWS, FP8_NARROW_TILES,
-                                                        FP8_WAVE_SPLIT_MAX_ROWS, GEMV_MAX_ROWS)
+                                                        FP8_WAVE_SPLIT_MAX_ROWS, FP8_WGMMA_MAX_ROWS, FP8_WGMMA_TILES,
+                                                        GEMV_MAX_ROWS)
         weight = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
         for rows in DECODE_ROWS:
@@ -78,6 +79,15 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                             f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
                                           config={**split, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2,
                                                   "LATE_TRIGGER": late})
+            if rows <= FP8_WGMMA_MAX_ROWS:   # 64-row tiles (wgmma on e4m3) at a few rows, split and not, with PDL
+                for tile in FP8_WGMMA_TILES:
+                    for slices in (1, 8):
+                        config = {**tile, "SPLIT_K": slices}
+                        f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=config)
+                        with _as_on_a_hopper():
+                            for late in (False, True):
+                                f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
+                                              config={**config, "PDL": True, "PREFETCH": 2, "LATE_TRIGGER": late})
             if GEMV_MAX_ROWS < rows <= FP8_WAVE_SPLIT_MAX_ROWS:   # the prefill tiles with K in two slices
                 for tile in FP8_GEMM_TILES[:2]:
                     f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
