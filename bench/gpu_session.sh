@@ -185,8 +185,8 @@ PY
         run() { OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=$4 bash "$0" moe | grep -v "^ *$"; }
         run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240
         one_row_choices "$BENCH/moe/logs"
-        grep -rhao "linear [a-z_]* [0-9x]* fp8 .*ms per call by rows: 1: [^;]*; 2: [^;]*; 4: [^;]*; 8: [^;]*; 16: [^;]*; 32: [^;]*" \
-            "$BENCH/moe/logs" 2>/dev/null | sed "s/ms per call by rows: 1: [^;]*; //" | head -4
+        grep -rhao "linear [a-z_]* [0-9x]* fp8 ([0-9]* layers), ms per call by rows: .*" "$BENCH/moe/logs" 2>/dev/null \
+            | sed "s/ms per call by rows: 1: [^;]*; //; s/; 64: .*//" | sort -u | head -4
         run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256 --fixed-profile" 120
         ;;
     b1ab)   # Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref and on this tree (one machine: the batch-1
