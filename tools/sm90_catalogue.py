@@ -309,7 +309,7 @@ def _moe_cases() -> dict[str, Callable[[], None]]:
             logits = torch.randn(rows, experts, dtype=bf16)
             moe_kernels.fused_moe(x, logits, w13, w2, top_k, True)
             moe_kernels.fused_moe(x, logits, q13, q2, top_k, True, w13_scale=s13, w2_scale=s2, block=block)
-            for mode in ("weight_only", "on_load"):   # either, at any size: moe_selection's choice
+            for mode in ("weight_only", "on_load", *moe_kernels.WIDE_MODES):   # any, at any size: moe_selection's
                 moe_kernels.fused_moe(x, logits, q13, q2, top_k, True, w13_scale=s13, w2_scale=s2, block=block,
                                       fp8_activations=mode)
             weights, ids = moe_kernels.route_topk(logits, top_k, False)   # without renormalisation

@@ -40,6 +40,13 @@ from worker_svc.layers.fp8_kernels import _quantize_tile, per_token_group_quant
 from worker_svc.layers.gemv_kernels import BITS_SUM_SCALE, BITS_X_SCALE, fp8_bits_as_bf16
 
 FP8_ACTIVATIONS = ("weight_only", "on_load", "given")
+# FP8 x FP8 on 64-row blocks: Hopper's wgmma multiplies e4m3 operands only from 64-row tiles, and
+# Triton runs the 16- and 32-row blocks of a decode step on mma.sync in f16, converting every
+# weight and activation element first (PERF_NOTES v41). Modes of their own (the activations as the
+# mode without the suffix takes them), which moe_selection times beside the others at start-up.
+WIDE_SUFFIX = "_m64"
+WIDE_MODES = tuple(mode + WIDE_SUFFIX for mode in ("on_load", "given"))
+WIDE_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
 _FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)   # globals a kernel may read
 # Rows per expert up to which FP8 experts multiply bf16 activations (weight-only) by default; past
 # it the activations are quantized as loaded. WORKER_MOE_FP8_WEIGHT_ONLY_ROWS sets it (0: always
@@ -274,7 +281,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   config: dict | None = None, fp8_activations: str | None = None) -> torch.Tensor:
     """moe.moe_reference's result for x [T, H] routed to topk_ids [T, k] with topk_weights.
     FP8 experts take the activations as `fp8_activations` says (FP8_ACTIVATIONS; "given":
-    quantized by per_token_group_quant first), by default_fp8_activations unless told."""
+    quantized by per_token_group_quant first; or one of WIDE_MODES: the same on 64-row blocks),
+    by default_fp8_activations unless told."""
     num_tokens, top_k = topk_ids.shape
     num_experts, width13, _ = w13.shape
     hidden = w2.shape[1]
@@ -282,8 +290,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if n == 0:
         return torch.zeros_like(x)
     fp8 = w13_scale is not None
-    config = config or moe_config(n, num_experts, block[1] if fp8 else None)
     mode = (fp8_activations or default_fp8_activations(n, num_experts)) if fp8 else "given"
+    if mode in WIDE_MODES:   # the activations as the plain mode takes them, on 64-row blocks
+        mode = mode.removesuffix(WIDE_SUFFIX)
+        config = config or {**WIDE_CONFIG, "BLOCK_K": block[1]}
+    config = config or moe_config(n, num_experts, block[1] if fp8 else None)
     sorted_ids, block_expert, num_padded = sort_by_expert(topk_ids, num_experts, config["BLOCK_M"])
     x = x if x.stride(-1) == 1 else x.contiguous()
     routing = (sorted_ids, block_expert, num_padded, top_k, config)

@@ -34,7 +34,7 @@ from worker_svc.layers import linear_selection
 logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("WORKER_MOE_FP8_SELECTION", "1") != "0"
-MODES = ("weight_only", "on_load")
+MODES = ("weight_only", "on_load", "on_load_m64", "given_m64")   # the last two: moe_kernels.WIDE_MODES
 # Layers timed in turn: one token's 8 experts of Qwen3-30B-A3B are 38 MB, under an H100's 50 MB of
 # L2; 16 layers' are 600 MB.
 TIMED_LAYERS = 16
@@ -65,7 +65,7 @@ class Fp8Modes:
             times = self.times.get(tokens, {})
             timing = " / ".join(f"{m} {t:.4f}" for m, t in times.items())
             parts.append(f"{tokens}: {mode}" + (f" ({timing})" if timing else "")
-                         + (f" [on_load refused: {self.rejected[tokens]}]" if tokens in self.rejected else ""))
+                         + (f" [refused: {self.rejected[tokens]}]" if tokens in self.rejected else ""))
         return "; ".join(parts) + f"; >{self.bounds[-1]}: {self.beyond}"
 
 
@@ -97,16 +97,22 @@ def choose_fp8_modes(layers: list[nn.Module], top_k: int, dtype: torch.dtype, de
 
         runs = {mode: [functools.partial(run, mode=mode, experts=e) for e in layers] for mode in MODES}
         timed = dict.fromkeys(MODES, math.inf)
+        reference = None
         try:
             reference = runs["weight_only"][0](x).float()
-            error = ((runs["on_load"][0](x).float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
             timed["weight_only"] = measure(runs["weight_only"], x)
-            if error <= linear_selection.ACTIVATION_QUANT_TOLERANCE:
-                timed["on_load"] = measure(runs["on_load"], x)
-            else:
-                rejected[tokens] = f"relative error {error:.3g} > {linear_selection.ACTIVATION_QUANT_TOLERANCE}"
         except Exception as exc:  # noqa: BLE001 - inf: the ranks still agree, once per bucket
-            rejected[tokens] = f"{type(exc).__name__}: {exc}"[:300]
+            rejected[tokens] = f"weight_only: {type(exc).__name__}: {exc}"[:300]
+        for mode in MODES[1:] if reference is not None else ():   # FP8 x FP8, checked against weight-only first
+            try:
+                error = ((runs[mode][0](x).float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+                if error <= linear_selection.ACTIVATION_QUANT_TOLERANCE:
+                    timed[mode] = measure(runs[mode], x)
+                else:
+                    rejected.setdefault(tokens, f"{mode}: relative error {error:.3g} > "
+                                                f"{linear_selection.ACTIVATION_QUANT_TOLERANCE}")
+            except Exception as exc:  # noqa: BLE001 - inf: the ranks still agree, once per bucket
+                rejected.setdefault(tokens, f"{mode}: {type(exc).__name__}: {exc}"[:300])
         if reduce_across_ranks is not None:
             timed = dict(zip(MODES, reduce_across_ranks([timed[mode] for mode in MODES])))
         timed = {mode: t for mode, t in timed.items() if math.isfinite(t)}
@@ -115,7 +121,7 @@ def choose_fp8_modes(layers: list[nn.Module], top_k: int, dtype: torch.dtype, de
         times[tokens] = timed
     failed = [tokens for tokens, mode in zip(bounds, modes) if not mode]
     if failed:
-        raise RuntimeError(f"neither mode runs at {failed} tokens: {[rejected.get(t) for t in failed]}")
+        raise RuntimeError(f"no mode runs at {failed} tokens: {[rejected.get(t) for t in failed]}")
     return Fp8Modes(bounds, modes, times, rejected)
 
 
