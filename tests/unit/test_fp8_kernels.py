@@ -259,29 +259,37 @@ def test_narrow_column_tiles_match_the_emulation(fp8_kernels, tile):
         assert relative_error(on_load, expected) <= 2 ** -7, rows
 
 
-@pytest.mark.parametrize("tile_index", [0, 1])
-def test_64_row_tiles_at_a_few_rows_match_the_emulation(fp8_kernels, tile_index):
-    """linear_selection's 64-row FP8 GEMM tiles (wgmma on e4m3 on a Hopper) at 1, 3 and 17 rows, all
-    but those rows padding: input quantized first (an Fp8Activation, as the norms and SwiGLU give
-    it), unsplit and split over K, with a bias: the emulation's product, and the counters back at zero."""
+@pytest.mark.parametrize("tile", ["padded 64x64", "swapped 64", "swapped 128"])
+def test_the_wgmma_tiles_at_a_few_rows_match_the_emulation(fp8_kernels, tile):
+    """linear_selection's FP8 GEMM tiles for wgmma on e4m3 at 1, 3, 17 and 40 rows: the rows padded to a
+    64-row tile (up to 32 rows), or the dot swapped (the weight tile as the 64-row operand, the rows
+    as swap_rows's 16-64 columns), input quantized first (an Fp8Activation, as the norms and SwiGLU
+    give it), unsplit and split over K, with a bias: the emulation's product, and the counters back at zero."""
     from worker_svc.layers.gemv_kernels import split_counters
-    from worker_svc.layers.linear_selection import FP8_WGMMA_TILES
+    from worker_svc.layers.linear_selection import (FP8_SWAP_TILES, FP8_WGMMA_MAX_ROWS, FP8_WGMMA_TILES,
+                                                    swap_rows)
 
-    tile = FP8_WGMMA_TILES[tile_index]
-    g = torch.Generator().manual_seed(46 + tile_index)
+    g = torch.Generator().manual_seed(46 + len(tile))
     block = (32, 32)
-    weight, scale = quantize_blocks(torch.randn(80, 4 * 32, generator=g) * 0.05, block)   # 80: a partial tile
+    weight, scale = quantize_blocks(torch.randn(200, 4 * 32, generator=g) * 0.05, block)   # 200: a partial tile
     weight, scale = weight.to(DEVICE), scale.to(DEVICE)
-    b = torch.randn(80, generator=g).to(DEVICE)
-    for rows in (1, 3, 17):
+    b = torch.randn(200, generator=g).to(DEVICE)
+    for rows in (1, 3, 17, 40):
+        if tile == "padded 64x64":
+            if rows > FP8_WGMMA_MAX_ROWS:
+                continue
+            config = FP8_WGMMA_TILES[0]
+        else:
+            config = {**FP8_SWAP_TILES[0 if tile == "swapped 64" else 1], "BLOCK_M": swap_rows(rows)}
         x = torch.randn(rows, 4 * 32, generator=g).to(DEVICE)
         expected = emulated_linear(x.cpu(), weight.cpu(), scale.cpu(), block) + b.cpu().double()
         for slices in (1, 3):
             actual = fp8_kernels.fp8_linear(fp8_kernels.quantize_activation(x, block[1]), weight, scale, block, b,
-                                            config={**tile, "SPLIT_K": slices})
-            assert actual.shape == (rows, 80)
+                                            config={**config, "SPLIT_K": slices})
+            assert actual.shape == (rows, 200)
             assert relative_error(actual, expected) <= FP8_GEMM_VS_EMULATION, (rows, slices)
         assert not split_counters(x.device).any()
+    assert [swap_rows(n) for n in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
 
 
 @needs_cuda
@@ -304,10 +312,11 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
     """qkv, o and down of Qwen3-8B with K split as linear_selection.fp8_split splits it on an H100 /
     H200, input quantized ahead as the norms and SwiGLU give it: the unsplit product to float32
     rounding before the bf16 output's (the tensor cores' sums are the same, only their order
-    across slices differs), in a CUDA graph replayed twice (the counters start at zero again); at
-    up to 32 rows the 64-row tiles (wgmma on e4m3) too, split and not."""
+    across slices differs), in a CUDA graph replayed twice (the counters start at zero again); the
+    tiles for wgmma on e4m3 too (padded to 64 rows, or swapped), split and not."""
     from worker_svc.layers.gemv_kernels import pdl_in_graphs, split_counters
-    from worker_svc.layers.linear_selection import FP8_WGMMA_MAX_ROWS, FP8_WGMMA_TILES, fp8_split
+    from worker_svc.layers.linear_selection import (FP8_SWAP_TILES, FP8_WGMMA_MAX_ROWS, FP8_WGMMA_TILES, fp8_split,
+                                                    swap_rows)
 
     g = torch.Generator(device="cuda").manual_seed(37)
     for cols, width in [(6144, 4096), (4096, 4096), (4096, 12288)]:
@@ -342,13 +351,14 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
                 torch.cuda.synchronize()
                 assert relative_error(chained, whole) <= 2 ** -7, (cols, width, slices)
             assert not split_counters(x.device).any()
-        if rows <= FP8_WGMMA_MAX_ROWS:   # the 64-row tiles (wgmma on e4m3), split as the selection splits them
-            for wide in FP8_WGMMA_TILES:
-                for slices in sorted({1, fp8_split(cols, width, rows, wide, 132, 128)}):
-                    product = fp8_kernels.fp8_linear(activation, weight, scale, (128, 128),
-                                                     config={**wide, "SPLIT_K": slices})
-                    assert relative_error(product, whole) <= 2 ** -7, (cols, width, wide, slices)
-            assert not split_counters(x.device).any()
+        # the tiles for wgmma on e4m3 (the rows padded to 64, or the dot swapped), split as the selection splits them
+        wgmma = (list(FP8_WGMMA_TILES) if rows <= FP8_WGMMA_MAX_ROWS else [])
+        for wide in wgmma + [{**t, "BLOCK_M": swap_rows(rows)} for t in FP8_SWAP_TILES]:
+            for slices in sorted({1, fp8_split(cols, width, rows, wide, 132, 128)}):
+                product = fp8_kernels.fp8_linear(activation, weight, scale, (128, 128),
+                                                 config={**wide, "SPLIT_K": slices})
+                assert relative_error(product, whole) <= 2 ** -7, (cols, width, wide, slices)
+        assert not split_counters(x.device).any()
 
 
 # --- the quantization fused into the kernel that produces the activation (issue 24.1) ---------

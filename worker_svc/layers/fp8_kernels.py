@@ -100,6 +100,7 @@ def _block_fp8_matmul_kernel(
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
     # by several row tiles in a row. With SPLIT_K > 1, program_id(1) takes one of SPLIT_K slices
@@ -108,7 +109,11 @@ def _block_fp8_matmul_kernel(
     # before it ends; it asks L2 for its first PREFETCH_TILES weight tiles (weights never depend
     # on that kernel), then waits for it before reading anything it wrote (the activations and
     # their scales, and the split-K counters). With LATE_TRIGGER the next kernel may launch only
-    # once this one's loop is done (gemv_kernels' late_trigger).
+    # once this one's loop is done (gemv_kernels' late_trigger). With SWAP_AB (a few rows, activations
+    # quantized ahead) the dot takes the weight tile as its 64-row operand and the rows' activations as
+    # the narrow one (BLOCK_M of 16-64 columns): Hopper's wgmma on e4m3 without padding the rows to 64
+    # (PERF_NOTES v41), the accumulator BLOCK_N x BLOCK_M, transposed once at the end.
+    tl.static_assert(not (SWAP_AB and QUANTIZE_A), "the swapped dot takes activations quantized ahead")
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     if PDL and not LATE_TRIGGER:
@@ -136,18 +141,32 @@ def _block_fp8_matmul_kernel(
             span = tl.minimum(k_end - k_begin, PREFETCH_TILES * BLOCK_K)   # FP8: one byte an element
             prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
         gdc_wait()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
-            a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
-        else:
+    if SWAP_AB:
+        w_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + (k_begin + offs_k)[None, :]
+        x_ptrs = a_ptr + offs_m.to(tl.int64)[None, :] * stride_am + (k_begin + offs_k)[:, None]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k_begin, k_end, BLOCK_K):
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)
-        b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+            b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
+            acc_t += tl.dot(w, x) * b_s[:, None] * a_s[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
+                a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
+            else:
+                a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)
+            b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     if PDL and LATE_TRIGGER:
         gdc_launch_dependents()
     finish_split_k(acc, partial_ptr, counter_ptr, pid, pid_k, SPLIT_K, M, N, offs_m, offs_n, n_mask,

@@ -192,6 +192,8 @@ class Fp8Gemm(Method):
         if settings.get("PDL"):
             tiles += " pdl" + (f" pf{settings['PREFETCH']}" if settings.get("PREFETCH") else "")
             tiles += " late" if settings.get("LATE_TRIGGER") else ""
+        if settings.get("SWAP_AB"):
+            tiles += " swap"
         return f"fp8-gemm({'on-load' if self.quantize_on_load else 'quant+'} {tiles})"
 
     def supports(self, operands: LinearOperands, dtype: torch.dtype) -> bool:

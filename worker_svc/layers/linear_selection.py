@@ -65,14 +65,18 @@ FP8_GEMM_TILES = (dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stag
                   dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
                   dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3))
 FP8_PDL_PREFETCH = 2            # K tiles of weights the FP8 GEMM asks into L2 before its PDL wait
-# 64-row FP8 GEMM tiles at a few rows (up to FP8_WGMMA_MAX_ROWS, where fp8_kernels' own tile has fewer rows):
-# Hopper's wgmma multiplies e4m3 by e4m3 from tiles of 64 rows, while Triton runs 16- and 32-row tiles
-# on mma.sync in f16, converting every weight and activation element first (one F2FP per weight
-# element, replicated activations as many again, on the conversion pipe: PERF_NOTES v41). The 63
-# padding rows cost tensor-core time the read hides. Split over K as the default tile is, with PDL too.
-FP8_WGMMA_TILES = (dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
-                   dict(BLOCK_M=64, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=6))
+# FP8 GEMM tiles for Hopper's wgmma on e4m3 at a few rows: Triton runs 16- and 32-row tiles on mma.sync
+# in f16, converting every weight and activation element first (one F2FP per weight element, the
+# activations' again in each warp, on the conversion pipe: PERF_NOTES v41); wgmma takes e4m3 from
+# 64-row operands. So: the rows padded to a 64-row tile (up to FP8_WGMMA_MAX_ROWS rows: from 33 on
+# fp8_kernels' own tile has 64 rows), and up to GEMV_MAX_ROWS the dot swapped (FP8_SWAP_TILES: the
+# weight tile as the 64-row operand, the rows as a 16-64-column one, swap_rows), its accumulator 4-16x
+# smaller. Input quantized first (by the norms and SwiGLU, as the chosen 16-row tiles take it), split
+# over K as fp8_split sizes them, each with PDL too.
+FP8_WGMMA_TILES = (dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),)
 FP8_WGMMA_MAX_ROWS = 32
+FP8_SWAP_TILES = (dict(BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=True),
+                  dict(BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=True))
 # Narrow column tiles of the unsplit FP8 GEMM up to FP8_NARROW_MAX_ROWS rows (both activation paths): more
 # programs than the 64-column tile gives a 4,096-column weight, each over the whole of K (no partials),
 # with deeper pipelines for their smaller loads (PERF_NOTES v38: split-K lost at one row on an H100).
@@ -159,11 +163,19 @@ def fp8_split(num_cols: int, width: int, rows: int, tile: dict, sms: int, group:
     return split_slices(width // group, split)[1]   # the slices that run
 
 
+def swap_rows(rows: int) -> int:
+    """The swapped FP8 GEMM's row tile (its dot's narrow operand): the rows' power of two, at least 16."""
+    return max(16, 1 << max(0, (rows - 1).bit_length()))
+
+
 def wgmma_candidates(operands: LinearOperands, rows: int, sms: int, pdl: bool) -> list[Method]:
-    """The 64-row FP8 GEMM tiles (FP8_WGMMA_TILES) at a few rows, input quantized first: each
-    unsplit and split over K as fp8_split sizes it, and each with PDL where graphs replay it."""
+    """The FP8 GEMM tiles for wgmma on e4m3 at a few rows (FP8_WGMMA_TILES up to FP8_WGMMA_MAX_ROWS,
+    FP8_SWAP_TILES), input quantized first: each unsplit and split over K as fp8_split sizes it,
+    and each with PDL where graphs replay it."""
+    tiles = list(FP8_WGMMA_TILES) if rows <= FP8_WGMMA_MAX_ROWS else []
+    tiles += [{**tile, "BLOCK_M": swap_rows(rows)} for tile in FP8_SWAP_TILES]
     methods: list[Method] = []
-    for tile in FP8_WGMMA_TILES:
+    for tile in tiles:
         split = fp8_split(*operands.weight.shape, rows, tile, sms, operands.block[1])
         for slices in sorted({1, split}):
             config = {**tile, "SPLIT_K": slices}
@@ -217,8 +229,7 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
             if pdl:   # the weights' first tiles asked for while the kernel before ends (as the GEMVs do)
                 methods += [Fp8Gemm.of({**default, "SPLIT_K": s, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH},
                                        quantize_on_load=False) for s in sorted({1, split})]
-            if rows <= FP8_WGMMA_MAX_ROWS:   # FP8 tensor cores without conversions, input quantized first
-                methods += wgmma_candidates(operands, rows, sms, pdl)
+            methods += wgmma_candidates(operands, rows, sms, pdl)   # FP8 tensor cores without conversions
         elif rows <= FP8_WAVE_SPLIT_MAX_ROWS:
             methods += [Fp8Gemm.of({**tile, "SPLIT_K": 2}, quantize_on_load=False) for tile in FP8_GEMM_TILES[:2]
                         if fp8_tiles(operands.weight.shape[0], rows, tile) < 2 * sms]
