@@ -350,8 +350,8 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
                                           torch.ones(shapes[name][0] // 128, shapes[name][1] // 128), (128, 128))
         return [str(m) for m in linear_selection.candidates(operands, rows, torch.bfloat16, sms=132)]
 
-    def splits(names):   # of the GEMM's own tiles: not the 64-row tiles (64x64, 64x32) that join at <= 32 rows
-        own = [n for n in names if n.startswith("fp8-gemm") and "split" in n]
+    def splits(names):   # of the GEMM's own tiles: not those for wgmma at a few rows (swapped, or 64x64 at <= 32)
+        own = [n for n in names if n.startswith("fp8-gemm") and "split" in n and "swap" not in n]
         if any(" 16x" in n or " 32x" in n for n in own):
             own = [n for n in own if " 64x" not in n]
         return sorted({re.search(r"split(\d+)", n).group(1) for n in own})
@@ -362,14 +362,17 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     assert "fp8-gemm(quant+ 16x64 w4 s4 split11)" in one_row and "fp8-gemm(on-load 16x64 w4 s4 split11)" in one_row
     # With PDL (where graphs replay it): the quantized-input GEMM, split and not, prefetching its first weights.
     assert {"fp8-gemm(quant+ 16x64 w4 s4 pdl pf2)", "fp8-gemm(quant+ 16x64 w4 s4 split11 pdl pf2)"} <= set(one_row)
-    # Up to 32 rows the 64-row tiles (wgmma on e4m3, no conversions) too, input quantized first: split as
-    # fp8_split sizes them (qkv's 192 columns tiles of 32 want 6 slices), with PDL too; never quantized on load.
-    wgmma = [n for n in one_row if " 64x" in n]
+    # The tiles for wgmma on e4m3 (no conversions), input quantized first, split as fp8_split sizes them, with
+    # PDL too, never quantized on load: up to 32 rows the rows padded to a 64 x 64 tile; up to 64 the dot swapped
+    # (the weight tile as the 64-row operand, swap_rows' 16-64 columns of rows; qkv's 48 tiles of 128 want 16 slices).
+    wgmma = [n for n in one_row if " 64x" in n or "swap" in n]
     assert {"fp8-gemm(quant+ 64x64 w4 s4)", "fp8-gemm(quant+ 64x64 w4 s4 split11)",
-            "fp8-gemm(quant+ 64x64 w4 s4 split11 pdl pf2)", "fp8-gemm(quant+ 64x32 w4 s6 split6)",
-            "fp8-gemm(quant+ 64x32 w4 s6 pdl pf2)"} <= set(wgmma) and len(wgmma) == 8
-    assert not any("on-load" in n for n in wgmma) and any(" 64x32" in n for n in candidates("down", 32))
-    assert not any(" 64x32" in n for n in candidates("down", 64))   # 33-64 rows: the GEMM's own tile is 64 x 64
+            "fp8-gemm(quant+ 64x64 w4 s4 split11 pdl pf2)", "fp8-gemm(quant+ 16x64 w4 s4 split11 swap)",
+            "fp8-gemm(quant+ 16x128 w4 s4 split16 pdl pf2 swap)", "fp8-gemm(quant+ 16x64 w4 s4 swap)"} <= set(wgmma)
+    assert len(wgmma) == 12 and not any("on-load" in n for n in wgmma)
+    assert {"fp8-gemm(quant+ 32x64 w4 s4 swap)", "fp8-gemm(quant+ 64x64 w4 s4)"} <= set(candidates("down", 32))
+    at_64 = [n for n in candidates("down", 64) if "swap" in n]
+    assert len(at_64) == 8 and all(" 64x" in n for n in at_64)   # 33-64 rows: the GEMM's own tile is 64 x 64
     # 64 rows: the partials' traffic caps gate_up at 2 slices (4096 / (32 x 64)).
     assert splits(candidates("gate_up", 64)) == ["2"]
     assert splits(candidates("down", 16)) == ["16"] and splits(candidates("o", 16)) == ["8"]
