@@ -16,7 +16,7 @@
 #             without (WORKER_FP8_QUANT_FUSION=0): issue 24's 1.7x and 1.3x; tables and logs under $OUT/<run>
 #   fp8few    Qwen3-8B decode at 1 row (16 too with FP8FEW_B16=1), bf16 and FP8, after the FP8 GEMM's few-row GPU
 #             tests (the 64-row wgmma tiles, PERF_NOTES v41), with what the selection chose at 1-32 rows; then
-#             the attention splits stage's 256-request cases (longest first beside the default, v40)
+#             with FP8FEW_SPLITS=1 the attention splits stage's 256-request cases (longest first, v40)
 #   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
 #   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload; FP8 with the experts' modes by the old rule too,
 #             and with the weight-only experts converting their weights (WORKER_MOE_FP8_BITS=0)
@@ -181,8 +181,8 @@ PY
         WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256" 100
         ;;
     fp8few) # the FP8 GEMM's few-row tests on the GPU (the 64-row wgmma tiles, PERF_NOTES v41), Qwen3-8B decode at 1
-            # row, bf16 and FP8, with what the selection chose at 1-32 rows; then the attention splits stage's
-            # 256-request cases (the longest-first order beside the default, v40); 16 rows with FP8FEW_B16=1
+            # row, bf16 and FP8, with what the selection chose at 1-32 rows; with FP8FEW_SPLITS=1 the attention
+            # splits stage's 256-request cases (longest first beside the default, v40); 16 rows with FP8FEW_B16=1
         T=tests/unit/test_fp8_kernels.py
         TESTS="$T::test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them $T::test_64_row_tiles_at_a_few_rows_match_the_emulation" \
             TIMEOUT=120 LINES_OUT=4 bash "$0" tests
@@ -191,7 +191,8 @@ PY
         one_row_choices "$BENCH/moe/logs"
         grep -rhao "linear [a-z_]* [0-9x]* fp8 ([0-9]* layers), ms per call by rows: .*" "$BENCH/moe/logs" 2>/dev/null \
             | sed "s/ms per call by rows: 1: [^;]*; //; s/; 64: .*//" | sort -u | head -4
-        STAGE=attention_splits NAME=asplit TIMEOUT=90 LINES_OUT=5 EXTRA="--cases 256 --splits 1 --configs 1" bash "$0" stage
+        [[ -n ${FP8FEW_SPLITS:-} ]] && STAGE=attention_splits NAME=asplit TIMEOUT=90 LINES_OUT=5 \
+            EXTRA="--cases 256 --splits 1 --configs 1" bash "$0" stage
         [[ -n ${FP8FEW_B16:-} ]] && run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256 --fixed-profile" 120
         ;;
     b1ab)   # Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref and on this tree (one machine: the batch-1
