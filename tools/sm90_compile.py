@@ -16,12 +16,18 @@ of decode steps, so the test can assert that a step's row count never picks a ne
 
     python -m tools.sm90_compile            # compiles every kernel of the catalogue, prints a table
     python -m tools.sm90_compile sampling_eager_rows   # named cases only (extended ones too)
+    python -m tools.sm90_compile fp8 --loops _block_fp8_matmul_kernel   # and each variant's main loop
+
+`--loops KERNEL` prints, for each compiled variant of KERNEL, the instructions of its longest loop
+(cuobjdump's SASS: a backward branch's body) by opcode: what a loop iteration issues, to weigh
+against the bytes it reads (PERF_NOTES v41 found the few-row FP8 GEMM converting every element so).
 
 Must run in a process where Triton was imported without TRITON_INTERPRET (the tests start one).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -53,6 +59,44 @@ class Compiled:
     argument_specs: dict[str, str]   # each other argument's specialisation: type, alignment, "equals 1"
     registers: int = 0     # per thread (cuobjdump's resource usage; 0 where it could not run)
     stack: int = 0         # bytes of stack per thread: registers spilled to local memory, most often
+    loop: "Loop | None" = None   # the longest loop's instructions, for the kernels asked (--loops)
+
+
+@dataclasses.dataclass
+class Loop:
+    """A loop of a kernel's SASS: the body of a backward branch (addresses in bytes)."""
+    start: int
+    end: int
+    ops: collections.Counter   # opcode (its first part: "F2FP" of "F2FP.F16.E4M3.UNPACK_B") -> count
+
+    @property
+    def length(self) -> int:
+        return sum(self.ops.values())
+
+    def summary(self, top: int = 12) -> str:
+        return f"{self.length} instructions: " + ", ".join(f"{op} {n}" for op, n in self.ops.most_common(top))
+
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def sass_loops(sass: str) -> list[Loop]:
+    """The loops of a kernel's SASS text (cuobjdump -sass), longest first: each branch to an earlier
+    address closes a loop from its target to itself."""
+    instructions = []
+    for line in sass.splitlines():
+        found = _SASS_LINE.match(line)
+        if found:
+            text = re.sub(r"^@!?U?P\w+\s+", "", found.group(2).strip())   # the predicate guarding it
+            instructions.append((int(found.group(1), 16), text))
+    loops = []
+    for address, text in instructions:
+        target = re.match(r"BRA(?:\.\w+)*\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            ops = collections.Counter(t.split()[0].split(".")[0] for a, t in instructions if start <= a <= address)
+            loops.append(Loop(start, address, ops))
+    return sorted(loops, key=lambda loop: -loop.length)
 
 
 @dataclasses.dataclass
@@ -79,8 +123,9 @@ class Record:
 
 
 @contextlib.contextmanager
-def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
-    """Within: every Triton launch compiles for sm_<arch> (once per specialisation) and runs nothing."""
+def offline_compiles(arch: int = TARGET_ARCH, loops_of: frozenset[str] = frozenset()) -> Iterator[Record]:
+    """Within: every Triton launch compiles for sm_<arch> (once per specialisation) and runs nothing;
+    the variants of the kernels named in loops_of also keep their longest loop (Compiled.loop)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile, make_backend
     from triton.runtime import jit as triton_jit
@@ -119,8 +164,9 @@ def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
         argument_specs = {param.name: repr(spec) for param, spec in zip(self.params, specialization)
                           if not param.is_constexpr}
         registers, stack = _resource_usage(kernel.asm["cubin"])
+        loops = sass_loops(_cuobjdump(kernel.asm["cubin"], "-sass")) if name in loops_of else []
         record.compiled[name].append(Compiled(name, key, kernel.metadata.shared, time.perf_counter() - started,
-                                              design, argument_specs, registers, stack))
+                                              design, argument_specs, registers, stack, loops[0] if loops else None))
         if kernel.metadata.shared > SHARED_LIMIT:
             record.errors.setdefault(name, f"{kernel.metadata.shared} bytes of shared memory, over sm_{arch}'s "
                                            f"{SHARED_LIMIT} a block: the launch would fail "
@@ -135,8 +181,8 @@ def offline_compiles(arch: int = TARGET_ARCH) -> Iterator[Record]:
         triton_jit.JITFunction.run = original
 
 
-def _resource_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers, stack bytes) per thread of a cubin's kernel, by Triton's bundled cuobjdump."""
+def _cuobjdump(cubin: bytes, option: str) -> str:
+    """What Triton's bundled cuobjdump prints of a cubin with `option` ("" where it could not run)."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -144,19 +190,22 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(cubin)
             f.flush()
-            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                                   timeout=60).stdout
-        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-        return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+            return subprocess.run([str(cuobjdump), option, f.name], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError, ImportError, TypeError):
-        return 0, 0
+        return ""
 
 
-def compile_catalogue(names: list[str] | None = None) -> Record:
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) per thread of a cubin's kernel."""
+    found = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(cubin, "--dump-resource-usage"))
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def compile_catalogue(names: list[str] | None = None, loops_of: frozenset[str] = frozenset()) -> Record:
     """Every case of the catalogue but the extended ones (or those named, extended ones included)
     through offline_compiles."""
     cases = catalogue(extended=bool(names))
-    with offline_compiles() as record:
+    with offline_compiles(loops_of=loops_of) as record:
         for name, case in cases.items():
             if names and name not in names:
                 continue
@@ -168,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", help="cases of the catalogue (default: all but the extended ones)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the compile errors and varying arguments here")
+    parser.add_argument("--loops", action="append", default=[], metavar="KERNEL",
+                        help="print each variant's longest loop by opcode (repeatable)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    record = compile_catalogue(args.cases or None)
+    record = compile_catalogue(args.cases or None, frozenset(args.loops))
     varying = record.varying_arguments()
     print(f"{'kernel':36s} {'launches':>8s} {'variants':>8s} {'shared':>8s} {'regs':>5s} {'spilled':>7s} "
           f"{'compile s':>9s}")
@@ -181,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         spilled = sum(c.stack > 0 for c in compiled)   # variants using stack: spills, as a rule
         print(f"{name:36s} {record.launches[name]:8d} {len(compiled):8d} {shared:8d} {registers:5d} "
               f"{spilled:7d} {sum(c.seconds for c in compiled):9.2f}")
+    for name in args.loops:
+        for variant in record.compiled.get(name, []):
+            constants = ", ".join(f"{k}={v}" for k, v in variant.design[0] if not k.startswith("stride"))
+            print(f"LOOP {name} [{constants}] regs {variant.registers}: "
+                  f"{variant.loop.summary() if variant.loop else 'no loop found'}")
     for name, error in record.errors.items():
         print(f"FAILED {name}: {error}")
     for name, arguments in varying.items():
