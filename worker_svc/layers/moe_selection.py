@@ -4,13 +4,16 @@ by token count, measured as linear_selection measures the linear layers.
 The grouped GEMM multiplies FP8 expert weights either by bf16 activations, converting each weight
 tile for the dot ("weight_only": nothing quantized, the conversion's cost on every weight), or by
 activations quantized per token group as it loads them ("on_load": FP8 x FP8 on the tensor
-cores, the activation tile converted instead). Which is faster depends on the rows each expert
-gets and the GPU (PERF_NOTES v36-v37: the dense layers' weight-only paths read ~1.8 TB/s on an
-H200 where FP8 x FP8 reads 3.4); `moe_kernels.default_fp8_activations` guesses by rows per expert.
-Here each token-count bucket of linear_selection.row_buckets times both on the model's own
-experts (random routing, as decode spreads tokens; the layers in turn, up to TIMED_LAYERS, so the
-experts a few tokens touch come from memory, not L2, as when serving) in a CUDA graph, keeps "on_load"
-only where its product stays within ACTIVATION_QUANT_TOLERANCE of the weight-only one, and the
+cores, the activation tile converted instead), or FP8 x FP8 on 64-row blocks ("on_load_m64",
+"given_m64": moe_kernels.WIDE_MODES; the only blocks Hopper's wgmma takes e4m3 from, where the
+16-row blocks run f16 mma.sync converting every element: PERF_NOTES v41). Which is faster depends
+on the rows each expert gets and the GPU (PERF_NOTES v36-v37: the dense layers' weight-only paths
+read ~1.8 TB/s on an H200 where FP8 x FP8 reads 3.4); `moe_kernels.default_fp8_activations`
+guesses by rows per expert. Here each token-count bucket of linear_selection.row_buckets times
+every mode (MODES) on the model's own experts (random routing, as decode spreads tokens; the
+layers in turn, up to TIMED_LAYERS, so the experts a few tokens touch come from memory, not L2, as
+when serving) in a CUDA graph, keeps an FP8 x FP8 mode only where its product stays within
+ACTIVATION_QUANT_TOLERANCE of the weight-only one, and the
 SparseMoeBlocks then ask `Fp8Modes.mode_for(num_tokens)`. Any failure leaves the guess in place
 (one WARNING). Under tensor parallelism each rank measures its own shards and the ranks agree on
 the slowest rank's times, as the linear and attention selections do. Nothing on the CPU, with WORKER_LINEAR_KERNELS=0 or WORKER_MOE_FP8_SELECTION=0 (the
