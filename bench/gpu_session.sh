@@ -183,14 +183,16 @@ PY
     fp8few) # the FP8 GEMM's few-row tests on the GPU (the 64-row wgmma tiles, PERF_NOTES v41), Qwen3-8B decode at 1
             # row, bf16 and FP8, with what the selection chose at 1-32 rows; with FP8FEW_SPLITS=1 the attention
             # splits stage's 256-request cases (longest first beside the default, v40); 16 rows with FP8FEW_B16=1
-        T=tests/unit/test_fp8_kernels.py
-        TESTS="$T::test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them $T::test_64_row_tiles_at_a_few_rows_match_the_emulation" \
-            TIMEOUT=120 LINES_OUT=4 bash "$0" tests
         run() { OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=$4 bash "$0" moe | grep -v "^ *$"; }
         run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240
         one_row_choices "$BENCH/moe/logs"
         grep -rhao "linear [a-z_]* [0-9x]* fp8 ([0-9]* layers), ms per call by rows: .*" "$BENCH/moe/logs" 2>/dev/null \
             | sed "s/ms per call by rows: 1: [^;]*; //; s/; 64: .*//" | sort -u | head -4
+        grep -rhao "linear [a-z_]* [0-9x]* fp8, every candidate's ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" \
+            2>/dev/null | sort -u | head -4 > "$OUT/one_row_candidates.txt"
+        T=tests/unit/test_fp8_kernels.py   # (the start-up selection checked every candidate's product already)
+        TESTS="$T::test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them $T::test_the_wgmma_tiles_at_a_few_rows_match_the_emulation" \
+            TIMEOUT=120 LINES_OUT=4 bash "$0" tests
         [[ -n ${FP8FEW_SPLITS:-} ]] && STAGE=attention_splits NAME=asplit TIMEOUT=90 LINES_OUT=5 \
             EXTRA="--cases 256 --splits 1 --configs 1" bash "$0" stage
         [[ -n ${FP8FEW_B16:-} ]] && run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256 --fixed-profile" 120
