@@ -184,7 +184,7 @@ PY
             # row, bf16 and FP8, with what the selection chose at 1-32 rows; with FP8FEW_SPLITS=1 the attention
             # splits stage's 256-request cases (longest first beside the default, v40); 16 rows with FP8FEW_B16=1
         run() { OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=$4 bash "$0" moe | grep -v "^ *$"; }
-        run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240
+        run b1 ${B1_STAGES:-bandwidth,decode_8b_bf16,decode_8b_fp8} "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240
         one_row_choices "$BENCH/moe/logs"
         grep -rhao "linear [a-z_]* [0-9x]* fp8 ([0-9]* layers), ms per call by rows: .*" "$BENCH/moe/logs" 2>/dev/null \
             | sed "s/ms per call by rows: 1: [^;]*; //; s/; 64: .*//" | sort -u | head -4
