@@ -129,11 +129,11 @@ def _w8a8_reference(x, w13, w2, weights, ids, group):
 
 
 @pytest.mark.parametrize("activations,block", [("given", (32, 32)), ("given", (128, 128)), ("on_load", (32, 32)),
-                                               ("weight_only", (32, 32)), ("on_load_m64", (32, 32)),
-                                               ("given_m64", (32, 32))])
+                                               ("weight_only", (32, 32)), ("given_m64", (32, 32)),
+                                               ("on_load_swap", (32, 32)), ("given_swap", (32, 32))])
 def test_fp8_experts_match_their_emulation_and_stay_near_full_precision(kernels, activations, block):
     """FP8 x FP8 (activations quantized first, or as the GEMM loads them: the same values up to
-    the rare last-bit rounding of a reciprocal; either on 64-row blocks, the WIDE_MODES) matches
+    the rare last-bit rounding of a reciprocal; either on wgmma's tiles, the WIDE_MODES) matches
     its emulation; weight-only matches the loop over the dequantized weights as an unquantized
     model does."""
     moe_kernels, _ = kernels
@@ -155,9 +155,10 @@ def test_fp8_experts_match_their_emulation_and_stay_near_full_precision(kernels,
         assert relative_error(actual, dequantized) <= 0.1
 
 
-def test_the_wide_modes_run_the_plain_activations_on_64_row_blocks(kernels, monkeypatch):
-    """on_load_m64 and given_m64: the GEMMs get the plain mode's activations and 64-row blocks (the
-    routing padded to them); the plain modes keep moe_config's rows-per-expert tiles."""
+def test_the_wide_modes_run_the_plain_activations_on_their_tiles(kernels, monkeypatch):
+    """given_m64: the GEMMs get the plain mode's activations and 64-row blocks (the routing padded to
+    them); on_load_swap and given_swap: 16-row blocks, the dot swapped; the plain modes keep
+    moe_config's rows-per-expert tiles, unswapped."""
     moe_kernels, _ = kernels
     block = (32, 32)
     g = torch.Generator().manual_seed(25)
@@ -168,7 +169,7 @@ def test_the_wide_modes_run_the_plain_activations_on_64_row_blocks(kernels, monk
     calls, real = [], moe_kernels.grouped_gemm
 
     def spy(*args, **kwargs):
-        calls.append((args[7]["BLOCK_M"], kwargs["fp8_activations"]))
+        calls.append((args[7]["BLOCK_M"], args[7].get("SWAP_AB", False), kwargs["fp8_activations"]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(moe_kernels, "grouped_gemm", spy)
@@ -176,8 +177,8 @@ def test_the_wide_modes_run_the_plain_activations_on_64_row_blocks(kernels, monk
         calls.clear()
         moe_kernels.fused_experts(*(t.to(DEVICE) for t in (x, q13, q2, weights, ids)), w13_scale=s13.to(DEVICE),
                                   w2_scale=s2.to(DEVICE), block=block, fp8_activations=mode)
-        wide = mode in moe_kernels.WIDE_MODES
-        assert calls == [(64 if wide else 16, mode.removesuffix(moe_kernels.WIDE_SUFFIX))] * 2, mode
+        block_m, swap = (64, False) if mode.endswith("_m64") else (16, mode.endswith("_swap"))
+        assert calls == [(block_m, swap, mode.removesuffix("_m64").removesuffix("_swap"))] * 2, mode
 
 
 def test_weight_only_experts_take_fp8_weights_by_their_bits_bit_for_bit(kernels, monkeypatch):

@@ -40,13 +40,17 @@ from worker_svc.layers.fp8_kernels import _quantize_tile, per_token_group_quant
 from worker_svc.layers.gemv_kernels import BITS_SUM_SCALE, BITS_X_SCALE, fp8_bits_as_bf16
 
 FP8_ACTIVATIONS = ("weight_only", "on_load", "given")
-# FP8 x FP8 on 64-row blocks: Hopper's wgmma multiplies e4m3 operands only from 64-row tiles, and
-# Triton runs the 16- and 32-row blocks of a decode step on mma.sync in f16, converting every
-# weight and activation element first (PERF_NOTES v41). Modes of their own (the activations as the
-# mode without the suffix takes them), which moe_selection times beside the others at start-up.
-WIDE_SUFFIX = "_m64"
-WIDE_MODES = tuple(mode + WIDE_SUFFIX for mode in ("on_load", "given"))
-WIDE_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+# FP8 x FP8 on tiles Hopper's wgmma takes e4m3 from: Triton runs the 16- and 32-row blocks of a
+# decode step on mma.sync in f16, converting every weight and activation element first (PERF_NOTES
+# v41), where wgmma multiplies e4m3 from 64-row operands. Modes of their own (the activations as the
+# mode without the suffix takes them), which moe_selection times beside the others at start-up:
+# "_m64" pads each expert's rows to 64-row blocks; "_swap" keeps 16-row blocks and swaps the dot (the
+# weight tile as the 64-row operand, the block's rows as the narrow one). Quantizing on load is left
+# out on 64-row blocks: a 64 x 128 activation tile quantized every K step (the census: 14
+# instructions per weight element, against 1.9 for the swapped dot of activations quantized first).
+MODE_TILES = {"_m64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+              "_swap": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, SWAP_AB=True)}
+WIDE_MODES = ("given_m64", "on_load_swap", "given_swap")
 _FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)   # globals a kernel may read
 # Rows per expert up to which FP8 experts multiply bf16 activations (weight-only) by default; past
 # it the activations are quantized as loaded. WORKER_MOE_FP8_WEIGHT_ONLY_ROWS sets it (0: always
@@ -174,8 +178,11 @@ def _grouped_gemm_kernel(
     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     A_ROW_DIVISOR: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, FP8: tl.constexpr, FP8_ACTIVATIONS: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WEIGHT_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
+    # SWAP_AB (FP8 x FP8): the dot takes the weight tile as its 64-row operand and the block's rows as
+    # the narrow one, so Hopper's wgmma multiplies e4m3 without padding the rows to 64 (PERF_NOTES v41).
+    tl.static_assert(not SWAP_AB or (FP8 and FP8_ACTIVATIONS != "weight_only"), "the swapped dot is FP8 x FP8")
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -190,6 +197,39 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    if SWAP_AB:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):   # K is whole groups of BLOCK_K
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            b_s = tl.load(b_s_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn + k // BLOCK_K,
+                          mask=n_mask, other=0.0)
+            if FP8_ACTIVATIONS == "on_load":
+                a, a_s = _quantize_tile(a.to(tl.float32), _FP8_MAX, _MIN_AMAX)
+            else:
+                a_s = tl.load(a_s_ptr + a_rows * stride_as + k // BLOCK_K, mask=row_mask, other=0.0)
+            acc_t += tl.dot(tl.trans(b), tl.trans(a)) * b_s[:, None] * a_s[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        acc = tl.trans(acc_t)
+    else:
+        acc = _grouped_loop(a_ptrs, b_ptrs, a_s_ptr, b_s_ptr, expert, offs_n, n_mask, offs_k, a_rows, row_mask, K,
+                            stride_as, stride_bse, stride_bsn, FP8, FP8_ACTIVATIONS, GROUP_N, DOT_PRECISION,
+                            WEIGHT_BITS, BLOCK_M, BLOCK_N, BLOCK_K)
+    out_dtype = c_ptr.dtype.element_ty
+    if MUL_ROUTED_WEIGHT:   # as the reference: the projection rounded, then times the weight
+        weight = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc.to(out_dtype).to(tl.float32) * weight[:, None]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(out_dtype), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _grouped_loop(a_ptrs, b_ptrs, a_s_ptr, b_s_ptr, expert, offs_n, n_mask, offs_k, a_rows, row_mask, K,
+                  stride_as, stride_bse, stride_bsn, FP8: tl.constexpr, FP8_ACTIVATIONS: tl.constexpr,
+                  GROUP_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WEIGHT_BITS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The block's [BLOCK_M, BLOCK_N] float32 sums over K (the rows as the dot's first operand)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k
@@ -213,12 +253,7 @@ def _grouped_gemm_kernel(
             acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    out_dtype = c_ptr.dtype.element_ty
-    if MUL_ROUTED_WEIGHT:   # as the reference: the projection rounded, then times the weight
-        weight = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        acc = acc.to(out_dtype).to(tl.float32) * weight[:, None]
-    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(out_dtype), mask=row_mask[:, None] & n_mask[None, :])
+    return acc
 
 
 def moe_config(num_assignments: int, num_experts: int, fp8_block_k: int | None = None) -> dict:
@@ -264,7 +299,7 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorte
         FP8_ACTIVATIONS=fp8_activations,
         GROUP_N=block[0] if fp8 else 1, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         WEIGHT_BITS=WEIGHT_BITS and fp8 and fp8_activations == "weight_only" and a.dtype == torch.bfloat16,
-        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k, SWAP_AB=config.get("SWAP_AB", False),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
@@ -281,7 +316,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   config: dict | None = None, fp8_activations: str | None = None) -> torch.Tensor:
     """moe.moe_reference's result for x [T, H] routed to topk_ids [T, k] with topk_weights.
     FP8 experts take the activations as `fp8_activations` says (FP8_ACTIVATIONS; "given":
-    quantized by per_token_group_quant first; or one of WIDE_MODES: the same on 64-row blocks),
+    quantized by per_token_group_quant first; or one of WIDE_MODES: the same on wgmma's tiles),
     by default_fp8_activations unless told."""
     num_tokens, top_k = topk_ids.shape
     num_experts, width13, _ = w13.shape
@@ -291,9 +326,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return torch.zeros_like(x)
     fp8 = w13_scale is not None
     mode = (fp8_activations or default_fp8_activations(n, num_experts)) if fp8 else "given"
-    if mode in WIDE_MODES:   # the activations as the plain mode takes them, on 64-row blocks
-        mode = mode.removesuffix(WIDE_SUFFIX)
-        config = config or {**WIDE_CONFIG, "BLOCK_K": block[1]}
+    if mode in WIDE_MODES:   # the activations as the plain mode takes them, on the suffix's tiles
+        suffix = next(suffix for suffix in MODE_TILES if mode.endswith(suffix))
+        mode = mode.removesuffix(suffix)
+        config = config or {**MODE_TILES[suffix], "BLOCK_K": block[1]}
     config = config or moe_config(n, num_experts, block[1] if fp8 else None)
     sorted_ids, block_expert, num_padded = sort_by_expert(topk_ids, num_experts, config["BLOCK_M"])
     x = x if x.stride(-1) == 1 else x.contiguous()

@@ -4,9 +4,10 @@ by token count, measured as linear_selection measures the linear layers.
 The grouped GEMM multiplies FP8 expert weights either by bf16 activations, converting each weight
 tile for the dot ("weight_only": nothing quantized, the conversion's cost on every weight), or by
 activations quantized per token group as it loads them ("on_load": FP8 x FP8 on the tensor
-cores, the activation tile converted instead), or FP8 x FP8 on 64-row blocks ("on_load_m64",
-"given_m64": moe_kernels.WIDE_MODES; the only blocks Hopper's wgmma takes e4m3 from, where the
-16-row blocks run f16 mma.sync converting every element: PERF_NOTES v41). Which is faster depends
+cores, the activation tile converted instead), or FP8 x FP8 on tiles Hopper's wgmma takes e4m3
+from, where the 16-row blocks run f16 mma.sync converting every element (PERF_NOTES v41): the rows
+padded to 64-row blocks ("given_m64") or the dot swapped ("on_load_swap", "given_swap";
+moe_kernels.WIDE_MODES). Which is faster depends
 on the rows each expert gets and the GPU (PERF_NOTES v36-v37: the dense layers' weight-only paths
 read ~1.8 TB/s on an H200 where FP8 x FP8 reads 3.4); `moe_kernels.default_fp8_activations`
 guesses by rows per expert. Here each token-count bucket of linear_selection.row_buckets times
@@ -37,7 +38,7 @@ from worker_svc.layers import linear_selection
 logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("WORKER_MOE_FP8_SELECTION", "1") != "0"
-MODES = ("weight_only", "on_load", "on_load_m64", "given_m64")   # the last two: moe_kernels.WIDE_MODES
+MODES = ("weight_only", "on_load", "given_m64", "on_load_swap", "given_swap")   # the last three: WIDE_MODES
 # Layers timed in turn: one token's 8 experts of Qwen3-30B-A3B are 38 MB, under an H100's 50 MB of
 # L2; 16 layers' are 600 MB.
 TIMED_LAYERS = 16
