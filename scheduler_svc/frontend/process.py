@@ -30,6 +30,8 @@ from scheduler_svc.frontend.tokenizer import load_tokenizer
 # before decoding it (GenerationService.max_request_bytes); anything far larger than the longest
 # of them is refused by gRPC from its length alone, before it is even received (RESOURCE_EXHAUSTED).
 MIN_PUBLIC_MESSAGE_BYTES = 8 * 1024 * 1024
+# How long a frontend waits for the engine core's first status before it listens regardless.
+ATTACH_WAIT_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +83,26 @@ async def start_frontend(config: FrontendConfig, model: str, core: CoreClient,
     bound = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     if bound == 0:
         raise SystemExit(f"cannot listen on {listen}")
-    await server.start()
     tasks = [asyncio.create_task(frontend.run(), name="frontend-events"),
              asyncio.create_task(keep_health_current(frontend, health_servicer), name="health")]
+    await wait_attached(frontend, tasks[0])
+    await server.start()
     return frontend, server, tasks
+
+
+async def wait_attached(frontend: Frontend, events: asyncio.Task, timeout_s: float = ATTACH_WAIT_S) -> bool:
+    """Waits for the engine core's first status (or the event stream's end, or timeout_s), so the
+    frontend listens knowing what the core knows: the kernel hands a connection on the shared port
+    to any frontend listening, and one that listened before its first status would refuse the
+    request as UNAVAILABLE ("not connected to the engine core yet") while the others serve."""
+    waiter = asyncio.create_task(frontend.attached.wait())
+    try:
+        await asyncio.wait([waiter, events], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not frontend.attached.is_set():
+        logger.warning("no status from the engine core after %.0f s: listening regardless", timeout_s)
+    return frontend.attached.is_set()
 
 
 async def drain_frontend(frontend: Frontend, server: grpc.aio.Server, tasks: list, grace_s: float) -> None:

@@ -87,6 +87,7 @@ class Frontend:
         self._pause_wakeup = asyncio.Event()
         self.status = CoreStatus(False, "not connected to the engine core yet", 0)
         self.status_changed = asyncio.Event()
+        self.attached = asyncio.Event()   # set by the core's first status (attaching sends the current one)
         self._requests: dict[int, _Request] = {}      # seq_id -> request in flight
         self._counter = itertools.count(1)
         self._rejected: Counter[str] = Counter()
@@ -101,6 +102,7 @@ class Frontend:
             async for event in self.core.events():
                 if event.status is not None:
                     self._set_status(event.status)
+                    self.attached.set()
                 if event.outputs is not None:
                     self._apply(event.outputs)
         finally:

@@ -28,7 +28,9 @@ def _served_by(channel: grpc.Channel, **sampling) -> tuple[str, object]:
     call = stub.Generate(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]),
                                                         sampling=generation_pb2.SamplingParams(**sampling)),
                          timeout=120)
-    return dict(call.initial_metadata())["frontend-id"], call
+    metadata = dict(call.initial_metadata())
+    assert "frontend-id" in metadata, f"refused before admission: {call.code()} {call.details()!r}"
+    return metadata["frontend-id"], call
 
 
 def test_two_frontends_share_the_port(tiny_model_dir, launch_services):
