@@ -141,32 +141,23 @@ def _block_fp8_matmul_kernel(
             span = tl.minimum(k_end - k_begin, PREFETCH_TILES * BLOCK_K)   # FP8: one byte an element
             prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
         gdc_wait()
-    if SWAP_AB:
-        w_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + (k_begin + offs_k)[None, :]
-        x_ptrs = a_ptr + offs_m.to(tl.int64)[None, :] * stride_am + (k_begin + offs_k)[:, None]
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(k_begin, k_end, BLOCK_K):
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
+            a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
+        else:
             a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)
-            b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
-            acc_t += tl.dot(w, x) * b_s[:, None] * a_s[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
-            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-            if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
-                a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
-            else:
-                a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)
-            b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
+        b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
+        if SWAP_AB:
+            acc += tl.dot(tl.trans(b), tl.trans(a)) * b_s[:, None] * a_s[None, :]
+        else:
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if PDL and LATE_TRIGGER:
         gdc_launch_dependents()
     finish_split_k(acc, partial_ptr, counter_ptr, pid, pid_k, SPLIT_K, M, N, offs_m, offs_n, n_mask,
