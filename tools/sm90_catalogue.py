@@ -58,8 +58,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
     def fp8() -> None:
         from worker_svc.layers import fp8_kernels as f8
         from worker_svc.layers.linear_selection import (FP8_GEMM_TILES, FP8_NARROW_MAX_ROWS, FP8_NARROW_TILES,
-                                                        FP8_SWAP_TILES, FP8_WAVE_SPLIT_MAX_ROWS, FP8_WGMMA_MAX_ROWS,
-                                                        FP8_WGMMA_TILES, GEMV_MAX_ROWS, swap_rows)
+                                                        FP8_WAVE_SPLIT_MAX_ROWS, GEMV_MAX_ROWS, wgmma_tiles)
         weight = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
         for rows in DECODE_ROWS:
@@ -80,8 +79,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                                           config={**split, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2,
                                                   "LATE_TRIGGER": late})
             if rows <= GEMV_MAX_ROWS:   # the tiles for wgmma on e4m3 at a few rows, split and not, with PDL
-                wide = list(FP8_WGMMA_TILES) if rows <= FP8_WGMMA_MAX_ROWS else []
-                for tile in wide + [{**t, "BLOCK_M": swap_rows(rows)} for t in FP8_SWAP_TILES]:
+                for tile in wgmma_tiles(rows):
                     for slices in (1, 8):
                         config = {**tile, "SPLIT_K": slices}
                         f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=config)

@@ -315,8 +315,7 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
     across slices differs), in a CUDA graph replayed twice (the counters start at zero again); the
     tiles for wgmma on e4m3 too (padded to 64 rows, or swapped), split and not."""
     from worker_svc.layers.gemv_kernels import pdl_in_graphs, split_counters
-    from worker_svc.layers.linear_selection import (FP8_SWAP_TILES, FP8_WGMMA_MAX_ROWS, FP8_WGMMA_TILES, fp8_split,
-                                                    swap_rows)
+    from worker_svc.layers.linear_selection import fp8_split, wgmma_tiles
 
     g = torch.Generator(device="cuda").manual_seed(37)
     for cols, width in [(6144, 4096), (4096, 4096), (4096, 12288)]:
@@ -352,8 +351,7 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
                 assert relative_error(chained, whole) <= 2 ** -7, (cols, width, slices)
             assert not split_counters(x.device).any()
         # the tiles for wgmma on e4m3 (the rows padded to 64, or the dot swapped), split as the selection splits them
-        wgmma = (list(FP8_WGMMA_TILES) if rows <= FP8_WGMMA_MAX_ROWS else [])
-        for wide in wgmma + [{**t, "BLOCK_M": swap_rows(rows)} for t in FP8_SWAP_TILES]:
+        for wide in wgmma_tiles(rows):
             for slices in sorted({1, fp8_split(cols, width, rows, wide, 132, 128)}):
                 product = fp8_kernels.fp8_linear(activation, weight, scale, (128, 128),
                                                  config={**wide, "SPLIT_K": slices})

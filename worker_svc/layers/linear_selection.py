@@ -168,14 +168,18 @@ def swap_rows(rows: int) -> int:
     return max(16, 1 << max(0, (rows - 1).bit_length()))
 
 
-def wgmma_candidates(operands: LinearOperands, rows: int, sms: int, pdl: bool) -> list[Method]:
-    """The FP8 GEMM tiles for wgmma on e4m3 at a few rows (FP8_WGMMA_TILES up to FP8_WGMMA_MAX_ROWS,
-    FP8_SWAP_TILES), input quantized first: each unsplit and split over K as fp8_split sizes it,
-    and each with PDL where graphs replay it."""
+def wgmma_tiles(rows: int) -> list[dict]:
+    """The FP8 GEMM tiles for wgmma on e4m3 at this few rows: FP8_WGMMA_TILES up to FP8_WGMMA_MAX_ROWS,
+    and FP8_SWAP_TILES with swap_rows' row tile."""
     tiles = list(FP8_WGMMA_TILES) if rows <= FP8_WGMMA_MAX_ROWS else []
-    tiles += [{**tile, "BLOCK_M": swap_rows(rows)} for tile in FP8_SWAP_TILES]
+    return tiles + [{**tile, "BLOCK_M": swap_rows(rows)} for tile in FP8_SWAP_TILES]
+
+
+def wgmma_candidates(operands: LinearOperands, rows: int, sms: int, pdl: bool) -> list[Method]:
+    """The wgmma_tiles, input quantized first: each unsplit and split over K as fp8_split sizes it,
+    and each with PDL where graphs replay it."""
     methods: list[Method] = []
-    for tile in tiles:
+    for tile in wgmma_tiles(rows):
         split = fp8_split(*operands.weight.shape, rows, tile, sms, operands.block[1])
         for slices in sorted({1, split}):
             config = {**tile, "SPLIT_K": slices}
