@@ -14,9 +14,8 @@
 #   fp8       Qwen3-8B decode, FP8 weights against bf16 (in-process): at 1 row (and the start-up choice
 #             there per FP8 kind), 16 rows, and 256 rows with the quantization fused into RMSNorm/SwiGLU and
 #             without (WORKER_FP8_QUANT_FUSION=0): issue 24's 1.7x and 1.3x; tables and logs under $OUT/<run>
-#   fp8few    Qwen3-8B decode at 1 row (16 too with FP8FEW_B16=1), bf16 and FP8, after the FP8 GEMM's few-row GPU
-#             tests (the 64-row wgmma tiles, PERF_NOTES v41), with what the selection chose at 1-32 rows; then
-#             with FP8FEW_SPLITS=1 the attention splits stage's 256-request cases (longest first, v40)
+#   fp8few    Qwen3-8B decode at 1 row (16 too with FP8FEW_B16=1), bf16 and FP8, with what the selection chose at
+#             1-32 rows, then the FP8 GEMM's few-row GPU tests (the tiles for wgmma, PERF_NOTES v41)
 #   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
 #   moe8      Qwen3-30B-A3B bf16 and FP8 on bench.py's workload; FP8 with the experts' modes by the old rule too,
 #             and with the weight-only experts converting their weights (WORKER_MOE_FP8_BITS=0)
@@ -180,9 +179,9 @@ PY
         run on decode_8b_bf16,decode_8b_fp8 "--fixed-batch 256 --fixed-profile" 150
         WORKER_FP8_QUANT_FUSION=0 run off decode_8b_fp8 "--fixed-batch 256" 100
         ;;
-    fp8few) # the FP8 GEMM's few-row tests on the GPU (the 64-row wgmma tiles, PERF_NOTES v41), Qwen3-8B decode at 1
-            # row, bf16 and FP8, with what the selection chose at 1-32 rows; with FP8FEW_SPLITS=1 the attention
-            # splits stage's 256-request cases (longest first beside the default, v40); 16 rows with FP8FEW_B16=1
+    fp8few) # Qwen3-8B decode at 1 row (B1_STAGES: which of bf16 and FP8), with what the selection chose at 1-32
+            # rows and every one-row FP8 candidate's time, then the FP8 GEMM's few-row GPU tests (the tiles for
+            # wgmma, PERF_NOTES v41); 16 rows with FP8FEW_B16=1
         run() { OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=$4 bash "$0" moe | grep -v "^ *$"; }
         run b1 ${B1_STAGES:-bandwidth,decode_8b_bf16,decode_8b_fp8} "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240
         one_row_choices "$BENCH/moe/logs"
@@ -193,8 +192,6 @@ PY
         T=tests/unit/test_fp8_kernels.py   # (the start-up selection checked every candidate's product already)
         TESTS="$T::test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them $T::test_the_wgmma_tiles_at_a_few_rows_match_the_emulation" \
             TIMEOUT=120 LINES_OUT=4 bash "$0" tests
-        [[ -n ${FP8FEW_SPLITS:-} ]] && STAGE=attention_splits NAME=asplit TIMEOUT=90 LINES_OUT=5 \
-            EXTRA="--cases 256 --splits 1 --configs 1" bash "$0" stage
         [[ -n ${FP8FEW_B16:-} ]] && run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256 --fixed-profile" 120
         ;;
     b1ab)   # Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref and on this tree (one machine: the batch-1
