@@ -72,6 +72,10 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
             "device_ms_per_step": device_ms, "decode_s": decode_s, "decode_s_by_difference": total_s - prefill_s, "prefill_s": prefill_s,
             "step_ms_median": statistics.median(intervals) * 1e3,
             "step_ms_p90": statistics.quantiles(intervals, n=10)[-1] * 1e3,
+            "step_ms_mean": decode_s / len(intervals) * 1e3,
+            # the steps that took over 1.5x the median (step index, ms): where a mean above the median comes from
+            "slow_steps": [(i, round(t * 1e3, 2)) for i, t in enumerate(intervals)
+                           if t > 1.5 * statistics.median(intervals)][:16],
             "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
 
 
@@ -114,6 +118,9 @@ def _print_row(args, model: str, dtype: str, r: dict, bf16: dict, rates: dict | 
     if r.get("device_ms_per_step") is not None:
         steps += f" {r['device_ms_per_step']:7.2f}"
     print(f"{label:14s} {r['batch']:5d} {r['tok_per_s']:9.0f} {floor} {speedup:>8s} {steps}")
+    if r.get("slow_steps"):
+        print(f"  {'':12s} mean step {r['step_ms_mean']:.2f} ms; steps over 1.5x the median (index, ms): "
+              + ", ".join(f"{i} {ms}" for i, ms in r["slow_steps"]))
 
 
 if __name__ == "__main__":

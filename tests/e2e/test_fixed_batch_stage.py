@@ -27,4 +27,7 @@ def test_decode_stages_time_the_steps_themselves(tmp_path, capsys):
         assert r["step_ms_median"] * r["steps"] < 2 * r["decode_s"] * 1e3
         # the span leaves out the call's start-up and prefill, which the old difference of two calls kept in
         assert r["decode_s"] < r["decode_s_by_difference"] + r["prefill_s"]
+        # the mean step is the span over its intervals; the slow steps named lie over 1.5x the median
+        assert r["step_ms_mean"] == pytest.approx(r["decode_s"] * 1e3 / r["steps"])
+        assert all(0 <= i < r["steps"] and ms > 1.5 * r["step_ms_median"] for i, ms in r["slow_steps"])
     assert "step p50" in printed and "tiny 8b fp8" in printed
