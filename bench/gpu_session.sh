@@ -30,6 +30,8 @@
 #   longest   attention with its programs longest context first (PERF_NOTES v40): the splits stage's 256-request
 #             cases (ordered beside the default), then the service and large-batch decode with
 #             WORKER_ATTENTION_LONGEST_FIRST=64 and without, in one call (the step log's large-batch rows)
+#   ashort    attention at short contexts and large batches (64/256 x 128), every launch config at 1 and 2 splits,
+#             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention ~47% of the copy rate there)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -183,7 +185,7 @@ PY
             # rows and every one-row FP8 candidate's time, then the FP8 GEMM's few-row GPU tests (the tiles for
             # wgmma, PERF_NOTES v41); 16 rows with FP8FEW_B16=1
         run() { OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=$4 bash "$0" moe | grep -v "^ *$"; }
-        run b1 ${B1_STAGES:-bandwidth,decode_8b_bf16,decode_8b_fp8} "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240
+        run b1 ${B1_STAGES:-bandwidth,decode_8b_bf16,decode_8b_fp8} "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 420   # cold: bf16 ~150 s
         one_row_choices "$BENCH/moe/logs"
         grep -rhao "linear [a-z_]* [0-9x]* fp8 ([0-9]* layers), ms per call by rows: .*" "$BENCH/moe/logs" 2>/dev/null \
             | sed "s/ms per call by rows: 1: [^;]*; //; s/; 64: .*//" | sort -u | head -4
@@ -252,6 +254,13 @@ PY
                 | grep -v "not run\|^ *$\|^==\|ok in\|cpu:"
         done
         ;;
+    ashort)
+        for heads in 32,8 16,8; do
+            STAGE=attention_splits NAME=ashort-${heads/,/-} TIMEOUT=200 LINES_OUT=6 \
+                EXTRA="--cases x128 --heads $heads --splits 1,2" bash "$0" stage
+            cp "$OUT/attention_splits.json" "$OUT/ashort-${heads/,/-}.json" 2>/dev/null
+        done
+        ;;
     stage)
         base
         NAME=${NAME:-$STAGE}
@@ -291,5 +300,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac

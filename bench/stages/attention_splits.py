@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import pathlib
 import random
@@ -31,7 +32,10 @@ GPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 1024),
                                                                        (1, 4096))) + (
     # The service's large batches hold contexts of 100-2048 tokens (bench.py's workload): one program
     # per (request, kv head) unsplit, the longest ones end the launch alone.
-    ("decode 256 ragged", tuple((c - 1, 1) for c in random.Random(0).choices(range(100, 2049), k=256))),)
+    ("decode 256 ragged", tuple((c - 1, 1) for c in random.Random(0).choices(range(100, 2049), k=256))),
+    # Short contexts at large batches (the in-process decode stages' prompt 32 + 128 steps): a program's
+    # two 64-key tiles, so its fixed cost is most of it (v42: Qwen3-8B's attention there ~47% of the copy rate).
+    ("decode 64x128", ((127, 1),) * 64), ("decode 256x128", ((127, 1),) * 256))
 CPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 64), (3, 32)))
 GPU_SPLITS = (2, 4, 8, 16, 32, 64)
 CPU_SPLITS = (1, 2, 4)
@@ -48,11 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cases", default="", help="only the cases whose names contain this")
     p.add_argument("--splits", default="", help="split factors to sweep, comma-separated (default: the table's)")
     p.add_argument("--configs", type=int, default=0, help="only the first N launch configs (default: all)")
+    p.add_argument("--heads", default="", help="query and kv heads, e.g. 32,8 for Qwen3-8B (default: Qwen3-0.6B's 16,8)")
     return p.parse_args(argv)
 
 
 @torch.inference_mode()
-def sweep(device: torch.device, only: str = "", split_list: str = "", num_configs: int = 0) -> list[dict]:
+def sweep(device: torch.device, only: str = "", split_list: str = "", num_configs: int = 0,
+          heads: str = "") -> list[dict]:
     """A row per (case, launch): the default launch (its config and split factor from the tables),
     then each config at each split factor."""
     from worker_svc.layers.attention import triton_kernels as tk
@@ -62,6 +68,9 @@ def sweep(device: torch.device, only: str = "", split_list: str = "", num_config
 
     gpu = device.type == "cuda"
     setup = GPU if gpu else CPU
+    if heads:
+        num_heads, num_kv_heads = (int(n) for n in heads.split(","))
+        setup = dataclasses.replace(setup, num_heads=num_heads, num_kv_heads=num_kv_heads)
     cases, splits, configs = (GPU_CASES, GPU_SPLITS, GPU_CONFIGS) if gpu else (CPU_CASES, CPU_SPLITS, CPU_CONFIGS)
     cases = [(name, requests) for name, requests in cases if only in name]
     splits = tuple(int(n) for n in split_list.split(",")) if split_list else splits
@@ -130,7 +139,7 @@ def main(argv=None) -> int:
     else:
         gpu_faithful = contextlib.nullcontext
     with gpu_faithful():
-        rows = sweep(torch.device(args.device), args.cases, args.splits, args.configs)
+        rows = sweep(torch.device(args.device), args.cases, args.splits, args.configs, args.heads)
     result = dict(ok=True, result=dict(rows=rows), wall_s=time.time() - started)
     (args.out / f"{STAGE}.json").write_text(json.dumps(result, indent=1))
     print_table(rows)
