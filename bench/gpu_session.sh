@@ -32,6 +32,8 @@
 #             WORKER_ATTENTION_LONGEST_FIRST=64 and without, in one call (the step log's large-batch rows)
 #   ashort    attention at short contexts and large batches (64/256 x 128), every launch config at 1 and 2 splits,
 #             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention ~47% of the copy rate there)
+#   oprefetch Qwen3-0.6B and Qwen3-8B (bf16, FP8) decode at one row with WORKER_O_PROJ_L2_PREFETCH=0 and =1: the o
+#             projection asking L2 for all its weights while attention runs (PERF_NOTES v42), and what it ran
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -261,6 +263,16 @@ PY
             cp "$OUT/attention_splits.json" "$OUT/ashort-${heads/,/-}.json" 2>/dev/null
         done
         ;;
+    oprefetch)
+        base
+        for flag in 0 1; do
+            echo "== WORKER_O_PROJ_L2_PREFETCH=$flag"
+            WORKER_O_PROJ_L2_PREFETCH=$flag OUT=$OUT/opf$flag STAGES=bandwidth,decode_0.6b_bf16,decode_8b_bf16,decode_8b_fp8 \
+                EXTRA="--fixed-batch 1 --fixed-steps 256" LINES_OUT=6 TIMEOUT=${TIMEOUT:-280} bash "$0" moe | grep "Qwen3-\|mean step"
+            grep -rhao "linear o_proj [0-9x]* [a-z0-9]* ([0-9]* layers), ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" \
+                2>/dev/null | sort -u
+        done
+        ;;
     stage)
         base
         NAME=${NAME:-$STAGE}
@@ -300,5 +312,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|oprefetch|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac

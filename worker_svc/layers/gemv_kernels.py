@@ -60,6 +60,9 @@ MAX_SPLIT_TILES = 1 << 14
 DOT_MIN_ROWS = 16   # tl.dot needs 16-row tiles: fewer rows use the FMA loop
 ROW_ACC_MAX_ROWS = 4   # rows the per-row-accumulator FMA loop holds
 
+# A prefetch of this many K tiles or more asks L2 for the program's whole slice of weights (`prefetch`).
+PREFETCH_WHOLE = 1 << 12
+
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -85,9 +88,14 @@ class GemvConfig:
     def __str__(self) -> str:
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}{' rows' if self.row_acc else ''}"
-                f"{f' pf{self.prefetch}' if self.prefetch else ''}"
+                f"{prefetch_label(self.prefetch)}"
                 f"{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}{' bits' if self.fp8_bits else ''}"
                 f"{' late' if self.late_trigger else ''}")
+
+
+def prefetch_label(tiles: int) -> str:
+    """How a launch's name shows its L2 prefetch: ' pf2' (K tiles), ' pf all' (the whole slice), or ''."""
+    return "" if not tiles else " pf all" if tiles >= PREFETCH_WHOLE else f" pf{tiles}"
 
 
 @triton.jit

@@ -47,6 +47,13 @@ from worker_svc.layers.triton_compile import compile_ahead
 logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("WORKER_LINEAR_KERNELS", "1") != "0"
+# The layers after attention (o_proj) run their chosen few-row PDL launch's prefetch twin (linear_methods'
+# prefetch_twin): launched while attention runs (it lets them: triton_kernels._triggers), each program asks L2
+# for its whole slice of weights, which at a few rows streams in while attention leaves the memory idle. The
+# selection's back-to-back timing cannot see that window (the twin is timed and logged beside the choice,
+# not judged by it), so it is off until a decode step measures it: WORKER_O_PROJ_L2_PREFETCH=1 (PERF_NOTES v42).
+PREFETCH_AFTER_ATTENTION = os.environ.get("WORKER_O_PROJ_L2_PREFETCH", "0") == "1"
+AFTER_ATTENTION_KINDS = ("o_proj",)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 GEMV_MAX_ROWS = 64
 # GEMV tiles tried at start-up: (block_n, block_k, num_warps) for one row, on CUDA-core FMAs
@@ -424,12 +431,14 @@ def precompile(kinds: Sequence[LinearOperands], dtype: torch.dtype, device: torc
 def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.dtype, device: torch.device, *,
                    max_rows: int, sms: int, measure: Measure = graph_time,
                    candidate_methods: Callable[..., list[Method]] = candidates,
-                   reduce_across_ranks: Reduce | None = None) -> KindChoice:
+                   reduce_across_ranks: Reduce | None = None, prefetch_whole: bool = False) -> KindChoice:
     """Measures the candidates of one kind of layer (operands: every layer of the kind) at each
     row count up to max_rows; returns what each row count runs. With `reduce_across_ranks` (a
     tensor-parallel group) the ranks agree: each row count's times, one per candidate in the
     candidates' order (inf where refused here), go through it once on every rank, so every rank
-    runs the same kernels (a rank that ran a slower one would hold every all-reduce up)."""
+    runs the same kernels (a rank that ran a slower one would hold every all-reduce up). With
+    `prefetch_whole` each row count runs its choice's prefetch twin where it has one (timed, its
+    product checked, but run whatever its time: PREFETCH_AFTER_ATTENTION)."""
     choice = KindChoice(label, len(operands))
     timed = _timed_layers(operands, device)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -468,6 +477,15 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
                 times[str(twin)], methods[str(twin)] = elapsed, twin
         choice.times[rows] = times
         choice.chosen[rows] = methods[_fastest(times, methods)]
+        twin = choice.chosen[rows].prefetch_twin() if prefetch_whole else None
+        if twin is not None:
+            elapsed = (math.inf if str(twin) in choice.rejected else
+                       _time_method(twin, label, rows, x, operands, timed, dtype, measure, choice.rejected, with_norm))
+            if reduce_across_ranks is not None:
+                elapsed = reduce_across_ranks([elapsed])[0]
+            if math.isfinite(elapsed):
+                times[str(twin)], methods[str(twin)] = elapsed, twin
+                choice.chosen[rows] = twin
         unbounded = {n: (m, times[n]) for n, m in methods.items() if m.max_rows is None and n in times}
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -503,6 +521,11 @@ def _fastest(times: dict[str, float], methods: dict[str, Method]) -> str:
     def cost(name: str) -> float:
         return times[name] / DEQUANTIZED_MARGIN if methods[name].extra_weight_bytes else times[name]
     return min(times, key=cost)   # min keeps the first of equals: the candidates' order
+
+
+def prefetches_whole(label: str) -> bool:
+    """Whether a kind of layer (its label: "o_proj 4096x4096 fp8") runs its choices' prefetch twins."""
+    return PREFETCH_AFTER_ATTENTION and label.split()[0] in AFTER_ATTENTION_KINDS
 
 
 def bind_plan(choice: KindChoice, operands: LinearOperands, dtype: torch.dtype) -> LinearPlan:
@@ -565,7 +588,8 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
         for label, layers in kinds:
             operands = [layer.operands() for layer in layers]
             choice = choose_methods(label, operands, dtype, device, max_rows=max_rows, sms=sms, measure=measure,
-                                    candidate_methods=candidate_methods, reduce_across_ranks=reduce_across_ranks)
+                                    candidate_methods=candidate_methods, reduce_across_ranks=reduce_across_ranks,
+                                    prefetch_whole=prefetches_whole(label))
             for layer, op in zip(layers, operands, strict=True):
                 layer.plan = bind_plan(choice, op, dtype)
             choices[label] = choice
