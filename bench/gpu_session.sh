@@ -31,7 +31,7 @@
 #             cases (ordered beside the default), then the service and large-batch decode with
 #             WORKER_ATTENTION_LONGEST_FIRST=64 and without, in one call (the step log's large-batch rows)
 #   ashort    attention at short contexts and large batches (64/256 x 128), every launch config at 1 and 2 splits,
-#             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention ~47% of the copy rate there)
+#             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention at 67% of the copy rate there)
 #   oprefetch Qwen3-0.6B and Qwen3-8B (bf16, FP8) decode at one row with WORKER_O_PROJ_L2_PREFETCH=0 and =1: the o
 #             projection asking L2 for all its weights while attention runs (PERF_NOTES v42), and what it ran
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME

@@ -34,7 +34,7 @@ GPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 1024),
     # per (request, kv head) unsplit, the longest ones end the launch alone.
     ("decode 256 ragged", tuple((c - 1, 1) for c in random.Random(0).choices(range(100, 2049), k=256))),
     # Short contexts at large batches (the in-process decode stages' prompt 32 + 128 steps): a program's
-    # two 64-key tiles, so its fixed cost is most of it (v42: Qwen3-8B's attention there ~47% of the copy rate).
+    # two 64-key tiles, so its fixed cost weighs (v42: Qwen3-8B's attention there at 67% of the copy rate).
     ("decode 64x128", ((127, 1),) * 64), ("decode 256x128", ((127, 1),) * 256))
 CPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 64), (3, 32)))
 GPU_SPLITS = (2, 4, 8, 16, 32, 64)
