@@ -13,7 +13,9 @@
 #   moe       the MoE/FP8 stages given in STAGES (their options in EXTRA)
 #   fp8       Qwen3-8B decode, FP8 weights against bf16 (in-process): at 1 row (and the start-up choice
 #             there per FP8 kind), 16 rows, and 256 rows with the quantization fused into RMSNorm/SwiGLU and
-#             without (WORKER_FP8_QUANT_FUSION=0): issue 24's 1.7x and 1.3x; tables and logs under $OUT/<run>
+#             without (WORKER_FP8_QUANT_FUSION=0): issue 24's 1.7x and 1.3x; tables and logs under $OUT/<run>.
+#             A cold machine's first start-up compiles ~2.5 min for each dtype (v42): run fp8few first there,
+#             whose compiled kernels this call then finds
 #   fp8few    Qwen3-8B decode at 1 row (16 too with FP8FEW_B16=1), bf16 and FP8, with what the selection chose at
 #             1-32 rows, then the FP8 GEMM's few-row GPU tests (the tiles for wgmma, PERF_NOTES v41)
 #   b1ab      Qwen3-8B decode at 1 row, bf16 and FP8, on .gpu/ref (scripts/gpu_ref.sh REF) and on this tree
@@ -176,7 +178,7 @@ PY
             OUT=$OUT/$1 STAGES=$2 EXTRA="$3" LINES_OUT=5 TIMEOUT=$4 bash "$0" moe | grep -v "^ *$"
             grep -rh "start-up check\|compiled after start-up" "$BENCH/moe" 2>/dev/null | head -3
         }
-        run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240   # cold: compiles
+        run b1 bandwidth,decode_8b_bf16,decode_8b_fp8 "--fixed-batch 1 --fixed-steps 256 --fixed-profile" 240   # warm
         # what the start-up selection chose at 1 row for each FP8 kind (v37: the split-K FP8 GEMM or not)
         one_row_choices "$BENCH/moe/logs"
         run b16 decode_8b_bf16,decode_8b_fp8 "--fixed-batch 16 --fixed-steps 256 --fixed-profile" 120
