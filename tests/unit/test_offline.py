@@ -15,3 +15,17 @@ def test_offline_llm_matches_transformers(tiny_model_dir):
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
         assert out == hf_greedy(tiny_model_dir, prompt, 12)
+
+
+def test_the_engine_is_out_of_the_collectors_way_once_built(tiny_model_dir):
+    """As the service's processes: once built, the model's objects sit in the permanent generation
+    (gc.freeze), so no full collection walks them while generate runs (a pause of the whole batch)."""
+    import gc
+
+    try:
+        llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_batched_tokens=64)
+        walked = {id(o) for o in gc.get_objects()}   # generations 0-2: what a collection walks
+        assert gc.get_freeze_count() > 0
+        assert id(llm.runner.model) not in walked and id(llm.runner) not in walked
+    finally:
+        gc.unfreeze()
