@@ -313,9 +313,10 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
     H200, input quantized ahead as the norms and SwiGLU give it: the unsplit product to float32
     rounding before the bf16 output's (the tensor cores' sums are the same, only their order
     across slices differs), in a CUDA graph replayed twice (the counters start at zero again); the
-    tiles for wgmma on e4m3 too (padded to 64 rows, or swapped), split and not."""
+    tiles for wgmma on e4m3 too (padded to 64 rows, or swapped), split and not (the swapped ones at each of
+    swap_splits' factors)."""
     from worker_svc.layers.gemv_kernels import pdl_in_graphs, split_counters
-    from worker_svc.layers.linear_selection import fp8_split, wgmma_tiles
+    from worker_svc.layers.linear_selection import fp8_split, swap_splits, wgmma_tiles
 
     g = torch.Generator(device="cuda").manual_seed(37)
     for cols, width in [(6144, 4096), (4096, 4096), (4096, 12288)]:
@@ -352,7 +353,9 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
             assert not split_counters(x.device).any()
         # the tiles for wgmma on e4m3 (the rows padded to 64, or the dot swapped), split as the selection splits them
         for wide in wgmma_tiles(rows):
-            for slices in sorted({1, fp8_split(cols, width, rows, wide, 132, 128)}):
+            splits = (swap_splits(cols, width, rows, wide, 132, 128) if wide.get("SWAP_AB")
+                      else sorted({1, fp8_split(cols, width, rows, wide, 132, 128)}))
+            for slices in splits:
                 product = fp8_kernels.fp8_linear(activation, weight, scale, (128, 128),
                                                  config={**wide, "SPLIT_K": slices})
                 assert relative_error(product, whole) <= 2 ** -7, (cols, width, wide, slices)

@@ -370,10 +370,14 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     assert {"fp8-gemm(quant+ 64x64 w4 s4)", "fp8-gemm(quant+ 64x64 w4 s4 split11)",
             "fp8-gemm(quant+ 64x64 w4 s4 split11 pdl pf2)", "fp8-gemm(quant+ 16x64 w4 s4 split11 swap)",
             "fp8-gemm(quant+ 16x128 w4 s4 split16 pdl pf2 swap)", "fp8-gemm(quant+ 16x64 w4 s4 swap)"} <= set(wgmma)
-    assert len(wgmma) == 12 and not any("on-load" in n for n in wgmma)
+    # the swapped tiles also at a half and a quarter of that split (fewer, longer programs), with PDL too
+    assert {"fp8-gemm(quant+ 16x64 w4 s4 split5 swap)", "fp8-gemm(quant+ 16x64 w4 s4 split2 pdl pf2 swap)",
+            "fp8-gemm(quant+ 16x128 w4 s4 split4 swap)", "fp8-gemm(quant+ 16x128 w4 s4 split8 pdl pf2 swap)"} <= set(wgmma)
+    assert len(wgmma) == 20 and not any("on-load" in n for n in wgmma)
+    assert linear_selection.swap_splits(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == [1, 4, 8, 16]
     assert {"fp8-gemm(quant+ 32x64 w4 s4 swap)", "fp8-gemm(quant+ 64x64 w4 s4)"} <= set(candidates("down", 32))
     at_64 = [n for n in candidates("down", 64) if "swap" in n]
-    assert len(at_64) == 8 and all(" 64x" in n for n in at_64)   # 33-64 rows: the GEMM's own tile is 64 x 64
+    assert len(at_64) == 12 and all(" 64x" in n for n in at_64)   # 33-64 rows: the GEMM's own tile is 64 x 64
     # 64 rows: the partials' traffic caps gate_up at 2 slices (4096 / (32 x 64)).
     assert splits(candidates("gate_up", 64)) == ["2"]
     assert splits(candidates("down", 16)) == ["16"] and splits(candidates("o", 16)) == ["8"]

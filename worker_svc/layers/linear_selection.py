@@ -182,13 +182,25 @@ def wgmma_tiles(rows: int) -> list[dict]:
     return tiles + [{**tile, "BLOCK_M": swap_rows(rows)} for tile in FP8_SWAP_TILES]
 
 
+def swap_splits(num_cols: int, width: int, rows: int, tile: dict, sms: int, group: int) -> list[int]:
+    """The swapped tile's split-K factors: unsplit, fp8_split's, and between them a half and a quarter of
+    it (as split_slices rounds them). At one row fp8_split's programs hold 2-6 of K's groups, too few for a
+    4-stage pipeline to fill, and unsplit ones too few programs for the SMs (v42: o_proj took 15.3 us
+    either way, its GEMV 9.9): fewer, longer programs may sit between the two."""
+    split = fp8_split(num_cols, width, rows, tile, sms, group)
+    groups = width // group
+    return sorted({1, split, *(split_slices(groups, split // d)[1] for d in (2, 4) if split // d > 1)})
+
+
 def wgmma_candidates(operands: LinearOperands, rows: int, sms: int, pdl: bool) -> list[Method]:
-    """The wgmma_tiles, input quantized first: each unsplit and split over K as fp8_split sizes it,
-    and each with PDL where graphs replay it."""
+    """The wgmma_tiles, input quantized first: each unsplit and split over K as fp8_split sizes it (the
+    swapped ones also at swap_splits' factors between), and each with PDL where graphs replay it."""
     methods: list[Method] = []
     for tile in wgmma_tiles(rows):
         split = fp8_split(*operands.weight.shape, rows, tile, sms, operands.block[1])
-        for slices in sorted({1, split}):
+        splits = (swap_splits(*operands.weight.shape, rows, tile, sms, operands.block[1]) if tile.get("SWAP_AB")
+                  else sorted({1, split}))
+        for slices in splits:
             config = {**tile, "SPLIT_K": slices}
             methods.append(Fp8Gemm.of(config, quantize_on_load=False))
             if pdl:
