@@ -57,8 +57,8 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
 
     def fp8() -> None:
         from worker_svc.layers import fp8_kernels as f8, gemv_kernels
-        from worker_svc.layers.linear_selection import (FP8_GEMM_TILES, FP8_NARROW_MAX_ROWS, FP8_NARROW_TILES,
-                                                        FP8_WAVE_SPLIT_MAX_ROWS, GEMV_MAX_ROWS, wgmma_tiles)
+        from worker_svc.layers.linear_candidates import (FP8_GEMM_TILES, FP8_NARROW_MAX_ROWS, FP8_NARROW_TILES,
+                                                         FP8_WAVE_SPLIT_MAX_ROWS, GEMV_MAX_ROWS, wgmma_tiles)
         weight = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
         for rows in DECODE_ROWS:
@@ -68,7 +68,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
             f8.fp8_linear(x, weight, weight_scale, (128, 128))
             f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True)
             f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128))
-            if rows <= 64:   # split-K, as linear_selection's few-row candidates run it, and with PDL
+            if rows <= 64:   # split-K, as linear_candidates' few-row candidates run it, and with PDL
                 split = dict(f8._matmul_config(rows), SPLIT_K=8)
                 f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=split)
                 f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=split)
@@ -107,7 +107,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
 
     def gemv() -> None:
         from worker_svc.layers import gemv_kernels
-        from worker_svc.layers.linear_selection import gemv_configs, tiled_configs
+        from worker_svc.layers.linear_candidates import gemv_configs, tiled_configs
         weight = torch.randn(1024, 4096, dtype=bf16)
         fp8_weight = weight.to(torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)

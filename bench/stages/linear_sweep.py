@@ -83,7 +83,7 @@ def fp8_block(width: int) -> tuple[int, int]:
 def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool, pdl: bool) -> list:
     """Every GEMV setting swept at this row count (the start-up candidates among them)."""
     from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, GemvConfig, check_config
-    from worker_svc.layers.linear_selection import MAX_SPLIT, MIN_FMA_BLOCK_K, auto_split, gemv_configs
+    from worker_svc.layers.linear_candidates import MAX_SPLIT, MIN_FMA_BLOCK_K, auto_split, gemv_configs
 
     block_m = 1 << max(0, (rows - 1).bit_length())
     bases = []
@@ -127,9 +127,9 @@ def sweep_gemv_configs(rows: int, num_cols: int, width: int, sms: int, fp8: bool
 
 
 def sweep_methods(operands, rows: int, dtype, sms: int, pdl: bool) -> list:
-    """The start-up candidates (linear_selection.candidates) and every other setting swept."""
+    """The start-up candidates (linear_candidates.candidates) and every other setting swept."""
+    from worker_svc.layers.linear_candidates import GEMV_MAX_ROWS, candidates
     from worker_svc.layers.linear_methods import Fp8Gemm, Gemv
-    from worker_svc.layers.linear_selection import GEMV_MAX_ROWS, candidates
 
     num_cols, width = operands.weight.shape
     methods = {str(m): m for m in candidates(operands, rows, dtype, sms, pdl)}
@@ -205,7 +205,8 @@ def time_methods(methods, operands, x, dtype) -> tuple[dict[str, float], dict[st
 def selection_pick(operands, rows: int, dtype, sms: int, pdl: bool,
                    times: dict[str, float]) -> tuple[str, float] | None:
     """What linear_selection would run at this row count, from these measurements."""
-    from worker_svc.layers.linear_selection import _fastest, candidates
+    from worker_svc.layers.linear_candidates import candidates
+    from worker_svc.layers.linear_selection import _fastest
 
     methods = {str(m): m for m in candidates(operands, rows, dtype, sms, pdl)}
     measured = {name: times[name] for name in methods if name in times}

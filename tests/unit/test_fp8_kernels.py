@@ -235,10 +235,10 @@ QWEN3_8B_FP8_BOUND = 2 ** -6
 
 @pytest.mark.parametrize("tile", [dict(BLOCK_N=16, num_stages=8), dict(BLOCK_N=32, num_stages=6)])
 def test_narrow_column_tiles_match_the_emulation(fp8_kernels, tile):
-    """linear_selection's narrow FP8 GEMM tiles at a few rows (16 and 32 columns: more programs,
+    """linear_candidates' narrow FP8 GEMM tiles at a few rows (16 and 32 columns: more programs,
     each over the whole of K), input quantized first, as an Fp8Activation and on load, with a
     bias: the emulation's product, as the default tile gives it."""
-    from worker_svc.layers.linear_selection import FP8_NARROW_TILES
+    from worker_svc.layers.linear_candidates import FP8_NARROW_TILES
 
     assert tile in FP8_NARROW_TILES
     g = torch.Generator().manual_seed(44 + tile["BLOCK_N"])
@@ -261,13 +261,13 @@ def test_narrow_column_tiles_match_the_emulation(fp8_kernels, tile):
 
 @pytest.mark.parametrize("tile", ["padded 64x64", "swapped 64", "swapped 128"])
 def test_the_wgmma_tiles_at_a_few_rows_match_the_emulation(fp8_kernels, tile):
-    """linear_selection's FP8 GEMM tiles for wgmma on e4m3 at 1, 3, 17 and 40 rows: the rows padded to a
+    """linear_candidates' FP8 GEMM tiles for wgmma on e4m3 at 1, 3, 17 and 40 rows: the rows padded to a
     64-row tile (up to 32 rows), or the dot swapped (the weight tile as the 64-row operand, the rows
     as swap_rows's 16-64 columns), input quantized first (an Fp8Activation, as the norms and SwiGLU
     give it), unsplit and split over K, with a bias: the emulation's product, and the counters back at zero."""
     from worker_svc.layers.gemv_kernels import split_counters
-    from worker_svc.layers.linear_selection import (FP8_SWAP_TILES, FP8_WGMMA_MAX_ROWS, FP8_WGMMA_TILES,
-                                                    swap_rows)
+    from worker_svc.layers.linear_candidates import (FP8_SWAP_TILES, FP8_WGMMA_MAX_ROWS, FP8_WGMMA_TILES,
+                                                     swap_rows)
 
     g = torch.Generator().manual_seed(46 + len(tile))
     block = (32, 32)
@@ -309,14 +309,14 @@ def test_qwen3_8b_shapes(fp8_kernels, rows):
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 3, 16, 64])
 def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, rows):
-    """qkv, o and down of Qwen3-8B with K split as linear_selection.fp8_split splits it on an H100 /
+    """qkv, o and down of Qwen3-8B with K split as linear_candidates.fp8_split splits it on an H100 /
     H200, input quantized ahead as the norms and SwiGLU give it: the unsplit product to float32
     rounding before the bf16 output's (the tensor cores' sums are the same, only their order
     across slices differs), in a CUDA graph replayed twice (the counters start at zero again); the
     tiles for wgmma on e4m3 too (padded to 64 rows, or swapped), split and not (the swapped ones at each of
     swap_splits' factors)."""
     from worker_svc.layers.gemv_kernels import pdl_in_graphs, split_counters
-    from worker_svc.layers.linear_selection import fp8_split, swap_splits, wgmma_tiles
+    from worker_svc.layers.linear_candidates import fp8_split, swap_splits, wgmma_tiles
 
     g = torch.Generator(device="cuda").manual_seed(37)
     for cols, width in [(6144, 4096), (4096, 4096), (4096, 12288)]:

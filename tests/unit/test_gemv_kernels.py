@@ -413,7 +413,7 @@ def test_a_pdl_gemv_folding_the_norm_reads_the_gemv_before_it(kernels, rows):
 @pytest.mark.parametrize("rows", [1, 4, 16, 64])
 def test_qwen3_8b_shapes_bf16_and_fp8(kernels, rows):
     """Qwen3-8B's projections, every start-up GEMV candidate, against F.linear in float64."""
-    from worker_svc.layers.linear_selection import gemv_configs
+    from worker_svc.layers.linear_candidates import gemv_configs
 
     gemv_kernels = kernels[0]
     g = torch.Generator(device="cuda").manual_seed(45)

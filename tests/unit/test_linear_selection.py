@@ -35,6 +35,14 @@ def selection():
         yield linear_selection, linear_methods
 
 
+@pytest.fixture(scope="module")
+def lc(selection):
+    """linear_candidates: what the selection tries, and the tile tables behind it."""
+    from worker_svc.layers import linear_candidates
+
+    return linear_candidates
+
+
 def timings(table: dict[str, float]):
     """A measure that reads each method's time from `table` by the start of its name."""
     def measure(method, runners, x):
@@ -58,9 +66,9 @@ def bf16_operands(methods, cols=48, width=64, seed=51):
     return methods.LinearOperands((torch.randn(cols, width, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE))
 
 
-def test_the_fastest_method_wins_each_row_count(selection):
+def test_the_fastest_method_wins_each_row_count(selection, lc):
     linear_selection, methods = selection
-    gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64))
+    gemv = methods.Gemv(lc.GemvConfig(2, 16, 64))
     operands = bf16_operands(methods)
     # The GEMV wins at 1 row, cuBLAS at 2; at 4 and past it only cuBLAS is a candidate (unmeasured).
     calls = collections.Counter()
@@ -112,20 +120,20 @@ def test_fp8_weights_keep_a_bf16_copy_only_where_it_is_clearly_faster(selection,
     assert str(choice.chosen[1]).startswith(expected) and str(choice.beyond).startswith(expected)
 
 
-def test_auto_split_fills_the_device_with_at_least_two_k_tiles_per_split(selection):
+def test_auto_split_fills_the_device_with_at_least_two_k_tiles_per_split(selection, lc):
     linear_selection, _ = selection
-    config = linear_selection.GemvConfig(1, 8, 512)
-    assert linear_selection.auto_split(1024, 2048, 1, config, sms=132) == 2       # 128 programs, 4 K tiles
-    assert linear_selection.auto_split(24576, 4096, 1, config, sms=132) == 1      # 3072 programs already
-    assert linear_selection.auto_split(6144, 4096, 1, config, sms=132) == 2       # 768 programs: 1536
-    assert linear_selection.auto_split(1024, 12288, 1, config, sms=132) == 9      # 24 K tiles: 1152 programs
+    config = lc.GemvConfig(1, 8, 512)
+    assert lc.auto_split(1024, 2048, 1, config, sms=132) == 2       # 128 programs, 4 K tiles
+    assert lc.auto_split(24576, 4096, 1, config, sms=132) == 1      # 3072 programs already
+    assert lc.auto_split(6144, 4096, 1, config, sms=132) == 2       # 768 programs: 1536
+    assert lc.auto_split(1024, 12288, 1, config, sms=132) == 9      # 24 K tiles: 1152 programs
     for rows in (1, 3, 8, 16, 64):
-        for cfg in linear_selection.gemv_configs(rows, 1024, 3072, sms=132):
+        for cfg in lc.gemv_configs(rows, 1024, 3072, sms=132):
             assert cfg.block_m >= rows or cfg.block_m == 16 or rows > 16
             assert cfg.split_k == 1 or 3072 // cfg.block_k // cfg.split_k >= 2
 
 
-def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run(selection):
+def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run(selection, lc):
     """One accumulator per row beside the previous loop up to 4 rows, never past them; the bench
     sweep holds every start-up candidate and names each setting's loop."""
     linear_selection, _ = selection
@@ -133,12 +141,12 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
     from worker_svc.layers.gemv_kernels import check_config
 
     for rows in (1, 2, 4, 8, 16):
-        configs = linear_selection.gemv_configs(rows, 4096, 4096, sms=132)
+        configs = lc.gemv_configs(rows, 4096, 4096, sms=132)
         looped = {(c.row_acc, c.use_dot) for c in configs}
         assert ((True, False) in looped) == (rows <= 4) and ((False, False) in looped) == (rows < 16)
         for cfg in configs:
             check_config(cfg, 4096, 4096, fp8_block=(128, 128))
-        fp8_configs = linear_selection.gemv_configs(rows, 4096, 4096, sms=132, fp8=True)
+        fp8_configs = lc.gemv_configs(rows, 4096, 4096, sms=132, fp8=True)
         # One row tries tensor cores for FP8 weights only (their dot converts to 16 bits, not 32).
         assert any(c.use_dot for c in configs) == (rows > 1) and any(c.use_dot for c in fp8_configs)
         swept = {str(c) for c in sweep_gemv_configs(rows, 4096, 4096, 132, fp8=True, pdl=True)}
@@ -148,9 +156,9 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
     assert gemv_family("gemv(m16 n32 k128 split1 w4 s4 pdl)") == "dot" and gemv_family("cublas") is None
     # FP8 weights on tensor cores: each tile also with the weights taken by their bits (not the FMA loops,
     # nor bf16 weights); the sweep has both loops' bits settings
-    one_row_fp8 = linear_selection.gemv_configs(1, 4096, 4096, sms=132, fp8=True)
+    one_row_fp8 = lc.gemv_configs(1, 4096, 4096, sms=132, fp8=True)
     assert {str(c) for c in one_row_fp8 if c.fp8_bits} == {f"{c} bits" for c in one_row_fp8 if c.use_dot and not c.fp8_bits}
-    assert not any(c.fp8_bits for c in linear_selection.gemv_configs(4, 4096, 4096, sms=132))
+    assert not any(c.fp8_bits for c in lc.gemv_configs(4, 4096, 4096, sms=132))
     assert any(c.fp8_bits and not c.use_dot for c in sweep_gemv_configs(1, 4096, 4096, 132, fp8=True, pdl=True))
     record = {"projection": "p", "rows": 1, "bf16_times": {"cublas": 1.0, "gemv(m1 n8 k512 split1 w4 s1 pdl)": 3.0,
                                                            "gemv(m1 n4 k512 split1 w4 s1 pdl)": 2.0,
@@ -161,7 +169,7 @@ def test_start_up_tries_both_fma_loops_on_a_few_rows_and_every_candidate_can_run
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["gemv", "norm-folded"])
-def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir, fold):
+def test_a_model_running_its_plans_matches_the_model_without_them(selection, tiny_model_dir, fold, lc):
     """Every projection kind of a tiny Qwen3 (the down projection with SwiGLU fused, the LM head)
     planned to run the GEMV for decode-sized steps and cuBLAS for a prompt; with `fold`, qkv and
     gate_up (fed by the RMSNorms) fold the norm before them in; the float32 logits match those of
@@ -170,8 +178,8 @@ def test_a_model_running_its_plans_matches_the_model_without_them(selection, tin
     dtype = torch.float32
     config = load_model_config(tiny_model_dir)
     model = tiny_qwen3_with_cache(tiny_model_dir, dtype, DEVICE)
-    gemv = methods.Gemv(linear_selection.GemvConfig(2, 64, 64, split_k=2))
-    folded = methods.Gemv(linear_selection.GemvConfig(2, 64, 64, split_k=2), fold_norm=True)
+    gemv = methods.Gemv(lc.GemvConfig(2, 64, 64, split_k=2))
+    folded = methods.Gemv(lc.GemvConfig(2, 64, 64, split_k=2), fold_norm=True)
     kinds = linear_selection.linear_kinds(model)
     assert sorted(label.split()[0] for label, _ in kinds.values()) == ["down_proj", "gate_up_proj", "lm_head",
                                                                        "o_proj", "qkv_proj"]
@@ -338,7 +346,7 @@ def test_a_method_fed_quantized_input_is_timed_on_it(selection, norm_fed):
     assert timed == (["Fp8Activation"] * 2 if norm_fed else ["Tensor"] * 2) and set(seen[::2]) == {"Tensor"}
 
 
-def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
+def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection, lc):
     """At a few rows a 4,096-column FP8 weight has 64 column tiles of the FP8 GEMM, fewer programs
     than a Hopper's 132 SMs: the candidates add the GEMM with K split over more programs (both
     activation paths), sized to about SPLIT_PROGRAMS_PER_SM programs an SM with at least two of
@@ -349,7 +357,7 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     def candidates(name, rows):
         operands = methods.LinearOperands(torch.empty(shapes[name], dtype=torch.float8_e4m3fn),
                                           torch.ones(shapes[name][0] // 128, shapes[name][1] // 128), (128, 128))
-        return [str(m) for m in linear_selection.candidates(operands, rows, torch.bfloat16, sms=132)]
+        return [str(m) for m in lc.candidates(operands, rows, torch.bfloat16, sms=132)]
 
     def splits(names):   # of the GEMM's own tiles: not those for wgmma at a few rows (swapped, or 64x64 at <= 32)
         own = [n for n in names if n.startswith("fp8-gemm") and "split" in n and "swap" not in n]
@@ -374,7 +382,7 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     assert {"fp8-gemm(quant+ 16x64 w4 s4 split5 swap)", "fp8-gemm(quant+ 16x64 w4 s4 split2 pdl pf2 swap)",
             "fp8-gemm(quant+ 16x128 w4 s4 split4 swap)", "fp8-gemm(quant+ 16x128 w4 s4 split8 pdl pf2 swap)"} <= set(wgmma)
     assert len(wgmma) == 20 and not any("on-load" in n for n in wgmma)
-    assert linear_selection.swap_splits(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == [1, 4, 8, 16]
+    assert lc.swap_splits(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == [1, 4, 8, 16]
     assert {"fp8-gemm(quant+ 32x64 w4 s4 swap)", "fp8-gemm(quant+ 64x64 w4 s4)"} <= set(candidates("down", 32))
     at_64 = [n for n in candidates("down", 64) if "swap" in n]
     assert len(at_64) == 12 and all(" 64x" in n for n in at_64)   # 33-64 rows: the GEMM's own tile is 64 x 64
@@ -391,16 +399,16 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection):
     assert "fp8-gemm(quant+ 64x128 w8 s3 split2)" in candidates("o", 512) and splits(candidates("qkv", 512)) == []
     assert splits(candidates("gate_up", 256)) == [] and splits(candidates("o", 2048)) == []
     # o: 64 tiles would want 17 slices for 8 programs an SM; 32 groups allow 16 of two groups each.
-    assert linear_selection.fp8_split(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == 16
+    assert lc.fp8_split(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == 16
 
 
-def test_the_ranks_of_a_group_run_the_slowest_ranks_choice(selection):
+def test_the_ranks_of_a_group_run_the_slowest_ranks_choice(selection, lc):
     """Here the GEMV wins at 1 and 2 rows; another rank (the reduction: element-wise max with its
     times) finds it slow at 2 rows and cannot run `zeros` (refused here too, on its product): every
     measured row count goes through the reduction once, with one time per candidate in order (inf
     for a refused one), and the choice is the slowest rank's."""
     linear_selection, methods = selection
-    gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64))
+    gemv = methods.Gemv(lc.GemvConfig(2, 16, 64))
 
     theirs = {1: [math.inf, 1.0, 0.5], 2: [math.inf, 1.0, 3.0]}   # zeros, cublas, gemv on the other rank
     reduced = []
@@ -419,21 +427,21 @@ def test_the_ranks_of_a_group_run_the_slowest_ranks_choice(selection):
     assert choice.times[2] == {"cublas": 1.0, str(gemv): 3.0}
 
 
-def test_the_fastest_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(selection):
+def test_the_fastest_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(selection, lc):
     """The fastest PDL launch's twin that lets the next kernel launch only after its loop is timed
     once more (every rank the same twin, through the reduction) and kept where faster: at 1 row
     it beats the early trigger, at 2 rows neither beats cuBLAS but the late twin."""
     linear_selection, methods = selection
-    gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64, pdl=True))
+    gemv = methods.Gemv(lc.GemvConfig(2, 16, 64, pdl=True))
     late = gemv.late_twin()
     assert str(late) == f"{str(gemv)[:-1]} late)" and late.late_twin() is None
-    assert methods.Gemv(linear_selection.GemvConfig(2, 16, 64)).late_twin() is None
+    assert methods.Gemv(lc.GemvConfig(2, 16, 64)).late_twin() is None
     assert methods.Cublas().late_twin() is None
     fp8 = methods.Fp8Gemm.of({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PDL": True})
     assert str(fp8.late_twin()).endswith("pdl late)") and dict(fp8.late_twin().config)["LATE_TRIGGER"]
     from worker_svc.layers.gemv_kernels import check_config
     with pytest.raises(ValueError, match="late trigger"):
-        check_config(linear_selection.GemvConfig(2, 16, 64, late_trigger=True), 48, 64)
+        check_config(lc.GemvConfig(2, 16, 64, late_trigger=True), 48, 64)
 
     timed = collections.Counter()
 
@@ -461,14 +469,14 @@ def test_the_fastest_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(sel
     assert reduced == [[1.0, 0.5], [0.4], [1.0, 1.2], [0.9]]
     # no PDL candidate: nothing more is timed
     reduced.clear()
-    plain = methods.Gemv(linear_selection.GemvConfig(2, 16, 64))
+    plain = methods.Gemv(lc.GemvConfig(2, 16, 64))
     linear_selection.choose_methods("proj", [bf16_operands(methods)], torch.bfloat16, DEVICE, max_rows=1, sms=4,
                                     measure=timings({"cublas": 1.0, "gemv": 0.5}),
                                     candidate_methods=lambda *a: [methods.Cublas(), plain], reduce_across_ranks=reduce)
     assert reduced == [[1.0, 0.5]]
 
 
-def test_the_o_projection_can_run_its_choices_prefetch_twin(selection, monkeypatch):
+def test_the_o_projection_can_run_its_choices_prefetch_twin(selection, monkeypatch, lc):
     """With prefetch_whole (PREFETCH_AFTER_ATTENTION, for the kinds after attention) each row count
     runs its chosen PDL launch's twin that asks L2 for each program's whole slice of weights: timed
     (through the reduction, as every rank times it) and its product checked, but run whatever its
@@ -476,11 +484,11 @@ def test_the_o_projection_can_run_its_choices_prefetch_twin(selection, monkeypat
     PDL keeps its method, and without prefetch_whole nothing more is timed."""
     linear_selection, methods = selection
     from worker_svc.layers.gemv_kernels import PREFETCH_WHOLE, check_config
-    gemv = methods.Gemv(linear_selection.GemvConfig(2, 16, 64, pdl=True))
+    gemv = methods.Gemv(lc.GemvConfig(2, 16, 64, pdl=True))
     whole = gemv.prefetch_twin()
     assert str(whole) == f"{str(gemv)[:-1]} pf all)" and whole.prefetch_twin() is None
     assert whole.config.prefetch == PREFETCH_WHOLE and whole.late_twin().config.prefetch == PREFETCH_WHOLE
-    assert methods.Gemv(linear_selection.GemvConfig(2, 16, 64)).prefetch_twin() is None
+    assert methods.Gemv(lc.GemvConfig(2, 16, 64)).prefetch_twin() is None
     assert methods.Cublas().prefetch_twin() is None
     fp8 = methods.Fp8Gemm.of({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PDL": True,
                               "PREFETCH": 2})
@@ -518,7 +526,7 @@ def test_the_o_projection_can_run_its_choices_prefetch_twin(selection, monkeypat
     assert not linear_selection.prefetches_whole("qkv_proj 4096x1024 bfloat16")
 
 
-def test_layers_fed_by_a_norm_also_try_gemvs_that_fold_it_in_at_a_few_rows(selection):
+def test_layers_fed_by_a_norm_also_try_gemvs_that_fold_it_in_at_a_few_rows(selection, lc):
     """qkv and gate_up (norm_fed) get a folded twin of every GEMV but the one-accumulator-a-row loop
     up to FOLD_NORM_MAX_ROWS rows; the SwiGLU-fed down projection and the others never do. Where
     the twins are candidates, every candidate is timed with the norm (as_fed's with_norm), and a
@@ -527,19 +535,19 @@ def test_layers_fed_by_a_norm_also_try_gemvs_that_fold_it_in_at_a_few_rows(selec
     weight = (torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) / 8).to(torch.bfloat16).to(DEVICE)
     fed = methods.LinearOperands(weight, norm_fed=True)
     for rows in (1, 2, 4, 8):
-        names = [str(m) for m in linear_selection.candidates(fed, rows, torch.bfloat16, sms=4)]
+        names = [str(m) for m in lc.candidates(fed, rows, torch.bfloat16, sms=4)]
         folded = [n for n in names if n.endswith(" +norm")]
         plain = {n for n in names if n.startswith("gemv(") and not n.endswith(" +norm") and " rows" not in n}
-        assert bool(folded) == (rows <= linear_selection.FOLD_NORM_MAX_ROWS)
+        assert bool(folded) == (rows <= lc.FOLD_NORM_MAX_ROWS)
         if folded:
             assert {n.removesuffix(" +norm") for n in folded} == plain and not any(" rows" in n for n in folded)
     for other in (methods.LinearOperands(weight), methods.LinearOperands(weight, silu_mul=True, norm_fed=True)):
-        assert not any(str(m).endswith("+norm") for m in linear_selection.candidates(other, 1, torch.bfloat16, sms=4))
+        assert not any(str(m).endswith("+norm") for m in lc.candidates(other, 1, torch.bfloat16, sms=4))
 
-    fold = methods.Gemv(linear_selection.GemvConfig(1, 16, 64, split_k=2), fold_norm=True)
+    fold = methods.Gemv(lc.GemvConfig(1, 16, 64, split_k=2), fold_norm=True)
     x = (4 * torch.randn(1, 128, generator=torch.Generator().manual_seed(6))).to(torch.bfloat16).to(DEVICE)
     assert linear_selection.relative_error(fold.bind(fed, torch.bfloat16), fed, x) <= 2 ** -7
-    broken = dataclasses.replace(fold, config=linear_selection.GemvConfig(1, 16, 64, split_k=2))   # no norm
+    broken = dataclasses.replace(fold, config=lc.GemvConfig(1, 16, 64, split_k=2))   # no norm
     assert linear_selection.relative_error(
         methods.NormFoldingRunner(lambda x, bias, norm: broken.bind(fed, torch.bfloat16)(x, bias)), fed, x) > 0.1
     seen = []
@@ -583,16 +591,16 @@ def test_start_up_compiles_folded_gemvs_as_the_model_calls_them(selection, monke
     assert seen == [(False, "Tensor", False), (True, "NormedInput", False), (True, "NormedInput", True)]
 
 
-def test_past_the_gemv_rows_bf16_layers_try_the_tiled_tensor_core_loop_against_cublas(selection):
+def test_past_the_gemv_rows_bf16_layers_try_the_tiled_tensor_core_loop_against_cublas(selection, lc):
     """From GEMV_MAX_ROWS to TILED_MAX_ROWS rows a bf16 kind's candidates are cuBLAS and the GEMV
     kernel's tensor-core loop as a tiled GEMM (TILED_TILES, split over K where the tiles fill less
     than two waves); FP8 kinds and larger steps keep their lists. The tiled product matches F.linear."""
     linear_selection, methods = selection
     from worker_svc.layers.gemv_kernels import check_config
 
-    configs = linear_selection.tiled_configs(256, 4096, 1024, sms=132)   # Qwen3-0.6B's qkv at 256 rows
+    configs = lc.tiled_configs(256, 4096, 1024, sms=132)   # Qwen3-0.6B's qkv at 256 rows
     assert [c for c in configs if c.split_k == 1] == [
-        linear_selection.GemvConfig(m, n, k, num_warps=w, num_stages=s) for m, n, k, w, s in linear_selection.TILED_TILES]
+        lc.GemvConfig(m, n, k, num_warps=w, num_stages=s) for m, n, k, w, s in lc.TILED_TILES]
     split = {(c.block_m, c.block_n): c.split_k for c in configs if c.split_k > 1}
     # 256, 128, 128 and 64 tiles for 264 programs' two waves; at most a quarter of K's 16 tiles a slice
     assert split == {(64, 64): 2, (64, 128): 3, (128, 64): 3, (128, 128): 4}
@@ -602,13 +610,13 @@ def test_past_the_gemv_rows_bf16_layers_try_the_tiled_tensor_core_loop_against_c
     bf16, fp8 = methods.LinearOperands(weight), methods.LinearOperands(*quantize_blocks(weight.float().cpu(), (32, 32)),
                                                                         (32, 32))
     for rows in (128, 512, 2048):
-        names = [str(m) for m in linear_selection.candidates(bf16, rows, torch.bfloat16, sms=4)]
+        names = [str(m) for m in lc.candidates(bf16, rows, torch.bfloat16, sms=4)]
         tiled = [n for n in names if n.startswith("gemv(")]
-        assert names[0] == "cublas" and bool(tiled) == (rows <= linear_selection.TILED_MAX_ROWS)
+        assert names[0] == "cublas" and bool(tiled) == (rows <= lc.TILED_MAX_ROWS)
         assert all(n.startswith(("gemv(m64", "gemv(m128")) for n in tiled)
-    assert not any(str(m).startswith("gemv") for m in linear_selection.candidates(fp8, 256, torch.bfloat16, sms=4))
+    assert not any(str(m).startswith("gemv") for m in lc.candidates(fp8, 256, torch.bfloat16, sms=4))
     x = torch.randn(100, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).to(DEVICE)
-    for cfg in (linear_selection.GemvConfig(64, 32, 32, num_warps=4, num_stages=2),
-                linear_selection.GemvConfig(64, 32, 32, split_k=2, num_warps=4, num_stages=2)):
-        run = methods.Gemv(cfg, max_rows=linear_selection.TILED_MAX_ROWS).bind(bf16, torch.bfloat16)
+    for cfg in (lc.GemvConfig(64, 32, 32, num_warps=4, num_stages=2),
+                lc.GemvConfig(64, 32, 32, split_k=2, num_warps=4, num_stages=2)):
+        run = methods.Gemv(cfg, max_rows=lc.TILED_MAX_ROWS).bind(bf16, torch.bfloat16)
         assert linear_selection.relative_error(run, bf16, x) <= 2 ** -7
