@@ -117,10 +117,10 @@ def wgmma_candidates(operands: LinearOperands, rows: int, sms: int, pdl: bool) -
     """The wgmma_tiles, input quantized first: each unsplit and split over K as fp8_split sizes it (the
     swapped ones also at swap_splits' factors between), and each with PDL where graphs replay it."""
     methods: list[Method] = []
+    shape = (*operands.weight.shape, rows)
     for tile in wgmma_tiles(rows):
-        split = fp8_split(*operands.weight.shape, rows, tile, sms, operands.block[1])
-        splits = (swap_splits(*operands.weight.shape, rows, tile, sms, operands.block[1]) if tile.get("SWAP_AB")
-                  else sorted({1, split}))
+        splits = (swap_splits(*shape, tile, sms, operands.block[1]) if tile.get("SWAP_AB")
+                  else sorted({1, fp8_split(*shape, tile, sms, operands.block[1])}))
         for slices in splits:
             config = {**tile, "SPLIT_K": slices}
             methods.append(Fp8Gemm.of(config, quantize_on_load=False))
