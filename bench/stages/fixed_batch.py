@@ -64,18 +64,18 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
     if len(times) != steps + 1:
         raise RuntimeError(f"{len(times)} steps returned tokens, expected {steps + 1} (one prefill, {steps} decodes)")
     intervals = [b - a for a, b in zip(times, times[1:])]
+    median = statistics.median(intervals)
     decode_s = times[-1] - times[0]
     device_ms = None
     if args.fixed_profile and args.device != "cpu":   # the decode steps' kernels: a long run's less a 1-token run's
         device_ms = (kernel_ms(lambda: timed_run(4, 1 + steps)) - kernel_ms(lambda: timed_run(5, 1))) / steps
     return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "kv_cache_dtype": args.fixed_kv_cache_dtype,
             "device_ms_per_step": device_ms, "decode_s": decode_s, "decode_s_by_difference": total_s - prefill_s, "prefill_s": prefill_s,
-            "step_ms_median": statistics.median(intervals) * 1e3,
+            "step_ms_median": median * 1e3,
             "step_ms_p90": statistics.quantiles(intervals, n=10)[-1] * 1e3,
             "step_ms_mean": decode_s / len(intervals) * 1e3,
             # the steps that took over 1.5x the median (step index, ms): where a mean above the median comes from
-            "slow_steps": [(i, round(t * 1e3, 2)) for i, t in enumerate(intervals)
-                           if t > 1.5 * statistics.median(intervals)][:16],
+            "slow_steps": [(i, round(t * 1e3, 2)) for i, t in enumerate(intervals) if t > 1.5 * median][:16],
             "tok_per_s": batch * steps / decode_s, "startup_s": startup_s}
 
 
