@@ -34,8 +34,9 @@
 #             WORKER_ATTENTION_LONGEST_FIRST=64 and without, in one call (the step log's large-batch rows)
 #   ashort    attention at short contexts and large batches (64/256 x 128), every launch config at 1 and 2 splits,
 #             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention at 67% of the copy rate there)
-#   oprefetch Qwen3-8B FP8 decode at one row with WORKER_O_PROJ_L2_PREFETCH=0 and =1: the o projection asking L2
-#             for all its weights while attention runs (PERF_NOTES v42), and what it ran (~5 min cold); the stages
+#   oprefetch Qwen3-8B FP8 decode at one row with WORKER_L2_PREFETCH_KINDS unset, o_proj and all (OPF_KINDS): the o
+#             projection asking L2 for all its weights while attention runs (PERF_NOTES v42), then every projection
+#             while the kernel before it ends (v43), and what ran with it (~6 min warm); the stages
 #             in OPF_STAGES (e.g. bandwidth,decode_8b_bf16 or decode_0.6b_bf16: a cold bf16 8B start takes ~2.5 min)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
@@ -268,12 +269,13 @@ PY
         ;;
     oprefetch)
         base
-        for flag in 0 1; do
-            echo "== WORKER_O_PROJ_L2_PREFETCH=$flag"
-            WORKER_O_PROJ_L2_PREFETCH=$flag OUT=$OUT/opf$flag STAGES=${OPF_STAGES:-bandwidth,decode_8b_fp8} \
-                EXTRA="--fixed-batch 1 --fixed-steps 256" LINES_OUT=6 TIMEOUT=${TIMEOUT:-270} bash "$0" moe | grep "Qwen3-\|mean step"
-            grep -rhao "linear o_proj [0-9x]* [a-z0-9]* ([0-9]* layers), ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" \
-                2>/dev/null | sort -u
+        for kinds in ${OPF_KINDS:-none o_proj all}; do
+            echo "== WORKER_L2_PREFETCH_KINDS=$kinds"
+            rm -rf "$BENCH/moe/logs"
+            WORKER_L2_PREFETCH_KINDS=${kinds/none/} OUT=$OUT/opf-$kinds STAGES=${OPF_STAGES:-bandwidth,decode_8b_fp8} \
+                EXTRA="--fixed-batch 1 --fixed-steps 256" LINES_OUT=6 TIMEOUT=${TIMEOUT:-200} bash "$0" moe | grep "Qwen3-\|mean step"
+            grep -rhao "linear [a-z_]* [0-9x]* [a-z0-9]* ([0-9]* layers), ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" \
+                2>/dev/null | sort -u | grep "pf all"
         done
         ;;
     stage)

@@ -524,6 +524,14 @@ def test_the_o_projection_can_run_its_choices_prefetch_twin(selection, monkeypat
     monkeypatch.setattr(linear_selection, "PREFETCH_AFTER_ATTENTION", True)
     assert linear_selection.prefetches_whole("o_proj 1024x2048 bfloat16")
     assert not linear_selection.prefetches_whole("qkv_proj 4096x1024 bfloat16")
+    # WORKER_L2_PREFETCH_KINDS names more kinds, or all of them
+    monkeypatch.setattr(linear_selection, "PREFETCH_AFTER_ATTENTION", False)
+    monkeypatch.setattr(linear_selection, "PREFETCH_KINDS", ("qkv_proj", "down_proj"))
+    assert linear_selection.prefetches_whole("qkv_proj 4096x1024 bfloat16")
+    assert not linear_selection.prefetches_whole("o_proj 1024x2048 bfloat16")
+    monkeypatch.setattr(linear_selection, "PREFETCH_KINDS", ("all",))
+    assert all(linear_selection.prefetches_whole(f"{kind} 4096x1024 fp8")
+               for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"))
 
 
 def test_layers_fed_by_a_norm_also_try_gemvs_that_fold_it_in_at_a_few_rows(selection, lc):

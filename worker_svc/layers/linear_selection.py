@@ -51,8 +51,11 @@ ENABLED = os.environ.get("WORKER_LINEAR_KERNELS", "1") != "0"
 # for its whole slice of weights, which at a few rows streams in while attention leaves the memory idle. The
 # selection's back-to-back timing cannot see that window (the twin is timed and logged beside the choice,
 # not judged by it), so it is off until a decode step measures it: WORKER_O_PROJ_L2_PREFETCH=1 (PERF_NOTES v42).
+# WORKER_L2_PREFETCH_KINDS (comma-separated kinds, or "all") runs the twins of other kinds too, each launched while
+# the kernel before it ends (a norm's, or the previous projection's tail): the experiment of PERF_NOTES v43.
 PREFETCH_AFTER_ATTENTION = os.environ.get("WORKER_O_PROJ_L2_PREFETCH", "0") == "1"
 AFTER_ATTENTION_KINDS = ("o_proj",)
+PREFETCH_KINDS = tuple(k for k in os.environ.get("WORKER_L2_PREFETCH_KINDS", "").replace(" ", "").split(",") if k)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
 L2_MULTIPLE = 4                 # timed layers: enough for their weights to exceed 4 L2 caches
@@ -344,8 +347,11 @@ def _fastest(times: dict[str, float], methods: dict[str, Method]) -> str:
 
 
 def prefetches_whole(label: str) -> bool:
-    """Whether a kind of layer (its label: "o_proj 4096x4096 fp8") runs its choices' prefetch twins."""
-    return PREFETCH_AFTER_ATTENTION and label.split()[0] in AFTER_ATTENTION_KINDS
+    """Whether a kind of layer (its label: "o_proj 4096x4096 fp8") runs its choices' prefetch twins: the kinds
+    after attention with PREFETCH_AFTER_ATTENTION, and those PREFETCH_KINDS names ("all": every kind)."""
+    kind = label.split()[0]
+    return ((PREFETCH_AFTER_ATTENTION and kind in AFTER_ATTENTION_KINDS)
+            or kind in PREFETCH_KINDS or "all" in PREFETCH_KINDS)
 
 
 def bind_plan(choice: KindChoice, operands: LinearOperands, dtype: torch.dtype) -> LinearPlan:
