@@ -63,15 +63,19 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
         weight_scale = torch.ones(8, 32)
         for rows in DECODE_ROWS:
             x = torch.randn(rows, 4096, dtype=bf16)
+            gate_up = torch.randn(rows, 8192, dtype=bf16)   # the down projection's SwiGLU on load
             f8.per_token_group_quant(x, 128)
             f8.quantize_activation(x, 128)
             f8.fp8_linear(x, weight, weight_scale, (128, 128))
             f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True)
+            f8.fp8_linear(gate_up, weight, weight_scale, (128, 128), quantize_on_load=True, silu_mul=True)
             f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128))
             if rows <= 64:   # split-K, as linear_candidates' few-row candidates run it, and with PDL
                 split = dict(f8._matmul_config(rows), SPLIT_K=8)
                 f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=split)
                 f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=split)
+                f8.fp8_linear(gate_up, weight, weight_scale, (128, 128), quantize_on_load=True, silu_mul=True,
+                              config=split)
                 with _as_on_a_hopper():
                     for slices in (1, 8):
                         for late in (False, True):   # the trigger at the start, or after the loop
@@ -90,6 +94,11 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                             if rows == 1:   # the o projection's twin asking L2 for its whole slice
                                 f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
                                               config={**config, "PDL": True, "PREFETCH": gemv_kernels.PREFETCH_WHOLE})
+                            if tile.get("SWAP_AB"):   # quantized on load (o), with SwiGLU (down), with PDL
+                                pdl = {**config, "PDL": True, "PREFETCH": 2}
+                                f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=pdl)
+                                f8.fp8_linear(gate_up, weight, weight_scale, (128, 128), quantize_on_load=True,
+                                              silu_mul=True, config=pdl)
             if GEMV_MAX_ROWS < rows <= FP8_WAVE_SPLIT_MAX_ROWS:   # the prefill tiles with K in two slices
                 for tile in FP8_GEMM_TILES[:2]:
                     f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
@@ -99,6 +108,8 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                     narrow = {**f8._matmul_config(rows), **tile}
                     f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128), config=narrow)
                     f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=narrow)
+                    f8.fp8_linear(gate_up, weight, weight_scale, (128, 128), quantize_on_load=True, silu_mul=True,
+                                  config=narrow)
                     with _as_on_a_hopper():
                         for late in (False, True):
                             f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),

@@ -20,6 +20,7 @@ import pathlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.support.triton_interpreter import DEVICE, gpu_faithful
 from common.tiny_model import write_tiny_qwen3_fp8
@@ -142,6 +143,16 @@ def test_quantizing_on_load_gives_the_quantize_first_product(fp8_kernels, out_dt
     # Its activations are exactly the reciprocal-multiplying reference's.
     expected = emulated_linear(x.cpu(), weight.cpu(), scale.cpu(), block, reciprocal=True) + b.cpu().double()
     assert relative_error(on_load, expected) <= (FP8_GEMM_VS_EMULATION if out_dtype == torch.float32 else 2 ** -7)
+    # The down projection's SwiGLU on load too: [gate | up] in, silu(gate) * up rounded as the SwiGLU kernel
+    # rounds it, then quantized: the same product as that kernel then the GEMM, bit for bit.
+    from worker_svc.layers import fused_kernels
+
+    gate_up = (torch.randn(20, 128, generator=g) * 3).to(out_dtype).to(DEVICE)
+    folded = fp8_kernels.fp8_linear(gate_up, weight, scale, block, b, quantize_on_load=True, silu_mul=True)
+    apart = fp8_kernels.fp8_linear(fused_kernels.silu_and_mul(gate_up), weight, scale, block, b, quantize_on_load=True)
+    assert folded.shape == (20, 96) and torch.equal(folded.cpu(), apart.cpu())
+    with pytest.raises(AssertionError, match="SwiGLU"):
+        fp8_kernels.fp8_linear(gate_up, weight, scale, block, b, silu_mul=True)
 
 
 def test_token_group_quant_lays_scales_out_for_cublas_on_request(fp8_kernels):
@@ -264,7 +275,8 @@ def test_the_wgmma_tiles_at_a_few_rows_match_the_emulation(fp8_kernels, tile):
     """linear_candidates' FP8 GEMM tiles for wgmma on e4m3 at 1, 3, 17 and 40 rows: the rows padded to a
     64-row tile (up to 32 rows), or the dot swapped (the weight tile as the 64-row operand, the rows
     as swap_rows's 16-64 columns), input quantized first (an Fp8Activation, as the norms and SwiGLU
-    give it), unsplit and split over K, with a bias: the emulation's product, and the counters back at zero."""
+    give it; the swapped ones also on load, and with SwiGLU on load), unsplit and split over K, with a bias:
+    the emulation's product, and the counters back at zero."""
     from worker_svc.layers.gemv_kernels import split_counters
     from worker_svc.layers.linear_candidates import (FP8_SWAP_TILES, FP8_WGMMA_MAX_ROWS, FP8_WGMMA_TILES,
                                                      swap_rows)
@@ -283,11 +295,21 @@ def test_the_wgmma_tiles_at_a_few_rows_match_the_emulation(fp8_kernels, tile):
             config = {**FP8_SWAP_TILES[0 if tile == "swapped 64" else 1], "BLOCK_M": swap_rows(rows)}
         x = torch.randn(rows, 4 * 32, generator=g).to(DEVICE)
         expected = emulated_linear(x.cpu(), weight.cpu(), scale.cpu(), block) + b.cpu().double()
+        gate_up = torch.randn(rows, 8 * 32, generator=g).to(DEVICE)
         for slices in (1, 3):
             actual = fp8_kernels.fp8_linear(fp8_kernels.quantize_activation(x, block[1]), weight, scale, block, b,
                                             config={**config, "SPLIT_K": slices})
             assert actual.shape == (rows, 200)
             assert relative_error(actual, expected) <= FP8_GEMM_VS_EMULATION, (rows, slices)
+            if config.get("SWAP_AB"):   # quantized on load (o_proj), and with SwiGLU on load (down_proj)
+                on_load = fp8_kernels.fp8_linear(x, weight, scale, block, b, quantize_on_load=True,
+                                                 config={**config, "SPLIT_K": slices})
+                assert relative_error(on_load, expected) <= 2 ** -7, (rows, slices)
+                gate, up = gate_up.cpu().chunk(2, dim=1)
+                swiglu = emulated_linear(F.silu(gate) * up, weight.cpu(), scale.cpu(), block, reciprocal=True)
+                folded = fp8_kernels.fp8_linear(gate_up, weight, scale, block, b, quantize_on_load=True, silu_mul=True,
+                                                config={**config, "SPLIT_K": slices})
+                assert relative_error(folded, swiglu + b.cpu().double()) <= 2 ** -7, (rows, slices)
         assert not split_counters(x.device).any()
     assert [swap_rows(n) for n in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
 
@@ -359,6 +381,10 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
                 product = fp8_kernels.fp8_linear(activation, weight, scale, (128, 128),
                                                  config={**wide, "SPLIT_K": slices})
                 assert relative_error(product, whole) <= 2 ** -7, (cols, width, wide, slices)
+                if wide.get("SWAP_AB"):   # quantized on load (o_proj and down_proj's candidates)
+                    on_load = fp8_kernels.fp8_linear(x, weight, scale, (128, 128), quantize_on_load=True,
+                                                     config={**wide, "SPLIT_K": slices, "PDL": True, "PREFETCH": 2})
+                    assert relative_error(on_load, whole) <= 2 ** -7, (cols, width, wide, slices)
         assert not split_counters(x.device).any()
 
 

@@ -356,7 +356,8 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection, lc):
 
     def candidates(name, rows):
         operands = methods.LinearOperands(torch.empty(shapes[name], dtype=torch.float8_e4m3fn),
-                                          torch.ones(shapes[name][0] // 128, shapes[name][1] // 128), (128, 128))
+                                          torch.ones(shapes[name][0] // 128, shapes[name][1] // 128), (128, 128),
+                                          silu_mul=name == "down", norm_fed=name in ("qkv", "gate_up"))
         return [str(m) for m in lc.candidates(operands, rows, torch.bfloat16, sms=132)]
 
     def splits(names):   # of the GEMM's own tiles: not those for wgmma at a few rows (swapped, or 64x64 at <= 32)
@@ -381,11 +382,16 @@ def test_few_rows_of_fp8_weights_try_the_fp8_gemm_split_over_k(selection, lc):
     # the swapped tiles also at a half and a quarter of that split (fewer, longer programs), with PDL too
     assert {"fp8-gemm(quant+ 16x64 w4 s4 split5 swap)", "fp8-gemm(quant+ 16x64 w4 s4 split2 pdl pf2 swap)",
             "fp8-gemm(quant+ 16x128 w4 s4 split4 swap)", "fp8-gemm(quant+ 16x128 w4 s4 split8 pdl pf2 swap)"} <= set(wgmma)
-    assert len(wgmma) == 20 and not any("on-load" in n for n in wgmma)
+    assert len(wgmma) == 20 and not any("on-load" in n for n in wgmma)   # qkv's norm quantizes its input
+    # o and down (no norm before them) also quantize on load in the swapped tiles (down: its SwiGLU too), with PDL
+    o_on_load = [n for n in candidates("o", 1) if "swap" in n and "on-load" in n]
+    assert "fp8-gemm(on-load 16x64 w4 s4 split8 pdl pf2 swap)" in o_on_load
+    assert len(o_on_load) == 8 and all("pdl" in n for n in o_on_load)
+    assert len([n for n in candidates("down", 1) if "swap" in n and "on-load" in n]) == 8
     assert lc.swap_splits(4096, 4096, 1, dict(BLOCK_M=16, BLOCK_N=64), 132, 128) == [1, 4, 8, 16]
     assert {"fp8-gemm(quant+ 32x64 w4 s4 swap)", "fp8-gemm(quant+ 64x64 w4 s4)"} <= set(candidates("down", 32))
     at_64 = [n for n in candidates("down", 64) if "swap" in n]
-    assert len(at_64) == 12 and all(" 64x" in n for n in at_64)   # 33-64 rows: the GEMM's own tile is 64 x 64
+    assert len(at_64) == 18 and all(" 64x" in n for n in at_64)   # 33-64 rows: the GEMM's own tile is 64 x 64 (6 on load)
     # 64 rows: the partials' traffic caps gate_up at 2 slices (4096 / (32 x 64)).
     assert splits(candidates("gate_up", 64)) == ["2"]
     assert splits(candidates("down", 16)) == ["16"] and splits(candidates("o", 16)) == ["8"]

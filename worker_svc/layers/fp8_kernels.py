@@ -100,7 +100,7 @@ def _block_fp8_matmul_kernel(
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
-    SWAP_AB: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
 ):
     # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
     # by several row tiles in a row. With SPLIT_K > 1, program_id(1) takes one of SPLIT_K slices
@@ -112,8 +112,10 @@ def _block_fp8_matmul_kernel(
     # once this one's loop is done (gemv_kernels' late_trigger). With SWAP_AB (a few rows, activations
     # quantized ahead) the dot takes the weight tile as its 64-row operand and the rows' activations as
     # the narrow one (BLOCK_M of 16-64 columns): Hopper's wgmma on e4m3 without padding the rows to 64
-    # (PERF_NOTES v41), the accumulator BLOCK_N x BLOCK_M, transposed once at the end.
-    tl.static_assert(not (SWAP_AB and QUANTIZE_A), "the swapped dot takes activations quantized ahead")
+    # (PERF_NOTES v41), the accumulator BLOCK_N x BLOCK_M, transposed once at the end. With SILU_MUL (and
+    # QUANTIZE_A) a is [gate | up], 2K wide: each tile is silu(gate) * up, rounded as fused_kernels.silu_and_mul
+    # rounds it, then quantized (the down projection without a SwiGLU kernel before it).
+    tl.static_assert(QUANTIZE_A or not SILU_MUL, "SwiGLU on load quantizes on load")
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     if PDL and not LATE_TRIGGER:
@@ -143,9 +145,12 @@ def _block_fp8_matmul_kernel(
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        if QUANTIZE_A:   # activations in the model dtype (or SwiGLU's input), quantized per row and group here
+            a = gemv_kernels._load_x(a_ptrs, m_mask[:, None], K, SILU_MUL, a_ptr.dtype.element_ty)
+        else:
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
+        if QUANTIZE_A:
             a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
         else:
             a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)
@@ -178,14 +183,17 @@ def _matmul_config(num_rows: int) -> dict:
 
 def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
                      block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
     """a [M, K] FP8 with a_scale [M, K / bk] (any strides), or a in the model dtype with a_scale
-    None (then quantized per token group as the GEMM loads it); weight [N, K] FP8 with weight_scale
-    [ceil(N / bn), K / bk]: (a @ weight^T) dequantized, plus bias, as out_dtype [M, N]."""
+    None (then quantized per token group as the GEMM loads it; with `silu_mul` a is [gate | up],
+    [M, 2K], and the GEMM multiplies silu(gate) * up as it loads it); weight [N, K] FP8 with
+    weight_scale [ceil(N / bn), K / bk]: (a @ weight^T) dequantized, plus bias, as out_dtype [M, N]."""
     num_rows, width = a.shape
     num_cols = weight.shape[0]
     bn, bk = block
     quantize_a = a_scale is None
+    assert quantize_a or not silu_mul, "SwiGLU on load quantizes on load"
+    width //= 2 if silu_mul else 1
     assert weight.shape[1] == width and width % bk == 0, (a.shape, weight.shape, block)
     assert quantize_a or a_scale.shape == (num_rows, width // bk), (a_scale.shape, a.shape)
     assert weight_scale.shape == (-(-num_cols // bn), width // bk), (weight_scale.shape, weight.shape)
@@ -212,17 +220,19 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
         0 if quantize_a else a_scale.stride(1), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, QUANTIZE_A=quantize_a,
         FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, SPLIT_K=split_k, PDL=pdl, PREFETCH_TILES=prefetch,
-        LATE_TRIGGER=late, launch_pdl=pdl, **config,
+        LATE_TRIGGER=late, SILU_MUL=silu_mul, launch_pdl=pdl, **config,
     )
     return out
 
 
 def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                block: tuple[int, int], bias: torch.Tensor | None = None, *, quantize_on_load: bool = False,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
     """F.linear(x, dequantized weight, bias) with x quantized per token group of bk on the fly:
-    by per_token_group_quant first, or inside the GEMM (`quantize_on_load`: one launch); or x
-    quantized already by the kernel that produced it (an Fp8Activation: [num_rows, N] out)."""
+    by per_token_group_quant first, or inside the GEMM (`quantize_on_load`: one launch; with
+    `silu_mul` x is [gate | up] and the GEMM takes silu(gate) * up); or x quantized already by the
+    kernel that produced it (an Fp8Activation: [num_rows, N] out)."""
+    assert quantize_on_load or not silu_mul, "SwiGLU folds into the GEMM that quantizes on load"
     if isinstance(x, Fp8Activation):
         n = x.num_rows
         return block_fp8_matmul(x.values[:n], x.scales[:n], weight, weight_scale, block, x.dtype, bias, config)
@@ -230,7 +240,7 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_sca
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if quantize_on_load:
-        out = block_fp8_matmul(rows, None, weight, weight_scale, block, x.dtype, bias, config)
+        out = block_fp8_matmul(rows, None, weight, weight_scale, block, x.dtype, bias, config, silu_mul=silu_mul)
     else:
         values, scales = per_token_group_quant(rows, block[1])
         out = block_fp8_matmul(values, scales, weight, weight_scale, block, x.dtype, bias, config)

@@ -115,7 +115,9 @@ def swap_splits(num_cols: int, width: int, rows: int, tile: dict, sms: int, grou
 
 def wgmma_candidates(operands: LinearOperands, rows: int, sms: int, pdl: bool) -> list[Method]:
     """The wgmma_tiles, input quantized first: each unsplit and split over K as fp8_split sizes it (the
-    swapped ones also at swap_splits' factors between), and each with PDL where graphs replay it."""
+    swapped ones also at swap_splits' factors between), and each with PDL where graphs replay it. For the
+    layers whose input no norm quantizes (o, and down, whose SwiGLU then folds in too) the swapped ones also
+    quantize on load (with PDL where graphs replay it): one kernel a layer fewer (PERF_NOTES v43)."""
     methods: list[Method] = []
     shape = (*operands.weight.shape, rows)
     for tile in wgmma_tiles(rows):
@@ -123,10 +125,12 @@ def wgmma_candidates(operands: LinearOperands, rows: int, sms: int, pdl: bool) -
                   else sorted({1, fp8_split(*shape, tile, sms, operands.block[1])}))
         for slices in splits:
             config = {**tile, "SPLIT_K": slices}
+            pdl_config = {**config, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH}
             methods.append(Fp8Gemm.of(config, quantize_on_load=False))
             if pdl:
-                methods.append(Fp8Gemm.of({**config, "PDL": True, "PREFETCH": FP8_PDL_PREFETCH},
-                                          quantize_on_load=False))
+                methods.append(Fp8Gemm.of(pdl_config, quantize_on_load=False))
+            if tile.get("SWAP_AB") and not operands.norm_fed:
+                methods.append(Fp8Gemm.of(pdl_config if pdl else config, quantize_on_load=True))
     return methods
 
 

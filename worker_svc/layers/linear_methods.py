@@ -213,8 +213,9 @@ class Fp8Gemm(Method):
     def bind(self, operands: LinearOperands, dtype: torch.dtype) -> Runner:
         weight, scale, block, config = operands.weight, operands.weight_scale, operands.block, dict(self.config)
         if self.quantize_on_load:
-            return lambda x, bias: fp8_kernels.fp8_linear(operands.activate(x), weight, scale, block, bias,
-                                                          quantize_on_load=True, config=config)
+            silu_mul = operands.silu_mul   # SwiGLU folded into the load: no kernel before it
+            return lambda x, bias: fp8_kernels.fp8_linear(x, weight, scale, block, bias, quantize_on_load=True,
+                                                          config=config, silu_mul=silu_mul)
         return QuantizedInputRunner(operands, lambda x, bias: fp8_kernels.fp8_linear(x, weight, scale, block, bias,
                                                                                      config=config))
 
