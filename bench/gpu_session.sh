@@ -36,7 +36,8 @@
 #             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention at 67% of the copy rate there)
 #   oprefetch Qwen3-8B FP8 decode at one row with WORKER_L2_PREFETCH_KINDS unset, o_proj and all (OPF_KINDS): the o
 #             projection asking L2 for all its weights while attention runs (PERF_NOTES v42), then every projection
-#             while the kernel before it ends (v43), and what ran with it (~6 min warm); the stages
+#             while the kernel before it ends (v43), then the LM head in FP8 (WORKER_LM_HEAD_FP8=1, OPF_KINDS's
+#             "head"), and what ran with each (~7 min warm); the stages
 #             in OPF_STAGES (e.g. bandwidth,decode_8b_bf16 or decode_0.6b_bf16: a cold bf16 8B start takes ~2.5 min)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
@@ -269,13 +270,15 @@ PY
         ;;
     oprefetch)
         base
-        for kinds in ${OPF_KINDS:-none o_proj all}; do
+        for kinds in ${OPF_KINDS:-none o_proj all head}; do   # head: no prefetch, the LM head in FP8
             echo "== WORKER_L2_PREFETCH_KINDS=$kinds"
             rm -rf "$BENCH/moe/logs"
-            WORKER_L2_PREFETCH_KINDS=${kinds/none/} OUT=$OUT/opf-$kinds STAGES=${OPF_STAGES:-bandwidth,decode_8b_fp8} \
+            head=0; [[ $kinds == head ]] && head=1 && kinds=none
+            WORKER_LM_HEAD_FP8=$head WORKER_L2_PREFETCH_KINDS=${kinds/none/} OUT=$OUT/opf-$kinds-$head \
+                STAGES=${OPF_STAGES:-bandwidth,decode_8b_fp8} \
                 EXTRA="--fixed-batch 1 --fixed-steps 256" LINES_OUT=6 TIMEOUT=${TIMEOUT:-200} bash "$0" moe | grep "Qwen3-\|mean step"
             grep -rhao "linear [a-z_]* [0-9x]* [a-z0-9]* ([0-9]* layers), ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" \
-                2>/dev/null | sort -u | grep "pf all"
+                2>/dev/null | sort -u | grep "pf all\|lm_head"
         done
         ;;
     stage)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import pathlib
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from worker_svc.layers.attention import (AttentionBackend, AttentionShape, confi
                                          select_attention_backend)
 from worker_svc.layers.sampler import SamplingOptions
 from worker_svc.kv_cache_scales import bind_kv_scales
+from worker_svc.layers.fp8 import DEFAULT_BLOCK, has_fp8_tensor_cores
 from worker_svc.loader import init_dummy_weights, load_safetensors, safetensors_files
 from worker_svc.models import build_model
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, get_tp_rank, get_tp_size
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
+# The LM head's weight quantized to block FP8 at load (off: the official -FP8 checkpoints keep it in bf16 and
+# the logits move by FP8's rounding; docs/PERF_NOTES.md v43).
+LM_HEAD_FP8 = os.environ.get("WORKER_LM_HEAD_FP8", "0") == "1"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,6 +111,17 @@ def _slowest_rank(runner: ModelRunner, name: str) -> Callable[[list[float]], lis
     return agree
 
 
+def quantize_lm_head(model: torch.nn.Module, device: torch.device) -> None:
+    """The LM head's weight in block FP8 (LM_HEAD_FP8), in the checkpoint's blocks or 128 x 128: computed
+    from by the FP8 kernels where the device has FP8 tensor cores, else as their dequantized values."""
+    quant = getattr(model, "quant_config", None)
+    block = quant.block if quant is not None else DEFAULT_BLOCK
+    shared = model.lm_head.weight is model.model.embed_tokens.weight   # tie_word_embeddings
+    model.lm_head.quantize_fp8(block, has_fp8_tensor_cores(device), shared)
+    logger.info("lm_head in FP8 (%dx%d blocks%s): WORKER_LM_HEAD_FP8", *block,
+                ", beside the bf16 embedding it is tied to" if shared else "")
+
+
 def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
     """The model on the runner's device and dtype, with the checkpoint's weights (or random
     ones for --load-format dummy); every rank has loaded when it returns."""
@@ -118,6 +134,8 @@ def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
     else:
         load_safetensors(model, model_dir)
     bind_kv_scales(model, runner.kv_cache_dtype, [] if config.load_format == "dummy" else safetensors_files(model_dir))
+    if LM_HEAD_FP8:
+        quantize_lm_head(model, runner.device)
     parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
     if runner.device.type == "cuda":   # each linear layer's fastest kernel by row count (imports Triton)
         from worker_svc.layers.linear_selection import select_linear_methods

@@ -178,3 +178,47 @@ def test_formats_the_worker_cannot_run_are_refused(tmp_path, fp8_checkpoint):
 class _Config:
     def __init__(self, quantization_config) -> None:
         self.quantization_config = quantization_config
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_lm_head_in_fp8_computes_from_its_block_quantized_weight(monkeypatch, tmp_path, tied):
+    """WORKER_LM_HEAD_FP8: the head's weight quantized as the checkpoints' linear layers are (its last block of
+    rows partial: 300 rows of 128-row blocks). Without FP8 tensor cores (here) the weight becomes the dequantized
+    values, so the logits are those values' product; with them (kernel) the head keeps the FP8 values and scales
+    as its operands, frees its bf16 weight unless the embedding shares it, and computes the same logits. Through
+    startup: the model's head, its logits close to the bf16 head's (FP8's rounding)."""
+    from worker_svc import startup
+    from worker_svc.layers.embed_head import ParallelLMHead
+
+    g = torch.Generator().manual_seed(61)
+    weight = torch.randn(300, 256, generator=g) * 0.05
+    hidden = torch.randn(5, 256, generator=g)
+    values, scales = quantize_blocks(weight, (128, 128))
+    expected = hidden @ dequantize_blocks(values, scales, (128, 128), torch.float32).T
+    head = ParallelLMHead(300, 256)
+    head.weight.data.copy_(weight)
+    head.quantize_fp8((128, 128), kernel=False, shared=False)
+    assert head.fp8 is None and torch.equal(head.local_logits(hidden), expected)
+    head = ParallelLMHead(300, 256)
+    head.weight.data.copy_(weight)
+    head.quantize_fp8((128, 128), kernel=True, shared=tied)
+    operands = head.operands()
+    assert operands.fp8 and operands.block == (128, 128) and operands.weight.dtype == FP8_DTYPE
+    assert torch.equal(operands.weight.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(operands.weight_scale, scales)
+    assert head.weight.numel() == (weight.numel() if tied else 0)
+    torch.testing.assert_close(head.local_logits(hidden), expected)
+
+    from common.tiny_model import write_tiny_qwen3
+
+    model_dir = write_tiny_qwen3(tmp_path / "tiny", tie_word_embeddings=tied)
+    plain = build_worker_model(model_dir)
+    model = build_worker_model(model_dir)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    startup.quantize_lm_head(model, torch.device("cpu"))
+    assert torch.equal(model.model.embed_tokens.weight, plain.model.embed_tokens.weight)   # the embedding stays
+    error = (model.lm_head.weight - plain.lm_head.weight).abs().max()
+    assert 0 < error <= plain.lm_head.weight.abs().max() / 16
+    states = torch.randn(5, model.lm_head.weight.shape[1], generator=g)
+    logits, want = model.lm_head(states), plain.lm_head(states)
+    assert (logits - want).abs().max() <= 0.05 * want.abs().max()

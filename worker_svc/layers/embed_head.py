@@ -34,16 +34,49 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     plan = None   # linear_methods.LinearPlan, once linear_selection has chosen
+    fp8 = None    # (FP8 values, float32 block scales, block) once quantize_fp8 kept them
 
     def operands(self):
         """What linear_methods computes the logits from."""
         from worker_svc.layers.linear_methods import LinearOperands   # imports Triton
 
-        return LinearOperands(self.weight)
+        return LinearOperands(*self.fp8) if self.fp8 is not None else LinearOperands(self.weight)
+
+    @torch.no_grad()
+    def quantize_fp8(self, block: tuple[int, int], kernel: bool, shared: bool) -> None:
+        """The head's weight in block FP8 (WORKER_LM_HEAD_FP8: the official -FP8 checkpoints keep it in
+        bf16; at one row of Qwen3-8B its 1.24 GB are ~9% of an FP8 step). With `kernel` the FP8 values and
+        scales are what the logits are computed from (the bf16 weight freed unless `shared` with the
+        embedding); without, the head's weight becomes their dequantized values (a CPU computes what a GPU
+        would).
+        Lossy: the logits move by about FP8's rounding (docs/PERF_NOTES.md v43)."""
+        from worker_svc.layers.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
+
+        weight = self.weight
+        rows, width = weight.shape
+        values = torch.empty(rows, width, dtype=FP8_DTYPE, device=weight.device)
+        scales = torch.empty(-(-rows // block[0]), -(-width // block[1]), dtype=torch.float32, device=weight.device)
+        step = block[0] * max(1, (1 << 24) // (block[0] * width))   # a few blocks of rows at a time
+        for start in range(0, rows, step):
+            q, s = quantize_blocks(weight[start:start + step], block)
+            values[start:start + step].copy_(q)
+            scales[start // block[0]:start // block[0] + s.shape[0]].copy_(s)
+        if not kernel:   # (a copy of its own where the embedding shares the weight: the embedding stays)
+            self.weight = nn.Parameter(dequantize_blocks(values, scales, block, weight.dtype), requires_grad=False)
+            return
+        self.fp8 = (values, scales, block)
+        if not shared:
+            self.weight = nn.Parameter(weight.new_empty(0, width), requires_grad=False)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's columns of the logits (its vocabulary rows)."""
-        return self.plan(hidden, None) if self.plan is not None else F.linear(hidden, self.weight)
+        if self.plan is not None:
+            return self.plan(hidden, None)
+        if self.fp8 is not None:
+            from worker_svc.layers.fp8 import dequantize_blocks
+
+            return F.linear(hidden, dequantize_blocks(*self.fp8, hidden.dtype))
+        return F.linear(hidden, self.weight)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's most likely token id, on every rank (a proposer's drafts): the first of equal
