@@ -34,11 +34,8 @@
 #             WORKER_ATTENTION_LONGEST_FIRST=64 and without, in one call (the step log's large-batch rows)
 #   ashort    attention at short contexts and large batches (64/256 x 128), every launch config at 1 and 2 splits,
 #             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention at 67% of the copy rate there)
-#   oprefetch Qwen3-8B FP8 decode at one row with WORKER_L2_PREFETCH_KINDS unset, o_proj and all (OPF_KINDS): the o
-#             projection asking L2 for all its weights while attention runs (PERF_NOTES v42), then every projection
-#             while the kernel before it ends (v43), then the LM head in FP8 (WORKER_LM_HEAD_FP8=1, OPF_KINDS's
-#             "head"), and what ran with each (~7 min warm); the stages
-#             in OPF_STAGES (e.g. bandwidth,decode_8b_bf16 or decode_0.6b_bf16: a cold bf16 8B start takes ~2.5 min)
+#   fp8head   Qwen3-8B FP8 decode with the LM head in FP8 (--lm-head-dtype fp8) at 1, 16 and 256 rows (HEAD_ROWS),
+#             beside an `fp8` or fp8few call's bf16 and FP8 runs on the same machine (PERF_NOTES v43)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -268,17 +265,11 @@ PY
             cp "$OUT/attention_splits.json" "$OUT/ashort-${heads/,/-}.json" 2>/dev/null
         done
         ;;
-    oprefetch)
+    fp8head)   # the LM head in FP8 (--lm-head-dtype fp8) at 1, 16 and 256 rows (HEAD_ROWS), Qwen3-8B FP8 decode
         base
-        for kinds in ${OPF_KINDS:-none o_proj all head}; do   # head: no prefetch, the LM head in FP8
-            echo "== WORKER_L2_PREFETCH_KINDS=$kinds"
-            rm -rf "$BENCH/moe/logs"
-            head=0; [[ $kinds == head ]] && head=1 && kinds=none
-            WORKER_LM_HEAD_FP8=$head WORKER_L2_PREFETCH_KINDS=${kinds/none/} OUT=$OUT/opf-$kinds-$head \
-                STAGES=${OPF_STAGES:-bandwidth,decode_8b_fp8} \
-                EXTRA="--fixed-batch 1 --fixed-steps 256" LINES_OUT=6 TIMEOUT=${TIMEOUT:-200} bash "$0" moe | grep "Qwen3-\|mean step"
-            grep -rhao "linear [a-z_]* [0-9x]* [a-z0-9]* ([0-9]* layers), ms per call by rows: 1: [^;]*" "$BENCH/moe/logs" \
-                2>/dev/null | sort -u | grep "pf all\|lm_head"
+        for rows in ${HEAD_ROWS:-1 16 256}; do
+            OUT=$OUT/head$rows STAGES=decode_8b_fp8 EXTRA="--fixed-batch $rows --fixed-steps 256 --fixed-lm-head-dtype fp8" \
+                LINES_OUT=6 TIMEOUT=${TIMEOUT:-200} bash "$0" moe | grep "Qwen3-\|mean step"
         done
         ;;
     stage)
@@ -320,5 +311,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|oprefetch|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|fp8head|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac

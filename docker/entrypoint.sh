@@ -44,6 +44,7 @@ worker)
     flag max-num-batched-tokens "${MAX_NUM_BATCHED_TOKENS:-}"
     flag attention-backend "${ATTENTION_BACKEND:-}"
     flag kv-cache-dtype "${KV_CACHE_DTYPE:-}"
+    flag lm-head-dtype "${LM_HEAD_DTYPE:-}"
     flag kernel-cache-dir "${KERNEL_CACHE_DIR:-}"
     flag seed "${SEED:-}"
     flag speculative-method "${SPECULATIVE_METHOD:-}"

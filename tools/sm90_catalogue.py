@@ -56,7 +56,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
     cases["fused"] = fused
 
     def fp8() -> None:
-        from worker_svc.layers import fp8_kernels as f8, gemv_kernels
+        from worker_svc.layers import fp8_kernels as f8
         from worker_svc.layers.linear_candidates import (FP8_GEMM_TILES, FP8_NARROW_MAX_ROWS, FP8_NARROW_TILES,
                                                          FP8_WAVE_SPLIT_MAX_ROWS, GEMV_MAX_ROWS, wgmma_tiles)
         weight = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
@@ -91,9 +91,6 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                             for late in (False, True):
                                 f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
                                               config={**config, "PDL": True, "PREFETCH": 2, "LATE_TRIGGER": late})
-                            if rows == 1:   # the o projection's twin asking L2 for its whole slice
-                                f8.fp8_linear(f8.quantize_activation(x, 128), weight, weight_scale, (128, 128),
-                                              config={**config, "PDL": True, "PREFETCH": gemv_kernels.PREFETCH_WHOLE})
                             if tile.get("SWAP_AB"):   # quantized on load (o), with SwiGLU (down), with PDL
                                 pdl = {**config, "PDL": True, "PREFETCH": 2}
                                 f8.fp8_linear(x, weight, weight_scale, (128, 128), quantize_on_load=True, config=pdl)
@@ -128,9 +125,6 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                 if rows in (1, 2, 16):   # twins with the trigger after the loop (timed where their config wins):
                     # the loops' three families (FMA, one accumulator a row, tensor cores), not every tile
                     configs += [dataclasses.replace(c, late_trigger=True) for c in configs if not c.fp8_bits]
-                    # and the o projection's twins asking L2 for their whole slice (PREFETCH_AFTER_ATTENTION)
-                    configs += [dataclasses.replace(c, prefetch=gemv_kernels.PREFETCH_WHOLE)
-                                for c in configs if not c.fp8_bits and not c.late_trigger][:3]
                 for config in configs:
                     x = torch.randn(rows, 4096, dtype=bf16)
                     for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config

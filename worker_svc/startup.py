@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import pathlib
 import time
 from dataclasses import dataclass
@@ -39,9 +38,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
-# The LM head's weight quantized to block FP8 at load (off: the official -FP8 checkpoints keep it in bf16 and
-# the logits move by FP8's rounding; docs/PERF_NOTES.md v43).
-LM_HEAD_FP8 = os.environ.get("WORKER_LM_HEAD_FP8", "0") == "1"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,13 +108,14 @@ def _slowest_rank(runner: ModelRunner, name: str) -> Callable[[list[float]], lis
 
 
 def quantize_lm_head(model: torch.nn.Module, device: torch.device) -> None:
-    """The LM head's weight in block FP8 (LM_HEAD_FP8), in the checkpoint's blocks or 128 x 128: computed
-    from by the FP8 kernels where the device has FP8 tensor cores, else as their dequantized values."""
+    """The LM head's weight in block FP8 (--lm-head-dtype fp8), in the checkpoint's blocks or 128 x 128:
+    computed from by the FP8 kernels where the device has FP8 tensor cores, else as their dequantized values
+    (docs/PERF_NOTES.md v43)."""
     quant = getattr(model, "quant_config", None)
     block = quant.block if quant is not None else DEFAULT_BLOCK
     shared = model.lm_head.weight is model.model.embed_tokens.weight   # tie_word_embeddings
     model.lm_head.quantize_fp8(block, has_fp8_tensor_cores(device), shared)
-    logger.info("lm_head in FP8 (%dx%d blocks%s): WORKER_LM_HEAD_FP8", *block,
+    logger.info("lm_head in FP8 (%dx%d blocks%s): --lm-head-dtype fp8", *block,
                 ", beside the bf16 embedding it is tied to" if shared else "")
 
 
@@ -134,7 +131,7 @@ def load_model(runner: ModelRunner, model_dir: pathlib.Path) -> torch.nn.Module:
     else:
         load_safetensors(model, model_dir)
     bind_kv_scales(model, runner.kv_cache_dtype, [] if config.load_format == "dummy" else safetensors_files(model_dir))
-    if LM_HEAD_FP8:
+    if config.lm_head_dtype == "fp8":
         quantize_lm_head(model, runner.device)
     parallel_state.barrier("loaded")   # ranks load at their own pace; collectives follow
     if runner.device.type == "cuda":   # each linear layer's fastest kernel by row count (imports Triton)

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-steps", type=int, default=128, help="decode steps timed in the decode_<model>_<dtype> stages")
     p.add_argument("--fixed-kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"),
                    help="the KV cache of the decode_<model>_<dtype> stages (fp8: FP8 weights with an FP8 KV cache)")
+    p.add_argument("--fixed-lm-head-dtype", default="auto", choices=("auto", "fp8"),
+                   help="the LM head of the decode_<model>_fp8 stages (fp8: --lm-head-dtype fp8, quantized at load)")
     p.add_argument("--fixed-profile", action="store_true",
                    help="also the kernels' time a decode step (torch.profiler over two more runs, CUDA only): "
                         "what the step's wall time holds beyond its device work")
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
     started = time.perf_counter()
     llm = dummy_llm(args, model, quantization=None if dtype == "bf16" else dtype, max_num_seqs=batch,
                     max_num_batched_tokens=16384, max_model_len=prompt_len + steps + 16,
-                    kv_cache_dtype=args.fixed_kv_cache_dtype)
+                    kv_cache_dtype=args.fixed_kv_cache_dtype,
+                    lm_head_dtype="auto" if dtype == "bf16" else args.fixed_lm_head_dtype)
     startup_s = time.perf_counter() - started
 
     def timed_run(seed: int, max_tokens: int) -> float:
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace, model: str = "0.6b", dtype: str = "bf16") -> d
     if args.fixed_profile and args.device != "cpu":   # the decode steps' kernels: a long run's less a 1-token run's
         device_ms = (kernel_ms(lambda: timed_run(4, 1 + steps)) - kernel_ms(lambda: timed_run(5, 1))) / steps
     return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "kv_cache_dtype": args.fixed_kv_cache_dtype,
+            "lm_head_dtype": "auto" if dtype == "bf16" else args.fixed_lm_head_dtype,
             "device_ms_per_step": device_ms, "decode_s": decode_s, "decode_s_by_difference": total_s - prefill_s, "prefill_s": prefill_s,
             "step_ms_median": median * 1e3,
             "step_ms_p90": statistics.quantiles(intervals, n=10)[-1] * 1e3,
@@ -93,7 +97,8 @@ def kernel_ms(call) -> float:
 
 def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     rates = measured_rates(results)
-    print(f"\ndecode at a fixed batch, in-process engine (dummy weights, KV cache {args.fixed_kv_cache_dtype}); "
+    print(f"\ndecode at a fixed batch, in-process engine (dummy weights, KV cache {args.fixed_kv_cache_dtype}, "
+          f"FP8 models' LM head {args.fixed_lm_head_dtype}); "
           "floor: weights + KV over the copy bandwidth, or the FLOPs at the measured rate")
     print(f"{'model':14s} {'batch':>5s} {'tok/s':>9s} {'floor':>9s} {'of floor':>8s} {'vs bf16':>8s} "
           f"{'step p50':>8s} {'p90 ms':>7s} {'device':>7s}")

@@ -31,3 +31,9 @@ def test_decode_stages_time_the_steps_themselves(tmp_path, capsys):
         assert r["step_ms_mean"] == pytest.approx(r["decode_s"] * 1e3 / r["steps"])
         assert all(0 <= i < r["steps"] and ms > 1.5 * r["step_ms_median"] for i, ms in r["slow_steps"])
     assert "step p50" in printed and "tiny 8b fp8" in printed
+    assert {r["result"]["lm_head_dtype"] for r in records.values()} == {"auto"}
+    # the FP8 model with its LM head in FP8 too (--lm-head-dtype fp8)
+    code = main(["--stages", "decode_8b_fp8", "--out", str(tmp_path / "head"), "--device", "cpu", "--tiny",
+                 "--fixed-lm-head-dtype", "fp8"])
+    record = json.loads((tmp_path / "head" / "decode_8b_fp8.json").read_text())
+    assert code == 0 and record["ok"] and record["result"]["lm_head_dtype"] == "fp8", record.get("error")

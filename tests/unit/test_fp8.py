@@ -182,7 +182,7 @@ class _Config:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_lm_head_in_fp8_computes_from_its_block_quantized_weight(monkeypatch, tmp_path, tied):
-    """WORKER_LM_HEAD_FP8: the head's weight quantized as the checkpoints' linear layers are (its last block of
+    """--lm-head-dtype fp8: the head's weight quantized as the checkpoints' linear layers are (its last block of
     rows partial: 300 rows of 128-row blocks). Without FP8 tensor cores (here) the weight becomes the dequantized
     values, so the logits are those values' product; with them (kernel) the head keeps the FP8 values and scales
     as its operands, frees its bf16 weight unless the embedding shares it, and computes the same logits. Through

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import re
 
@@ -480,64 +479,6 @@ def test_the_fastest_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(sel
                                     measure=timings({"cublas": 1.0, "gemv": 0.5}),
                                     candidate_methods=lambda *a: [methods.Cublas(), plain], reduce_across_ranks=reduce)
     assert reduced == [[1.0, 0.5]]
-
-
-def test_the_o_projection_can_run_its_choices_prefetch_twin(selection, monkeypatch, lc):
-    """With prefetch_whole (PREFETCH_AFTER_ATTENTION, for the kinds after attention) each row count
-    runs its chosen PDL launch's twin that asks L2 for each program's whole slice of weights: timed
-    (through the reduction, as every rank times it) and its product checked, but run whatever its
-    back-to-back time says (the attention window it is for is not in that timing); a choice without
-    PDL keeps its method, and without prefetch_whole nothing more is timed."""
-    linear_selection, methods = selection
-    from worker_svc.layers.gemv_kernels import PREFETCH_WHOLE, check_config
-    gemv = methods.Gemv(lc.GemvConfig(2, 16, 64, pdl=True))
-    whole = gemv.prefetch_twin()
-    assert str(whole) == f"{str(gemv)[:-1]} pf all)" and whole.prefetch_twin() is None
-    assert whole.config.prefetch == PREFETCH_WHOLE and whole.late_twin().config.prefetch == PREFETCH_WHOLE
-    assert methods.Gemv(lc.GemvConfig(2, 16, 64)).prefetch_twin() is None
-    assert methods.Cublas().prefetch_twin() is None
-    fp8 = methods.Fp8Gemm.of({"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "PDL": True,
-                              "PREFETCH": 2})
-    assert str(fp8).endswith("pdl pf2)") and str(fp8.prefetch_twin()).endswith("pdl pf all)")
-    assert dict(fp8.prefetch_twin().config)["PREFETCH"] == PREFETCH_WHOLE
-    check_config(whole.config, 48, 64)   # a valid launch setting
-
-    def measure(method, runners, x):
-        if str(method) == str(whole):
-            return 0.7   # slower back to back than its choice, and run all the same
-        return {1: {str(gemv): 0.5}, 2: {}}[x.shape[0]].get(str(method), 1.0)
-
-    reduced = []
-
-    def reduce(times):
-        reduced.append(list(times))
-        return times
-
-    choose = functools.partial(linear_selection.choose_methods, "o_proj", [bf16_operands(methods)], torch.bfloat16,
-                               DEVICE, max_rows=2, sms=4, measure=measure,
-                               candidate_methods=lambda *a: [methods.Cublas(), gemv], reduce_across_ranks=reduce)
-    monkeypatch.setattr(methods.Gemv, "late_twin", lambda self: None)   # (the late twin: its own test)
-    choice = choose(prefetch_whole=True)
-    assert [str(m) for m in choice.chosen.values()] == [str(whole), "cublas"]
-    assert choice.times[1] == {"cublas": 1.0, str(gemv): 0.5, str(whole): 0.7}
-    assert choice.times[2] == {"cublas": 1.0, str(gemv): 1.0}   # cuBLAS chosen (first of equals): no twin
-    assert reduced == [[1.0, 0.5], [0.7], [1.0, 1.0]]
-    reduced.clear()
-    assert [str(m) for m in choose().chosen.values()] == [str(gemv), "cublas"]
-    assert reduced == [[1.0, 0.5], [1.0, 1.0]]
-    # which kinds: the layers after attention, and only with WORKER_O_PROJ_L2_PREFETCH=1
-    assert linear_selection.prefetches_whole("o_proj 4096x4096 fp8") is linear_selection.PREFETCH_AFTER_ATTENTION
-    monkeypatch.setattr(linear_selection, "PREFETCH_AFTER_ATTENTION", True)
-    assert linear_selection.prefetches_whole("o_proj 1024x2048 bfloat16")
-    assert not linear_selection.prefetches_whole("qkv_proj 4096x1024 bfloat16")
-    # WORKER_L2_PREFETCH_KINDS names more kinds, or all of them
-    monkeypatch.setattr(linear_selection, "PREFETCH_AFTER_ATTENTION", False)
-    monkeypatch.setattr(linear_selection, "PREFETCH_KINDS", ("qkv_proj", "down_proj"))
-    assert linear_selection.prefetches_whole("qkv_proj 4096x1024 bfloat16")
-    assert not linear_selection.prefetches_whole("o_proj 1024x2048 bfloat16")
-    monkeypatch.setattr(linear_selection, "PREFETCH_KINDS", ("all",))
-    assert all(linear_selection.prefetches_whole(f"{kind} 4096x1024 fp8")
-               for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"))
 
 
 def test_layers_fed_by_a_norm_also_try_gemvs_that_fold_it_in_at_a_few_rows(selection, lc):

@@ -44,7 +44,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     @torch.no_grad()
     def quantize_fp8(self, block: tuple[int, int], kernel: bool, shared: bool) -> None:
-        """The head's weight in block FP8 (WORKER_LM_HEAD_FP8: the official -FP8 checkpoints keep it in
+        """The head's weight in block FP8 (--lm-head-dtype fp8: the official -FP8 checkpoints keep it in
         bf16; at one row of Qwen3-8B its 1.24 GB are ~9% of an FP8 step). With `kernel` the FP8 values and
         scales are what the logits are computed from (the bf16 weight freed unless `shared` with the
         embedding); without, the head's weight becomes their dequantized values (a CPU computes what a GPU

@@ -60,9 +60,6 @@ MAX_SPLIT_TILES = 1 << 14
 DOT_MIN_ROWS = 16   # tl.dot needs 16-row tiles: fewer rows use the FMA loop
 ROW_ACC_MAX_ROWS = 4   # rows the per-row-accumulator FMA loop holds
 
-# A prefetch of this many K tiles or more asks L2 for the program's whole slice of weights (`prefetch`).
-PREFETCH_WHOLE = 1 << 12
-
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -94,8 +91,8 @@ class GemvConfig:
 
 
 def prefetch_label(tiles: int) -> str:
-    """How a launch's name shows its L2 prefetch: ' pf2' (K tiles), ' pf all' (the whole slice), or ''."""
-    return "" if not tiles else " pf all" if tiles >= PREFETCH_WHOLE else f" pf{tiles}"
+    """How a launch's name shows its L2 prefetch: ' pf2' (K tiles), or ''."""
+    return f" pf{tiles}" if tiles else ""
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from worker_svc.layers import fp8_kernels, fused_kernels
 from worker_svc.layers.fp8 import dequantize_blocks
-from worker_svc.layers.gemv_kernels import PREFETCH_WHOLE, FoldedNorm, GemvConfig, gemv, prefetch_label
+from worker_svc.layers.gemv_kernels import FoldedNorm, GemvConfig, gemv, prefetch_label
 
 Runner = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -90,12 +90,6 @@ class Method:
     def late_twin(self) -> "Method | None":
         """The same launch with programmatic dependent launch's trigger after the main loop
         instead of at the start (linear_selection times it where this one wins), or None."""
-        return None
-
-    def prefetch_twin(self) -> "Method | None":
-        """The same PDL launch asking L2 for each program's whole slice of weights before its wait
-        (gemv_kernels.PREFETCH_WHOLE): for a layer after a kernel that leaves the memory idle
-        (attention at a few rows), its weights stream in while that kernel runs. None without PDL."""
         return None
 
     def __str__(self) -> str:
@@ -163,11 +157,6 @@ class Gemv(Method):
             return None
         return Gemv(dataclasses.replace(self.config, late_trigger=True), self.max_rows, self.fold_norm)
 
-    def prefetch_twin(self) -> "Gemv | None":
-        if not self.config.pdl or self.config.prefetch >= PREFETCH_WHOLE:
-            return None
-        return Gemv(dataclasses.replace(self.config, prefetch=PREFETCH_WHOLE), self.max_rows, self.fold_norm)
-
 
 class NormFoldingRunner:
     """A runner that takes the RMSNorm's NormedInput and computes norm and product in one kernel
@@ -224,12 +213,6 @@ class Fp8Gemm(Method):
         if not settings.get("PDL") or settings.get("LATE_TRIGGER"):
             return None
         return Fp8Gemm.of({**settings, "LATE_TRIGGER": True}, self.quantize_on_load)
-
-    def prefetch_twin(self) -> "Fp8Gemm | None":
-        settings = dict(self.config)
-        if not settings.get("PDL") or settings.get("PREFETCH", 0) >= PREFETCH_WHOLE:
-            return None
-        return Fp8Gemm.of({**settings, "PREFETCH": PREFETCH_WHOLE}, self.quantize_on_load)
 
 
 @dataclass(frozen=True)

@@ -46,16 +46,6 @@ from worker_svc.layers.triton_compile import compile_ahead
 logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("WORKER_LINEAR_KERNELS", "1") != "0"
-# The layers after attention (o_proj) run their chosen few-row PDL launch's prefetch twin (linear_methods'
-# prefetch_twin): launched while attention runs (it lets them: triton_kernels._triggers), each program asks L2
-# for its whole slice of weights, which at a few rows streams in while attention leaves the memory idle. The
-# selection's back-to-back timing cannot see that window (the twin is timed and logged beside the choice,
-# not judged by it), so it is off until a decode step measures it: WORKER_O_PROJ_L2_PREFETCH=1 (PERF_NOTES v42).
-# WORKER_L2_PREFETCH_KINDS (comma-separated kinds, or "all") runs the twins of other kinds too, each launched while
-# the kernel before it ends (a norm's, or the previous projection's tail): the experiment of PERF_NOTES v43.
-PREFETCH_AFTER_ATTENTION = os.environ.get("WORKER_O_PROJ_L2_PREFETCH", "0") == "1"
-AFTER_ATTENTION_KINDS = ("o_proj",)
-PREFETCH_KINDS = tuple(k for k in os.environ.get("WORKER_L2_PREFETCH_KINDS", "").replace(" ", "").split(",") if k)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 TIMED_CALLS, TIMED_ROUNDS = 24, 3
 L2_MULTIPLE = 4                 # timed layers: enough for their weights to exceed 4 L2 caches
@@ -249,14 +239,12 @@ def precompile(kinds: Sequence[LinearOperands], dtype: torch.dtype, device: torc
 def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.dtype, device: torch.device, *,
                    max_rows: int, sms: int, measure: Measure = graph_time,
                    candidate_methods: Callable[..., list[Method]] = candidates,
-                   reduce_across_ranks: Reduce | None = None, prefetch_whole: bool = False) -> KindChoice:
+                   reduce_across_ranks: Reduce | None = None) -> KindChoice:
     """Measures the candidates of one kind of layer (operands: every layer of the kind) at each
     row count up to max_rows; returns what each row count runs. With `reduce_across_ranks` (a
     tensor-parallel group) the ranks agree: each row count's times, one per candidate in the
     candidates' order (inf where refused here), go through it once on every rank, so every rank
-    runs the same kernels (a rank that ran a slower one would hold every all-reduce up). With
-    `prefetch_whole` each row count runs its choice's prefetch twin where it has one (timed, its
-    product checked, but run whatever its time: PREFETCH_AFTER_ATTENTION)."""
+    runs the same kernels (a rank that ran a slower one would hold every all-reduce up)."""
     choice = KindChoice(label, len(operands))
     timed = _timed_layers(operands, device)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -286,19 +274,13 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
         # are agreed, so every rank times the same twin).
         pdl = [name for name in times if methods[name].late_twin() is not None]
         twin = methods[min(pdl, key=times.__getitem__)].late_twin() if pdl else None
-        time_twin = functools.partial(_time_twin, label=label, rows=rows, x=x, operands=operands, timed=timed,
-                                      dtype=dtype, measure=measure, rejected=choice.rejected, with_norm=with_norm,
-                                      reduce_across_ranks=reduce_across_ranks)
-        elapsed = time_twin(twin) if twin is not None else math.inf
+        elapsed = (_time_twin(twin, label=label, rows=rows, x=x, operands=operands, timed=timed, dtype=dtype,
+                              measure=measure, rejected=choice.rejected, with_norm=with_norm,
+                              reduce_across_ranks=reduce_across_ranks) if twin is not None else math.inf)
         if math.isfinite(elapsed):
             times[str(twin)], methods[str(twin)] = elapsed, twin
         choice.times[rows] = times
         choice.chosen[rows] = methods[_fastest(times, methods)]
-        twin = choice.chosen[rows].prefetch_twin() if prefetch_whole else None
-        elapsed = time_twin(twin) if twin is not None else math.inf
-        if math.isfinite(elapsed):
-            times[str(twin)], methods[str(twin)] = elapsed, twin
-            choice.chosen[rows] = twin
         unbounded = {n: (m, times[n]) for n, m in methods.items() if m.max_rows is None and n in times}
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -344,14 +326,6 @@ def _fastest(times: dict[str, float], methods: dict[str, Method]) -> str:
     def cost(name: str) -> float:
         return times[name] / DEQUANTIZED_MARGIN if methods[name].extra_weight_bytes else times[name]
     return min(times, key=cost)   # min keeps the first of equals: the candidates' order
-
-
-def prefetches_whole(label: str) -> bool:
-    """Whether a kind of layer (its label: "o_proj 4096x4096 fp8") runs its choices' prefetch twins: the kinds
-    after attention with PREFETCH_AFTER_ATTENTION, and those PREFETCH_KINDS names ("all": every kind)."""
-    kind = label.split()[0]
-    return ((PREFETCH_AFTER_ATTENTION and kind in AFTER_ATTENTION_KINDS)
-            or kind in PREFETCH_KINDS or "all" in PREFETCH_KINDS)
 
 
 def bind_plan(choice: KindChoice, operands: LinearOperands, dtype: torch.dtype) -> LinearPlan:
@@ -414,8 +388,7 @@ def select_linear_methods(model: nn.Module, device: torch.device, dtype: torch.d
         for label, layers in kinds:
             operands = [layer.operands() for layer in layers]
             choice = choose_methods(label, operands, dtype, device, max_rows=max_rows, sms=sms, measure=measure,
-                                    candidate_methods=candidate_methods, reduce_across_ranks=reduce_across_ranks,
-                                    prefetch_whole=prefetches_whole(label))
+                                    candidate_methods=candidate_methods, reduce_across_ranks=reduce_across_ranks)
             for layer, op in zip(layers, operands, strict=True):
                 layer.plan = bind_plan(choice, op, dtype)
             choices[label] = choice
