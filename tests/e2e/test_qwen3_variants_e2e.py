@@ -5,6 +5,7 @@ and worker processes, gRPC, CPU float32): greedy tokens equal transformers' for
 - the same kind of model with renormalisation, on a tensor-parallel group of two (gloo);
 - a block-FP8 checkpoint, against transformers on its dequantized weights, whose logits the
   service's logprobs match to 1e-4 (on the CPU the worker dequantizes at load);
+- the LM head quantized to FP8 at load (--lm-head-dtype fp8), against its quantized values;
 - YaRN, with prompts longer than original_max_position_embeddings, in both config spellings.
 One process set per test, a few short prompts each."""
 from __future__ import annotations
@@ -69,6 +70,42 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
     completions = serve(fp8_dir, tmp_path / "logs", reqs)
     assert_greedy_like_transformers(dequantized, reqs, completions)
     model = hf_model(dequantized)
+    for req, got in zip(reqs, completions):
+        with torch.inference_mode():
+            logits = model(torch.tensor([req["token_ids"] + got.token_ids[:-1]])).logits[0].float()
+        positions = range(len(req["token_ids"]) - 1, len(req["token_ids"]) - 1 + len(got.token_ids))
+        want = [torch.log_softmax(logits[p], -1)[t].item() for p, t in zip(positions, got.token_ids)]
+        assert got.logprobs == pytest.approx(want, abs=1e-4)
+
+
+def test_an_fp8_lm_head_computes_from_its_quantized_weight(tmp_path):
+    """--lm-head-dtype fp8 on the tiny model, whose LM head is tied to the embedding: greedy tokens and
+    logprobs are transformers' on a checkpoint whose head is the block-quantized embedding (quantized by the
+    format's plain reference, 128 x 128 blocks), untied from the embedding, which stays as it was."""
+    from safetensors.torch import load_file, save_file
+
+    from common.tiny_model import quantize_fp8_blocks
+
+    model_dir = write_tiny_qwen3(tmp_path / "tiny", seed=6)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["tie_word_embeddings"]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for path in model_dir.iterdir():
+        if path.is_file() and path.name not in ("config.json", "model.safetensors"):
+            (reference / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(model_dir / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    values, scale = quantize_fp8_blocks(embedding, (128, 128))
+    scale = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:embedding.shape[0], :embedding.shape[1]]
+    tensors["lm_head.weight"] = (values.float() * scale).to(embedding.dtype)
+    assert not torch.equal(tensors["lm_head.weight"], embedding)
+    save_file(tensors, reference / "model.safetensors", metadata={"format": "pt"})
+    (reference / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
+    reqs = requests(14, [8, 41, 23], logprobs=True)
+    completions = serve(model_dir, tmp_path / "logs", reqs, worker_args=("--lm-head-dtype", "fp8"))
+    assert_greedy_like_transformers(reference, reqs, completions)
+    model = hf_model(reference)
     for req, got in zip(reqs, completions):
         with torch.inference_mode():
             logits = model(torch.tensor([req["token_ids"] + got.token_ids[:-1]])).logits[0].float()
