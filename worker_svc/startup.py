@@ -113,7 +113,8 @@ def quantize_lm_head(model: torch.nn.Module, device: torch.device) -> None:
     (docs/PERF_NOTES.md v43)."""
     quant = getattr(model, "quant_config", None)
     block = quant.block if quant is not None else DEFAULT_BLOCK
-    shared = model.lm_head.weight is model.model.embed_tokens.weight   # tie_word_embeddings
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    shared = embedding is not None and model.lm_head.weight is embedding.weight   # tie_word_embeddings
     model.lm_head.quantize_fp8(block, has_fp8_tensor_cores(device), shared)
     logger.info("lm_head in FP8 (%dx%d blocks%s): --lm-head-dtype fp8", *block,
                 ", beside the bf16 embedding it is tied to" if shared else "")

@@ -47,9 +47,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """The head's weight in block FP8 (--lm-head-dtype fp8: the official -FP8 checkpoints keep it in
         bf16; at one row of Qwen3-8B its 1.24 GB are ~9% of an FP8 step). With `kernel` the FP8 values and
         scales are what the logits are computed from (the bf16 weight freed unless `shared` with the
-        embedding); without, the head's weight becomes their dequantized values (a CPU computes what a GPU
-        would).
-        Lossy: the logits move by about FP8's rounding (docs/PERF_NOTES.md v43)."""
+        embedding); without, the head's weight becomes their dequantized values (a CPU computes what a
+        GPU would). Lossy: the logits move by about FP8's rounding (docs/PERF_NOTES.md v43)."""
         from worker_svc.layers.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
 
         weight = self.weight
