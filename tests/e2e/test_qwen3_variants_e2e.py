@@ -78,10 +78,12 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
         assert got.logprobs == pytest.approx(want, abs=1e-4)
 
 
-def test_an_fp8_lm_head_computes_from_its_quantized_weight(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_fp8_lm_head_computes_from_its_quantized_weight(tmp_path, ranks):
     """--lm-head-dtype fp8 on the tiny model, whose LM head is tied to the embedding: greedy tokens and
     logprobs are transformers' on a checkpoint whose head is the block-quantized embedding (quantized by the
-    format's plain reference, 128 x 128 blocks), untied from the embedding, which stays as it was."""
+    format's plain reference, 128 x 128 blocks), untied from the embedding, which stays as it was; on one
+    rank and on a tensor-parallel group of two (each quantizes its 256 vocabulary rows: the same blocks)."""
     from safetensors.torch import load_file, save_file
 
     from common.tiny_model import quantize_fp8_blocks
@@ -103,7 +105,8 @@ def test_an_fp8_lm_head_computes_from_its_quantized_weight(tmp_path):
     save_file(tensors, reference / "model.safetensors", metadata={"format": "pt"})
     (reference / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
     reqs = requests(14, [8, 41, 23], logprobs=True)
-    completions = serve(model_dir, tmp_path / "logs", reqs, worker_args=("--lm-head-dtype", "fp8"))
+    completions = serve(model_dir, tmp_path / "logs", reqs, worker_args=("--lm-head-dtype", "fp8"),
+                        num_workers=ranks, tensor_parallel_size=ranks)
     assert_greedy_like_transformers(reference, reqs, completions)
     model = hf_model(reference)
     for req, got in zip(reqs, completions):
