@@ -3,7 +3,8 @@ bf16 over the first CORRECTNESS_TOKENS tokens, and the engine's logits against t
 and bf16 on the same prompts. The engine's logits come from one varlen prefill by the worker's own
 ModelRunner (its model, weights loader and attention backend). The FP8 KV cache's row: the same
 engine over an FP8 cache, its logits against the bf16 cache's and transformers fp32, and its
-greedy tokens (the in-process engine) against transformers bf16."""
+greedy tokens (the in-process engine) against transformers bf16. The FP8 LM head's row likewise
+(--lm-head-dtype fp8: the head's weight quantized at load, lossy)."""
 from __future__ import annotations
 
 import argparse
@@ -57,17 +58,24 @@ def run(args: argparse.Namespace) -> dict:
     fp8_greedy = engine_greedy(model_dir(args), prompts, device=args.device,
                                attention_backend=args.attention_backend, kv_cache_dtype="fp8")
     result["fp8_kv_greedy"] = greedy_match(fp8_greedy, hf_greedy)
+    head = engine_logits(model_dir(args), prompts, device=args.device, attention_backend=args.attention_backend,
+                         lm_head_dtype="fp8")
+    result["engine_fp8_head_vs_engine"] = logits_agreement(head, ours)
+    result["engine_fp8_head_vs_hf_fp32"] = logits_agreement(head, fp32)
+    head_greedy = engine_greedy(model_dir(args), prompts, device=args.device,
+                                attention_backend=args.attention_backend, lm_head_dtype="fp8")
+    result["fp8_head_greedy"] = greedy_match(head_greedy, hf_greedy)
     return result
 
 
 def engine_greedy(path: pathlib.Path, prompts: list[list[int]], *, device: str, attention_backend: str,
-                  kv_cache_dtype: str) -> list[list[int]]:
+                  kv_cache_dtype: str = "auto", lm_head_dtype: str = "auto") -> list[list[int]]:
     """The in-process engine's greedy first CORRECTNESS_TOKENS tokens of each prompt."""
     from common.sampling import SamplingParams
     from tools.offline import LLM
 
     llm = LLM(str(path), device=device, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
-              max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + CORRECTNESS_TOKENS + 16,
+              lm_head_dtype=lm_head_dtype, max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + CORRECTNESS_TOKENS + 16,
               num_kv_blocks=sum(-(-(len(p) + CORRECTNESS_TOKENS) // 16) + 1 for p in prompts) + 8)
     return llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=CORRECTNESS_TOKENS))
 
@@ -127,9 +135,10 @@ def prefill_metadata(prompt_lens: list[int], block_size: int, device):
 
 
 def engine_logits(path: pathlib.Path, prompts: list[list[int]], *, device: str = "cuda",
-                  attention_backend: str = "auto", dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> list:
+                  attention_backend: str = "auto", dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
+                  lm_head_dtype: str = "auto") -> list:
     """float32 logits [len(prompt), vocab] per prompt (every attention reads its K/V back from a
-    cache of kv_cache_dtype)."""
+    cache of kv_cache_dtype; the LM head in lm_head_dtype)."""
     import torch
 
     from worker_svc.config import WorkerConfig
@@ -139,7 +148,7 @@ def engine_logits(path: pathlib.Path, prompts: list[list[int]], *, device: str =
     # Enough blocks for any block size of 16 tokens or more (the runner picks it per backend).
     runner = ModelRunner(WorkerConfig(model=str(path), device=device, dtype=dtype,
                                       attention_backend=attention_backend, enforce_eager=True,
-                                      kv_cache_dtype=kv_cache_dtype, num_kv_blocks=sum(-(-n // 16) for n in lens) + 1))
+                                      kv_cache_dtype=kv_cache_dtype, lm_head_dtype=lm_head_dtype, num_kv_blocks=sum(-(-n // 16) for n in lens) + 1))
     meta = prefill_metadata(lens, runner.block_size, runner.device)
     with torch.inference_mode():
         input_ids = torch.tensor([t for p in prompts for t in p], device=runner.device)
@@ -156,14 +165,15 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
         print(f"  greedy, first {CORRECTNESS_TOKENS} tokens vs transformers bf16: match rate "
               f"{c['greedy_match_rate']:.1%}, leading matches {c['greedy_leading_matches']}")
     for key in ("engine_vs_hf_fp32", "hf_bf16_vs_hf_fp32", "engine_vs_hf_bf16", "engine_fp8_kv_vs_engine",
-                "engine_fp8_kv_vs_hf_fp32"):
+                "engine_fp8_kv_vs_hf_fp32", "engine_fp8_head_vs_engine", "engine_fp8_head_vs_hf_fp32"):
         if key in c:
-            print(f"  logits {key:24s} relative error {c[key]['relative_error']:.2e}, "
+            print(f"  logits {key:26s} relative error {c[key]['relative_error']:.2e}, "
                   f"top-1 agreement {c[key]['top1_agreement']:.1%}")
-    if "fp8_kv_greedy" in c:
-        g = c["fp8_kv_greedy"]
-        print(f"  fp8 KV cache: greedy, first {CORRECTNESS_TOKENS} tokens vs transformers bf16: match rate "
-              f"{g['greedy_match_rate']:.1%}, leading matches {g['greedy_leading_matches']}")
+    for key, what in (("fp8_kv_greedy", "fp8 KV cache"), ("fp8_head_greedy", "fp8 LM head")):
+        if key in c:
+            g = c[key]
+            print(f"  {what}: greedy, first {CORRECTNESS_TOKENS} tokens vs transformers bf16: match rate "
+                  f"{g['greedy_match_rate']:.1%}, leading matches {g['greedy_leading_matches']}")
 
 
 if __name__ == "__main__":
