@@ -78,28 +78,35 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
         assert got.logprobs == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_an_fp8_lm_head_computes_from_its_quantized_weight(tmp_path, ranks):
+@pytest.mark.parametrize("checkpoint,ranks", [("bf16", 1), ("bf16", 2), ("fp8", 1)])
+def test_an_fp8_lm_head_computes_from_its_quantized_weight(tmp_path, checkpoint, ranks):
     """--lm-head-dtype fp8 on the tiny model, whose LM head is tied to the embedding: greedy tokens and
     logprobs are transformers' on a checkpoint whose head is the block-quantized embedding (quantized by the
-    format's plain reference, 128 x 128 blocks), untied from the embedding, which stays as it was; on one
-    rank and on a tensor-parallel group of two (each quantizes its 256 vocabulary rows: the same blocks)."""
+    format's plain reference), untied from the embedding, which stays as it was. A bf16 checkpoint's head in
+    128 x 128 blocks, on one rank and on a tensor-parallel group of two (each quantizes its 256 vocabulary
+    rows: the same blocks); an FP8 checkpoint's in its own blocks (32 x 32), against its dequantized weights."""
     from safetensors.torch import load_file, save_file
 
     from common.tiny_model import quantize_fp8_blocks
 
-    model_dir = write_tiny_qwen3(tmp_path / "tiny", seed=6)
-    config = json.loads((model_dir / "config.json").read_text())
+    if checkpoint == "fp8":
+        model_dir = write_tiny_qwen3_fp8(tmp_path / "fp8", seed=6)
+        reference = write_dequantized_checkpoint(model_dir, tmp_path / "reference")
+        block = (32, 32)
+    else:
+        model_dir = write_tiny_qwen3(tmp_path / "tiny", seed=6)
+        reference = tmp_path / "reference"
+        reference.mkdir()
+        for path in model_dir.iterdir():
+            if path.is_file():
+                (reference / path.name).write_bytes(path.read_bytes())
+        block = (128, 128)
+    config = json.loads((reference / "config.json").read_text())
     assert config["tie_word_embeddings"]
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    for path in model_dir.iterdir():
-        if path.is_file() and path.name not in ("config.json", "model.safetensors"):
-            (reference / path.name).write_bytes(path.read_bytes())
-    tensors = load_file(model_dir / "model.safetensors")
+    tensors = load_file(reference / "model.safetensors")
     embedding = tensors["model.embed_tokens.weight"]
-    values, scale = quantize_fp8_blocks(embedding, (128, 128))
-    scale = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:embedding.shape[0], :embedding.shape[1]]
+    values, scale = quantize_fp8_blocks(embedding, block)
+    scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:embedding.shape[0], :embedding.shape[1]]
     tensors["lm_head.weight"] = (values.float() * scale).to(embedding.dtype)
     assert not torch.equal(tensors["lm_head.weight"], embedding)
     save_file(tensors, reference / "model.safetensors", metadata={"format": "pt"})
