@@ -51,20 +51,14 @@ def run(args: argparse.Namespace) -> dict:
     result["engine_vs_hf_fp32"] = logits_agreement(ours, fp32)
     result["hf_bf16_vs_hf_fp32"] = logits_agreement(bf16, fp32)
     result["engine_vs_hf_bf16"] = logits_agreement(ours, bf16)
-    fp8 = engine_logits(model_dir(args), prompts, device=args.device, attention_backend=args.attention_backend,
-                        kv_cache_dtype="fp8")
-    result["engine_fp8_kv_vs_engine"] = logits_agreement(fp8, ours)
-    result["engine_fp8_kv_vs_hf_fp32"] = logits_agreement(fp8, fp32)
-    fp8_greedy = engine_greedy(model_dir(args), prompts, device=args.device,
-                               attention_backend=args.attention_backend, kv_cache_dtype="fp8")
-    result["fp8_kv_greedy"] = greedy_match(fp8_greedy, hf_greedy)
-    head = engine_logits(model_dir(args), prompts, device=args.device, attention_backend=args.attention_backend,
-                         lm_head_dtype="fp8")
-    result["engine_fp8_head_vs_engine"] = logits_agreement(head, ours)
-    result["engine_fp8_head_vs_hf_fp32"] = logits_agreement(head, fp32)
-    head_greedy = engine_greedy(model_dir(args), prompts, device=args.device,
-                                attention_backend=args.attention_backend, lm_head_dtype="fp8")
-    result["fp8_head_greedy"] = greedy_match(head_greedy, hf_greedy)
+    for name, option in (("fp8_kv", {"kv_cache_dtype": "fp8"}), ("fp8_head", {"lm_head_dtype": "fp8"})):
+        variant = engine_logits(model_dir(args), prompts, device=args.device, attention_backend=args.attention_backend,
+                                **option)
+        result[f"engine_{name}_vs_engine"] = logits_agreement(variant, ours)
+        result[f"engine_{name}_vs_hf_fp32"] = logits_agreement(variant, fp32)
+        greedy = engine_greedy(model_dir(args), prompts, device=args.device, attention_backend=args.attention_backend,
+                               **option)
+        result[f"{name}_greedy"] = greedy_match(greedy, hf_greedy)
     return result
 
 

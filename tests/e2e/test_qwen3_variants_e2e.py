@@ -44,6 +44,17 @@ def assert_greedy_like_transformers(model_dir: pathlib.Path, reqs: list[dict], c
         assert got.token_ids == want, f"request {i} ({len(req['token_ids'])} prompt tokens) diverged from transformers"
 
 
+def assert_logprobs_like_transformers(model_dir: pathlib.Path, reqs: list[dict], completions: list) -> None:
+    """Each returned token's logprob is transformers' (float32 logits on model_dir) to 1e-4."""
+    model = hf_model(model_dir)
+    for req, got in zip(reqs, completions):
+        with torch.inference_mode():
+            logits = model(torch.tensor([req["token_ids"] + got.token_ids[:-1]])).logits[0].float()
+        positions = range(len(req["token_ids"]) - 1, len(req["token_ids"]) - 1 + len(got.token_ids))
+        want = [torch.log_softmax(logits[p], -1)[t].item() for p, t in zip(positions, got.token_ids)]
+        assert got.logprobs == pytest.approx(want, abs=1e-4)
+
+
 def test_moe_with_mixed_layers_matches_transformers(tmp_path):
     # Layers 1 and 5 are sparse; 3 would be, but mlp_only_layers keeps it dense. Top-2 of 8,
     # weights not renormalised.
@@ -69,13 +80,7 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
     reqs = requests(13, [9, 33, 60], logprobs=True)
     completions = serve(fp8_dir, tmp_path / "logs", reqs)
     assert_greedy_like_transformers(dequantized, reqs, completions)
-    model = hf_model(dequantized)
-    for req, got in zip(reqs, completions):
-        with torch.inference_mode():
-            logits = model(torch.tensor([req["token_ids"] + got.token_ids[:-1]])).logits[0].float()
-        positions = range(len(req["token_ids"]) - 1, len(req["token_ids"]) - 1 + len(got.token_ids))
-        want = [torch.log_softmax(logits[p], -1)[t].item() for p, t in zip(positions, got.token_ids)]
-        assert got.logprobs == pytest.approx(want, abs=1e-4)
+    assert_logprobs_like_transformers(dequantized, reqs, completions)
 
 
 @pytest.mark.parametrize("checkpoint,ranks", [("bf16", 1), ("bf16", 2), ("fp8", 1)])
@@ -115,13 +120,7 @@ def test_an_fp8_lm_head_computes_from_its_quantized_weight(tmp_path, checkpoint,
     completions = serve(model_dir, tmp_path / "logs", reqs, worker_args=("--lm-head-dtype", "fp8"),
                         num_workers=ranks, tensor_parallel_size=ranks)
     assert_greedy_like_transformers(reference, reqs, completions)
-    model = hf_model(reference)
-    for req, got in zip(reqs, completions):
-        with torch.inference_mode():
-            logits = model(torch.tensor([req["token_ids"] + got.token_ids[:-1]])).logits[0].float()
-        positions = range(len(req["token_ids"]) - 1, len(req["token_ids"]) - 1 + len(got.token_ids))
-        want = [torch.log_softmax(logits[p], -1)[t].item() for p, t in zip(positions, got.token_ids)]
-        assert got.logprobs == pytest.approx(want, abs=1e-4)
+    assert_logprobs_like_transformers(reference, reqs, completions)
 
 
 def yarn_in_rope_parameters(config: dict) -> None:
