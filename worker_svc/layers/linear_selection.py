@@ -274,11 +274,13 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
         # are agreed, so every rank times the same twin).
         pdl = [name for name in times if methods[name].late_twin() is not None]
         twin = methods[min(pdl, key=times.__getitem__)].late_twin() if pdl else None
-        elapsed = (_time_twin(twin, label=label, rows=rows, x=x, operands=operands, timed=timed, dtype=dtype,
-                              measure=measure, rejected=choice.rejected, with_norm=with_norm,
-                              reduce_across_ranks=reduce_across_ranks) if twin is not None else math.inf)
-        if math.isfinite(elapsed):
-            times[str(twin)], methods[str(twin)] = elapsed, twin
+        if twin is not None:
+            elapsed = (math.inf if str(twin) in choice.rejected else
+                       _time_method(twin, label, rows, x, operands, timed, dtype, measure, choice.rejected, with_norm))
+            if reduce_across_ranks is not None:
+                elapsed = reduce_across_ranks([elapsed])[0]
+            if math.isfinite(elapsed):
+                times[str(twin)], methods[str(twin)] = elapsed, twin
         choice.times[rows] = times
         choice.chosen[rows] = methods[_fastest(times, methods)]
         unbounded = {n: (m, times[n]) for n, m in methods.items() if m.max_rows is None and n in times}
@@ -309,16 +311,6 @@ def _time_method(method: Method, label: str, rows: int, x: torch.Tensor, operand
         return math.inf
     finally:
         del runners
-
-
-def _time_twin(twin: Method, *, label: str, rows: int, x: torch.Tensor, operands: Sequence[LinearOperands],
-               timed: list[LinearOperands], dtype: torch.dtype, measure: Measure, rejected: dict[str, str],
-               with_norm: bool, reduce_across_ranks: Reduce | None) -> float:
-    """A chosen method's twin's ms per call at this row count (_time_method), agreed by the ranks
-    (each times the same twin: the times before it were agreed); inf where refused."""
-    elapsed = (math.inf if str(twin) in rejected else
-               _time_method(twin, label, rows, x, operands, timed, dtype, measure, rejected, with_norm))
-    return reduce_across_ranks([elapsed])[0] if reduce_across_ranks is not None else elapsed
 
 
 def _fastest(times: dict[str, float], methods: dict[str, Method]) -> str:
