@@ -145,12 +145,9 @@ def _block_fp8_matmul_kernel(
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
-        if QUANTIZE_A:   # activations in the model dtype (or SwiGLU's input), quantized per row and group here
-            a = gemv_kernels._load_x(a_ptrs, m_mask[:, None], K, SILU_MUL, a_ptr.dtype.element_ty)
-        else:
-            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        a = gemv_kernels._load_x(a_ptrs, m_mask[:, None], K, SILU_MUL, a_ptr.dtype.element_ty)   # (or SwiGLU's)
         b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        if QUANTIZE_A:
+        if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
             a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
         else:
             a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)

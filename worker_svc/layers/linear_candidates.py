@@ -38,8 +38,8 @@ FP8_PDL_PREFETCH = 2            # K tiles of weights the FP8 GEMM asks into L2 b
 # 64-row operands. So: the rows padded to a 64-row tile (up to FP8_WGMMA_MAX_ROWS rows: from 33 on
 # fp8_kernels' own tile has 64 rows), and up to GEMV_MAX_ROWS the dot swapped (FP8_SWAP_TILES: the
 # weight tile as the 64-row operand, the rows as a 16-64-column one, swap_rows), its accumulator 4-16x
-# smaller. Input quantized first (by the norms and SwiGLU, as the chosen 16-row tiles take it), split
-# over K as fp8_split sizes them, each with PDL too.
+# smaller. Input quantized first (by the norms and SwiGLU, as the chosen 16-row tiles take it; the swapped
+# ones of o and down also on load: wgmma_candidates), split over K as fp8_split sizes them, each with PDL too.
 FP8_WGMMA_TILES = (dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),)
 FP8_WGMMA_MAX_ROWS = 32
 FP8_SWAP_TILES = (dict(BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=True),
