@@ -49,17 +49,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         scales are what the logits are computed from (the bf16 weight freed unless `shared` with the
         embedding); without, the head's weight becomes their dequantized values (a CPU computes what a
         GPU would). Lossy: the logits move by about FP8's rounding (docs/PERF_NOTES.md v43)."""
-        from worker_svc.layers.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
+        from worker_svc.layers.fp8 import FP8_DTYPE, dequantize_blocks, quantize_rows_
 
         weight = self.weight
         rows, width = weight.shape
         values = torch.empty(rows, width, dtype=FP8_DTYPE, device=weight.device)
         scales = torch.empty(-(-rows // block[0]), -(-width // block[1]), dtype=torch.float32, device=weight.device)
-        step = block[0] * max(1, (1 << 24) // (block[0] * width))   # a few blocks of rows at a time
-        for start in range(0, rows, step):
-            q, s = quantize_blocks(weight[start:start + step], block)
-            values[start:start + step].copy_(q)
-            scales[start // block[0]:start // block[0] + s.shape[0]].copy_(s)
+        quantize_rows_(values, scales, block, lambda start, count: weight[start:start + count])
         if not kernel:   # (a copy of its own where the embedding shares the weight: the embedding stays)
             self.weight = nn.Parameter(dequantize_blocks(values, scales, block, weight.dtype), requires_grad=False)
             return

@@ -20,7 +20,7 @@ the checkpoint names in `modules_to_not_convert`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import logging
 
@@ -172,13 +172,23 @@ def as_dense(loaded: torch.Tensor | BlockFp8Tensor, dtype: torch.dtype, quant: F
 def fill_random_fp8_(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      generator: torch.Generator, std: float) -> None:
     """Random normal(0, std) bfloat16 weights, quantized into values [..., rows, cols] and their
-    scales; drawn a few blocks of rows at a time, so no full-precision copy of a large weight exists."""
-    rows_per_draw = block[0] * max(1, (1 << 24) // (block[0] * values.shape[-1]))
+    scales; drawn a few blocks of rows at a time (quantize_rows_)."""
+    def draw(start: int, rows: int) -> torch.Tensor:
+        return torch.empty(rows, values.shape[-1], dtype=torch.bfloat16, device=values.device).normal_(
+            0.0, std, generator=generator)
+
     flat_values, flat_scales = values.view(-1, *values.shape[-2:]), scale_inv.view(-1, *scale_inv.shape[-2:])
     for matrix, scales in zip(flat_values, flat_scales):
-        for start in range(0, matrix.shape[0], rows_per_draw):
-            rows = min(rows_per_draw, matrix.shape[0] - start)
-            draw = torch.empty(rows, matrix.shape[1], dtype=torch.bfloat16, device=matrix.device)
-            q, s = quantize_blocks(draw.normal_(0.0, std, generator=generator), block)
-            matrix[start:start + rows].copy_(q)
-            scales[start // block[0]:start // block[0] + s.shape[0]].copy_(s)
+        quantize_rows_(matrix, scales, block, draw)
+
+
+def quantize_rows_(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   rows_of: Callable[[int, int], torch.Tensor]) -> None:
+    """Fills values [rows, cols] (FP8) and their block scales by quantize_blocks, a few blocks of rows at
+    a time: rows_of(start, count) gives those rows in full precision, so no full-precision copy of a large
+    weight exists at once."""
+    step = block[0] * max(1, (1 << 24) // (block[0] * values.shape[-1]))
+    for start in range(0, values.shape[0], step):
+        q, s = quantize_blocks(rows_of(start, min(step, values.shape[0] - start)), block)
+        values[start:start + q.shape[0]].copy_(q)
+        scale_inv[start // block[0]:start // block[0] + s.shape[0]].copy_(s)
