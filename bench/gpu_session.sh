@@ -36,6 +36,9 @@
 #             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention at 67% of the copy rate there)
 #   fp8head   Qwen3-8B FP8 decode with the LM head in FP8 (--lm-head-dtype fp8) at 1, 16 and 256 rows (HEAD_ROWS),
 #             beside an `fp8` or fp8few call's bf16 and FP8 runs on the same machine (PERF_NOTES v43)
+#   hfirst    the 256-request decode launches with their grids' kv heads first (LaunchConfig.heads_first) beside
+#             the default order: the FP8 cache's decode kernel (Qwen3-0.6B's heads, 1 and 2 splits), then the
+#             bf16 cache's tile kernel with Qwen3-0.6B's and Qwen3-8B's heads (PERF_NOTES v44)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -265,6 +268,16 @@ PY
             cp "$OUT/attention_splits.json" "$OUT/ashort-${heads/,/-}.json" 2>/dev/null
         done
         ;;
+    hfirst)
+        STAGE=attention_splits NAME=hf-fp8 TIMEOUT=280 LINES_OUT=16 \
+            EXTRA="--kv fp8 --cases 256 --splits 1,2 --heads-first" bash "$0" stage
+        cp "$OUT/attention_splits.json" "$OUT/hf-fp8.json" 2>/dev/null
+        for heads in 16,8 32,8; do
+            STAGE=attention_splits NAME=hf-bf16-${heads/,/-} TIMEOUT=150 LINES_OUT=16 \
+                EXTRA="--cases 256 --splits 1 --configs 4 --heads-first --heads $heads" bash "$0" stage
+            cp "$OUT/attention_splits.json" "$OUT/hf-bf16-${heads/,/-}.json" 2>/dev/null
+        done
+        ;;
     fp8head)   # the LM head in FP8 (--lm-head-dtype fp8) at 1, 16 and 256 rows (HEAD_ROWS), Qwen3-8B FP8 decode
         base
         for rows in ${HEAD_ROWS:-1 16 256}; do
@@ -311,5 +324,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|fp8head|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|hfirst|fp8head|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac

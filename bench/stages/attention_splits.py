@@ -43,6 +43,9 @@ CPU_SPLITS = (1, 2, 4)
 GPU_CONFIGS = (("tiles", 64, 4, 3), ("tiles", 128, 4, 3), ("tiles", 32, 4, 2), ("tiles", 64, 4, 2),
                ("gqa", 32, 2, 1), ("gqa", 64, 2, 1), ("gqa", 32, 4, 2), ("gqa", 64, 4, 2))
 CPU_CONFIGS = (("tiles", 16, 4, 1), ("gqa", 16, 1, 1))
+# Over an FP8 cache (--kv fp8): the decode kernel's configs (triton_kernels.DECODE_LAUNCHES_FP8_GQA's first).
+GPU_CONFIGS_FP8 = (("gqa", 32, 1, 2), ("gqa", 32, 2, 1), ("gqa", 64, 2, 1), ("gqa", 32, 4, 2), ("gqa", 64, 4, 2),
+                   ("gqa", 64, 1, 2), ("tiles", 128, 4, 3))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,17 +56,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--splits", default="", help="split factors to sweep, comma-separated (default: the table's)")
     p.add_argument("--configs", type=int, default=0, help="only the first N launch configs (default: all)")
     p.add_argument("--heads", default="", help="query and kv heads, e.g. 32,8 for Qwen3-8B (default: Qwen3-0.6B's 16,8)")
+    p.add_argument("--kv", default="bf16", choices=["bf16", "fp8"], help="the KV cache's type (fp8: the decode kernel's "
+                   "configs are swept)")
+    p.add_argument("--heads-first", action="store_true",
+                   help="each swept config also with its grid's kv heads first (LaunchConfig.heads_first)")
     return p.parse_args(argv)
 
 
 @torch.inference_mode()
 def sweep(device: torch.device, only: str = "", split_list: str = "", num_configs: int = 0,
-          heads: str = "") -> list[dict]:
+          heads: str = "", kv: str = "bf16", heads_first: bool = False) -> list[dict]:
     """A row per (case, launch): the default launch (its config and split factor from the tables),
-    then each config at each split factor."""
+    it longest first, each of them with the kv heads first, then each config at each split factor
+    (and with the kv heads first)."""
     from worker_svc.layers.attention import triton_kernels as tk
     from worker_svc.layers.attention.base import longest_first_order
-    from worker_svc.layers.attention.selection import synthetic_step
+    from worker_svc.layers.attention.kv_quant import FP8_KV_DTYPE
+    from worker_svc.layers.attention.selection import synthetic_kv_scales, synthetic_step
     from worker_svc.layers.attention.torch_backend import TorchAttentionBackend
 
     gpu = device.type == "cuda"
@@ -71,30 +80,39 @@ def sweep(device: torch.device, only: str = "", split_list: str = "", num_config
     if heads:
         num_heads, num_kv_heads = (int(n) for n in heads.split(","))
         setup = dataclasses.replace(setup, num_heads=num_heads, num_kv_heads=num_kv_heads)
-    cases, splits, configs = (GPU_CASES, GPU_SPLITS, GPU_CONFIGS) if gpu else (CPU_CASES, CPU_SPLITS, CPU_CONFIGS)
+    fp8 = kv == "fp8"
+    cases, splits, configs = (GPU_CASES, GPU_SPLITS, GPU_CONFIGS_FP8 if fp8 else GPU_CONFIGS) if gpu \
+        else (CPU_CASES, CPU_SPLITS, CPU_CONFIGS)
     cases = [(name, requests) for name, requests in cases if only in name]
     splits = tuple(int(n) for n in split_list.split(",")) if split_list else splits
     configs = configs[:num_configs or None]
-    shape = shape_of(setup, setup.dtype)
+    cache_dtype = FP8_KV_DTYPE if fp8 else setup.dtype
+    shape = shape_of(setup, cache_dtype)
+    kv_scales = synthetic_kv_scales(shape, device) if fp8 else None
+    orders = (False, True) if heads_first else (False,)
     time_ms, scale, rows = timer(device), setup.head_dim ** -0.5, []
     for seed, (name, requests) in enumerate(cases):
         q, _, _, k_cache, v_cache, meta = synthetic_step(requests, shape, device, seed=seed)
-        ref = TorchAttentionBackend().attend(q.float(), k_cache, v_cache, meta, scale, None)
-        floor_ms = kv_bytes(requests, setup, setup.dtype) / FLOOR_BANDWIDTH * 1e3
-        default = tk.decode_launch(False, len(requests))
+        ref = TorchAttentionBackend().attend(q.float(), k_cache, v_cache, meta, scale, kv_scales)
+        floor_ms = kv_bytes(requests, setup, cache_dtype) / FLOOR_BANDWIDTH * 1e3
+        default = tk.decode_launch(fp8, len(requests))
         default_splits = tk.decode_num_splits(len(requests), setup.num_kv_heads, device, default.num_warps)
         launches = [("default", default, default_splits), ("longest first", default, default_splits)]
-        launches += [("swept", tk.LaunchConfig(16, kv, w, st, kernel), n)
-                     for kernel, kv, w, st in configs for n in splits]
+        if heads_first:
+            first = dataclasses.replace(default, heads_first=True)
+            launches += [("heads first", first, default_splits), ("longest first, heads first", first, default_splits)]
+        launches += [("swept", tk.LaunchConfig(16, kv_tile, w, st, kernel, heads_first=h), n)
+                     for kernel, kv_tile, w, st in configs for h in orders for n in splits]
         for label, launch, num_splits in launches:
             row = dict(case=name, label=label, floor_ms=floor_ms, num_splits=num_splits, **asdict(launch))
 
             # Longest first: the order AttentionMetadata.decode_order takes (sorted once a step, not timed here).
-            order = longest_first_order(meta.seq_lens) if label == "longest first" else None
+            order = longest_first_order(meta.seq_lens) if label.startswith("longest first") else None
 
             def call(q=q, k=k_cache, v=v_cache, m=meta, launch=launch, n=num_splits, order=order):
                 return tk.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale,
-                                          pure_decode=True, num_splits=n, launch=launch, decode_order=order)
+                                          pure_decode=True, num_splits=n, launch=launch, decode_order=order,
+                                          kv_scales=kv_scales)
             try:
                 row["err"] = relative_error(call(), ref)
                 row["ms"] = time_ms(call)
@@ -114,16 +132,18 @@ def print_table(rows: list[dict]) -> None:
     for case in dict.fromkeys(r["case"] for r in rows):
         mine = [r for r in rows if r["case"] == case and "ms" in r and r["err"] < 2e-2]
         default = next((r for r in mine if r["label"] == "default"), None)
-        ranked = sorted((r for r in mine if r["label"] != "longest first"), key=lambda r: r["ms"])
+        ranked = sorted((r for r in mine if r["label"] == "swept" or r["label"] == "default"), key=lambda r: r["ms"])
         if not ranked or default is None:
             print(f"{case:18s} no result")
             continue
         best = ranked[0]
-        label = lambda r: f"{r['kernel']} kv{r['kv_tile']} w{r['num_warps']} s{r['num_stages']} split{r['num_splits']}"  # noqa: E731
-        ordered = next((r for r in mine if r["label"] == "longest first"), None)
-        if ordered is not None:
-            print(f"{case:18s} longest first {ordered['ms']:.4f} ms: {ordered['ms'] / default['ms']:.3f}x the default "
-                  f"(err {ordered['err']:.1e})")
+        label = lambda r: (f"{r['kernel']} kv{r['kv_tile']} w{r['num_warps']} s{r['num_stages']} split{r['num_splits']}"  # noqa: E731
+                           + (" hf" if r.get("heads_first") else ""))
+        for other in ("longest first", "heads first", "longest first, heads first"):
+            ordered = next((r for r in mine if r["label"] == other), None)
+            if ordered is not None:
+                print(f"{case:18s} {other} {ordered['ms']:.4f} ms: {ordered['ms'] / default['ms']:.3f}x the default "
+                      f"(err {ordered['err']:.1e})")
         print(f"{case:18s} {default['ms']:10.4f} {best['ms']:8.4f} {best['ms'] / default['ms']:8.2f} "
               f"{best['floor_ms']:7.4f}  {label(best)} ({best['err']:.1e}); "
               + ", ".join(f"{label(r)} {r['ms']:.4f}" for r in ranked[1:5])
@@ -139,7 +159,8 @@ def main(argv=None) -> int:
     else:
         gpu_faithful = contextlib.nullcontext
     with gpu_faithful():
-        rows = sweep(torch.device(args.device), args.cases, args.splits, args.configs, args.heads)
+        rows = sweep(torch.device(args.device), args.cases, args.splits, args.configs, args.heads, args.kv,
+                     args.heads_first)
     result = dict(ok=True, result=dict(rows=rows), wall_s=time.time() - started)
     (args.out / f"{STAGE}.json").write_text(json.dumps(result, indent=1))
     print_table(rows)

@@ -5,12 +5,14 @@ padding rows, and a 16-bit cache; its products on tensor cores and on CUDA cores
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from tests.support.triton_interpreter import DEVICE, gpu_faithful
+from worker_svc.layers.attention.base import longest_first_order
 from tests.unit.test_attention_backends import draw_seed, relative_error
 from tests.unit.test_kv_cache_fp8 import TOLERANCE, fp8_case, kernels, reference_attention
 
@@ -127,3 +129,26 @@ def test_the_decode_kernel_reads_a_16_bit_cache_as_the_tile_kernel_does(kernel):
     gqa = k.paged_attention(*args, pure_decode=True, num_splits=1, launch=gqa_launch(32, kernel=kernel))
     err = relative_error(gqa, tiles.double().cpu())
     assert err < TOLERANCE[torch.bfloat16], f"seed {seed}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kernel,fp8,num_splits", [("gqa", True, 1), ("gqa", True, 4), ("tiles", True, 1),
+                                                   ("tiles", False, 2), ("gqa", False, 1)])
+def test_a_launch_with_its_kv_heads_first_computes_the_same_bytes(kernel, fp8, num_splits):
+    """LaunchConfig.heads_first reorders the grid only: every program computes what it did, in the
+    default order and handed out longest first, split or not (the last split merges)."""
+    k = kernels()
+    seed = draw_seed()
+    case, scales, _ = stored_fp8_case(seed, "decode", torch.float32, group=2)
+    m = case.meta
+    k_cache, v_cache = case.k_cache, case.v_cache
+    if not fp8:
+        k_cache, v_cache = (c.float() * s[None, None, :, None] for c, s in ((k_cache, scales.k), (v_cache, scales.v)))
+        scales = None
+    launch = k.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=1 if kernel == "gqa" else 4, num_stages=1,
+                            kernel=kernel)
+    order = longest_first_order(m.seq_lens)
+    for decode_order in (None, order):
+        outs = [k.paged_attention(case.q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, case.scale,
+                                  pure_decode=True, num_splits=num_splits, kv_scales=scales, decode_order=decode_order,
+                                  launch=dataclasses.replace(launch, heads_first=first)) for first in (False, True)]
+        assert torch.equal(outs[0], outs[1]), f"seed {seed}"

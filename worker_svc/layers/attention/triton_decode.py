@@ -43,6 +43,15 @@ def _kv_tile(block_table, kv_start, kv_hi, kv_head, dim_valid, stride_cb, stride
 
 
 @triton.jit
+def _grid_ids(HEADS_FIRST: tl.constexpr):
+    """(request or query tile, kv head) of this program: the grid's first two axes, in the order
+    LaunchConfig.heads_first gave them (triton_kernels._grid)."""
+    if HEADS_FIRST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_start, kv_hi, kv_head, dims, dim_valid,
                   stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr):
     """K and V [KV_TILE, DIM_PAD] of keys kv_start.. of one request and kv head, as stored; keys
@@ -88,12 +97,11 @@ def _paged_decode_kernel(
     COLS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_DOT: tl.constexpr, TRIGGER: tl.constexpr, ORDERED: tl.constexpr,
+    USE_DOT: tl.constexpr, TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
         gdc_launch_dependents()
-    request = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    request, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
     if PURE_DECODE:
         if ORDERED:   # program i takes the i-th longest context (AttentionMetadata.decode_order)

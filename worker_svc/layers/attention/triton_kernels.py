@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from worker_svc.layers import gemv_kernels
 from worker_svc.layers.attention import base as attention_base
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
-from worker_svc.layers.attention.triton_decode import F16_MAX, _kv_tile, _paged_decode_kernel
+from worker_svc.layers.attention.triton_decode import F16_MAX, _grid_ids, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _merge_splits_kernel, _write_result
 
 LOG2_E = 1.4426950408889634
@@ -55,6 +55,10 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     kernel: str = TILES
+    # A pure-decode launch's grid with the kv heads as its fastest axis: the programs of one request's
+    # kv heads start together and read the same keys' cache rows (one row holds every kv head's slice
+    # of a key: base.py's layout) at about the same time, instead of one head's slice of every request.
+    heads_first: bool = False
 
 
 # Chosen on an H200 (docs/PERF_NOTES.md, v1 and v11). Decode: (largest batch, config), the first
@@ -160,12 +164,11 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_DECODES: tl.constexpr,
-    TRIGGER: tl.constexpr, ORDERED: tl.constexpr,
+    TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
         gdc_launch_dependents()
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    tile, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
 
     if PURE_DECODE:  # one token per request: tile i is request i (or the i-th longest), its query token too
@@ -464,8 +467,8 @@ def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, f
     use_dot = launch.kernel == GQA
     buffers = _split_buffers(step, num_splits, fused_merge)
     constants = step.constants()
-    _paged_decode_kernel[(step.num_requests, step.num_kv_heads, num_splits)](
-        *step.args(*buffers), **constants, USE_DOT=use_dot,
+    _paged_decode_kernel[_grid(step.num_requests, step.num_kv_heads, num_splits, launch.heads_first)](
+        *step.args(*buffers), **constants, USE_DOT=use_dot, HEADS_FIRST=launch.heads_first,
         COLS=max(MIN_DECODE_COLS if use_dot else 1, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
@@ -491,15 +494,24 @@ def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merg
     # The merge counts splits per (request, kv head): one query tile per request, so decode only.
     fused_merge = fused_merge and pure_decode
     buffers = _split_buffers(step, num_splits, fused_merge)
-    _paged_attention_kernel[(num_tiles, step.num_kv_heads, num_splits)](
+    heads_first = launch.heads_first and pure_decode
+    _paged_attention_kernel[_grid(num_tiles, step.num_kv_heads, num_splits, heads_first)](
         *step.args(*buffers), **constants,
         BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
         MERGE_CHUNK=_merge_chunk(step, num_splits), SKIP_DECODES=skip_decodes,
         TRIGGER=_triggers(step, num_splits, fused_merge), ORDERED=pure_decode and step.order is not None,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        HEADS_FIRST=heads_first, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=False)
+
+
+def _grid(num_tiles: int, num_kv_heads: int, num_splits: int, heads_first: bool) -> tuple[int, int, int]:
+    """The attention kernels' grid: (query tiles, kv heads, splits), the first two swapped for
+    heads_first (_grid_ids reads them back)."""
+    if heads_first:
+        return num_kv_heads, num_tiles, num_splits
+    return num_tiles, num_kv_heads, num_splits
 
 
 def _triggers(step: _Step, num_splits: int, fused_merge: bool) -> bool:
