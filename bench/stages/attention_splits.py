@@ -6,7 +6,9 @@ head find no keys, and the last split merges 64 partials. This sweep says what e
 and config costs at 1/4/16/64 x 1024 (and 1 x 4096), each a CUDA-graph replay (triton's do_bench
 median, L2 flushed), with the error against the torch reference for each; and the default launch
 with its programs handed out longest context first (AttentionMetadata.decode_order), on a batch of
-256 contexts of 100-2048 tokens as the service's large batches hold.
+256 contexts of 100-2048 tokens as the service's large batches hold. --kv fp8 sweeps the FP8 cache's
+decode kernel instead; --heads-first adds each launch with its grid's kv heads first, --wide the decode
+kernel with several kv heads a program over a bf16 cache (PERF_NOTES v44).
 
     python -m bench.stages.attention_splits --out DIR          # H200: ~2 min, DIR/attention_splits.json
     python -m bench.stages.attention_splits --out DIR --device cpu   # tiny shapes, Triton's interpreter
