@@ -40,6 +40,7 @@
 #             the default order, and the decode kernel with several kv heads a program (LaunchConfig.kv_heads):
 #             over an FP8 cache (Qwen3-0.6B's heads, 1 and 2 splits), then over a bf16 cache beside the tile
 #             kernel with Qwen3-0.6B's and Qwen3-8B's heads (PERF_NOTES v44)
+#   hfservice the service (STAGES, default bandwidth,service) with WORKER_ATTENTION_HEADS_FIRST=0 and 1 (v44)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -279,6 +280,13 @@ PY
             cp "$OUT/attention_splits.json" "$OUT/hf-bf16-${heads/,/-}.json" 2>/dev/null
         done
         ;;
+    hfservice)   # the service with its pure-decode launches kv heads first and not (PERF_NOTES v44), one machine
+        for n in 0 1; do
+            echo "== WORKER_ATTENTION_HEADS_FIRST=$n"
+            WORKER_ATTENTION_HEADS_FIRST=$n STAGES=${STAGES:-bandwidth,service} NAME=hfs-$n TIMEOUT=${TIMEOUT:-260} \
+                LINES_OUT=24 EXTRA="--stream-intervals 1 ${EXTRA:-}" bash "$0" bench | grep -v "not run\|^ *$\|^==\|ok in\|cpu:"
+        done
+        ;;
     fp8head)   # the LM head in FP8 (--lm-head-dtype fp8) at 1, 16 and 256 rows (HEAD_ROWS), Qwen3-8B FP8 decode
         base
         for rows in ${HEAD_ROWS:-1 16 256}; do
@@ -325,5 +333,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|hfirst|fp8head|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|hfirst|hfservice|fp8head|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac

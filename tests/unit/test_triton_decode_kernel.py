@@ -211,3 +211,12 @@ def test_a_layer_the_wide_launch_does_not_fit_gets_one_kv_head_a_program():
     assert k.program_kv_heads(launch, 2, 128) == 1     # 4 does not divide 2 kv heads
     assert k.program_kv_heads(launch, 8, 96) == 1      # head_dim not a power of two: its dims padded
     assert k.program_kv_heads(dataclasses.replace(launch, kernel="tiles"), 8, 128) == 1
+
+
+def test_the_decode_tables_launch_kv_heads_first_unless_turned_off(monkeypatch):
+    k = kernels()
+    for fp8 in (False, True):
+        for n in (1, 16, 256):
+            assert k.decode_launch(fp8, n).heads_first
+    monkeypatch.setattr(k, "DECODE_HEADS_FIRST", False)
+    assert not k.decode_launch(True, 256).heads_first and not k.decode_launch(False, 1).heads_first
