@@ -36,10 +36,9 @@
 #             with Qwen3-8B's heads and then Qwen3-0.6B's (PERF_NOTES v42: 8B's attention at 67% of the copy rate there)
 #   fp8head   Qwen3-8B FP8 decode with the LM head in FP8 (--lm-head-dtype fp8) at 1, 16 and 256 rows (HEAD_ROWS),
 #             beside an `fp8` or fp8few call's bf16 and FP8 runs on the same machine (PERF_NOTES v43)
-#   hfirst    the 256-request decode launches with their grids' kv heads first (LaunchConfig.heads_first) beside
-#             the default order, and the decode kernel with several kv heads a program (LaunchConfig.kv_heads):
-#             over an FP8 cache (Qwen3-0.6B's heads, 1 and 2 splits), then over a bf16 cache beside the tile
-#             kernel with Qwen3-0.6B's and Qwen3-8B's heads (PERF_NOTES v44)
+#   hfirst    the 256-request decode launches with their grids' kv heads first (LaunchConfig.heads_first) and
+#             not: over an FP8 cache (Qwen3-0.6B's heads, 1 and 2 splits), then over a bf16 cache with
+#             Qwen3-0.6B's and Qwen3-8B's heads (PERF_NOTES v44)
 #   hfservice the service (STAGES, default bandwidth,service) with WORKER_ATTENTION_HEADS_FIRST=0 and 1 (v44)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
@@ -276,7 +275,7 @@ PY
         cp "$OUT/attention_splits.json" "$OUT/hf-fp8.json" 2>/dev/null
         for heads in 16,8 32,8; do
             STAGE=attention_splits NAME=hf-bf16-${heads/,/-} TIMEOUT=150 LINES_OUT=16 \
-                EXTRA="--cases 256 --splits 1 --configs 4 --heads-first --wide --heads $heads" bash "$0" stage
+                EXTRA="--cases 256 --splits 1 --configs 4 --heads-first --heads $heads" bash "$0" stage
             cp "$OUT/attention_splits.json" "$OUT/hf-bf16-${heads/,/-}.json" 2>/dev/null
         done
         ;;

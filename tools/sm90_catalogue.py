@@ -290,12 +290,6 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
                     tk.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                        scale, pure_decode=True, kv_scales=scales,
                                        launch=tk.LaunchConfig(16, 32, 4, 2, kernel=tk.GQA_FMA))
-            # The splits stage's wide programs (LaunchConfig.kv_heads) and kv-heads-first grids.
-            q, _, _, k_cache, v_cache, meta = step([(1000, 1)] * 256, seed=256)
-            for launch in (tk.LaunchConfig(16, 16, 4, 1, kernel=tk.GQA, kv_heads=4),
-                           tk.LaunchConfig(16, 32, 4, 1, kernel=tk.GQA, kv_heads=2, heads_first=True)):
-                tk.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                   scale, pure_decode=True, kv_scales=scales, launch=launch)
 
     return {"attention_bf16": lambda: run(False), "attention_fp8": lambda: run(True)}
 

@@ -7,8 +7,8 @@ and config costs at 1/4/16/64 x 1024 (and 1 x 4096), each a CUDA-graph replay (t
 median, L2 flushed), with the error against the torch reference for each; and the default launch
 with its programs handed out longest context first (AttentionMetadata.decode_order), on a batch of
 256 contexts of 100-2048 tokens as the service's large batches hold. --kv fp8 sweeps the FP8 cache's
-decode kernel instead; --heads-first adds each launch with its grid's kv heads first, --wide the decode
-kernel with several kv heads a program over a bf16 cache (PERF_NOTES v44).
+decode kernel instead; --heads-first adds each launch with its grid's kv heads first and not, the
+default launch both ways (PERF_NOTES v44).
 
     python -m bench.stages.attention_splits --out DIR          # H200: ~2 min, DIR/attention_splits.json
     python -m bench.stages.attention_splits --out DIR --device cpu   # tiny shapes, Triton's interpreter
@@ -46,13 +46,8 @@ GPU_CONFIGS = (("tiles", 64, 4, 3), ("tiles", 128, 4, 3), ("tiles", 32, 4, 2), (
                ("gqa", 32, 2, 1), ("gqa", 64, 2, 1), ("gqa", 32, 4, 2), ("gqa", 64, 4, 2))
 CPU_CONFIGS = (("tiles", 16, 4, 1), ("gqa", 16, 1, 1))
 # Over an FP8 cache (--kv fp8): the decode kernel's configs (triton_kernels.DECODE_LAUNCHES_FP8_GQA's first).
-# A fifth entry: kv heads a program (LaunchConfig.kv_heads; Qwen3-0.6B: 4 fills the MMA's 8 columns).
 GPU_CONFIGS_FP8 = (("gqa", 32, 1, 2), ("gqa", 32, 2, 1), ("gqa", 64, 2, 1), ("gqa", 32, 4, 2), ("gqa", 64, 4, 2),
-                   ("gqa", 64, 1, 2), ("tiles", 128, 4, 3),
-                   ("gqa", 16, 2, 1, 2), ("gqa", 32, 4, 1, 2), ("gqa", 16, 4, 1, 4), ("gqa", 32, 4, 1, 4),
-                   ("gqa", 32, 8, 1, 4), ("gqa", 16, 8, 1, 8))
-# Over a bfloat16 cache with --wide: the decode kernel's wide programs beside the tile kernel's configs.
-GPU_CONFIGS_WIDE = (("gqa", 32, 4, 1, 2), ("gqa", 16, 4, 1, 2), ("gqa", 16, 4, 1, 4), ("gqa", 32, 8, 1, 4))
+                   ("gqa", 64, 1, 2), ("tiles", 128, 4, 3))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,8 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", default="", help="query and kv heads, e.g. 32,8 for Qwen3-8B (default: Qwen3-0.6B's 16,8)")
     p.add_argument("--kv", default="bf16", choices=["bf16", "fp8"], help="the KV cache's type (fp8: the decode kernel's "
                    "configs are swept)")
-    p.add_argument("--wide", action="store_true", help="over a bfloat16 cache, also the decode kernel with several kv "
-                   "heads a program (GPU_CONFIGS_WIDE)")
     p.add_argument("--heads-first", action="store_true",
                    help="each swept config also with its grid's kv heads first (LaunchConfig.heads_first)")
     return p.parse_args(argv)
@@ -74,10 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @torch.inference_mode()
 def sweep(device: torch.device, only: str = "", split_list: str = "", num_configs: int = 0,
-          heads: str = "", kv: str = "bf16", heads_first: bool = False, wide: bool = False) -> list[dict]:
+          heads: str = "", kv: str = "bf16", heads_first: bool = False) -> list[dict]:
     """A row per (case, launch): the default launch (its config and split factor from the tables),
-    it longest first, each of them with the kv heads first, then each config at each split factor
-    (and with the kv heads first)."""
+    it longest first, with heads_first each of them in the grid's other order too, then each config
+    at each split factor (and in both orders)."""
     from worker_svc.layers.attention import triton_kernels as tk
     from worker_svc.layers.attention.base import longest_first_order
     from worker_svc.layers.attention.kv_quant import FP8_KV_DTYPE
@@ -94,7 +87,7 @@ def sweep(device: torch.device, only: str = "", split_list: str = "", num_config
         else (CPU_CASES, CPU_SPLITS, CPU_CONFIGS)
     cases = [(name, requests) for name, requests in cases if only in name]
     splits = tuple(int(n) for n in split_list.split(",")) if split_list else splits
-    configs = configs[:num_configs or None] + (GPU_CONFIGS_WIDE if gpu and wide and not fp8 else ())
+    configs = configs[:num_configs or None]
     cache_dtype = FP8_KV_DTYPE if fp8 else setup.dtype
     shape = shape_of(setup, cache_dtype)
     kv_scales = synthetic_kv_scales(shape, device) if fp8 else None
@@ -107,12 +100,12 @@ def sweep(device: torch.device, only: str = "", split_list: str = "", num_config
         default = tk.decode_launch(fp8, len(requests))
         default_splits = tk.decode_num_splits(len(requests), setup.num_kv_heads, device, default.num_warps)
         launches = [("default", default, default_splits), ("longest first", default, default_splits)]
-        if heads_first:
-            first = dataclasses.replace(default, heads_first=True)
-            launches += [("heads first", first, default_splits), ("longest first, heads first", first, default_splits)]
-        launches += [("swept", tk.LaunchConfig(16, kv_tile, w, st, kernel, heads_first=h, kv_heads=wide_heads), n)
-                     for kernel, kv_tile, w, st, *more in configs for wide_heads in (more or [1])
-                     for h in orders for n in splits]
+        if heads_first:   # the default launch in the grid's other order
+            other = dataclasses.replace(default, heads_first=not default.heads_first)
+            name_other = "heads first" if other.heads_first else "requests first"
+            launches += [(name_other, other, default_splits), (f"longest first, {name_other}", other, default_splits)]
+        launches += [("swept", tk.LaunchConfig(16, kv_tile, w, st, kernel, heads_first=h), n)
+                     for kernel, kv_tile, w, st in configs for h in orders for n in splits]
         for label, launch, num_splits in launches:
             row = dict(case=name, label=label, floor_ms=floor_ms, num_splits=num_splits, **asdict(launch))
 
@@ -148,9 +141,9 @@ def print_table(rows: list[dict]) -> None:
             continue
         best = ranked[0]
         label = lambda r: (f"{r['kernel']} kv{r['kv_tile']} w{r['num_warps']} s{r['num_stages']} split{r['num_splits']}"  # noqa: E731
-                           + (" hf" if r.get("heads_first") else "")
-                           + (f" x{r['kv_heads']}" if r.get("kv_heads", 1) > 1 else ""))
-        for other in ("longest first", "heads first", "longest first, heads first"):
+                           + (" hf" if r.get("heads_first") else ""))
+        for other in ("longest first", "heads first", "longest first, heads first", "requests first",
+                      "longest first, requests first"):
             ordered = next((r for r in mine if r["label"] == other), None)
             if ordered is not None:
                 print(f"{case:18s} {other} {ordered['ms']:.4f} ms: {ordered['ms'] / default['ms']:.3f}x the default "
@@ -171,7 +164,7 @@ def main(argv=None) -> int:
         gpu_faithful = contextlib.nullcontext
     with gpu_faithful():
         rows = sweep(torch.device(args.device), args.cases, args.splits, args.configs, args.heads, args.kv,
-                     args.heads_first, args.wide)
+                     args.heads_first)
     result = dict(ok=True, result=dict(rows=rows), wall_s=time.time() - started)
     (args.out / f"{STAGE}.json").write_text(json.dumps(result, indent=1))
     print_table(rows)

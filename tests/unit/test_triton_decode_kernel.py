@@ -154,65 +154,6 @@ def test_a_launch_with_its_kv_heads_first_computes_the_same_bytes(kernel, fp8, n
         assert torch.equal(outs[0], outs[1]), f"seed {seed}"
 
 
-@pytest.mark.parametrize("kv_heads,num_kv_heads,group,dtype,num_splits,fused_merge", [
-    (2, 2, 2, torch.float32, 1, True), (2, 4, 4, torch.bfloat16, 1, True), (4, 4, 2, torch.float32, 4, True),
-    (2, 4, 2, torch.float32, 2, False), (4, 8, 1, torch.bfloat16, 1, True), (2, 2, 16, torch.float32, 2, True),
-], ids=lambda v: str(v).removeprefix("torch."))
-def test_a_program_over_several_kv_heads_matches_the_reference(kv_heads, num_kv_heads, group, dtype, num_splits,
-                                                              fused_merge):
-    """LaunchConfig.kv_heads: one program scores its kv heads' query heads over their side-by-side
-    cache slices; each column keeps its own kv head's output and scales, split or not (merged in
-    the last split or by the merge launch), handed out longest first or not."""
-    k = kernels()
-    seed = draw_seed()
-    case, scales = fp8_case(random.Random(seed), "decode", dtype, group=group, num_kv_heads=num_kv_heads)
-    expected, _, _ = reference_attention(case, scales)
-    m = case.meta
-    k.store_kv_cache(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping, scales)
-    launch = k.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=2, num_stages=1, kernel="gqa", kv_heads=kv_heads)
-    assert k.program_kv_heads(launch, num_kv_heads, case.q.shape[2]) == kv_heads
-    for order in (None, longest_first_order(m.seq_lens)):
-        out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
-                                case.scale, pure_decode=True, num_splits=num_splits, kv_scales=scales,
-                                fused_merge=fused_merge, launch=launch, decode_order=order)
-        err = relative_error(out, expected)
-        assert err < TOLERANCE[dtype], f"seed {seed}: relative error {err:.2e}"
-    if fused_merge:
-        assert not k._SPLIT_COUNTERS.get(case.q.device, torch.zeros(1)).any()
-
-
-def test_several_kv_heads_a_program_over_a_16_bit_cache_and_a_mixed_batch(monkeypatch):
-    """The same wide programs over a bfloat16 cache (as the one-head launch computes it), and taking a
-    mixed batch's one-token requests apart from the tile kernel's chunks."""
-    k = kernels()
-    seed = draw_seed()
-    case, scales, expected = stored_fp8_case(seed, "mixed", torch.float32, group=2)
-    m = case.meta
-    wide = k.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=2, num_stages=1, kernel="gqa", kv_heads=2)
-    monkeypatch.setattr(k, "DECODE_LAUNCHES_FP8_GQA", ((None, wide),))
-    out = k.paged_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
-                            case.scale, pure_decode=False, kv_scales=scales, decodes_apart=True)
-    assert relative_error(out, expected) < TOLERANCE[torch.float32], f"seed {seed}"
-
-    case, scales, _ = stored_fp8_case(seed, "decode", torch.float32, group=4)
-    m = case.meta
-    k_cache, v_cache = (c.float() * s[None, None, :, None] for c, s in ((case.k_cache, scales.k), (case.v_cache, scales.v)))
-    args = (case.q.to(torch.bfloat16), k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16), m.query_start_loc,
-            m.seq_lens, m.block_tables, case.scale)
-    one = k.paged_attention(*args, pure_decode=True, num_splits=1, launch=dataclasses.replace(wide, kv_heads=1))
-    two = k.paged_attention(*args, pure_decode=True, num_splits=1, launch=wide)
-    assert relative_error(two, one.double().cpu()) < TOLERANCE[torch.bfloat16], f"seed {seed}"
-
-
-def test_a_layer_the_wide_launch_does_not_fit_gets_one_kv_head_a_program():
-    k = kernels()
-    launch = k.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=2, num_stages=1, kernel="gqa", kv_heads=4)
-    assert k.program_kv_heads(launch, 8, 128) == 4
-    assert k.program_kv_heads(launch, 2, 128) == 1     # 4 does not divide 2 kv heads
-    assert k.program_kv_heads(launch, 8, 96) == 1      # head_dim not a power of two: its dims padded
-    assert k.program_kv_heads(dataclasses.replace(launch, kernel="tiles"), 8, 128) == 1
-
-
 def test_the_decode_tables_launch_kv_heads_first_unless_turned_off(monkeypatch):
     k = kernels()
     for fp8 in (False, True):

@@ -98,12 +98,10 @@ def _paged_decode_kernel(
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_DOT: tl.constexpr, TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    KV_HEADS: tl.constexpr, WIDE: tl.constexpr, KV_GROUPS: tl.constexpr, WIDE_GROUP: tl.constexpr,
-    WIDE_GROUP_PAD: tl.constexpr,
 ):
     if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
         gdc_launch_dependents()
-    request, kv_group = _grid_ids(HEADS_FIRST)
+    request, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
     if PURE_DECODE:
         if ORDERED:   # program i takes the i-th longest context (AttentionMetadata.decode_order)
@@ -115,23 +113,15 @@ def _paged_decode_kernel(
             return
     seq_len = tl.load(seq_lens_ptr + request)   # the query token is the last of them: it sees every key
 
-    # The program's KV_HEADS kv heads (kv_group's) side by side: a column per query head of them,
-    # WIDE = KV_HEADS x DIM_PAD dims, the cache row's contiguous slice of those heads. Column c
-    # holds its query head's q in its own kv head's dims and zeros in the others', so one product
-    # over the wide tile scores every column against its own kv head.
     cols = tl.arange(0, COLS)
-    col_valid = cols < WIDE_GROUP
-    head = kv_group * WIDE_GROUP + cols
-    col_kv = kv_group * KV_HEADS + cols // GROUP   # each column's kv head
-    dims = tl.arange(0, WIDE)
-    dim_in = dims % DIM_PAD
-    dim_valid = dim_in < HEAD_DIM
-    q_t = tl.load(q_ptr + token * stride_qt + head[None, :] * stride_qh + dim_in[:, None],
-                  mask=dim_valid[:, None] & col_valid[None, :] & ((dims // DIM_PAD)[:, None] == (cols // GROUP)[None, :]),
-                  other=0.0)   # [WIDE, COLS]
-    col_scale = tl.zeros([COLS], tl.float32) + qk_scale
+    col_valid = cols < GROUP
+    head = kv_head * GROUP + cols
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q_t = tl.load(q_ptr + token * stride_qt + head[None, :] * stride_qh + dims[:, None],
+                  mask=dim_valid[:, None] & col_valid[None, :], other=0.0)   # [DIM_PAD, COLS]
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
-        col_scale = col_scale * tl.load(k_scale_ptr + col_kv, mask=col_valid, other=1.0)
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     if not USE_DOT:  # CUDA-core products in float32
         q_t = q_t.to(tl.float32)
     elif DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
@@ -146,9 +136,8 @@ def _paged_decode_kernel(
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for heads that see no key.
     m_i = tl.full([COLS], -1.0e30, tl.float32)
     l_i = tl.zeros([COLS], tl.float32)
-    acc_t = tl.zeros([WIDE, COLS], tl.float32)
+    acc_t = tl.zeros([DIM_PAD, COLS], tl.float32)
     block_table = block_tables_ptr + request.to(tl.int64) * stride_bt
-    kv_head = kv_group * KV_HEADS   # the first: the others' dims follow it in the cache row
     k_next, v_next = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_lo, kv_hi, kv_head, dims, dim_valid,
                                    stride_cb, stride_cs, stride_ch, BLOCK_SIZE, KV_TILE)
     k = k_next.to(q_t.dtype)
@@ -157,7 +146,7 @@ def _paged_decode_kernel(
         k_next, v_next = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_start + KV_TILE, kv_hi, kv_head,
                                        dims, dim_valid, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, KV_TILE)
         kv_valid = kv_start + tl.arange(0, KV_TILE) < kv_hi
-        s_t = _scores_t(k, q_t, USE_DOT, DOT_PRECISION) * col_scale[None, :]   # [KV_TILE, COLS]
+        s_t = _scores_t(k, q_t, USE_DOT, DOT_PRECISION) * qk_scale   # [KV_TILE, COLS]
         s_t = tl.where(kv_valid[:, None], s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, 0))
         p_t = tl.exp2(s_t - m_new[None, :])
@@ -168,16 +157,11 @@ def _paged_decode_kernel(
         k = k_next.to(q_t.dtype)   # converted after this tile's work, when the loads have landed
         v = v_next.to(q_t.dtype)
 
-    if KV_HEADS > 1:   # column c's output: the dims of its own kv head
-        mine = tl.arange(0, KV_HEADS)[:, None, None] == (cols // GROUP)[None, None, :]
-        acc_t = tl.sum(tl.where(mine, tl.reshape(acc_t, [KV_HEADS, DIM_PAD, COLS]), 0.0), 0)
-    out_dims = tl.arange(0, DIM_PAD)
     out_scale = 1.0
     if KV_FP8:
-        out_scale = tl.load(v_scale_ptr + col_kv, mask=col_valid, other=1.0)[:, None]
+        out_scale = tl.load(v_scale_ptr + kv_head)
     token_col = token + cols * 0
-    # To the split merge the program's kv heads are one wide kv head of WIDE_GROUP query heads.
     _write_result(tl.trans(acc_t), m_i, l_i, out_scale, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-                  token_col, head, col_valid, out_dims, out_dims < HEAD_DIM, request, kv_group, split, active, token,
-                  stride_ot, stride_oh, NUM_HEADS, KV_GROUPS, WIDE_GROUP, WIDE_GROUP_PAD, HEAD_DIM, DIM_PAD,
-                  NUM_SPLITS, FUSED_MERGE, MERGE_CHUNK)
+                  token_col, head, col_valid, dims, dim_valid, request, kv_head, split, active, token, stride_ot,
+                  stride_oh,
+                  NUM_HEADS, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, NUM_SPLITS, FUSED_MERGE, MERGE_CHUNK)
