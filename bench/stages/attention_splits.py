@@ -35,6 +35,8 @@ GPU_CASES = tuple((f"decode {b}x{c}", ((c - 1, 1),) * b) for b, c in ((1, 1024),
     # The service's large batches hold contexts of 100-2048 tokens (bench.py's workload): one program
     # per (request, kv head) unsplit, the longest ones end the launch alone.
     ("decode 256 ragged", tuple((c - 1, 1) for c in random.Random(0).choices(range(100, 2049), k=256))),
+    ("decode 64 ragged", tuple((c - 1, 1) for c in random.Random(1).choices(range(100, 2049), k=64))),
+    ("decode 16 ragged", tuple((c - 1, 1) for c in random.Random(2).choices(range(100, 2049), k=16))),
     # Short contexts at large batches (the in-process decode stages' prompt 32 + 128 steps): a program's
     # two 64-key tiles, so its fixed cost weighs (v42: Qwen3-8B's attention there at 67% of the copy rate).
     ("decode 64x128", ((127, 1),) * 64), ("decode 256x128", ((127, 1),) * 256))
@@ -60,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", default="", help="query and kv heads, e.g. 32,8 for Qwen3-8B (default: Qwen3-0.6B's 16,8)")
     p.add_argument("--kv", default="bf16", choices=["bf16", "fp8"], help="the KV cache's type (fp8: the decode kernel's "
                    "configs are swept)")
+    p.add_argument("--longest", action="store_true", help="the swept launches longest context first too (the default "
+                   "launch is timed both ways regardless)")
     p.add_argument("--heads-first", action="store_true",
                    help="each swept config also with its grid's kv heads first (LaunchConfig.heads_first)")
     return p.parse_args(argv)
@@ -67,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @torch.inference_mode()
 def sweep(device: torch.device, only: str = "", split_list: str = "", num_configs: int = 0,
-          heads: str = "", kv: str = "bf16", heads_first: bool = False) -> list[dict]:
+          heads: str = "", kv: str = "bf16", heads_first: bool = False, longest: bool = False) -> list[dict]:
     """A row per (case, launch): the default launch (its config and split factor from the tables),
     it longest first, with heads_first each of them in the grid's other order too, then each config
     at each split factor (and in both orders)."""
@@ -110,7 +114,8 @@ def sweep(device: torch.device, only: str = "", split_list: str = "", num_config
             row = dict(case=name, label=label, floor_ms=floor_ms, num_splits=num_splits, **asdict(launch))
 
             # Longest first: the order AttentionMetadata.decode_order takes (sorted once a step, not timed here).
-            order = longest_first_order(meta.seq_lens) if label.startswith("longest first") else None
+            order = longest_first_order(meta.seq_lens) if label.startswith("longest first") or (
+                longest and label == "swept") else None
 
             def call(q=q, k=k_cache, v=v_cache, m=meta, launch=launch, n=num_splits, order=order):
                 return tk.paged_attention(q, k, v, m.query_start_loc, m.seq_lens, m.block_tables, scale,
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
         gpu_faithful = contextlib.nullcontext
     with gpu_faithful():
         rows = sweep(torch.device(args.device), args.cases, args.splits, args.configs, args.heads, args.kv,
-                     args.heads_first)
+                     args.heads_first, args.longest)
     result = dict(ok=True, result=dict(rows=rows), wall_s=time.time() - started)
     (args.out / f"{STAGE}.json").write_text(json.dumps(result, indent=1))
     print_table(rows)
