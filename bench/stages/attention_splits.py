@@ -95,7 +95,7 @@ def sweep(device: torch.device, only: str = "", split_list: str = "", num_config
     cache_dtype = FP8_KV_DTYPE if fp8 else setup.dtype
     shape = shape_of(setup, cache_dtype)
     kv_scales = synthetic_kv_scales(shape, device) if fp8 else None
-    orders = (False, True) if heads_first else (False,)
+    orders = (False, True) if heads_first else (tk.DECODE_HEADS_FIRST,)
     time_ms, scale, rows = timer(device), setup.head_dim ** -0.5, []
     for seed, (name, requests) in enumerate(cases):
         q, _, _, k_cache, v_cache, meta = synthetic_step(requests, shape, device, seed=seed)
