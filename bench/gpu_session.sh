@@ -39,6 +39,9 @@
 #   hfirst    the 256-request decode launches with their grids' kv heads first (LaunchConfig.heads_first) and
 #             not: over an FP8 cache (Qwen3-0.6B's heads, 1 and 2 splits), then over a bf16 cache with
 #             Qwen3-0.6B's and Qwen3-8B's heads (PERF_NOTES v44)
+#   ragged    bf16 decode of ragged contexts (100-2048) at 16, 64 and 256 requests, every launch longest first
+#             and kv heads first: the tile kernel's configs at 1/2/4 splits (whether the 256-request table and
+#             WORKER_ATTENTION_LONGEST_FIRST's 64 still hold now that longest first orders the whole launch)
 #   hfservice the service (STAGES, default bandwidth,service) with WORKER_ATTENTION_HEADS_FIRST=0 and 1 (v44)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
@@ -279,6 +282,10 @@ PY
             cp "$OUT/attention_splits.json" "$OUT/hf-bf16-${heads/,/-}.json" 2>/dev/null
         done
         ;;
+    ragged)   # ragged contexts at 16/64/256 requests, every launch longest first: the tile configs and splits (v44)
+        STAGE=attention_splits NAME=ragged TIMEOUT=170 LINES_OUT=14 \
+            EXTRA="--cases ragged --splits 1,2,4 --configs 4 --longest ${EXTRA:-}" bash "$0" stage
+        ;;
     hfservice)   # the service with its pure-decode launches kv heads first and not (PERF_NOTES v44), one machine
         for n in 0 1; do
             echo "== WORKER_ATTENTION_HEADS_FIRST=$n"
@@ -332,5 +339,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|hfirst|hfservice|fp8head|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|hfirst|ragged|hfservice|fp8head|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac
