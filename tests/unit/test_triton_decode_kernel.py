@@ -1,7 +1,8 @@
 """The Triton decode kernel (triton_decode.py) against the torch reference on fresh random
 inputs: pure decodes over an FP8 cache with and without split-K (merged in the last split or by
 its own launch), a mixed batch whose decodes it takes apart from the tile kernel, CUDA-graph
-padding rows, and a 16-bit cache; its products on tensor cores and on CUDA cores. Without CUDA the kernels run under Triton's interpreter.
+padding rows, and a 16-bit cache; its products on tensor cores and on CUDA cores; both attention
+kernels' grids in either order (LaunchConfig.heads_first). Without CUDA the kernels run under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 from tests.support.triton_interpreter import DEVICE, gpu_faithful
-from worker_svc.layers.attention.base import longest_first_order
 from tests.unit.test_attention_backends import draw_seed, relative_error
 from tests.unit.test_kv_cache_fp8 import TOLERANCE, fp8_case, kernels, reference_attention
+from worker_svc.layers.attention.base import longest_first_order
 
 
 @pytest.fixture(autouse=True)
