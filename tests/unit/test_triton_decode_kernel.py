@@ -162,3 +162,12 @@ def test_the_decode_tables_launch_kv_heads_first_unless_turned_off(monkeypatch):
             assert k.decode_launch(fp8, n).heads_first
     monkeypatch.setattr(k, "DECODE_HEADS_FIRST", False)
     assert not k.decode_launch(True, 256).heads_first and not k.decode_launch(False, 1).heads_first
+
+
+
+def test_a_batch_past_the_grids_second_axis_keeps_its_requests_first():
+    k = kernels()
+    launch = k.decode_launch(False, 256)
+    assert k._heads_first(launch, 256) and k._grid(256, 8, 1, True) == (8, 256, 1)
+    assert not k._heads_first(launch, k.MAX_GRID_Y + 1)
+    assert not k._heads_first(dataclasses.replace(launch, heads_first=False), 256)

@@ -477,8 +477,9 @@ def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, f
     use_dot = launch.kernel == GQA
     buffers = _split_buffers(step, num_splits, fused_merge)
     constants = step.constants()
-    _paged_decode_kernel[_grid(step.num_requests, step.num_kv_heads, num_splits, launch.heads_first)](
-        *step.args(*buffers), **constants, USE_DOT=use_dot, HEADS_FIRST=launch.heads_first,
+    heads_first = _heads_first(launch, step.num_requests)
+    _paged_decode_kernel[_grid(step.num_requests, step.num_kv_heads, num_splits, heads_first)](
+        *step.args(*buffers), **constants, USE_DOT=use_dot, HEADS_FIRST=heads_first,
         COLS=max(MIN_DECODE_COLS if use_dot else 1, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
@@ -504,7 +505,7 @@ def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merg
     # The merge counts splits per (request, kv head): one query tile per request, so decode only.
     fused_merge = fused_merge and pure_decode
     buffers = _split_buffers(step, num_splits, fused_merge)
-    heads_first = launch.heads_first and pure_decode
+    heads_first = pure_decode and _heads_first(launch, num_tiles)
     _paged_attention_kernel[_grid(num_tiles, step.num_kv_heads, num_splits, heads_first)](
         *step.args(*buffers), **constants,
         BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
@@ -514,6 +515,16 @@ def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merg
         HEADS_FIRST=heads_first, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=False)
+
+
+# A CUDA grid's second axis holds at most this many programs (its first: 2**31 - 1).
+MAX_GRID_Y = 65535
+
+
+def _heads_first(launch: LaunchConfig, num_tiles: int) -> bool:
+    """Whether a launch of num_tiles query tiles orders its grid kv heads first: as its config says,
+    unless the tiles would not fit the grid's second axis."""
+    return launch.heads_first and num_tiles <= MAX_GRID_Y
 
 
 def _grid(num_tiles: int, num_kv_heads: int, num_splits: int, heads_first: bool) -> tuple[int, int, int]:
