@@ -32,6 +32,11 @@ def gqa_launch(kv_tile: int, num_warps: int = 4, kernel: str = "gqa"):
     return k.LaunchConfig(tile_rows=16, kv_tile=kv_tile, num_warps=num_warps, num_stages=1, kernel=kernel)
 
 
+def dequantized_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 cache's K and V as the float32 values they stand for (each kv head times its scale)."""
+    return tuple(c.float() * s[None, None, :, None] for c, s in ((k_cache, scales.k), (v_cache, scales.v)))
+
+
 def stored_fp8_case(seed: int, batch_kind: str, dtype: torch.dtype, group: int):
     """An FP8 case with this step's K/V already in the cache, and its reference output."""
     k = kernels()
@@ -121,8 +126,7 @@ def test_the_decode_kernel_reads_a_16_bit_cache_as_the_tile_kernel_does(kernel):
     seed = draw_seed()
     case, scales, _ = stored_fp8_case(seed, "decode", torch.float32, group=2)
     m = case.meta
-    k_cache, v_cache = (c.float() * s[None, None, :, None] for c, s in ((case.k_cache, scales.k),
-                                                                         (case.v_cache, scales.v)))
+    k_cache, v_cache = dequantized_caches(case.k_cache, case.v_cache, scales)
     k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
     q = case.q.to(torch.bfloat16)
     args = (q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, case.scale)
@@ -143,7 +147,7 @@ def test_a_launch_with_its_kv_heads_first_computes_the_same_bytes(kernel, fp8, n
     m = case.meta
     k_cache, v_cache = case.k_cache, case.v_cache
     if not fp8:
-        k_cache, v_cache = (c.float() * s[None, None, :, None] for c, s in ((k_cache, scales.k), (v_cache, scales.v)))
+        k_cache, v_cache = dequantized_caches(k_cache, v_cache, scales)
         scales = None
     launch = k.LaunchConfig(tile_rows=16, kv_tile=16, num_warps=1 if kernel == "gqa" else 4, num_stages=1,
                             kernel=kernel)
@@ -162,7 +166,6 @@ def test_the_decode_tables_launch_kv_heads_first_unless_turned_off(monkeypatch):
             assert k.decode_launch(fp8, n).heads_first
     monkeypatch.setattr(k, "DECODE_HEADS_FIRST", False)
     assert not k.decode_launch(True, 256).heads_first and not k.decode_launch(False, 1).heads_first
-
 
 
 def test_a_batch_past_the_grids_second_axis_keeps_its_requests_first():

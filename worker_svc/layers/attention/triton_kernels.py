@@ -327,18 +327,20 @@ def decode_launch(kv_fp8: bool, num_requests: int) -> LaunchConfig:
     table = DECODE_LAUNCHES
     if kv_fp8:
         table = DECODE_LAUNCHES_FP8_GQA if FP8_DECODE_KERNEL else DECODE_LAUNCHES_FP8
-    for max_batch, launch in table:
-        if max_batch is None or num_requests <= max_batch:
-            return dataclasses.replace(launch, heads_first=DECODE_HEADS_FIRST)
-    raise ValueError(f"no decode launch config covers a batch of {num_requests}")
+    return dataclasses.replace(_covering(table, num_requests), heads_first=DECODE_HEADS_FIRST)
 
 
 def gqa_decode_launch(num_requests: int) -> LaunchConfig:
     """The decode kernel's config for num_requests one-token requests (a mixed batch's, apart)."""
-    for max_batch, launch in DECODE_LAUNCHES_FP8_GQA:
+    return _covering(DECODE_LAUNCHES_FP8_GQA, num_requests)
+
+
+def _covering(table, num_requests: int) -> LaunchConfig:
+    """The first config of a (largest batch or None, config) table that covers num_requests."""
+    for max_batch, launch in table:
         if max_batch is None or num_requests <= max_batch:
             return launch
-    raise ValueError(f"no decode kernel config covers a batch of {num_requests}")
+    raise ValueError(f"no decode launch config covers a batch of {num_requests}")
 
 
 def prefill_launch(kv_fp8: bool) -> LaunchConfig:
