@@ -43,6 +43,8 @@
 #             and kv heads first: the tile kernel's configs at 1/2/4 splits (whether the 256-request table and
 #             WORKER_ATTENTION_LONGEST_FIRST's 64 still hold now that longest first orders the whole launch)
 #   hfservice the service (STAGES, default bandwidth,service) with WORKER_ATTENTION_HEADS_FIRST=0 and 1 (v44)
+#   pdlchain  the decode layer's kernels as one PDL chain (WORKER_PDL_CHAIN, PERF_NOTES v45) off and on, one machine:
+#             Qwen3-0.6B pipelined decode at CASES (default 1/4/16/64/256 x 1024), then (PDL8=1) Qwen3-8B FP8 at one row
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -285,6 +287,23 @@ PY
     ragged)   # ragged contexts at 16/64/256 requests, every launch longest first: the tile configs and splits (v44)
         STAGE=attention_splits NAME=ragged TIMEOUT=170 LINES_OUT=14 \
             EXTRA="--cases ragged --splits 1,2,4 --configs 4 --longest ${EXTRA:-}" bash "$0" stage
+        ;;
+    pdlchain)   # the layer's kernels as one PDL chain, off and on (v45): the decode stage's device column
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        for n in ${PDL_ORDER:-0 1}; do
+            mkdir -p "/tmp/pdl-$n" && cp "$BENCH/bandwidth.json" "/tmp/pdl-$n/" 2>/dev/null
+            WORKER_PDL_CHAIN=$n timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/pdl-$n" --model "$BENCH/model" \
+                --stages decode --decode-cases ${CASES:-1x1024,4x1024,16x1024,64x1024,256x1024} --decode-measured-steps 60 \
+                2>&1 | grep -v "^ *$" | tail -${LINES_OUT:-9} | sed "s/^/chain=$n: /"
+            cp "/tmp/pdl-$n/decode.json" "$OUT/decode-pdl$n.json" 2>/dev/null
+        done
+        if [[ -n ${PDL8:-} ]]; then
+            for n in 0 1; do
+                WORKER_PDL_CHAIN=$n OUT=$OUT/pdl8-$n STAGES=decode_8b_fp8 EXTRA="--fixed-batch 1 --fixed-steps 256" \
+                    LINES_OUT=6 TIMEOUT=${TIMEOUT8:-240} bash "$0" moe | grep "Qwen3-\|mean step" | sed "s/^/chain=$n: /"
+            done
+        fi
         ;;
     hfservice)   # the service with its pure-decode launches kv heads first and not (PERF_NOTES v44), one machine
         for n in 0 1; do

@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
-
 from worker_svc.layers import fp8_kernels, gemv_kernels
 from worker_svc.layers.fp8 import FP8_MAX, MIN_AMAX
+from worker_svc.layers.gemv_kernels import pdl_start
 
 ENABLED = os.environ.get("WORKER_FUSED_KERNELS", "1") != "0"
 FP8_QUANT_FUSION = os.environ.get("WORKER_FP8_QUANT_FUSION", "1") != "0"
@@ -70,10 +69,11 @@ def _quantize_groups(values, q_ptr, s_ptr, row, first_group, stride_q, stride_sm
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, num_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr,
 ):
-    if TRIGGER:   # the projection after it may launch now (gemv_kernels.pdl_triggers)
-        gdc_launch_dependents()
+    # TRIGGER: the projection after it may launch now (gemv_kernels.pdl_triggers); WAIT: launched
+    # with PDL, it waits for the kernel before (gemv_kernels.pdl_waits)
+    pdl_start(TRIGGER, WAIT)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -92,10 +92,9 @@ def _rms_norm_fp8_kernel(
     x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr,
     stride_x, stride_r, stride_q, stride_sm, stride_sg, stride_ro, num_rows, num_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, TRIGGER: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr,
 ):
-    if TRIGGER:   # the projection after it may launch now (gemv_kernels.pdl_triggers)
-        gdc_launch_dependents()
+    pdl_start(TRIGGER, WAIT)   # as _rms_norm_kernel's
     # One program per row of the padded activation: rows past num_rows read nothing (zeros).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -115,9 +114,9 @@ def _silu_mul_tile(x_ptr, row, stride_x, cols, mask, num_cols, dtype: tl.constex
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
-    if TRIGGER:   # the down projection after it may launch now (gemv_kernels.pdl_triggers)
-        gdc_launch_dependents()
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl.constexpr, TRIGGER: tl.constexpr,
+                         WAIT: tl.constexpr):
+    pdl_start(TRIGGER, WAIT)   # as _rms_norm_kernel's, for the down projection
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -128,9 +127,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, num_cols, BLOCK: tl
 @triton.jit(do_not_specialize=ROWS_ARGS)
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sm, stride_sg, num_rows, num_cols,
                              BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                             FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, TRIGGER: tl.constexpr):
-    if TRIGGER:   # the down projection after it may launch now (gemv_kernels.pdl_triggers)
-        gdc_launch_dependents()
+                             FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, TRIGGER: tl.constexpr,
+                             WAIT: tl.constexpr):
+    pdl_start(TRIGGER, WAIT)   # as _rms_norm_kernel's, for the down projection
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (cols < num_cols) & (row < num_rows)
@@ -210,8 +209,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_rows,)](
             rows, residual_rows, weight, out, residual_out,
             rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), num_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, TRIGGER=gemv_kernels.pdl_triggers(x.device),
-            num_warps=_norm_warps(block),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, **gemv_kernels.pdl_chain_args(x.device), num_warps=_norm_warps(block),
         )
     if residual is None:
         return out.view(x.shape)
@@ -226,8 +224,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows:
         block = min(SILU_BLOCK, _pow2(num_cols))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](
-            rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block,
-            TRIGGER=gemv_kernels.pdl_triggers(gate_up.device), num_warps=4,
+            rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block, **gemv_kernels.pdl_chain_args(gate_up.device), num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], num_cols)
 
@@ -257,7 +254,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         rows.stride(0), residual_rows.stride(0), out.values.stride(0), out.scales.stride(0), out.scales.stride(1),
         residual_out.stride(0), num_rows, num_cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, GROUP=group, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-        TRIGGER=gemv_kernels.pdl_triggers(x.device), num_warps=_norm_warps(block),
+        **gemv_kernels.pdl_chain_args(x.device), num_warps=_norm_warps(block),
     )
     if residual is None:
         return out
@@ -275,7 +272,7 @@ def silu_and_mul_fp8(gate_up: torch.Tensor, group: int) -> fp8_kernels.Fp8Activa
     _silu_and_mul_fp8_kernel[(out.values.shape[0], triton.cdiv(num_cols, block))](
         rows, out.values, out.scales, rows.stride(0), out.values.stride(0), out.scales.stride(0),
         out.scales.stride(1), num_rows, num_cols, BLOCK=block, GROUP=group,
-        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, TRIGGER=gemv_kernels.pdl_triggers(gate_up.device), num_warps=4,
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, **gemv_kernels.pdl_chain_args(gate_up.device), num_warps=4,
     )
     return out
 

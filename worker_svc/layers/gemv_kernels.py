@@ -46,6 +46,7 @@ Under TRITON_INTERPRET=1 the kernel runs on the CPU for the tests.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,9 @@ from worker_svc.layers.triton_compile import launch
 MAX_SPLIT_TILES = 1 << 14
 DOT_MIN_ROWS = 16   # tl.dot needs 16-row tiles: fewer rows use the FMA loop
 ROW_ACC_MAX_ROWS = 4   # rows the per-row-accumulator FMA loop holds
+# The layer's other kernels (norms, SwiGLU, q/k norm + RoPE + store, attention, its merge) launched
+# with PDL too (`pdl_waits`); WORKER_PDL_CHAIN=0 launches them plainly (for comparisons).
+PDL_CHAIN = os.environ.get("WORKER_PDL_CHAIN", "1") != "0"
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -311,6 +315,16 @@ def _rms_of_rows(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, K, k_begin
 
 
 @triton.jit
+def pdl_start(TRIGGER: tl.constexpr, WAIT: tl.constexpr):
+    """A kernel of the PDL chain (`pdl_waits`) starts here: lets the next kernel launch, then waits
+    for the one before to end (and its writes to land) before anything is read or written."""
+    if TRIGGER:
+        gdc_launch_dependents()
+    if WAIT:
+        gdc_wait()
+
+
+@triton.jit
 def prefetch_rows_l2(row_ptrs, num_bytes):
     """Asks L2 for num_bytes from each row pointer (sm90's bulk prefetch: a hint, nothing waits)."""
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
@@ -453,17 +467,57 @@ def pdl_triggers(device: torch.device) -> bool:
     return pdl_launches(device) and _hopper_or_later(device)
 
 
+def pdl_waits(device: torch.device) -> bool:
+    """Whether the kernels between the projections (the RMSNorms, SwiGLU, q/k norm + RoPE + store,
+    attention and its merge) launch with PDL as the projections do, so a decode layer is one chain
+    of programmatic dependent launches: each kernel's programs are resident, their launch paid,
+    when the kernel before them lets them start (every one of them lets its dependents start:
+    gdc_launch_dependents), and they wait (gdc_wait) before reading or writing anything. Every
+    program of such a kernel waits before it returns, so its end implies its predecessor's, and a
+    kernel two back is done when the next one's wait returns. Hopper and later, where CUDA graphs
+    replay PDL correctly (`pdl_in_graphs`, first asked outside a capture: inside one, an unasked
+    device says no), unless WORKER_PDL_CHAIN=0."""
+    if not (PDL_CHAIN and pdl_triggers(device)):
+        return False
+    if _device_key(device) not in _PDL_IN_GRAPHS and torch.cuda.is_current_stream_capturing():
+        return False   # pdl_in_graphs captures a graph of its own: not inside another capture
+    return pdl_in_graphs(device)
+
+
+def pdl_chain_args(device: torch.device) -> dict:
+    """The launch arguments of a kernel of the chain that starts with `pdl_start(TRIGGER, WAIT)`:
+    it lets the next kernel launch at its start, and is launched with PDL itself (pdl_waits)."""
+    wait = pdl_waits(device)
+    return {"TRIGGER": pdl_triggers(device), "WAIT": wait, "launch_pdl": wait}
+
+
 @functools.cache
 def _hopper_or_later(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@functools.cache
+_PDL_IN_GRAPHS: dict[tuple[str, int], bool] = {}
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
+    return device.type, index
+
+
 def pdl_in_graphs(device: torch.device) -> bool:
     """Whether programmatic dependent launches replay correctly from a CUDA graph here (driver
     and torch permitting): two chained GEMVs, the second reading the first's output, replayed
     on a new input, must equal the same chain launched plainly. The start-up candidates use
-    PDL only then."""
+    PDL only then. Asked once per device."""
+    key = _device_key(device)
+    if key not in _PDL_IN_GRAPHS:
+        _PDL_IN_GRAPHS[key] = _replays_pdl(device)
+    return _PDL_IN_GRAPHS[key]
+
+
+def _replays_pdl(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     try:

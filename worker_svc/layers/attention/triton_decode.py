@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _write_result
+from worker_svc.layers.gemv_kernels import pdl_start
 
 F16_MAX = tl.constexpr(65504.0)
 
@@ -98,9 +98,11 @@ def _paged_decode_kernel(
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_DOT: tl.constexpr, TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
-    if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
-        gdc_launch_dependents()
+    # TRIGGER: the o projection after it may launch now (gemv_kernels.pdl_triggers); WAIT: launched
+    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_waits)
+    pdl_start(TRIGGER, WAIT)
     request, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
     if PURE_DECODE:

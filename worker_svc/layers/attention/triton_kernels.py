@@ -37,13 +37,13 @@ from typing import Callable
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from worker_svc.layers import gemv_kernels
 from worker_svc.layers.attention import base as attention_base
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
 from worker_svc.layers.attention.triton_decode import F16_MAX, _grid_ids, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _merge_splits_kernel, _write_result
+from worker_svc.layers.gemv_kernels import pdl_start
 
 LOG2_E = 1.4426950408889634
 # The tile kernel; the decode kernel (one-token requests only) on tensor cores, or on CUDA cores.
@@ -173,10 +173,11 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_DECODES: tl.constexpr,
-    TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr, WAIT: tl.constexpr,
 ):
-    if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
-        gdc_launch_dependents()
+    # TRIGGER: the o projection after it may launch now (gemv_kernels.pdl_triggers); WAIT: launched
+    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_waits)
+    pdl_start(TRIGGER, WAIT)
     tile, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
 
@@ -486,7 +487,7 @@ def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, f
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
         TRIGGER=_triggers(step, num_splits, fused_merge), ORDERED=step.order is not None,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **_waits(step), num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=not pure_decode)
 
@@ -514,7 +515,7 @@ def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merg
         NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
         MERGE_CHUNK=_merge_chunk(step, num_splits), SKIP_DECODES=skip_decodes,
         TRIGGER=_triggers(step, num_splits, fused_merge), ORDERED=pure_decode and step.order is not None,
-        HEADS_FIRST=heads_first, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        HEADS_FIRST=heads_first, **_waits(step), num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=False)
 
@@ -545,6 +546,13 @@ def _triggers(step: _Step, num_splits: int, fused_merge: bool) -> bool:
     return (num_splits == 1 or fused_merge) and gemv_kernels.pdl_triggers(step.q.device)
 
 
+def _waits(step: _Step) -> dict:
+    """An attention launch's PDL wait: launched as one of the decode layer's chain of dependent
+    launches, it waits for the kernel before it (gemv_kernels.pdl_waits) before reading anything."""
+    wait = gemv_kernels.pdl_waits(step.q.device)
+    return {"WAIT": wait, "launch_pdl": wait}
+
+
 def _split_buffers(step: _Step, num_splits: int, fused_merge: bool) -> tuple[torch.Tensor, ...]:
     """(partial outputs, their log-sum-exps, merge counters); the output stands in for those a
     launch does not use."""
@@ -573,5 +581,5 @@ def _merge_apart(step: _Step, buffers: tuple[torch.Tensor, ...], num_splits: int
     _merge_splits_kernel[(rows, step.q.shape[1])](
         part_out, part_lse, step.out, step.query_start_loc, step.out.stride(0), step.out.stride(1),
         NUM_HEADS=step.q.shape[1], HEAD_DIM=step.q.shape[2], DIM_PAD=step.dim_pad, NUM_SPLITS=num_splits,
-        ONE_TOKEN_REQUESTS=one_token_requests, TRIGGER=gemv_kernels.pdl_triggers(step.q.device),
+        ONE_TOKEN_REQUESTS=one_token_requests, TRIGGER=gemv_kernels.pdl_triggers(step.q.device), **_waits(step),
     )

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+
+from worker_svc.layers.gemv_kernels import pdl_start
 
 
 @triton.jit
@@ -104,12 +105,11 @@ def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, token, kv_head, active, st
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, ONE_TOKEN_REQUESTS: tl.constexpr, TRIGGER: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, ONE_TOKEN_REQUESTS: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr,
 ):
     """One program per (query token, head): its output from its partials. ONE_TOKEN_REQUESTS:
     the first axis counts requests instead, and only those computing one token were split."""
-    if TRIGGER:   # the o projection after it may launch now (gemv_kernels.pdl_triggers)
-        gdc_launch_dependents()
+    pdl_start(TRIGGER, WAIT)   # as the attention kernels' (the kernel before it: theirs)
     token = tl.program_id(0).to(tl.int64)
     if ONE_TOKEN_REQUESTS:
         request = tl.program_id(0)
