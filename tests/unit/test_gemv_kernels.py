@@ -304,6 +304,64 @@ def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, rows
     assert_graph_replays_as_plain(pair, pdl, plain, x)
 
 
+def test_the_chain_kernels_launch_plainly_without_a_hopper_or_with_the_chain_off(kernels, monkeypatch):
+    """pdl_chain_args: no trigger, wait or PDL launch off a Hopper (here: the CPU), and no wait or PDL
+    launch with WORKER_PDL_CHAIN=0 even where the triggers stay."""
+    gemv_kernels = kernels[0]
+    assert gemv_kernels.pdl_chain_args(torch.device("cpu")) == {"TRIGGER": False, "WAIT": False, "launch_pdl": False}
+    monkeypatch.setattr(gemv_kernels, "pdl_triggers", lambda device: True)
+    monkeypatch.setattr(gemv_kernels, "pdl_in_graphs", lambda device: True)
+    assert gemv_kernels.pdl_chain_args(torch.device("cpu"))["WAIT"]
+    monkeypatch.setattr(gemv_kernels, "PDL_CHAIN", False)
+    assert gemv_kernels.pdl_chain_args(torch.device("cpu")) == {"TRIGGER": True, "WAIT": False, "launch_pdl": False}
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, rows, monkeypatch):
+    """Every kernel of a decode layer launched with PDL (gemv_kernels.pdl_waits: the norms, the q/k
+    norm + RoPE + store, attention, SwiGLU, as the GEMVs are), each waiting for the one before it:
+    captured in a graph and replayed on new inputs, the layer equals its kernels launched plainly
+    (WORKER_PDL_CHAIN=0, GEMVs without PDL), bit for bit, its KV cache's new rows included."""
+    gemv_kernels, fused_kernels = kernels
+    from worker_svc.layers.attention import qkv_store, triton_kernels
+    from worker_svc.layers.attention.selection import AttentionShape, synthetic_step
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not (gemv_kernels.pdl_triggers(device) and gemv_kernels.pdl_in_graphs(device)):
+        pytest.skip("programmatic dependent launch does not replay in graphs here")
+    shape = AttentionShape(16, 8, 128, torch.bfloat16, 16, max_num_seqs=64, max_num_batched_tokens=1024,
+                           max_model_len=4096)
+    _, _, _, k_cache, v_cache, meta = synthetic_step([(300, 1)] * rows, shape, device, pool_blocks=64, seed=rows)
+    g = torch.Generator().manual_seed(48)
+
+    def weight(*dims, scale=0.05):
+        return (torch.randn(*dims, generator=g) * scale).to(torch.bfloat16).to(device)
+
+    w_qkv, w_o, w_gate_up, w_down = weight(4096, 1024), weight(1024, 2048), weight(6144, 1024), weight(1024, 3072)
+    norms = [(torch.rand(size, generator=g) + 0.5).to(torch.bfloat16).to(device) for size in (1024, 1024, 128, 128)]
+    x, residual = weight(rows, 1024, scale=1.0), weight(rows, 1024, scale=1.0)
+    cos_sin = torch.randn(rows, 128, generator=g).to(device)
+    new_slots = meta.slot_mapping.long()
+
+    def layer(cfg):
+        monkeypatch.setattr(gemv_kernels, "PDL_CHAIN", cfg.pdl)
+        assert gemv_kernels.pdl_waits(device) == cfg.pdl
+        h, res = fused_kernels.rms_norm(x, norms[0], 1e-6, residual)
+        q = qkv_store.qk_norm_rope_store(gemv_kernels.gemv(h, w_qkv, cfg), norms[2], norms[3], 1e-6, 1e-6, cos_sin,
+                                         16, 8, k_cache, v_cache, meta.slot_mapping)
+        attended = triton_kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                                  meta.block_tables, 128 ** -0.5, pure_decode=True)
+        h, res = fused_kernels.rms_norm(gemv_kernels.gemv(attended.reshape(rows, -1), w_o, cfg), norms[1], 1e-6, res)
+        down = gemv_kernels.gemv(fused_kernels.silu_and_mul(gemv_kernels.gemv(h, w_gate_up, cfg)), w_down, cfg)
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        return down, res, flat_k[new_slots].clone()
+
+    block_m = 1 << (rows - 1).bit_length()
+    pdl, plain = (config(kernels, block_m, 8, 512 // block_m, pdl=on) for on in (True, False))
+    assert_graph_replays_as_plain(layer, pdl, plain, x, residual)
+
+
 @pytest.mark.parametrize("tiles,rows,bias,dtype", CASES, ids=lambda v: "m{}n{}k{}s{}".format(*v)
                          if isinstance(v, tuple) else None)
 @pytest.mark.parametrize("residual", [False, True])

@@ -479,7 +479,7 @@ def pdl_waits(device: torch.device) -> bool:
     device says no), unless WORKER_PDL_CHAIN=0."""
     if not (PDL_CHAIN and pdl_triggers(device)):
         return False
-    if _device_key(device) not in _PDL_IN_GRAPHS and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and _device_key(device) not in _PDL_IN_GRAPHS and torch.cuda.is_current_stream_capturing():
         return False   # pdl_in_graphs captures a graph of its own: not inside another capture
     return pdl_in_graphs(device)
 
