@@ -45,6 +45,7 @@
 #   hfservice the service (STAGES, default bandwidth,service) with WORKER_ATTENTION_HEADS_FIRST=0 and 1 (v44)
 #   pdlchain  the decode layer's kernels as one PDL chain (WORKER_PDL_CHAIN, PERF_NOTES v45) off and on, one machine:
 #             Qwen3-0.6B pipelined decode at CASES (default 1/4/16/64/256 x 1024), then (PDL8=1) Qwen3-8B FP8 at one row
+#   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -304,6 +305,13 @@ PY
                     LINES_OUT=6 TIMEOUT=${TIMEOUT8:-240} bash "$0" moe | grep "Qwen3-\|mean step" | sed "s/^/chain=$n: /"
             done
         fi
+        ;;
+    pdlservice)   # the service with the decode layer's PDL chain off and on (v45), one machine
+        for n in ${PDL_ORDER:-0 1}; do
+            echo "== WORKER_PDL_CHAIN=$n"
+            WORKER_PDL_CHAIN=$n STAGES=${STAGES:-bandwidth,service} NAME=pdls-$n TIMEOUT=${TIMEOUT:-260} \
+                LINES_OUT=24 EXTRA="--stream-intervals 1 ${EXTRA:-}" bash "$0" bench | grep -v "not run\|^ *$\|^==\|ok in\|cpu:"
+        done
         ;;
     hfservice)   # the service with its pure-decode launches kv heads first and not (PERF_NOTES v44), one machine
         for n in 0 1; do

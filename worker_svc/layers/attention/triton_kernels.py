@@ -542,8 +542,10 @@ def _triggers(step: _Step, num_splits: int, fused_merge: bool) -> bool:
     """Whether an attention launch lets the kernel after it launch at its start (as the norms do
     for the projections: gemv_kernels.pdl_triggers): so the o projection, GEMV or FP8 GEMM launched
     with PDL, asks for its first weights while attention runs, and waits for its end before
-    reading the output. Not where a separate merge launch follows (that one triggers instead)."""
-    return (num_splits == 1 or fused_merge) and gemv_kernels.pdl_triggers(step.q.device)
+    reading the output. Where a separate merge launch follows, only when it is launched with PDL
+    too (gemv_kernels.pdl_waits; it triggers the o projection then)."""
+    device = step.q.device
+    return (num_splits == 1 or fused_merge or gemv_kernels.pdl_waits(device)) and gemv_kernels.pdl_triggers(device)
 
 
 def _waits(step: _Step) -> dict:
