@@ -14,6 +14,9 @@ and costs a launch. These three kernels do each group in one pass:
   and scales are per_token_group_quant's of the unquantized kernel's output, bit for bit.
   WORKER_FP8_QUANT_FUSION=0 leaves the quantization to its own kernel (for comparisons).
 
+On a Hopper each is one link of the decode layer's chain of programmatic dependent launches
+(gemv_kernels.pdl_waits): it lets the next kernel launch at its start and waits for the one before it.
+
 Each rounds to the model dtype exactly where the torch path (layernorm.py, activation.py,
 rotary.py, which mirror transformers) does, so bf16 results match it up to the order of float32
 sums. The layers call these on CUDA tensors unless WORKER_FUSED_KERNELS=0 (for comparisons);
