@@ -1,6 +1,12 @@
 """Stage profile: where a decode step's device time goes. torch.profiler over decode steps
 (CUDA-graph replays) of a ModelRunner in this process, at --profile-batches and one context;
-per batch, the kernel time per step and the kernels that take the most of it."""
+per batch, the kernel time per step and the kernels that take the most of it.
+
+Kernels launched with PDL (programmatic dependent launch: the projections, and on a Hopper the
+whole decode layer, PERF_NOTES v45) start before the kernel ahead of them ends and wait, so their
+profiled times overlap and sum past the step. Each kernel is therefore also charged only the time
+by which it extends the device's busy span (`busy_attribution`): those charges sum to the span, and
+a kernel that mostly waited is charged little."""
 
 from __future__ import annotations
 
@@ -96,14 +102,36 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
                 _step(runner, step_id, cached=seq_ids)
             torch.cuda.synchronize()
         per_kernel: dict[str, float] = collections.defaultdict(float)
+        spans = []
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 per_kernel[event.name] += event.device_time / 1e3 / PROFILED_STEPS   # us -> ms per step
+                spans.append((event.time_range.start, event.time_range.end, event.name))
         total = sum(per_kernel.values())
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+        busy, added = busy_attribution(spans)
         rows.append({"batch": batch, "context": context, "device_ms_per_step": total, "wall_ms_per_step": wall_ms,
-                     "top": [(name, round(ms, 4)) for name, ms in top[:25]]})
+                     "top": [(name, round(ms, 4)) for name, ms in top[:25]],
+                     "busy_ms_per_step": busy / 1e3 / PROFILED_STEPS,
+                     "top_busy": [(name, round(us / 1e3 / PROFILED_STEPS, 4))
+                                  for name, us in sorted(added.items(), key=lambda kv: -kv[1])[:25]]})
     return rows
+
+
+def busy_attribution(spans) -> tuple[float, dict[str, float]]:
+    """(the device's busy time, each name's share of it) for (start, end, name) intervals that may
+    overlap: in start order, each interval is charged the part of it past the latest end before
+    it, so the charges sum to the union of the intervals."""
+    added: dict[str, float] = collections.defaultdict(float)
+    frontier = float("-inf")
+    busy = 0.0
+    for start, end, name in sorted(spans):
+        extends = end - max(start, frontier)
+        if extends > 0:
+            added[name] += extends
+            busy += extends
+        frontier = max(frontier, end)
+    return busy, dict(added)
 
 
 def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
@@ -115,6 +143,12 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> None:
               f"{row.get('wall_ms_per_step', float('nan')):.2f} ms wall a step unprofiled; top kernels (ms per step, share)")
         for name, ms in row["top"][:12]:
             print(f"  {ms:7.3f} {ms / row['device_ms_per_step']:6.1%}  {name[:90]}")
+        if "busy_ms_per_step" in row:   # (results before v45 lack it)
+            busy = row["busy_ms_per_step"]
+            print(f"  the device busy {busy:.2f} ms a step ({row['device_ms_per_step'] - busy:.2f} ms of the kernels' time "
+                  f"overlaps: PDL); each kernel's share of the busy time (ms per step, share)")
+            for name, ms in row["top_busy"][:12]:
+                print(f"  {ms:7.3f} {ms / busy if busy else 0:6.1%}  {name[:90]}")
 
 
 if __name__ == "__main__":

@@ -127,3 +127,14 @@ def test_the_service_stage_floors_each_logged_step(tmp_path):
     assert prefill_ms >= 2 * 4096 * shape.active_linear() / rates["bf16_flops_per_s"] * 1e3
     assert prefill_ms > floor_ms(2, 2, 2, 4096)
     assert step_floor_ms(args, {}) is None
+
+
+def test_the_profile_charges_overlapping_kernels_only_the_time_they_add_to_the_busy_span():
+    """PDL kernels start before the one ahead ends: each is charged only what it adds to the union."""
+    from bench.stages.profile import busy_attribution
+
+    busy, added = busy_attribution([(0, 10, "gemv"), (8, 12, "norm"), (9, 11, "attention"), (20, 25, "gemv"),
+                                    (21, 23, "norm")])
+    assert busy == 10 + 2 + 5
+    assert added == {"gemv": 15, "norm": 2}
+    assert busy_attribution([]) == (0.0, {})
