@@ -14,16 +14,16 @@ DECODE_ROWS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 64, 100, 256)   # a step's row cou
 
 @contextlib.contextmanager
 def _as_on_a_hopper() -> Iterator[None]:
-    """Within: the layers launch as on an H100 (gemv_kernels' PDL launches, the norms' triggers and
+    """Within: the layers launch as on an H100 (pdl_launch's PDL launches, the norms' triggers and
     the chain's waits), so those variants compile too."""
-    from worker_svc.layers import gemv_kernels
+    from worker_svc.layers import pdl_launch
 
-    saved = gemv_kernels.pdl_launches, gemv_kernels.pdl_triggers, gemv_kernels.pdl_waits
-    gemv_kernels.pdl_launches = gemv_kernels.pdl_triggers = gemv_kernels.pdl_waits = lambda device: True
+    saved = pdl_launch.pdl_launches, pdl_launch.pdl_triggers, pdl_launch.pdl_waits
+    pdl_launch.pdl_launches = pdl_launch.pdl_triggers = pdl_launch.pdl_waits = lambda device: True
     try:
         yield
     finally:
-        gemv_kernels.pdl_launches, gemv_kernels.pdl_triggers, gemv_kernels.pdl_waits = saved
+        pdl_launch.pdl_launches, pdl_launch.pdl_triggers, pdl_launch.pdl_waits = saved
 
 
 def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {"device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
               "copy_bytes_per_s": bandwidth}
     parts = args.parts.split(",")
-    from worker_svc.layers.gemv_kernels import pdl_in_graphs
+    from worker_svc.layers.pdl_launch import pdl_in_graphs
 
     result["pdl_in_graphs"] = pdl = pdl_in_graphs(torch.device(args.device))
     if "sweep" in parts:

@@ -337,7 +337,8 @@ def test_qwen3_8b_shapes_split_over_k_as_the_selection_splits_them(fp8_kernels, 
     across slices differs), in a CUDA graph replayed twice (the counters start at zero again); the
     tiles for wgmma on e4m3 too (padded to 64 rows, or swapped), split and not (the swapped ones at each of
     swap_splits' factors)."""
-    from worker_svc.layers.gemv_kernels import pdl_in_graphs, split_counters
+    from worker_svc.layers.gemv_kernels import split_counters
+    from worker_svc.layers.pdl_launch import pdl_in_graphs
     from worker_svc.layers.linear_candidates import fp8_split, swap_splits, wgmma_tiles
 
     g = torch.Generator(device="cuda").manual_seed(37)

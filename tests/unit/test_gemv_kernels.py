@@ -31,6 +31,13 @@ def kernels():
         yield gemv_kernels, fused_kernels
 
 
+@pytest.fixture(scope="module")
+def pdl_launch(kernels):
+    from worker_svc.layers import pdl_launch
+
+    return pdl_launch
+
+
 def config(kernels, *args, **kwargs):
     return kernels[0].GemvConfig(*args, **kwargs)
 
@@ -199,12 +206,12 @@ def test_no_rows_give_an_empty_output(kernels):
 
 
 @requires_cuda
-def test_programmatic_dependent_launch_replays_in_graphs_on_hopper(kernels):
+def test_programmatic_dependent_launch_replays_in_graphs_on_hopper(kernels, pdl_launch):
     """sm90+ with CUDA 12.3+: chained PDL GEMVs replayed from a graph equal plain launches
     (otherwise the start-up candidates quietly go without PDL)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm90")
-    assert kernels[0].pdl_in_graphs(torch.device("cuda", torch.cuda.current_device()))
+    assert pdl_launch.pdl_in_graphs(torch.device("cuda", torch.cuda.current_device()))
 
 
 @requires_cuda
@@ -263,13 +270,12 @@ def test_the_attention_and_swiglu_chain_runs_here(kernels):
 
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 8])
-def test_pdl_gemvs_after_triggering_attention_and_swiglu_read_their_outputs(kernels, rows):
+def test_pdl_gemvs_after_triggering_attention_and_swiglu_read_their_outputs(kernels, pdl_launch, rows):
     """Decode attention and SwiGLU let the projection after them launch at their start (as the
     norms do); GEMVs launched with PDL read their outputs only after their waits: in a graph
     replayed on new inputs, the chain equals the same kernels launched plainly, bit for bit."""
-    gemv_kernels = kernels[0]
     device = torch.device("cuda", torch.cuda.current_device())
-    if not gemv_kernels.pdl_in_graphs(device):
+    if not pdl_launch.pdl_in_graphs(device):
         pytest.skip("programmatic dependent launch does not replay in graphs here")
     (q, gate_up), run = attention_and_swiglu_chain(rows, device)
     block_m = 1 << (rows - 1).bit_length()
@@ -279,17 +285,17 @@ def test_pdl_gemvs_after_triggering_attention_and_swiglu_read_their_outputs(kern
 
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 3, 64])
-def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, rows):
-    """The RMSNorm lets the GEMV after it launch at its start (gemv_kernels.pdl_triggers); the
+def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, pdl_launch, rows):
+    """The RMSNorm lets the GEMV after it launch at its start (pdl_launch.pdl_triggers); the
     GEMV, launched with PDL, reads the norm's output only after its wait: in a graph replayed on
     new inputs, norm + GEMV equal the same pair launched plainly, bit for bit."""
     gemv_kernels = kernels[0]
     from worker_svc.layers import fused_kernels
 
     device = torch.device("cuda", torch.cuda.current_device())
-    if not gemv_kernels.pdl_in_graphs(device):
+    if not pdl_launch.pdl_in_graphs(device):
         pytest.skip("programmatic dependent launch does not replay in graphs here")
-    assert gemv_kernels.pdl_triggers(device)
+    assert pdl_launch.pdl_triggers(device)
     g = torch.Generator(device="cuda").manual_seed(46)
     w = torch.randn(4096, 1024, generator=g, device="cuda").to(torch.bfloat16)
     norm_weight = torch.rand(1024, generator=g, device="cuda").to(torch.bfloat16) + 0.5
@@ -304,22 +310,21 @@ def test_a_pdl_gemv_after_a_triggering_norm_reads_the_norms_output(kernels, rows
     assert_graph_replays_as_plain(pair, pdl, plain, x)
 
 
-def test_the_chain_kernels_launch_plainly_without_a_hopper_or_with_the_chain_off(kernels, monkeypatch):
+def test_the_chain_kernels_launch_plainly_without_a_hopper_or_with_the_chain_off(kernels, pdl_launch, monkeypatch):
     """pdl_chain_args: no trigger, wait or PDL launch off a Hopper (here: the CPU), and no wait or PDL
     launch with WORKER_PDL_CHAIN=0 even where the triggers stay."""
-    gemv_kernels = kernels[0]
-    assert gemv_kernels.pdl_chain_args(torch.device("cpu")) == {"TRIGGER": False, "WAIT": False, "launch_pdl": False}
-    monkeypatch.setattr(gemv_kernels, "pdl_triggers", lambda device: True)
-    monkeypatch.setattr(gemv_kernels, "pdl_in_graphs", lambda device: True)
-    assert gemv_kernels.pdl_chain_args(torch.device("cpu"))["WAIT"]
-    monkeypatch.setattr(gemv_kernels, "PDL_CHAIN", False)
-    assert gemv_kernels.pdl_chain_args(torch.device("cpu")) == {"TRIGGER": True, "WAIT": False, "launch_pdl": False}
+    assert pdl_launch.pdl_chain_args(torch.device("cpu")) == {"TRIGGER": False, "WAIT": False, "launch_pdl": False}
+    monkeypatch.setattr(pdl_launch, "pdl_triggers", lambda device: True)
+    monkeypatch.setattr(pdl_launch, "pdl_in_graphs", lambda device: True)
+    assert pdl_launch.pdl_chain_args(torch.device("cpu"))["WAIT"]
+    monkeypatch.setattr(pdl_launch, "PDL_CHAIN", False)
+    assert pdl_launch.pdl_chain_args(torch.device("cpu")) == {"TRIGGER": True, "WAIT": False, "launch_pdl": False}
 
 
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 8])
-def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, rows, monkeypatch):
-    """Every kernel of a decode layer launched with PDL (gemv_kernels.pdl_waits: the norms, the q/k
+def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, pdl_launch, rows, monkeypatch):
+    """Every kernel of a decode layer launched with PDL (pdl_launch.pdl_waits: the norms, the q/k
     norm + RoPE + store, attention, SwiGLU, as the GEMVs are), each waiting for the one before it:
     captured in a graph and replayed on new inputs, the layer equals its kernels launched plainly
     (WORKER_PDL_CHAIN=0, GEMVs without PDL), bit for bit, its KV cache's new rows included."""
@@ -328,7 +333,7 @@ def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, rows
     from worker_svc.layers.attention.selection import AttentionShape, synthetic_step
 
     device = torch.device("cuda", torch.cuda.current_device())
-    if not (gemv_kernels.pdl_triggers(device) and gemv_kernels.pdl_in_graphs(device)):
+    if not (pdl_launch.pdl_triggers(device) and pdl_launch.pdl_in_graphs(device)):
         pytest.skip("programmatic dependent launch does not replay in graphs here")
     shape = AttentionShape(16, 8, 128, torch.bfloat16, 16, max_num_seqs=64, max_num_batched_tokens=1024,
                            max_model_len=4096)
@@ -345,8 +350,8 @@ def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, rows
     new_slots = meta.slot_mapping.long()
 
     def layer(cfg):
-        monkeypatch.setattr(gemv_kernels, "PDL_CHAIN", cfg.pdl)
-        assert gemv_kernels.pdl_waits(device) == cfg.pdl
+        monkeypatch.setattr(pdl_launch, "PDL_CHAIN", cfg.pdl)
+        assert pdl_launch.pdl_waits(device) == cfg.pdl
         h, res = fused_kernels.rms_norm(x, norms[0], 1e-6, residual)
         q = qkv_store.qk_norm_rope_store(gemv_kernels.gemv(h, w_qkv, cfg), norms[2], norms[3], 1e-6, 1e-6, cos_sin,
                                          16, 8, k_cache, v_cache, meta.slot_mapping)
@@ -415,13 +420,13 @@ def test_a_folded_norm_is_refused_where_it_cannot_run(kernels):
 
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 16])
-def test_a_chain_of_gemvs_triggering_after_their_loops_reads_each_others_outputs(kernels, rows):
+def test_a_chain_of_gemvs_triggering_after_their_loops_reads_each_others_outputs(kernels, pdl_launch, rows):
     """Three PDL GEMVs in a graph, each letting the next launch only once its loop is done (its
     stores and split-K sums still to come): each reads the one before it's whole output, bit for
     bit against the chain launched plainly, over replays on new inputs."""
     gemv_kernels = kernels[0]
     device = torch.device("cuda", torch.cuda.current_device())
-    if not gemv_kernels.pdl_in_graphs(device):
+    if not pdl_launch.pdl_in_graphs(device):
         pytest.skip("programmatic dependent launch does not replay in CUDA graphs here")
     g = torch.Generator(device="cuda").manual_seed(47)
     weights = [(torch.randn(cols, width, generator=g, device="cuda") / width ** 0.5).to(torch.bfloat16)
@@ -443,13 +448,13 @@ def test_a_chain_of_gemvs_triggering_after_their_loops_reads_each_others_outputs
 
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 4])
-def test_a_pdl_gemv_folding_the_norm_reads_the_gemv_before_it(kernels, rows):
+def test_a_pdl_gemv_folding_the_norm_reads_the_gemv_before_it(kernels, pdl_launch, rows):
     """o projection -> (residual add + RMSNorm folded into) gate_up, both PDL (the second waits
     before its sums of squares), in a graph replayed on new inputs: bit for bit the same chain
     launched plainly, the new residual too."""
     gemv_kernels = kernels[0]
     device = torch.device("cuda", torch.cuda.current_device())
-    if not gemv_kernels.pdl_in_graphs(device):
+    if not pdl_launch.pdl_in_graphs(device):
         pytest.skip("programmatic dependent launch does not replay in CUDA graphs here")
     g = torch.Generator(device="cuda").manual_seed(49)
     w_o = (torch.randn(1024, 2048, generator=g, device="cuda") / 45).to(torch.bfloat16)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from worker_svc.layers import gemv_kernels
+from worker_svc.layers import gemv_kernels, pdl_launch
 from worker_svc.layers.fp8 import MIN_AMAX, FP8_DTYPE, FP8_MAX
 from worker_svc.layers.gemv_kernels import (MAX_SPLIT_TILES, finish_split_k, prefetch_rows_l2, split_counters,
                                             split_slices)
@@ -199,7 +199,7 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
     if num_rows == 0:
         return out
     config = dict(config or _matmul_config(num_rows))
-    pdl = config.pop("PDL", False) and gemv_kernels.pdl_launches(a.device)
+    pdl = config.pop("PDL", False) and pdl_launch.pdl_launches(a.device)
     prefetch = config.pop("PREFETCH", 0) if pdl else 0
     late = config.pop("LATE_TRIGGER", False) and pdl
     groups_per_split, split_k = split_slices(width // bk, config.pop("SPLIT_K", 1))

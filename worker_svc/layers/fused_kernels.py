@@ -15,7 +15,7 @@ and costs a launch. These three kernels do each group in one pass:
   WORKER_FP8_QUANT_FUSION=0 leaves the quantization to its own kernel (for comparisons).
 
 On a Hopper each is one link of the decode layer's chain of programmatic dependent launches
-(gemv_kernels.pdl_waits): it lets the next kernel launch at its start and waits for the one before it.
+(pdl_launch.pdl_waits): it lets the next kernel launch at its start and waits for the one before it.
 
 Each rounds to the model dtype exactly where the torch path (layernorm.py, activation.py,
 rotary.py, which mirror transformers) does, so bf16 results match it up to the order of float32
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_svc.layers import fp8_kernels, gemv_kernels
+from worker_svc.layers import fp8_kernels, pdl_launch
 from worker_svc.layers.fp8 import FP8_MAX, MIN_AMAX
-from worker_svc.layers.gemv_kernels import pdl_start
+from worker_svc.layers.pdl_launch import pdl_start
 
 ENABLED = os.environ.get("WORKER_FUSED_KERNELS", "1") != "0"
 FP8_QUANT_FUSION = os.environ.get("WORKER_FP8_QUANT_FUSION", "1") != "0"
@@ -74,8 +74,8 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro, num_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr,
 ):
-    # TRIGGER: the projection after it may launch now (gemv_kernels.pdl_triggers); WAIT: launched
-    # with PDL, it waits for the kernel before (gemv_kernels.pdl_waits)
+    # TRIGGER: the projection after it may launch now (pdl_launch.pdl_triggers); WAIT: launched
+    # with PDL, it waits for the kernel before (pdl_launch.pdl_waits)
     pdl_start(TRIGGER, WAIT)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -212,7 +212,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_rows,)](
             rows, residual_rows, weight, out, residual_out,
             rows.stride(0), residual_rows.stride(0), out.stride(0), residual_out.stride(0), num_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, **gemv_kernels.pdl_chain_args(x.device), num_warps=_norm_warps(block),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, **pdl_launch.pdl_chain_args(x.device), num_warps=_norm_warps(block),
         )
     if residual is None:
         return out.view(x.shape)
@@ -227,7 +227,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows:
         block = min(SILU_BLOCK, _pow2(num_cols))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](
-            rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block, **gemv_kernels.pdl_chain_args(gate_up.device), num_warps=4,
+            rows, out, rows.stride(0), out.stride(0), num_cols, BLOCK=block, **pdl_launch.pdl_chain_args(gate_up.device), num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], num_cols)
 
@@ -257,7 +257,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         rows.stride(0), residual_rows.stride(0), out.values.stride(0), out.scales.stride(0), out.scales.stride(1),
         residual_out.stride(0), num_rows, num_cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, GROUP=group, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-        **gemv_kernels.pdl_chain_args(x.device), num_warps=_norm_warps(block),
+        **pdl_launch.pdl_chain_args(x.device), num_warps=_norm_warps(block),
     )
     if residual is None:
         return out
@@ -275,7 +275,7 @@ def silu_and_mul_fp8(gate_up: torch.Tensor, group: int) -> fp8_kernels.Fp8Activa
     _silu_and_mul_fp8_kernel[(out.values.shape[0], triton.cdiv(num_cols, block))](
         rows, out.values, out.scales, rows.stride(0), out.values.stride(0), out.scales.stride(0),
         out.scales.stride(1), num_rows, num_cols, BLOCK=block, GROUP=group,
-        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, **gemv_kernels.pdl_chain_args(gate_up.device), num_warps=4,
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, **pdl_launch.pdl_chain_args(gate_up.device), num_warps=4,
     )
     return out
 

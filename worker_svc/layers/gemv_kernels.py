@@ -36,7 +36,7 @@ Options, each a compile-time switch:
 - a bias, added in float32 before the single rounding to x's dtype;
 - PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the
   previous kernel (weights never depend on it), and the next kernel may launch at once
-  (`pdl_in_graphs` says whether CUDA graphs replay this here); with `prefetch`, the first
+  (`pdl_launch.pdl_in_graphs` says whether CUDA graphs replay this here); with `prefetch`, the first
   K tiles of the program's weight rows are asked into L2 (sm90's bulk prefetch) before that wait.
   With `late_trigger` the next kernel may launch only once this one's loop is done (before its
   stores and split-K sums), so its programs ask for their weights during this one's tail
@@ -45,8 +45,6 @@ Under TRITON_INTERPRET=1 the kernel runs on the CPU for the tests.
 """
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -54,15 +52,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from worker_svc.layers import pdl_launch
 from worker_svc.layers.triton_compile import launch
 
 # Split-K tile counters per device; a launch may use this many (output tiles of one call).
 MAX_SPLIT_TILES = 1 << 14
 DOT_MIN_ROWS = 16   # tl.dot needs 16-row tiles: fewer rows use the FMA loop
 ROW_ACC_MAX_ROWS = 4   # rows the per-row-accumulator FMA loop holds
-# The layer's other kernels (norms, SwiGLU, q/k norm + RoPE + store, attention, its merge) launched
-# with PDL too (`pdl_waits`); WORKER_PDL_CHAIN=0 launches them plainly (for comparisons).
-PDL_CHAIN = os.environ.get("WORKER_PDL_CHAIN", "1") != "0"
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -315,16 +311,6 @@ def _rms_of_rows(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, K, k_begin
 
 
 @triton.jit
-def pdl_start(TRIGGER: tl.constexpr, WAIT: tl.constexpr):
-    """A kernel of the PDL chain (`pdl_waits`) starts here: lets the next kernel launch, then waits
-    for the one before to end (and its writes to land) before anything is read or written."""
-    if TRIGGER:
-        gdc_launch_dependents()
-    if WAIT:
-        gdc_wait()
-
-
-@triton.jit
 def prefetch_rows_l2(row_ptrs, num_bytes):
     """Asks L2 for num_bytes from each row pointer (sm90's bulk prefetch: a hint, nothing waits)."""
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
@@ -453,90 +439,6 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def pdl_launches(device: torch.device) -> bool:
-    """Whether a config's PDL is launched on this device: CUDA only (the interpreter runs no PTX;
-    tools.sm90_catalogue says yes to compile those variants on the CPU)."""
-    return device.type == "cuda"
-
-
-def pdl_triggers(device: torch.device) -> bool:
-    """Whether the kernels that feed a GEMV or FP8 GEMM (the RMSNorms) let it launch at their start
-    (griddepcontrol.launch_dependents: Hopper and later): a kernel launched with PDL then asks for
-    its first weights while they run, and waits for them before reading what they wrote; any
-    other kernel after them waits for their end as ever."""
-    return pdl_launches(device) and _hopper_or_later(device)
-
-
-def pdl_waits(device: torch.device) -> bool:
-    """Whether the kernels between the projections (the RMSNorms, SwiGLU, q/k norm + RoPE + store,
-    attention and its merge) launch with PDL as the projections do, so a decode layer is one chain
-    of programmatic dependent launches: each kernel's programs are resident, their launch paid,
-    when the kernel before them lets them start (every one of them lets its dependents start:
-    gdc_launch_dependents), and they wait (gdc_wait) before reading or writing anything. Every
-    program of such a kernel waits before it returns, so its end implies its predecessor's, and a
-    kernel two back is done when the next one's wait returns. Hopper and later, where CUDA graphs
-    replay PDL correctly (`pdl_in_graphs`, first asked outside a capture: inside one, an unasked
-    device says no), unless WORKER_PDL_CHAIN=0."""
-    if not (PDL_CHAIN and pdl_triggers(device)):
-        return False
-    if device.type == "cuda" and _device_key(device) not in _PDL_IN_GRAPHS and torch.cuda.is_current_stream_capturing():
-        return False   # pdl_in_graphs captures a graph of its own: not inside another capture
-    return pdl_in_graphs(device)
-
-
-def pdl_chain_args(device: torch.device) -> dict:
-    """The launch arguments of a kernel of the chain that starts with `pdl_start(TRIGGER, WAIT)`:
-    it lets the next kernel launch at its start, and is launched with PDL itself (pdl_waits)."""
-    wait = pdl_waits(device)
-    return {"TRIGGER": pdl_triggers(device), "WAIT": wait, "launch_pdl": wait}
-
-
-@functools.cache
-def _hopper_or_later(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-_PDL_IN_GRAPHS: dict[tuple[str, int], bool] = {}
-
-
-def _device_key(device: torch.device) -> tuple[str, int]:
-    index = device.index
-    if index is None:
-        index = torch.cuda.current_device() if device.type == "cuda" else 0
-    return device.type, index
-
-
-def pdl_in_graphs(device: torch.device) -> bool:
-    """Whether programmatic dependent launches replay correctly from a CUDA graph here (driver
-    and torch permitting): two chained GEMVs, the second reading the first's output, replayed
-    on a new input, must equal the same chain launched plainly. The start-up candidates use
-    PDL only then. Asked once per device."""
-    key = _device_key(device)
-    if key not in _PDL_IN_GRAPHS:
-        _PDL_IN_GRAPHS[key] = _replays_pdl(device)
-    return _PDL_IN_GRAPHS[key]
-
-
-def _replays_pdl(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(1, 256, generator=g, device=device).to(torch.bfloat16)
-        w1 = (torch.randn(256, 256, generator=g, device=device) / 16).to(torch.bfloat16)
-        w2 = (torch.randn(64, 256, generator=g, device=device) / 16).to(torch.bfloat16)
-        plain, pdl = GemvConfig(1, 16, 64, split_k=2), GemvConfig(1, 16, 64, split_k=2, pdl=True)
-        gemv(gemv(x, w1, pdl), w2, pdl)   # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = gemv(gemv(x, w1, pdl), w2, pdl)
-        x.copy_(torch.randn(1, 256, generator=g, device=device))
-        graph.replay()
-        return torch.equal(out, gemv(gemv(x, w1, plain), w2, plain))
-    except Exception:  # noqa: BLE001 - no PDL in graphs here: GEMVs launch plainly
-        return False
-
-
 def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tuple[int, int] | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
     """Raises ValueError when `config` cannot run a [num_cols, width] weight."""
@@ -607,7 +509,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         counters = split_counters(x.device)
         partial = counters.view(torch.float32)   # unused; typed as the split launches', so one compile serves both
     group_n, group_k = fp8_block if fp8 else (1, 1)
-    pdl = config.pdl and pdl_launches(x.device)
+    pdl = config.pdl and pdl_launch.pdl_launches(x.device)
     launch(
         _gemv_kernel, grid,
         rows, weight, weight_scale if fp8 else weight, bias if bias is not None else out, out, partial, counters,

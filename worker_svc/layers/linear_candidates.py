@@ -137,7 +137,7 @@ def wgmma_candidates(operands: LinearOperands, rows: int, sms: int, pdl: bool) -
 def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = True,
                  fp8: bool = False) -> list[GemvConfig]:
     """The GEMV launch settings tried at this row count (with programmatic dependent launch
-    where the graphs replay it: gemv_kernels.pdl_in_graphs), for FP8 weights with `fp8`."""
+    where the graphs replay it: pdl_launch.pdl_in_graphs), for FP8 weights with `fp8`."""
     block_m = 1 << max(0, (rows - 1).bit_length())
     if block_m < DOT_MIN_ROWS:
         bases = [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.layers import fp8_kernels, fused_kernels
-from worker_svc.layers.gemv_kernels import FoldedNorm, pdl_in_graphs
+from worker_svc.layers.gemv_kernels import FoldedNorm
+from worker_svc.layers.pdl_launch import pdl_in_graphs
 from worker_svc.layers.layernorm import rms_norm
 from worker_svc.layers.linear_candidates import candidates
 from worker_svc.layers.linear_methods import Fp8Cublas, Fp8Gemm, LinearOperands, LinearPlan, Method, NormedInput, Runner

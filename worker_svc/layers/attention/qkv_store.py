@@ -15,11 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_svc.layers import gemv_kernels
+from worker_svc.layers import pdl_launch
 from worker_svc.layers.attention.kv_quant import KVScales, is_fp8
 from worker_svc.layers.attention.triton_kernels import _to_cache
 from worker_svc.layers.fused_kernels import qk_norm_rope_tile
-from worker_svc.layers.gemv_kernels import pdl_start
+from worker_svc.layers.pdl_launch import pdl_start
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _qk_norm_rope_store_kernel(
     TRIGGER: tl.constexpr, WAIT: tl.constexpr,
 ):
     # TRIGGER: the attention after it may launch now; WAIT: launched with PDL, it waits for the qkv
-    # projection's end first (gemv_kernels.pdl_chain_args)
+    # projection's end first (pdl_launch.pdl_chain_args)
     pdl_start(TRIGGER, WAIT)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
@@ -100,6 +100,6 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
         qkv.stride(0), cos_sin.stride(0), q_eps, k_eps, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=_pow2(num_q_heads + num_kv_heads),
         KV_HEADS_PAD=_pow2(num_kv_heads), HALF=head_dim // 2, HALF_PAD=_pow2(head_dim // 2),
-        BLOCK_SIZE=k_cache.shape[1], KV_FP8=fp8, **gemv_kernels.pdl_chain_args(qkv.device), num_warps=4,
+        BLOCK_SIZE=k_cache.shape[1], KV_FP8=fp8, **pdl_launch.pdl_chain_args(qkv.device), num_warps=4,
     )
     return q

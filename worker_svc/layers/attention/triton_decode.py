@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _write_result
-from worker_svc.layers.gemv_kernels import pdl_start
+from worker_svc.layers.pdl_launch import pdl_start
 
 F16_MAX = tl.constexpr(65504.0)
 
@@ -100,8 +100,8 @@ def _paged_decode_kernel(
     USE_DOT: tl.constexpr, TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr,
     WAIT: tl.constexpr,
 ):
-    # TRIGGER: the o projection after it may launch now (gemv_kernels.pdl_triggers); WAIT: launched
-    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_waits)
+    # TRIGGER: the o projection after it may launch now (pdl_launch.pdl_triggers); WAIT: launched
+    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_launch.pdl_waits)
     pdl_start(TRIGGER, WAIT)
     request, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)

@@ -38,12 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_svc.layers import gemv_kernels
+from worker_svc.layers import pdl_launch
 from worker_svc.layers.attention import base as attention_base
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
 from worker_svc.layers.attention.triton_decode import F16_MAX, _grid_ids, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _merge_splits_kernel, _write_result
-from worker_svc.layers.gemv_kernels import pdl_start
+from worker_svc.layers.pdl_launch import pdl_start
 
 LOG2_E = 1.4426950408889634
 # The tile kernel; the decode kernel (one-token requests only) on tensor cores, or on CUDA cores.
@@ -175,8 +175,8 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_DECODES: tl.constexpr,
     TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr, WAIT: tl.constexpr,
 ):
-    # TRIGGER: the o projection after it may launch now (gemv_kernels.pdl_triggers); WAIT: launched
-    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_waits)
+    # TRIGGER: the o projection after it may launch now (pdl_launch.pdl_triggers); WAIT: launched
+    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_launch.pdl_waits)
     pdl_start(TRIGGER, WAIT)
     tile, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
@@ -486,8 +486,8 @@ def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, f
         COLS=max(MIN_DECODE_COLS if use_dot else 1, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
-        TRIGGER=_triggers(step, num_splits, fused_merge), ORDERED=step.order is not None,
-        **_waits(step), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        ORDERED=step.order is not None, **_pdl(step, num_splits, fused_merge),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=not pure_decode)
 
@@ -514,8 +514,8 @@ def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merg
         BLOCK_Q=block_q, TILE_ROWS=max(16, launch.tile_rows, block_q * group_pad), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
         MERGE_CHUNK=_merge_chunk(step, num_splits), SKIP_DECODES=skip_decodes,
-        TRIGGER=_triggers(step, num_splits, fused_merge), ORDERED=pure_decode and step.order is not None,
-        HEADS_FIRST=heads_first, **_waits(step), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        ORDERED=pure_decode and step.order is not None, HEADS_FIRST=heads_first, **_pdl(step, num_splits, fused_merge),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=False)
 
@@ -538,21 +538,16 @@ def _grid(num_tiles: int, num_kv_heads: int, num_splits: int, heads_first: bool)
     return num_tiles, num_kv_heads, num_splits
 
 
-def _triggers(step: _Step, num_splits: int, fused_merge: bool) -> bool:
-    """Whether an attention launch lets the kernel after it launch at its start (as the norms do
-    for the projections: gemv_kernels.pdl_triggers): so the o projection, GEMV or FP8 GEMM launched
-    with PDL, asks for its first weights while attention runs, and waits for its end before
-    reading the output. Where a separate merge launch follows, only when it is launched with PDL
-    too (gemv_kernels.pdl_waits; it triggers the o projection then)."""
-    device = step.q.device
-    return (num_splits == 1 or fused_merge or gemv_kernels.pdl_waits(device)) and gemv_kernels.pdl_triggers(device)
-
-
-def _waits(step: _Step) -> dict:
-    """An attention launch's PDL wait: launched as one of the decode layer's chain of dependent
-    launches, it waits for the kernel before it (gemv_kernels.pdl_waits) before reading anything."""
-    wait = gemv_kernels.pdl_waits(step.q.device)
-    return {"WAIT": wait, "launch_pdl": wait}
+def _pdl(step: _Step, num_splits: int, fused_merge: bool) -> dict:
+    """An attention launch's PDL arguments (pdl_launch.pdl_chain_args): launched as a link of the
+    decode layer's chain, it waits for the kernel before it; and it lets the kernel after it launch
+    at its start (as the norms do for the projections), so the o projection, GEMV or FP8 GEMM launched
+    with PDL, asks for its first weights while attention runs and waits for its end before reading
+    the output. Where a separate merge launch follows, only when that merge is in the chain too (it
+    then triggers the o projection)."""
+    args = pdl_launch.pdl_chain_args(step.q.device)
+    args["TRIGGER"] = args["TRIGGER"] and (num_splits == 1 or fused_merge or args["WAIT"])
+    return args
 
 
 def _split_buffers(step: _Step, num_splits: int, fused_merge: bool) -> tuple[torch.Tensor, ...]:
@@ -583,5 +578,5 @@ def _merge_apart(step: _Step, buffers: tuple[torch.Tensor, ...], num_splits: int
     _merge_splits_kernel[(rows, step.q.shape[1])](
         part_out, part_lse, step.out, step.query_start_loc, step.out.stride(0), step.out.stride(1),
         NUM_HEADS=step.q.shape[1], HEAD_DIM=step.q.shape[2], DIM_PAD=step.dim_pad, NUM_SPLITS=num_splits,
-        ONE_TOKEN_REQUESTS=one_token_requests, TRIGGER=gemv_kernels.pdl_triggers(step.q.device), **_waits(step),
+        ONE_TOKEN_REQUESTS=one_token_requests, **pdl_launch.pdl_chain_args(step.q.device),
     )

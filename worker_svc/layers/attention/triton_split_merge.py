@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from worker_svc.layers.gemv_kernels import pdl_start
+from worker_svc.layers.pdl_launch import pdl_start
 
 
 @triton.jit
