@@ -83,7 +83,7 @@ one_row_choices() {   # DIR: what the start-up selection chose at 1 row for each
 }
 
 profile_table() {   # NAME TIMEOUT EXTRA: the profile stage's tables (top kernels, serial wall time a step)
-    STAGE=profile NAME=$1 TIMEOUT=$2 LINES_OUT=60 EXTRA="$3" bash "$0" stage 2>&1 | grep "profile (\|  .*%  " | head -40
+    STAGE=profile NAME=$1 TIMEOUT=$2 LINES_OUT=130 EXTRA="$3" bash "$0" stage 2>&1 | grep "profile (\|  .*%  \|device busy" | head -${PROFILE_LINES:-90}
 }
 
 with_floor() {  # the bandwidth measured by `checkpoint`, for the floor in the tables
