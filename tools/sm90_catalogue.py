@@ -115,7 +115,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
 
     def gemv() -> None:
         from worker_svc.layers import gemv_kernels
-        from worker_svc.layers.linear_candidates import gemv_configs, tiled_configs
+        from worker_svc.layers.linear_candidates import gemv_configs, tiled_configs, whole_slice_configs
         weight = torch.randn(1024, 4096, dtype=bf16)
         fp8_weight = weight.to(torch.float8_e4m3fn)
         weight_scale = torch.ones(8, 32)
@@ -147,6 +147,20 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                         gemv_kernels.gemv(x, weight, config, norm=norm)
                         gemv_kernels.gemv(x, fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128),
                                           norm=norm)
+            # the launches that read their whole weight slice before the PDL wait (PERF_NOTES v46), at the
+            # widths of Qwen3-0.6B's and Qwen3-8B's projections: plain, SwiGLU's, the norm folded, FP8 weights
+            for rows in (1, 2, 4):
+                for width in (1024, 3072, 4096):
+                    w = torch.randn(1024, width, dtype=bf16)
+                    x = torch.randn(rows, width, dtype=bf16)
+                    norm = gemv_kernels.FoldedNorm(torch.ones(width, dtype=bf16), 1e-6, torch.randn(rows, width, dtype=bf16))
+                    for config in whole_slice_configs(rows, width, pdl=True):
+                        gemv_kernels.gemv(x, w, config)
+                        gemv_kernels.gemv(torch.randn(rows, 2 * width, dtype=bf16), w, config, silu_mul=True)
+                        gemv_kernels.gemv(x, w, config, norm=norm)
+                        if width == 4096:   # (the scales of the other cases: one compile for their stride)
+                            gemv_kernels.gemv(x, w.to(torch.float8_e4m3fn), config, weight_scale=torch.ones(8, 32),
+                                              fp8_block=(128, 128))
             # the CUDA-core loops taking FP8 weights by their bits (the bench's sweep times them)
             for config in (gemv_kernels.GemvConfig(1, 8, 512, num_warps=4, num_stages=1, pdl=True, fp8_bits=True),
                            gemv_kernels.GemvConfig(4, 8, 128, num_warps=4, num_stages=3, pdl=True, row_acc=True,

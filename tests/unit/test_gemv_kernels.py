@@ -408,6 +408,42 @@ def test_a_folded_norm_gives_the_norm_kernel_then_the_gemv(kernels, tiles, rows,
         assert relative_error(got, expected) <= RELATIVE[dtype]
 
 
+@pytest.mark.parametrize("rows,width", [(1, 96), (3, 96), (1, 200), (4, 64)])
+def test_whole_slice_launches_read_one_k_tile_a_program_and_match_f_linear(kernels, rows, width):
+    """linear_candidates.whole_slice_configs: every launch it gives holds one K tile a program (its whole
+    slice of the weight, loaded before the PDL wait: gemv_kernels.whole_slice), and each computes the
+    plain product, SwiGLU's and the folded norm's as the other loops do; none without PDL or past
+    WHOLE_SLICE_MAX_ROWS rows, and a two-tile, late-triggering, row-accumulator or tensor-core launch
+    is not one."""
+    from worker_svc.layers import linear_candidates as lc
+
+    gemv_kernels, fused_kernels = kernels
+    configs = lc.whole_slice_configs(rows, width, pdl=True)
+    assert configs and all(gemv_kernels.whole_slice(c, width) for c in configs)
+    assert lc.whole_slice_configs(rows, width, pdl=False) == []
+    assert lc.whole_slice_configs(lc.WHOLE_SLICE_MAX_ROWS + 1, width, pdl=True) == []
+    assert not gemv_kernels.whole_slice(config(kernels, 1, 8, 32, pdl=True), width)   # several K tiles
+    assert not gemv_kernels.whole_slice(config(kernels, 1, 8, 256), width)   # no PDL wait
+    for other in (dict(late_trigger=True), dict(row_acc=True)):
+        assert not gemv_kernels.whole_slice(config(kernels, 1, 8, 256, pdl=True, **other), width)
+    assert not gemv_kernels.whole_slice(config(kernels, 16, 16, 256, pdl=True), width)
+    g = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, 2 * width, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(40, width, generator=g) / width ** 0.5).to(torch.bfloat16).to(DEVICE)
+    norm_weight = (torch.rand(width, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    res = torch.randn(rows, width, generator=g).to(torch.bfloat16).to(DEVICE)
+    for cfg in configs:
+        first = x[:, :width].contiguous()
+        assert relative_error(gemv_kernels.gemv(first, w, cfg), F.linear(first.double(), w.double())) <= 2 ** -7
+        activated = fused_kernels.silu_and_mul(x)
+        assert relative_error(gemv_kernels.gemv(x, w, cfg, silu_mul=True),
+                              F.linear(activated.double(), w.double())) <= 2 ** -7
+        normed, total = fused_kernels.rms_norm(first, norm_weight, 1e-6, res)
+        got, got_total = gemv_kernels.gemv(first, w, cfg, norm=gemv_kernels.FoldedNorm(norm_weight, 1e-6, res))
+        assert torch.equal(got_total, total)
+        assert relative_error(got, F.linear(normed.double(), w.double())) <= 2 ** -7
+
+
 def test_a_folded_norm_is_refused_where_it_cannot_run(kernels):
     gemv_kernels, _ = kernels
     x, w = torch.zeros(1, 64, device=DEVICE), torch.zeros(8, 64, device=DEVICE)

@@ -481,6 +481,36 @@ def test_the_fastest_pdl_launch_is_timed_with_its_trigger_after_its_loop_too(sel
     assert reduced == [[1.0, 0.5]]
 
 
+def test_up_to_the_whole_slice_rows_the_fastest_whole_slice_gemv_runs(selection, lc, monkeypatch):
+    """WORKER_GEMV_WHOLE_SLICE_ROWS: up to that many rows a kind runs the fastest of its GEMVs that read
+    their whole weight slice before the PDL wait, even where cuBLAS or another GEMV timed faster (the
+    window they are for is not in the selection's timing); past it, and with it 0, the fastest of all.
+    The few-row candidates include them (PDL only)."""
+    linear_selection, methods = selection
+    operands = bf16_operands(methods)   # 48 columns by 64
+    whole = [methods.Gemv(c) for c in lc.whole_slice_configs(1, 64, pdl=True)[:2]]
+    other = methods.Gemv(lc.GemvConfig(1, 16, 32, pdl=True))   # two K tiles a program
+    names = [str(m) for m in lc.candidates(operands, 1, torch.bfloat16, sms=4)]
+    assert all(str(m) in names for m in whole)
+    assert not any(str(m) in [str(c) for c in lc.candidates(operands, 1, torch.bfloat16, sms=4, pdl=False)]
+                   for m in whole)
+    times = {"cublas": 0.2, str(other): 0.3, str(whole[0]): 0.6, str(whole[1]): 0.5}
+
+    def measure(method, runners, x):
+        return times.get(str(method), 9.0)   # late twins: slow
+
+    def choose(limit):
+        monkeypatch.setattr(linear_selection, "WHOLE_SLICE_ROWS", limit)
+        choice = linear_selection.choose_methods("proj", [operands], torch.bfloat16, DEVICE, max_rows=2, sms=4,
+                                                 measure=measure, candidate_methods=lambda *a: [methods.Cublas(),
+                                                                                                other, *whole])
+        return [str(m) for m in choice.chosen.values()]
+
+    assert choose(0) == ["cublas", "cublas"]
+    assert choose(1) == [str(whole[1]), "cublas"]
+    assert choose(2) == [str(whole[1]), str(whole[1])]
+
+
 def test_layers_fed_by_a_norm_also_try_gemvs_that_fold_it_in_at_a_few_rows(selection, lc):
     """qkv and gate_up (norm_fed) get a folded twin of every GEMV but the one-accumulator-a-row loop
     up to FOLD_NORM_MAX_ROWS rows; the SwiGLU-fed down projection and the others never do. Where

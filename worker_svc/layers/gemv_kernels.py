@@ -167,17 +167,15 @@ def _tile_mask(rows_mask, k, k_end, offs_k, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
+def _fma_loop(x_ptrs, w_ptrs, w, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
-              PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               dtype: tl.constexpr, FP8_BITS: tl.constexpr, r_ptrs, nw_ptrs, rstd, NORM: tl.constexpr,
               NORM_RESIDUAL: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] float32 sums over this program's K range, on CUDA cores. The next weight
-    tile is loaded before the current one is used (two tiles in flight), and the first before
-    waiting for the previous kernel (PDL): weights never depend on it."""
-    w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k_begin, k_end, offs_k, EVEN_K), other=0.0)
-    if PDL:
-        gdc_wait()
+    """[BLOCK_M, BLOCK_N] float32 sums over this program's K range, on CUDA cores, from its first
+    weight tile `w` (at w_ptrs; the kernel loads it before waiting for the previous kernel: weights
+    never depend on it). The next weight tile is loaded before the current one is used (two tiles
+    in flight)."""
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
@@ -350,8 +348,14 @@ def _gemv_kernel(
     r_ptrs = res_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k_begin + offs_k)[None, :]
     nw_ptrs = nw_ptr + (k_begin + offs_k)[None, :] + 0 * offs_m[:, None]
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:   # the RMSNorm before this projection, folded in: each row's inverse RMS over the whole of K
+    FMA: tl.constexpr = not USE_DOT and not ROW_ACC
+    if FMA:   # its first weight tile before the wait (with one K tile a program: its whole slice, see
+        # whole_slice); then the previous kernel's end, then the activations
+        w_first = tl.load(w_ptrs, mask=_tile_mask(n_mask, k_begin, k_end, offs_k, EVEN_K), other=0.0)
         if PDL:
+            gdc_wait()
+    if NORM:   # the RMSNorm before this projection, folded in: each row's inverse RMS over the whole of K
+        if PDL and not FMA:
             gdc_wait()
         rstd = _rms_of_rows(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, K, k_begin, k_end, pid_n == 0,
                             stride_xm, eps, NORM_RESIDUAL, BLOCK_M, BLOCK_K, dtype)
@@ -368,8 +372,8 @@ def _gemv_kernel(
                              k_end, K, GROUP_K, FP8, SILU_MUL, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, dtype,
                              FP8_BITS)
     else:
-        acc = _fma_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
-                        SILU_MUL, EVEN_K, LOOP_PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd,
+        acc = _fma_loop(x_ptrs, w_ptrs, w_first, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K,
+                        FP8, SILU_MUL, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd,
                         NORM, NORM_RESIDUAL)
 
     if PDL and LATE_TRIGGER:   # the loop is done: the next kernel may launch (its wait still waits for our end)
@@ -437,6 +441,15 @@ def split_counters(device: torch.device) -> torch.Tensor:
                                "(run the layer once eagerly first)")
         counters = _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return counters
+
+
+def whole_slice(config: GemvConfig, width: int) -> bool:
+    """Whether each program of this launch reads its whole slice of a width-column weight before its
+    PDL wait: the FMA loop (early trigger) with one K tile a program, loaded ahead of the wait. Its weights
+    then stream while the kernels before it in the decode layer's chain run, and after the wait it only
+    reads its activations and sums (PERF_NOTES v46)."""
+    return (config.pdl and not config.late_trigger and not config.use_dot and not config.row_acc
+            and split_slices(triton.cdiv(width, config.block_k), config.split_k)[0] == 1)
 
 
 def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tuple[int, int] | None = None,

@@ -62,6 +62,13 @@ FOLD_NORM_MAX_ROWS = 4
 # as a tiled GEMM, (block_m, block_n, block_k, num_warps, num_stages), against cuBLAS.
 TILED_MAX_ROWS = 512
 TILED_TILES = ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3))
+# Up to WHOLE_SLICE_MAX_ROWS rows, with PDL: FMA tiles whose programs each take one K tile, their whole
+# slice of the weight, loaded before the PDL wait (gemv_kernels.whole_slice): (block_n, num_warps), the K
+# tile as long as WHOLE_SLICE_WARP_ELEMENTS accumulator elements a warp allow (64 float32 a thread), and half
+# that; K split into as many slices as that takes.
+WHOLE_SLICE_TILES = ((4, 4), (8, 4), (16, 8))
+WHOLE_SLICE_WARP_ELEMENTS = 2048
+WHOLE_SLICE_MAX_ROWS = 4
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 
@@ -162,6 +169,23 @@ def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = Tru
     return configs
 
 
+def whole_slice_configs(rows: int, width: int, pdl: bool) -> list[GemvConfig]:
+    """The GEMV launches whose programs read their whole weight slice before the PDL wait (none
+    without PDL, or past WHOLE_SLICE_MAX_ROWS rows)."""
+    if not pdl or rows > WHOLE_SLICE_MAX_ROWS:
+        return []
+    block_m = 1 << max(0, (rows - 1).bit_length())
+    configs = []
+    for block_n, warps in WHOLE_SLICE_TILES:
+        longest = WHOLE_SLICE_WARP_ELEMENTS * warps // (block_m * block_n)
+        for block_k in sorted({min(1 << max(0, (width - 1).bit_length()), longest), longest // 2}, reverse=True):
+            split = math.ceil(width / block_k)
+            if block_k >= MIN_FMA_BLOCK_K and split <= MAX_SPLIT:
+                configs.append(GemvConfig(block_m, block_n, block_k, split_k=split, num_warps=warps, num_stages=1,
+                                          pdl=True))
+    return configs
+
+
 def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int, pdl: bool = True) -> list[Method]:
     """The methods measured at this row count, the default first."""
     if operands.fp8:
@@ -191,6 +215,7 @@ def candidates(operands: LinearOperands, rows: int, dtype: torch.dtype, sms: int
         methods = [Cublas()]
     if rows <= GEMV_MAX_ROWS:
         configs = gemv_configs(rows, *operands.weight.shape, sms, pdl, operands.fp8)
+        configs += [c for c in whole_slice_configs(rows, operands.weight.shape[1], pdl) if c not in configs]
         methods += [Gemv(config) for config in configs]
         if rows <= FOLD_NORM_MAX_ROWS and operands.norm_fed and fused_kernels.ENABLED:
             # the RMSNorm before the layer computed in the GEMV (its launch gone; Gemv.supports says where)

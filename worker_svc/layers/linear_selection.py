@@ -37,11 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.layers import fp8_kernels, fused_kernels
-from worker_svc.layers.gemv_kernels import FoldedNorm
+from worker_svc.layers.gemv_kernels import FoldedNorm, whole_slice
 from worker_svc.layers.pdl_launch import pdl_in_graphs
 from worker_svc.layers.layernorm import rms_norm
 from worker_svc.layers.linear_candidates import candidates
-from worker_svc.layers.linear_methods import Fp8Cublas, Fp8Gemm, LinearOperands, LinearPlan, Method, NormedInput, Runner
+from worker_svc.layers.linear_methods import (Fp8Cublas, Fp8Gemm, Gemv, LinearOperands, LinearPlan, Method, NormedInput,
+                                              Runner)
 from worker_svc.layers.triton_compile import compile_ahead
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,11 @@ DEQUANTIZED_MARGIN = 0.9
 # (4 mantissa bits) below the second.
 TOLERANCE, ACTIVATION_QUANT_TOLERANCE = 0.02, 0.1
 REFERENCE_COLUMNS = 4096        # output columns the check compares
+# Up to this many rows (0: none) a kind runs the fastest of its GEMVs that read their whole weight slice
+# before their PDL wait (gemv_kernels.whole_slice), where it has any: those are for the window the kernels
+# before them in the decode layer's chain leave the memory idle (attention, the norms), which this
+# back-to-back timing of one kind does not contain; the decode step's A/B says (PERF_NOTES v46).
+WHOLE_SLICE_ROWS = int(os.environ.get("WORKER_GEMV_WHOLE_SLICE_ROWS", "0"))
 CHECK_NORM_EPS = 1e-6           # the RMSNorm's epsilon where a folded norm is checked and timed
 
 
@@ -283,7 +289,7 @@ def choose_methods(label: str, operands: Sequence[LinearOperands], dtype: torch.
             if math.isfinite(elapsed):
                 times[str(twin)], methods[str(twin)] = elapsed, twin
         choice.times[rows] = times
-        choice.chosen[rows] = methods[_fastest(times, methods)]
+        choice.chosen[rows] = methods[_fastest(_preferred(times, methods, rows, operands[0]), methods)]
         unbounded = {n: (m, times[n]) for n, m in methods.items() if m.max_rows is None and n in times}
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -312,6 +318,18 @@ def _time_method(method: Method, label: str, rows: int, x: torch.Tensor, operand
         return math.inf
     finally:
         del runners
+
+
+def _preferred(times: dict[str, float], methods: dict[str, Method], rows: int,
+               operands: LinearOperands) -> dict[str, float]:
+    """The times the choice is made among: up to WHOLE_SLICE_ROWS rows those of the whole-slice GEMVs
+    where any ran, else all of them."""
+    if rows <= WHOLE_SLICE_ROWS:
+        whole = {name: t for name, t in times.items()
+                 if isinstance(methods[name], Gemv) and whole_slice(methods[name].config, operands.weight.shape[1])}
+        if whole:
+            return whole
+    return times
 
 
 def _fastest(times: dict[str, float], methods: dict[str, Method]) -> str:
