@@ -45,8 +45,9 @@
 #   hfservice the service (STAGES, default bandwidth,service) with WORKER_ATTENTION_HEADS_FIRST=0 and 1 (v44)
 #   pdlchain  the decode layer's kernels as one PDL chain (WORKER_PDL_CHAIN, PERF_NOTES v45) off and on, one machine:
 #             Qwen3-0.6B pipelined decode at CASES (default 1/4/16/64/256 x 1024), then (PDL8=1) Qwen3-8B FP8 at one row
-#   wholeslice  GEMVs that read their whole weight slice before the PDL wait (WORKER_GEMV_WHOLE_SLICE_ROWS, v46)
-#             off and on, one machine: Qwen3-0.6B decode at CASES (default 1/2/4/16 x 1024); WS_PROF=1 adds prof06
+#   wholeslice  GEMVs that read their whole weight slice before the PDL wait (WORKER_GEMV_WHOLE_SLICE_ROWS) and
+#             attention reading early (WORKER_ATTENTION_EARLY_READS), v46, off and on, one machine: Qwen3-0.6B decode at
+#             CASES (default 1/2/4/16 x 1024), pairs WS_ORDER (rows:early); WS_PROF=1 adds prof06 with both on
 #   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
@@ -308,22 +309,24 @@ PY
             done
         fi
         ;;
-    wholeslice)   # GEMVs reading their whole weight slice before the PDL wait up to 4 rows (v46), off and on:
-                  # Qwen3-0.6B decode at CASES, the one-row choices, then (WS_PROF=1) prof06 with it on
+    wholeslice)   # GEMVs reading their whole weight slice before the PDL wait up to 4 rows, and attention reading
+                  # early (v46), each off and on: Qwen3-0.6B decode at CASES, the one-row choices; WS_PROF=1: prof06
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
-        for n in ${WS_ORDER:-0 4}; do
-            mkdir -p "/tmp/ws-$n" && cp "$BENCH/bandwidth.json" "/tmp/ws-$n/" 2>/dev/null
-            WORKER_GEMV_WHOLE_SLICE_ROWS=$n timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/ws-$n" \
-                --model "$BENCH/model" --stages decode --decode-cases ${CASES:-1x1024,2x1024,4x1024,16x1024} \
-                --decode-measured-steps 60 2>&1 | grep -v "^ *$" | tail -${LINES_OUT:-8} | sed "s/^/whole=$n: /"
-            grep -rhao "linear [a-z_]* .*ms per call by rows: 1: [^;]*; 2: [^;]*; 4: [^;]*" "/tmp/ws-$n" | head -6 \
-                | sed "s/^/whole=$n: /"
-            cp "/tmp/ws-$n/decode.json" "$OUT/decode-ws$n.json" 2>/dev/null
+        for pair in ${WS_ORDER:-0:0 4:0 0:1 4:1}; do
+            n=${pair%:*} e=${pair#*:}
+            mkdir -p "/tmp/ws-$n-$e" && cp "$BENCH/bandwidth.json" "/tmp/ws-$n-$e/" 2>/dev/null
+            WORKER_GEMV_WHOLE_SLICE_ROWS=$n WORKER_ATTENTION_EARLY_READS=$e timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench \
+                --out "/tmp/ws-$n-$e" --model "$BENCH/model" --stages decode \
+                --decode-cases ${CASES:-1x1024,2x1024,4x1024,16x1024} --decode-measured-steps 60 2>&1 \
+                | grep -v "^ *$" | tail -${LINES_OUT:-6} | sed "s/^/whole=$n early=$e: /"
+            [[ $e == 0 ]] && grep -rhao "linear [a-z_]* .*ms per call by rows: 1: [^;]*; 2: [^;]*; 4: [^;]*" \
+                "/tmp/ws-$n-$e" | head -6 | sed "s/^/whole=$n: /"
+            cp "/tmp/ws-$n-$e/decode.json" "$OUT/decode-ws$n-$e.json" 2>/dev/null
         done
         if [[ -n ${WS_PROF:-} ]]; then
-            WORKER_GEMV_WHOLE_SLICE_ROWS=4 PROFILE_LINES=30 profile_table prof-ws ${TIMEOUT:-200} \
-                "--model $BENCH/model --profile-batches 1 --profile-context 1024"
+            WORKER_GEMV_WHOLE_SLICE_ROWS=4 WORKER_ATTENTION_EARLY_READS=1 PROFILE_LINES=30 profile_table prof-ws \
+                ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"
         fi
         ;;
     pdlservice)   # the service with the decode layer's PDL chain off and on (v45), one machine

@@ -280,6 +280,12 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
                     seq_lens=static["seq_lens"][:rows], block_tables=static["block_tables"][:rows],
                     max_query_len=1, max_seq_len=40960, query_lens_cpu=[1] * rows, seq_lens_cpu=[40960] * rows)
                 model_path((q[:rows], None, None, k_cache, v_cache, meta))
+                early = tk.ATTENTION_EARLY_READS   # (WORKER_ATTENTION_EARLY_READS: PERF_NOTES v46)
+                tk.ATTENTION_EARLY_READS = True
+                try:
+                    model_path((q[:rows], None, None, k_cache, v_cache, meta))
+                finally:
+                    tk.ATTENTION_EARLY_READS = early
             # Prefill: a fresh prompt, a chunk over a cached prefix; mixed steps: a prompt chunk beside
             # rows - 1 decodes (an FP8 cache sends those to the decode kernel: MIXED_DECODES_APART_FP8).
             for seed, requests in enumerate(([(0, 256)], [(2000, 512)], [(0, 7)], [(300, 17), (0, 64)])):

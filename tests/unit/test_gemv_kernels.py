@@ -10,6 +10,8 @@ values in float64: the same bounds.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -322,19 +324,26 @@ def test_the_chain_kernels_launch_plainly_without_a_hopper_or_with_the_chain_off
 
 
 @requires_cuda
-@pytest.mark.parametrize("rows", [1, 8])
-def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, pdl_launch, rows, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("mode", ["chain", "whole-slice", "early-attention"])
+def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, pdl_launch, rows, mode, monkeypatch):
     """Every kernel of a decode layer launched with PDL (pdl_launch.pdl_waits: the norms, the q/k
     norm + RoPE + store, attention, SwiGLU, as the GEMVs are), each waiting for the one before it:
     captured in a graph and replayed on new inputs, the layer equals its kernels launched plainly
-    (WORKER_PDL_CHAIN=0, GEMVs without PDL), bit for bit, its KV cache's new rows included."""
+    (WORKER_PDL_CHAIN=0, GEMVs without PDL), bit for bit, its KV cache's new rows included. Also with
+    GEMVs that read their whole weight slice before the wait (whole_slice_configs), and with attention
+    reading its metadata and older keys before it (triton_kernels.early_reads: the new key after)."""
     gemv_kernels, fused_kernels = kernels
     from worker_svc.layers.attention import qkv_store, triton_kernels
     from worker_svc.layers.attention.selection import AttentionShape, synthetic_step
+    from worker_svc.layers.linear_candidates import whole_slice_configs
 
     device = torch.device("cuda", torch.cuda.current_device())
     if not (pdl_launch.pdl_triggers(device) and pdl_launch.pdl_in_graphs(device)):
         pytest.skip("programmatic dependent launch does not replay in graphs here")
+    if mode == "whole-slice" and not whole_slice_configs(rows, 1024, pdl=True):
+        pytest.skip("no whole-slice GEMVs at this many rows")
+    monkeypatch.setattr(triton_kernels, "ATTENTION_EARLY_READS", mode == "early-attention")
     shape = AttentionShape(16, 8, 128, torch.bfloat16, 16, max_num_seqs=64, max_num_batched_tokens=1024,
                            max_model_len=4096)
     _, _, _, k_cache, v_cache, meta = synthetic_step([(300, 1)] * rows, shape, device, pool_blocks=64, seed=rows)
@@ -349,22 +358,29 @@ def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, pdl_
     cos_sin = torch.randn(rows, 128, generator=g).to(device)
     new_slots = meta.slot_mapping.long()
 
-    def layer(cfg):
-        monkeypatch.setattr(pdl_launch, "PDL_CHAIN", cfg.pdl)
-        assert pdl_launch.pdl_waits(device) == cfg.pdl
+    block_m = 1 << (rows - 1).bit_length()
+
+    def cfg(width, pdl):
+        if mode == "whole-slice":
+            return dataclasses.replace(whole_slice_configs(rows, width, pdl=True)[0], pdl=pdl)
+        return config(kernels, block_m, 8, 512 // block_m, pdl=pdl)
+
+    def layer(pdl):
+        monkeypatch.setattr(pdl_launch, "PDL_CHAIN", pdl)
+        assert pdl_launch.pdl_waits(device) == pdl
         h, res = fused_kernels.rms_norm(x, norms[0], 1e-6, residual)
-        q = qkv_store.qk_norm_rope_store(gemv_kernels.gemv(h, w_qkv, cfg), norms[2], norms[3], 1e-6, 1e-6, cos_sin,
-                                         16, 8, k_cache, v_cache, meta.slot_mapping)
+        q = qkv_store.qk_norm_rope_store(gemv_kernels.gemv(h, w_qkv, cfg(1024, pdl)), norms[2], norms[3], 1e-6, 1e-6,
+                                         cos_sin, 16, 8, k_cache, v_cache, meta.slot_mapping)
         attended = triton_kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                                   meta.block_tables, 128 ** -0.5, pure_decode=True)
-        h, res = fused_kernels.rms_norm(gemv_kernels.gemv(attended.reshape(rows, -1), w_o, cfg), norms[1], 1e-6, res)
-        down = gemv_kernels.gemv(fused_kernels.silu_and_mul(gemv_kernels.gemv(h, w_gate_up, cfg)), w_down, cfg)
+        h, res = fused_kernels.rms_norm(gemv_kernels.gemv(attended.reshape(rows, -1), w_o, cfg(2048, pdl)), norms[1],
+                                        1e-6, res)
+        gate_up = gemv_kernels.gemv(h, w_gate_up, cfg(1024, pdl))
+        down = gemv_kernels.gemv(fused_kernels.silu_and_mul(gate_up), w_down, cfg(3072, pdl))
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         return down, res, flat_k[new_slots].clone()
 
-    block_m = 1 << (rows - 1).bit_length()
-    pdl, plain = (config(kernels, block_m, 8, 512 // block_m, pdl=on) for on in (True, False))
-    assert_graph_replays_as_plain(layer, pdl, plain, x, residual)
+    assert_graph_replays_as_plain(layer, True, False, x, residual)
 
 
 @pytest.mark.parametrize("tiles,rows,bias,dtype", CASES, ids=lambda v: "m{}n{}k{}s{}".format(*v)
