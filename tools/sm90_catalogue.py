@@ -149,7 +149,7 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                                           norm=norm)
             # the launches that read their whole weight slice before the PDL wait (PERF_NOTES v46), at the
             # widths of Qwen3-0.6B's and Qwen3-8B's projections: plain, SwiGLU's, the norm folded, FP8 weights
-            for rows in (1, 2, 4):
+            for rows in (1,):
                 for width in (1024, 3072, 4096):
                     w = torch.randn(1024, width, dtype=bf16)
                     x = torch.randn(rows, width, dtype=bf16)
@@ -280,12 +280,6 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
                     seq_lens=static["seq_lens"][:rows], block_tables=static["block_tables"][:rows],
                     max_query_len=1, max_seq_len=40960, query_lens_cpu=[1] * rows, seq_lens_cpu=[40960] * rows)
                 model_path((q[:rows], None, None, k_cache, v_cache, meta))
-                early = tk.ATTENTION_EARLY_READS   # (WORKER_ATTENTION_EARLY_READS: PERF_NOTES v46)
-                tk.ATTENTION_EARLY_READS = True
-                try:
-                    model_path((q[:rows], None, None, k_cache, v_cache, meta))
-                finally:
-                    tk.ATTENTION_EARLY_READS = early
             # Prefill: a fresh prompt, a chunk over a cached prefix; mixed steps: a prompt chunk beside
             # rows - 1 decodes (an FP8 cache sends those to the decode kernel: MIXED_DECODES_APART_FP8).
             for seed, requests in enumerate(([(0, 256)], [(2000, 512)], [(0, 7)], [(300, 17), (0, 64)])):

@@ -30,7 +30,9 @@ def selection():
     pytest.importorskip("triton", reason="triton is not installed")
     from worker_svc.layers import linear_methods, linear_selection
 
-    with gpu_faithful():
+    # the injected timings decide alone (the whole-slice preference has its own test)
+    with gpu_faithful(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear_selection, "WHOLE_SLICE_ROWS", 0)
         yield linear_selection, linear_methods
 
 

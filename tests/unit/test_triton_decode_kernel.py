@@ -159,41 +159,6 @@ def test_a_launch_with_its_kv_heads_first_computes_the_same_bytes(kernel, fp8, n
         assert torch.equal(outs[0], outs[1]), f"seed {seed}"
 
 
-@pytest.mark.parametrize("kernel,fp8,num_splits,kv_tile", [
-    ("gqa", True, 1, 16), ("gqa", True, 4, 16), ("gqa", True, 1, 64), ("gqa-fma", False, 2, 16),
-    ("tiles", True, 1, 16), ("tiles", False, 2, 16), ("tiles", False, 1, 64)])
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge-in-last-split", "merge-kernel"])
-def test_a_pure_decode_launch_reading_early_computes_the_same_bytes(kernel, fp8, num_splits, kv_tile, fused_merge,
-                                                                    monkeypatch):
-    """triton_kernels.early_reads (WORKER_ATTENTION_EARLY_READS): a pure-decode launch's metadata and first
-    K/V tile read before its PDL wait, the step's own key after it, computes what the plain launch does,
-    bit for bit, whether that key lies in a program's first tile (64-key tiles) or a later one, split or
-    not; an ordered launch (decode_order) and a mixed batch never read early."""
-    k = kernels()
-    seed = draw_seed()
-    case, scales, _ = stored_fp8_case(seed, "decode", torch.float32, group=2)
-    m = case.meta
-    k_cache, v_cache = case.k_cache, case.v_cache
-    if not fp8:
-        k_cache, v_cache = dequantized_caches(k_cache, v_cache, scales)
-        scales = None
-    launch = k.LaunchConfig(tile_rows=16, kv_tile=kv_tile, num_warps=1 if kernel == "gqa" else 4, num_stages=1,
-                            kernel=kernel)
-    outs = []
-    for early in (False, True):
-        monkeypatch.setattr(k, "ATTENTION_EARLY_READS", early)
-        outs.append(k.paged_attention(case.q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
-                                      case.scale, pure_decode=True, num_splits=num_splits, kv_scales=scales,
-                                      launch=launch, fused_merge=fused_merge))
-    assert torch.equal(outs[0], outs[1]), f"seed {seed}"
-    step = k._Step(case.q, k_cache, v_cache, outs[0], m.query_start_loc, m.seq_lens, m.block_tables, case.scale,
-                   None)
-    assert k.early_reads(step, pure_decode=True) and not k.early_reads(step, pure_decode=False)
-    assert not k.early_reads(dataclasses.replace(step, order=longest_first_order(m.seq_lens)), pure_decode=True)
-    monkeypatch.setattr(k, "ATTENTION_EARLY_READS", False)
-    assert not k.early_reads(step, pure_decode=True)
-
-
 def test_the_decode_tables_launch_kv_heads_first_unless_turned_off(monkeypatch):
     k = kernels()
     for fp8 in (False, True):

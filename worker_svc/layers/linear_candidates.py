@@ -68,7 +68,7 @@ TILED_TILES = ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (12
 # that; K split into as many slices as that takes.
 WHOLE_SLICE_TILES = ((4, 4), (8, 4), (16, 8))
 WHOLE_SLICE_WARP_ELEMENTS = 2048
-WHOLE_SLICE_MAX_ROWS = 4
+WHOLE_SLICE_MAX_ROWS = 1   # (at 2 and 4 rows they lost to every other loop on an H100: PERF_NOTES v46)
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 

@@ -57,11 +57,16 @@ DEQUANTIZED_MARGIN = 0.9
 # (4 mantissa bits) below the second.
 TOLERANCE, ACTIVATION_QUANT_TOLERANCE = 0.02, 0.1
 REFERENCE_COLUMNS = 4096        # output columns the check compares
-# Up to this many rows (0: none) a kind runs the fastest of its GEMVs that read their whole weight slice
-# before their PDL wait (gemv_kernels.whole_slice), where it has any: those are for the window the kernels
-# before them in the decode layer's chain leave the memory idle (attention, the norms), which this
-# back-to-back timing of one kind does not contain; the decode step's A/B says (PERF_NOTES v46).
-WHOLE_SLICE_ROWS = int(os.environ.get("WORKER_GEMV_WHOLE_SLICE_ROWS", "0"))
+# Up to this many rows (0: none) a kind whose weight is at most WHOLE_SLICE_MAX_BYTES runs the fastest of its
+# GEMVs that read their whole weight slice before their PDL wait (gemv_kernels.whole_slice), where it has any:
+# those are for the window the kernels before them in the decode layer's chain leave the memory idle
+# (attention, the norms), which this back-to-back timing of one kind does not contain. On an H100 (PERF_NOTES
+# v46) Qwen3-0.6B's one-row decode step took 1.15 -> 1.08 ms of device time with them; at 2 and 4 rows 1.30 ->
+# 1.45 and 1.42 -> 2.89 (there they run one row of programs per weight row and lose to every other loop).
+WHOLE_SLICE_ROWS = int(os.environ.get("WORKER_GEMV_WHOLE_SLICE_ROWS", "1"))
+# A weight whose programs cannot all hold their slices at once (the register file: 33 MB on an H100) gains
+# nothing from reading them early (the LM head, 311 MB, lost 7%).
+WHOLE_SLICE_MAX_BYTES = 32 << 20
 CHECK_NORM_EPS = 1e-6           # the RMSNorm's epsilon where a folded norm is checked and timed
 
 
@@ -322,9 +327,10 @@ def _time_method(method: Method, label: str, rows: int, x: torch.Tensor, operand
 
 def _preferred(times: dict[str, float], methods: dict[str, Method], rows: int,
                operands: LinearOperands) -> dict[str, float]:
-    """The times the choice is made among: up to WHOLE_SLICE_ROWS rows those of the whole-slice GEMVs
-    where any ran, else all of them."""
-    if rows <= WHOLE_SLICE_ROWS:
+    """The times the choice is made among: up to WHOLE_SLICE_ROWS rows, for weights of at most
+    WHOLE_SLICE_MAX_BYTES, those of the whole-slice GEMVs where any ran; else all of them."""
+    weight = operands.weight
+    if rows <= WHOLE_SLICE_ROWS and weight.numel() * weight.element_size() <= WHOLE_SLICE_MAX_BYTES:
         whole = {name: t for name, t in times.items()
                  if isinstance(methods[name], Gemv) and whole_slice(methods[name].config, operands.weight.shape[1])}
         if whole:

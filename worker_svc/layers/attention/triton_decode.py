@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _write_result
 from worker_svc.layers.pdl_launch import pdl_start
@@ -84,35 +83,6 @@ def _values_t(v, p_t, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     return o_t
 
 
-@triton.jit
-def _load_q_t(q_ptrs, q_mask, USE_DOT: tl.constexpr, DOT_F16: tl.constexpr):
-    """Q^T [DIM_PAD, COLS] of the group's heads, in the products' type."""
-    q_t = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    if not USE_DOT:  # CUDA-core products in float32
-        q_t = q_t.to(tl.float32)
-    elif DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
-        q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
-    return q_t
-
-
-@triton.jit
-def _early_kv(k_cache_ptr, v_cache_ptr, kv_offset, kv_mask, kv_pos, new_pos, dims, WAIT: tl.constexpr):
-    """K and V of a pure-decode tile (as stored; keys past it zeros) with its keys before new_pos read
-    before the PDL wait (WAIT) and the step's own key, new_pos, which the kernel before stores, after it.
-    Safe because in a pure-decode step nothing else writes a request's cache rows: its older keys and its
-    block table were written before the forward's first kernel, launched plainly (PERF_NOTES v46)."""
-    old = kv_mask & (kv_pos < new_pos)[:, None]
-    new = kv_mask & (kv_pos >= new_pos)[:, None]
-    offsets = kv_offset[:, None] + dims[None, :]
-    k = tl.load(k_cache_ptr + offsets, mask=old, other=0.0)
-    v = tl.load(v_cache_ptr + offsets, mask=old, other=0.0)
-    if WAIT:
-        gdc_wait()
-    k = tl.where(new, tl.load(k_cache_ptr + offsets, mask=new, other=0.0), k)
-    v = tl.where(new, tl.load(v_cache_ptr + offsets, mask=new, other=0.0), v)
-    return k, v
-
-
 # Not specialised (Triton would compile a variant for 1, for multiples of 16 and for the rest): both
 # change from step to step, and a variant first met mid-serving stalls the batch (PERF_NOTES v27).
 @triton.jit(do_not_specialize=["num_requests", "stride_bt"])
@@ -128,13 +98,11 @@ def _paged_decode_kernel(
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_DOT: tl.constexpr, TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    WAIT: tl.constexpr, EARLY: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     # TRIGGER: the o projection after it may launch now (pdl_launch.pdl_triggers); WAIT: launched
-    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_launch.pdl_waits);
-    # EARLY (pure decode, unordered: triton_kernels.early_reads): its context's length, block table and
-    # first K/V tile but the step's own key are read before that wait, the rest after it
-    pdl_start(TRIGGER, WAIT and not EARLY)
+    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_launch.pdl_waits)
+    pdl_start(TRIGGER, WAIT)
     request, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
     if PURE_DECODE:
@@ -152,18 +120,18 @@ def _paged_decode_kernel(
     head = kv_head * GROUP + cols
     dims = tl.arange(0, DIM_PAD)
     dim_valid = dims < HEAD_DIM
-    q_ptrs = q_ptr + token * stride_qt + head[None, :] * stride_qh + dims[:, None]
-    q_mask = dim_valid[:, None] & col_valid[None, :]
+    q_t = tl.load(q_ptr + token * stride_qt + head[None, :] * stride_qh + dims[:, None],
+                  mask=dim_valid[:, None] & col_valid[None, :], other=0.0)   # [DIM_PAD, COLS]
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    if not EARLY:
-        q_t = _load_q_t(q_ptrs, q_mask, USE_DOT, DOT_F16)
+    if not USE_DOT:  # CUDA-core products in float32
+        q_t = q_t.to(tl.float32)
+    elif DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
+        q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     kv_per_split = tl.cdiv(tl.cdiv(seq_len, KV_TILE), NUM_SPLITS) * KV_TILE
     active = _active_splits(seq_len, kv_per_split, NUM_SPLITS, FUSED_MERGE)
     if split >= active:   # no keys in this split's slice, and nothing of it to merge
-        if EARLY and WAIT:   # (every program waits: the chain's order)
-            gdc_wait()
         return
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(seq_len, kv_lo + kv_per_split)
@@ -172,16 +140,8 @@ def _paged_decode_kernel(
     l_i = tl.zeros([COLS], tl.float32)
     acc_t = tl.zeros([DIM_PAD, COLS], tl.float32)
     block_table = block_tables_ptr + request.to(tl.int64) * stride_bt
-    if EARLY:   # the first tile's keys before the step's own (the last, which the kernel before this one
-        # stores) read before the wait; that key, and q, after it
-        _, _, kv_offset, kv_mask = _kv_tile(block_table, kv_lo, kv_hi, kv_head, dim_valid, stride_cb, stride_cs,
-                                            stride_ch, BLOCK_SIZE, KV_TILE)
-        kv_pos = kv_lo + tl.arange(0, KV_TILE)
-        k_next, v_next = _early_kv(k_cache_ptr, v_cache_ptr, kv_offset, kv_mask, kv_pos, seq_len - 1, dims, WAIT)
-        q_t = _load_q_t(q_ptrs, q_mask, USE_DOT, DOT_F16)
-    else:
-        k_next, v_next = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_lo, kv_hi, kv_head, dims, dim_valid,
-                                       stride_cb, stride_cs, stride_ch, BLOCK_SIZE, KV_TILE)
+    k_next, v_next = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, kv_lo, kv_hi, kv_head, dims, dim_valid,
+                                   stride_cb, stride_cs, stride_ch, BLOCK_SIZE, KV_TILE)
     k = k_next.to(q_t.dtype)
     v = v_next.to(q_t.dtype)
     for kv_start in range(kv_lo, kv_hi, KV_TILE):

@@ -37,12 +37,11 @@ from typing import Callable
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from worker_svc.layers import pdl_launch
 from worker_svc.layers.attention import base as attention_base
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
-from worker_svc.layers.attention.triton_decode import F16_MAX, _early_kv, _grid_ids, _kv_tile, _paged_decode_kernel
+from worker_svc.layers.attention.triton_decode import F16_MAX, _grid_ids, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _merge_splits_kernel, _write_result
 from worker_svc.layers.pdl_launch import pdl_start
 
@@ -81,12 +80,6 @@ DECODE_LAUNCHES_FP8_GQA = ((1, LaunchConfig(tile_rows=16, kv_tile=32, num_warps=
 # bf16 0.4145 -> 0.3988 ms, FP8 0.3023 -> 0.2363; the service 76.4% -> 79.0% of its floor, with an FP8
 # cache 1.37x the bf16 cache's (was 1.26x). WORKER_ATTENTION_HEADS_FIRST=0 turns it off.
 DECODE_HEADS_FIRST = os.environ.get("WORKER_ATTENTION_HEADS_FIRST", "1") != "0"
-# Pure-decode launches read their metadata and first K/V tile before their PDL wait (early_reads,
-# PERF_NOTES v46); WORKER_ATTENTION_EARLY_READS=1 turns it on (off until measured).
-ATTENTION_EARLY_READS = os.environ.get("WORKER_ATTENTION_EARLY_READS", "0") != "0"
-# Past this many requests a launch is long against the reads it would move (and the FP8 table's one-warp
-# programs, already at 255 registers, would spill).
-EARLY_READS_MAX_REQUESTS = 16
 PREFILL_LAUNCH = LaunchConfig(tile_rows=64, kv_tile=64, num_warps=4, num_stages=3)
 PREFILL_LAUNCH_FP8 = LaunchConfig(tile_rows=64, kv_tile=128, num_warps=4, num_stages=3)
 # In a batch mixing prefill chunks with decodes, the one-token requests go to the decode launch
@@ -165,15 +158,6 @@ def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr
     return lo
 
 
-@triton.jit
-def _load_q(q_ptrs, q_mask, DOT_F16: tl.constexpr):
-    """The query tile, for the dot (float16 where the cache is FP8: DOT_F16)."""
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    if DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
-    return q
-
-
 # Not specialised (Triton would compile a variant for 1, for multiples of 16 and for the rest): both
 # change from step to step, and a variant first met mid-serving stalls the batch (PERF_NOTES v27).
 @triton.jit(do_not_specialize=["num_requests", "stride_bt"])
@@ -190,13 +174,10 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_DECODES: tl.constexpr,
     TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr, WAIT: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
     # TRIGGER: the o projection after it may launch now (pdl_launch.pdl_triggers); WAIT: launched
-    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_launch.pdl_waits);
-    # EARLY (pure decode, unordered: early_reads): its context's length, block table and first K/V tile
-    # but the step's own key are read before that wait, the rest after it
-    pdl_start(TRIGGER, WAIT and not EARLY)
+    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_launch.pdl_waits)
+    pdl_start(TRIGGER, WAIT)
     tile, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
 
@@ -230,20 +211,18 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
 
     token = (q_start + q_index).to(tl.int64)
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    if not EARLY:
-        q = _load_q(q_ptrs, q_mask, DOT_F16)
+    if DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     # Keys this tile needs: up to the position of its last query token; then this split's slice.
     kv_end = tl.minimum(context_len + (q_tile + 1) * BLOCK_Q, seq_len)
     kv_per_split = tl.cdiv(tl.cdiv(kv_end, KV_TILE), NUM_SPLITS) * KV_TILE
     active = _active_splits(kv_end, kv_per_split, NUM_SPLITS, FUSED_MERGE)
     if split >= active:   # no keys in this split's slice, and nothing of it to merge
-        if EARLY and WAIT:   # (every program waits: the chain's order)
-            gdc_wait()
         return
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
@@ -253,24 +232,7 @@ def _paged_attention_kernel(
     l_i = tl.zeros([TILE_ROWS], tl.float32)
     acc = tl.zeros([TILE_ROWS, DIM_PAD], tl.float32)
     block_table = block_tables_ptr + request.to(tl.int64) * stride_bt
-    loop_start = kv_lo
-    if EARLY:   # the first tile's keys before the step's own (key context_len, which the kernel before
-        # this one stores) are read before the wait; that key, and q, after it
-        kv_pos, kv_valid, kv_offset, kv_mask = _kv_tile(block_table, kv_lo, kv_hi, kv_head, dim_valid, stride_cb,
-                                                        stride_cs, stride_ch, BLOCK_SIZE, KV_TILE)
-        k, v = _early_kv(k_cache_ptr, v_cache_ptr, kv_offset, kv_mask, kv_pos, context_len, dims, WAIT)
-        q = _load_q(q_ptrs, q_mask, DOT_F16)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        visible = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
-        loop_start = kv_lo + KV_TILE
-    for kv_start in range(loop_start, kv_hi, KV_TILE):
+    for kv_start in range(kv_lo, kv_hi, KV_TILE):
         kv_pos, kv_valid, kv_offset, kv_mask = _kv_tile(block_table, kv_start, kv_hi, kv_head, dim_valid, stride_cb,
                                                         stride_cs, stride_ch, BLOCK_SIZE, KV_TILE)
         k = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
@@ -524,7 +486,7 @@ def _launch_decodes(step: _Step, launch: LaunchConfig, num_splits: int | None, f
         COLS=max(MIN_DECODE_COLS if use_dot else 1, constants["GROUP_PAD"]), KV_TILE=launch.kv_tile,
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge, MERGE_CHUNK=_merge_chunk(step, num_splits),
-        ORDERED=step.order is not None, **_pdl(step, num_splits, fused_merge), EARLY=early_reads(step, pure_decode),
+        ORDERED=step.order is not None, **_pdl(step, num_splits, fused_merge),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=not pure_decode)
@@ -553,7 +515,6 @@ def _launch_tiles(step: _Step, launch: LaunchConfig, num_splits: int, fused_merg
         NUM_SPLITS=num_splits, PURE_DECODE=pure_decode, FUSED_MERGE=fused_merge,
         MERGE_CHUNK=_merge_chunk(step, num_splits), SKIP_DECODES=skip_decodes,
         ORDERED=pure_decode and step.order is not None, HEADS_FIRST=heads_first, **_pdl(step, num_splits, fused_merge),
-        EARLY=early_reads(step, pure_decode),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _merge_apart(step, buffers, num_splits, fused_merge, one_token_requests=False)
@@ -575,18 +536,6 @@ def _grid(num_tiles: int, num_kv_heads: int, num_splits: int, heads_first: bool)
     if heads_first:
         return num_kv_heads, num_tiles, num_splits
     return num_tiles, num_kv_heads, num_splits
-
-
-def early_reads(step: _Step, pure_decode: bool) -> bool:
-    """Whether a launch reads its requests' context lengths, block tables and first K/V tiles (all but
-    the step's own key) before its PDL wait (the kernels' EARLY): in pure-decode steps of up to
-    EARLY_READS_MAX_REQUESTS requests whose programs are not handed out by an order computed in the
-    forward itself (decode_order), with ATTENTION_EARLY_READS.
-    There nothing the forward runs writes them: the q/k norm + RoPE + store before attention writes each
-    request's own new key only, and the step's metadata and older keys were written before the forward's
-    first kernel (the embedding's, launched plainly), which every PDL launch of the forward follows."""
-    return (ATTENTION_EARLY_READS and pure_decode and step.order is None
-            and step.num_requests <= EARLY_READS_MAX_REQUESTS)
 
 
 def _pdl(step: _Step, num_splits: int, fused_merge: bool) -> dict:
