@@ -313,7 +313,7 @@ PY
                   # early (v46), each off and on: Qwen3-0.6B decode at CASES, the one-row choices; WS_PROF=1: prof06
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
-        for pair in ${WS_ORDER:-0:0 4:0 0:1 4:1}; do
+        for pair in ${WS_ORDER:-0:0 1:0 1:0 0:0}; do
             n=${pair%:*} e=${pair#*:}
             mkdir -p "/tmp/ws-$n-$e" && cp "$BENCH/bandwidth.json" "/tmp/ws-$n-$e/" 2>/dev/null
             WORKER_GEMV_WHOLE_SLICE_ROWS=$n WORKER_ATTENTION_EARLY_READS=$e timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench \
@@ -325,7 +325,7 @@ PY
             cp "/tmp/ws-$n-$e/decode.json" "$OUT/decode-ws$n-$e.json" 2>/dev/null
         done
         if [[ -n ${WS_PROF:-} ]]; then
-            WORKER_GEMV_WHOLE_SLICE_ROWS=4 WORKER_ATTENTION_EARLY_READS=1 PROFILE_LINES=30 profile_table prof-ws \
+            WORKER_GEMV_WHOLE_SLICE_ROWS=1 PROFILE_LINES=30 profile_table prof-ws \
                 ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"
         fi
         ;;
