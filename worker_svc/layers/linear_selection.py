@@ -64,9 +64,10 @@ REFERENCE_COLUMNS = 4096        # output columns the check compares
 # v46) Qwen3-0.6B's one-row decode step took 1.15 -> 1.08 ms of device time with them; at 2 and 4 rows 1.30 ->
 # 1.45 and 1.42 -> 2.89 (there they run one row of programs per weight row and lose to every other loop).
 WHOLE_SLICE_ROWS = int(os.environ.get("WORKER_GEMV_WHOLE_SLICE_ROWS", "1"))
-# A weight whose programs cannot all hold their slices at once (the register file: 33 MB on an H100) gains
-# nothing from reading them early (the LM head, 311 MB, lost 7%).
-WHOLE_SLICE_MAX_BYTES = 32 << 20
+# The largest weight they were measured to gain on: Qwen3-0.6B's gate_up (12 MiB). Larger ones are not
+# measured (Qwen3-8B's FP8 qkv, 24 MiB, and o, 16 MiB, keep their timed choice) or lose (the LM head,
+# 297 MiB, 7% slower: its programs cannot hold their slices at once).
+WHOLE_SLICE_MAX_BYTES = 12 << 20
 CHECK_NORM_EPS = 1e-6           # the RMSNorm's epsilon where a folded norm is checked and timed
 
 
