@@ -35,7 +35,8 @@ Options, each a compile-time switch:
   residual is written once. Not with SILU_MUL or `row_acc`;
 - a bias, added in float32 before the single rounding to x's dtype;
 - PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the
-  previous kernel (weights never depend on it), and the next kernel may launch at once
+  previous kernel (weights never depend on it; with one K tile a program, `whole_slice`, that is
+  the program's whole slice, read while the kernels before it run), and the next kernel may launch at once
   (`pdl_launch.pdl_in_graphs` says whether CUDA graphs replay this here); with `prefetch`, the first
   K tiles of the program's weight rows are asked into L2 (sm90's bulk prefetch) before that wait.
   With `late_trigger` the next kernel may launch only once this one's loop is done (before its

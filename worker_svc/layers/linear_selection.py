@@ -10,7 +10,9 @@ its input quantized to FP8 from the RMSNorm before the layer gets it so: `as_fed
 row counts where a layer fed by an RMSNorm also tries GEMVs that fold that norm in, every
 candidate is timed with the norm as the model runs it, so those rows' times include it). The fastest
 wins each row count (ties: the earlier candidate; cuBLAS, or for FP8 weights the FP8 GEMM,
-comes first, so no measured shape is slower than it), and each layer gets a LinearPlan that
+comes first, so no measured shape is slower than it; at one row a small weight's GEMVs that read their whole
+slice before their PDL wait are preferred, whose gain this timing cannot see: WHOLE_SLICE_ROWS), and each
+layer gets a LinearPlan that
 runs the winner for its row count. A bf16 copy of FP8 weights is kept only where it beats every
 FP8 method by DEQUANTIZED_MARGIN.
 
@@ -333,7 +335,7 @@ def _preferred(times: dict[str, float], methods: dict[str, Method], rows: int,
     weight = operands.weight
     if rows <= WHOLE_SLICE_ROWS and weight.numel() * weight.element_size() <= WHOLE_SLICE_MAX_BYTES:
         whole = {name: t for name, t in times.items()
-                 if isinstance(methods[name], Gemv) and whole_slice(methods[name].config, operands.weight.shape[1])}
+                 if isinstance(methods[name], Gemv) and whole_slice(methods[name].config, weight.shape[1])}
         if whole:
             return whole
     return times
