@@ -10,10 +10,9 @@ its input quantized to FP8 from the RMSNorm before the layer gets it so: `as_fed
 row counts where a layer fed by an RMSNorm also tries GEMVs that fold that norm in, every
 candidate is timed with the norm as the model runs it, so those rows' times include it). The fastest
 wins each row count (ties: the earlier candidate; cuBLAS, or for FP8 weights the FP8 GEMM,
-comes first, so no measured shape is slower than it; at one row a small weight's GEMVs that read their whole
-slice before their PDL wait are preferred, whose gain this timing cannot see: WHOLE_SLICE_ROWS), and each
-layer gets a LinearPlan that
-runs the winner for its row count. A bf16 copy of FP8 weights is kept only where it beats every
+comes first, so no measured shape is slower than it; but at one row a small weight's GEMVs that read
+their whole slice before their PDL wait are preferred, which this timing cannot show faster and the
+decode step does: WHOLE_SLICE_ROWS), and each layer gets a LinearPlan that runs the winner for its row count. A bf16 copy of FP8 weights is kept only where it beats every
 FP8 method by DEQUANTIZED_MARGIN.
 
 One log line per kind gives the winners and their times. This runs after the weights are
