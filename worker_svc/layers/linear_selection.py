@@ -329,10 +329,11 @@ def _time_method(method: Method, label: str, rows: int, x: torch.Tensor, operand
 
 def _preferred(times: dict[str, float], methods: dict[str, Method], rows: int,
                operands: LinearOperands) -> dict[str, float]:
-    """The times the choice is made among: up to WHOLE_SLICE_ROWS rows, for weights of at most
+    """The times the choice is made among: up to WHOLE_SLICE_ROWS rows, for 16-bit weights of at most
     WHOLE_SLICE_MAX_BYTES, those of the whole-slice GEMVs where any ran; else all of them."""
     weight = operands.weight
-    if rows <= WHOLE_SLICE_ROWS and weight.numel() * weight.element_size() <= WHOLE_SLICE_MAX_BYTES:
+    if (rows <= WHOLE_SLICE_ROWS and not operands.fp8   # (measured on 16-bit weights only)
+            and weight.numel() * weight.element_size() <= WHOLE_SLICE_MAX_BYTES):
         whole = {name: t for name, t in times.items()
                  if isinstance(methods[name], Gemv) and whole_slice(methods[name].config, weight.shape[1])}
         if whole:
