@@ -257,14 +257,12 @@ def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs
 @triton.jit
 def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
-              PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               dtype: tl.constexpr, FP8_BITS: tl.constexpr, r_ptrs, nw_ptrs, rstd, NORM: tl.constexpr,
               NORM_RESIDUAL: tl.constexpr):
     """The same sums on tensor cores (Triton pipelines the loads through shared memory). With
     FP8_BITS (bfloat16 activations) the weights enter the dot as fp8_bits_as_bf16 gives them and
     the activations times 2^64, so each product is 2^-56 of the converted one, undone after."""
-    if PDL:
-        gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         x = _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, NORM,
@@ -353,21 +351,16 @@ def _gemv_kernel(
     if FMA:   # its first weight tile before the wait (with one K tile a program: its whole slice, see
         # whole_slice); then the previous kernel's end, then the activations
         w_first = tl.load(w_ptrs, mask=_tile_mask(n_mask, k_begin, k_end, offs_k, EVEN_K), other=0.0)
-        if PDL:
-            gdc_wait()
+    if PDL:   # every read below depends on the previous kernel
+        gdc_wait()
     if NORM:   # the RMSNorm before this projection, folded in: each row's inverse RMS over the whole of K
-        if PDL and not FMA:
-            gdc_wait()
         rstd = _rms_of_rows(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, K, k_begin, k_end, pid_n == 0,
                             stride_xm, eps, NORM_RESIDUAL, BLOCK_M, BLOCK_K, dtype)
-    LOOP_PDL: tl.constexpr = PDL and not NORM   # (waited already)
     if USE_DOT:
         acc = _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
-                        SILU_MUL, EVEN_K, LOOP_PDL, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd,
+                        SILU_MUL, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd,
                         NORM, NORM_RESIDUAL)
     elif ROW_ACC:   # (never with NORM: check_config)
-        if PDL:
-            gdc_wait()
         row_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
         acc = _fma_rows_loop(row_ptrs, stride_xm, w_ptrs, w_scale_row, pid_m * BLOCK_M, M, n_mask, offs_k, k_begin,
                              k_end, K, GROUP_K, FP8, SILU_MUL, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, dtype,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 
 from worker_svc.layers import fp8_kernels, fused_kernels
 from worker_svc.layers.gemv_kernels import DOT_MIN_ROWS, ROW_ACC_MAX_ROWS, GemvConfig, split_slices
@@ -100,7 +101,7 @@ def fp8_split(num_cols: int, width: int, rows: int, tile: dict, sms: int, group:
 
 def swap_rows(rows: int) -> int:
     """The swapped FP8 GEMM's row tile (its dot's narrow operand): the rows' power of two, at least 16."""
-    return max(16, 1 << max(0, (rows - 1).bit_length()))
+    return max(16, triton.next_power_of_2(rows))
 
 
 def wgmma_tiles(rows: int) -> list[dict]:
@@ -145,7 +146,7 @@ def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = Tru
                  fp8: bool = False) -> list[GemvConfig]:
     """The GEMV launch settings tried at this row count (with programmatic dependent launch
     where the graphs replay it: pdl_launch.pdl_in_graphs), for FP8 weights with `fp8`."""
-    block_m = 1 << max(0, (rows - 1).bit_length())
+    block_m = triton.next_power_of_2(rows)
     if block_m < DOT_MIN_ROWS:
         bases = [GemvConfig(block_m, n, max(MIN_FMA_BLOCK_K, k // block_m), num_warps=w, num_stages=1, pdl=pdl)
                  for n, k, w in FMA_TILES]
@@ -174,11 +175,11 @@ def whole_slice_configs(rows: int, width: int, pdl: bool) -> list[GemvConfig]:
     without PDL, or past WHOLE_SLICE_MAX_ROWS rows)."""
     if not pdl or rows > WHOLE_SLICE_MAX_ROWS:
         return []
-    block_m = 1 << max(0, (rows - 1).bit_length())
+    block_m = triton.next_power_of_2(rows)
     configs = []
     for block_n, warps in WHOLE_SLICE_TILES:
         longest = WHOLE_SLICE_WARP_ELEMENTS * warps // (block_m * block_n)
-        for block_k in sorted({min(1 << max(0, (width - 1).bit_length()), longest), longest // 2}, reverse=True):
+        for block_k in sorted({min(triton.next_power_of_2(width), longest), longest // 2}, reverse=True):
             split = math.ceil(width / block_k)
             if block_k >= MIN_FMA_BLOCK_K and split <= MAX_SPLIT:
                 configs.append(GemvConfig(block_m, block_n, block_k, split_k=split, num_warps=warps, num_stages=1,

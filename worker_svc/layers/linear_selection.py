@@ -12,8 +12,8 @@ candidate is timed with the norm as the model runs it, so those rows' times incl
 wins each row count (ties: the earlier candidate; cuBLAS, or for FP8 weights the FP8 GEMM,
 comes first, so no measured shape is slower than it; but at one row a small weight's GEMVs that read
 their whole slice before their PDL wait are preferred, which this timing cannot show faster and the
-decode step does: WHOLE_SLICE_ROWS), and each layer gets a LinearPlan that runs the winner for its row count. A bf16 copy of FP8 weights is kept only where it beats every
-FP8 method by DEQUANTIZED_MARGIN.
+decode step does: WHOLE_SLICE_ROWS), and each layer gets a LinearPlan that runs the winner for its
+row count. A bf16 copy of FP8 weights is kept only where it beats every FP8 method by DEQUANTIZED_MARGIN.
 
 One log line per kind gives the winners and their times. This runs after the weights are
 loaded and before the KV cache is sized and the graphs are captured; it compiles the Triton
