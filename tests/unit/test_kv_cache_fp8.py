@@ -140,7 +140,8 @@ def test_fused_qk_norm_rope_store_leaves_what_the_unfused_path_leaves(model_dtyp
     """q in place and the cache's bytes: the unfused path's (the torch layers, then the torch
     store), except where a float32 sum's order flips a rounding (a few elements at most)."""
     store = pytest.importorskip("worker_svc.layers.attention.qkv_store", reason="triton is not installed")
-    g = torch.Generator().manual_seed(draw_seed())
+    seed = draw_seed()   # (ATTN_TEST_SEED=seed reruns a failure)
+    g = torch.Generator().manual_seed(seed)
     num_tokens, block_size, num_blocks = 9, 4, 6
     q_norm, k_norm = _norm(head_dim, 1e-6, g, model_dtype), _norm(head_dim, 1e-5, g, model_dtype)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -163,9 +164,10 @@ def test_fused_qk_norm_rope_store_leaves_what_the_unfused_path_leaves(model_dtyp
                                  cos_sin.to(DEVICE), num_heads, num_kv_heads, k_cache, v_cache, slots.to(DEVICE),
                                  scales.to(DEVICE) if scales else None)
     assert q.shape == (num_tokens, num_heads, head_dim) and q.data_ptr() == packed.data_ptr()
-    assert_nearly_identical(q.cpu(), q_ref, "q")
-    assert_nearly_identical(k_cache.cpu(), k_expected, "the K cache")
-    assert_nearly_identical(v_cache.cpu(), v_expected, "the V cache")   # copied, or quantized from the same values
+    assert_nearly_identical(q.cpu(), q_ref, f"q (seed {seed})")
+    assert_nearly_identical(k_cache.cpu(), k_expected, f"the K cache (seed {seed})")
+    # copied, or quantized from the same values
+    assert_nearly_identical(v_cache.cpu(), v_expected, f"the V cache (seed {seed})")
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert not k_cache.cpu().view(-1, num_kv_heads, head_dim)[untouched].float().any(), "a slot not asked was written"
