@@ -48,6 +48,7 @@
 #   wholeslice  GEMVs that read their whole weight slice before the PDL wait (WORKER_GEMV_WHOLE_SLICE_ROWS) and
 #             attention reading early (WORKER_ATTENTION_EARLY_READS), v46, off and on, one machine: Qwen3-0.6B decode at
 #             CASES (default 1/2/4/16 x 1024), pairs WS_ORDER (rows:early); WS_PROF=1 adds prof06 with both on
+#   ws8       Qwen3-8B FP8 at one row with whole-slice GEMVs allowed for FP8 weights up to WS8_MIB's bounds (v47)
 #   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
@@ -329,6 +330,19 @@ PY
                 ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"
         fi
         ;;
+    ws8)    # Qwen3-8B FP8 decode at one row with the whole-slice GEMVs allowed for FP8 weights up to each bound of
+            # WS8_MIB (WORKER_GEMV_WHOLE_SLICE_FP8_MAX_MIB; 0 = none, the default): o 16 MiB, qkv 24, down 48, gate_up
+            # 96, the FP8 LM head 594 (with WS8_HEAD=1), one machine; each run's one-row choices (PERF_NOTES v47)
+        base
+        head=""; [[ -n ${WS8_HEAD:-} ]] && head="--fixed-lm-head-dtype fp8"
+        for mib in ${WS8_MIB:-0 32 0 32}; do
+            WORKER_GEMV_WHOLE_SLICE_FP8_MAX_MIB=$mib OUT=$OUT/ws8-$mib STAGES=decode_8b_fp8 \
+                EXTRA="--fixed-batch 1 --fixed-steps 256 $head" LINES_OUT=6 TIMEOUT=${TIMEOUT:-240} bash "$0" moe \
+                | grep "Qwen3-\|mean step" | sed "s/^/fp8 bound $mib MiB: /"
+            one_row_choices "$BENCH/moe/logs" | sed "s/^/fp8 bound $mib MiB: /"
+            rm -rf "$BENCH/moe/logs"
+        done
+        ;;
     pdlservice)   # the service with the decode layer's PDL chain off and on (v45), one machine
         for n in ${PDL_ORDER:-0 1}; do
             echo "== WORKER_PDL_CHAIN=$n"
@@ -389,5 +403,5 @@ for key in sorted(set(ref) & set(new), key=lambda k: (k[0] != "none", k)):
     print(f"{key[0]:16s} {key[1]:5d} {a:8.2f} {b:8.2f} {b / a:8.3f}")
 PY
         ;;
-    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|hfirst|ragged|hfservice|fp8head|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
+    *) echo "usage: $0 base|tests|smoke|checkpoint|fa4|stash|bench|kv|spec|spec-service|moe|moe8|fp8|prof8|prof06|depth|ab06|longest|ashort|hfirst|ragged|hfservice|fp8head|ws8|wholeslice|pdlchain|b1ab|stage|ab|spec-ab" >&2; exit 2 ;;
 esac

@@ -511,13 +511,15 @@ def test_up_to_the_whole_slice_rows_the_fastest_whole_slice_gemv_runs(selection,
     assert choose(0) == ["cublas", "cublas"]
     assert choose(1) == [str(whole[1]), "cublas"]
     assert choose(2) == [str(whole[1]), str(whole[1])]
-    # FP8 weights (not measured with them) and weights past WHOLE_SLICE_MAX_BYTES keep the fastest
+    # FP8 weights (unless WHOLE_SLICE_FP8_MAX_BYTES allows them) and weights past WHOLE_SLICE_MAX_BYTES keep the fastest
     monkeypatch.setattr(linear_selection, "WHOLE_SLICE_ROWS", 1)
     methods_by_name = {"cublas": methods.Cublas(), str(other): other, **{str(m): m for m in whole}}
     pick = linear_selection._preferred(times, methods_by_name, 1, operands)
     assert set(pick) == {str(m) for m in whole}
     fp8 = dataclasses.replace(operands, weight_scale=torch.ones(1, 1), block=(128, 128))
     assert fp8.fp8 and linear_selection._preferred(times, methods_by_name, 1, fp8) == times
+    monkeypatch.setattr(linear_selection, "WHOLE_SLICE_FP8_MAX_BYTES", 48 * 64 * 2)   # FP8's own bound, given
+    assert set(linear_selection._preferred(times, methods_by_name, 1, fp8)) == {str(m) for m in whole}
     monkeypatch.setattr(linear_selection, "WHOLE_SLICE_MAX_BYTES", 48 * 64 * 2 - 1)
     assert linear_selection._preferred(times, methods_by_name, 1, operands) == times
 

@@ -65,10 +65,12 @@ REFERENCE_COLUMNS = 4096        # output columns the check compares
 # v46) Qwen3-0.6B's one-row decode step took 1.15 -> 1.08 ms of device time with them; at 2 and 4 rows 1.30 ->
 # 1.45 and 1.42 -> 2.89 (there they run one row of programs per weight row and lose to every other loop).
 WHOLE_SLICE_ROWS = int(os.environ.get("WORKER_GEMV_WHOLE_SLICE_ROWS", "1"))
-# The largest weight they were measured to gain on: Qwen3-0.6B's gate_up (12 MiB). Larger ones are not
-# measured (Qwen3-8B's FP8 qkv, 24 MiB, and o, 16 MiB, keep their timed choice) or lose (the LM head,
-# 297 MiB, 7% slower: its programs cannot hold their slices at once).
-WHOLE_SLICE_MAX_BYTES = 12 << 20
+# The largest 16-bit weight they were measured to gain on: Qwen3-0.6B's gate_up (12 MiB). Larger ones are not
+# measured (Qwen3-8B's) or lose (the LM head, 297 MiB, 7% slower: its programs cannot hold their slices at once).
+# FP8 weights (Qwen3-8B's FP8 qkv is 24 MiB, o 16 MiB) keep their timed choice unless
+# WORKER_GEMV_WHOLE_SLICE_FP8_MAX_MIB gives them a bound of their own (default 0: none).
+WHOLE_SLICE_MAX_BYTES = int(float(os.environ.get("WORKER_GEMV_WHOLE_SLICE_MAX_MIB", "12")) * (1 << 20))
+WHOLE_SLICE_FP8_MAX_BYTES = int(float(os.environ.get("WORKER_GEMV_WHOLE_SLICE_FP8_MAX_MIB", "0")) * (1 << 20))
 CHECK_NORM_EPS = 1e-6           # the RMSNorm's epsilon where a folded norm is checked and timed
 
 
@@ -330,10 +332,11 @@ def _time_method(method: Method, label: str, rows: int, x: torch.Tensor, operand
 def _preferred(times: dict[str, float], methods: dict[str, Method], rows: int,
                operands: LinearOperands) -> dict[str, float]:
     """The times the choice is made among: up to WHOLE_SLICE_ROWS rows, for 16-bit weights of at most
-    WHOLE_SLICE_MAX_BYTES, those of the whole-slice GEMVs where any ran; else all of them."""
+    WHOLE_SLICE_MAX_BYTES (FP8 weights: WHOLE_SLICE_FP8_MAX_BYTES), those of the whole-slice GEMVs where any
+    ran; else all of them."""
     weight = operands.weight
-    if (rows <= WHOLE_SLICE_ROWS and not operands.fp8   # (measured on 16-bit weights only)
-            and weight.numel() * weight.element_size() <= WHOLE_SLICE_MAX_BYTES):
+    bound = WHOLE_SLICE_FP8_MAX_BYTES if operands.fp8 else WHOLE_SLICE_MAX_BYTES
+    if rows <= WHOLE_SLICE_ROWS and 0 < weight.numel() * weight.element_size() <= bound:
         whole = {name: t for name, t in times.items()
                  if isinstance(methods[name], Gemv) and whole_slice(methods[name].config, weight.shape[1])}
         if whole:
