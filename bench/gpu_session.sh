@@ -45,9 +45,9 @@
 #   hfservice the service (STAGES, default bandwidth,service) with WORKER_ATTENTION_HEADS_FIRST=0 and 1 (v44)
 #   pdlchain  the decode layer's kernels as one PDL chain (WORKER_PDL_CHAIN, PERF_NOTES v45) off and on, one machine:
 #             Qwen3-0.6B pipelined decode at CASES (default 1/4/16/64/256 x 1024), then (PDL8=1) Qwen3-8B FP8 at one row
-#   wholeslice  GEMVs that read their whole weight slice before the PDL wait (WORKER_GEMV_WHOLE_SLICE_ROWS) and
-#             attention reading early (WORKER_ATTENTION_EARLY_READS), v46, off and on, one machine: Qwen3-0.6B decode at
-#             CASES (default 1/2/4/16 x 1024), pairs WS_ORDER (rows:early); WS_PROF=1 adds prof06 with both on
+#   wholeslice  GEMVs that read their whole weight slice before the PDL wait (WORKER_GEMV_WHOLE_SLICE_ROWS, v46) at each
+#             row bound of WS_ORDER in turn (0 = off), one machine: Qwen3-0.6B decode at CASES (default 1/2/4/16 x 1024);
+#             WS_PROF=1 adds prof06 with them at one row
 #   ws8       Qwen3-8B FP8 at one row with whole-slice GEMVs allowed for FP8 weights up to WS8_MIB's bounds (v47)
 #   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
@@ -310,20 +310,20 @@ PY
             done
         fi
         ;;
-    wholeslice)   # GEMVs reading their whole weight slice before the PDL wait up to 4 rows, and attention reading
-                  # early (v46), each off and on: Qwen3-0.6B decode at CASES, the one-row choices; WS_PROF=1: prof06
+    wholeslice)   # GEMVs reading their whole weight slice before the PDL wait (v46) up to WS_ORDER's row counts in
+                  # turn (WORKER_GEMV_WHOLE_SLICE_ROWS; 0 = off): Qwen3-0.6B decode at CASES, the one-row choices;
+                  # WS_PROF=1: prof06 with them at one row
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
-        for pair in ${WS_ORDER:-0:0 1:0 1:0 0:0}; do
-            n=${pair%:*} e=${pair#*:}
-            mkdir -p "/tmp/ws-$n-$e" && cp "$BENCH/bandwidth.json" "/tmp/ws-$n-$e/" 2>/dev/null
-            WORKER_GEMV_WHOLE_SLICE_ROWS=$n WORKER_ATTENTION_EARLY_READS=$e timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench \
-                --out "/tmp/ws-$n-$e" --model "$BENCH/model" --stages decode \
+        for n in ${WS_ORDER:-0 1 1 0}; do
+            mkdir -p "/tmp/ws-$n" && cp "$BENCH/bandwidth.json" "/tmp/ws-$n/" 2>/dev/null
+            WORKER_GEMV_WHOLE_SLICE_ROWS=$n timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench \
+                --out "/tmp/ws-$n" --model "$BENCH/model" --stages decode \
                 --decode-cases ${CASES:-1x1024,2x1024,4x1024,16x1024} --decode-measured-steps 60 2>&1 \
-                | grep -v "^ *$" | tail -${LINES_OUT:-6} | sed "s/^/whole=$n early=$e: /"
-            [[ $e == 0 ]] && grep -rhao "linear [a-z_]* .*ms per call by rows: 1: [^;]*; 2: [^;]*; 4: [^;]*" \
-                "/tmp/ws-$n-$e" | head -6 | sed "s/^/whole=$n: /"
-            cp "/tmp/ws-$n-$e/decode.json" "$OUT/decode-ws$n-$e.json" 2>/dev/null
+                | grep -v "^ *$" | tail -${LINES_OUT:-6} | sed "s/^/whole=$n: /"
+            grep -rhao "linear [a-z_]* .*ms per call by rows: 1: [^;]*" "/tmp/ws-$n" | head -6 | sed "s/^/whole=$n: /"
+            cp "/tmp/ws-$n/decode.json" "$OUT/decode-ws$n-$(date +%s).json" 2>/dev/null
+            rm -rf "/tmp/ws-$n"
         done
         if [[ -n ${WS_PROF:-} ]]; then
             WORKER_GEMV_WHOLE_SLICE_ROWS=1 PROFILE_LINES=30 profile_table prof-ws \
