@@ -67,8 +67,9 @@ REFERENCE_COLUMNS = 4096        # output columns the check compares
 WHOLE_SLICE_ROWS = int(os.environ.get("WORKER_GEMV_WHOLE_SLICE_ROWS", "1"))
 # The largest 16-bit weight they were measured to gain on: Qwen3-0.6B's gate_up (12 MiB). Larger ones are not
 # measured (Qwen3-8B's) or lose (the LM head, 297 MiB, 7% slower: its programs cannot hold their slices at once).
-# FP8 weights (Qwen3-8B's FP8 qkv is 24 MiB, o 16 MiB) keep their timed choice unless
-# WORKER_GEMV_WHOLE_SLICE_FP8_MAX_MIB gives them a bound of their own (default 0: none).
+# FP8 weights keep their timed choice unless WORKER_GEMV_WHOLE_SLICE_FP8_MAX_MIB gives them a bound of their own
+# (default 0: none): on an H100 (PERF_NOTES v47) Qwen3-8B's FP8 qkv (24 MiB) and o (16 MiB) on them made the one-row
+# step 29% slower (the FMA loop converts each FP8 weight to float32: 34.6 us for qkv against the FP8 GEMM's 14.7).
 WHOLE_SLICE_MAX_BYTES = int(float(os.environ.get("WORKER_GEMV_WHOLE_SLICE_MAX_MIB", "12")) * (1 << 20))
 WHOLE_SLICE_FP8_MAX_BYTES = int(float(os.environ.get("WORKER_GEMV_WHOLE_SLICE_FP8_MAX_MIB", "0")) * (1 << 20))
 CHECK_NORM_EPS = 1e-6           # the RMSNorm's epsilon where a folded norm is checked and timed
