@@ -20,6 +20,7 @@ from common.constraint import Constraint, GrammarError
 from common.gc_freeze import freeze_startup_heap
 from common.model_dir import read_model_facts
 from common.pb.llm.worker.v1 import worker_pb2
+from scheduler_svc.engine.config import MOST_STEPS_IN_FLIGHT
 from scheduler_svc.engine.core import EngineConfig, EngineCore
 from scheduler_svc.engine.api import AddCode, CoreRequest, make_seq_id
 from common.sampling import SamplingParams
@@ -42,8 +43,9 @@ class LocalWorkerClient:
         self.address = "local"
         self._runner = runner
         self._launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
-        # One waiter per step the engine keeps in flight (EngineConfig.third_step_max_seqs: up to 3).
-        self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="step-wait")
+        # One waiter per step the engine keeps in flight (EngineConfig.fourth_step_max_seqs: up to 4).
+        self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=MOST_STEPS_IN_FLIGHT,
+                                                              thread_name_prefix="step-wait")
 
     async def describe(self, timeout: float) -> worker_pb2.WorkerInfo:
         return build_worker_info(self._runner.describe())

@@ -18,9 +18,12 @@ import torch
 from worker_svc.runner_io import PromptLogprobs, RequestFailure, StepOutput, TopLogprobs
 
 EMPTY_PART = np.zeros(0, np.int64)   # a staging part with nothing in it
-# Launched steps whose tokens may not be read yet: the server has at most two (the one whose
-# reply is awaited and the one launched behind it); more slots only add slack.
-OUTPUT_SLOTS = 4
+# Launched steps whose tokens may not be read yet: as many as the engine core keeps in flight
+# (scheduler_svc/engine/config.py's MOST_STEPS_IN_FLIGHT, 4); one more only adds slack.
+OUTPUT_SLOTS = 5
+# Host buffers of the step inputs' copy, taken in turn: with up to four steps in flight the one a step
+# refills was copied three steps back, at that step's start (long done).
+STAGING_BUFFERS = 3
 
 
 def to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -130,15 +133,15 @@ class OutputSlots:
 
 class Staging:
     """One host buffer per step holding every integer input, copied to the device in one go.
-    Two pinned buffers alternate; the host waits for a buffer's last copy before refilling it
-    (a step's copy is the first thing it runs, so with up to three steps in flight the copy two
-    steps back is done long before: it never waits in practice)."""
+    STAGING_BUFFERS pinned buffers are taken in turn; the host waits for a buffer's last copy before
+    refilling it (a step's copy is the first thing it runs, so with up to four steps in flight the copy
+    three steps back is done long before: it never waits in practice)."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda)
-                     for _ in range(2 if self.cuda else 1)]
+                     for _ in range(STAGING_BUFFERS if self.cuda else 1)]
         self.events = [None] * len(self.host)
         self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if self.cuda else None
         self._next = 0

@@ -3,8 +3,8 @@
 
 Drives a real worker process over loopback gRPC with the service's own scheduling code and its
 async scheduling: the Scheduler and BlockManager decide each step, build_step_request encodes it,
-steps are in flight as the engine core keeps them (step N+1 sent before N's reply, and N+2 too up to
-32 requests; --decode-in-flight 2,3 measures each case at each depth instead), and each reply goes
+steps are in flight as the engine core keeps them (step N+1 sent before N's reply, N+2 too up to
+32 requests and N+3 up to 4; --decode-in-flight 2,3 measures each case at each depth instead), and each reply goes
 back through Scheduler.update. The client streams and frontends are left out (the host_path stage
 covers them). Every request may generate until the last prompt's chunked prefill is done and the
 timed steps are over, so each case reaches steps where the whole batch decodes; the timing stops
@@ -120,10 +120,10 @@ async def _measure_all(worker_addr: str, all_cases: list[Case], args: argparse.N
 
 def in_flight_depths(args: argparse.Namespace, batch: int) -> list[int]:
     """The depths a case of `batch` requests is measured at (--decode-in-flight)."""
-    from scheduler_svc.engine.config import THIRD_STEP_MAX_SEQS
+    from scheduler_svc.engine.config import FOURTH_STEP_MAX_SEQS, THIRD_STEP_MAX_SEQS
 
     if args.decode_in_flight == "auto":
-        return [3 if batch <= THIRD_STEP_MAX_SEQS else STEPS_IN_FLIGHT]
+        return [4 if batch <= FOURTH_STEP_MAX_SEQS else 3 if batch <= THIRD_STEP_MAX_SEQS else STEPS_IN_FLIGHT]
     depths = [int(d) for d in str(args.decode_in_flight).split(",")]
     if not all(1 <= d <= MOST_IN_FLIGHT for d in depths):
         raise ValueError(f"--decode-in-flight: each depth must lie in 1..{MOST_IN_FLIGHT}, not {args.decode_in_flight}")

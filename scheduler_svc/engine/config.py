@@ -11,6 +11,8 @@ from common.speculation import DEFAULT_MAX_BATCH_SIZE, METHODS
 
 ENGINE = "engine core"
 THIRD_STEP_MAX_SEQS = 32   # EngineConfig.third_step_max_seqs's default (bench/stages/decode.py follows it)
+FOURTH_STEP_MAX_SEQS = 4   # EngineConfig.fourth_step_max_seqs's default (likewise)
+MOST_STEPS_IN_FLIGHT = 4   # what the workers hold buffers for (worker_svc/staging.py, tools/offline.py)
 
 
 @dataclass
@@ -44,6 +46,14 @@ class EngineConfig:
         THIRD_STEP_MAX_SEQS, group=ENGINE, metavar="N",
         help="with async scheduling, keep a third step in flight while at most N requests run or wait (small "
              "batches' device steps are shorter than the host's round trip; not with speculative decoding; 0: never)")
+    # And a fourth at the fewest requests: through the service (a client's stream, the frontends, the engine
+    # core's loop) the round trip took 2.3 ms of a single stream's 1.1-ms device steps on an H100 (PERF_NOTES
+    # v47), longer than two steps, and the device waited for it.
+    fourth_step_max_seqs: int = flag(
+        FOURTH_STEP_MAX_SEQS, group=ENGINE, metavar="N",
+        help="with async scheduling, keep a fourth step in flight while at most N requests run or wait (at most "
+             "--third-step-max-seqs; a stream or a few: the service's round trip outlasts two of their device "
+             "steps; not with speculative decoding; 0: never)")
     step_log: str | None = flag(
         None, group=ENGINE, metavar="PATH",
         help="append a line per step to PATH (its time from the previous reply, the worker's device time, its "

@@ -281,7 +281,7 @@ class GroupRunner:
         # Steps sent whose replies are not applied yet, oldest first: with async scheduling one
         # more is scheduled and sent as soon as the last one is, so the worker (which runs steps
         # in step_id order) finds it queued when it finishes the current one; two more while the
-        # batch is small (EngineConfig.third_step_max_seqs).
+        # batch is small, three at the smallest (EngineConfig.third_step_max_seqs, fourth_step_max_seqs).
         in_flight: deque[tuple[SchedulerOutput, asyncio.Task, float]] = deque()
         try:
             while True:
@@ -319,14 +319,17 @@ class GroupRunner:
                 reply.cancel()
 
     def _depth(self) -> int:
-        """How many steps may be in flight now: 1 without async scheduling, 3 while few requests
-        run or wait (without speculative decoding), else 2."""
+        """How many steps may be in flight now: 1 without async scheduling, 4 while the fewest requests
+        run or wait, 3 while few do (without speculative decoding), else 2."""
         if not self.config.async_scheduling:
             return 1
-        scheduler, most = self.scheduler, self.config.third_step_max_seqs
-        if not most or scheduler.config.speculation.num_speculative_tokens:
+        scheduler, third, fourth = self.scheduler, self.config.third_step_max_seqs, self.config.fourth_step_max_seqs
+        if not third or scheduler.config.speculation.num_speculative_tokens:
             return 2
-        return 3 if len(scheduler.running) + len(scheduler.waiting) <= most else 2
+        count = len(scheduler.running) + len(scheduler.waiting)
+        if fourth and count <= min(fourth, third):
+            return 4
+        return 3 if count <= third else 2
 
     def _log_restart(self) -> None:
         """Says what a worker restart costs: the requests it was computing (those still queued

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models
 
 from scheduler_svc.engine.block_manager import BlockManager
+from scheduler_svc.engine.config import FOURTH_STEP_MAX_SEQS, MOST_STEPS_IN_FLIGHT
 from scheduler_svc.engine.core import EngineConfig, EngineCore
 from scheduler_svc.engine.group_runner import GroupHooks, GroupRunner
 from scheduler_svc.engine.metrics import SchedulerMetrics
@@ -50,11 +51,13 @@ def random_requests(seed: int, num: int) -> list[tuple[list[int], SamplingParams
     return requests
 
 
-async def generate(requests, client: FakeWorkerClient, async_scheduling: bool, third_step_max_seqs: int = 32):
+async def generate(requests, client: FakeWorkerClient, async_scheduling: bool, third_step_max_seqs: int = 32,
+                   fourth_step_max_seqs: int = 0):
     """Every request's (token ids, text, finish reason), all submitted at once."""
     core = EngineCore([WorkerGroupClient([client])], eos_token_ids=[EOS],
                       config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, reconnect_interval_s=0.001,
-                                          async_scheduling=async_scheduling, third_step_max_seqs=third_step_max_seqs))
+                                          async_scheduling=async_scheduling, third_step_max_seqs=third_step_max_seqs,
+                                          fourth_step_max_seqs=fourth_step_max_seqs))
     frontend = Frontend(LocalCoreClient(core), letter_tokenizer())
     events = asyncio.create_task(frontend.run())
     await core.start()
@@ -75,22 +78,24 @@ async def generate(requests, client: FakeWorkerClient, async_scheduling: bool, t
         events.cancel()
 
 
-@pytest.mark.parametrize("third_step_max_seqs, depth", [(0, 2), (32, 3)])
-def test_steps_in_flight_give_the_synchronous_outputs(third_step_max_seqs, depth):
+@pytest.mark.parametrize("third_step_max_seqs, fourth_step_max_seqs, depth", [(0, 4, 2), (32, 0, 3), (32, 32, 4)])
+def test_steps_in_flight_give_the_synchronous_outputs(third_step_max_seqs, fourth_step_max_seqs, depth):
     requests = random_requests(seed=1, num=12)         # 12 blocks of 2 for 4 at a time: preemptions
     sync_client, async_client = FakeWorkerClient(), FakeWorkerClient()
     expected = asyncio.run(generate(requests, sync_client, async_scheduling=False))
-    assert asyncio.run(generate(requests, async_client, async_scheduling=True,
-                                third_step_max_seqs=third_step_max_seqs)) == expected
+    assert asyncio.run(generate(requests, async_client, async_scheduling=True, third_step_max_seqs=third_step_max_seqs,
+                                fourth_step_max_seqs=fourth_step_max_seqs)) == expected
     assert (sync_client.max_in_flight, async_client.max_in_flight) == (1, depth)
     reasons = {reason for _, _, reason in expected}
     assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
 
 
 def test_a_third_step_only_while_few_requests_run_or_wait_and_none_speculates():
-    def runner(async_scheduling=True, third_step_max_seqs=3, num_speculative_tokens=0) -> GroupRunner:
+    def runner(async_scheduling=True, third_step_max_seqs=3, num_speculative_tokens=0, fourth_step_max_seqs=0
+               ) -> GroupRunner:
         group = GroupRunner(0, WorkerGroupClient([FakeWorkerClient()]),
-                            EngineConfig(async_scheduling=async_scheduling, third_step_max_seqs=third_step_max_seqs),
+                            EngineConfig(async_scheduling=async_scheduling, third_step_max_seqs=third_step_max_seqs,
+                                         fourth_step_max_seqs=fourth_step_max_seqs),
                             [EOS], SchedulerMetrics(), GroupHooks(lambda g: None, lambda *a: None, lambda g: None))
         config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=2,
                                  speculation=SpeculationConfig(num_speculative_tokens=num_speculative_tokens))
@@ -113,15 +118,31 @@ def test_a_third_step_only_while_few_requests_run_or_wait_and_none_speculates():
     assert runner(third_step_max_seqs=0)._depth() == 2
     assert runner(async_scheduling=False)._depth() == 1
     assert runner(num_speculative_tokens=2)._depth() == 2
+    # A fourth step while at most fourth_step_max_seqs requests run or wait (bounded by the third's)
+    group = runner(fourth_step_max_seqs=2)
+    assert group._depth() == 4                 # idle
+    add(group, 2)
+    assert group._depth() == 4                 # 2 waiting
+    group.scheduler.schedule()
+    assert len(group.scheduler.running) == 2 and group._depth() == 4
+    add(group, 1)
+    assert group._depth() == 3                 # 2 running + 1 waiting
+    add(group, 1)
+    assert group._depth() == 2
+    assert runner(fourth_step_max_seqs=8)._depth() == 4
+    assert runner(third_step_max_seqs=0, fourth_step_max_seqs=8)._depth() == 2
+    assert runner(num_speculative_tokens=2, fourth_step_max_seqs=8)._depth() == 2
+    assert EngineConfig().fourth_step_max_seqs == FOURTH_STEP_MAX_SEQS and 4 == MOST_STEPS_IN_FLIGHT
 
 
-@pytest.mark.parametrize("third_step_max_seqs, depth", [(0, 2), (32, 3)])
-def test_a_worker_that_dies_with_steps_in_flight_is_reset_and_the_outputs_hold(third_step_max_seqs, depth):
+@pytest.mark.parametrize("third_step_max_seqs, fourth_step_max_seqs, depth", [(0, 0, 2), (32, 0, 3), (32, 32, 4)])
+def test_a_worker_that_dies_with_steps_in_flight_is_reset_and_the_outputs_hold(third_step_max_seqs,
+                                                                               fourth_step_max_seqs, depth):
     requests = random_requests(seed=2, num=8)
     expected = asyncio.run(generate(requests, FakeWorkerClient(), async_scheduling=False))
     client = FakeWorkerClient(die_at={3, 9})
-    assert asyncio.run(generate(requests, client, async_scheduling=True,
-                                third_step_max_seqs=third_step_max_seqs)) == expected
+    assert asyncio.run(generate(requests, client, async_scheduling=True, third_step_max_seqs=third_step_max_seqs,
+                                fourth_step_max_seqs=fourth_step_max_seqs)) == expected
     assert client.restarts == 2 and client.max_in_flight == depth
 
 

@@ -91,15 +91,17 @@ def test_the_service_stage_counts_the_kernels_the_worker_compiled_during_its_run
 
 
 def test_the_decode_stage_keeps_steps_in_flight_as_the_engine_core_does_unless_told():
-    """auto: three up to the engine core's third-step bound (32 requests), two past it; a list
-    measures each case at each depth; depths past what the cases' lengths allow are refused."""
+    """auto: four up to the engine core's fourth-step bound (4 requests), three up to its third-step
+    bound (32), two past it; a list measures each case at each depth; depths past what the cases'
+    lengths allow are refused."""
     import argparse
 
-    from scheduler_svc.engine.config import THIRD_STEP_MAX_SEQS, EngineConfig
+    from scheduler_svc.engine.config import FOURTH_STEP_MAX_SEQS, THIRD_STEP_MAX_SEQS, EngineConfig
 
     assert EngineConfig().third_step_max_seqs == THIRD_STEP_MAX_SEQS == 32
+    assert EngineConfig().fourth_step_max_seqs == FOURTH_STEP_MAX_SEQS == 4
     auto = argparse.Namespace(decode_in_flight="auto")
-    assert [in_flight_depths(auto, batch) for batch in (1, 32, 33, 256)] == [[3], [3], [2], [2]]
+    assert [in_flight_depths(auto, batch) for batch in (1, 4, 5, 32, 33, 256)] == [[4], [4], [3], [3], [2], [2]]
     assert in_flight_depths(argparse.Namespace(decode_in_flight="2,3"), 1) == [2, 3]
     with pytest.raises(ValueError, match="each depth"):
         in_flight_depths(argparse.Namespace(decode_in_flight="5"), 1)
