@@ -90,7 +90,7 @@ def test_steps_in_flight_give_the_synchronous_outputs(third_step_max_seqs, fourt
     assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
 
 
-def test_a_third_step_only_while_few_requests_run_or_wait_and_none_speculates():
+def test_a_third_and_fourth_step_only_while_few_requests_run_or_wait_and_none_speculates():
     def runner(async_scheduling=True, third_step_max_seqs=3, num_speculative_tokens=0, fourth_step_max_seqs=0
                ) -> GroupRunner:
         group = GroupRunner(0, WorkerGroupClient([FakeWorkerClient()]),
@@ -106,30 +106,26 @@ def test_a_third_step_only_while_few_requests_run_or_wait_and_none_speculates():
         for _ in range(n):
             group.scheduler.add(Sequence(next(ids), "r", [1, 2, 3], SamplingParams(max_tokens=4)))
 
+    def walk(group: GroupRunner, first: int, later: int) -> list[int]:
+        """The depths idle, with `first` requests waiting, with them running, then as each of `later` more arrives."""
+        seen = [group._depth()]
+        add(group, first)
+        seen.append(group._depth())
+        group.scheduler.schedule()
+        assert len(group.scheduler.running) == first
+        seen.append(group._depth())
+        for _ in range(later):
+            add(group, 1)
+            seen.append(group._depth())
+        return seen
+
     ids = itertools.count(1)
-    group = runner()
-    assert group._depth() == 3                 # idle
-    add(group, 3)
-    assert group._depth() == 3                 # 3 waiting
-    group.scheduler.schedule()
-    assert len(group.scheduler.running) == 3 and group._depth() == 3
-    add(group, 1)
-    assert group._depth() == 2                 # 3 running + 1 waiting
+    assert walk(runner(), 3, 1) == [3, 3, 3, 2]                               # third_step_max_seqs 3
+    assert walk(runner(fourth_step_max_seqs=2), 2, 2) == [4, 4, 4, 3, 2]     # and a fourth up to 2
     assert runner(third_step_max_seqs=0)._depth() == 2
     assert runner(async_scheduling=False)._depth() == 1
     assert runner(num_speculative_tokens=2)._depth() == 2
-    # A fourth step while at most fourth_step_max_seqs requests run or wait (bounded by the third's)
-    group = runner(fourth_step_max_seqs=2)
-    assert group._depth() == 4                 # idle
-    add(group, 2)
-    assert group._depth() == 4                 # 2 waiting
-    group.scheduler.schedule()
-    assert len(group.scheduler.running) == 2 and group._depth() == 4
-    add(group, 1)
-    assert group._depth() == 3                 # 2 running + 1 waiting
-    add(group, 1)
-    assert group._depth() == 2
-    assert runner(fourth_step_max_seqs=8)._depth() == 4
+    assert runner(fourth_step_max_seqs=8)._depth() == 4                      # (bounded by the third's 3)
     assert runner(third_step_max_seqs=0, fourth_step_max_seqs=8)._depth() == 2
     assert runner(num_speculative_tokens=2, fourth_step_max_seqs=8)._depth() == 2
     assert EngineConfig().fourth_step_max_seqs == FOURTH_STEP_MAX_SEQS and 4 == MOST_STEPS_IN_FLIGHT
