@@ -51,9 +51,9 @@ class EngineConfig:
     # v47), longer than two steps, and the device waited for it.
     fourth_step_max_seqs: int = flag(
         FOURTH_STEP_MAX_SEQS, group=ENGINE, metavar="N",
-        help="with async scheduling, keep a fourth step in flight while at most N requests run or wait (at most "
-             "--third-step-max-seqs; a stream or a few: the service's round trip outlasts two of their device "
-             "steps; not with speculative decoding; 0: never)")
+        help="with async scheduling, keep a fourth step in flight while at most N requests run or wait (bounded by "
+             "the third step's N; a stream or a few: the service's round trip outlasts two of their device steps; not "
+             "with speculative decoding; 0: never)")
     step_log: str | None = flag(
         None, group=ENGINE, metavar="PATH",
         help="append a line per step to PATH (its time from the previous reply, the worker's device time, its "
