@@ -120,10 +120,10 @@ async def _measure_all(worker_addr: str, all_cases: list[Case], args: argparse.N
 
 def in_flight_depths(args: argparse.Namespace, batch: int) -> list[int]:
     """The depths a case of `batch` requests is measured at (--decode-in-flight)."""
-    from scheduler_svc.engine.config import FOURTH_STEP_MAX_SEQS, THIRD_STEP_MAX_SEQS
+    from scheduler_svc.engine.config import FOURTH_STEP_MAX_SEQS, THIRD_STEP_MAX_SEQS, steps_in_flight
 
     if args.decode_in_flight == "auto":
-        return [4 if batch <= FOURTH_STEP_MAX_SEQS else 3 if batch <= THIRD_STEP_MAX_SEQS else STEPS_IN_FLIGHT]
+        return [steps_in_flight(batch, THIRD_STEP_MAX_SEQS, FOURTH_STEP_MAX_SEQS)]
     depths = [int(d) for d in str(args.decode_in_flight).split(",")]
     if not all(1 <= d <= MOST_IN_FLIGHT for d in depths):
         raise ValueError(f"--decode-in-flight: each depth must lie in 1..{MOST_IN_FLIGHT}, not {args.decode_in_flight}")

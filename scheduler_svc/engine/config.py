@@ -15,6 +15,15 @@ FOURTH_STEP_MAX_SEQS = 4   # EngineConfig.fourth_step_max_seqs's default (likewi
 MOST_STEPS_IN_FLIGHT = 4   # what the workers hold buffers for (worker_svc/staging.py, tools/offline.py)
 
 
+def steps_in_flight(requests: int, third_step_max_seqs: int, fourth_step_max_seqs: int) -> int:
+    """How many steps async scheduling keeps in flight (without speculative decoding) while `requests`
+    run or wait: MOST_STEPS_IN_FLIGHT up to the fourth step's bound (at most the third's), 3 up to the
+    third's, else 2 (either bound 0: that step never)."""
+    if not third_step_max_seqs or requests > third_step_max_seqs:
+        return 2
+    return MOST_STEPS_IN_FLIGHT if fourth_step_max_seqs and requests <= fourth_step_max_seqs else 3
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int | None = flag(

@@ -27,7 +27,7 @@ from common.constraint import Constraint
 from common.features import Feature
 from scheduler_svc.engine.api import RequestError
 from scheduler_svc.engine.block_manager import BlockManager
-from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.config import EngineConfig, steps_in_flight
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine.scheduler_output import SchedulerOutput
@@ -323,13 +323,11 @@ class GroupRunner:
         run or wait, 3 while few do (without speculative decoding), else 2."""
         if not self.config.async_scheduling:
             return 1
-        scheduler, third, fourth = self.scheduler, self.config.third_step_max_seqs, self.config.fourth_step_max_seqs
-        if not third or scheduler.config.speculation.num_speculative_tokens:
+        scheduler = self.scheduler
+        if scheduler.config.speculation.num_speculative_tokens:
             return 2
-        count = len(scheduler.running) + len(scheduler.waiting)
-        if fourth and count <= min(fourth, third):
-            return 4
-        return 3 if count <= third else 2
+        return steps_in_flight(len(scheduler.running) + len(scheduler.waiting), self.config.third_step_max_seqs,
+                               self.config.fourth_step_max_seqs)
 
     def _log_restart(self) -> None:
         """Says what a worker restart costs: the requests it was computing (those still queued

@@ -337,7 +337,7 @@ def _preferred(times: dict[str, float], methods: dict[str, Method], rows: int,
     ran; else all of them."""
     weight = operands.weight
     bound = WHOLE_SLICE_FP8_MAX_BYTES if operands.fp8 else WHOLE_SLICE_MAX_BYTES
-    if rows <= WHOLE_SLICE_ROWS and 0 < weight.numel() * weight.element_size() <= bound:
+    if rows <= WHOLE_SLICE_ROWS and weight.numel() * weight.element_size() <= bound:
         whole = {name: t for name, t in times.items()
                  if isinstance(methods[name], Gemv) and whole_slice(methods[name].config, weight.shape[1])}
         if whole:
