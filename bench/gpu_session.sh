@@ -8,6 +8,7 @@
 #   fa4       install FlashAttention-4 (.whl/fa4a + .whl/fa4b) and run its tests and the attention bench
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
+#   single    one stream through the service with the fourth step in flight off and on in turn (v48)
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   spec-service  the same through the real processes (bench/stages/spec_service.py), flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES (their options in EXTRA)
@@ -48,6 +49,7 @@
 #   wholeslice  GEMVs that read their whole weight slice before the PDL wait (WORKER_GEMV_WHOLE_SLICE_ROWS, v46) at each
 #             row bound of WS_ORDER in turn (0 = off), one machine: Qwen3-0.6B decode at CASES (default 1/2/4/16 x 1024);
 #             WS_PROF=1 adds prof06 with them at one row
+#   decodeqk  pure-decode attention taking the raw qkv projection (WORKER_ATTENTION_DECODE_QK) off and on in turn (v48)
 #   ws8       Qwen3-8B FP8 at one row with whole-slice GEMVs allowed for FP8 weights up to WS8_MIB's bounds (v47)
 #   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
@@ -141,6 +143,27 @@ case ${1:-} in
         timeout ${TIMEOUT:-560} $PY -m bench.gpu_bench --out "$BENCH/$NAME" --model "$BENCH/model" \
             --stages ${STAGES:-service,offline} ${EXTRA:-} 2>&1 | tail -${LINES_OUT:-60}
         copy_logs "$NAME"
+        ;;
+    single) # one stream (and then SINGLE_STREAMS streams) through the service, the fourth step in flight off and
+            # on in turn (QWEN3_SERVE_FOURTH_STEP_MAX_SEQS=0 / 4, PERF_NOTES v47-v48), SINGLE_ORDER (default "0 4 0 4")
+        base
+        i=0
+        for fourth in ${SINGLE_ORDER:-0 4 0 4}; do
+            i=$((i + 1))
+            for streams in 1 ${SINGLE_STREAMS:-}; do
+                QWEN3_SERVE_FOURTH_STEP_MAX_SEQS=$fourth NAME=single-$i-$fourth-$streams STAGES=service \
+                    EXTRA="--stream-intervals 1 --num-requests $streams --min-len 1000 --max-len 1024 --client-processes 1" \
+                    TIMEOUT=${TIMEOUT:-200} LINES_OUT=2 bash "$0" bench
+            done
+        done
+        $PY - "$BENCH" <<'PY'
+import json, pathlib, sys
+print("run                 tok/s  TTFT p50 ms  TPOT p50 ms")
+for path in sorted(pathlib.Path(sys.argv[1]).glob("single-*/service.json")):
+    r = json.loads(path.read_text())["result"]
+    print(f"{path.parent.name:18} {r['output_tokens'] / r['seconds']:6.0f} {r['ttft_median_s'] * 1e3:12.1f}"
+          f" {(r['tpot_median_s'] or 0) * 1e3:12.2f}")
+PY
         ;;
     kv)     # the service with a bf16 and an FP8 KV cache, side by side (issue 24's ratio)
         base
@@ -327,6 +350,29 @@ PY
         done
         if [[ -n ${WS_PROF:-} ]]; then
             WORKER_GEMV_WHOLE_SLICE_ROWS=1 PROFILE_LINES=30 profile_table prof-ws \
+                ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"
+        fi
+        ;;
+    decodeqk)   # pure-decode attention launches taking the raw qkv projection (q/k norm, RoPE and the K/V store in the
+                # launch, WORKER_ATTENTION_DECODE_QK, PERF_NOTES v48) off and on in turn (QK_ORDER): Qwen3-0.6B decode
+                # at CASES; QK_TESTS=1 first runs its GPU tests; QK_PROF=1 adds prof06 with it at one row
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        if [[ -n ${QK_TESTS:-} ]]; then
+            TESTS="tests/unit/test_decode_qk.py tests/unit/test_triton_decode_kernel.py tests/unit/test_kv_cache_fp8.py
+                tests/unit/test_cuda_graphs.py" LINES_OUT=8 TIMEOUT=240 bash "$0" tests
+        fi
+        for n in ${QK_ORDER:-0 1 0 1}; do
+            mkdir -p "/tmp/qk-$n" && cp "$BENCH/bandwidth.json" "/tmp/qk-$n/" 2>/dev/null
+            WORKER_ATTENTION_DECODE_QK=$n timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench \
+                --out "/tmp/qk-$n" --model "$BENCH/model" --stages decode \
+                --decode-cases ${CASES:-1x1024,16x1024,64x1024,256x1024} --decode-measured-steps 60 2>&1 \
+                | grep -v "^ *$" | tail -${LINES_OUT:-6} | sed "s/^/decode_qk=$n: /"
+            cp "/tmp/qk-$n/decode.json" "$OUT/decode-qk$n-$(date +%s).json" 2>/dev/null
+            rm -rf "/tmp/qk-$n"
+        done
+        if [[ -n ${QK_PROF:-} ]]; then
+            WORKER_ATTENTION_DECODE_QK=1 PROFILE_LINES=30 profile_table prof-qk \
                 ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"
         fi
         ;;

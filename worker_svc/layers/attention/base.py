@@ -21,11 +21,14 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from worker_svc.layers.attention.kv_quant import KVScales
+
+if TYPE_CHECKING:
+    from worker_svc.layers.attention.decode_qk import DecodeQK
 
 
 # Pure-decode steps of at least this many requests hand their attention programs out longest context
@@ -88,6 +91,9 @@ class AttentionBackend(Protocol):
     # The KV block sizes it takes are the multiples of this (1: any).
     block_size_multiple: int
     reads_fp8_kv: bool           # it can read a float8_e4m3fn cache (with KVScales)
+    # Its pure-decode launch can take the packed qkv projection as it left the projection and do Qwen3's q/k
+    # norm, RoPE and the K/V store itself (`attend_decode_qk`, attention/decode_qk.py); False: the caller does.
+    fuses_decode_qk: bool
 
     def variant_request_counts(self, num_kv_heads: int, max_requests: int, kv_fp8: bool,
                                device: torch.device) -> tuple[Sequence[int], Sequence[int]]:
@@ -113,4 +119,10 @@ class AttentionBackend(Protocol):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         """Attention over a cache that already holds the step's K/V."""
+        ...
+
+    def attend_decode_qk(self, q: torch.Tensor, qk: "DecodeQK", k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        """A pure-decode step's attention from the raw projection (q its q part, qk the rest): the q/k
+        norm, RoPE and K/V store, then attention. Only where fuses_decode_qk."""
         ...

@@ -49,6 +49,7 @@ class FlashAttentionBackend:
     name = "flash_attn"
     supports_cuda_graphs = True
     block_size_multiple = 1
+    fuses_decode_qk = False
     reads_fp8_kv = False
 
     def variant_request_counts(self, num_kv_heads: int, max_requests: int, kv_fp8: bool,

@@ -2,11 +2,16 @@
 its scales) to a backend."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from worker_svc.layers.attention.base import AttentionBackend, AttentionMetadata
 from worker_svc.layers.attention.kv_quant import KVScales
+
+if TYPE_CHECKING:
+    from worker_svc.layers.attention.decode_qk import DecodeQK
 
 
 class PagedAttention(nn.Module):
@@ -27,3 +32,8 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attends over this layer's cache, which already holds the step's K/V."""
         return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
+
+    def attend_decode_qk(self, q: torch.Tensor, qk: "DecodeQK", meta: AttentionMetadata) -> torch.Tensor:
+        """A pure-decode step from the raw projection: the backend stores its K/V and attends
+        (backend.fuses_decode_qk)."""
+        return self.backend.attend_decode_qk(q, qk, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)

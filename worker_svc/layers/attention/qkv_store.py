@@ -17,7 +17,7 @@ import triton.language as tl
 
 from worker_svc.layers import pdl_launch
 from worker_svc.layers.attention.kv_quant import KVScales, is_fp8
-from worker_svc.layers.attention.triton_kernels import _to_cache
+from worker_svc.layers.attention.decode_qk import to_cache
 from worker_svc.layers.fused_kernels import qk_norm_rope_tile
 from worker_svc.layers.pdl_launch import pdl_start
 
@@ -56,8 +56,8 @@ def _qk_norm_rope_store_kernel(
     if KV_FP8:
         k_inv = tl.load(k_inv_ptr + kv_head, mask=heads < num_heads, other=1.0)[:, None]
     k_dst = k_cache_ptr + cache_row + (kv_head * stride_ch)[:, None] + cols[None, :]
-    tl.store(k_dst, _to_cache(y1, k_inv, k_cache_ptr, KV_FP8), mask=k_mask)
-    tl.store(k_dst + HALF, _to_cache(y2, k_inv, k_cache_ptr, KV_FP8), mask=k_mask)
+    tl.store(k_dst, to_cache(y1, k_inv, k_cache_ptr, KV_FP8), mask=k_mask)
+    tl.store(k_dst + HALF, to_cache(y2, k_inv, k_cache_ptr, KV_FP8), mask=k_mask)
 
     # V: the kv heads after q and k, whole head_dim per row.
     kv_rows = tl.arange(0, KV_HEADS_PAD)
@@ -68,7 +68,7 @@ def _qk_norm_rope_store_kernel(
     if KV_FP8:
         v_inv = tl.load(v_inv_ptr + kv_rows, mask=kv_rows < NUM_KV_HEADS, other=1.0)[:, None]
     v_dst = v_cache_ptr + cache_row + (kv_rows * stride_ch)[:, None] + dims[None, :]
-    tl.store(v_dst, _to_cache(v, v_inv, v_cache_ptr, KV_FP8), mask=v_mask)
+    tl.store(v_dst, to_cache(v, v_inv, v_cache_ptr, KV_FP8), mask=v_mask)
 
 
 def _pow2(n: int) -> int:

@@ -1,12 +1,14 @@
 """Attention through this project's Triton kernels (triton_kernels.py): the GPU path when
 flash-attn is not installed. Mixed prefill/decode batches take one varlen launch; pure-decode
 batches take the split-K decode launch, whose shape depends only on the batch size, so it can be
-captured in a CUDA graph. Reads bfloat16, float32 and FP8 caches."""
+captured in a CUDA graph; it also takes a pure-decode step's raw qkv projection and does the q/k
+norm, RoPE and K/V store itself (decode_qk.py). Reads bfloat16, float32 and FP8 caches."""
 from __future__ import annotations
 
 import torch
 
 from worker_svc.layers.attention.base import AttentionMetadata
+from worker_svc.layers.attention.decode_qk import DecodeQK
 from worker_svc.layers.attention.kv_quant import KVScales
 from worker_svc.layers.attention.triton_kernels import decode_variant_counts, paged_attention, store_kv_cache
 
@@ -17,6 +19,7 @@ class TritonAttentionBackend:
     supports_cuda_graphs = True
     block_size_multiple = 1
     reads_fp8_kv = True
+    fuses_decode_qk = True
 
     def variant_request_counts(self, num_kv_heads: int, max_requests: int, kv_fp8: bool,
                                device: torch.device) -> tuple[list[int], list[int]]:
@@ -33,3 +36,9 @@ class TritonAttentionBackend:
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                scale, pure_decode=meta.is_pure_decode, kv_scales=kv_scales,
                                decode_order=meta.decode_order)
+
+    def attend_decode_qk(self, q: torch.Tensor, qk: DecodeQK, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        assert meta.is_pure_decode
+        return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                               scale, pure_decode=True, kv_scales=kv_scales, decode_order=meta.decode_order, qk=qk)

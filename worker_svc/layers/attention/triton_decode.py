@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from worker_svc.layers.attention import decode_qk
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _write_result
 from worker_svc.layers.pdl_launch import pdl_start
 
@@ -93,15 +94,18 @@ def _paged_decode_kernel(
     qk_scale, num_requests,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
+    q_weight_ptr, k_weight_ptr, cos_sin_ptr, slot_ptr, k_inv_ptr, v_inv_ptr, stride_rope, q_eps, k_eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     COLS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KV_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_DOT: tl.constexpr, TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    WAIT: tl.constexpr,
+    WAIT: tl.constexpr, FUSED_QK: tl.constexpr,
 ):
     # TRIGGER: the o projection after it may launch now (pdl_launch.pdl_triggers); WAIT: launched
-    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_launch.pdl_waits)
+    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store, or with FUSED_QK the qkv
+    # projection) first (pdl_launch.pdl_waits). FUSED_QK (pure decode only): q_ptr is the raw packed
+    # projection, whose q/k norm, RoPE and K/V store this launch does itself (decode_qk.py).
     pdl_start(TRIGGER, WAIT)
     request, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
@@ -120,8 +124,13 @@ def _paged_decode_kernel(
     head = kv_head * GROUP + cols
     dims = tl.arange(0, DIM_PAD)
     dim_valid = dims < HEAD_DIM
-    q_t = tl.load(q_ptr + token * stride_qt + head[None, :] * stride_qh + dims[:, None],
-                  mask=dim_valid[:, None] & col_valid[None, :], other=0.0)   # [DIM_PAD, COLS]
+    q_mask = dim_valid[:, None] & col_valid[None, :]
+    if FUSED_QK:
+        q_t = decode_qk.norm_rope(q_ptr + token * stride_qt + head[None, :] * stride_qh, dims[:, None] + cols[None, :] * 0,
+                                  q_mask, q_weight_ptr, cos_sin_ptr + token * stride_rope, q_eps, 0, HEAD_DIM // 2)
+    else:
+        q_t = tl.load(q_ptr + token * stride_qt + head[None, :] * stride_qh + dims[:, None], mask=q_mask,
+                      other=0.0)   # [DIM_PAD, COLS]
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     if not USE_DOT:  # CUDA-core products in float32
@@ -135,6 +144,12 @@ def _paged_decode_kernel(
         return
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(seq_len, kv_lo + kv_per_split)
+    if FUSED_QK:
+        if decode_qk.owns_new_key(split, seq_len, kv_per_split):
+            decode_qk.store_new_kv(q_ptr, token, kv_head, stride_qt, k_weight_ptr, cos_sin_ptr + token * stride_rope,
+                                   k_eps, slot_ptr, k_cache_ptr, v_cache_ptr, k_inv_ptr, v_inv_ptr, stride_cb,
+                                   stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DIM_PAD, BLOCK_SIZE,
+                                   KV_FP8)
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for heads that see no key.
     m_i = tl.full([COLS], -1.0e30, tl.float32)
     l_i = tl.zeros([COLS], tl.float32)

@@ -40,7 +40,9 @@ import triton.language as tl
 
 from worker_svc.layers import pdl_launch
 from worker_svc.layers.attention import base as attention_base
-from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales, is_fp8
+from worker_svc.layers.attention import decode_qk
+from worker_svc.layers.attention.decode_qk import DecodeQK, to_cache
+from worker_svc.layers.attention.kv_quant import KVScales, is_fp8
 from worker_svc.layers.attention.triton_decode import F16_MAX, _grid_ids, _kv_tile, _paged_decode_kernel
 from worker_svc.layers.attention.triton_split_merge import _active_splits, _merge_splits_kernel, _write_result
 from worker_svc.layers.pdl_launch import pdl_start
@@ -98,19 +100,6 @@ STORE_TOKENS_PER_PROGRAM = 16
 MIN_DECODE_COLS = 8
 
 
-FP8_MAX = tl.constexpr(FP8_KV_MAX)
-
-
-@triton.jit
-def _to_cache(x, inv_scale, cache_ptr, KV_FP8: tl.constexpr):
-    """x as the cache stores it: for FP8, float32 x * inv_scale clamped and rounded to e4m3
-    (kv_quant.quantize); otherwise cast to the cache's type."""
-    if KV_FP8:
-        scaled = x.to(tl.float32) * inv_scale
-        return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX).to(cache_ptr.dtype.element_ty)
-    return x.to(cache_ptr.dtype.element_ty)
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_inv_ptr, v_inv_ptr, num_tokens,
@@ -136,9 +125,9 @@ def _store_kv_kernel(
         k_inv = tl.load(k_inv_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)[None, :]
         v_inv = tl.load(v_inv_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)[None, :]
     k = tl.load(k_ptr + rows * stride_kt + (heads * stride_kh + dims)[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, _to_cache(k, k_inv, k_cache_ptr, KV_FP8), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_inv, k_cache_ptr, KV_FP8), mask=mask)
     v = tl.load(v_ptr + rows * stride_vt + (heads * stride_vh + dims)[None, :], mask=mask)
-    tl.store(v_cache_ptr + dst, _to_cache(v, v_inv, v_cache_ptr, KV_FP8), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_inv, v_cache_ptr, KV_FP8), mask=mask)
 
 
 @triton.jit
@@ -168,15 +157,19 @@ def _paged_attention_kernel(
     qk_scale, num_requests,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
+    q_weight_ptr, k_weight_ptr, cos_sin_ptr, slot_ptr, k_inv_ptr, v_inv_ptr, stride_rope, q_eps, k_eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_ROWS: tl.constexpr, KV_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PURE_DECODE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_DECODES: tl.constexpr,
     TRIGGER: tl.constexpr, ORDERED: tl.constexpr, HEADS_FIRST: tl.constexpr, WAIT: tl.constexpr,
+    FUSED_QK: tl.constexpr,
 ):
     # TRIGGER: the o projection after it may launch now (pdl_launch.pdl_triggers); WAIT: launched
-    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store) first (pdl_launch.pdl_waits)
+    # with PDL, it waits for the kernel before it (the q/k norm + RoPE + store, or with FUSED_QK the qkv
+    # projection) first (pdl_launch.pdl_waits). FUSED_QK (pure decode only): q_ptr is the raw packed
+    # projection, whose q/k norm, RoPE and K/V store this launch does itself (decode_qk.py).
     pdl_start(TRIGGER, WAIT)
     tile, kv_head = _grid_ids(HEADS_FIRST)
     split = tl.program_id(2)
@@ -211,8 +204,14 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
 
     token = (q_start + q_index).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    if FUSED_QK:
+        q = decode_qk.norm_rope(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh,
+                                dims[None, :] + rows[:, None] * 0, q_mask, q_weight_ptr,
+                                cos_sin_ptr + token[:, None] * stride_rope, q_eps, 1, HEAD_DIM // 2)
+    else:
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask,
+                    other=0.0)
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     if DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
@@ -226,6 +225,12 @@ def _paged_attention_kernel(
         return
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
+    if FUSED_QK:
+        if decode_qk.owns_new_key(split, seq_len, kv_per_split):
+            decode_qk.store_new_kv(q_ptr, request.to(tl.int64), kv_head, stride_qt, k_weight_ptr,
+                                   cos_sin_ptr + request.to(tl.int64) * stride_rope, k_eps, slot_ptr, k_cache_ptr,
+                                   v_cache_ptr, k_inv_ptr, v_inv_ptr, stride_cb, stride_cs, stride_ch, NUM_HEADS,
+                                   NUM_KV_HEADS, HEAD_DIM, DIM_PAD, BLOCK_SIZE, KV_FP8)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for rows that see no key.
     m_i = tl.full([TILE_ROWS], -1.0e30, tl.float32)
@@ -388,6 +393,7 @@ class _Step:
     scale: float
     scales: KVScales | None
     order: torch.Tensor | None = None   # pure decode: the requests longest first (AttentionMetadata.decode_order)
+    qk: DecodeQK | None = None          # pure decode: q is the raw projection's, normed, rotated and stored here
 
     @property
     def num_requests(self) -> int:
@@ -406,7 +412,8 @@ class _Step:
                 self.query_start_loc, self.seq_lens, self.block_tables,
                 self.scale * LOG2_E, self.num_requests,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), self.block_tables.stride(0))
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), self.block_tables.stride(0),
+                *(self.qk.args(scales) if self.qk else decode_qk.placeholder_args(out)))
 
     def constants(self) -> dict:
         """The compile-time arguments both attention kernels take."""
@@ -420,7 +427,7 @@ class _Step:
             # score; larger ones saturate); e4m3 -> f16 is the cheap conversion. float32 models
             # (CPU-style tests, debugging) get exact products, not tf32.
             DOT_F16=self.scales is not None and self.q.dtype != torch.float32,
-            DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32")
+            DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32", FUSED_QK=self.qk is not None)
 
     @property
     def dim_pad(self) -> int:
@@ -432,7 +439,7 @@ def paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, *, pure_decode: bool, num_splits: int | None = None, kv_scales: KVScales | None = None,
     launch: LaunchConfig | None = None, fused_merge: bool | None = None, decodes_apart: bool | None = None,
-    decode_order: torch.Tensor | None = None,
+    decode_order: torch.Tensor | None = None, qk: DecodeQK | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache (see base.py).
     pure_decode: every request has exactly one query token (then num_tokens == batch).
@@ -442,14 +449,19 @@ def paged_attention(
     FUSED_SPLIT_MERGE, mixed_decodes_apart), for benchmarks and tests; in a mixed batch `launch`
     is the tile launch's. decode_order: a pure-decode step's requests in the order its programs
     should start, longest context first (AttentionMetadata.decode_order): the launch's last wave
-    then holds short contexts instead of a few long ones that end it alone."""
+    then holds short contexts instead of a few long ones that end it alone. qk (pure decode only): q is
+    the packed projection's q part as it left the projection, and the launch does the q/k norm, RoPE
+    and the step's K/V store itself (decode_qk.py)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.dtype == v_cache.dtype
+    if qk is not None:
+        assert pure_decode, "only a pure-decode launch takes the raw projection"
+        qk.check(q, k_cache.shape[2])
     step = _Step(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-                 _fp8_scales(k_cache, kv_scales), decode_order if pure_decode else None)
+                 _fp8_scales(k_cache, kv_scales), decode_order if pure_decode else None, qk)
     fp8 = step.scales is not None
     fused_merge = FUSED_SPLIT_MERGE if fused_merge is None else fused_merge
     if pure_decode:
