@@ -28,12 +28,12 @@ def _faithful_interpreter():
         yield
 
 
-def decode_step(seed: int, dtype: torch.dtype, fp8: bool, group: int, head_dim: int, pad: bool):
-    """(the case, its scales or None, qkv, q_norm, k_norm, cos_sin): a random pure-decode step
-    (contexts of 0..40 tokens before the new one), its projection, and for `pad` one more request
-    as CUDA-graph padding (length 0, slot -1)."""
+def decode_step(seed: int, dtype: torch.dtype, fp8: bool, group: int, head_dim: int, pad: bool, batch: int = 3):
+    """(the case, its scales or None, qkv, q_norm, k_norm, cos_sin): a random pure-decode step of
+    `batch` requests (an FP8 cache's: fp8_case's; contexts of 0..40 tokens before the new one), its
+    projection, and for `pad` one more request as CUDA-graph padding (length 0, slot -1)."""
     rng = random.Random(seed)
-    context_lens, query_lens = decode_batch(rng, 40, 3)
+    context_lens, query_lens = decode_batch(rng, 40, batch)
     if fp8:
         case, scales = fp8_case(rng, "decode", dtype, group=group)
     else:
@@ -59,27 +59,30 @@ def decode_step(seed: int, dtype: torch.dtype, fp8: bool, group: int, head_dim: 
     return case, scales, qkv, q_norm, k_norm, cos_sin
 
 
-CASES = [   # (dtype, fp8 cache, launch kernel or None for the table's, splits, fused merge, pad)
-    (torch.float32, False, None, 1, True, False),
-    (torch.bfloat16, False, None, 4, True, True),
-    (torch.float32, False, None, 4, False, False),
-    (torch.bfloat16, True, None, 1, True, True),
-    (torch.float32, True, "gqa", 4, True, False),
-    (torch.bfloat16, True, "gqa-fma", 4, False, True),
-    (torch.bfloat16, False, "gqa", 2, True, False),
+CASES = [   # (dtype, fp8 cache, launch kernel or None for the table's, splits, fused merge, pad, requests)
+    (torch.float32, False, None, 1, True, False, 1),   # one row: its q view's row stride is not the projection's
+    (torch.bfloat16, False, None, 8, True, False, 1),
+    (torch.float32, False, None, 1, True, False, 3),
+    (torch.bfloat16, False, None, 4, True, True, 3),
+    (torch.float32, False, None, 4, False, False, 3),
+    (torch.bfloat16, True, None, 1, True, True, 3),
+    (torch.float32, True, "gqa", 4, True, False, 3),
+    (torch.bfloat16, True, "gqa-fma", 4, False, True, 3),
+    (torch.bfloat16, False, "gqa", 2, True, False, 3),
 ]
 
 
-@pytest.mark.parametrize("dtype,fp8,kernel,splits,fused_merge,pad", CASES,
+@pytest.mark.parametrize("dtype,fp8,kernel,splits,fused_merge,pad,requests", CASES,
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_the_launch_from_the_raw_projection_leaves_what_the_separate_kernel_leaves(dtype, fp8, kernel, splits,
-                                                                                      fused_merge, pad):
+                                                                                      fused_merge, pad, requests):
     k = kernels()
     from worker_svc.layers.attention import qkv_store
     from worker_svc.layers.attention.decode_qk import DecodeQK
 
     seed = draw_seed()   # (ATTN_TEST_SEED=seed reruns a failure)
-    case, scales, qkv, q_norm, k_norm, cos_sin = decode_step(seed, dtype, fp8, group=2, head_dim=32, pad=pad)
+    case, scales, qkv, q_norm, k_norm, cos_sin = decode_step(seed, dtype, fp8, group=2, head_dim=32, pad=pad,
+                                                             batch=requests)
     m = case.meta
     num_heads, num_kv_heads, head_dim = case.q.shape[1], case.k_cache.shape[2], case.q.shape[2]
     weights = (q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE))

@@ -44,7 +44,9 @@ class DecodeQK:
         num_tokens, num_heads, head_dim = q.shape
         width = (num_heads + 2 * num_kv_heads) * head_dim
         assert head_dim % 2 == 0 and self.qkv.shape == (num_tokens, width) and self.qkv.stride(-1) == 1
-        assert q.data_ptr() == self.qkv.data_ptr() and q.stride() == (self.qkv.stride(0), head_dim, 1), \
+        # (a one-row view may carry any row stride: its row 0 is the only one read)
+        own = q.data_ptr() == self.qkv.data_ptr() and q.stride()[1:] == (head_dim, 1)
+        assert own and (num_tokens == 1 or q.stride(0) == self.qkv.stride(0)), \
             "q must be the packed projection's own q part"
         assert self.cos_sin.shape == (num_tokens, head_dim) and self.cos_sin.stride(-1) == 1
         assert self.slot_mapping.shape == (num_tokens,)
