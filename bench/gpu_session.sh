@@ -359,8 +359,8 @@ PY
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
         if [[ -n ${QK_TESTS:-} ]]; then
-            TESTS="tests/unit/test_decode_qk.py tests/unit/test_triton_decode_kernel.py tests/unit/test_kv_cache_fp8.py
-                tests/unit/test_cuda_graphs.py" LINES_OUT=8 TIMEOUT=240 bash "$0" tests
+            TESTS="tests/unit/test_decode_qk.py tests/unit/test_triton_decode_kernel.py tests/unit/test_fused_kernels.py" \
+                LINES_OUT=8 TIMEOUT=200 bash "$0" tests
         fi
         for n in ${QK_ORDER:-0 1 0 1}; do
             mkdir -p "/tmp/qk-$n" && cp "$BENCH/bandwidth.json" "/tmp/qk-$n/" 2>/dev/null
