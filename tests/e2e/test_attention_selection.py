@@ -174,7 +174,7 @@ def test_a_named_backend_that_cannot_run_is_an_error_naming_why():
 
 def test_every_backend_declares_the_facts_of_the_protocol():
     facts = set(typing.get_type_hints(AttentionBackend))
-    assert facts == {"name", "supports_cuda_graphs", "block_size_multiple", "reads_fp8_kv"}
+    assert facts == {"name", "supports_cuda_graphs", "block_size_multiple", "reads_fp8_kv", "fuses_decode_qk"}
     for module_name, class_name in BACKEND_CLASSES.values():
         # Read from the source, as flash_attn's module imports only where FlashAttention-4 is installed.
         tree = ast.parse(pathlib.Path(importlib.util.find_spec(module_name).origin).read_text())
@@ -183,6 +183,10 @@ def test_every_backend_declares_the_facts_of_the_protocol():
         assert facts <= declared, f"{class_name} does not declare {sorted(facts - declared)}"
         methods = {node.name for node in cls.body if isinstance(node, ast.FunctionDef)}
         assert {"forward", "attend", "variant_request_counts"} <= methods, class_name
+        fuses = [node.value.value for node in cls.body if isinstance(node, ast.Assign)
+                 for target in node.targets if target.id == "fuses_decode_qk"]
+        assert fuses in ([True], [False]), class_name
+        assert fuses == [("attend_decode_qk" in methods)], f"{class_name}: fuses_decode_qk and attend_decode_qk disagree"
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16", "fp8"])
