@@ -359,7 +359,7 @@ PY
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
         if [[ -n ${QK_TESTS:-} ]]; then
-            TESTS="tests/unit/test_decode_qk.py tests/unit/test_triton_decode_kernel.py tests/unit/test_fused_kernels.py" \
+            TESTS=${QK_TEST_FILES:-"tests/unit/test_decode_qk.py tests/unit/test_triton_decode_kernel.py tests/unit/test_fused_kernels.py"} \
                 LINES_OUT=8 TIMEOUT=200 bash "$0" tests
         fi
         for n in ${QK_ORDER:-0 1 0 1}; do
