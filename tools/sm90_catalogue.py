@@ -232,15 +232,14 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
         def model_path(step_tensors) -> None:
             """As the model runs a layer on CUDA (rotary.attend_qkv): the packed qkv projection
             normalised, rotated and stored in one kernel, then the backend attends over q, a view; a
-            pure-decode step's launch takes the projection itself (decode_qk.py)."""
+            pure-decode step's launch may take the projection itself (decode_qk.py)."""
             q, _, _, k_cache, v_cache, meta = step_tensors
             qkv = torch.randn(q.shape[0], (heads + 2 * kv_heads) * head_dim, dtype=bf16)
             cos_sin = torch.randn(q.shape[0], head_dim)
-            if decode_qk.ENABLED and meta.is_pure_decode:
+            if meta.is_pure_decode:   # both, whichever WORKER_ATTENTION_DECODE_QK picks
                 raw_q = qkv[:, :heads * head_dim].view(-1, heads, head_dim)
                 qk = decode_qk.DecodeQK(qkv, q_weight, k_weight, 1e-6, 1e-6, cos_sin, meta.slot_mapping)
                 backend.attend_decode_qk(raw_q, qk, k_cache, v_cache, meta, scale, scales)
-                return
             q_view = qkv_store.qk_norm_rope_store(qkv, q_weight, k_weight, 1e-6, 1e-6, cos_sin, heads, kv_heads,
                                                   k_cache, v_cache, meta.slot_mapping, scales)
             backend.attend(q_view, k_cache, v_cache, meta, scale, scales)

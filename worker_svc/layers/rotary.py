@@ -90,7 +90,8 @@ def attend_qkv(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos_sin: tor
     """Attention output [num_tokens, num_heads, head_dim] of a packed [q | k | v] projection:
     Qwen3's q/k norm and RoPE, the step's K/V into attn's cache, then attention. On CUDA one
     kernel does all but the attention (attention/qkv_store.py) and the backend only attends; a
-    pure-decode step's attention launch does it all where its backend can (attention/decode_qk.py)."""
+    pure-decode step's attention launch does it all where its backend can and WORKER_ATTENTION_DECODE_QK
+    asks (attention/decode_qk.py)."""
     if qkv.is_cuda:
         from worker_svc.layers import fused_kernels   # imports Triton, which CUDA installs have
 

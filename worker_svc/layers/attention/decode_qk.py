@@ -11,7 +11,8 @@ a CTA barrier orders the store before the program's own loads, and no other prog
 position. Values round where the torch path rounds (fused_kernels.qk_norm_rope_tile), so the cache
 holds the unfused path's bytes but where a float32 sum's order flips a rounding.
 
-WORKER_ATTENTION_DECODE_QK=0 keeps the separate kernel (for comparisons).
+Off by default until a GPU has measured it (PERF_NOTES v48: built and checked under the interpreter and
+compiled for sm_90, no device time left to time it): WORKER_ATTENTION_DECODE_QK=1 turns it on.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales
 
-ENABLED = os.environ.get("WORKER_ATTENTION_DECODE_QK", "1") != "0"
+ENABLED = os.environ.get("WORKER_ATTENTION_DECODE_QK", "0") == "1"
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
 
 
