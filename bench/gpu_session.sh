@@ -92,6 +92,24 @@ profile_table() {   # NAME TIMEOUT EXTRA: the profile stage's tables (top kernel
     STAGE=profile NAME=$1 TIMEOUT=$2 LINES_OUT=130 EXTRA="$3" bash "$0" stage 2>&1 | grep "profile (\|  .*%  \|device busy" | head -${PROFILE_LINES:-90}
 }
 
+decode_ab() {   # VAR TAG "VALUES" CASES [HOOK]: Qwen3-0.6B pipelined decode at CASES with the environment's VAR at each
+                # of VALUES in turn, one machine; HOOK (a function) gets each run's directory before it is removed
+    local var=$1 tag=$2 values=$3 cases=$4 hook=${5:-}
+    for n in $values; do
+        mkdir -p "/tmp/$tag-$n" && cp "$BENCH/bandwidth.json" "/tmp/$tag-$n/" 2>/dev/null
+        env "$var=$n" timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/$tag-$n" --model "$BENCH/model" \
+            --stages decode --decode-cases "$cases" --decode-measured-steps 60 2>&1 \
+            | grep -v "^ *$" | tail -${LINES_OUT:-6} | sed "s/^/$var=$n: /"
+        [[ -n $hook ]] && $hook "/tmp/$tag-$n" | sed "s/^/$var=$n: /"
+        cp "/tmp/$tag-$n/decode.json" "$OUT/decode-$tag$n-$(date +%s).json" 2>/dev/null
+        rm -rf "/tmp/$tag-$n"
+    done
+}
+
+one_row_linear() {   # DIR: the one-row choice of each linear kind in a run's logs
+    grep -rhao "linear [a-z_]* .*ms per call by rows: 1: [^;]*" "$1" | head -6
+}
+
 with_floor() {  # the bandwidth measured by `checkpoint`, for the floor in the tables
     mkdir -p "$BENCH/$1" && cp "$BENCH/bandwidth.json" "$BENCH/$1/" 2>/dev/null
     true
@@ -338,16 +356,8 @@ PY
                   # WS_PROF=1: prof06 with them at one row
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
-        for n in ${WS_ORDER:-0 1 1 0}; do
-            mkdir -p "/tmp/ws-$n" && cp "$BENCH/bandwidth.json" "/tmp/ws-$n/" 2>/dev/null
-            WORKER_GEMV_WHOLE_SLICE_ROWS=$n timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench \
-                --out "/tmp/ws-$n" --model "$BENCH/model" --stages decode \
-                --decode-cases ${CASES:-1x1024,2x1024,4x1024,16x1024} --decode-measured-steps 60 2>&1 \
-                | grep -v "^ *$" | tail -${LINES_OUT:-6} | sed "s/^/whole=$n: /"
-            grep -rhao "linear [a-z_]* .*ms per call by rows: 1: [^;]*" "/tmp/ws-$n" | head -6 | sed "s/^/whole=$n: /"
-            cp "/tmp/ws-$n/decode.json" "$OUT/decode-ws$n-$(date +%s).json" 2>/dev/null
-            rm -rf "/tmp/ws-$n"
-        done
+        decode_ab WORKER_GEMV_WHOLE_SLICE_ROWS ws "${WS_ORDER:-0 1 1 0}" "${CASES:-1x1024,2x1024,4x1024,16x1024}" \
+            one_row_linear
         if [[ -n ${WS_PROF:-} ]]; then
             WORKER_GEMV_WHOLE_SLICE_ROWS=1 PROFILE_LINES=30 profile_table prof-ws \
                 ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"
@@ -362,15 +372,7 @@ PY
             TESTS=${QK_TEST_FILES:-"tests/unit/test_decode_qk.py tests/unit/test_triton_decode_kernel.py tests/unit/test_fused_kernels.py"} \
                 LINES_OUT=8 TIMEOUT=200 bash "$0" tests
         fi
-        for n in ${QK_ORDER:-0 1 0 1}; do
-            mkdir -p "/tmp/qk-$n" && cp "$BENCH/bandwidth.json" "/tmp/qk-$n/" 2>/dev/null
-            WORKER_ATTENTION_DECODE_QK=$n timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench \
-                --out "/tmp/qk-$n" --model "$BENCH/model" --stages decode \
-                --decode-cases ${CASES:-1x1024,16x1024,64x1024,256x1024} --decode-measured-steps 60 2>&1 \
-                | grep -v "^ *$" | tail -${LINES_OUT:-6} | sed "s/^/decode_qk=$n: /"
-            cp "/tmp/qk-$n/decode.json" "$OUT/decode-qk$n-$(date +%s).json" 2>/dev/null
-            rm -rf "/tmp/qk-$n"
-        done
+        decode_ab WORKER_ATTENTION_DECODE_QK qk "${QK_ORDER:-0 1 0 1}" "${CASES:-1x1024,16x1024,64x1024,256x1024}"
         if [[ -n ${QK_PROF:-} ]]; then
             WORKER_ATTENTION_DECODE_QK=1 PROFILE_LINES=30 profile_table prof-qk \
                 ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"
