@@ -121,7 +121,7 @@ case ${1:-} in
         base
         # -o addopts=: the GPU image's python may lack the plugins pyproject.toml names (xdist, timeout)
         timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider -o addopts= ${TESTS:-tests/unit/test_gpu_pipelined_runner.py \
-            tests/unit/test_drafting_graphs.py tests/unit/test_fused_kernels.py tests/unit/test_cuda_graphs.py tests/unit/test_attention_backends.py \
+            tests/unit/test_drafting_graphs.py tests/unit/test_fused_kernels.py tests/unit/test_decode_qk.py tests/unit/test_cuda_graphs.py tests/unit/test_attention_backends.py \
             tests/unit/test_moe_kernels.py tests/unit/test_fp8_kernels.py} 2>&1 | tail -${LINES_OUT:-40}
         ;;
     smoke)
