@@ -125,18 +125,11 @@ def _paged_decode_kernel(
     dims = tl.arange(0, DIM_PAD)
     dim_valid = dims < HEAD_DIM
     q_mask = dim_valid[:, None] & col_valid[None, :]
-    if FUSED_QK:
-        q_t = decode_qk.norm_rope(q_ptr + token * stride_qt + head[None, :] * stride_qh, dims[:, None] + cols[None, :] * 0,
-                                  q_mask, q_weight_ptr, cos_sin_ptr + token * stride_rope, q_eps, 0, HEAD_DIM // 2)
-    else:
+    if not FUSED_QK:
         q_t = tl.load(q_ptr + token * stride_qt + head[None, :] * stride_qh + dims[:, None], mask=q_mask,
                       other=0.0)   # [DIM_PAD, COLS]
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    if not USE_DOT:  # CUDA-core products in float32
-        q_t = q_t.to(tl.float32)
-    elif DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
-        q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     kv_per_split = tl.cdiv(tl.cdiv(seq_len, KV_TILE), NUM_SPLITS) * KV_TILE
     active = _active_splits(seq_len, kv_per_split, NUM_SPLITS, FUSED_MERGE)
@@ -144,12 +137,18 @@ def _paged_decode_kernel(
         return
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(seq_len, kv_lo + kv_per_split)
-    if FUSED_QK:
+    if FUSED_QK:   # after the return above: a split without keys has no use for q
+        q_t = decode_qk.norm_rope(q_ptr + token * stride_qt + head[None, :] * stride_qh, dims[:, None] + cols[None, :] * 0,
+                                  q_mask, q_weight_ptr, cos_sin_ptr + token * stride_rope, q_eps, 0, HEAD_DIM // 2)
         if decode_qk.owns_new_key(split, seq_len, kv_per_split):
             decode_qk.store_new_kv(q_ptr, token, kv_head, stride_qt, k_weight_ptr, cos_sin_ptr + token * stride_rope,
                                    k_eps, slot_ptr, k_cache_ptr, v_cache_ptr, k_inv_ptr, v_inv_ptr, stride_cb,
                                    stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DIM_PAD, BLOCK_SIZE,
                                    KV_FP8)
+    if not USE_DOT:  # CUDA-core products in float32
+        q_t = q_t.to(tl.float32)
+    elif DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
+        q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for heads that see no key.
     m_i = tl.full([COLS], -1.0e30, tl.float32)
     l_i = tl.zeros([COLS], tl.float32)

@@ -205,17 +205,11 @@ def _paged_attention_kernel(
 
     token = (q_start + q_index).to(tl.int64)
     q_mask = row_valid[:, None] & dim_valid[None, :]
-    if FUSED_QK:
-        q = decode_qk.norm_rope(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh,
-                                dims[None, :] + rows[:, None] * 0, q_mask, q_weight_ptr,
-                                cos_sin_ptr + token[:, None] * stride_rope, q_eps, 1, HEAD_DIM // 2)
-    else:
+    if not FUSED_QK:
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask,
                     other=0.0)
     if KV_FP8:  # scores and values come out in stored units: the scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    if DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     # Keys this tile needs: up to the position of its last query token; then this split's slice.
     kv_end = tl.minimum(context_len + (q_tile + 1) * BLOCK_Q, seq_len)
@@ -225,12 +219,17 @@ def _paged_attention_kernel(
         return
     kv_lo = split * kv_per_split
     kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
-    if FUSED_QK:
+    if FUSED_QK:   # after the return above: a split without keys has no use for q
+        q = decode_qk.norm_rope(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh,
+                                dims[None, :] + rows[:, None] * 0, q_mask, q_weight_ptr,
+                                cos_sin_ptr + token[:, None] * stride_rope, q_eps, 1, HEAD_DIM // 2)
         if decode_qk.owns_new_key(split, seq_len, kv_per_split):
             decode_qk.store_new_kv(q_ptr, request.to(tl.int64), kv_head, stride_qt, k_weight_ptr,
                                    cos_sin_ptr + request.to(tl.int64) * stride_rope, k_eps, slot_ptr, k_cache_ptr,
                                    v_cache_ptr, k_inv_ptr, v_inv_ptr, stride_cb, stride_cs, stride_ch, NUM_HEADS,
                                    NUM_KV_HEADS, HEAD_DIM, DIM_PAD, BLOCK_SIZE, KV_FP8)
+    if DOT_F16:  # e4m3 -> f16 is one instruction per pair (-> bf16 costs one more per element)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for rows that see no key.
     m_i = tl.full([TILE_ROWS], -1.0e30, tl.float32)
