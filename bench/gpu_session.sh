@@ -369,7 +369,8 @@ PY
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
         if [[ -n ${QK_TESTS:-} ]]; then
-            TESTS=${QK_TEST_FILES:-"tests/unit/test_decode_qk.py tests/unit/test_triton_decode_kernel.py tests/unit/test_fused_kernels.py"} \
+            TESTS=${QK_TEST_FILES:-"tests/unit/test_decode_qk.py tests/unit/test_triton_decode_kernel.py tests/unit/test_fused_kernels.py
+                tests/unit/test_gemv_kernels.py::test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches"} \
                 LINES_OUT=8 TIMEOUT=200 bash "$0" tests
         fi
         decode_ab WORKER_ATTENTION_DECODE_QK qk "${QK_ORDER:-0 1 0 1}" "${CASES:-1x1024,16x1024,64x1024,256x1024}"

@@ -325,15 +325,17 @@ def test_the_chain_kernels_launch_plainly_without_a_hopper_or_with_the_chain_off
 
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("mode", ["chain", "whole-slice"])
+@pytest.mark.parametrize("mode", ["chain", "whole-slice", "raw-qkv"])
 def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, pdl_launch, rows, mode, monkeypatch):
     """Every kernel of a decode layer launched with PDL (pdl_launch.pdl_waits: the norms, the q/k
     norm + RoPE + store, attention, SwiGLU, as the GEMVs are), each waiting for the one before it:
     captured in a graph and replayed on new inputs, the layer equals its kernels launched plainly
     (WORKER_PDL_CHAIN=0, GEMVs without PDL), bit for bit, its KV cache's new rows included. Also with
-    GEMVs that read their whole weight slice before the wait (whole_slice_configs)."""
+    GEMVs that read their whole weight slice before the wait (whole_slice_configs), and with attention
+    taking the raw qkv projection (attention/decode_qk.py: the q/k norm, RoPE and store in its launch)."""
     gemv_kernels, fused_kernels = kernels
     from worker_svc.layers.attention import qkv_store, triton_kernels
+    from worker_svc.layers.attention.decode_qk import DecodeQK
     from worker_svc.layers.attention.selection import AttentionShape, synthetic_step
     from worker_svc.layers.linear_candidates import whole_slice_configs
 
@@ -367,10 +369,16 @@ def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, pdl_
         monkeypatch.setattr(pdl_launch, "PDL_CHAIN", pdl)
         assert pdl_launch.pdl_waits(device) == pdl
         h, res = fused_kernels.rms_norm(x, norms[0], 1e-6, residual)
-        q = qkv_store.qk_norm_rope_store(gemv_kernels.gemv(h, w_qkv, cfg(1024, pdl)), norms[2], norms[3], 1e-6, 1e-6,
-                                         cos_sin, 16, 8, k_cache, v_cache, meta.slot_mapping)
+        qkv = gemv_kernels.gemv(h, w_qkv, cfg(1024, pdl))
+        qk = None
+        if mode == "raw-qkv":
+            q = qkv[:, :16 * 128].view(rows, 16, 128)
+            qk = DecodeQK(qkv, norms[2], norms[3], 1e-6, 1e-6, cos_sin, meta.slot_mapping)
+        else:
+            q = qkv_store.qk_norm_rope_store(qkv, norms[2], norms[3], 1e-6, 1e-6, cos_sin, 16, 8, k_cache, v_cache,
+                                             meta.slot_mapping)
         attended = triton_kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                                  meta.block_tables, 128 ** -0.5, pure_decode=True)
+                                                  meta.block_tables, 128 ** -0.5, pure_decode=True, qk=qk)
         h, res = fused_kernels.rms_norm(gemv_kernels.gemv(attended.reshape(rows, -1), w_o, cfg(2048, pdl)), norms[1],
                                         1e-6, res)
         gate_up = gemv_kernels.gemv(h, w_gate_up, cfg(1024, pdl))
