@@ -40,6 +40,13 @@ SILU_BLOCK = 1024   # columns of the activation per program
 
 
 @triton.jit
+def rms_normed(x, rstd, weight, dtype: tl.constexpr):
+    """float32 x scaled by its inverse RMS, rounded to the model dtype, times the norm's float32 weight,
+    rounded again: where layernorm.py's RMSNorm (as transformers) rounds. Returned in the model dtype."""
+    return ((x * rstd).to(dtype).to(tl.float32) * weight).to(dtype)
+
+
+@triton.jit
 def _add_rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, stride_x, stride_r, stride_ro,
                       cols, mask, num_cols, eps, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """One row's RMSNorm (after the residual add, whose sum it stores) in the model dtype."""
@@ -52,8 +59,7 @@ def _add_rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, st
         x = total.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = (x * rstd).to(dtype).to(tl.float32)   # cast before the weight, as transformers does
-    return (normed * weight).to(dtype)
+    return rms_normed(x, rstd, weight, dtype)
 
 
 @triton.jit
@@ -158,8 +164,8 @@ def qk_norm_rope_tile(first, mask, heads, cols, q_weight_ptr, k_weight_ptr, cos_
     w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :],
                   tl.load(k_weight_ptr + HALF + cols, mask=col_mask, other=0.0)[None, :]).to(tl.float32)
     # RMSNorm as layernorm.py rounds it (normed, then times the weight), then RoPE in float32.
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    n1 = rms_normed(x1, rstd, w1, dtype).to(tl.float32)
+    n2 = rms_normed(x2, rstd, w2, dtype).to(tl.float32)
     cos = tl.load(cos_sin_row + cols, mask=col_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_row + HALF + cols, mask=col_mask, other=0.0)[None, :]
     return (n1 * cos - n2 * sin).to(dtype), (n2 * cos + n1 * sin).to(dtype)

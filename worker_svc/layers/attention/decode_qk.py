@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales
+from worker_svc.layers.fused_kernels import rms_normed
 
 ENABLED = os.environ.get("WORKER_ATTENTION_DECODE_QK", "0") == "1"
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
@@ -86,8 +87,8 @@ def norm_rope(head_ptr, dim, mask, weight_ptr, cos_sin_row, eps, AXIS: tl.conste
     rstd = tl.expand_dims(tl.rsqrt(tl.sum(x * x, AXIS) / (2 * HALF) + eps), AXIS)
     w = tl.load(weight_ptr + dim, mask=mask, other=0.0).to(tl.float32)
     w_partner = tl.load(weight_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-    n = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-    n_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+    n = rms_normed(x, rstd, w, dtype).to(tl.float32)
+    n_partner = rms_normed(x_partner, rstd, w_partner, dtype).to(tl.float32)
     half = dim % HALF
     cos = tl.load(cos_sin_row + half, mask=mask, other=0.0)
     sin = tl.load(cos_sin_row + HALF + half, mask=mask, other=0.0)
