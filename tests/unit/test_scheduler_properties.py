@@ -97,6 +97,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert all(s.paused for s in self.unfinished)     # paused ones wait for resume()
                 return
         else:
+            self.assert_writes_land_in_blocks_of_their_own(output)
             assert output.num_scheduled_tokens <= self.sched.config.max_num_batched_tokens
             assert self.sched.num_running <= self.sched.config.max_num_seqs
             assert set(output.preempted_seq_ids) <= self.running_since_sent
@@ -111,6 +112,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.abort(self.sched.running[abort_in_flight % self.sched.num_running].seq_id)
         if output.is_empty or len(self.in_flight) == self.depth:
             self.apply_oldest()
+
+    def assert_writes_land_in_blocks_of_their_own(self, output: SchedulerOutput) -> None:
+        """Every K/V slot a step writes lies in a block that its request alone holds (blocks are
+        shared only once full and computed): no request of the step reads a slot another one writes
+        in it. The pure-decode attention launch that stores each new key itself relies on this
+        (worker_svc/layers/attention/decode_qk.py), as any worker that stores and reads in one pass would."""
+        holders = Counter(b for s in self.sched.running + list(self.sched.paused.values()) for b in s.block_table)
+        for seq, num_scheduled, num_computed in zip(output.seqs, output.num_scheduled, output.num_computed):
+            for position in range(num_computed, num_computed + num_scheduled):
+                assert holders[seq.block_table[position // self.block_size]] == 1, (seq, position)
 
     def note_on_worker(self) -> None:
         """Remembers which requests the worker holds now: only those can be named as preempted

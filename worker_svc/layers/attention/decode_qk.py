@@ -8,11 +8,15 @@ instead: every program normalises and rotates its own query heads as it loads th
 FLOPs), and the program whose split holds the request's newest position (the last, `owns_new_key`)
 normalises, rotates and stores that position's key and value for its kv head before it reads any key:
 a CTA barrier orders the store before the program's own loads, and no other program reads that
-position. Values round where the torch path rounds (fused_kernels.qk_norm_rope_tile), so the cache
-holds the unfused path's bytes but where a float32 sum's order flips a rounding.
+position. That last holds because no request of a step reads a slot another one writes in it: the
+block manager shares a block only once it is full and computed, so each new token lands in a block
+its request alone holds (test_scheduler_properties checks it on every step). A step that broke it
+(synthetic_step's shared pool does) would read such a slot before or after its store as the programs
+happen to run. Values round where the torch path rounds (fused_kernels.qk_norm_rope_tile), so the
+cache holds the unfused path's bytes but where a float32 sum's order flips a rounding.
 
-Off by default until a GPU has measured it (PERF_NOTES v48: built and checked under the interpreter and
-compiled for sm_90, no device time left to time it): WORKER_ATTENTION_DECODE_QK=1 turns it on.
+Off by default until a GPU has timed it (PERF_NOTES v48-v49: checked under the interpreter, compiled for
+sm_90, its kernel tests pass on an H100; not timed yet): WORKER_ATTENTION_DECODE_QK=1 turns it on.
 """
 from __future__ import annotations
 
