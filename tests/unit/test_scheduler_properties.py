@@ -118,10 +118,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         shared only once full and computed): no request of the step reads a slot another one writes
         in it. The pure-decode attention launch that stores each new key itself relies on this
         (worker_svc/layers/attention/decode_qk.py), as any worker that stores and reads in one pass would."""
-        holders = Counter(b for s in self.sched.running + list(self.sched.paused.values()) for b in s.block_table)
+        # (ref_count is the holders' count: blocks_are_accounted checks that after every rule)
         for seq, num_scheduled, num_computed in zip(output.seqs, output.num_scheduled, output.num_computed):
             for position in range(num_computed, num_computed + num_scheduled):
-                assert holders[seq.block_table[position // self.block_size]] == 1, (seq, position)
+                assert self.bm.blocks[seq.block_table[position // self.block_size]].ref_count == 1, (seq, position)
 
     def note_on_worker(self) -> None:
         """Remembers which requests the worker holds now: only those can be named as preempted
