@@ -236,7 +236,7 @@ def _attention_cases() -> dict[str, Callable[[], None]]:
             q, _, _, k_cache, v_cache, meta = step_tensors
             qkv = torch.randn(q.shape[0], (heads + 2 * kv_heads) * head_dim, dtype=bf16)
             cos_sin = torch.randn(q.shape[0], head_dim)
-            if meta.is_pure_decode:   # both, whichever WORKER_ATTENTION_DECODE_QK picks
+            if meta.is_pure_decode:   # both, whichever the step's rows pick (decode_qk.takes)
                 raw_q = qkv[:, :heads * head_dim].view(-1, heads, head_dim)
                 qk = decode_qk.DecodeQK(qkv, q_weight, k_weight, 1e-6, 1e-6, cos_sin, meta.slot_mapping)
                 backend.attend_decode_qk(raw_q, qk, k_cache, v_cache, meta, scale, scales)

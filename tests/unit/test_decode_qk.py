@@ -144,7 +144,8 @@ def test_a_mixed_step_is_refused_the_raw_projection():
 def test_a_decode_step_of_the_model_takes_its_projection_straight_into_attention(tiny_model_dir, dtype):
     """The tiny Qwen3 over the Triton backend, one pure-decode step: with the launch taking the raw
     projection every layer's attention goes through attend_decode_qk and no layer runs the separate
-    kernel; the logits and the caches are the separate kernel's."""
+    kernel; the logits and the caches are the separate kernel's. A step of more rows than the bound
+    (decode_qk.MAX_ROWS) runs the separate kernel."""
     kernels()
     from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables, tiny_qwen3_with_cache
     from worker_svc.layers.attention import decode_qk, qkv_store
@@ -156,7 +157,7 @@ def test_a_decode_step_of_the_model_takes_its_projection_straight_into_attention
     seq_lens = [12, 1, 30]   # one decode after a prompt of one token
     block_tables = random_block_tables(seq_lens, block_size, num_blocks, g)
 
-    def run(raw: bool) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, int]]:
+    def run(max_rows: int) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, int]]:
         model = tiny_qwen3_with_cache(tiny_model_dir, dtype, DEVICE, num_blocks, block_size)
         layers = model.attention_layers()
         for layer in layers:
@@ -169,7 +170,7 @@ def test_a_decode_step_of_the_model_takes_its_projection_straight_into_attention
         input_ids = torch.randint(0, load_model_config(tiny_model_dir).vocab_size, (3,), generator=torch.Generator().manual_seed(7)).to(DEVICE)
         calls = {"separate": 0, "raw": 0}
         with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
-            patch.setattr(decode_qk, "ENABLED", raw)
+            patch.setattr(decode_qk, "MAX_ROWS", max_rows)
             store, attend = qkv_store.qk_norm_rope_store, TritonAttentionBackend.attend_decode_qk
             patch.setattr(qkv_store, "qk_norm_rope_store",
                           lambda *a, **kw: calls.__setitem__("separate", calls["separate"] + 1) or store(*a, **kw))
@@ -181,9 +182,10 @@ def test_a_decode_step_of_the_model_takes_its_projection_straight_into_attention
             logits = model.compute_logits(hidden, torch.arange(3, device=DEVICE)).float().cpu()
         return logits, [c.cpu() for layer in layers for c in (layer.k_cache, layer.v_cache)], calls
 
-    (expected, expected_caches, separate), (actual, caches, raw) = run(False), run(True)
+    (expected, expected_caches, separate), (actual, caches, raw) = run(0), run(3)
     num_layers = len(expected_caches) // 2
     assert separate == {"separate": num_layers, "raw": 0} and raw == {"separate": 0, "raw": num_layers}
+    assert run(2)[2] == separate   # three rows over a bound of two
     error = ((actual - expected).norm() / expected.norm()).item()
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
     for got, want in zip(caches, expected_caches):

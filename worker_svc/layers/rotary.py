@@ -90,15 +90,15 @@ def attend_qkv(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos_sin: tor
     """Attention output [num_tokens, num_heads, head_dim] of a packed [q | k | v] projection:
     Qwen3's q/k norm and RoPE, the step's K/V into attn's cache, then attention. On CUDA one
     kernel does all but the attention (attention/qkv_store.py) and the backend only attends; a
-    pure-decode step's attention launch does it all where its backend can and WORKER_ATTENTION_DECODE_QK
-    asks (attention/decode_qk.py)."""
+    pure-decode step of few rows has its attention launch do it all where its backend can
+    (attention/decode_qk.py)."""
     if qkv.is_cuda:
         from worker_svc.layers import fused_kernels   # imports Triton, which CUDA installs have
 
         if fused_kernels.ENABLED:
             from worker_svc.layers.attention import decode_qk, qkv_store
 
-            if decode_qk.ENABLED and meta.is_pure_decode and attn.backend.fuses_decode_qk:
+            if meta.is_pure_decode and attn.backend.fuses_decode_qk and decode_qk.takes(qkv.shape[0]):
                 head_dim = q_norm.weight.shape[0]
                 q = qkv[:, :num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
                 return attn.attend_decode_qk(q, decode_qk.DecodeQK(qkv, q_norm.weight, k_norm.weight, q_norm.eps,

@@ -15,8 +15,11 @@ its request alone holds (test_scheduler_properties checks it on every step). A s
 happen to run. Values round where the torch path rounds (fused_kernels.qk_norm_rope_tile), so the
 cache holds the unfused path's bytes but where a float32 sum's order flips a rounding.
 
-Off by default until a GPU has timed it (PERF_NOTES v48-v49: checked under the interpreter, compiled for
-sm_90, its kernel tests pass on an H100; not timed yet): WORKER_ATTENTION_DECODE_QK=1 turns it on.
+Pure-decode steps of up to MAX_ROWS rows take it (WORKER_ATTENTION_DECODE_QK_ROWS, default 128; 0: none).
+Timed on an H100 (Qwen3-0.6B, context 1024, device ms a step, two runs each, PERF_NOTES v50): 1 row
+1.06 -> 1.02, 16 rows 1.99/1.96 -> 1.91, 64 rows 3.83/3.81 -> 3.77/3.80, 128 rows (the service's step log)
+5.72-5.73 -> 5.70; 256 rows 11.65 -> 11.76, a loss: there attention reads 256 KV streams at ~96% of
+the copy rate and the launch's longer programs cost more than the kernel they replace.
 """
 from __future__ import annotations
 
@@ -30,7 +33,12 @@ import triton.language as tl
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales
 from worker_svc.layers.fused_kernels import rms_normed
 
-ENABLED = os.environ.get("WORKER_ATTENTION_DECODE_QK", "0") == "1"
+MAX_ROWS = int(os.environ.get("WORKER_ATTENTION_DECODE_QK_ROWS", "128"))
+
+
+def takes(num_tokens: int) -> bool:
+    """Whether a pure-decode step of num_tokens rows runs it (a CUDA graph's padded size at capture)."""
+    return num_tokens <= MAX_ROWS
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
 
 
