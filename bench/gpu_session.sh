@@ -49,7 +49,7 @@
 #   wholeslice  GEMVs that read their whole weight slice before the PDL wait (WORKER_GEMV_WHOLE_SLICE_ROWS, v46) at each
 #             row bound of WS_ORDER in turn (0 = off), one machine: Qwen3-0.6B decode at CASES (default 1/2/4/16 x 1024);
 #             WS_PROF=1 adds prof06 with them at one row
-#   decodeqk  pure-decode attention taking the raw qkv projection off and up to 128 rows in turn (WORKER_ATTENTION_DECODE_QK_ROWS, v48, v50)
+#   decodeqk  pure-decode attention taking the raw qkv projection off and up to 64 rows in turn (WORKER_ATTENTION_DECODE_QK_ROWS, v48, v50)
 #   ws8       Qwen3-8B FP8 at one row with whole-slice GEMVs allowed for FP8 weights up to WS8_MIB's bounds (v47)
 #   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
@@ -373,7 +373,7 @@ PY
                 tests/unit/test_gemv_kernels.py::test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches"} \
                 LINES_OUT=8 TIMEOUT=200 bash "$0" tests
         fi
-        decode_ab WORKER_ATTENTION_DECODE_QK_ROWS qk "${QK_ORDER:-0 128 0 128}" "${CASES:-1x1024,16x1024,64x1024,128x1024,256x1024}"
+        decode_ab WORKER_ATTENTION_DECODE_QK_ROWS qk "${QK_ORDER:-0 64 0 64}" "${CASES:-1x1024,16x1024,64x1024,128x1024,256x1024}"
         if [[ -n ${QK_PROF:-} ]]; then
             PROFILE_LINES=30 profile_table prof-qk \
                 ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"

@@ -15,11 +15,11 @@ its request alone holds (test_scheduler_properties checks it on every step). A s
 happen to run. Values round where the torch path rounds (fused_kernels.qk_norm_rope_tile), so the
 cache holds the unfused path's bytes but where a float32 sum's order flips a rounding.
 
-Pure-decode steps of up to MAX_ROWS rows take it (WORKER_ATTENTION_DECODE_QK_ROWS, default 128; 0: none).
-Timed on an H100 (Qwen3-0.6B, context 1024, device ms a step, two runs each, PERF_NOTES v50): 1 row
-1.06 -> 1.02, 16 rows 1.99/1.96 -> 1.91, 64 rows 3.83/3.81 -> 3.77/3.80, 128 rows (the service's step log)
-5.72-5.73 -> 5.70; 256 rows 11.65 -> 11.76, a loss: there attention reads 256 KV streams at ~96% of
-the copy rate and the launch's longer programs cost more than the kernel they replace.
+Pure-decode steps of up to MAX_ROWS rows take it (WORKER_ATTENTION_DECODE_QK_ROWS, default 64; 0: none).
+Timed on two H100s (Qwen3-0.6B, context 1024, device ms a step against the separate kernel, two runs
+each, PERF_NOTES v50): 1 row 1.06 -> 1.02 and 1.09-1.11 -> 1.06-1.07, 16 rows 1.96-1.99 -> 1.86-1.91,
+64 rows 3.81-3.83 -> 3.77-3.83; 128 rows 6.48-6.49 -> 6.52 and 256 rows 11.65 -> 11.76, losses (not profiled:
+there the separate kernel's cost is a small part of a step that attention's KV reads set).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import triton.language as tl
 from worker_svc.layers.attention.kv_quant import FP8_KV_MAX, KVScales
 from worker_svc.layers.fused_kernels import rms_normed
 
-MAX_ROWS = int(os.environ.get("WORKER_ATTENTION_DECODE_QK_ROWS", "128"))
+MAX_ROWS = int(os.environ.get("WORKER_ATTENTION_DECODE_QK_ROWS", "64"))
 
 
 def takes(num_tokens: int) -> bool:
