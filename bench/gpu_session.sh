@@ -110,6 +110,11 @@ one_row_linear() {   # DIR: the one-row choice of each linear kind in a run's lo
     grep -rhao "linear [a-z_]* .*ms per call by rows: 1: [^;]*" "$1" | head -6
 }
 
+few_row_linear() {   # DIR: each linear kind's choice at 16, 32 and 64 rows in a run's logs
+    grep -rhao "linear [a-z_]* .*ms per call by rows: .*" "$1" | head -6 \
+        | sed -E 's/^linear ([a-z_]*) .*by rows: /\1 /; s/; (1|2|4|8): [^;]*//g; s/^([a-z_]*) 1: [^;]*;/\1/'
+}
+
 with_floor() {  # the bandwidth measured by `checkpoint`, for the floor in the tables
     mkdir -p "$BENCH/$1" && cp "$BENCH/bandwidth.json" "$BENCH/$1/" 2>/dev/null
     true
@@ -352,12 +357,13 @@ PY
         fi
         ;;
     wholeslice)   # GEMVs reading their whole weight slice before the PDL wait (v46) up to WS_ORDER's row counts in
-                  # turn (WORKER_GEMV_WHOLE_SLICE_ROWS; 0 = off): Qwen3-0.6B decode at CASES, the one-row choices;
+                  # turn (WORKER_GEMV_WHOLE_SLICE_ROWS; 0 = off; from 16 rows the tensor-core ones, v50): Qwen3-0.6B
+                  # decode at CASES, the one-row choices (WS_HOOK=few_row_linear: those at 16-64 rows);
                   # WS_PROF=1: prof06 with them at one row
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
         decode_ab WORKER_GEMV_WHOLE_SLICE_ROWS ws "${WS_ORDER:-0 1 1 0}" "${CASES:-1x1024,2x1024,4x1024,16x1024}" \
-            one_row_linear
+            "${WS_HOOK:-one_row_linear}"
         if [[ -n ${WS_PROF:-} ]]; then
             WORKER_GEMV_WHOLE_SLICE_ROWS=1 PROFILE_LINES=30 profile_table prof-ws \
                 ${TIMEOUT:-200} "--model $BENCH/model --profile-batches 1 --profile-context 1024"

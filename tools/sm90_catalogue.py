@@ -161,6 +161,16 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                         if width == 4096:   # (the scales of the other cases: one compile for their stride)
                             gemv_kernels.gemv(x, w.to(torch.float8_e4m3fn), config, weight_scale=torch.ones(8, 32),
                                               fp8_block=(128, 128))
+            # and on tensor cores from 16 rows (early_dot, v50): plain and SwiGLU's, FP8 weights where K tiles fit
+            for rows in (16, 64):
+                for width in (1024, 3072):
+                    w = torch.randn(1024, width, dtype=bf16)
+                    for config in whole_slice_configs(rows, width, pdl=True):
+                        gemv_kernels.gemv(torch.randn(rows, width, dtype=bf16), w, config)
+                        gemv_kernels.gemv(torch.randn(rows, 2 * width, dtype=bf16), w, config, silu_mul=True)
+                        if width == 1024 and config.block_k <= 128:
+                            gemv_kernels.gemv(torch.randn(rows, width, dtype=bf16), w.to(torch.float8_e4m3fn), config,
+                                              weight_scale=torch.ones(8, 8), fp8_block=(128, 128))
             # the CUDA-core loops taking FP8 weights by their bits (the bench's sweep times them)
             for config in (gemv_kernels.GemvConfig(1, 8, 512, num_warps=4, num_stages=1, pdl=True, fp8_bits=True),
                            gemv_kernels.GemvConfig(4, 8, 128, num_warps=4, num_stages=3, pdl=True, row_acc=True,

@@ -324,7 +324,7 @@ def test_the_chain_kernels_launch_plainly_without_a_hopper_or_with_the_chain_off
 
 
 @requires_cuda
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 16])
 @pytest.mark.parametrize("mode", ["chain", "whole-slice", "raw-qkv"])
 def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, pdl_launch, rows, mode, monkeypatch):
     """Every kernel of a decode layer launched with PDL (pdl_launch.pdl_waits: the norms, the q/k
@@ -367,7 +367,7 @@ def test_a_decode_layer_as_one_pdl_chain_replays_as_plain_launches(kernels, pdl_
     def cfg(width, pdl):
         if mode == "whole-slice":
             return dataclasses.replace(whole_slice_configs(rows, width, pdl=True)[0], pdl=pdl)
-        return config(kernels, block_m, 8, 512 // block_m, pdl=pdl)
+        return config(kernels, block_m, 16 if block_m >= 16 else 8, max(32, 512 // block_m), pdl=pdl)
 
     def layer(pdl):
         monkeypatch.setattr(pdl_launch, "PDL_CHAIN", pdl)
@@ -434,13 +434,14 @@ def test_a_folded_norm_gives_the_norm_kernel_then_the_gemv(kernels, tiles, rows,
         assert relative_error(got, expected) <= RELATIVE[dtype]
 
 
-@pytest.mark.parametrize("rows,width", [(1, 96), (1, 200), (1, 64)])
+@pytest.mark.parametrize("rows,width", [(1, 96), (1, 200), (1, 64), (16, 200), (24, 96)])
 def test_whole_slice_launches_read_one_k_tile_a_program_and_match_f_linear(kernels, rows, width):
     """linear_candidates.whole_slice_configs: every launch it gives holds one K tile a program (its whole
-    slice of the weight, loaded before the PDL wait: gemv_kernels.whole_slice), and each computes the
-    plain product, SwiGLU's and the folded norm's as the other loops do; none without PDL or past
-    WHOLE_SLICE_MAX_ROWS rows, and a two-tile, late-triggering, row-accumulator or tensor-core launch
-    is not one."""
+    slice of the weight, loaded before the PDL wait: gemv_kernels.whole_slice; FMA tiles at one row,
+    tensor-core ones with early_dot from 16 rows), and each computes the plain product, SwiGLU's and the
+    folded norm's as the other loops do; none without PDL, between WHOLE_SLICE_MAX_ROWS and 16 rows, or
+    past GEMV_MAX_ROWS, and a two-tile, late-triggering, row-accumulator or plain tensor-core launch is
+    not one."""
     from worker_svc.layers import linear_candidates as lc
 
     gemv_kernels, fused_kernels = kernels
@@ -448,6 +449,8 @@ def test_whole_slice_launches_read_one_k_tile_a_program_and_match_f_linear(kerne
     assert configs and all(gemv_kernels.whole_slice(c, width) for c in configs)
     assert lc.whole_slice_configs(rows, width, pdl=False) == []
     assert lc.whole_slice_configs(lc.WHOLE_SLICE_MAX_ROWS + 1, width, pdl=True) == []
+    assert lc.whole_slice_configs(lc.GEMV_MAX_ROWS + 1, width, pdl=True) == []
+    assert all(c.early_dot == c.use_dot == (rows >= 16) for c in configs)
     assert not gemv_kernels.whole_slice(config(kernels, 1, 8, 32, pdl=True), width)   # several K tiles
     assert not gemv_kernels.whole_slice(config(kernels, 1, 8, 256), width)   # no PDL wait
     for other in (dict(late_trigger=True), dict(row_acc=True)):
@@ -461,6 +464,12 @@ def test_whole_slice_launches_read_one_k_tile_a_program_and_match_f_linear(kerne
     for cfg in configs:
         first = x[:, :width].contiguous()
         assert relative_error(gemv_kernels.gemv(first, w, cfg), F.linear(first.double(), w.double())) <= 2 ** -7
+        if cfg.early_dot:   # the first tile's product outside the loop: the same sums in the same order,
+            # also where the loop then runs the program's further tiles (unsplit)
+            for variant in (cfg, dataclasses.replace(cfg, split_k=1)):
+                plain = dataclasses.replace(variant, early_dot=False)
+                assert torch.equal(gemv_kernels.gemv(x, w, variant, silu_mul=True),
+                                   gemv_kernels.gemv(x, w, plain, silu_mul=True))
         activated = fused_kernels.silu_and_mul(x)
         assert relative_error(gemv_kernels.gemv(x, w, cfg, silu_mul=True),
                               F.linear(activated.double(), w.double())) <= 2 ** -7

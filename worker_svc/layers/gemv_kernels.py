@@ -78,6 +78,7 @@ class GemvConfig:
     split_chunk: int = 1    # split-K partials the tile's last program sums per load
     fp8_bits: bool = False  # FP8 weights as float32 / bfloat16 by moving bits, not by conversion
     late_trigger: bool = False  # with pdl: the next kernel may launch once this one's loop is done, not at its start
+    early_dot: bool = False     # tensor-core tiles: the first weight tile loaded before the PDL wait (as the FMA loop's)
 
     @property
     def use_dot(self) -> bool:
@@ -88,7 +89,7 @@ class GemvConfig:
                 f"w{self.num_warps} s{self.num_stages}{' pdl' if self.pdl else ''}{' rows' if self.row_acc else ''}"
                 f"{prefetch_label(self.prefetch)}"
                 f"{f' chunk{self.split_chunk}' if self.split_chunk > 1 else ''}{' bits' if self.fp8_bits else ''}"
-                f"{' late' if self.late_trigger else ''}")
+                f"{' late' if self.late_trigger else ''}{' early' if self.early_dot else ''}")
 
 
 def prefetch_label(tiles: int) -> str:
@@ -255,30 +256,35 @@ def _fma_rows_loop(x_ptrs, stride_xm, w_ptrs, w_scale_row, row0, M, n_mask, offs
 
 
 @triton.jit
-def _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
+def _dot_tile(x, w, w_scale_row, k, GROUP_K: tl.constexpr, FP8: tl.constexpr, dtype: tl.constexpr,
+              FP8_BITS: tl.constexpr):
+    """One K tile's float32 product on tensor cores. With FP8_BITS (bfloat16 activations) the weights
+    enter the dot as fp8_bits_as_bf16 gives them and the activations times 2^64, so the product is
+    2^-56 of the converted one, undone here."""
+    if FP8_BITS:
+        scaled = (x.to(tl.float32) * BITS_X_SCALE).to(tl.bfloat16)   # exact
+        product = tl.dot(scaled, tl.trans(fp8_bits_as_bf16(w)))
+    else:
+        product = tl.dot(x, tl.trans(w.to(dtype)))
+    if FP8:   # the K tile lies in one scale block (GROUP_K is a multiple of BLOCK_K)
+        scale = tl.load(w_scale_row + k // GROUP_K)
+        if FP8_BITS:
+            scale = scale * BITS_SUM_SCALE
+        product = product * scale
+    return product
+
+
+@triton.jit
+def _dot_loop(acc, x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              dtype: tl.constexpr, FP8_BITS: tl.constexpr, r_ptrs, nw_ptrs, rstd, NORM: tl.constexpr,
-              NORM_RESIDUAL: tl.constexpr):
-    """The same sums on tensor cores (Triton pipelines the loads through shared memory). With
-    FP8_BITS (bfloat16 activations) the weights enter the dot as fp8_bits_as_bf16 gives them and
-    the activations times 2^64, so each product is 2^-56 of the converted one, undone after."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+              BLOCK_K: tl.constexpr, dtype: tl.constexpr, FP8_BITS: tl.constexpr, r_ptrs, nw_ptrs, rstd,
+              NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr):
+    """The same sums on tensor cores, added to `acc` (Triton pipelines the loads through shared memory)."""
     for k in range(k_begin, k_end, BLOCK_K):
         x = _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, NORM,
                       NORM_RESIDUAL, dtype)
         w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0)
-        if FP8_BITS:
-            scaled = (x.to(tl.float32) * BITS_X_SCALE).to(tl.bfloat16)   # exact
-            product = tl.dot(scaled, tl.trans(fp8_bits_as_bf16(w)))
-        else:
-            product = tl.dot(x, tl.trans(w.to(dtype)))
-        if FP8:   # the K tile lies in one scale block (GROUP_K is a multiple of BLOCK_K)
-            scale = tl.load(w_scale_row + k // GROUP_K)
-            if FP8_BITS:
-                scale = scale * BITS_SUM_SCALE
-            product = product * scale
-        acc += product
+        acc += _dot_tile(x, w, w_scale_row, k, GROUP_K, FP8, dtype, FP8_BITS)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         r_ptrs += BLOCK_K
@@ -323,7 +329,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
     ROW_ACC: tl.constexpr, PREFETCH_TILES: tl.constexpr, SPLIT_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_BITS: tl.constexpr,
-    LATE_TRIGGER: tl.constexpr, NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr, NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr, DOT_EARLY: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL and not LATE_TRIGGER:   # a dependent launch may start now: it reads nothing of ours before its gdc_wait
@@ -348,8 +354,8 @@ def _gemv_kernel(
     nw_ptrs = nw_ptr + (k_begin + offs_k)[None, :] + 0 * offs_m[:, None]
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     FMA: tl.constexpr = not USE_DOT and not ROW_ACC
-    if FMA:   # its first weight tile before the wait (with one K tile a program: its whole slice, see
-        # whole_slice); then the previous kernel's end, then the activations
+    if FMA or DOT_EARLY:   # its first weight tile before the wait (with one K tile a program: its whole slice,
+        # see whole_slice); then the previous kernel's end, then the activations
         w_first = tl.load(w_ptrs, mask=_tile_mask(n_mask, k_begin, k_end, offs_k, EVEN_K), other=0.0)
     if PDL:   # every read below depends on the previous kernel
         gdc_wait()
@@ -357,9 +363,19 @@ def _gemv_kernel(
         rstd = _rms_of_rows(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, K, k_begin, k_end, pid_n == 0,
                             stride_xm, eps, NORM_RESIDUAL, BLOCK_M, BLOCK_K, dtype)
     if USE_DOT:
-        acc = _dot_loop(x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K, GROUP_K, FP8,
-                        SILU_MUL, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd,
-                        NORM, NORM_RESIDUAL)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_loop = k_begin
+        if DOT_EARLY:   # the first tile's product from the weights loaded before the wait, then the loop
+            x = _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, _tile_mask(m_mask, k_begin, k_end, offs_k, EVEN_K), K,
+                          SILU_MUL, NORM, NORM_RESIDUAL, dtype)
+            acc += _dot_tile(x, w_first, w_scale_row, k_begin, GROUP_K, FP8, dtype, FP8_BITS)
+            k_loop += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
+        acc = _dot_loop(acc, x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_loop, k_end, K, GROUP_K, FP8,
+                        SILU_MUL, EVEN_K, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd, NORM, NORM_RESIDUAL)
     elif ROW_ACC:   # (never with NORM: check_config)
         row_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
         acc = _fma_rows_loop(row_ptrs, stride_xm, w_ptrs, w_scale_row, pid_m * BLOCK_M, M, n_mask, offs_k, k_begin,
@@ -439,10 +455,10 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 def whole_slice(config: GemvConfig, width: int) -> bool:
     """Whether each program of this launch reads its whole slice of a width-column weight before its
-    PDL wait: the FMA loop (early trigger) with one K tile a program, loaded ahead of the wait. Its weights
-    then stream while the kernels before it in the decode layer's chain run, and after the wait it only
-    reads its activations and sums (PERF_NOTES v46)."""
-    return (config.pdl and not config.late_trigger and not config.use_dot and not config.row_acc
+    PDL wait: the FMA loop, or the tensor-core loop with `early_dot` (early trigger), with one K tile a
+    program, loaded ahead of the wait. Its weights then stream while the kernels before it in the decode
+    layer's chain run, and after the wait it only reads its activations and sums (PERF_NOTES v46, v50)."""
+    return (config.pdl and not config.late_trigger and (config.early_dot or not config.use_dot) and not config.row_acc
             and split_slices(triton.cdiv(width, config.block_k), config.split_k)[0] == 1)
 
 
@@ -453,6 +469,8 @@ def check_config(config: GemvConfig, num_cols: int, width: int, *, fp8_block: tu
         raise ValueError(f"gemv {config}: tensor-core tiles need 16-bit activations and 16-wide N and K tiles")
     if config.row_acc and (config.use_dot or config.block_m > ROW_ACC_MAX_ROWS):
         raise ValueError(f"gemv {config}: one accumulator per row is for CUDA-core tiles of <= {ROW_ACC_MAX_ROWS} rows")
+    if config.early_dot and not config.use_dot:
+        raise ValueError(f"gemv {config}: early_dot is the tensor-core loop's (the FMA loop always loads early)")
     if config.late_trigger and not config.pdl:
         raise ValueError(f"gemv {config}: a late trigger is a PDL launch's")
     if config.split_chunk & (config.split_chunk - 1) or config.split_chunk < 1:
@@ -529,7 +547,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         FP8_BITS=fp8 and config.fp8_bits, LATE_TRIGGER=config.late_trigger,
         NORM=norm is not None, NORM_RESIDUAL=norm is not None and norm.residual is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        DOT_EARLY=config.use_dot and config.early_dot, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     out = out.view(*x.shape[:-1], num_cols)
     if norm is not None and norm.residual is not None:

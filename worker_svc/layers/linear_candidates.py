@@ -70,6 +70,10 @@ TILED_TILES = ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (12
 WHOLE_SLICE_TILES = ((4, 4), (8, 4), (16, 8))
 WHOLE_SLICE_WARP_ELEMENTS = 2048
 WHOLE_SLICE_MAX_ROWS = 1   # (at 2 and 4 rows they lost to every other loop on an H100: PERF_NOTES v46)
+# From DOT_MIN_ROWS up to GEMV_MAX_ROWS rows, the same on tensor cores (`early_dot`): (block_n, block_k, num_warps),
+# one K tile a program, its weights loaded before the wait, K split into as many slices (PERF_NOTES v50). A
+# program holds its weight tile and its rows' activation tile in registers at once: 16-32 KB.
+WHOLE_SLICE_DOT_TILES = ((16, 512, 4), (32, 256, 4), (64, 128, 4), (32, 128, 4))
 SPLIT_PROGRAMS_PER_SM = 8       # auto_split aims at this many programs per SM (short programs balance the tail)
 MAX_SPLIT = 16
 
@@ -172,10 +176,16 @@ def gemv_configs(rows: int, num_cols: int, width: int, sms: int, pdl: bool = Tru
 
 def whole_slice_configs(rows: int, width: int, pdl: bool) -> list[GemvConfig]:
     """The GEMV launches whose programs read their whole weight slice before the PDL wait (none
-    without PDL, or past WHOLE_SLICE_MAX_ROWS rows)."""
-    if not pdl or rows > WHOLE_SLICE_MAX_ROWS:
-        return []
+    without PDL, or between WHOLE_SLICE_MAX_ROWS and DOT_MIN_ROWS rows, or past GEMV_MAX_ROWS)."""
     block_m = triton.next_power_of_2(rows)
+    if not pdl or rows > GEMV_MAX_ROWS:
+        return []
+    if block_m >= DOT_MIN_ROWS:
+        return [GemvConfig(block_m, n, k, split_k=math.ceil(width / k), num_warps=w, num_stages=1, pdl=True,
+                           early_dot=True)
+                for n, k, w in WHOLE_SLICE_DOT_TILES if math.ceil(width / k) <= MAX_SPLIT]
+    if rows > WHOLE_SLICE_MAX_ROWS:
+        return []
     configs = []
     for block_n, warps in WHOLE_SLICE_TILES:
         longest = WHOLE_SLICE_WARP_ELEMENTS * warps // (block_m * block_n)
