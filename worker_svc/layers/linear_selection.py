@@ -63,7 +63,9 @@ REFERENCE_COLUMNS = 4096        # output columns the check compares
 # those are for the window the kernels before them in the decode layer's chain leave the memory idle
 # (attention, the norms), which this back-to-back timing of one kind does not contain. On an H100 (PERF_NOTES
 # v46) Qwen3-0.6B's one-row decode step took 1.15 -> 1.08 ms of device time with them; at 2 and 4 rows 1.30 ->
-# 1.45 and 1.42 -> 2.89 (there they run one row of programs per weight row and lose to every other loop).
+# 1.45 and 1.42 -> 2.89 (there they run one row of programs per weight row and lose to every other loop). From 16
+# rows it reaches the tensor-core ones (early_dot), which lost when forced (v50: 16 x 1024 1.91-1.94 -> 2.08 ms,
+# 64 x 1024 3.77-3.84 -> 4.57): the timing alone picks them where they are fastest.
 WHOLE_SLICE_ROWS = int(os.environ.get("WORKER_GEMV_WHOLE_SLICE_ROWS", "1"))
 # The largest 16-bit weight they were measured to gain on: Qwen3-0.6B's gate_up (12 MiB). Larger ones are not
 # measured (Qwen3-8B's) or lose (the LM head, 297 MiB, 7% slower: its programs cannot hold their slices at once).
