@@ -130,6 +130,8 @@ def catalogue(extended: bool = False) -> dict[str, Callable[[], None]]:
                     for n in sorted({rows, max(1, rows - 1)}):   # the bucket's smaller row counts run its config
                         gemv_kernels.gemv(x[:n], weight, config)
                         gemv_kernels.gemv(x[:n], fp8_weight, config, weight_scale=weight_scale, fp8_block=(128, 128))
+                    if rows in (16, 32) and not config.fp8_bits:   # SwiGLU through the layout fence (mma.sync tiles)
+                        gemv_kernels.gemv(torch.randn(rows, 8192, dtype=bf16), weight, config, silu_mul=True)
             # past the GEMV's rows, bf16 weights: the tensor-core loop as a tiled GEMM (SwiGLU's down projection too)
             for rows in (100, 256, 512):
                 for config in tiled_configs(rows, 1024, 4096, sms=132):

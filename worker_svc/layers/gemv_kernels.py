@@ -59,6 +59,7 @@ from worker_svc.layers.triton_compile import launch
 # Split-K tile counters per device; a launch may use this many (output tiles of one call).
 MAX_SPLIT_TILES = 1 << 14
 DOT_MIN_ROWS = 16   # tl.dot needs 16-row tiles: fewer rows use the FMA loop
+WGMMA_MIN_ROWS = 64   # row tiles from which Triton runs a Hopper dot on wgmma (below: mma.sync, warps split N)
 ROW_ACC_MAX_ROWS = 4   # rows the per-row-accumulator FMA loop holds
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -101,15 +102,28 @@ def prefetch_label(tiles: int) -> str:
 def _load_x(x_ptrs, mask, K, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
     """An activation tile: x, or silu(gate) * up for the gate tile at x_ptrs (up lies K columns
     later), rounded as fused_kernels.silu_and_mul rounds it."""
-    return _load_act(x_ptrs, x_ptrs, x_ptrs, 0.0, mask, K, SILU_MUL, False, False, dtype)
+    return _load_act(x_ptrs, x_ptrs, x_ptrs, 0.0, mask, K, SILU_MUL, False, False, dtype, False)
+
+
+@triton.jit
+def _layout_fence(x):
+    """x (float32) through an opaque move: Triton's dot-operand pass does not hoist the operand's
+    layout above it (see _load_act's SILU_FENCE). GPU only: the interpreter runs no PTX."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, mask, K, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-              NORM_RESIDUAL: tl.constexpr, dtype: tl.constexpr):
+              NORM_RESIDUAL: tl.constexpr, dtype: tl.constexpr, SILU_FENCE: tl.constexpr):
     """_load_x's tile, or with NORM the RMSNorm of x (+ the residual at r_ptrs, the sum rounded
     first) by each row's inverse RMS `rstd` and the norm's weight at nw_ptrs, rounded as
-    fused_kernels.rms_norm rounds it."""
+    fused_kernels.rms_norm rounds it. SILU_FENCE (a tensor-core dot's operand, on a GPU): SwiGLU's
+    product passes _layout_fence, so Triton computes it in the loads' layout, each element once, and
+    converts the result for the dot; otherwise it moves the dot operand's layout above the arithmetic,
+    where each of the program's warps holds (and computes) the whole tile: 1,044 instructions a K tile
+    against 406 at 16 rows, 1,087 against 763 at 32 (4x and 2x the MUFU). Not from WGMMA_MIN_ROWS rows,
+    where Hopper's wgmma gives each warp its own rows of the operand: there it cost 1,181 -> 1,514
+    (sm_90 SASS read here; PERF_NOTES v50)."""
     if NORM:
         t = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         if NORM_RESIDUAL:
@@ -120,7 +134,10 @@ def _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, mask, K, SILU_MUL: tl.constexpr, NO
         gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        x = (activated * up).to(dtype)
+        product = activated * up
+        if SILU_FENCE:
+            product = _layout_fence(product)
+        x = product.to(dtype)
     else:
         x = tl.load(x_ptrs, mask=mask, other=0.0)
     return x
@@ -183,7 +200,7 @@ def _fma_loop(x_ptrs, w_ptrs, w, w_scale_row, m_mask, n_mask, offs_k, k_begin, k
         w_ptrs += BLOCK_K
         w_next = tl.load(w_ptrs, mask=_tile_mask(n_mask, k + BLOCK_K, k_end, offs_k, EVEN_K), other=0.0)
         x = _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, NORM,
-                      NORM_RESIDUAL, dtype).to(tl.float32)
+                      NORM_RESIDUAL, dtype, False).to(tl.float32)
         if FP8:   # scaling x (BLOCK_M rows) costs less than scaling the tile (BLOCK_N rows)
             scale = tl.load(w_scale_row + (k + offs_k) // GROUP_K, mask=(k + offs_k) < k_end, other=0.0)
             if FP8_BITS:
@@ -278,11 +295,11 @@ def _dot_tile(x, w, w_scale_row, k, GROUP_K: tl.constexpr, FP8: tl.constexpr, dt
 def _dot_loop(acc, x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_begin, k_end, K,
               GROUP_K: tl.constexpr, FP8: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
               BLOCK_K: tl.constexpr, dtype: tl.constexpr, FP8_BITS: tl.constexpr, r_ptrs, nw_ptrs, rstd,
-              NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr):
+              NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr, SILU_FENCE: tl.constexpr):
     """The same sums on tensor cores, added to `acc` (Triton pipelines the loads through shared memory)."""
     for k in range(k_begin, k_end, BLOCK_K):
         x = _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, _tile_mask(m_mask, k, k_end, offs_k, EVEN_K), K, SILU_MUL, NORM,
-                      NORM_RESIDUAL, dtype)
+                      NORM_RESIDUAL, dtype, SILU_FENCE)
         w = tl.load(w_ptrs, mask=_tile_mask(n_mask, k, k_end, offs_k, EVEN_K), other=0.0)
         acc += _dot_tile(x, w, w_scale_row, k, GROUP_K, FP8, dtype, FP8_BITS)
         x_ptrs += BLOCK_K
@@ -330,6 +347,7 @@ def _gemv_kernel(
     ROW_ACC: tl.constexpr, PREFETCH_TILES: tl.constexpr, SPLIT_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_BITS: tl.constexpr,
     LATE_TRIGGER: tl.constexpr, NORM: tl.constexpr, NORM_RESIDUAL: tl.constexpr, DOT_EARLY: tl.constexpr,
+    SILU_FENCE: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL and not LATE_TRIGGER:   # a dependent launch may start now: it reads nothing of ours before its gdc_wait
@@ -367,7 +385,7 @@ def _gemv_kernel(
         k_loop = k_begin
         if DOT_EARLY:   # the first tile's product from the weights loaded before the wait, then the loop
             x = _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, _tile_mask(m_mask, k_begin, k_end, offs_k, EVEN_K), K,
-                          SILU_MUL, NORM, NORM_RESIDUAL, dtype)
+                          SILU_MUL, NORM, NORM_RESIDUAL, dtype, SILU_FENCE)
             acc += _dot_tile(x, w_first, w_scale_row, k_begin, GROUP_K, FP8, dtype, FP8_BITS)
             k_loop += BLOCK_K
             x_ptrs += BLOCK_K
@@ -375,7 +393,8 @@ def _gemv_kernel(
             r_ptrs += BLOCK_K
             nw_ptrs += BLOCK_K
         acc = _dot_loop(acc, x_ptrs, w_ptrs, w_scale_row, m_mask, n_mask, offs_k, k_loop, k_end, K, GROUP_K, FP8,
-                        SILU_MUL, EVEN_K, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd, NORM, NORM_RESIDUAL)
+                        SILU_MUL, EVEN_K, BLOCK_K, dtype, FP8_BITS, r_ptrs, nw_ptrs, rstd, NORM, NORM_RESIDUAL,
+                        SILU_FENCE)
     elif ROW_ACC:   # (never with NORM: check_config)
         row_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k_begin + offs_k
         acc = _fma_rows_loop(row_ptrs, stride_xm, w_ptrs, w_scale_row, pid_m * BLOCK_M, M, n_mask, offs_k, k_begin,
@@ -547,7 +566,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, *, bias: tor
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         FP8_BITS=fp8 and config.fp8_bits, LATE_TRIGGER=config.late_trigger,
         NORM=norm is not None, NORM_RESIDUAL=norm is not None and norm.residual is not None,
-        DOT_EARLY=config.use_dot and config.early_dot, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        DOT_EARLY=config.use_dot and config.early_dot,
+        SILU_FENCE=silu_mul and config.use_dot and config.block_m < WGMMA_MIN_ROWS and pdl_launch.pdl_launches(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     out = out.view(*x.shape[:-1], num_cols)
     if norm is not None and norm.residual is not None:
