@@ -39,6 +39,8 @@ MAX_ROWS = int(os.environ.get("WORKER_ATTENTION_DECODE_QK_ROWS", "64"))
 def takes(num_tokens: int) -> bool:
     """Whether a pure-decode step of num_tokens rows runs it (a CUDA graph's padded size at capture)."""
     return num_tokens <= MAX_ROWS
+
+
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
 
 
