@@ -155,6 +155,25 @@ def test_quantizing_on_load_gives_the_quantize_first_product(fp8_kernels, out_dt
         fp8_kernels.fp8_linear(gate_up, weight, scale, block, b, silu_mul=True)
 
 
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["on-load", "swiglu-on-load"])
+def test_one_row_quantized_on_load_is_the_first_row_of_two(fp8_kernels, silu_mul):
+    """At one row the GEMM quantizing on load takes its activation (SwiGLU's) as one row, its tile's other
+    rows zero (ONE_ROW): the product is bit for bit the first row of the same call on two rows, where the
+    16-row tile computes every row; swapped and plain tiles, split over K and not."""
+    from worker_svc.layers.linear_candidates import FP8_SWAP_TILES, swap_rows
+
+    g = torch.Generator().manual_seed(38)
+    block = (32, 32)
+    weight, scale = (t.to(DEVICE) for t in quantize_blocks(torch.randn(200, 4 * 32, generator=g) * 0.05, block))
+    x = (torch.randn(2, (2 if silu_mul else 1) * 4 * 32, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    for tile in ({**FP8_SWAP_TILES[0], "BLOCK_M": swap_rows(2)}, fp8_kernels._matmul_config(2)):
+        for slices in (1, 3):
+            config = {**tile, "SPLIT_K": slices}
+            one, two = (fp8_kernels.fp8_linear(x[:rows], weight, scale, block, quantize_on_load=True,
+                                               silu_mul=silu_mul, config=config) for rows in (1, 2))
+            assert torch.equal(one, two[:1]), (tile, slices)
+
+
 def test_token_group_quant_lays_scales_out_for_cublas_on_request(fp8_kernels):
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(37)).to(DEVICE)
     values, scales = fp8_kernels.per_token_group_quant(x, 128, rows_major_scales=True)

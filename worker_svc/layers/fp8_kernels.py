@@ -92,6 +92,18 @@ def _quantize_tile(a, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     return values.to(tl.float8e4nv), scale
 
 
+@triton.jit
+def _row_tile(a_ptr, cols, k_end, K, SILU_MUL: tl.constexpr):
+    """Row 0's activations at cols [1, BLOCK_K] (zero from k_end on): (gate, up) of [gate | up] with
+    SILU_MUL (up lies K columns later), else (x, x)."""
+    mask = cols < k_end
+    first = tl.load(a_ptr + cols, mask=mask, other=0.0)
+    second = first
+    if SILU_MUL:
+        second = tl.load(a_ptr + K + cols, mask=mask, other=0.0)
+    return first, second
+
+
 @triton.jit(do_not_specialize=["M", "stride_as", "stride_ask"])
 def _block_fp8_matmul_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr, partial_ptr, counter_ptr,
@@ -100,7 +112,7 @@ def _block_fp8_matmul_kernel(
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
-    SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False, ONE_ROW: tl.constexpr = False,
 ):
     # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
     # by several row tiles in a row. With SPLIT_K > 1, program_id(1) takes one of SPLIT_K slices
@@ -144,13 +156,30 @@ def _block_fp8_matmul_kernel(
             prefetch_rows_l2(rows, tl.full((BLOCK_N,), 0, tl.int32) + span)
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANTIZE_A and ONE_ROW:   # the row's first K tile (gate and up with SILU_MUL), then one tile ahead
+        gate_next, up_next = _row_tile(a_ptr, k_begin + offs_k[None, :], k_end, K, SILU_MUL)
     for k in range(k_begin, k_end, BLOCK_K):   # K is whole groups: no mask along it
-        a = gemv_kernels._load_x(a_ptrs, m_mask[:, None], K, SILU_MUL, a_ptr.dtype.element_ty)   # (or SwiGLU's)
-        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
-            a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
+        if QUANTIZE_A and ONE_ROW:   # row 0 alone is real: its activation (SwiGLU's) and quantization as one
+            # [1, BLOCK_K] row, each element once, then the tile's other rows zero (their scales too); the
+            # 16-row tile would spend the same work on its 15 padded rows (PERF_NOTES v50). The row's next
+            # tile is loaded before this one is used (loads the pipeline does not take: not a dot's operand).
+            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            gate, up = gate_next, up_next
+            gate_next, up_next = _row_tile(a_ptr, k + BLOCK_K + offs_k[None, :], k_end, K, SILU_MUL)
+            if SILU_MUL:
+                row = gemv_kernels.silu_times(gate, up, a_ptr.dtype.element_ty).to(a_ptr.dtype.element_ty)
+            else:
+                row = gate
+            row_q, row_s = _quantize_tile(row.to(tl.float32), FP8_MAX, MIN_AMAX)
+            a = tl.where(offs_m[:, None] == 0, row_q.to(tl.float32), 0.0).to(tl.float8e4nv)
+            a_s = tl.where(offs_m == 0, tl.sum(row_s, axis=0), 0.0)
         else:
-            a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)
+            a = gemv_kernels._load_x(a_ptrs, m_mask[:, None], K, SILU_MUL, a_ptr.dtype.element_ty)   # (or SwiGLU's)
+            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            if QUANTIZE_A:   # activations in the model dtype, quantized per row and group here
+                a, a_s = _quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX)
+            else:
+                a_s = tl.load(a_s_ptrs + (k // BLOCK_K) * stride_ask, mask=m_mask, other=0.0)
         b_s = tl.load(b_s_ptrs + k // BLOCK_K, mask=n_mask, other=0.0)
         if SWAP_AB:
             acc += tl.dot(tl.trans(b), tl.trans(a)) * b_s[:, None] * a_s[None, :]
@@ -217,7 +246,7 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torc
         0 if quantize_a else a_scale.stride(1), weight.stride(0),
         weight_scale.stride(0), out.stride(0), GROUP_N=bn, HAS_BIAS=bias is not None, QUANTIZE_A=quantize_a,
         FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK_K=bk, SPLIT_K=split_k, PDL=pdl, PREFETCH_TILES=prefetch,
-        LATE_TRIGGER=late, SILU_MUL=silu_mul, launch_pdl=pdl, **config,
+        LATE_TRIGGER=late, SILU_MUL=silu_mul, ONE_ROW=quantize_a and num_rows == 1, launch_pdl=pdl, **config,
     )
     return out
 

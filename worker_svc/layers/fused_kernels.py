@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_svc.layers import fp8_kernels, pdl_launch
+from worker_svc.layers import fp8_kernels, gemv_kernels, pdl_launch
 from worker_svc.layers.fp8 import FP8_MAX, MIN_AMAX
 from worker_svc.layers.pdl_launch import pdl_start
 
@@ -116,10 +116,9 @@ def _rms_norm_fp8_kernel(
 
 @triton.jit
 def _silu_mul_tile(x_ptr, row, stride_x, cols, mask, num_cols, dtype: tl.constexpr):
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)   # F.silu rounds its output
-    return (activated * up).to(dtype)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0)
+    return gemv_kernels.silu_times(gate, up, dtype).to(dtype)   # (F.silu rounds its output: silu_times too)
 
 
 @triton.jit

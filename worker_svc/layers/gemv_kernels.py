@@ -106,6 +106,16 @@ def _load_x(x_ptrs, mask, K, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in float32, silu rounded to dtype first as F.silu rounds its output (the caller
+    rounds the product): SwiGLU's one formula, for fused_kernels' SwiGLU kernels and every GEMM or GEMV
+    that folds it in, so they round alike."""
+    gate = gate.to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return activated * up.to(tl.float32)
+
+
+@triton.jit
 def _layout_fence(x):
     """x (float32) through an opaque move: Triton's dot-operand pass does not hoist the operand's
     layout above it (see _load_act's SILU_FENCE). GPU only: the interpreter runs no PTX."""
@@ -131,10 +141,9 @@ def _load_act(x_ptrs, r_ptrs, nw_ptrs, rstd, mask, K, SILU_MUL: tl.constexpr, NO
         weight = tl.load(nw_ptrs, mask=mask, other=0.0).to(tl.float32)
         x = ((t * rstd[:, None]).to(dtype).to(tl.float32) * weight).to(dtype)
     elif SILU_MUL:
-        gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        product = activated * up
+        gate = tl.load(x_ptrs, mask=mask, other=0.0)
+        up = tl.load(x_ptrs + K, mask=mask, other=0.0)
+        product = silu_times(gate, up, dtype)
         if SILU_FENCE:
             product = _layout_fence(product)
         x = product.to(dtype)
