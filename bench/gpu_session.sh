@@ -9,6 +9,7 @@
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   single    one stream through the service with the fourth step in flight off and on in turn (v48)
+#   hostprof  the service with its first eager steps' launches under torch.profiler: host time by op (v50)
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   spec-service  the same through the real processes (bench/stages/spec_service.py), flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES (their options in EXTRA)
@@ -187,6 +188,16 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("single-*/service.json")):
     print(f"{path.parent.name:18} {r['output_tokens'] / r['seconds']:6.0f} {r['ttft_median_s'] * 1e3:12.1f}"
           f" {(r['tpot_median_s'] or 0) * 1e3:12.2f}")
 PY
+        ;;
+    hostprof)   # the service (default flags, interval 1) with its first HOSTPROF_STEPS (default 14) eager steps'
+                # launches under torch.profiler (WORKER_PROFILE_EAGER_STEPS, PERF_NOTES v50: mixed steps took as long
+                # to launch as to run): each one's host time by op, from the worker's log, under $OUT/hostprof.txt
+        base
+        WORKER_PROFILE_EAGER_STEPS=${HOSTPROF_STEPS:-14} STAGES=bandwidth,service NAME=hostprof \
+            EXTRA="--stream-intervals 1" TIMEOUT=${TIMEOUT:-300} LINES_OUT=4 bash "$0" bench
+        grep -ah -A$((25 + 8)) "eager step" "$BENCH"/hostprof/logs/worker-*.log > "$OUT/hostprof.txt"
+        grep -ah "eager step" "$BENCH"/hostprof/logs/worker-*.log | cut -c1-160
+        head -${LINES_OUT:-80} "$OUT/hostprof.txt"
         ;;
     kv)     # the service with a bf16 and an FP8 KV cache, side by side (issue 24's ratio)
         base

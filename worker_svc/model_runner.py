@@ -38,6 +38,7 @@ from common.constraint import Constraint
 from common.features import check_features
 from common.model_dir import read_model_facts
 from worker_svc import kv_cache, parallel_state, startup
+from worker_svc.step_profile import EagerStepProfiler
 from worker_svc.batch_prep import prepare_batch
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
@@ -141,6 +142,7 @@ class ModelRunner:
         self.proposer = build_proposer(self, config) if k else None
         self.drafter = self.proposer if k and self.proposer.on_device else None
         self._batch_lock = threading.RLock()   # launch holds it while _execute takes it again
+        self._eager_profile = EagerStepProfiler(device=self.device)   # a diagnostic, off by default
         self.bookkeeping = (Bookkeeping(self.batch, self.max_model_len, self._batch_lock,
                                         None if self.drafter else self.proposer.propose_on_host) if k else None)
         # Each row's newest sampled token, on the device: the next decode's input (with the device
@@ -221,7 +223,9 @@ class ModelRunner:
             else:
                 prepared = time.perf_counter()
                 try:
-                    pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
+                    tokens = len(batch.input_ids) if batch.input_ids is not None else len(batch.position_rows)
+                    with self._eager_profile.around(step.step_id, batch.graph, tokens):
+                        pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
                 except Exception as exc:
                     if self.tp_size > 1:   # the other ranks are left waiting in a collective
                         parallel_state.mark_broken(f"step {step.step_id} failed: {exc!r}")
