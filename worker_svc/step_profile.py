@@ -9,7 +9,8 @@ is: with WORKER_PROFILE_EAGER_STEPS=N (default 0: off) the worker runs the launc
 steps under torch.profiler (host activity, and the CUDA runtime's calls where there is a GPU) and logs,
 for each, its launch time under the profiler and the ops that took the most host time (their own time,
 the CUDA runtime calls among them: a launch that waits for the device shows there, as does a host sync).
-The profiler's overhead makes every step slower; the shares are what it is for.
+The profiler's overhead makes every step slower (the first also pays its start-up); the shares are what
+it is for.
 """
 from __future__ import annotations
 
