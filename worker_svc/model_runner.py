@@ -38,7 +38,6 @@ from common.constraint import Constraint
 from common.features import check_features
 from common.model_dir import read_model_facts
 from worker_svc import kv_cache, parallel_state, startup
-from worker_svc.step_profile import EagerStepProfiler
 from worker_svc.batch_prep import prepare_batch
 from worker_svc.config import WorkerConfig
 from worker_svc.input_batch import InputBatch
@@ -61,6 +60,7 @@ from worker_svc.staging import Logprobs, OutputSlots, PendingStep, Staging, to_h
 from worker_svc.step_batch import StepBatch
 from worker_svc.step_checks import StepLimits, check_requests, check_rows
 from worker_svc.step_limits import HELD_PER_SEQ_SLOT, with_step_limits
+from worker_svc.step_profile import EagerStepProfiler
 from worker_svc.structured_output import MaskFill, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -223,8 +223,7 @@ class ModelRunner:
             else:
                 prepared = time.perf_counter()
                 try:
-                    tokens = len(batch.input_ids) if batch.input_ids is not None else len(batch.position_rows)
-                    with self._eager_profile.around(step.step_id, batch.graph, tokens):
+                    with self._eager_profile.around(step.step_id, batch):
                         pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
                 except Exception as exc:
                     if self.tp_size > 1:   # the other ranks are left waiting in a collective

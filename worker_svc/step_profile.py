@@ -18,9 +18,12 @@ import contextlib
 import logging
 import os
 import time
-from typing import Iterator
+from typing import TYPE_CHECKING, ContextManager, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from worker_svc.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +38,17 @@ class EagerStepProfiler:
         self.left = steps
         self.device = device
 
-    @contextlib.contextmanager
-    def around(self, step_id: int, graph: bool, num_tokens: int) -> Iterator[None]:
-        if graph or self.left <= 0:
-            yield
-            return
+    def around(self, step_id: int, batch: "StepBatch") -> ContextManager[None]:
+        """What the step's launch runs in: the profiler for the next eager step while any are left, else
+        nothing (the step loop's usual case: no work but this test)."""
+        if batch.graph or self.left <= 0:
+            return contextlib.nullcontext()
         self.left -= 1
+        tokens = len(batch.input_ids) if batch.input_ids is not None else len(batch.position_rows)
+        return self._profiled(step_id, tokens)
+
+    @contextlib.contextmanager
+    def _profiled(self, step_id: int, num_tokens: int) -> Iterator[None]:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device is not None and self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)

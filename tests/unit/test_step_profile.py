@@ -3,20 +3,27 @@ later steps untouched; and through a real model runner, a prefill step's table n
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 
 from worker_svc.step_profile import EagerStepProfiler
 
 
+def step_batch(tokens: int, graph: bool = False) -> SimpleNamespace:
+    """What the profiler reads of a StepBatch: whether a graph replays it, its tokens."""
+    return SimpleNamespace(graph=graph, input_ids=None if graph else torch.zeros(tokens, dtype=torch.int64),
+                           position_rows=list(range(tokens)))
+
+
 def test_the_first_eager_steps_are_profiled_and_nothing_else(caplog):
     profiler = EagerStepProfiler(steps=2, device=torch.device("cpu"))
     x = torch.randn(64, 64)
     with caplog.at_level(logging.INFO, logger="worker_svc.step_profile"):
-        with profiler.around(1, graph=True, num_tokens=4):   # a graph replay: not profiled, not counted
+        with profiler.around(1, step_batch(4, graph=True)):   # a graph replay: not profiled, not counted
             x @ x
         for step in (2, 3, 4):
-            with profiler.around(step, graph=False, num_tokens=64):
+            with profiler.around(step, step_batch(64)):
                 torch.mm(x, x)
     logged = [r.getMessage() for r in caplog.records]
     assert [m.split(":")[0] for m in logged] == ["eager step 2 (64 tokens)", "eager step 3 (64 tokens)"]
@@ -27,7 +34,7 @@ def test_off_by_default_it_adds_nothing(caplog, monkeypatch):
     monkeypatch.delenv("WORKER_PROFILE_EAGER_STEPS", raising=False)
     profiler = EagerStepProfiler(steps=0)
     with caplog.at_level(logging.INFO, logger="worker_svc.step_profile"):
-        with profiler.around(1, graph=False, num_tokens=8):
+        with profiler.around(1, step_batch(8)):
             torch.ones(3).sum()
     assert caplog.records == []
 
