@@ -10,6 +10,9 @@
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   single    one stream through the service with the fourth step in flight off and on in turn (v48)
 #   hostprof  the service with its first eager steps' launches under torch.profiler: host time by op (v50)
+#   trace     the service with steps TRACE_STEPS (default 8-26: its mixed steps) in one torch.profiler trace, read by
+#             tools.trace_gaps (the device's idle gaps, what the host did in each); TRACE_STACK_STEPS (default 14-16)
+#             again with every thread's Python calls (v51)
 #   spec      the speculative-decoding stage (bench/stages/spec.py) with the flags in EXTRA
 #   spec-service  the same through the real processes (bench/stages/spec_service.py), flags in EXTRA
 #   moe       the MoE/FP8 stages given in STAGES (their options in EXTRA)
@@ -198,6 +201,24 @@ PY
         grep -ah -A$((25 + 8)) "eager step" "$BENCH"/hostprof/logs/worker-*.log > "$OUT/hostprof.txt"
         grep -ah "eager step" "$BENCH"/hostprof/logs/worker-*.log | cut -c1-160
         head -${LINES_OUT:-80} "$OUT/hostprof.txt"
+        ;;
+    trace)  # one torch.profiler trace over the service's steps TRACE_STEPS, then TRACE_STACK_STEPS with Python stacks
+        base
+        for mode in plain stack; do
+            steps=${TRACE_STEPS:-8-26}; stack=0
+            [[ $mode == stack ]] && { steps=${TRACE_STACK_STEPS:-14-16}; stack=1; }
+            [[ -z $steps || $steps == none ]] && continue
+            mkdir -p "$OUT/trace-$mode"
+            WORKER_PROFILE_TRACE_STEPS=$steps WORKER_PROFILE_TRACE_STACK=$stack WORKER_PROFILE_TRACE_DIR="$OUT/trace-$mode" \
+                STAGES=${STAGES:-bandwidth,service} NAME=trace-$mode EXTRA="--stream-intervals 1" TIMEOUT=${TIMEOUT:-240} \
+                LINES_OUT=3 bash "$0" bench
+            for t in "$OUT/trace-$mode"/worker-trace-*.json; do
+                [[ -f $t ]] || { echo "$mode: no trace written"; continue; }
+                echo "== $mode $(basename "$t")"
+                $PY -m tools.trace_gaps "$t" --top ${TRACE_TOP:-12} | tee "$t.gaps.txt" | head -${TRACE_LINES:-70}
+                gzip -f "$t"
+            done
+        done
         ;;
     kv)     # the service with a bf16 and an FP8 KV cache, side by side (issue 24's ratio)
         base

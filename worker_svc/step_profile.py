@@ -11,12 +11,21 @@ for each, its launch time under the profiler and the ops that took the most host
 the CUDA runtime calls among them: a launch that waits for the device shows there, as does a host sync).
 The profiler's overhead makes every step slower (the first also pays its start-up); the shares are what
 it is for.
+
+The per-step tables cannot say what the device did meanwhile (each profile starts by waiting for it). With
+WORKER_PROFILE_TRACE_STEPS=FIRST-LAST one profiler session spans the launches of steps FIRST..LAST instead,
+graph replays included, every step's launch a labelled span on its thread, the kernels on the device's
+timeline, and writes a Chrome trace (WORKER_PROFILE_TRACE_DIR, default the system's temporary directory) when
+the first step after LAST launches; WORKER_PROFILE_TRACE_STACK=1 adds the Python calls of every thread (much
+slower: keep the window short). `python -m tools.trace_gaps TRACE` reads it: the device's idle gaps and what
+the host was doing during each.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import tempfile
 import time
 from typing import TYPE_CHECKING, ContextManager, Iterator
 
@@ -31,29 +40,78 @@ EAGER_STEPS = int(os.environ.get("WORKER_PROFILE_EAGER_STEPS", "0"))
 TABLE_ROWS = 25
 
 
+def trace_window(spec: str) -> tuple[int, int] | None:
+    """WORKER_PROFILE_TRACE_STEPS's "FIRST-LAST" (step ids) as a pair; None when empty."""
+    if not spec.strip():
+        return None
+    try:
+        first, last = (int(part) for part in spec.split("-"))
+    except ValueError:
+        raise ValueError(f"WORKER_PROFILE_TRACE_STEPS={spec!r}: expected FIRST-LAST step ids, e.g. 10-24") from None
+    if first < 0 or last < first:
+        raise ValueError(f"WORKER_PROFILE_TRACE_STEPS={spec!r}: expected 0 <= FIRST <= LAST")
+    return first, last
+
+
 class EagerStepProfiler:
     """Profiles the launch of the first `steps` eager steps (`around`); graph replays pass untouched."""
 
-    def __init__(self, steps: int = EAGER_STEPS, device: torch.device | None = None) -> None:
+    def __init__(self, steps: int = EAGER_STEPS, device: torch.device | None = None,
+                 window: tuple[int, int] | None = None, trace_dir: str | None = None,
+                 with_stack: bool | None = None) -> None:
         self.left = steps
         self.device = device
+        self.window = window if window is not None else trace_window(
+            os.environ.get("WORKER_PROFILE_TRACE_STEPS", ""))
+        self.trace_dir = trace_dir or os.environ.get("WORKER_PROFILE_TRACE_DIR") or tempfile.gettempdir()
+        self.with_stack = (with_stack if with_stack is not None
+                           else os.environ.get("WORKER_PROFILE_TRACE_STACK", "") == "1")
+        self._trace: torch.profiler.profile | None = None
 
     def around(self, step_id: int, batch: "StepBatch") -> ContextManager[None]:
-        """What the step's launch runs in: the profiler for the next eager step while any are left, else
-        nothing (the step loop's usual case: no work but this test)."""
+        """What the step's launch runs in: the profiler for the next eager step while any are left, a
+        labelled span in the trace window's session, else nothing (the step loop's usual case: no work
+        but these tests)."""
+        if self.window is not None:
+            return self._in_window(step_id, batch)
         if batch.graph or self.left <= 0:
             return contextlib.nullcontext()
         self.left -= 1
-        tokens = len(batch.input_ids) if batch.input_ids is not None else len(batch.position_rows)
-        return self._profiled(step_id, tokens)
+        return self._profiled(step_id, self._tokens(batch))
 
-    @contextlib.contextmanager
-    def _profiled(self, step_id: int, num_tokens: int) -> Iterator[None]:
+    def _in_window(self, step_id: int, batch: "StepBatch") -> ContextManager[None]:
+        first, last = self.window
+        if self._trace is None and first <= step_id <= last:
+            self._trace = torch.profiler.profile(activities=self._activities(), with_stack=self.with_stack)
+            self._trace.start()
+        elif self._trace is not None and step_id > last:
+            self._write_trace(first, last)
+        if self._trace is None:
+            return contextlib.nullcontext()
+        kind = "graph" if batch.graph else "eager"
+        return torch.profiler.record_function(f"launch step {step_id} {kind} {self._tokens(batch)} tokens")
+
+    def _write_trace(self, first: int, last: int) -> None:
+        trace, self._trace, self.window = self._trace, None, None   # one window a process
+        trace.stop()
+        path = os.path.join(self.trace_dir, f"worker-trace-{os.getpid()}-steps-{first}-{last}.json")
+        trace.export_chrome_trace(path)
+        logger.info("steps %d-%d traced: %s (read it with python -m tools.trace_gaps)", first, last, path)
+
+    def _activities(self) -> list[torch.profiler.ProfilerActivity]:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device is not None and self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        return activities
+
+    @staticmethod
+    def _tokens(batch: "StepBatch") -> int:
+        return len(batch.input_ids) if batch.input_ids is not None else len(batch.position_rows)
+
+    @contextlib.contextmanager
+    def _profiled(self, step_id: int, num_tokens: int) -> Iterator[None]:
         started = time.perf_counter()
-        with torch.profiler.profile(activities=activities) as profile:
+        with torch.profiler.profile(activities=self._activities()) as profile:
             yield
             launched_ms = (time.perf_counter() - started) * 1e3
         averages = profile.key_averages()

@@ -2,12 +2,15 @@
 later steps untouched; and through a real model runner, a prefill step's table names the ops it ran."""
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from worker_svc.step_profile import EagerStepProfiler
+from tools import trace_gaps
+from worker_svc.step_profile import EagerStepProfiler, trace_window
 
 
 def step_batch(tokens: int, graph: bool = False) -> SimpleNamespace:
@@ -58,3 +61,56 @@ def test_a_model_runner_profiles_its_prefill_step(tiny_model_dir, caplog):
     assert len(tables) == 1 and tables[0].startswith("eager step") and "(12 tokens)" in tables[0]
     assert "aten::" in tables[0]
     assert profiled == run(0)
+
+
+def test_a_trace_window_spans_its_steps_and_writes_one_trace(tmp_path, caplog):
+    """WORKER_PROFILE_TRACE_STEPS: one profiler session from step FIRST to LAST, graph replays included,
+    each launch a labelled span; the trace is written when a later step launches, and only once."""
+    profiler = EagerStepProfiler(device=torch.device("cpu"), window=(3, 4), trace_dir=str(tmp_path))
+    x = torch.randn(32, 32)
+    with caplog.at_level(logging.INFO, logger="worker_svc.step_profile"):
+        for step, graph in ((2, False), (3, False), (4, True), (5, False), (6, False)):
+            with profiler.around(step, step_batch(8, graph=graph)):
+                torch.mm(x, x)
+    traces = list(tmp_path.glob("worker-trace-*-steps-3-4.json"))
+    assert len(traces) == 1 and len(caplog.records) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    labels = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    assert labels == {"launch step 3 eager 8 tokens", "launch step 4 graph 8 tokens"}
+    assert sum(e.get("name") == "aten::mm" for e in events) == 2   # steps 3 and 4 only
+    assert "no device activity" in trace_gaps.report(str(traces[0]))
+
+
+@pytest.mark.parametrize("spec", ["12", "a-b", "9-3", "-1-4"])
+def test_a_trace_window_that_is_not_first_last_is_refused(spec):
+    with pytest.raises(ValueError, match="WORKER_PROFILE_TRACE_STEPS"):
+        trace_window(spec)
+
+
+def test_trace_gaps_finds_the_device_idle_and_what_the_host_was_in(tmp_path):
+    """A hand-made trace: two steps; the second's launch starts late, so the device idles 300 us while
+    the launching thread sits in a long cudaMalloc; its kernels start 5 us after their launch calls."""
+    def x(name, cat, ts, dur, tid=1, corr=None):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "pid": 1,
+                "args": {} if corr is None else {"correlation": corr}}
+    events = [
+        x("launch step 7 eager 16 tokens", "user_annotation", 0, 100),
+        x("cuLaunchKernelEx", "cuda_runtime", 10, 5, corr=1),
+        x("cuLaunchKernelEx", "cuda_runtime", 20, 5, corr=2),
+        x("k1", "kernel", 15, 50, tid=7, corr=1),
+        x("k2", "kernel", 65, 100, tid=7, corr=2),
+        x("launch step 8 eager 16 tokens", "user_annotation", 110, 400),
+        x("cudaMalloc", "cuda_runtime", 120, 340),
+        x("cuLaunchKernelEx", "cuda_runtime", 460, 5, corr=3),
+        x("k3", "kernel", 465, 50, tid=7, corr=3),
+        x("aten::copy_", "cpu_op", 150, 30, tid=2),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = trace_gaps.report(str(path), gap_us=100)
+    assert "busy 0.20 ms" in out
+    lines = out.splitlines()
+    step7 = next(line for line in lines if line.split()[:1] == ["7"])
+    assert step7.split()[3:7] == ["0.10", "2", "0.15", "100.0"] and step7.split()[-1] == "0.005"
+    gap = lines.index(next(line for line in lines if "idle" in line and "0.300 ms" in line))
+    assert "cudaMalloc" in lines[gap + 1] and "0.045 in" in lines[gap + 1]

@@ -1,0 +1,165 @@
+"""Where the device waited, from a worker's Chrome trace (WORKER_PROFILE_TRACE_STEPS, worker_svc/step_profile.py).
+
+    python -m tools.trace_gaps worker-trace-...json[.gz] [--gap-us 20] [--top 15]
+
+Prints two tables. Each labelled step launch: its host time, the kernels it launched, the device's span
+for them and how much of that span the device was busy, and the median time from a kernel's launch call
+to its start (large: the host runs ahead of the device; near zero: the device waits for the host). Then
+the device's longest idle gaps, each with what every host thread was inside when it began (its innermost
+event: an op, a CUDA runtime call, a Python function when traced with stacks)."""
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function"}
+LAUNCH = re.compile(r"launch step (\d+) (\w+) (\d+) tokens")
+
+
+@dataclass
+class Span:
+    name: str
+    cat: str
+    start: float      # us
+    end: float
+    tid: object = 0
+    correlation: int | None = None
+
+
+@dataclass
+class StepLaunch:
+    step: int
+    kind: str
+    tokens: int
+    span: Span
+    kernels: list[Span] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)
+
+
+def load(path: str) -> list[Span]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    spans = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATS | HOST_CATS:
+            continue
+        start = float(e["ts"])
+        corr = (e.get("args") or {}).get("correlation")
+        spans.append(Span(e.get("name", ""), e["cat"], start, start + float(e.get("dur", 0)), e.get("tid", 0), corr))
+    return sorted(spans, key=lambda s: s.start)
+
+
+def busy_intervals(kernels: list[Span]) -> list[tuple[float, float]]:
+    """The device's busy time as disjoint intervals (kernels of several streams merged)."""
+    merged: list[list[float]] = []
+    for k in sorted(kernels, key=lambda s: s.start):
+        if merged and k.start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], k.end)
+        else:
+            merged.append([k.start, k.end])
+    return [(a, b) for a, b in merged]
+
+
+def busy_within(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals)
+
+
+def gaps(intervals: list[tuple[float, float]], min_us: float) -> list[tuple[float, float]]:
+    return [(a_end, b_start) for (_, a_end), (b_start, _) in zip(intervals, intervals[1:])
+            if b_start - a_end >= min_us]
+
+
+def step_launches(spans: list[Span]) -> list[StepLaunch]:
+    """Each labelled launch with the kernels whose launch call ran inside it."""
+    launches = []
+    for s in spans:
+        m = LAUNCH.fullmatch(s.name) if s.cat == "user_annotation" else None
+        if m:
+            launches.append(StepLaunch(int(m.group(1)), m.group(2), int(m.group(3)), s))
+    by_corr = {s.correlation: s for s in spans if s.cat in DEVICE_CATS and s.correlation is not None}
+    calls = [s for s in spans if s.cat in ("cuda_runtime", "cuda_driver") and s.correlation in by_corr]
+    starts = [c.start for c in calls]
+    for launch in launches:
+        lo = bisect.bisect_left(starts, launch.span.start)
+        hi = bisect.bisect_right(starts, launch.span.end)
+        for call in calls[lo:hi]:
+            if call.tid != launch.span.tid:
+                continue
+            kernel = by_corr[call.correlation]
+            launch.kernels.append(kernel)
+            launch.lags.append(kernel.start - call.start)
+    return launches
+
+
+def innermost(spans_by_tid: dict[object, list[Span]], t: float) -> dict[object, Span | None]:
+    """For each host thread, the innermost (latest-starting) event open at time t."""
+    out = {}
+    for tid, spans in spans_by_tid.items():
+        best = None
+        i = bisect.bisect_right([s.start for s in spans], t)
+        for s in reversed(spans[max(0, i - 400):i]):
+            if s.end > t and (best is None or s.start > best.start):
+                best = s
+        out[tid] = best
+    return out
+
+
+def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
+    spans = load(path)
+    device = [s for s in spans if s.cat in DEVICE_CATS]
+    host = [s for s in spans if s.cat in HOST_CATS]
+    intervals = busy_intervals(device)
+    lines = []
+    if not intervals:
+        return "no device activity in the trace (a CPU worker, or the window held no steps)"
+    t0 = intervals[0][0]
+    total = intervals[-1][1] - t0
+    busy = busy_within(intervals, t0, intervals[-1][1])
+    lines.append(f"device: {len(device)} kernels/copies over {total / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms "
+                 f"({100 * busy / total:.1f}%)")
+    lines.append("step  kind   tokens  launch ms  kernels  device span ms  busy %  lag p50 ms  lag min ms")
+    for launch in step_launches(spans):
+        if launch.kernels:
+            first = min(k.start for k in launch.kernels)
+            last = max(k.end for k in launch.kernels)
+            span_us = last - first
+            busy_pct = 100 * busy_within(intervals, first, last) / span_us if span_us else 100.0
+            lag50, lagmin = statistics.median(launch.lags) / 1e3, min(launch.lags) / 1e3
+        else:
+            span_us, busy_pct, lag50, lagmin = 0.0, 0.0, float("nan"), float("nan")
+        lines.append(f"{launch.step:5d} {launch.kind:6} {launch.tokens:6d} {(launch.span.end - launch.span.start) / 1e3:10.2f}"
+                     f" {len(launch.kernels):8d} {span_us / 1e3:15.2f} {busy_pct:7.1f} {lag50:11.3f} {lagmin:11.3f}")
+    by_tid: dict[object, list[Span]] = {}
+    for s in host:
+        by_tid.setdefault(s.tid, []).append(s)
+    idle = sorted(gaps(intervals, gap_us), key=lambda g: g[0] - g[1])[:top]
+    lines.append(f"device idle: {(total - busy) / 1e3:.2f} ms in all; the {len(idle)} longest gaps "
+                 f"(of {len(gaps(intervals, gap_us))} >= {gap_us:g} us), host threads' innermost event at each start:")
+    for a, b in idle:
+        lines.append(f"  +{(a - t0) / 1e3:9.3f} ms  idle {(b - a) / 1e3:7.3f} ms")
+        for tid, s in sorted(innermost(by_tid, a).items(), key=lambda kv: str(kv[0])):
+            if s is not None:
+                lines.append(f"      thread {tid}: {s.cat} {s.name[:90]} ({(s.end - s.start) / 1e3:.3f} ms, "
+                             f"{(a - s.start) / 1e3:.3f} in)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace")
+    parser.add_argument("--gap-us", type=float, default=20.0, help="the shortest idle gap listed")
+    parser.add_argument("--top", type=int, default=15, help="how many of the longest gaps to list")
+    args = parser.parse_args()
+    print(report(args.trace, args.gap_us, args.top))
+
+
+if __name__ == "__main__":
+    main()
