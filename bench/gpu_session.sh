@@ -7,6 +7,8 @@
 #   smoke     a short gpu_bench run that exercises the service end to end
 #   fa4       install FlashAttention-4 (.whl/fa4a + .whl/fa4b) and run its tests and the attention bench
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
+#   budget    the service at each step token budget of BUDGET_ORDER (default "32768 16384": the bench's
+#             --max-num-batched-tokens, for the worker and the scheduler) in turn: tok/s, TTFT and the mixed steps' step against device time (v51)
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   single    one stream through the service with the fourth step in flight off and on in turn (v48)
 #   hostprof  the service with its first eager steps' launches under torch.profiler: host time by op (v50)
@@ -219,6 +221,29 @@ PY
                 gzip -f "$t"
             done
         done
+        ;;
+    budget) # the service at each step token budget in BUDGET_ORDER: fewer, larger mixed steps pay the eager launch fewer times
+        base
+        for b in ${BUDGET_ORDER:-32768 16384}; do
+            NAME=budget-$b STAGES=${STAGES:-service} EXTRA="--stream-intervals 1 --max-num-batched-tokens $b" \
+                TIMEOUT=${TIMEOUT:-200} LINES_OUT=2 bash "$0" bench
+            cp "$BENCH/budget-$b/service.json" "$OUT/service-budget-$b.json" 2>/dev/null
+        done
+        $PY - "$OUT" <<'PY'
+import json, pathlib, sys
+print("budget   tok/s  TTFT p50 ms  mixed steps  mixed step ms  mixed device ms  all step ms  all device ms")
+for path in sorted(pathlib.Path(sys.argv[1]).glob("service-budget-*.json")):
+    try:
+        r = json.loads(path.read_text())["result"]
+    except (OSError, KeyError, ValueError) as exc:
+        print(path.name, "no result", repr(exc))
+        continue
+    steps = r.get("steps") or {}
+    mixed = [v for k, v in steps.get("kinds", {}).items() if k.startswith("mixed")]
+    print(f"{path.stem.split('-')[-1]:>6} {r['output_tokens'] / r['seconds']:7.0f} {r['ttft_median_s'] * 1e3:12.0f}"
+          f" {sum(v['steps'] for v in mixed):12d} {sum(v['step_ms'] for v in mixed):14.1f}"
+          f" {sum(v['device_ms'] for v in mixed):16.1f} {steps.get('step_ms', 0):12.1f} {steps.get('device_ms', 0):14.1f}")
+PY
         ;;
     kv)     # the service with a bf16 and an FP8 KV cache, side by side (issue 24's ratio)
         base
