@@ -18,7 +18,9 @@ import statistics
 from dataclasses import dataclass, field
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function"}
+# Everything else with a duration is the host's (ops, annotations, CUDA runtime and driver calls, Python
+# functions, the collector's runs, synchronizations where the window asked for them), but these.
+NOT_HOST_CATS = {"gpu_user_annotation", "ac2g", "Trace"}
 LAUNCH = re.compile(r"launch step (\d+) (\w+) (\d+) tokens")
 
 
@@ -49,7 +51,7 @@ def load(path: str) -> list[Span]:
     events = events.get("traceEvents", []) if isinstance(events, dict) else events
     spans = []
     for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATS | HOST_CATS:
+        if e.get("ph") != "X" or e.get("cat") in NOT_HOST_CATS or "cat" not in e:
             continue
         start = float(e["ts"])
         corr = (e.get("args") or {}).get("correlation")
@@ -115,7 +117,7 @@ def innermost(spans_by_tid: dict[object, list[Span]], t: float) -> dict[object, 
 def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
     spans = load(path)
     device = [s for s in spans if s.cat in DEVICE_CATS]
-    host = [s for s in spans if s.cat in HOST_CATS]
+    host = [s for s in spans if s.cat not in DEVICE_CATS]
     intervals = busy_intervals(device)
     lines = []
     if not intervals:

@@ -14,8 +14,9 @@ it is for.
 
 The per-step tables cannot say what the device did meanwhile (each profile starts by waiting for it). With
 WORKER_PROFILE_TRACE_STEPS=FIRST-LAST one profiler session spans the launches of steps FIRST..LAST instead,
-graph replays included, every step's launch a labelled span on its thread, the kernels on the device's
-timeline, and writes a Chrome trace (WORKER_PROFILE_TRACE_DIR, default the system's temporary directory) when
+graph replays included, every step's launch a labelled span on its thread (every thread's ops are recorded:
+each step launches from its own RPC thread), the CUDA runtime's synchronizations and the collector's runs as
+events where this torch records them, the kernels on the device's timeline, and writes a Chrome trace (WORKER_PROFILE_TRACE_DIR, default the system's temporary directory) when
 the first step after LAST launches; WORKER_PROFILE_TRACE_STACK=1 adds the Python calls of every thread (much
 slower: keep the window short). `python -m tools.trace_gaps TRACE` reads it: the device's idle gaps and what
 the host was doing during each.
@@ -53,6 +54,27 @@ def trace_window(spec: str) -> tuple[int, int] | None:
     return first, last
 
 
+# What the trace window asks of Kineto beyond the defaults, each where this torch has it: every thread's
+# ops (a worker launches each step from its own RPC thread; by default only the starting thread's are
+# recorded), the CUDA runtime's synchronizations as events (a host sync inside a launch shows by name), the
+# Python collector's runs (a pause that is no op), and no Python event objects at the end (export only).
+WINDOW_OPTIONS = {"profile_all_threads": True, "enable_cuda_sync_events": True, "record_python_gc_info": True,
+                  "trace_only": True}
+
+
+def window_config(options: dict[str, bool] | None = None):
+    """An _ExperimentalConfig with those of `options` (default WINDOW_OPTIONS) this torch takes (its
+    constructor's signature names them; each missing one is logged), and whether it records every thread."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    signature = (_ExperimentalConfig.__init__.__doc__ or "").split("\n", 1)[0]
+    wanted = WINDOW_OPTIONS if options is None else options
+    taken = {name: value for name, value in wanted.items() if f"{name}:" in signature}
+    for name in sorted(wanted.keys() - taken.keys()):
+        logger.info("this torch's profiler has no %s option; the trace goes without it", name)
+    return _ExperimentalConfig(**taken), "profile_all_threads" in taken
+
+
 class EagerStepProfiler:
     """Profiles the launch of the first `steps` eager steps (`around`); graph replays pass untouched."""
 
@@ -82,7 +104,14 @@ class EagerStepProfiler:
     def _in_window(self, step_id: int, batch: "StepBatch") -> ContextManager[None]:
         first, last = self.window
         if self._trace is None and first <= step_id <= last:
-            self._trace = torch.profiler.profile(activities=self._activities(), with_stack=self.with_stack)
+            config, all_threads = window_config()
+            if not all_threads:   # stopped on another thread than its start's, a thread-local session crashes
+                logger.warning("WORKER_PROFILE_TRACE_STEPS needs a torch whose profiler records every thread "
+                               "(profile_all_threads); no trace")
+                self.window = None
+                return contextlib.nullcontext()
+            self._trace = torch.profiler.profile(activities=self._activities(), with_stack=self.with_stack,
+                                                 experimental_config=config)
             self._trace.start()
         elif self._trace is not None and step_id > last:
             self._write_trace(first, last)

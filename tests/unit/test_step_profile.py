@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tools import trace_gaps
-from worker_svc.step_profile import EagerStepProfiler, trace_window
+from worker_svc import step_profile
+from worker_svc.step_profile import EagerStepProfiler, trace_window, window_config
 
 
 def step_batch(tokens: int, graph: bool = False) -> SimpleNamespace:
@@ -114,3 +116,47 @@ def test_trace_gaps_finds_the_device_idle_and_what_the_host_was_in(tmp_path):
     assert step7.split()[3:7] == ["0.10", "2", "0.15", "100.0"] and step7.split()[-1] == "0.005"
     gap = lines.index(next(line for line in lines if "idle" in line and "0.300 ms" in line))
     assert "cudaMalloc" in lines[gap + 1] and "0.045 in" in lines[gap + 1]
+
+
+def test_a_trace_window_records_steps_launched_from_other_threads(tmp_path):
+    """A worker launches each step from its own RPC thread: the window started on one thread records the
+    launches of the others and stops on a third."""
+    profiler = EagerStepProfiler(device=torch.device("cpu"), window=(3, 4), trace_dir=str(tmp_path))
+    x = torch.randn(32, 32)
+
+    def launch(step: int) -> None:
+        with profiler.around(step, step_batch(8)):
+            torch.mm(x, x)
+
+    for step in (3, 4):
+        thread = threading.Thread(target=launch, args=(step,))
+        thread.start()
+        thread.join()
+    launch(5)
+    (trace,) = tmp_path.glob("worker-trace-*-steps-3-4.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = {e["name"]: e["tid"] for e in events if e.get("cat") == "user_annotation"}
+    assert set(spans) == {"launch step 3 eager 8 tokens", "launch step 4 eager 8 tokens"}
+    assert len(set(spans.values())) == 2
+    assert sum(e.get("name") == "aten::mm" for e in events) == 2
+
+
+def test_the_window_asks_only_for_the_profiler_options_this_torch_has(caplog):
+    with caplog.at_level(logging.INFO, logger="worker_svc.step_profile"):
+        config, all_threads = window_config({"profile_all_threads": True, "no_such_option": True})
+    assert config is not None and all_threads
+    assert [r.getMessage() for r in caplog.records] == [
+        "this torch's profiler has no no_such_option option; the trace goes without it"]
+
+
+def test_without_every_threads_recording_the_window_traces_nothing(tmp_path, monkeypatch, caplog):
+    """A thread-local profiling session stopped on another thread crashes the process: a torch whose
+    profiler cannot record every thread gets no trace, and says so."""
+    monkeypatch.setattr(step_profile, "WINDOW_OPTIONS", {"no_such_option": True})
+    profiler = EagerStepProfiler(device=torch.device("cpu"), window=(3, 4), trace_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="worker_svc.step_profile"):
+        for step in (3, 4, 5):
+            with profiler.around(step, step_batch(8)):
+                torch.ones(2).sum()
+    assert list(tmp_path.iterdir()) == []
+    assert ["profile_all_threads" in r.getMessage() for r in caplog.records] == [True]
