@@ -2,7 +2,8 @@
 
     python -m tools.trace_gaps worker-trace-...json[.gz] [--gap-us 20] [--top 15]
 
-Prints two tables. Each labelled step launch: its host time, the kernels it launched, the device's span
+Prints two tables. Each labelled step launch: its host time, how much of it was inside ops and CUDA calls
+(the rest is Python between them), the kernels it launched, the device's span
 for them and how much of that span the device was busy, and the median time from a kernel's launch call
 to its start (large: the host runs ahead of the device; near zero: the device waits for the host). Then
 the device's longest idle gaps, each with what every host thread was inside when it began (its innermost
@@ -21,6 +22,7 @@ DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 # Everything else with a duration is the host's (ops, annotations, CUDA runtime and driver calls, Python
 # functions, the collector's runs, synchronizations where the window asked for them), but these.
 NOT_HOST_CATS = {"gpu_user_annotation", "ac2g", "Trace"}
+OP_CATS = {"cpu_op", "cuda_runtime", "cuda_driver"}   # a launch's time in these is not its Python's
 LAUNCH = re.compile(r"launch step (\d+) (\w+) (\d+) tokens")
 
 
@@ -101,6 +103,13 @@ def step_launches(spans: list[Span]) -> list[StepLaunch]:
     return launches
 
 
+def in_ops_us(thread_ops: list[Span], span: Span) -> float:
+    """How much of `span` its thread spent inside ops or CUDA calls (the rest: Python between them)."""
+    inside = [(max(o.start, span.start), min(o.end, span.end)) for o in thread_ops
+              if o.end > span.start and o.start < span.end]
+    return sum(b - a for a, b in busy_intervals([Span("", "", a, b) for a, b in inside]))
+
+
 def innermost(spans_by_tid: dict[object, list[Span]], t: float) -> dict[object, Span | None]:
     """For each host thread, the innermost (latest-starting) event open at time t."""
     out = {}
@@ -120,14 +129,19 @@ def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
     host = [s for s in spans if s.cat not in DEVICE_CATS]
     intervals = busy_intervals(device)
     lines = []
-    if not intervals:
-        return "no device activity in the trace (a CPU worker, or the window held no steps)"
-    t0 = intervals[0][0]
-    total = intervals[-1][1] - t0
-    busy = busy_within(intervals, t0, intervals[-1][1])
-    lines.append(f"device: {len(device)} kernels/copies over {total / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms "
-                 f"({100 * busy / total:.1f}%)")
-    lines.append("step  kind   tokens  launch ms  kernels  device span ms  busy %  lag p50 ms  lag min ms")
+    if intervals:
+        t0 = intervals[0][0]
+        total = intervals[-1][1] - t0
+        busy = busy_within(intervals, t0, intervals[-1][1])
+        lines.append(f"device: {len(device)} kernels/copies over {total / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms "
+                     f"({100 * busy / total:.1f}%)")
+    else:
+        lines.append("no device activity in the trace (a CPU worker): the launches alone")
+    lines.append("step  kind   tokens  launch ms  in ops ms  kernels  device span ms  busy %  lag p50 ms  lag min ms")
+    op_spans: dict[object, list[Span]] = {}
+    for s in spans:
+        if s.cat in OP_CATS:
+            op_spans.setdefault(s.tid, []).append(s)
     for launch in step_launches(spans):
         if launch.kernels:
             first = min(k.start for k in launch.kernels)
@@ -137,8 +151,11 @@ def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
             lag50, lagmin = statistics.median(launch.lags) / 1e3, min(launch.lags) / 1e3
         else:
             span_us, busy_pct, lag50, lagmin = 0.0, 0.0, float("nan"), float("nan")
+        in_ops = in_ops_us(op_spans.get(launch.span.tid, []), launch.span)
         lines.append(f"{launch.step:5d} {launch.kind:6} {launch.tokens:6d} {(launch.span.end - launch.span.start) / 1e3:10.2f}"
-                     f" {len(launch.kernels):8d} {span_us / 1e3:15.2f} {busy_pct:7.1f} {lag50:11.3f} {lagmin:11.3f}")
+                     f" {in_ops / 1e3:10.2f} {len(launch.kernels):8d} {span_us / 1e3:15.2f} {busy_pct:7.1f} {lag50:11.3f} {lagmin:11.3f}")
+    if not intervals:
+        return "\n".join(lines)
     by_tid: dict[object, list[Span]] = {}
     for s in host:
         by_tid.setdefault(s.tid, []).append(s)

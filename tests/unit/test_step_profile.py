@@ -113,7 +113,7 @@ def test_trace_gaps_finds_the_device_idle_and_what_the_host_was_in(tmp_path):
     assert "busy 0.20 ms" in out
     lines = out.splitlines()
     step7 = next(line for line in lines if line.split()[:1] == ["7"])
-    assert step7.split()[3:7] == ["0.10", "2", "0.15", "100.0"] and step7.split()[-1] == "0.005"
+    assert step7.split()[3:8] == ["0.10", "0.01", "2", "0.15", "100.0"] and step7.split()[-1] == "0.005"
     gap = lines.index(next(line for line in lines if "idle" in line and "0.300 ms" in line))
     assert "cudaMalloc" in lines[gap + 1] and "0.045 in" in lines[gap + 1]
 
