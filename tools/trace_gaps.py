@@ -61,15 +61,20 @@ def load(path: str) -> list[Span]:
     return sorted(spans, key=lambda s: s.start)
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping (start, end) intervals merged into disjoint ones, in order."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
 def busy_intervals(kernels: list[Span]) -> list[tuple[float, float]]:
     """The device's busy time as disjoint intervals (kernels of several streams merged)."""
-    merged: list[list[float]] = []
-    for k in sorted(kernels, key=lambda s: s.start):
-        if merged and k.start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], k.end)
-        else:
-            merged.append([k.start, k.end])
-    return [(a, b) for a, b in merged]
+    return merged([(k.start, k.end) for k in kernels])
 
 
 def busy_within(intervals: list[tuple[float, float]], start: float, end: float) -> float:
@@ -107,15 +112,17 @@ def in_ops_us(thread_ops: list[Span], span: Span) -> float:
     """How much of `span` its thread spent inside ops or CUDA calls (the rest: Python between them)."""
     inside = [(max(o.start, span.start), min(o.end, span.end)) for o in thread_ops
               if o.end > span.start and o.start < span.end]
-    return sum(b - a for a, b in busy_intervals([Span("", "", a, b) for a, b in inside]))
+    return sum(b - a for a, b in merged(inside))
 
 
-def innermost(spans_by_tid: dict[object, list[Span]], t: float) -> dict[object, Span | None]:
-    """For each host thread, the innermost (latest-starting) event open at time t."""
+def innermost(spans_by_tid: dict[object, list[Span]], starts_by_tid: dict[object, list[float]],
+              t: float) -> dict[object, Span | None]:
+    """For each host thread (its spans in start order, and their starts), the innermost (latest-starting)
+    event open at time t."""
     out = {}
     for tid, spans in spans_by_tid.items():
         best = None
-        i = bisect.bisect_right([s.start for s in spans], t)
+        i = bisect.bisect_right(starts_by_tid[tid], t)
         for s in reversed(spans[max(0, i - 400):i]):
             if s.end > t and (best is None or s.start > best.start):
                 best = s
@@ -159,12 +166,14 @@ def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
     by_tid: dict[object, list[Span]] = {}
     for s in host:
         by_tid.setdefault(s.tid, []).append(s)
-    idle = sorted(gaps(intervals, gap_us), key=lambda g: g[0] - g[1])[:top]
+    starts_by_tid = {tid: [s.start for s in spans] for tid, spans in by_tid.items()}
+    all_gaps = gaps(intervals, gap_us)
+    idle = sorted(all_gaps, key=lambda g: g[0] - g[1])[:top]
     lines.append(f"device idle: {(total - busy) / 1e3:.2f} ms in all; the {len(idle)} longest gaps "
-                 f"(of {len(gaps(intervals, gap_us))} >= {gap_us:g} us), host threads' innermost event at each start:")
+                 f"(of {len(all_gaps)} >= {gap_us:g} us), host threads' innermost event at each start:")
     for a, b in idle:
         lines.append(f"  +{(a - t0) / 1e3:9.3f} ms  idle {(b - a) / 1e3:7.3f} ms")
-        for tid, s in sorted(innermost(by_tid, a).items(), key=lambda kv: str(kv[0])):
+        for tid, s in sorted(innermost(by_tid, starts_by_tid, a).items(), key=lambda kv: str(kv[0])):
             if s is not None:
                 lines.append(f"      thread {tid}: {s.cat} {s.name[:90]} ({(s.end - s.start) / 1e3:.3f} ms, "
                              f"{(a - s.start) / 1e3:.3f} in)")

@@ -14,7 +14,7 @@ it is for. Its exit synchronizes the device: the table's `cudaDeviceSynchronize`
 device work left once it launched), logged apart, not part of the launch; what the launch spent outside every
 op is its Python (v51: ~17 ms of a 16k-token step's ~25 on an H100's host).
 
-The per-step tables cannot say what the device did meanwhile (each profile starts by waiting for it). With
+The per-step tables cannot say what the device did meanwhile (each profile ends by waiting for it). With
 WORKER_PROFILE_TRACE_STEPS=FIRST-LAST one profiler session spans the launches of steps FIRST..LAST instead,
 graph replays included, every step's launch a labelled span on its thread (every thread's ops are recorded:
 each step launches from its own RPC thread), the CUDA runtime's synchronizations and the collector's runs as
