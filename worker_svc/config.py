@@ -53,7 +53,7 @@ class WorkerConfig:
                                    "fp8: the LM head's weight quantized to block FP8 at load (the checkpoint's blocks, "
                                    "else 128x128), lossy: the logits move by FP8's rounding (a tied embedding stays as "
                                    "it is); Qwen3-8B FP8 decode at one row: 1.49x bf16, 1.42x with the bf16 head")
-    enforce_eager: bool = flag(False, help="run decode eagerly, without CUDA graphs")
+    enforce_eager: bool = flag(False, help="run every step eagerly, without CUDA graphs")
     sampler: str = flag("auto", choices=SAMPLER_NAMES,
                         help="torch: the torch sampler, after the decode graph; kernels: the Triton sampler (no sort, "
                              "no host sync), inside the decode graph on CUDA (on the CPU, interpreted: for tests); "

@@ -154,6 +154,7 @@ class ModelRunner:
             self._logprobs = torch.zeros(max_positions, dtype=torch.float32, device=self.device)
         self._row_index = torch.arange(self.graph_tokens, device=self.device)   # every row of a decode batch
         self.decode_graphs = None   # captured below, once the KV cache they read exists
+        self.mixed_graphs = None    # and the other steps' forward (mixed_graphs.py), after them
         if k and self.device_sampler is not None:   # verified positions' scratch, before the KV cache's share
             self.device_sampler.reserve_ahead(max_positions)
         self.num_kv_blocks = startup.size_kv_cache(self)
@@ -162,6 +163,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(self.num_kv_blocks)
         self.decode_graphs = startup.capture_decode_graphs(self)
+        self.mixed_graphs = startup.capture_mixed_graphs(self)
         self.limits = StepLimits(max_seqs, max_tokens, self.max_model_len, self.vocab_size, self.block_size,
                                  self.num_kv_blocks, self.max_blocks_per_seq)
         self.instance_id = uuid.uuid4().hex
@@ -223,7 +225,7 @@ class ModelRunner:
             else:
                 prepared = time.perf_counter()
                 try:
-                    with self._eager_profile.around(step.step_id, batch):
+                    with self._eager_profile.around(step.step_id, batch, self._replays(batch)):
                         pending = self._execute(step.step_id, batch, started, (prepared - started) * 1e3)
                 except Exception as exc:
                     if self.tp_size > 1:   # the other ranks are left waiting in a collective
@@ -273,15 +275,23 @@ class ModelRunner:
         batch = prepare_batch(self, rows, counts, drafts, step.propose_drafts)
         return self._execute(step.step_id, batch, time.perf_counter(), 0.0).result()
 
+    def _replays(self, batch: StepBatch) -> bool:
+        """Whether the step's forward replays a graph (the step profile's label)."""
+        return batch.graph or (batch.meta is not None and (
+            (self.decode_graphs is not None and self.decode_graphs.can_run(batch.meta))
+            or (self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.meta))))
+
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Hidden states of every token of the batch (with aux_layers, also those entering the
         drafter's aux layers, which an eagle3 worker's graphs write); pure-decode batches replay a
-        CUDA graph."""
+        CUDA graph, and so do the others where mixed graphs were captured."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
             return (hidden, self.decode_graphs.aux(len(hidden))) if aux_layers else hidden
+        if self.mixed_graphs is not None and not aux_layers and self.mixed_graphs.can_run(meta):
+            return self.mixed_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta, aux_layers)
 
     # --- a step ------------------------------------------------------------------------------

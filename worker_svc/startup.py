@@ -24,6 +24,7 @@ from worker_svc.layers.attention import (AttentionBackend, AttentionShape, confi
 from worker_svc.layers.sampler import SamplingOptions
 from worker_svc.kv_cache_scales import bind_kv_scales
 from worker_svc.layers.fp8 import DEFAULT_BLOCK, has_fp8_tensor_cores
+from worker_svc.layers.moe import FusedExperts
 from worker_svc.loader import init_dummy_weights, load_safetensors, safetensors_files
 from worker_svc.models import build_model
 from worker_svc.parallel_state import all_reduce_max, all_reduce_min, get_tp_rank, get_tp_size
@@ -33,6 +34,7 @@ from worker_svc.spec_decode.verification import decode_rows
 
 if TYPE_CHECKING:
     from worker_svc.cuda_graphs import DecodeGraphs
+    from worker_svc.mixed_graphs import MixedGraphs
     from worker_svc.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -225,6 +227,39 @@ def decode_graph_tokens(max_num_seqs: int, num_speculative_tokens: int, speculat
     if not num_speculative_tokens:
         return max_num_seqs
     return max(max_num_seqs, decode_rows(min(max_num_seqs, speculative_graph_batch_size), num_speculative_tokens))
+
+
+def capture_mixed_graphs(runner: ModelRunner) -> MixedGraphs | None:
+    """CUDA graphs of the forward of steps that are not pure decode (mixed_graphs.py), where the
+    device, the backend and the model allow them and the memory holds them; after the decode graphs."""
+    from worker_svc import mixed_graphs
+
+    if runner.device.type != "cuda" or runner.config.enforce_eager or not mixed_graphs.ENABLED:
+        return None
+    why_not = None
+    if not getattr(runner.backend, "supports_mixed_graphs", False):
+        why_not = f"attention backend {runner.backend.name} reads host lengths in mixed steps"
+    elif runner.proposer is not None:
+        why_not = "a speculating worker's steps verify drafts"
+    elif any(isinstance(module, FusedExperts) for module in runner.model.modules()):
+        why_not = "the MoE layers' routing is not captured past the decode graphs' sizes"
+    if why_not is not None:
+        logger.info("prefill and mixed steps launch eagerly: %s", why_not)
+        return None
+    start = time.perf_counter()
+    try:
+        graphs = mixed_graphs.MixedGraphs(runner.model, max_tokens=runner.config.max_num_batched_tokens,
+                                          max_requests=runner.config.max_num_seqs,
+                                          max_blocks_per_seq=runner.max_blocks_per_seq,
+                                          max_model_len=runner.max_model_len, device=runner.device)
+    except torch.cuda.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        logger.warning("no device memory left for the mixed steps' CUDA graphs: they launch eagerly (%s)", exc)
+        return None
+    logger.info("captured %d graphs of prefill and mixed steps (%d..%d tokens, up to %d requests) in %.1f s",
+                len(graphs.graphs), graphs.sizes[0], graphs.sizes[-1], graphs.max_requests,
+                time.perf_counter() - start)
+    return graphs
 
 
 def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:

@@ -92,18 +92,19 @@ class EagerStepProfiler:
                            else os.environ.get("WORKER_PROFILE_TRACE_STACK", "") == "1")
         self._trace: torch.profiler.profile | None = None
 
-    def around(self, step_id: int, batch: "StepBatch") -> ContextManager[None]:
+    def around(self, step_id: int, batch: "StepBatch", replays: bool | None = None) -> ContextManager[None]:
         """What the step's launch runs in: the profiler for the next eager step while any are left, a
         labelled span in the trace window's session, else nothing (the step loop's usual case: no work
-        but these tests)."""
+        but these tests). replays: whether the step replays a graph (default: a staged decode's)."""
+        replays = batch.graph if replays is None else replays
         if self.window is not None:
-            return self._in_window(step_id, batch)
-        if batch.graph or self.left <= 0:
+            return self._in_window(step_id, batch, replays)
+        if replays or self.left <= 0:
             return contextlib.nullcontext()
         self.left -= 1
         return self._profiled(step_id, self._tokens(batch))
 
-    def _in_window(self, step_id: int, batch: "StepBatch") -> ContextManager[None]:
+    def _in_window(self, step_id: int, batch: "StepBatch", replays: bool) -> ContextManager[None]:
         first, last = self.window
         if self._trace is None and first <= step_id <= last:
             config, all_threads = window_config()
@@ -119,7 +120,7 @@ class EagerStepProfiler:
             self._write_trace(first, last)
         if self._trace is None:
             return contextlib.nullcontext()
-        kind = "graph" if batch.graph else "eager"
+        kind = "graph" if replays else "eager"
         return torch.profiler.record_function(f"launch step {step_id} {kind} {self._tokens(batch)} tokens")
 
     def _write_trace(self, first: int, last: int) -> None:

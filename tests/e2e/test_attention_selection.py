@@ -34,6 +34,7 @@ CUDA = torch.device("cuda")   # only named: the fakes never touch a device
 
 class FakeBackend:
     supports_cuda_graphs = True
+    supports_mixed_graphs = True
 
     def __init__(self, name: str, block_size_multiple: int = 1) -> None:
         self.name = name
@@ -174,7 +175,8 @@ def test_a_named_backend_that_cannot_run_is_an_error_naming_why():
 
 def test_every_backend_declares_the_facts_of_the_protocol():
     facts = set(typing.get_type_hints(AttentionBackend))
-    assert facts == {"name", "supports_cuda_graphs", "block_size_multiple", "reads_fp8_kv", "fuses_decode_qk"}
+    assert facts == {"name", "supports_cuda_graphs", "supports_mixed_graphs", "block_size_multiple", "reads_fp8_kv",
+                     "fuses_decode_qk"}
     for module_name, class_name in BACKEND_CLASSES.values():
         # Read from the source, as flash_attn's module imports only where FlashAttention-4 is installed.
         tree = ast.parse(pathlib.Path(importlib.util.find_spec(module_name).origin).read_text())

@@ -48,6 +48,7 @@ class DeviceLengthsAttention(TorchAttentionBackend):
     """The reference attention reading query and context lengths from the device tensors only, as
     a graph-capturable backend does; a row of length 0 (a graph's padding) attends to nothing."""
     supports_cuda_graphs = True
+    supports_mixed_graphs = True
 
     def attend(self, q, k_cache, v_cache, meta, scale, kv_scales=None):
         out = torch.zeros_like(q)

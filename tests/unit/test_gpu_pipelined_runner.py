@@ -1,7 +1,7 @@
 """The worker's overlap on a real GPU: step N+1 is launched before step N's tokens reach the host
 (as the gRPC server does), so every decode input is gathered on the device from the step before.
-Greedy tokens of the tiny model in float32 (decode through CUDA graphs, chunked prefill eager)
-equal transformers' on the CPU, and a seeded sampled request gets the same tokens whether its
+Greedy tokens of the tiny model in float32 (decode through CUDA graphs, and the chunked prefill
+through the mixed steps' graphs, or eagerly with them off) equal transformers' on the CPU, and a seeded sampled request gets the same tokens whether its
 steps are pipelined or run one at a time; with the torch sampler and with the device sampler
 (--sampler kernels), whose decode steps sample inside the graphs and launch nothing else."""
 from __future__ import annotations
@@ -70,8 +70,12 @@ def test_pipelined_greedy_decodes_equal_transformers(tiny_model_dir, sampler):
     assert runner.decode_graphs is not None
     assert runner.decode_graphs.staged == (sampler == "kernels")
     got = run(runner, SamplingOptions(temperature=0.0), depth=2)
+    assert runner.mixed_graphs is not None and runner.mixed_graphs.replays == 2, "both prompt steps replay"
     for seq_id, prompt in PROMPTS.items():
         assert got[seq_id] == hf_greedy(tiny_model_dir, prompt, NUM_NEW), f"sequence {seq_id}"
+    eager_prompts = make_runner(tiny_model_dir, sampler)
+    eager_prompts.mixed_graphs = None
+    assert run(eager_prompts, SamplingOptions(temperature=0.0), depth=2) == got
 
 
 @pytest.mark.parametrize("sampler", ["torch", "kernels"])

@@ -88,6 +88,10 @@ class AttentionBackend(Protocol):
     # Its pure-decode forward reads lengths only from the metadata's device tensors, never from
     # the host lists, so a CUDA graph of it replays correctly with other lengths.
     supports_cuda_graphs: bool
+    # Its mixed (prefill and decode) path too reads lengths only from device tensors and takes padding
+    # requests (no query token, seq_len 0) and padding tokens (slot -1, in no request): the other
+    # steps' CUDA graphs (worker_svc/mixed_graphs.py) can capture it.
+    supports_mixed_graphs: bool
     # The KV block sizes it takes are the multiples of this (1: any).
     block_size_multiple: int
     reads_fp8_kv: bool           # it can read a float8_e4m3fn cache (with KVScales)

@@ -48,6 +48,7 @@ PAGED_KV_ARCHS = (9, 10, 11)
 class FlashAttentionBackend:
     name = "flash_attn"
     supports_cuda_graphs = True
+    supports_mixed_graphs = False   # its varlen launch takes the step's longest query from the host
     block_size_multiple = 1
     fuses_decode_qk = False
     reads_fp8_kv = False

@@ -50,6 +50,7 @@ class TorchAttentionBackend:
     name = "torch"
     # Reads AttentionMetadata's host lists: a captured graph would replay stale lengths.
     supports_cuda_graphs = False
+    supports_mixed_graphs = False
     fuses_decode_qk = False
     reads_fp8_kv = True
     block_size_multiple = 1

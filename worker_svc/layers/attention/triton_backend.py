@@ -17,6 +17,9 @@ class TritonAttentionBackend:
     name = "triton"
     # Reads lengths only from device tensors, never from AttentionMetadata's host lists.
     supports_cuda_graphs = True
+    # ... in mixed batches too: its grids are bounds from the shapes, and programs past the step's
+    # tokens or of padding requests return at once.
+    supports_mixed_graphs = True
     block_size_multiple = 1
     reads_fp8_kv = True
     fuses_decode_qk = True

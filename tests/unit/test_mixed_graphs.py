@@ -1,0 +1,179 @@
+"""CUDA graphs of the steps that are not pure decode (worker_svc/mixed_graphs.py) replay the eager
+forward: the tiny model over Triton's attention, random batches of prefill chunks beside decodes
+whose token counts hit and miss the captured sizes, against the same model run eagerly on a copy of
+the same KV cache; the padding tokens store nothing. On a GPU with real graphs; on the CPU with
+graphs whose replay runs their captured body, Triton's kernels interpreted. And a runner that
+replays them gives the tokens of one that does not, through chunked prefills and decodes."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from tests.support.graph_stand_ins import ReplayingGraph, capture_on_the_cpu
+from tests.support.markers import HAS_CUDA
+from tests.support.triton_interpreter import gpu_faithful
+from worker_svc.layers.attention.base import AttentionMetadata
+from worker_svc.mixed_graphs import MixedGraphs, token_buckets
+
+MAX_TOKENS, MAX_REQUESTS, MAX_MODEL_LEN = 48, 6, 128
+
+
+def test_token_buckets_cover_every_step():
+    sizes = token_buckets(16384)
+    assert sizes[:4] == [16, 32, 64, 128]
+    assert sizes[sizes.index(2048):] == list(range(2048, 16385, 2048))   # at most 2,048 padding tokens past 2,048
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(8) == [8]
+    assert token_buckets(3000) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3000]
+    for cap in (2, 16, 17, 2048, 2049, 5000):
+        sizes = token_buckets(cap)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == cap
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """cuda with real graphs, or the CPU with graphs that replay their body (Triton interpreted)."""
+    if HAS_CUDA:
+        yield torch.device("cuda")
+        return
+    capture_on_the_cpu(monkeypatch, ReplayingGraph)
+    with gpu_faithful():
+        yield torch.device("cpu")
+
+
+def replaying(graphs: MixedGraphs) -> MixedGraphs:
+    """On the CPU, each stand-in graph replays its body (what its capture ran)."""
+    for size, graph in graphs.graphs.items():
+        if isinstance(graph, ReplayingGraph):
+            graph.body = functools.partial(graphs._captured, size)
+    return graphs
+
+
+def mixed_batch(rng: random.Random, query_lens: list[int], num_blocks: int, block_size: int, vocab: int,
+                device) -> tuple:
+    """Requests computing query_lens[i] tokens at the end of a random context, each on its own blocks."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    seq_lens = [q + rng.randint(0, MAX_MODEL_LEN - q) for q in query_lens]
+    width = max(-(-s // block_size) for s in seq_lens)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    slots, positions = [], []
+    for r, (s, q) in enumerate(zip(seq_lens, query_lens)):
+        blocks = [free.pop() for _ in range(-(-s // block_size))]
+        tables[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        for pos in range(s - q, s):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=seq_lens)
+    input_ids = torch.tensor([rng.randrange(vocab) for _ in slots], device=device)
+    return input_ids, torch.tensor(positions, device=device), meta
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2, marks=
+                         pytest.mark.skipif(not HAS_CUDA, reason="bfloat16 on the GPU; float32 covers the CPU"))])
+def test_mixed_graphs_replay_the_eager_forward(tiny_model_dir, device, dtype, tolerance):
+    from transformers import AutoConfig
+
+    from worker_svc import kv_cache
+    from worker_svc.kv_cache_scales import bind_kv_scales
+    from worker_svc.layers.attention.registry import load_backend
+    from worker_svc.loader import load_safetensors
+    from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
+
+    block_size = 16
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config, load_backend("triton"), MAX_MODEL_LEN).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    load_safetensors(model, tiny_model_dir)
+    num_blocks = MAX_REQUESTS * MAX_MODEL_LEN // block_size
+    cache = kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads,
+                                       head_dim_of(config), dtype, device)
+    bind_kv_scales(model, cache.dtype, [])
+    cache.copy_(torch.randn(cache.shape, device=device))
+    before_capture = cache.clone()
+    graphs = replaying(MixedGraphs(model, max_tokens=MAX_TOKENS, max_requests=MAX_REQUESTS,
+                                   max_blocks_per_seq=MAX_MODEL_LEN // block_size, max_model_len=MAX_MODEL_LEN,
+                                   device=device))
+    assert graphs.sizes == [16, 32, 48]
+    assert torch.equal(cache, before_capture), "capture wrote into the KV cache"
+
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    # A captured size alone and beside decodes, padded ones (a lone prompt; a chunk with a decode),
+    # the most requests, the largest size, and shrinking again.
+    for query_lens in ([16], [5, 1, 1, 9], [7], [20, 1], [3, 1, 1, 1, 1, 2], [30, 1, 17], [2, 1]):
+        input_ids, positions, meta = mixed_batch(rng, query_lens, num_blocks, block_size, config.vocab_size, device)
+        assert graphs.can_run(meta)
+        snapshot = cache.clone()
+        with torch.inference_mode():
+            eager = model(input_ids, positions, meta)
+        eager_cache = cache.clone()
+        cache.copy_(snapshot)
+        with torch.inference_mode():
+            replayed = graphs.run(input_ids, positions, meta).clone()
+        assert replayed.shape == eager.shape
+        err = relative_error(replayed, eager)
+        assert err < tolerance, f"seed {seed}, queries {query_lens}: relative error {err:.2e}"
+        assert relative_error(cache.float(), eager_cache.float()) < tolerance, f"seed {seed}, {query_lens}: KV differs"
+        changed = (cache != snapshot).view(*cache.shape[:4], -1).any(-1)
+        written = changed.nonzero()[:, 2:].unique(dim=0).tolist()
+        expected = sorted({(s // block_size, s % block_size) for s in meta.slot_mapping.tolist()})
+        assert sorted(map(tuple, written)) == expected, f"seed {seed}, {query_lens}: padding tokens wrote K/V"
+    assert graphs.replays == 7
+
+    decode = AttentionMetadata(meta.slot_mapping[:2], meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                               max_query_len=1, max_seq_len=meta.max_seq_len, query_lens_cpu=[1, 1],
+                               seq_lens_cpu=meta.seq_lens_cpu)
+    assert not graphs.can_run(decode), "a pure decode is the decode graphs'"
+    _, _, too_many = mixed_batch(rng, [30, 19], num_blocks, block_size, config.vocab_size, device)
+    assert not graphs.can_run(too_many), "49 tokens, past the largest graph"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU stand-in; the GPU's runner is tests/unit/test_gpu_pipelined_runner.py's")
+def test_a_runner_replaying_mixed_graphs_samples_the_tokens_of_one_that_does_not(tiny_model_dir, monkeypatch):
+    """Chunked prefills beside decodes, greedy, float32: token for token (graphs whose replay runs
+    their body, over the attention that reads every length from the device)."""
+    from tests.support.graph_stand_ins import replaying_graphs_on_the_cpu
+    from tests.support.runner_driver import Driver, make_runner, prompt
+
+    replaying_graphs_on_the_cpu(monkeypatch)
+
+    def run(graphed: bool) -> tuple[list[dict[int, int]], int]:
+        runner = make_runner(tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=4,
+                             max_model_len=128)
+        if graphed:
+            runner.mixed_graphs = replaying(MixedGraphs(
+                runner.model, max_tokens=32, max_requests=4, max_blocks_per_seq=runner.max_blocks_per_seq,
+                max_model_len=runner.max_model_len, device=runner.device))
+        driver = Driver(runner)
+        steps = [driver.step(new=[driver.new(1, prompt(1, 40), 32)]),          # a chunk of a long prompt
+                 driver.step(new=[driver.new(2, prompt(2, 9), 9)], cached=[driver.cached(1, 8)]),
+                 driver.step(new=[driver.new(3, prompt(3, 20), 20)], cached=[driver.cached(1), driver.cached(2)])]
+        for _ in range(4):
+            steps.append(driver.step(cached=[driver.cached(s) for s in (1, 2, 3)]))
+        return steps, runner.mixed_graphs.replays if graphed else 0
+
+    eager, _ = run(False)
+    replayed, replays = run(True)
+    assert replayed == eager
+    assert replays == 3, "the three steps with prompt tokens replay; the decodes do not"
