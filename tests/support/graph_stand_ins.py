@@ -105,3 +105,30 @@ def one_device_buffer(staging) -> torch.Tensor:
         return [buffer[v.storage_offset():v.storage_offset() + len(v)] for v in views]
     staging.fill = filled
     return buffer
+
+
+def graph_relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The norm of the difference over the reference's, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def assert_replay_is_eager(model, cache: torch.Tensor, replay, input_ids: torch.Tensor, positions: torch.Tensor,
+                           meta, block_size: int, tolerance: float, what: str) -> None:
+    """A graph's replay (`replay(input_ids, positions, meta)`) against the model run eagerly on a copy
+    of the same KV cache: its output and the cache it leaves within `tolerance`, and exactly the step's
+    slots written (a padding row or token stores nothing)."""
+    snapshot = cache.clone()
+    with torch.inference_mode():
+        eager = model(input_ids, positions, meta)
+    eager_cache = cache.clone()
+    cache.copy_(snapshot)
+    with torch.inference_mode():
+        replayed = replay(input_ids, positions, meta).clone()
+    assert replayed.shape == eager.shape, what
+    err = graph_relative_error(replayed, eager)
+    assert err < tolerance, f"{what}: relative error {err:.2e}"
+    assert graph_relative_error(cache.float(), eager_cache.float()) < tolerance, f"{what}: KV cache differs"
+    changed = (cache.view(torch.uint8) != snapshot.view(torch.uint8)).view(*cache.shape[:4], -1).any(-1)
+    written = changed.nonzero()[:, 2:].unique(dim=0).tolist()
+    expected = sorted({(s // block_size, s % block_size) for s in meta.slot_mapping.tolist()})
+    assert sorted(map(tuple, written)) == expected, f"{what}: padding wrote K/V"

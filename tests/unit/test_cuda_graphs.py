@@ -18,7 +18,8 @@ from worker_svc.cuda_graphs import MAX_GRAPH_BATCH_SIZE, DecodeGraphs, graph_bat
 from worker_svc.graph_inputs import DecodeInputs, DecodeLayout
 from worker_svc.layers.attention.base import AttentionMetadata
 from worker_svc.layers.sampler import SamplingOptions
-from tests.support.graph_stand_ins import ReplayingGraph, capture_on_the_cpu, cpu_only
+from tests.support.graph_stand_ins import (ReplayingGraph, assert_replay_is_eager, capture_on_the_cpu, cpu_only,
+                                          graph_relative_error as relative_error)
 from tests.support.markers import requires_cuda
 
 MAX_BATCH = 20
@@ -73,10 +74,6 @@ def decode_batch(rng: random.Random, n: int, num_blocks: int, block_size: int, v
     return input_ids, positions, meta
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 # FlashAttention-4 has no float32 kernels and reads no FP8 cache.
 GRAPH_CASES = [pytest.param(backend, dtype, tolerance, block_size, None, id=f"{backend}-{label}-block{block_size}")
                for backend in ("triton", "flash_attn")
@@ -128,20 +125,8 @@ def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dt
     for n in (1, 3, 8, 17, MAX_BATCH, 5):  # captured sizes, padded ones, and shrinking again
         input_ids, positions, meta = decode_batch(rng, n, num_blocks, block_size, config.vocab_size, device)
         assert graphs.can_run(meta)
-        snapshot = cache.clone()
-        with torch.inference_mode():
-            eager = model(input_ids, positions, meta)
-        eager_cache = cache.clone()
-        cache.copy_(snapshot)
-        replayed = graphs.run(input_ids, positions, meta).clone()
-        assert replayed.shape == eager.shape
-        err = relative_error(replayed, eager)
-        assert err < tolerance, f"seed {seed}, batch {n}: relative error {err:.2e}"
-        assert relative_error(cache.float(), eager_cache.float()) < tolerance, f"seed {seed}, batch {n}: KV cache differs"
-        changed = (cache.view(torch.uint8) != snapshot.view(torch.uint8)).view(*cache.shape[:4], -1).any(-1)
-        written = changed.nonzero()[:, 2:].unique(dim=0).tolist()
-        expected = sorted({(s // block_size, s % block_size) for s in meta.slot_mapping.tolist()})
-        assert sorted(map(tuple, written)) == expected, f"seed {seed}, batch {n}: padding rows wrote K/V"
+        assert_replay_is_eager(model, cache, graphs.run, input_ids, positions, meta, block_size, tolerance,
+                               f"seed {seed}, batch {n}")
 
     # eagle3's graphs: the same forward also returning the hidden states entering layers 0 and 1.
     aux_layers = (0, min(1, config.num_hidden_layers - 1))

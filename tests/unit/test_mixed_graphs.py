@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.support.graph_stand_ins import ReplayingGraph, capture_on_the_cpu
+from tests.support.graph_stand_ins import ReplayingGraph, assert_replay_is_eager, capture_on_the_cpu
 from tests.support.markers import HAS_CUDA
 from tests.support.triton_interpreter import gpu_faithful
 from worker_svc.layers.attention.base import AttentionMetadata
@@ -80,10 +80,6 @@ def mixed_batch(rng: random.Random, query_lens: list[int], num_blocks: int, bloc
     return input_ids, torch.tensor(positions, device=device), meta
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2, marks=
                          pytest.mark.skipif(not HAS_CUDA, reason="bfloat16 on the GPU; float32 covers the CPU"))])
 def test_mixed_graphs_replay_the_eager_forward(tiny_model_dir, device, dtype, tolerance):
@@ -124,21 +120,8 @@ def test_mixed_graphs_replay_the_eager_forward(tiny_model_dir, device, dtype, to
     for query_lens in ([16], [5, 1, 1, 9], [7], [20, 1], [3, 1, 1, 1, 1, 2], [30, 1, 17], [2, 1]):
         input_ids, positions, meta = mixed_batch(rng, query_lens, num_blocks, block_size, config.vocab_size, device)
         assert graphs.can_run(meta)
-        snapshot = cache.clone()
-        with torch.inference_mode():
-            eager = model(input_ids, positions, meta)
-        eager_cache = cache.clone()
-        cache.copy_(snapshot)
-        with torch.inference_mode():
-            replayed = graphs.run(input_ids, positions, meta).clone()
-        assert replayed.shape == eager.shape
-        err = relative_error(replayed, eager)
-        assert err < tolerance, f"seed {seed}, queries {query_lens}: relative error {err:.2e}"
-        assert relative_error(cache.float(), eager_cache.float()) < tolerance, f"seed {seed}, {query_lens}: KV differs"
-        changed = (cache != snapshot).view(*cache.shape[:4], -1).any(-1)
-        written = changed.nonzero()[:, 2:].unique(dim=0).tolist()
-        expected = sorted({(s // block_size, s % block_size) for s in meta.slot_mapping.tolist()})
-        assert sorted(map(tuple, written)) == expected, f"seed {seed}, {query_lens}: padding tokens wrote K/V"
+        assert_replay_is_eager(model, cache, graphs.run, input_ids, positions, meta, block_size, tolerance,
+                               f"seed {seed}, queries {query_lens}")
     assert graphs.replays == 7
 
     decode = AttentionMetadata(meta.slot_mapping[:2], meta.query_start_loc, meta.seq_lens, meta.block_tables,
