@@ -16,7 +16,8 @@ its host time.
 Only a backend whose mixed path reads every length from device tensors can be captured
 (`supports_mixed_graphs`): Triton's (its grids are bounds from the shapes). Capture follows the
 decode graphs' (the attention's split counters are sized by then) and falls back to eager steps
-when the memory is not there. WORKER_MIXED_GRAPHS=0 turns them off.
+when the memory is not there. Off by default until they have run on a GPU (tested on the CPU with graphs
+that replay their body, Triton interpreted; PERF_NOTES v52): WORKER_MIXED_GRAPHS=1 turns them on.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from worker_svc.layers.attention.base import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("WORKER_MIXED_GRAPHS", "1") != "0"
+ENABLED = os.environ.get("WORKER_MIXED_GRAPHS", "0") == "1"
 SMALLEST_BUCKET = 16
 # Up to here the buckets double; past it they grow by this many tokens (the most a step pads).
 DOUBLING_UP_TO = 2048

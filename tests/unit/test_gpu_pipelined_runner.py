@@ -1,7 +1,7 @@
 """The worker's overlap on a real GPU: step N+1 is launched before step N's tokens reach the host
 (as the gRPC server does), so every decode input is gathered on the device from the step before.
 Greedy tokens of the tiny model in float32 (decode through CUDA graphs, and the chunked prefill
-through the mixed steps' graphs, or eagerly with them off) equal transformers' on the CPU, and a seeded sampled request gets the same tokens whether its
+through the mixed steps' graphs, and eagerly) equal transformers' on the CPU, and a seeded sampled request gets the same tokens whether its
 steps are pipelined or run one at a time; with the torch sampler and with the device sampler
 (--sampler kernels), whose decode steps sample inside the graphs and launch nothing else."""
 from __future__ import annotations
@@ -65,7 +65,10 @@ def make_runner(model_dir, sampler: str = "torch", enforce_eager: bool = False) 
 
 
 @pytest.mark.parametrize("sampler", ["torch", "kernels"])
-def test_pipelined_greedy_decodes_equal_transformers(tiny_model_dir, sampler):
+def test_pipelined_greedy_decodes_equal_transformers(tiny_model_dir, sampler, monkeypatch):
+    from worker_svc import mixed_graphs
+
+    monkeypatch.setattr(mixed_graphs, "ENABLED", True)
     runner = make_runner(tiny_model_dir, sampler)
     assert runner.decode_graphs is not None
     assert runner.decode_graphs.staged == (sampler == "kernels")

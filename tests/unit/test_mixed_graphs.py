@@ -160,3 +160,43 @@ def test_a_runner_replaying_mixed_graphs_samples_the_tokens_of_one_that_does_not
     replayed, replays = run(True)
     assert replayed == eager
     assert replays == 3, "the three steps with prompt tokens replay; the decodes do not"
+
+
+def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog):
+    """Off unless asked for; a backend without the support, a speculating worker or an MoE model
+    launches such steps eagerly and says why; out of device memory at capture, too (a warning)."""
+    import types
+
+    from worker_svc import mixed_graphs, startup
+    from worker_svc.layers.attention.torch_backend import TorchAttentionBackend
+    from worker_svc.layers.attention.triton_backend import TritonAttentionBackend
+    from worker_svc.layers.moe import FusedExperts
+
+    def runner(backend=None, proposer=None, modules=()):
+        return types.SimpleNamespace(device=torch.device("cuda"), config=types.SimpleNamespace(
+            enforce_eager=False, max_num_batched_tokens=64, max_num_seqs=4),
+            backend=backend or TritonAttentionBackend(), proposer=proposer,
+            model=types.SimpleNamespace(modules=lambda: iter(modules)), max_blocks_per_seq=8, max_model_len=128)
+
+    monkeypatch.setattr(mixed_graphs, "ENABLED", False)
+    assert startup.capture_mixed_graphs(runner()) is None
+    monkeypatch.setattr(mixed_graphs, "ENABLED", True)
+    caplog.set_level("INFO", logger=startup.logger.name)
+    assert startup.capture_mixed_graphs(runner(backend=TorchAttentionBackend())) is None
+    assert "attention backend torch reads host lengths" in caplog.text
+    assert startup.capture_mixed_graphs(runner(proposer=object())) is None
+    assert "speculating worker" in caplog.text
+    assert startup.capture_mixed_graphs(runner(modules=[torch.nn.Linear(2, 2), object.__new__(FusedExperts)])) is None
+    assert "MoE layers' routing" in caplog.text
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(mixed_graphs, "MixedGraphs", out_of_memory)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert startup.capture_mixed_graphs(runner()) is None
+    assert "no device memory left for the mixed steps' CUDA graphs" in caplog.text
+    captured = object()
+    monkeypatch.setattr(mixed_graphs, "MixedGraphs", lambda *a, **k: types.SimpleNamespace(
+        graphs={16: captured}, sizes=[16, 64], max_requests=4))
+    assert startup.capture_mixed_graphs(runner()).graphs == {16: captured}
