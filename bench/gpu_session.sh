@@ -9,6 +9,8 @@
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
 #   budget    the service at each step token budget of BUDGET_ORDER (default "32768 16384": the bench's
 #             --max-num-batched-tokens, for the worker and the scheduler) in turn: tok/s, TTFT and the mixed steps' step against device time (v51)
+#   mixed     the mixed steps' CUDA graphs (WORKER_MIXED_GRAPHS, v52): their GPU tests, then the service with them on and
+#             off in turn (MIXED_ORDER, default "1 0 1 0"), one machine: tok/s, TTFT, the mixed steps' step and device time
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   single    one stream through the service with the fourth step in flight off and on in turn (v48)
 #   hostprof  the service with its first eager steps' launches under torch.profiler: host time by op (v50)
@@ -121,6 +123,24 @@ few_row_linear() {   # DIR: each linear kind's choice at 16, 32 and 64 rows in a
         | sed -E 's/^linear ([a-z_]*) .*by rows: /\1 /; s/; (1|2|4|8): [^;]*//g; s/^([a-z_]*) 1: [^;]*;/\1/'
 }
 
+service_steps() {  # DIR GLOB LABEL: each service run's tok/s, TTFT and its mixed steps' step against device time
+    $PY - "$1" "$2" "$3" <<'PY'
+import json, pathlib, sys
+print(f"{sys.argv[3]:>12}   tok/s  TTFT p50 ms  mixed steps  mixed step ms  mixed device ms  all step ms  all device ms")
+for path in sorted(pathlib.Path(sys.argv[1]).glob(sys.argv[2])):
+    try:
+        r = json.loads(path.read_text())["result"]
+    except (OSError, KeyError, ValueError) as exc:
+        print(path.name, "no result", repr(exc))
+        continue
+    steps = r.get("steps") or {}
+    mixed = [v for k, v in steps.get("kinds", {}).items() if k.startswith("mixed")]
+    print(f"{path.stem.split('-', 2)[-1]:>12} {r['output_tokens'] / r['seconds']:7.0f} {r['ttft_median_s'] * 1e3:12.0f}"
+          f" {sum(v['steps'] for v in mixed):12d} {sum(v['step_ms'] for v in mixed):14.1f}"
+          f" {sum(v['device_ms'] for v in mixed):16.1f} {steps.get('step_ms', 0):12.1f} {steps.get('device_ms', 0):14.1f}")
+PY
+}
+
 with_floor() {  # the bandwidth measured by `checkpoint`, for the floor in the tables
     mkdir -p "$BENCH/$1" && cp "$BENCH/bandwidth.json" "$BENCH/$1/" 2>/dev/null
     true
@@ -229,21 +249,22 @@ PY
                 TIMEOUT=${TIMEOUT:-200} LINES_OUT=2 bash "$0" bench
             cp "$BENCH/budget-$b/service.json" "$OUT/service-budget-$b.json" 2>/dev/null
         done
-        $PY - "$OUT" <<'PY'
-import json, pathlib, sys
-print("budget   tok/s  TTFT p50 ms  mixed steps  mixed step ms  mixed device ms  all step ms  all device ms")
-for path in sorted(pathlib.Path(sys.argv[1]).glob("service-budget-*.json")):
-    try:
-        r = json.loads(path.read_text())["result"]
-    except (OSError, KeyError, ValueError) as exc:
-        print(path.name, "no result", repr(exc))
-        continue
-    steps = r.get("steps") or {}
-    mixed = [v for k, v in steps.get("kinds", {}).items() if k.startswith("mixed")]
-    print(f"{path.stem.split('-')[-1]:>6} {r['output_tokens'] / r['seconds']:7.0f} {r['ttft_median_s'] * 1e3:12.0f}"
-          f" {sum(v['steps'] for v in mixed):12d} {sum(v['step_ms'] for v in mixed):14.1f}"
-          f" {sum(v['device_ms'] for v in mixed):16.1f} {steps.get('step_ms', 0):12.1f} {steps.get('device_ms', 0):14.1f}")
-PY
+        service_steps "$OUT" "service-budget-*.json" budget
+        ;;
+    mixed)  # the mixed steps' CUDA graphs (v52): their GPU tests, then the service with WORKER_MIXED_GRAPHS at each of
+            # MIXED_ORDER (default "1 0 1 0") in turn, one machine
+        base
+        TESTS="tests/unit/test_mixed_graphs.py tests/unit/test_gpu_pipelined_runner.py tests/unit/test_cuda_graphs.py" \
+            TIMEOUT=240 LINES_OUT=12 bash "$0" tests
+        i=0
+        for mg in ${MIXED_ORDER:-1 0 1 0}; do
+            i=$((i + 1))
+            WORKER_MIXED_GRAPHS=$mg NAME=mixed-$i-$mg STAGES=${STAGES:-service} EXTRA="--stream-intervals 1 ${EXTRA:-}" \
+                TIMEOUT=${TIMEOUT:-200} LINES_OUT=2 bash "$0" bench
+            cp "$BENCH/mixed-$i-$mg/service.json" "$OUT/service-mixed-$i-$mg.json" 2>/dev/null
+            grep -rah "graphs of prefill and mixed steps\|mixed steps' CUDA graphs\|launch eagerly" "$BENCH/mixed-$i-$mg" | head -2
+        done
+        service_steps "$OUT" "service-mixed-*.json" "run (graphs)"
         ;;
     kv)     # the service with a bf16 and an FP8 KV cache, side by side (issue 24's ratio)
         base
