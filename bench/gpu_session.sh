@@ -9,6 +9,8 @@
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
 #   budget    the service at each step token budget of BUDGET_ORDER (default "32768 16384": the bench's
 #             --max-num-batched-tokens, for the worker and the scheduler) in turn: tok/s, TTFT and the mixed steps' step against device time (v51)
+#   gil       few-row decode (CASES, default 1/4/16 x 1024) with the worker's interpreter switch interval at each of
+#             GIL_ORDER (us, default "5000 200 50 5000 200 50") in turn, one machine (WORKER_SWITCH_INTERVAL_US, v52)
 #   mixed     the mixed steps' CUDA graphs (WORKER_MIXED_GRAPHS, v52): their GPU tests, then the service with them on and
 #             off in turn (MIXED_ORDER, default "1 0 1 0"), one machine: tok/s, TTFT, the mixed steps' step and device time
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
@@ -250,6 +252,18 @@ PY
             cp "$BENCH/budget-$b/service.json" "$OUT/service-budget-$b.json" 2>/dev/null
         done
         service_steps "$OUT" "service-budget-*.json" budget
+        ;;
+    gil)    # few-row decode with the worker's interpreter switch interval at each of GIL_ORDER (microseconds; 5000 is
+            # Python's default) in turn, one machine (v52): whether the launching thread waits for the others' Python
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        for us in ${GIL_ORDER:-5000 200 50 5000 200 50}; do
+            mkdir -p "/tmp/gil-$us" && cp "$BENCH/bandwidth.json" "/tmp/gil-$us/" 2>/dev/null
+            WORKER_SWITCH_INTERVAL_US=$us timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/gil-$us" \
+                --model "$BENCH/model" --stages decode --decode-cases ${CASES:-1x1024,4x1024,16x1024} 2>&1 \
+                | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]" | sed "s/^/switch ${us}us: /"
+            rm -rf "/tmp/gil-$us"
+        done
         ;;
     mixed)  # the mixed steps' CUDA graphs (v52): their GPU tests, then the service with WORKER_MIXED_GRAPHS at each of
             # MIXED_ORDER (default "1 0 1 0") in turn, one machine

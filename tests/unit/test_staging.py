@@ -92,3 +92,26 @@ def test_prompt_logprobs_come_per_scored_request_with_their_tops():
     assert prompt.logprobs == [-1.0, -2.0, -3.0]
     assert prompt.top == TopLogprobs([1, 1, 2], [1, 3, 5, 6], [-0.5, -0.25, -0.75, -2.0])
     assert Logprobs().top() is None and Logprobs().prompt() is None
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done, self.synchronized = done, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def test_a_fill_waits_for_its_buffers_last_copy_only_when_that_copy_is_not_done():
+    """Asking first keeps the interpreter lock: synchronize lets it go, and a step's launch then waits to
+    get it back from another thread (PERF_NOTES v52)."""
+    staging = Staging(16, CPU)
+    for done, waits in ((True, 0), (False, 1)):
+        event = _Event(done)
+        staging.events[0] = event
+        staging._next = 0
+        staging.fill([np.arange(3)])
+        assert event.synchronized == waits
