@@ -9,7 +9,9 @@ powers of two up to 2,048, then every 2,048 up to the step budget) for up to max
 and a step replays the smallest graph that holds its tokens, its inputs copied into the static
 buffers and the padding made inert as in the decode graphs (cuda_graphs.py): padding tokens have
 slot -1 (their K/V are not stored) and belong to no request; padding requests have no query token
-and seq_len 0 (they attend to nothing). The padded tokens cost their share of the matmuls: at most
+and seq_len 0 (they attend to nothing). No attention program writes a padding token's output, so its
+row carries whatever that memory held (inf and NaN included) through the layers; every op after it is
+row by row and its K/V are never stored, so it reaches no real token, and nothing reads it. The padded tokens cost their share of the matmuls: at most
 2,048 tokens of a large step, a few percent of its device time, where the launch it saves is most of
 its host time.
 
