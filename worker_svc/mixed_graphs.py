@@ -9,11 +9,11 @@ powers of two up to 2,048, then every 2,048 up to the step budget) for up to max
 and a step replays the smallest graph that holds its tokens, its inputs copied into the static
 buffers and the padding made inert as in the decode graphs (cuda_graphs.py): padding tokens have
 slot -1 (their K/V are not stored) and belong to no request; padding requests have no query token
-and seq_len 0 (they attend to nothing). No attention program writes a padding token's output, so its
-row carries whatever that memory held (inf and NaN included) through the layers; every op after it is
-row by row and its K/V are never stored, so it reaches no real token, and nothing reads it. The padded tokens cost their share of the matmuls: at most
-2,048 tokens of a large step, a few percent of its device time, where the launch it saves is most of
-its host time.
+and seq_len 0 (they attend to nothing). No attention program writes a padding token's output, so
+its row carries whatever that memory held (inf and NaN included) through the layers; every op after
+it is row by row and its K/V are never stored, so it reaches no real token, and nothing reads it.
+The padded tokens cost their share of the matmuls: at most 2,048 tokens of a large step, a few
+percent of its device time, where the launch it saves is most of its host time.
 
 Only a backend whose mixed path reads every length from device tensors can be captured
 (`supports_mixed_graphs`): Triton's (its grids are bounds from the shapes). Capture follows the
@@ -24,15 +24,12 @@ that replay their body, Triton interpreted; PERF_NOTES v52): WORKER_MIXED_GRAPHS
 from __future__ import annotations
 
 import bisect
-import logging
 import os
 from typing import Callable
 
 import torch
 
 from worker_svc.layers.attention.base import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("WORKER_MIXED_GRAPHS", "0") == "1"
 SMALLEST_BUCKET = 16
@@ -143,6 +140,8 @@ class MixedGraphs:
             if self.outputs is None:
                 self.outputs = torch.empty((self.sizes[-1], *warm.shape[1:]), dtype=warm.dtype, device=warm.device)
             del warm
+            # The warm-up's activations go back to the device: the graph's pool takes as much again.
+            torch.cuda.empty_cache()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._captured(size)

@@ -247,14 +247,17 @@ def capture_mixed_graphs(runner: ModelRunner) -> MixedGraphs | None:
         logger.info("prefill and mixed steps launch eagerly: %s", why_not)
         return None
     start = time.perf_counter()
+    graphs = failure = None
     try:
         graphs = mixed_graphs.MixedGraphs(runner.model, max_tokens=runner.config.max_num_batched_tokens,
                                           max_requests=runner.config.max_num_seqs,
                                           max_blocks_per_seq=runner.max_blocks_per_seq,
                                           max_model_len=runner.max_model_len, device=runner.device)
-    except torch.cuda.OutOfMemoryError as exc:
+    except torch.cuda.OutOfMemoryError as exc:   # (its frames, and the graphs captured so far, go with it)
+        failure = str(exc)
+    if graphs is None:
         torch.cuda.empty_cache()
-        logger.warning("no device memory left for the mixed steps' CUDA graphs: they launch eagerly (%s)", exc)
+        logger.warning("no device memory left for the mixed steps' CUDA graphs: they launch eagerly (%s)", failure)
         return None
     logger.info("captured %d graphs of prefill and mixed steps (%d..%d tokens, up to %d requests) in %.1f s",
                 len(graphs.graphs), graphs.sizes[0], graphs.sizes[-1], graphs.max_requests,
