@@ -242,7 +242,8 @@ def capture_mixed_graphs(runner: ModelRunner) -> MixedGraphs | None:
     elif runner.proposer is not None:
         why_not = "a speculating worker's steps verify drafts"
     elif any(isinstance(module, FusedExperts) for module in runner.model.modules()):
-        why_not = "the MoE layers' routing is not captured past the decode graphs' sizes"
+        # A padding token's row carries garbage (mixed_graphs.py): its routing would pick experts from it.
+        why_not = "an MoE model's router would route the padding tokens' garbage"
     if why_not is not None:
         logger.info("prefill and mixed steps launch eagerly: %s", why_not)
         return None

@@ -192,7 +192,7 @@ def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog
     assert startup.capture_mixed_graphs(runner(proposer=object())) is None
     assert "speculating worker" in caplog.text
     assert startup.capture_mixed_graphs(runner(modules=[torch.nn.Linear(2, 2), object.__new__(FusedExperts)])) is None
-    assert "MoE layers' routing" in caplog.text
+    assert "MoE model's router" in caplog.text
 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
