@@ -18,7 +18,8 @@ percent of its device time, where the launch it saves is most of its host time.
 Only a backend whose mixed path reads every length from device tensors can be captured
 (`supports_mixed_graphs`): Triton's (its grids are bounds from the shapes). Capture follows the
 decode graphs' (the attention's split counters are sized by then) and falls back to eager steps
-when the memory is not there. Off by default until they have run on a GPU (tested on the CPU with graphs
+when the memory is not there, or when a small test step (`replay_error`) replays further from the
+eager forward than rounding. Off by default until they have run on a GPU (tested on the CPU with graphs
 that replay their body, Triton interpreted; PERF_NOTES v52): WORKER_MIXED_GRAPHS=1 turns them on.
 """
 from __future__ import annotations
@@ -108,6 +109,39 @@ class MixedGraphs:
 
     def padded(self, n: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    @torch.inference_mode()
+    def replay_error(self, block_size: int, vocab_size: int) -> float:
+        """Start-up's check: a small mixed step (a 5-token prompt chunk beside a decode at position 2; one
+        6-token chunk after 3 cached tokens where a step holds one request) on the first KV blocks, run
+        eagerly and replayed in the smallest graph, and the relative difference of their outputs. It
+        writes K/V into those blocks, which no request holds yet (a request's own tokens overwrite them
+        before they are read)."""
+        device = self.input_ids.device
+        requests = [(5, 5), (3, 1)] if self.max_requests >= 2 else [(9, 6)]   # (seq_len, query tokens)
+        tables, slots, positions, first = [], [], [], 0
+        for seq_len, query in requests:
+            blocks = list(range(first, first + -(-seq_len // block_size)))
+            first += len(blocks)
+            tables.append(blocks)
+            for pos in range(seq_len - query, seq_len):
+                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+                positions.append(pos)
+        width = max(len(t) for t in tables)
+        starts = [0, requests[0][1]] + ([requests[0][1] + requests[1][1]] if len(requests) > 1 else [])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([r[0] for r in requests], dtype=torch.int32, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+            max_query_len=max(r[1] for r in requests), max_seq_len=max(r[0] for r in requests),
+            query_lens_cpu=[r[1] for r in requests], seq_lens_cpu=[r[0] for r in requests])
+        input_ids = torch.arange(1, len(slots) + 1, device=device) % vocab_size
+        positions = torch.tensor(positions, device=device)
+        eager = self.forward(input_ids, positions, meta).double()
+        replayed = self.run(input_ids, positions, meta).double()
+        self.replays -= 1   # not a step's
+        return ((replayed - eager).norm() / eager.norm().clamp_min(1e-30)).item()
 
     def _static_meta(self, size: int) -> AttentionMetadata:
         requests = self.requests[size]

@@ -181,7 +181,8 @@ def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog
         return types.SimpleNamespace(device=torch.device("cuda"), config=types.SimpleNamespace(
             enforce_eager=False, max_num_batched_tokens=64, max_num_seqs=4),
             backend=backend or TritonAttentionBackend(), proposer=proposer,
-            model=types.SimpleNamespace(modules=lambda: iter(modules)), max_blocks_per_seq=8, max_model_len=128)
+            model=types.SimpleNamespace(modules=lambda: iter(modules)), max_blocks_per_seq=8, max_model_len=128,
+            block_size=16, vocab_size=512, num_kv_blocks=64, dtype=torch.bfloat16)
 
     monkeypatch.setattr(mixed_graphs, "ENABLED", False)
     assert startup.capture_mixed_graphs(runner()) is None
@@ -202,6 +203,39 @@ def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog
     assert startup.capture_mixed_graphs(runner()) is None
     assert "no device memory left for the mixed steps' CUDA graphs" in caplog.text
     captured = object()
-    monkeypatch.setattr(mixed_graphs, "MixedGraphs", lambda *a, **k: types.SimpleNamespace(
-        graphs={16: captured}, sizes=[16, 64], max_requests=4))
-    assert startup.capture_mixed_graphs(runner()).graphs == {16: captured}
+    def captured_with(error):
+        return lambda *a, **k: types.SimpleNamespace(graphs={16: captured}, sizes=[16, 64], max_requests=4,
+                                                     replay_error=lambda *a: error)
+
+    for error, kept in ((3e-3, True), (0.7, False), (float("nan"), False)):   # rounding; a wrong replay
+        monkeypatch.setattr(mixed_graphs, "MixedGraphs", captured_with(error))
+        graphs = startup.capture_mixed_graphs(runner())
+        assert (graphs is not None and graphs.graphs == {16: captured}) == kept, error
+    assert "replay a test step 7.00e-01 away from the eager forward" in caplog.text
+
+
+def test_the_start_up_check_tells_a_right_replay_from_a_wrong_one(tiny_model_dir, device):
+    """replay_error: rounding for graphs that replay the forward (one request a step, or two), ~1 for a
+    replay that computes nothing."""
+    from worker_svc import kv_cache
+    from worker_svc.kv_cache_scales import bind_kv_scales
+    from worker_svc.layers.attention.registry import load_backend
+    from worker_svc.loader import load_safetensors
+    from worker_svc.model_config import load_model_config
+    from worker_svc.models.qwen3 import Qwen3ForCausalLM
+
+    config = load_model_config(tiny_model_dir)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config, load_backend("triton"), MAX_MODEL_LEN).eval()
+    load_safetensors(model, tiny_model_dir)
+    cache = kv_cache.allocate_kv_cache(model, 16, 4, config.num_key_value_heads, config.head_dim, torch.float32,
+                                       device)
+    bind_kv_scales(model, cache.dtype, [])
+    for max_requests in (1, 4):
+        graphs = replaying(MixedGraphs(model, max_tokens=32, max_requests=max_requests, max_blocks_per_seq=8,
+                                       max_model_len=MAX_MODEL_LEN, device=device))
+        assert graphs.replay_error(4, config.vocab_size) < 1e-5
+        assert graphs.replays == 0
+    for graph in graphs.graphs.values():
+        graph.body = graphs.outputs.zero_   # a replay that computes nothing
+    assert graphs.replay_error(4, config.vocab_size) > 0.5
