@@ -255,10 +255,12 @@ def capture_mixed_graphs(runner: ModelRunner) -> MixedGraphs | None:
                                           max_blocks_per_seq=runner.max_blocks_per_seq,
                                           max_model_len=runner.max_model_len, device=runner.device)
     except torch.cuda.OutOfMemoryError as exc:   # (its frames, and the graphs captured so far, go with it)
-        failure = str(exc)
+        failure = f"no device memory left for them ({exc})"
+    except RuntimeError as exc:   # a capture the driver refused: the steps run as they did without
+        failure = f"their capture failed ({exc!r})"
     if graphs is None:
         torch.cuda.empty_cache()
-        logger.warning("no device memory left for the mixed steps' CUDA graphs: they launch eagerly (%s)", failure)
+        logger.warning("the mixed steps' CUDA graphs are off, such steps launch eagerly: %s", failure)
         return None
     # Their check needs 9 blocks at most (block size 1) and a 6-token step.
     error = (graphs.replay_error(runner.block_size, runner.vocab_size)

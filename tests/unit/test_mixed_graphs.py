@@ -201,7 +201,14 @@ def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog
     monkeypatch.setattr(mixed_graphs, "MixedGraphs", out_of_memory)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     assert startup.capture_mixed_graphs(runner()) is None
-    assert "no device memory left for the mixed steps' CUDA graphs" in caplog.text
+    assert "graphs are off, such steps launch eagerly: no device memory left for them" in caplog.text
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(mixed_graphs, "MixedGraphs", refused)
+    assert startup.capture_mixed_graphs(runner()) is None
+    assert "their capture failed (RuntimeError('CUDA error: operation not permitted" in caplog.text
     captured = object()
     def captured_with(error):
         return lambda *a, **k: types.SimpleNamespace(graphs={16: captured}, sizes=[16, 64], max_requests=4,
