@@ -16,7 +16,8 @@ The padded tokens cost their share of the matmuls: at most 2,048 tokens of a lar
 percent of its device time, where the launch it saves is most of its host time.
 
 Only a backend whose mixed path reads every length from device tensors can be captured
-(`supports_mixed_graphs`): Triton's (its grids are bounds from the shapes). Capture follows the
+(`supports_mixed_graphs`): Triton's (its grids are bounds from the shapes). Dense models on one GPU
+without speculation (startup.capture_mixed_graphs says why not, otherwise). Capture follows the
 decode graphs' (the attention's split counters are sized by then) and falls back to eager steps
 when the memory is not there, or when a small test step (`replay_error`) replays further from the
 eager forward than rounding. Off by default until they have run on a GPU (tested on the CPU with graphs

@@ -241,6 +241,8 @@ def capture_mixed_graphs(runner: ModelRunner) -> MixedGraphs | None:
         why_not = f"attention backend {runner.backend.name} reads host lengths in mixed steps"
     elif runner.proposer is not None:
         why_not = "a speculating worker's steps verify drafts"
+    elif runner.tp_size > 1:   # the warm-ups and the check run collectives: every rank must capture, or none
+        why_not = "a rank of a tensor-parallel group that could not capture them would leave the others waiting"
     elif any(isinstance(module, FusedExperts) for module in runner.model.modules()):
         # A padding token's row carries garbage (mixed_graphs.py): its routing would pick experts from it.
         why_not = "an MoE model's router would route the padding tokens' garbage"

@@ -168,8 +168,9 @@ def test_a_runner_replaying_mixed_graphs_samples_the_tokens_of_one_that_does_not
 
 
 def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog):
-    """Off unless asked for; a backend without the support, a speculating worker or an MoE model
-    launches such steps eagerly and says why; out of device memory at capture, too (a warning)."""
+    """Off unless asked for; a backend without the support, a speculating worker, a tensor-parallel rank or
+    an MoE model launches such steps eagerly and says why; so does one out of device memory at capture, one
+    whose capture the driver refused, and one whose test step replays wrong."""
     import types
 
     from worker_svc import mixed_graphs, startup
@@ -177,12 +178,12 @@ def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog
     from worker_svc.layers.attention.triton_backend import TritonAttentionBackend
     from worker_svc.layers.moe import FusedExperts
 
-    def runner(backend=None, proposer=None, modules=()):
+    def runner(backend=None, proposer=None, modules=(), tp_size=1):
         return types.SimpleNamespace(device=torch.device("cuda"), config=types.SimpleNamespace(
             enforce_eager=False, max_num_batched_tokens=64, max_num_seqs=4),
             backend=backend or TritonAttentionBackend(), proposer=proposer,
             model=types.SimpleNamespace(modules=lambda: iter(modules)), max_blocks_per_seq=8, max_model_len=128,
-            block_size=16, vocab_size=512, num_kv_blocks=64, dtype=torch.bfloat16)
+            block_size=16, vocab_size=512, num_kv_blocks=64, dtype=torch.bfloat16, tp_size=tp_size)
 
     monkeypatch.setattr(mixed_graphs, "ENABLED", False)
     assert startup.capture_mixed_graphs(runner()) is None
@@ -192,6 +193,8 @@ def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog
     assert "attention backend torch reads host lengths" in caplog.text
     assert startup.capture_mixed_graphs(runner(proposer=object())) is None
     assert "speculating worker" in caplog.text
+    assert startup.capture_mixed_graphs(runner(tp_size=2)) is None
+    assert "tensor-parallel group" in caplog.text
     assert startup.capture_mixed_graphs(runner(modules=[torch.nn.Linear(2, 2), object.__new__(FusedExperts)])) is None
     assert "MoE model's router" in caplog.text
 
