@@ -132,3 +132,30 @@ def assert_replay_is_eager(model, cache: torch.Tensor, replay, input_ids: torch.
     written = changed.nonzero()[:, 2:].unique(dim=0).tolist()
     expected = sorted({(s // block_size, s % block_size) for s in meta.slot_mapping.tolist()})
     assert sorted(map(tuple, written)) == expected, f"{what}: padding wrote K/V"
+
+
+def tiny_model_with_random_cache(model_dir, backend, dtype: torch.dtype, device, max_model_len: int, num_blocks: int,
+                                 block_size: int, kv_cache_dtype: torch.dtype | None = None):
+    """(model, config, cache): the checkpoint's Qwen3ForCausalLM in `dtype` on `device` over `backend`, its KV
+    cache (in kv_cache_dtype, default the model's) filled with random values, for the graphs' tests."""
+    from transformers import AutoConfig
+
+    from worker_svc import kv_cache
+    from worker_svc.kv_cache_scales import bind_kv_scales
+    from worker_svc.loader import load_safetensors
+    from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
+
+    config = AutoConfig.from_pretrained(model_dir)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config, backend, max_model_len).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    load_safetensors(model, model_dir)
+    cache = kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads,
+                                       head_dim_of(config), kv_cache_dtype or dtype, device)
+    bind_kv_scales(model, cache.dtype, [])
+    cache.copy_(torch.randn(cache.shape, device=device))   # rounded (or saturated, for FP8) to the cache's type
+    return model, config, cache

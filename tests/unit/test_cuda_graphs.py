@@ -19,7 +19,7 @@ from worker_svc.graph_inputs import DecodeInputs, DecodeLayout
 from worker_svc.layers.attention.base import AttentionMetadata
 from worker_svc.layers.sampler import SamplingOptions
 from tests.support.graph_stand_ins import (ReplayingGraph, assert_replay_is_eager, capture_on_the_cpu, cpu_only,
-                                          graph_relative_error as relative_error)
+                                          graph_relative_error as relative_error, tiny_model_with_random_cache)
 from tests.support.markers import requires_cuda
 
 MAX_BATCH = 20
@@ -88,33 +88,16 @@ GRAPH_CASES += [pytest.param("triton", torch.bfloat16, 2e-2, block_size, torch.f
 @pytest.mark.parametrize("backend_name,dtype,tolerance,block_size,kv_cache_dtype", GRAPH_CASES)
 def test_decode_graphs_replay_the_eager_forward(tiny_model_dir, backend_name, dtype, tolerance, block_size,
                                                 kv_cache_dtype):
-    from transformers import AutoConfig
-
-    from worker_svc import kv_cache
-    from worker_svc.kv_cache_scales import bind_kv_scales
     from worker_svc.layers.attention.registry import describe_error, load_backend
-    from worker_svc.loader import load_safetensors
-    from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
 
     try:
         backend = load_backend(backend_name)
     except Exception as exc:  # not installed, or a GPU it does not support
         pytest.skip(f"{backend_name} cannot run here: {describe_error(exc)}")
     device = torch.device("cuda")
-    config = AutoConfig.from_pretrained(tiny_model_dir)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config, backend, MAX_MODEL_LEN).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    load_safetensors(model, tiny_model_dir)
     num_blocks = MAX_BATCH * MAX_MODEL_LEN // block_size
-    cache = kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads,
-                                       head_dim_of(config), kv_cache_dtype or dtype, device)
-    bind_kv_scales(model, cache.dtype, [])
-    cache.copy_(torch.randn(cache.shape, device=device))   # rounded (or saturated, for FP8) to the cache's type
+    model, config, cache = tiny_model_with_random_cache(tiny_model_dir, backend, dtype, device, MAX_MODEL_LEN,
+                                                        num_blocks, block_size, kv_cache_dtype)
     before_capture = cache.clone()
     graphs = DecodeGraphs(model, max_batch_size=MAX_BATCH, max_blocks_per_seq=MAX_MODEL_LEN // block_size,
                           max_model_len=MAX_MODEL_LEN, device=device)

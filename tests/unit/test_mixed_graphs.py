@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from tests.support.graph_stand_ins import ReplayingGraph, assert_replay_is_eager, capture_on_the_cpu
+from tests.support.graph_stand_ins import (ReplayingGraph, assert_replay_is_eager, capture_on_the_cpu,
+                                          tiny_model_with_random_cache)
 from tests.support.markers import HAS_CUDA
 from tests.support.triton_interpreter import gpu_faithful
 from worker_svc.layers.attention.base import AttentionMetadata
@@ -88,29 +89,12 @@ ON_THE_GPU = pytest.mark.skipif(not HAS_CUDA, reason="on the GPU; float32 covers
     pytest.param(torch.bfloat16, 2e-2, None, id="bf16", marks=ON_THE_GPU),
     pytest.param(torch.bfloat16, 2e-2, torch.float8_e4m3fn, id="bf16-fp8kv", marks=ON_THE_GPU)])
 def test_mixed_graphs_replay_the_eager_forward(tiny_model_dir, device, dtype, tolerance, kv_cache_dtype):
-    from transformers import AutoConfig
-
-    from worker_svc import kv_cache
-    from worker_svc.kv_cache_scales import bind_kv_scales
     from worker_svc.layers.attention.registry import load_backend
-    from worker_svc.loader import load_safetensors
-    from worker_svc.models.qwen3 import Qwen3ForCausalLM, head_dim_of
 
     block_size = 16
-    config = AutoConfig.from_pretrained(tiny_model_dir)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config, load_backend("triton"), MAX_MODEL_LEN).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    load_safetensors(model, tiny_model_dir)
     num_blocks = MAX_REQUESTS * MAX_MODEL_LEN // block_size
-    cache = kv_cache.allocate_kv_cache(model, num_blocks, block_size, config.num_key_value_heads,
-                                       head_dim_of(config), kv_cache_dtype or dtype, device)
-    bind_kv_scales(model, cache.dtype, [])
-    cache.copy_(torch.randn(cache.shape, device=device))   # rounded (or saturated, for FP8) to the cache's type
+    model, config, cache = tiny_model_with_random_cache(tiny_model_dir, load_backend("triton"), dtype, device,
+                                                        MAX_MODEL_LEN, num_blocks, block_size, kv_cache_dtype)
     before_capture = cache.clone()
     graphs = replaying(MixedGraphs(model, max_tokens=MAX_TOKENS, max_requests=MAX_REQUESTS,
                                    max_blocks_per_seq=MAX_MODEL_LEN // block_size, max_model_len=MAX_MODEL_LEN,
@@ -227,20 +211,10 @@ def test_start_up_captures_mixed_graphs_only_where_they_hold(monkeypatch, caplog
 def test_the_start_up_check_tells_a_right_replay_from_a_wrong_one(tiny_model_dir, device):
     """replay_error: rounding for graphs that replay the forward (one request a step, or two), ~1 for a
     replay that computes nothing."""
-    from worker_svc import kv_cache
-    from worker_svc.kv_cache_scales import bind_kv_scales
     from worker_svc.layers.attention.registry import load_backend
-    from worker_svc.loader import load_safetensors
-    from worker_svc.model_config import load_model_config
-    from worker_svc.models.qwen3 import Qwen3ForCausalLM
 
-    config = load_model_config(tiny_model_dir)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config, load_backend("triton"), MAX_MODEL_LEN).eval()
-    load_safetensors(model, tiny_model_dir)
-    cache = kv_cache.allocate_kv_cache(model, 16, 4, config.num_key_value_heads, config.head_dim, torch.float32,
-                                       device)
-    bind_kv_scales(model, cache.dtype, [])
+    model, config, _ = tiny_model_with_random_cache(tiny_model_dir, load_backend("triton"), torch.float32, device,
+                                                    MAX_MODEL_LEN, 16, 4)
     for max_requests in (1, 4):
         graphs = replaying(MixedGraphs(model, max_tokens=32, max_requests=max_requests, max_blocks_per_seq=8,
                                        max_model_len=MAX_MODEL_LEN, device=device))
