@@ -3,7 +3,9 @@
     python -m tools.trace_gaps worker-trace-...json[.gz] [--gap-us 20] [--top 15]
 
 Prints two tables. Each labelled step launch: its host time, how much of it was inside ops and CUDA calls
-(the rest is Python between them), the kernels it launched, the device's span
+(the rest is Python between them), how long the worker's other threads worked meanwhile (inside Python
+functions and ops, less their waits and long untraced stretches: with stacks, time the launching thread may
+have waited for the interpreter lock), the kernels it launched, the device's span
 for them and how much of that span the device was busy, and the median time from a kernel's launch call
 to its start (large: the host runs ahead of the device; near zero: the device waits for the host). Then
 the device's longest idle gaps, each with what every host thread was inside when it began (its innermost
@@ -24,6 +26,8 @@ DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 NOT_HOST_CATS = {"gpu_user_annotation", "ac2g", "Trace"}
 OP_CATS = {"cpu_op", "cuda_runtime", "cuda_driver"}   # a launch's time in these is not its Python's
 LAUNCH = re.compile(r"launch step (\d+) (\w+) (\d+) tokens")
+# A thread's innermost events that are waits, not work (a lock, a queue, a condition, the poller, an event).
+WAITS = re.compile(r"acquire|wait|sleep|select|poll|get of _queue|Synchronize|Sync\b|result")
 
 
 @dataclass
@@ -115,6 +119,38 @@ def in_ops_us(thread_ops: list[Span], span: Span) -> float:
     return sum(b - a for a, b in merged(inside))
 
 
+def working_intervals(spans: list[Span], blocked_us: float = 200.0) -> dict[object, list[tuple[float, float]]]:
+    """Each host thread's working time as disjoint intervals: the stretches where its innermost open Python
+    function or op is not a wait (a lock, a queue, a condition, the poller, an event), less those longer
+    than blocked_us inside a function that calls others (there it sits in code the tracer does not see:
+    a C call that blocks)."""
+    by_tid: dict[object, list[Span]] = {}
+    for s in spans:
+        if s.cat in ("python_function", "cpu_op"):
+            by_tid.setdefault(s.tid, []).append(s)
+    out = {}
+    for tid, events in by_tid.items():
+        events.sort(key=lambda s: (s.start, -s.end))
+        parents = {id(s) for s, after in zip(events, events[1:]) if after.start < s.end}
+        bounds = sorted({t for s in events for t in (s.start, s.end)})
+        working, stack, i = [], [], 0
+        for a, b in zip(bounds, bounds[1:]):
+            while i < len(events) and events[i].start <= a:
+                stack.append(events[i])
+                i += 1
+            while stack and stack[-1].end <= a:
+                stack.pop()
+            open_ = [s for s in stack if s.end > a]   # an event that ended under a later-starting one
+            if not open_:
+                continue
+            inner = open_[-1]
+            if WAITS.search(inner.name) or (id(inner) in parents and b - a > blocked_us):
+                continue
+            working.append((a, b))
+        out[tid] = merged(working)
+    return out
+
+
 def innermost(spans_by_tid: dict[object, list[Span]], starts_by_tid: dict[object, list[float]],
               t: float) -> dict[object, Span | None]:
     """For each host thread (its spans in start order, and their starts), the innermost (latest-starting)
@@ -144,11 +180,13 @@ def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
                      f"({100 * busy / total:.1f}%)")
     else:
         lines.append("no device activity in the trace (a CPU worker): the launches alone")
-    lines.append("step  kind   tokens  launch ms  in ops ms  kernels  device span ms  busy %  lag p50 ms  lag min ms")
+    lines.append("step  kind   tokens  launch ms  in ops ms  others ms  kernels  device span ms  busy %  lag p50 ms"
+                 "  lag min ms")
     op_spans: dict[object, list[Span]] = {}
     for s in spans:
         if s.cat in OP_CATS:
             op_spans.setdefault(s.tid, []).append(s)
+    working = working_intervals(host)
     for launch in step_launches(spans):
         if launch.kernels:
             first = min(k.start for k in launch.kernels)
@@ -159,8 +197,11 @@ def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
         else:
             span_us, busy_pct, lag50, lagmin = 0.0, 0.0, float("nan"), float("nan")
         in_ops = in_ops_us(op_spans.get(launch.span.tid, []), launch.span)
+        others = busy_within(merged([iv for tid, ivs in working.items() if tid != launch.span.tid for iv in ivs]),
+                             launch.span.start, launch.span.end)
         lines.append(f"{launch.step:5d} {launch.kind:6} {launch.tokens:6d} {(launch.span.end - launch.span.start) / 1e3:10.2f}"
-                     f" {in_ops / 1e3:10.2f} {len(launch.kernels):8d} {span_us / 1e3:15.2f} {busy_pct:7.1f} {lag50:11.3f} {lagmin:11.3f}")
+                     f" {in_ops / 1e3:10.2f} {others / 1e3:10.2f} {len(launch.kernels):8d} {span_us / 1e3:15.2f}"
+                     f" {busy_pct:7.1f} {lag50:11.3f} {lagmin:11.3f}")
     if not intervals:
         return "\n".join(lines)
     by_tid: dict[object, list[Span]] = {}

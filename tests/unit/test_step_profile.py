@@ -106,6 +106,15 @@ def test_trace_gaps_finds_the_device_idle_and_what_the_host_was_in(tmp_path):
         x("cuLaunchKernelEx", "cuda_runtime", 460, 5, corr=3),
         x("k3", "kernel", 465, 50, tid=7, corr=3),
         x("aten::copy_", "cpu_op", 150, 30, tid=2),
+        # Another RPC thread during step 8's launch: 40 us of its reply's Python (a function holding a
+        # tolist), then a wait for its lock, which is not work.
+        x("step_message.py(81): build_step_response", "python_function", 200, 40, tid=3),
+        x("<built-in method tolist of Tensor object>", "python_function", 210, 10, tid=3),
+        x("<built-in method acquire of _thread.lock object>", "python_function", 250, 200, tid=3),
+        # The gRPC poller's thread: a function calling others, between them 300 us in untraced C (blocked).
+        x("grpc/_server.py(1314): _serve", "python_function", 100, 700, tid=4),
+        x("<lambda>", "python_function", 130, 5, tid=4),
+        x("<lambda>", "python_function", 435, 5, tid=4),
     ]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -113,7 +122,10 @@ def test_trace_gaps_finds_the_device_idle_and_what_the_host_was_in(tmp_path):
     assert "busy 0.20 ms" in out
     lines = out.splitlines()
     step7 = next(line for line in lines if line.split()[:1] == ["7"])
-    assert step7.split()[3:8] == ["0.10", "0.01", "2", "0.15", "100.0"] and step7.split()[-1] == "0.005"
+    assert step7.split()[3:9] == ["0.10", "0.01", "0.00", "2", "0.15", "100.0"] and step7.split()[-1] == "0.005"
+    step8 = next(line for line in lines if line.split()[:1] == ["8"])
+    # Others: thread 2's copy 30 us, thread 3's Python 40, the poller's two calls and 20 us of its own.
+    assert step8.split()[3:6] == ["0.40", "0.34", "0.10"]
     gap = lines.index(next(line for line in lines if "idle" in line and "0.300 ms" in line))
     assert "cudaMalloc" in lines[gap + 1] and "0.045 in" in lines[gap + 1]
 
