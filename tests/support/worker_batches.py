@@ -6,6 +6,8 @@ contiguous or ordered.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from worker_svc.layers.attention.base import AttentionMetadata
@@ -46,6 +48,12 @@ def paged_metadata(block_tables: list[list[int]], seq_lens: list[int], query_len
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
     )
+
+
+def metadata_on(meta: AttentionMetadata, device) -> AttentionMetadata:
+    """The same metadata with its tensors on `device`."""
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
+                                        if torch.is_tensor(getattr(meta, f.name))})
 
 
 def positions_of(seq_lens: list[int], query_lens: list[int]) -> torch.Tensor:

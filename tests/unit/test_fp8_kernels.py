@@ -15,7 +15,6 @@ other experts (measured 8-19%), and the greedy token agrees on at least 70% of p
 from __future__ import annotations
 
 import collections
-import dataclasses
 import pathlib
 
 import pytest
@@ -27,7 +26,7 @@ from common.tiny_model import write_tiny_qwen3_fp8
 from tests.support.hf_reference import write_dequantized_checkpoint
 from tests.unit.test_fp8 import fp8_layers_model
 from tests.unit.test_qwen3_model import reference_logits
-from tests.support.worker_batches import paged_metadata, positions_of, random_block_tables
+from tests.support.worker_batches import metadata_on, paged_metadata, positions_of, random_block_tables
 from worker_svc import kv_cache
 from worker_svc.layers.fp8 import dequantize_blocks, quantize_blocks
 from worker_svc.model_config import load_model_config
@@ -210,18 +209,13 @@ def test_an_fp8_model_stays_near_its_dequantized_weights(fp8_kernels, fp8_checkp
     with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
         patch.setattr(fp8_kernels, "fp8_linear", lambda *a, **kw: calls.update(["linear"]) or linear(*a, **kw))
         hidden = model(torch.tensor(prompt, device=DEVICE), positions_of([PROMPT_LEN], [PROMPT_LEN]).to(DEVICE),
-                       _on_device(meta))
+                       metadata_on(meta, DEVICE))
         logits = model.compute_logits(hidden, torch.arange(PROMPT_LEN, device=DEVICE)).cpu()
     dense_mlps = sum(not hasattr(layer.mlp, "experts") for layer in model.model.layers)
     assert calls["linear"] == 2 * config.num_hidden_layers + 2 * dense_mlps   # qkv, o (+ gate_up, down)
     expected = reference_logits(dequantized, prompt)
     assert ((logits - expected).norm() / expected.norm()).item() <= (0.25 if dense_mlps < len(model.model.layers) else 0.15)
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.7
-
-
-def _on_device(meta):
-    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(DEVICE) for f in dataclasses.fields(meta)
-                                        if torch.is_tensor(getattr(meta, f.name))})
 
 
 @needs_cuda
@@ -515,7 +509,8 @@ def test_an_fp8_model_quantizes_in_its_norms_and_swiglu(fused, fp8_checkpoint, g
     kv_cache.allocate_kv_cache(model, 32, 8, config.num_key_value_heads, config.head_dim, torch.float32, DEVICE)
     g = torch.Generator().manual_seed(41)
     prompt = torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=g).tolist()
-    meta = _on_device(paged_metadata(random_block_tables([PROMPT_LEN], 8, 32, g), [PROMPT_LEN], [PROMPT_LEN], 8))
+    meta = metadata_on(paged_metadata(random_block_tables([PROMPT_LEN], 8, 32, g), [PROMPT_LEN], [PROMPT_LEN], 8),
+                       DEVICE)
 
     def logits(fusion: bool) -> tuple[torch.Tensor, collections.Counter]:
         calls = collections.Counter()

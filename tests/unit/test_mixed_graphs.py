@@ -16,6 +16,7 @@ from tests.support.graph_stand_ins import (ReplayingGraph, assert_replay_is_eage
                                           tiny_model_with_random_cache)
 from tests.support.markers import HAS_CUDA
 from tests.support.triton_interpreter import gpu_faithful
+from tests.support.worker_batches import metadata_on, paged_metadata, positions_of, random_block_tables
 from worker_svc.layers.attention.base import AttentionMetadata
 from worker_svc.mixed_graphs import MixedGraphs, token_buckets
 
@@ -55,30 +56,12 @@ def replaying(graphs: MixedGraphs) -> MixedGraphs:
 
 def mixed_batch(rng: random.Random, query_lens: list[int], num_blocks: int, block_size: int, vocab: int,
                 device) -> tuple:
-    """Requests computing query_lens[i] tokens at the end of a random context, each on its own blocks."""
-    free = list(range(num_blocks))
-    rng.shuffle(free)
+    """Requests computing query_lens[i] tokens at the end of a random context, each on its own random blocks."""
     seq_lens = [q + rng.randint(0, MAX_MODEL_LEN - q) for q in query_lens]
-    width = max(-(-s // block_size) for s in seq_lens)
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    slots, positions = [], []
-    for r, (s, q) in enumerate(zip(seq_lens, query_lens)):
-        blocks = [free.pop() for _ in range(-(-s // block_size))]
-        tables[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        for pos in range(s - q, s):
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            positions.append(pos)
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=seq_lens)
-    input_ids = torch.tensor([rng.randrange(vocab) for _ in slots], device=device)
-    return input_ids, torch.tensor(positions, device=device), meta
+    tables = random_block_tables(seq_lens, block_size, num_blocks, torch.Generator().manual_seed(rng.randrange(2**31)))
+    meta = metadata_on(paged_metadata(tables, seq_lens, query_lens, block_size), device)
+    input_ids = torch.tensor([rng.randrange(vocab) for _ in range(sum(query_lens))], device=device)
+    return input_ids, positions_of(seq_lens, query_lens).to(device), meta
 
 
 ON_THE_GPU = pytest.mark.skipif(not HAS_CUDA, reason="on the GPU; float32 covers the CPU")
