@@ -26,6 +26,7 @@ that replay their body, Triton interpreted; PERF_NOTES v52): WORKER_MIXED_GRAPHS
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 from typing import Callable
 
@@ -129,7 +130,7 @@ class MixedGraphs:
                 slots.append(blocks[pos // block_size] * block_size + pos % block_size)
                 positions.append(pos)
         width = max(len(t) for t in tables)
-        starts = [0, requests[0][1]] + ([requests[0][1] + requests[1][1]] if len(requests) > 1 else [])
+        starts = [0, *itertools.accumulate(query for _, query in requests)]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),

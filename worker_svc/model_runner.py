@@ -277,9 +277,15 @@ class ModelRunner:
 
     def _replays(self, batch: StepBatch) -> bool:
         """Whether the step's forward replays a graph (the step profile's label)."""
-        return batch.graph or (batch.meta is not None and (
-            (self.decode_graphs is not None and self.decode_graphs.can_run(batch.meta))
-            or (self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.meta))))
+        return batch.graph or (batch.meta is not None and self._graphs_for(batch.meta) is not None)
+
+    def _graphs_for(self, meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
+        """The captured graphs whose `run` takes this step's forward, or None: it runs eagerly."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            return self.decode_graphs
+        if self.mixed_graphs is not None and not aux_layers and self.mixed_graphs.can_run(meta):
+            return self.mixed_graphs
+        return None
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -287,12 +293,11 @@ class ModelRunner:
         """Hidden states of every token of the batch (with aux_layers, also those entering the
         drafter's aux layers, which an eagle3 worker's graphs write); pure-decode batches replay a
         CUDA graph, and so do the others where mixed graphs were captured."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
-            hidden = self.decode_graphs.run(input_ids, positions, meta)
-            return (hidden, self.decode_graphs.aux(len(hidden))) if aux_layers else hidden
-        if self.mixed_graphs is not None and not aux_layers and self.mixed_graphs.can_run(meta):
-            return self.mixed_graphs.run(input_ids, positions, meta)
-        return self.model(input_ids, positions, meta, aux_layers)
+        graphs = self._graphs_for(meta, aux_layers)
+        if graphs is None:
+            return self.model(input_ids, positions, meta, aux_layers)
+        hidden = graphs.run(input_ids, positions, meta)
+        return (hidden, graphs.aux(len(hidden))) if aux_layers else hidden
 
     # --- a step ------------------------------------------------------------------------------
 

@@ -237,7 +237,7 @@ def capture_mixed_graphs(runner: ModelRunner) -> MixedGraphs | None:
     if runner.device.type != "cuda" or runner.config.enforce_eager or not mixed_graphs.ENABLED:
         return None
     why_not = None
-    if not getattr(runner.backend, "supports_mixed_graphs", False):
+    if not runner.backend.supports_mixed_graphs:
         why_not = f"attention backend {runner.backend.name} reads host lengths in mixed steps"
     elif runner.proposer is not None:
         why_not = "a speculating worker's steps verify drafts"
