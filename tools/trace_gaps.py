@@ -187,6 +187,7 @@ def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
         if s.cat in OP_CATS:
             op_spans.setdefault(s.tid, []).append(s)
     working = working_intervals(host)
+    others_of: dict[object, list[tuple[float, float]]] = {}   # a launching thread -> the others' work, merged once
     for launch in step_launches(spans):
         if launch.kernels:
             first = min(k.start for k in launch.kernels)
@@ -197,8 +198,10 @@ def report(path: str, gap_us: float = 20.0, top: int = 15) -> str:
         else:
             span_us, busy_pct, lag50, lagmin = 0.0, 0.0, float("nan"), float("nan")
         in_ops = in_ops_us(op_spans.get(launch.span.tid, []), launch.span)
-        others = busy_within(merged([iv for tid, ivs in working.items() if tid != launch.span.tid for iv in ivs]),
-                             launch.span.start, launch.span.end)
+        tid = launch.span.tid
+        if tid not in others_of:
+            others_of[tid] = merged([iv for other, ivs in working.items() if other != tid for iv in ivs])
+        others = busy_within(others_of[tid], launch.span.start, launch.span.end)
         lines.append(f"{launch.step:5d} {launch.kind:6} {launch.tokens:6d} {(launch.span.end - launch.span.start) / 1e3:10.2f}"
                      f" {in_ops / 1e3:10.2f} {others / 1e3:10.2f} {len(launch.kernels):8d} {span_us / 1e3:15.2f}"
                      f" {busy_pct:7.1f} {lag50:11.3f} {lagmin:11.3f}")
