@@ -45,6 +45,27 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata],
 Sample = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+def capture_largest_first(sizes: list[int], warm_up: Callable[[int], object], captured: Callable[[int], object], *,
+                          release_warm_up: bool = False) -> dict[int, torch.cuda.CUDAGraph]:
+    """One graph per size, all in one new memory pool, the largest first (the smaller then fit in the memory it
+    took). Each size's `warm_up` runs eagerly just before its capture (Triton compiles, cuBLAS plans outside
+    the capture); with release_warm_up, the general pool's free memory goes back to the device between them
+    (for a warm-up as large as the graph, which the graph's pool takes as much again). `captured(size)` is
+    what the graph holds."""
+    graphs = {}
+    pool = torch.cuda.graph_pool_handle()
+    for size in reversed(sizes):
+        warm_up(size)
+        if release_warm_up:
+            torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            captured(size)
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs
+
+
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
     """Padded batch sizes to capture: 1, 2, 4, 8, 16, 32, 48, ... up to max_batch_size, which is
     always included so every batch the scheduler may send has a graph."""
@@ -196,22 +217,17 @@ class DecodeGraphs:
         for static, out in zip((self.outputs, *self.aux_outputs), (hidden, *aux)):
             static[:batch_size] = out
 
+    def _warm_up(self, batch_size: int) -> None:
+        """The eager run before a capture (its slots are all -1: the KV cache is left untouched); the first,
+        the largest, sizes the static outputs."""
+        warm, warm_aux = _split(self._body(batch_size))
+        if self.outputs is None:
+            self.outputs, *self.aux_outputs = (torch.empty((self.batch_sizes[-1], *t.shape[1:]), dtype=t.dtype,
+                                                           device=t.device) for t in (warm, *warm_aux))
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        # Largest first: the smaller graphs then fit in the memory the largest already took.
-        for batch_size in reversed(self.batch_sizes):
-            # Eager warm-up: compiles this shape's kernels (Triton JIT, cuBLAS plans) outside
-            # the capture. Its slots are all -1, so the KV cache is left untouched.
-            warm, warm_aux = _split(self._body(batch_size))
-            if self.outputs is None:
-                self.outputs, *self.aux_outputs = (torch.empty((self.batch_sizes[-1], *t.shape[1:]), dtype=t.dtype,
-                                                               device=t.device) for t in (warm, *warm_aux))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._captured(batch_size)
-            self.graphs[batch_size] = graph
-        torch.cuda.synchronize()
+        self.graphs = capture_largest_first(self.batch_sizes, self._warm_up, self._captured)
 
     @torch.inference_mode()
     def _capture_sampling(self) -> None:
@@ -221,17 +237,13 @@ class DecodeGraphs:
         self.sample_graphs.clear()
         staged_rows = self.rows.clone()
         self.rows.fill_(self.inputs.dummy_row)
-        pool = torch.cuda.graph_pool_handle()
-        for batch_size in reversed(self.batch_sizes):
-            args = (self.outputs[:batch_size], self.rows[:batch_size], self.tokens[:batch_size],
-                    self.logprobs[:batch_size])
-            self.sample(*args)   # warm-up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.sample(*args)
-            self.sample_graphs[batch_size] = graph
+
+        def sample(batch_size: int) -> None:
+            self.sample(self.outputs[:batch_size], self.rows[:batch_size], self.tokens[:batch_size],
+                        self.logprobs[:batch_size])
+
+        self.sample_graphs = capture_largest_first(self.batch_sizes, sample, sample)
         self.rows.copy_(staged_rows)
-        torch.cuda.synchronize()
         self._sampled_key = self.sample_key()
 
 

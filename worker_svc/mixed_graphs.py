@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from worker_svc.cuda_graphs import capture_largest_first
 from worker_svc.layers.attention.base import AttentionMetadata
 
 ENABLED = os.environ.get("WORKER_MIXED_GRAPHS", "0") == "1"
@@ -164,22 +165,15 @@ class MixedGraphs:
         """What a graph holds: the forward over the static buffers, its output written to the static one."""
         self.outputs[:size] = self.forward(self.input_ids[:size], self.positions[:size], self._static_meta(size))
 
+    def _warm_up(self, size: int) -> None:
+        """The eager run before a capture; the first, the largest, sizes the static output. Warm-ups and
+        captures see no request (every query_start_loc 0, every slot -1): the KV cache is left untouched
+        and no attention program reads it."""
+        warm = self.forward(self.input_ids[:size], self.positions[:size], self._static_meta(size))
+        if self.outputs is None:
+            self.outputs = torch.empty((self.sizes[-1], *warm.shape[1:]), dtype=warm.dtype, device=warm.device)
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # Warm-ups and captures see no request (every query_start_loc 0, every slot -1): the KV
-        # cache is left untouched and no attention program reads it.
-        pool = torch.cuda.graph_pool_handle()
-        # Largest first: the smaller graphs then fit in the memory the largest already took.
-        for size in reversed(self.sizes):
-            # Eager warm-up: compiles this shape's kernels (Triton JIT, cuBLAS plans) outside the capture.
-            warm = self.forward(self.input_ids[:size], self.positions[:size], self._static_meta(size))
-            if self.outputs is None:
-                self.outputs = torch.empty((self.sizes[-1], *warm.shape[1:]), dtype=warm.dtype, device=warm.device)
-            del warm
-            # The warm-up's activations go back to the device: the graph's pool takes as much again.
-            torch.cuda.empty_cache()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._captured(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        # The largest warm-up is as large as its graph: its activations go back to the device before capture.
+        self.graphs = capture_largest_first(self.sizes, self._warm_up, self._captured, release_warm_up=True)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from worker_svc.cuda_graphs import graph_batch_sizes
+from worker_svc.cuda_graphs import capture_largest_first, graph_batch_sizes
 
 # (first tokens [n], start hidden states [n, hidden] or None, start positions [n], tables [n, width])
 #   -> drafts [n, k]; a padding row has start -1.
@@ -64,15 +64,11 @@ class DraftingGraphs:
         """What a graph holds: the passes, their drafts written to the static buffer."""
         self.drafts[:size] = self._body(size)
 
+    def _warm_up(self, size: int) -> None:
+        warm = self._body(size)   # every start is -1: nothing is stored
+        if self.drafts is None:
+            self.drafts = torch.empty((self.batch_sizes[-1], warm.shape[1]), dtype=warm.dtype, device=warm.device)
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.batch_sizes):   # largest first, as cuda_graphs.py does
-            warm = self._body(size)   # every start is -1: nothing is stored
-            if self.drafts is None:
-                self.drafts = torch.empty((self.batch_sizes[-1], warm.shape[1]), dtype=warm.dtype, device=warm.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._captured(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        self.graphs = capture_largest_first(self.batch_sizes, self._warm_up, self._captured)
