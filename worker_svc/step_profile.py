@@ -18,8 +18,8 @@ The per-step tables cannot say what the device did meanwhile (each profile ends 
 WORKER_PROFILE_TRACE_STEPS=FIRST-LAST one profiler session spans the launches of steps FIRST..LAST instead,
 graph replays included, every step's launch a labelled span on its thread (every thread's ops are recorded:
 each step launches from its own RPC thread), the CUDA runtime's synchronizations and the collector's runs as
-events where this torch records them, the kernels on the device's timeline, and writes a Chrome trace (WORKER_PROFILE_TRACE_DIR, default the system's temporary directory) when
-the first step after LAST launches; WORKER_PROFILE_TRACE_STACK=1 adds the Python calls of every thread (much
+events where this torch records them, the kernels on the device's timeline, and writes a Chrome trace
+(WORKER_PROFILE_TRACE_DIR, default the system's temporary directory) when the first step after LAST launches; WORKER_PROFILE_TRACE_STACK=1 adds the Python calls of every thread (much
 slower: keep the window short). `python -m tools.trace_gaps TRACE` reads it: the device's idle gaps and what
 the host was doing during each.
 """
