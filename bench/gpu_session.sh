@@ -11,6 +11,7 @@
 #             --max-num-batched-tokens, for the worker and the scheduler) in turn: tok/s, TTFT and the mixed steps' step against device time (v51)
 #   gil       few-row decode (CASES, default 1/4/16 x 1024) with the worker's interpreter switch interval at each of
 #             GIL_ORDER (us, default "5000 200 50 5000 200 50") in turn, one machine (WORKER_SWITCH_INTERVAL_US, v52)
+#             GIL_TRACE=40-46 then traces those steps of a one-row decode's worker, every thread's Python (tools.trace_gaps)
 #   mixed     the mixed steps' CUDA graphs (WORKER_MIXED_GRAPHS, v52): their GPU tests, then the service with them on and
 #             off in turn (MIXED_ORDER, default "1 0"), one machine: tok/s, TTFT, the mixed steps' step and device time
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
@@ -264,6 +265,17 @@ PY
                 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]" | sed "s/^/switch ${us}us: /"
             rm -rf "/tmp/gil-$us"
         done
+        if [[ -n ${GIL_TRACE:-} ]]; then   # the one-row decode's worker, steps GIL_TRACE (e.g. 40-46), every thread's Python
+            mkdir -p /tmp/gil-trace "$OUT/gil-trace" && cp "$BENCH/bandwidth.json" /tmp/gil-trace/ 2>/dev/null
+            WORKER_PROFILE_TRACE_STEPS=$GIL_TRACE WORKER_PROFILE_TRACE_STACK=1 WORKER_PROFILE_TRACE_DIR="$OUT/gil-trace" \
+                timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out /tmp/gil-trace --model "$BENCH/model" --stages decode \
+                --decode-cases 1x1024 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]" | sed "s/^/traced: /"
+            for t in "$OUT/gil-trace"/worker-trace-*.json; do
+                [[ -f $t ]] || { echo "no trace written"; continue; }
+                $PY -m tools.trace_gaps "$t" --top ${TRACE_TOP:-12} | tee "$t.gaps.txt" | head -${TRACE_LINES:-60}
+                gzip -f "$t"
+            done
+        fi
         ;;
     mixed)  # the mixed steps' CUDA graphs (v52): their GPU tests, then the service with WORKER_MIXED_GRAPHS at each of
             # MIXED_ORDER (default "1 0"; run it again for a second pair) in turn, one machine
