@@ -9,11 +9,12 @@
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
 #   budget    the service at each step token budget of BUDGET_ORDER (default "32768 16384": the bench's
 #             --max-num-batched-tokens, for the worker and the scheduler) in turn: tok/s, TTFT and the mixed steps' step against device time (v51)
-#   gil       few-row decode (CASES, default 1/4/16 x 1024) with the worker's interpreter switch interval at each of
-#             GIL_ORDER (us, default "5000 200 50 5000 200 50") in turn, one machine (WORKER_SWITCH_INTERVAL_US, v52)
-#             GIL_TRACE=40-46 then traces those steps of a one-row decode's worker, every thread's Python (tools.trace_gaps)
-#   mixed     the mixed steps' CUDA graphs (WORKER_MIXED_GRAPHS, v52): their GPU tests, then the service with them on and
-#             off in turn (MIXED_ORDER, default "1 0"), one machine: tok/s, TTFT, the mixed steps' step and device time
+#   onerow    a one-row decode's worker, steps ONEROW_STEPS (default 40-46) traced with every thread's Python
+#             (tools.trace_gaps; v53)
+#   spy       the decode stage's processes at CASES (default 1x1024) under py-spy (.whl/spy): which Python holds the
+#             interpreter lock, by process and function (tools.spy_table; v53)
+#   mixed     the mixed steps' CUDA graphs (WORKER_MIXED_GRAPHS, on by default since v53): their GPU tests, then the service
+#             with them on and off in turn (MIXED_ORDER, default "1 0"), one machine: tok/s, TTFT, the mixed steps' step and device time
 #   kv        the service with a bf16 and an FP8 KV cache, side by side
 #   single    one stream through the service with the fourth step in flight off and on in turn (v48)
 #   hostprof  the service with its first eager steps' launches under torch.profiler: host time by op (v50)
@@ -254,28 +255,35 @@ PY
         done
         service_steps "$OUT" "service-budget-*.json" budget
         ;;
-    gil)    # few-row decode with the worker's interpreter switch interval at each of GIL_ORDER (microseconds; 5000 is
-            # Python's default) in turn, one machine (v52): whether the launching thread waits for the others' Python
+    onerow) # a one-row decode's worker (1 x 1024), steps ONEROW_STEPS (default 40-46) in one torch.profiler trace with every
+            # thread's Python, read by tools.trace_gaps: where the worker's host time goes at one row (v52-v53)
         base
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
-        for us in ${GIL_ORDER:-5000 200 50 5000 200 50}; do
-            mkdir -p "/tmp/gil-$us" && cp "$BENCH/bandwidth.json" "/tmp/gil-$us/" 2>/dev/null
-            WORKER_SWITCH_INTERVAL_US=$us timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/gil-$us" \
-                --model "$BENCH/model" --stages decode --decode-cases ${CASES:-1x1024,4x1024,16x1024} 2>&1 \
-                | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]" | sed "s/^/switch ${us}us: /"
-            rm -rf "/tmp/gil-$us"
+        mkdir -p /tmp/onerow "$OUT/onerow" && cp "$BENCH/bandwidth.json" /tmp/onerow/ 2>/dev/null
+        WORKER_PROFILE_TRACE_STEPS=${ONEROW_STEPS:-40-46} WORKER_PROFILE_TRACE_STACK=1 WORKER_PROFILE_TRACE_DIR="$OUT/onerow" \
+            timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out /tmp/onerow --model "$BENCH/model" --stages decode \
+            --decode-cases 1x1024 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]" | sed "s/^/traced: /"
+        for t in "$OUT/onerow"/worker-trace-*.json; do
+            [[ -f $t ]] || { echo "no trace written"; continue; }
+            $PY -m tools.trace_gaps "$t" --top ${TRACE_TOP:-12} | tee "$t.gaps.txt" | head -${TRACE_LINES:-60}
+            gzip -f "$t"
         done
-        if [[ -n ${GIL_TRACE:-} ]]; then   # the one-row decode's worker, steps GIL_TRACE (e.g. 40-46), every thread's Python
-            mkdir -p /tmp/gil-trace "$OUT/gil-trace" && cp "$BENCH/bandwidth.json" /tmp/gil-trace/ 2>/dev/null
-            WORKER_PROFILE_TRACE_STEPS=$GIL_TRACE WORKER_PROFILE_TRACE_STACK=1 WORKER_PROFILE_TRACE_DIR="$OUT/gil-trace" \
-                timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out /tmp/gil-trace --model "$BENCH/model" --stages decode \
-                --decode-cases 1x1024 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]" | sed "s/^/traced: /"
-            for t in "$OUT/gil-trace"/worker-trace-*.json; do
-                [[ -f $t ]] || { echo "no trace written"; continue; }
-                $PY -m tools.trace_gaps "$t" --top ${TRACE_TOP:-12} | tee "$t.gaps.txt" | head -${TRACE_LINES:-60}
-                gzip -f "$t"
-            done
-        fi
+        ;;
+    spy)    # the decode stage's processes (CASES, default 1x1024) under py-spy (.whl/spy), --gil (the thread holding the
+            # interpreter lock) and then every active thread: raw stacks under $OUT, read by tools.spy_table (v53)
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        [[ -x /tmp/spy/bin/py-spy ]] || $PY -m pip install -q --no-index --no-deps --target /tmp/spy .whl/spy/*.whl
+        for mode in ${SPY_MODES:-gil all}; do
+            flag=; [[ $mode == gil ]] && flag=--gil
+            mkdir -p "/tmp/spy-$mode" && cp "$BENCH/bandwidth.json" "/tmp/spy-$mode/" 2>/dev/null
+            timeout ${TIMEOUT:-200} /tmp/spy/bin/py-spy record --subprocesses --threads --nonblocking $flag -r ${SPY_RATE:-1000} \
+                -f raw -o "$OUT/spy-$mode.raw" -- $PY -m bench.gpu_bench --out "/tmp/spy-$mode" --model "$BENCH/model" \
+                --stages decode --decode-cases ${CASES:-1x1024} --decode-measured-steps ${SPY_STEPS:-3000} 2>&1 \
+                | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]|py-spy|rror" | sed "s/^/$mode: /"
+            $PY -m tools.spy_table "$OUT/spy-$mode.raw" --rate ${SPY_RATE:-1000} --top ${SPY_TOP:-45} | tee "$OUT/spy-$mode.txt" | head -${SPY_LINES:-70}
+            gzip -f "$OUT/spy-$mode.raw"
+        done
         ;;
     mixed)  # the mixed steps' CUDA graphs (v52): their GPU tests, then the service with WORKER_MIXED_GRAPHS at each of
             # MIXED_ORDER (default "1 0"; run it again for a second pair) in turn, one machine

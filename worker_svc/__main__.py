@@ -43,34 +43,10 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def switch_interval(environ=os.environ) -> float | None:
-    """WORKER_SWITCH_INTERVAL_US: the interpreter's switch interval in microseconds (sys.setswitchinterval;
-    Python's default is 5,000), or None to keep it. A shorter one bounds how long a step's launching thread,
-    back from a call that let go of the interpreter lock, waits for another RPC thread's Python (an
-    experiment: PERF_NOTES v52)."""
-    text = environ.get("WORKER_SWITCH_INTERVAL_US", "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value <= 1e6:
-        raise ValueError(f"WORKER_SWITCH_INTERVAL_US must be microseconds in (0, 1000000], got {text!r}")
-    return value / 1e6
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    try:
-        interval = switch_interval()
-    except ValueError as exc:
-        parser.error(str(exc))
-    if interval is not None:
-        sys.setswitchinterval(interval)
-        logger.info("interpreter switch interval %.0f us", interval * 1e6)
     try:
         config = worker_config_from_args(args)
         auth_token, credentials = server_security_from_args(args, logger)

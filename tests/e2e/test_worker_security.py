@@ -125,17 +125,3 @@ def test_flags_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(SystemExit) as exit_:   # main reports the same errors as usage errors
         main(["--model", str(tmp_path), "--tls-cert", "c.pem"])
     assert exit_.value.code == 2
-
-
-def test_the_switch_interval_is_microseconds_or_refused(tmp_path, monkeypatch):
-    from worker_svc.__main__ import switch_interval
-
-    assert switch_interval({}) is None and switch_interval({"WORKER_SWITCH_INTERVAL_US": " "}) is None
-    assert switch_interval({"WORKER_SWITCH_INTERVAL_US": "200"}) == pytest.approx(200e-6)
-    for bad in ("0", "-5", "fast", "2e6"):
-        with pytest.raises(ValueError, match="WORKER_SWITCH_INTERVAL_US must be microseconds"):
-            switch_interval({"WORKER_SWITCH_INTERVAL_US": bad})
-    monkeypatch.setenv("WORKER_SWITCH_INTERVAL_US", "fast")
-    with pytest.raises(SystemExit) as exit_:   # before anything loads
-        main(["--model", str(tmp_path)])
-    assert exit_.value.code == 2
