@@ -11,6 +11,8 @@
 #             --max-num-batched-tokens, for the worker and the scheduler) in turn: tok/s, TTFT and the mixed steps' step against device time (v51)
 #   onerow    a one-row decode's worker, steps ONEROW_STEPS (default 40-46) traced with every thread's Python
 #             (tools.trace_gaps; v53)
+#   blocking  decode (CASES, default 1/4/16/64 x 1024) with each step's done event spinning and sleeping in its wait
+#             (WORKER_BLOCKING_SYNC 0 and 1, BLOCK_ORDER "0 1 0 1"), one machine; BLOCK_SERVICE=1 adds the service (v53)
 #   spy       the decode stage's processes at CASES (default 1x1024) under py-spy (.whl/spy): which Python holds the
 #             interpreter lock, by process and function (tools.spy_table; v53)
 #   mixed     the mixed steps' CUDA graphs (WORKER_MIXED_GRAPHS, on by default since v53): their GPU tests, then the service
@@ -269,6 +271,20 @@ PY
             gzip -f "$t"
         done
         ;;
+    blocking) # each step's done event spinning (0: CUDA's default) or sleeping (1) in its reply's wait (WORKER_BLOCKING_SYNC,
+              # v53) in turn on one machine: decode at CASES (default 1/4/16/64 x 1024), then (BLOCK_SERVICE=1) the service
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        decode_ab WORKER_BLOCKING_SYNC block "${BLOCK_ORDER:-0 1 0 1}" "${CASES:-1x1024,4x1024,16x1024,64x1024}"
+        if [[ -n ${BLOCK_SERVICE:-} ]]; then
+            for b in 1 0; do
+                WORKER_BLOCKING_SYNC=$b NAME=block-$b STAGES=service EXTRA="--stream-intervals 1" TIMEOUT=200 LINES_OUT=2 \
+                    bash "$0" bench
+                cp "$BENCH/block-$b/service.json" "$OUT/service-block-$b.json" 2>/dev/null
+            done
+            service_steps "$OUT" "service-block-*.json" blocking
+        fi
+        ;;
     spy)    # the decode stage's processes (CASES, default 1x1024) under py-spy (.whl/spy), --gil (the thread holding the
             # interpreter lock) and then every active thread: raw stacks under $OUT, read by tools.spy_table (v53)
         base
@@ -277,11 +293,11 @@ PY
         for mode in ${SPY_MODES:-gil all}; do
             flag=; [[ $mode == gil ]] && flag=--gil
             mkdir -p "/tmp/spy-$mode" && cp "$BENCH/bandwidth.json" "/tmp/spy-$mode/" 2>/dev/null
-            timeout ${TIMEOUT:-200} /tmp/spy/bin/py-spy record --subprocesses --threads --nonblocking $flag -r ${SPY_RATE:-1000} \
+            timeout ${TIMEOUT:-280} /tmp/spy/bin/py-spy record --subprocesses --threads --nonblocking $flag -r ${SPY_RATE:-250} \
                 -f raw -o "$OUT/spy-$mode.raw" -- $PY -m bench.gpu_bench --out "/tmp/spy-$mode" --model "$BENCH/model" \
                 --stages decode --decode-cases ${CASES:-1x1024} --decode-measured-steps ${SPY_STEPS:-3000} 2>&1 \
                 | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]|py-spy|rror" | sed "s/^/$mode: /"
-            $PY -m tools.spy_table "$OUT/spy-$mode.raw" --rate ${SPY_RATE:-1000} --top ${SPY_TOP:-45} | tee "$OUT/spy-$mode.txt" | head -${SPY_LINES:-70}
+            $PY -m tools.spy_table "$OUT/spy-$mode.raw" --rate ${SPY_RATE:-250} --top ${SPY_TOP:-45} | tee "$OUT/spy-$mode.txt" | head -${SPY_LINES:-70}
             gzip -f "$OUT/spy-$mode.raw"
         done
         ;;

@@ -56,7 +56,7 @@ from worker_svc.spec_decode.ahead import Ahead, plan_ahead, prepare_ahead
 from worker_svc.spec_decode.bookkeeping import Bookkeeping, SpecStep
 from worker_svc.spec_decode.proposers import build_proposer
 from worker_svc.spec_decode.verification import accept, decode_rows, preceding_drafts
-from worker_svc.staging import Logprobs, OutputSlots, PendingStep, Staging, to_host
+from worker_svc.staging import Logprobs, OutputSlots, PendingStep, Staging, step_done_event, to_host
 from worker_svc.step_batch import StepBatch
 from worker_svc.step_checks import StepLimits, check_requests, check_rows
 from worker_svc.step_limits import HELD_PER_SEQ_SLOT, with_step_limits
@@ -407,7 +407,7 @@ class ModelRunner:
                                None, None, None, None)
         event = None
         if device_start is not None:
-            event = torch.cuda.Event(enable_timing=True)
+            event = step_done_event()
             event.record()
         finish = None
         if spec is not None:

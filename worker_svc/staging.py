@@ -7,6 +7,7 @@ Logprobs beyond the sampled token's travel the same way (`Logprobs`).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,16 @@ OUTPUT_SLOTS = 5
 # Host buffers of the step inputs' copy, taken in turn: with up to four steps in flight the one a step
 # refills was copied three steps back, at that step's start (long done).
 STAGING_BUFFERS = 3
+# An experiment (PERF_NOTES v53, to be measured): each launched step's reply waits for its end in its own thread, so
+# with steps in flight several threads sit in cudaEventSynchronize, which spins by default; their polling may slow
+# the launching thread's CUDA calls (a one-row step's 50-130 us copies and event records under py-spy on an H100).
+# WORKER_BLOCKING_SYNC=1 makes them sleep until the device signals instead.
+BLOCKING_SYNC = os.environ.get("WORKER_BLOCKING_SYNC", "0") == "1"
+
+
+def step_done_event() -> torch.cuda.Event:
+    """The event a step's reply waits for (timed against the step's start event)."""
+    return torch.cuda.Event(enable_timing=True, blocking=BLOCKING_SYNC)
 
 
 def to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:

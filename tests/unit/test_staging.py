@@ -115,3 +115,16 @@ def test_a_fill_waits_for_its_buffers_last_copy_only_when_that_copy_is_not_done(
         staging._next = 0
         staging.fill([np.arange(3)])
         assert event.synchronized == waits
+
+
+def test_a_steps_done_event_sleeps_in_its_wait_only_when_asked(monkeypatch):
+    """WORKER_BLOCKING_SYNC (PERF_NOTES v53): the event a step's reply waits for is created blocking (its waiter
+    sleeps until the device signals) only when asked; timed either way (the step's device time)."""
+    from worker_svc import staging
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **flags: made.append(flags) or flags)
+    for blocking in (False, True):
+        monkeypatch.setattr(staging, "BLOCKING_SYNC", blocking)
+        assert staging.step_done_event() == {"enable_timing": True, "blocking": blocking}
+    assert len(made) == 2
