@@ -3,7 +3,8 @@ forward: the tiny model over Triton's attention, random batches of prefill chunk
 whose token counts hit and miss the captured sizes, against the same model run eagerly on a copy of
 the same KV cache; the padding tokens store nothing. On a GPU with real graphs; on the CPU with
 graphs whose replay runs their captured body, Triton's kernels interpreted. And a runner that
-replays them gives the tokens of one that does not, through chunked prefills and decodes."""
+replays them gives the tokens of one that does not, through chunked prefills and decodes, with the
+prompt's logprobs, top logprobs and seeded draws too."""
 from __future__ import annotations
 
 import functools
@@ -205,3 +206,49 @@ def test_the_start_up_check_tells_a_right_replay_from_a_wrong_one(tiny_model_dir
         assert graphs.replays == 0
     graphs.run = lambda input_ids, positions, meta: torch.zeros_like(graphs.outputs[:len(input_ids)])
     assert graphs.replay_error(4, config.vocab_size) > 0.5, "a replay that computes nothing"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU stand-in; the GPU's runner is tests/unit/test_gpu_pipelined_runner.py's")
+def test_replayed_mixed_steps_keep_prompt_logprobs_top_logprobs_and_seeded_draws(tiny_model_dir, monkeypatch):
+    """What reads the replayed forward's output besides the greedy token (its view of a static buffer): the
+    prompt's scores over every prompt token of a chunk, the top logprobs, and a seeded temperature draw, in
+    steps with prompt chunks beside decodes; against the same steps launched eagerly (float32)."""
+    from common.pb.llm.worker.v1 import worker_pb2 as pb
+    from tests.support.graph_stand_ins import replaying_graphs_on_the_cpu
+    from tests.support.runner_driver import Driver, make_runner, prompt
+
+    replaying_graphs_on_the_cpu(monkeypatch)
+    scored = pb.SamplingOptions(temperature=0.0, logprobs=True, top_logprobs=3, prompt_logprobs=True)
+    seeded = pb.SamplingOptions(temperature=0.8, seed=1234, logprobs=True)
+
+    def run(graphed: bool):
+        runner = make_runner(tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=4,
+                             max_model_len=128, sampler="torch")
+        if graphed:
+            runner.mixed_graphs = replaying(MixedGraphs(
+                runner.model, max_tokens=32, max_requests=4, max_blocks_per_seq=runner.max_blocks_per_seq,
+                max_model_len=runner.max_model_len, device=runner.device))
+        driver = Driver(runner)
+        driver.step(new=[driver.new(1, prompt(1, 30), 20, scored)])                      # a scored chunk
+        driver.step(new=[driver.new(2, prompt(2, 12), 12, seeded)], cached=[driver.cached(1, 10)])
+        for _ in range(3):
+            driver.step(new=[driver.new(3, prompt(3, 5), 5)] if _ == 0 else (),
+                        cached=[driver.cached(s) for s in (1, 2)] + ([driver.cached(3)] if _ else []))
+        return driver.outputs, runner.mixed_graphs.replays if graphed else 0
+
+    eager, _ = run(False)
+    replayed, replays = run(True)
+    assert replays == 3, "the steps with prompt tokens replay"
+    for e, r in zip(eager, replayed):
+        assert r.token_ids == e.token_ids, r.step_id
+        assert r.logprobs == pytest.approx(e.logprobs, abs=1e-4)
+        assert (r.top_logprobs is None) == (e.top_logprobs is None)
+        if e.top_logprobs is not None:
+            assert r.top_logprobs.token_ids == e.top_logprobs.token_ids
+            assert r.top_logprobs.logprobs == pytest.approx(e.top_logprobs.logprobs, abs=1e-4)
+        assert (r.prompt_logprobs is None) == (e.prompt_logprobs is None)
+        if e.prompt_logprobs is not None:
+            assert (r.prompt_logprobs.seq_ids, r.prompt_logprobs.counts) == (e.prompt_logprobs.seq_ids,
+                                                                            e.prompt_logprobs.counts)
+            assert r.prompt_logprobs.logprobs == pytest.approx(e.prompt_logprobs.logprobs, abs=1e-4)
+    assert sum(len(o.prompt_logprobs.logprobs) for o in eager if o.prompt_logprobs) == 29, "every prompt token but the first"
