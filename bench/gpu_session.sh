@@ -3,7 +3,7 @@
 # Runs on the GPU machine (its python3 holds a CUDA torch); packages it lacks travel as wheels under
 # .whl/ (bench/README-style notes in docs/PERF_NOTES.md). Results: JSON and logs under $OUT.
 #   base      install the pinned gRPC/protobuf wheels (.whl/base) into /tmp/base
-#   tests     GPU tests (kernels, attention backends, CUDA graphs, the pipelined runner, MoE/FP8)
+#   tests     GPU tests (kernels, attention backends, CUDA graphs and the mixed steps' graphs, the pipelined runner, MoE/FP8)
 #   smoke     a short gpu_bench run that exercises the service end to end
 #   fa4       install FlashAttention-4 (.whl/fa4a + .whl/fa4b) and run its tests and the attention bench
 #   bench     the gpu_bench stages given in STAGES (default: service,offline), results under NAME (full)
@@ -157,7 +157,7 @@ case ${1:-} in
     tests)
         base
         # -o addopts=: the GPU image's python may lack the plugins pyproject.toml names (xdist, timeout)
-        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider -o addopts= ${TESTS:-tests/unit/test_gpu_pipelined_runner.py \
+        timeout ${TIMEOUT:-300} $PY -m pytest -q --tb=line -rfs -p no:cacheprovider -o addopts= ${TESTS:-tests/unit/test_gpu_pipelined_runner.py tests/unit/test_mixed_graphs.py \
             tests/unit/test_drafting_graphs.py tests/unit/test_fused_kernels.py tests/unit/test_decode_qk.py tests/unit/test_cuda_graphs.py tests/unit/test_attention_backends.py \
             tests/unit/test_moe_kernels.py tests/unit/test_fp8_kernels.py} 2>&1 | tail -${LINES_OUT:-40}
         ;;
