@@ -27,6 +27,8 @@ def sampling_options_from_proto(pb: worker_pb2.SamplingOptions) -> SamplingOptio
 
 
 def _sparse_indices(name: str, indices, counts, size: int, step_id: int) -> tuple[np.ndarray, np.ndarray]:
+    if not indices and not counts:   # most steps: no request with more than one token or a new block
+        return np.empty(0, np.int64), np.empty(0, np.int64)
     idx = np.array(indices, dtype=np.int64)
     cnt = np.array(counts, dtype=np.int64)
     if len(idx) != len(cnt):
@@ -50,14 +52,15 @@ def parse_step_request(req: worker_pb2.StepRequest) -> StepInput:
     seq_ids = list(cached.seq_ids)
     multi_idx, multi_cnt = _sparse_indices("multi_token", cached.multi_token_indices, cached.multi_token_counts,
                                            len(seq_ids), step_id)
-    if np.any(multi_cnt < 2):
-        raise InvalidStepError(f"step {step_id}: multi_token_counts must be at least 2 (one is the default)")
     num_scheduled = np.ones(len(seq_ids), dtype=np.int64)
-    num_scheduled[multi_idx] = multi_cnt
+    if len(multi_idx):
+        if np.any(multi_cnt < 2):
+            raise InvalidStepError(f"step {step_id}: multi_token_counts must be at least 2 (one is the default)")
+        num_scheduled[multi_idx] = multi_cnt
     block_idx, block_cnt = _sparse_indices("new_block", cached.new_block_indices, cached.new_block_counts,
                                            len(seq_ids), step_id)
-    block_ids = np.array(cached.new_block_ids, dtype=np.int64)
-    if np.any(block_cnt < 1) or int(block_cnt.sum()) != len(block_ids):
+    block_ids = np.array(cached.new_block_ids, dtype=np.int64) if cached.new_block_ids else np.empty(0, np.int64)
+    if (len(block_cnt) or len(block_ids)) and (np.any(block_cnt < 1) or int(block_cnt.sum()) != len(block_ids)):
         raise InvalidStepError(f"step {step_id}: new_block_counts (sum {int(block_cnt.sum())}) must be positive "
                                f"and add up to the {len(block_ids)} new_block_ids")
     num_drafts = None

@@ -78,3 +78,39 @@ def test_new_request_is_sent_once_and_again_after_preemption():
     # Its prompt was scored before the preemption: the recomputation does not score it again.
     assert first.new_requests[1].sampling.prompt_logprobs and not again.sampling.prompt_logprobs
     assert list(again.block_ids) == b.block_table
+
+
+def test_the_worker_parses_the_sparse_columns_and_refuses_malformed_ones():
+    """The cached requests' sparse columns (multi-token counts, new blocks, drafts): absent, as most decode steps
+    send them; present; and each way of contradicting itself, refused with what was wrong."""
+    import numpy as np
+    import pytest
+
+    from worker_svc.runner_io import InvalidStepError
+    from worker_svc.step_message import parse_step_request
+
+    def parse(**columns):
+        return parse_step_request(worker_pb2.StepRequest(step_id=3, cached=worker_pb2.CachedRequests(
+            seq_ids=[10, 11, 12], **columns)))
+
+    plain = parse()
+    assert plain.num_scheduled.tolist() == [1, 1, 1] and plain.num_drafts is None
+    assert (len(plain.new_block_indices), len(plain.new_block_counts), len(plain.new_block_ids)) == (0, 0, 0)
+    assert all(a.dtype == np.int64 for a in (plain.new_block_indices, plain.new_block_counts, plain.new_block_ids))
+    full = parse(multi_token_indices=[1], multi_token_counts=[4], new_block_indices=[0, 2], new_block_counts=[1, 2],
+                 new_block_ids=[7, 8, 9], draft_indices=[2], draft_counts=[3])
+    assert full.num_scheduled.tolist() == [1, 4, 1] and full.num_drafts.tolist() == [0, 0, 3]
+    assert (full.new_block_indices.tolist(), full.new_block_counts.tolist(), full.new_block_ids.tolist()) == (
+        [0, 2], [1, 2], [7, 8, 9])
+    for columns, why in (
+            ({"multi_token_indices": [1]}, "1 multi_token_indices but 0 multi_token_counts"),
+            ({"multi_token_counts": [2]}, "0 multi_token_indices but 1 multi_token_counts"),
+            ({"multi_token_indices": [1], "multi_token_counts": [1]}, "must be at least 2"),
+            ({"multi_token_indices": [3], "multi_token_counts": [2]}, "must ascend within 0..2"),
+            ({"multi_token_indices": [1, 1], "multi_token_counts": [2, 2]}, "must ascend"),
+            ({"new_block_ids": [5]}, "add up to the 1 new_block_ids"),
+            ({"new_block_indices": [0], "new_block_counts": [2], "new_block_ids": [5]}, "add up to the 1"),
+            ({"new_block_indices": [0], "new_block_counts": [0]}, "must be positive"),
+            ({"draft_indices": [0], "draft_counts": [0]}, "draft_counts must be positive")):
+        with pytest.raises(InvalidStepError, match=why):
+            parse(**columns)
