@@ -131,32 +131,49 @@ def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: 
     start = b.num_computed[rows]
     end = start + counts
     num_tokens = b.num_tokens[rows]
-    if np.any(end > num_tokens):
-        refuse(end > num_tokens, lambda i: f"scheduling past the known tokens ({start[i]} computed + "
-                                           f"{counts[i]} scheduled > {num_tokens[i]} known)")
     # Sampled tokens are known on the device only as each row's newest: a step may compute
     # the newest, never an older one the host does not have.
     num_host = b.num_host_tokens[rows]
+    past = end > num_tokens
     unknown = np.maximum(start, num_host) < np.minimum(end, num_tokens - 1)
-    if np.any(unknown):
-        refuse(unknown, lambda i: f"positions {max(start[i], num_host[i])}..{end[i] - 1} include sampled tokens "
-                                  f"older than the newest (re-send it as a NewRequest)")
     if step.num_drafts is not None:
+        if past.any():
+            _refuse_past(refuse, past, start, counts, num_tokens)
+        if unknown.any():
+            _refuse_unknown(refuse, unknown, start, num_host, end)
         end = end + _check_drafts(step, rows, limits, batch, start, counts, refuse)
-    num_blocks = b.num_blocks[rows].copy()
+    num_blocks = b.num_blocks[rows]
+    bad_id = False
     if len(step.new_block_indices):
-        ids = step.new_block_ids
-        if ids.max() >= limits.num_kv_blocks:
-            raise InvalidStepError(f"step {sid}: block id {int(ids.max())} out of range (the cache has "
-                                   f"{limits.num_kv_blocks})")
-        num_blocks[step.new_block_indices] += step.new_block_counts
+        bad_id = step.new_block_ids.max() >= limits.num_kv_blocks
+        if not bad_id:   # (rows index a copy)
+            num_blocks[step.new_block_indices] += step.new_block_counts
     too_many = num_blocks > limits.max_blocks_per_seq
-    if np.any(too_many):
+    short = num_blocks * limits.block_size < end
+    # One test for the common case (nothing wrong); the first offender, in this order, otherwise.
+    if not bad_id and not (past | unknown | too_many | short).any():
+        return
+    if past.any():
+        _refuse_past(refuse, past, start, counts, num_tokens)
+    if unknown.any():
+        _refuse_unknown(refuse, unknown, start, num_host, end)
+    if bad_id:
+        raise InvalidStepError(f"step {sid}: block id {int(step.new_block_ids.max())} out of range (the cache has "
+                               f"{limits.num_kv_blocks})")
+    if too_many.any():
         refuse(too_many, lambda i: f"{num_blocks[i]} blocks exceed {limits.max_blocks_per_seq} (max_model_len "
                                    f"{limits.max_model_len} / block_size {limits.block_size})")
-    short = num_blocks * limits.block_size < end
-    if np.any(short):
-        refuse(short, lambda i: f"{num_blocks[i]} blocks of {limits.block_size} cannot hold {end[i]} tokens")
+    refuse(short, lambda i: f"{num_blocks[i]} blocks of {limits.block_size} cannot hold {end[i]} tokens")
+
+
+def _refuse_past(refuse, past, start, counts, num_tokens) -> None:
+    refuse(past, lambda i: f"scheduling past the known tokens ({start[i]} computed + {counts[i]} scheduled > "
+                           f"{num_tokens[i]} known)")
+
+
+def _refuse_unknown(refuse, unknown, start, num_host, end) -> None:
+    refuse(unknown, lambda i: f"positions {max(start[i], num_host[i])}..{end[i] - 1} include sampled tokens "
+                              f"older than the newest (re-send it as a NewRequest)")
 
 
 def _check_drafts(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: InputBatch, start: np.ndarray,

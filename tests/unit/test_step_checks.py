@@ -101,6 +101,10 @@ REFUSED = {
         "cached request 1: 17 blocks exceed 16"),
     "a cached request's blocks too few": (
         step(cached=[(1, 1)]), InvalidStepError, "cached request 1: 3 blocks of 4 cannot hold 13 tokens"),
+    "a cached request past its tokens with a block past the cache: the first check's message": (
+        step(cached=[(1, 2)], new_blocks={0: [40]}), InvalidStepError, "cached request 1: scheduling past the known"),
+    "a cached request's block past the cache and too many blocks: the first check's message": (
+        step(cached=[(1, 1)], new_blocks={0: [40] + list(range(3, 16))}), InvalidStepError, "block id 40 out of range"),
 }
 
 
