@@ -30,6 +30,13 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     computed tokens, and the token each sampling row is about to get. `drafts`: per row, the
     drafts it verifies after its scheduled tokens (their values are on the host)."""
     b, bs = runner.batch, runner.block_size
+    graphs = runner.decode_graphs
+    if (drafts is None and runner.drafter is None and runner.bookkeeping is None and not b.num_scoring
+            and graphs is not None and graphs.staged and 0 < len(rows) <= graphs.batch_sizes[-1]
+            and int(counts.sum()) == len(rows)):   # (each count is at least 1)
+        staged = _stage_plain_decode(runner, rows)
+        if staged is not None:
+            return staged
     start = b.num_computed[rows]
     known_end = start + counts
     sizes = counts if drafts is None else counts + drafts
@@ -78,7 +85,6 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     # A decode-shaped step whose every row samples is staged where the decode graphs read it: no
     # kernel runs on the device before their replay.
     as_decodes = layout is not None and verifies_as_decodes(runner, counts, num_tokens)
-    graphs = runner.decode_graphs
     staged = (graphs is not None and graphs.staged and (num_tokens == len(rows) or as_decodes)
               and num_tokens <= graphs.batch_sizes[-1] and samples.all() and not scored)
     if staged and runner.bookkeeping is None:   # a plain decode step: its sampling replays a graph too
@@ -117,8 +123,8 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
     if staged:   # a speculating worker's: the graph's first kernel unpacks its inputs
         inputs = [runner._decode_layout.header(num_tokens, width), np.where(on_host, input_ids, -1), positions,
                   slot_mapping, attn_seq_lens, token_rows, attn_tables.reshape(-1)]
-        views = runner._staging.fill(inputs + parts, runner._decode_layout.offsets(num_tokens, width)[:-1])
-        views = views[len(inputs):]
+        views = runner._staging.fill(inputs + parts, runner._decode_layout.offsets(num_tokens, width)[:-1],
+                                     first_view=len(inputs))
         ids_d, positions_d = graphs.input_ids[:num_tokens], graphs.positions[:num_tokens]
         logits_d = runner._row_index[:num_tokens]
         meta = graphs.staged_meta(attn_seq_lens, max_seq_len)
@@ -160,6 +166,32 @@ def prepare_batch(runner: ModelRunner, rows: np.ndarray, counts: np.ndarray, dra
                      score_indices=score_at_d if scored else None,
                      score_targets=score_targets_d if scored else None, scored=scored or None,
                      verify=verify, verify_rows=verify_rows, spec=spec, draft_plan=draft_plan, graph=staged)
+
+
+def _stage_plain_decode(runner: ModelRunner, rows: np.ndarray) -> StepBatch | None:
+    """prepare_batch for the most common step: one token a row, each row's next (its newest sampled token, or
+    a known one), no drafts, nothing scored, staged for the decode graphs; with a third of the general path's
+    numpy calls, which at a few rows are its cost. None when a row is not at its next token (a prompt's chunk
+    that samples nothing): the general path takes that step."""
+    b, bs = runner.batch, runner.block_size
+    positions = b.num_computed[rows]
+    seq_lens = positions + 1
+    if not (seq_lens == b.num_tokens[rows]).all():
+        return None
+    on_host = positions < b.num_host_tokens[rows]
+    ids = (np.where(on_host, b.token_ids[rows, np.minimum(positions, runner.max_model_len - 1)], -1)
+           if on_host.any() else np.full(len(rows), -1, np.int64))
+    slot_mapping = b.block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+    block_tables = b.block_tables[rows, :-(-int(seq_lens.max()) // bs)]
+    constrained = top_ks = None
+    constrained_at = top_at = EMPTY_PART
+    if runner.sampler is not None or runner.device_sampler is not None:
+        constrained_at, constrained, _ = _constrained(b, rows, None)
+        top_at, top_ks = _top_logprobs(b, rows)
+    b.num_computed[rows] = seq_lens
+    b.num_tokens[rows] += 1
+    return _stage_decode(runner, ids, positions, slot_mapping, seq_lens, rows, block_tables, constrained_at,
+                         constrained, top_at, top_ks)
 
 
 def verifies_as_decodes(runner: ModelRunner, counts: np.ndarray, num_tokens: int) -> bool:
@@ -217,8 +249,8 @@ def _stage_decode(runner: ModelRunner, ids, positions, slot_mapping, seq_lens, r
     parts = [runner._decode_layout.header(n, width), ids, positions, slot_mapping, seq_lens, rows,
              block_tables.reshape(-1)]
     extras = [part for part in (constrained_at, top_at) if len(part)]
-    views = runner._staging.fill(parts + extras, runner._decode_layout.offsets(n, width)[:-1])
-    extra_views = iter(views[len(parts):])
+    extra_views = iter(runner._staging.fill(parts + extras, runner._decode_layout.offsets(n, width)[:-1],
+                                            first_view=len(parts)))
     constrained_d = next(extra_views) if len(constrained_at) else None
     top_d = next(extra_views) if top_ks is not None else None
     return StepBatch(None, None, None, None, rows, runner.decode_graphs.rows[:n], rows, [],

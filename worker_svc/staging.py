@@ -157,8 +157,9 @@ class Staging:
         self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if self.cuda else None
         self._next = 0
 
-    def fill(self, parts: list[np.ndarray], offsets: list[int] = ()) -> list[torch.Tensor]:
-        """Copies the parts to the device in one transfer; returns device views of each. The first
+    def fill(self, parts: list[np.ndarray], offsets: list[int] = (), first_view: int = 0) -> list[torch.Tensor]:
+        """Copies the parts to the device in one transfer; returns device views of each from parts[first_view]
+        on (a staged decode reads its columns in the graph, and a view costs a few us). The first
         len(offsets) parts go each at its offset (a layout its reader fixed), the others one after
         the other behind them."""
         i = self._next
@@ -185,4 +186,4 @@ class Staging:
             flat = self.on_device
         else:
             flat = host[:end].clone()
-        return [flat[offset:offset + size] for offset, size in zip(offsets, sizes)]
+        return [flat[offset:offset + size] for offset, size in zip(offsets[first_view:], sizes[first_view:])]

@@ -97,12 +97,12 @@ def one_device_buffer(staging) -> torch.Tensor:
     buffer = torch.zeros_like(staging.host[0])
     fill = staging.fill
 
-    def filled(parts, offsets=()):
-        views = fill(parts, offsets)
+    def filled(parts, offsets=(), first_view=0):
+        views = fill(parts, offsets)   # every part's view: they locate the fill's one copy
         end = max((v.storage_offset() + len(v) for v in views), default=0)
         if views:   # the fill's one copy, whole
             buffer[:end] = views[0].as_strided((end,), (1,), 0)
-        return [buffer[v.storage_offset():v.storage_offset() + len(v)] for v in views]
+        return [buffer[v.storage_offset():v.storage_offset() + len(v)] for v in views[first_view:]]
     staging.fill = filled
     return buffer
 

@@ -128,3 +128,11 @@ def test_a_steps_done_event_sleeps_in_its_wait_only_when_asked(monkeypatch):
         monkeypatch.setattr(staging, "BLOCKING_SYNC", blocking)
         assert staging.step_done_event() == {"enable_timing": True, "blocking": blocking}
     assert len(made) == 2
+
+
+def test_a_fill_returns_views_from_the_first_part_asked():
+    staging = Staging(32, CPU)
+    parts = [np.arange(3), np.arange(10, 12), np.arange(20, 24)]
+    assert [v.tolist() for v in staging.fill(parts, first_view=1)] == [[10, 11], [20, 21, 22, 23]]
+    assert [v.tolist() for v in staging.fill(parts, [5], first_view=2)] == [[20, 21, 22, 23]]
+    assert staging.fill(parts, first_view=3) == []
