@@ -136,11 +136,8 @@ def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: 
     num_host = b.num_host_tokens[rows]
     past = end > num_tokens
     unknown = np.maximum(start, num_host) < np.minimum(end, num_tokens - 1)
-    if step.num_drafts is not None:
-        if past.any():
-            _refuse_past(refuse, past, start, counts, num_tokens)
-        if unknown.any():
-            _refuse_unknown(refuse, unknown, start, num_host, end)
+    if step.num_drafts is not None:   # its checks read the positions as these leave them
+        _refuse_positions(refuse, past, unknown, start, counts, num_tokens, num_host, end)
         end = end + _check_drafts(step, rows, limits, batch, start, counts, refuse)
     num_blocks = b.num_blocks[rows]
     bad_id = False
@@ -153,10 +150,7 @@ def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: 
     # One test for the common case (nothing wrong); the first offender, in this order, otherwise.
     if not bad_id and not (past | unknown | too_many | short).any():
         return
-    if past.any():
-        _refuse_past(refuse, past, start, counts, num_tokens)
-    if unknown.any():
-        _refuse_unknown(refuse, unknown, start, num_host, end)
+    _refuse_positions(refuse, past, unknown, start, counts, num_tokens, num_host, end)
     if bad_id:
         raise InvalidStepError(f"step {sid}: block id {int(step.new_block_ids.max())} out of range (the cache has "
                                f"{limits.num_kv_blocks})")
@@ -166,14 +160,15 @@ def _check_cached(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: 
     refuse(short, lambda i: f"{num_blocks[i]} blocks of {limits.block_size} cannot hold {end[i]} tokens")
 
 
-def _refuse_past(refuse, past, start, counts, num_tokens) -> None:
-    refuse(past, lambda i: f"scheduling past the known tokens ({start[i]} computed + {counts[i]} scheduled > "
-                           f"{num_tokens[i]} known)")
-
-
-def _refuse_unknown(refuse, unknown, start, num_host, end) -> None:
-    refuse(unknown, lambda i: f"positions {max(start[i], num_host[i])}..{end[i] - 1} include sampled tokens "
-                              f"older than the newest (re-send it as a NewRequest)")
+def _refuse_positions(refuse, past, unknown, start, counts, num_tokens, num_host, end) -> None:
+    """The first cached request scheduled past its known tokens, else the first computing an older sampled token
+    than its newest (`end` as before drafts; once these passed, drafts add to it without changing either)."""
+    if past.any():
+        refuse(past, lambda i: f"scheduling past the known tokens ({start[i]} computed + {counts[i]} scheduled > "
+                               f"{num_tokens[i]} known)")
+    if unknown.any():
+        refuse(unknown, lambda i: f"positions {max(start[i], num_host[i])}..{end[i] - 1} include sampled tokens "
+                                  f"older than the newest (re-send it as a NewRequest)")
 
 
 def _check_drafts(step: StepInput, rows: np.ndarray, limits: StepLimits, batch: InputBatch, start: np.ndarray,

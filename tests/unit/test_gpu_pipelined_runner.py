@@ -2,8 +2,9 @@
 (as the gRPC server does), so every decode input is gathered on the device from the step before.
 Greedy tokens of the tiny model in float32 (decode through CUDA graphs, and the chunked prefill
 through the mixed steps' graphs, and eagerly) equal transformers' on the CPU, and a seeded sampled
-request gets the same tokens whether its steps are pipelined or run one at a time; with the torch sampler and with the device sampler
-(--sampler kernels), whose decode steps sample inside the graphs and launch nothing else."""
+request gets the same tokens whether its steps are pipelined or run one at a time; with the torch
+sampler and with the device sampler (--sampler kernels), whose decode steps sample inside the graphs
+and launch nothing else."""
 from __future__ import annotations
 
 import collections
