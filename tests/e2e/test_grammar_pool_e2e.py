@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -37,7 +38,14 @@ def test_a_slow_grammar_does_not_hold_up_the_next_and_the_spare_retires(tiny_mod
     slow_thread = threading.Thread(target=lambda: results.update(slow=pool.compile(slow)))
     try:
         slow_thread.start()
-        # The slow grammar holds the only child until `release` exists; this one must not wait for it.
+        # Wait until the slow grammar holds the only child: were the next one to take it first, the
+        # slow one would start a spare of its own, still starting when the next one returns.
+        held = tmp_path / "release.held"
+        deadline = time.monotonic() + 120
+        while not held.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert held.exists(), "the slow grammar never reached a compiling child"
+        # It holds the only child until `release` exists; this one must not wait for it.
         fast = pool.compile(Constraint("regex", "[0-9]{1,3}"))
         assert fast is not None and slow_thread.is_alive() and not release.exists()
         assert pool.started == 1, "the spare did not retire after its compilation"

@@ -1,5 +1,6 @@
 """A grammar-compiling child (worker_svc/grammar_pool.py) in which a constraint can be made slow:
-one whose text is "slow:PATH|REGEX" waits until the file PATH exists, then compiles REGEX. Module
+one whose text is "slow:PATH|REGEX" writes PATH.held (so a test knows the child is held), waits
+until the file PATH exists, then compiles REGEX. Module
 level, as the pool's spawned children import their main by name."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class _SlowWhereAsked:
         kind, text = self.conn.recv()
         if text.startswith("slow:"):
             path, _, text = text.removeprefix("slow:").partition("|")
+            open(path + ".held", "w").close()
             while not os.path.exists(path):
                 time.sleep(0.05)
         return kind, text
