@@ -95,7 +95,8 @@ def worker_groups(args: argparse.Namespace) -> list[WorkerGroupClient]:
     credentials = (channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
                    if args.worker_tls_ca else None)
     token = read_secret(args.worker_auth_token, args.worker_auth_token_file)
-    make = lambda a: GrpcWorkerClient(a, credentials=credentials, auth_token=token)  # noqa: E731
+    make = lambda a: GrpcWorkerClient(a, credentials=credentials, auth_token=token,  # noqa: E731
+                                      step_stream=args.step_stream)
     return [WorkerGroupClient([make(a) for a in addresses[i:i + tp_size]]) for i in range(0, len(addresses), tp_size)]
 
 

@@ -11,6 +11,8 @@ port speaks only TLS (mutual TLS when they name a client CA).
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from concurrent import futures
 
 import grpc
@@ -58,10 +60,53 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Step(self, request, context):
         """Launches the step in its turn, then waits for its tokens outside the turn: the next
         step's thread launches meanwhile, so its preparation overlaps this one's device work."""
+        code, message, response = self._settle(*self._launch(self._ready_runner(context), request))
+        if code is None:
+            return response
+        context.abort(code, message)
+
+    def Steps(self, requests, context):
+        """The steps of one stream: a thread reads and launches each in its turn while this one
+        waits for their tokens in order and answers each (a StepError where Step would abort)."""
         runner = self._ready_runner(context)
+        launched: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                for request in requests:
+                    launched.put(self._launch(runner, request))
+            except grpc.RpcError:      # the stream ended under it (cancelled, the client gone)
+                pass
+            except Exception:          # noqa: BLE001 - the steps launched so far are still answered
+                logger.exception("the step stream's reader failed")
+            finally:
+                launched.put(None)
+
+        threading.Thread(target=read, name="worker-steps", daemon=True).start()
+        item = launched.get()
+        try:
+            while item is not None:
+                code, message, response = self._settle(*item)
+                if code is None:
+                    yield worker_pb2.StepResult(response=response)
+                else:
+                    yield worker_pb2.StepResult(error=worker_pb2.StepError(
+                        step_id=item[0].step_id, code=code.name, message=message))
+                item = launched.get()
+        finally:   # the stream closed early: each launched step still releases what it holds
+            while item is not None:
+                item = launched.get()
+                if item is not None:
+                    self._settle(*item)
+
+    def _launch(self, runner: ModelRunner, request):
+        """(request, code, message, pending): the step launched in its turn, or why it was not."""
         what = f"step {request.step_id}"
-        self._check_lease(request.lease_epoch, what, context)   # early: no wait for a turn it would not get
-        code = message = None
+        try:      # early: no wait for a turn it would not get
+            self.lease.check(request.lease_epoch, what)
+        except StaleLease as exc:
+            return request, grpc.StatusCode.FAILED_PRECONDITION, str(exc), None
+        code = message = pending = None
         try:
             step = parse_step_request(request)
         except InvalidStepError as exc:
@@ -75,14 +120,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 step, code, message = None, grpc.StatusCode.FAILED_PRECONDITION, str(exc)
             if step is not None:
                 code, message, pending = self._guarded(request.step_id, runner.launch, step)
+        return request, code, message, pending
+
+    def _settle(self, request, code, message, pending):
+        """(None, None, response) once a launched step's tokens are in, else (code, message, None)."""
         if code is None:
             code, message, output = self._guarded(request.step_id, pending.result)
             if code is None:
                 self.lease.touch(request.lease_epoch)
-                return build_step_response(output)
+                return None, None, build_step_response(output)
         if code != grpc.StatusCode.INTERNAL:
             logger.warning("rejected step %d: %s", request.step_id, message)
-        context.abort(code, bounded_message(message))
+        return code, bounded_message(message), None
 
     def _check_lease(self, epoch: int, what: str, context: grpc.ServicerContext) -> None:
         try:
@@ -160,8 +209,8 @@ class WorkerServer:
         self.servicer = WorkerServicer(max_lease_s)
         self.health = health.HealthServicer()
         self.server = grpc.server(
-            # Two steps in flight, claims and health, and grammar preparations waiting on their
-            # compilation (the scheduler runs a few at a time).
+            # A scheduler's step stream (or up to four steps in flight as calls), claims and health,
+            # and grammar preparations waiting on their compilation (the scheduler runs a few at a time).
             futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="worker-rpc"),
             interceptors=([TokenAuthInterceptor(auth_token)] if auth_token else []) + [StatusGuardInterceptor()],
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

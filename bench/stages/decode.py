@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from bench.options import MAX_MESSAGE_BYTES, max_token_id, model_dir
+from bench.options import max_token_id, model_dir
 
 REQUIRES = ("checkpoint", "bandwidth")
 LEASE_EPOCH = time.time_ns()     # this run's lease of the worker (worker_svc/lease.py)
@@ -90,20 +90,17 @@ def run(args: argparse.Namespace) -> dict:
 
 
 async def _measure_all(worker_addr: str, all_cases: list[Case], args: argparse.Namespace) -> list[dict]:
-    import grpc
-
-    from common.pb.llm.worker.v1 import worker_pb2, worker_pb2_grpc
+    from scheduler_svc.engine.worker_client import GrpcWorkerClient
 
     rng = random.Random(0)
     seq_ids = itertools.count(1)
     top_id = max_token_id(args)
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    async with grpc.aio.insecure_channel(worker_addr, options=options) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=30)
-        await stub.Claim(worker_pb2.ClaimRequest(owner="bench.stages.decode", epoch=LEASE_EPOCH,
-                                                 lease_ms=3_600_000), timeout=30)
+    # The engine core's own client: steps over its Steps stream, or as calls where the scheduler's
+    # QWEN3_SERVE_NO_STEP_STREAM says so.
+    client = GrpcWorkerClient(worker_addr, step_stream=os.environ.get("QWEN3_SERVE_NO_STEP_STREAM", "") in ("", "0"))
+    try:
+        info = await client.describe(timeout=30)
+        await client.claim("bench.stages.decode", LEASE_EPOCH, 3600.0, timeout=30)
         rows = []
         for case in all_cases:
             needed = case.blocks_needed(info.block_size)
@@ -112,10 +109,12 @@ async def _measure_all(worker_addr: str, all_cases: list[Case], args: argparse.N
                              "skipped": f"KV cache too small: needs {needed} blocks, has {info.num_kv_blocks}"})
                 continue
             for depth in in_flight_depths(args, case.batch):
-                row = await _measure_one(stub, info, case, rng, top_id, seq_ids, args, depth)
+                row = await _measure_one(client, info, case, rng, top_id, seq_ids, args, depth)
                 rows.append({**row, "in_flight": depth})
-        await stub.Reset(worker_pb2.ResetRequest(lease_epoch=LEASE_EPOCH), timeout=60)
+        await client.reset(LEASE_EPOCH, timeout=60)
         return rows
+    finally:
+        await client.close()
 
 
 def in_flight_depths(args: argparse.Namespace, batch: int) -> list[int]:
@@ -130,16 +129,15 @@ def in_flight_depths(args: argparse.Namespace, batch: int) -> list[int]:
     return depths
 
 
-async def _measure_one(stub, info, case: Case, rng: random.Random, top_id: int, seq_ids,
+async def _measure_one(client, info, case: Case, rng: random.Random, top_id: int, seq_ids,
                        args: argparse.Namespace, depth: int = STEPS_IN_FLIGHT) -> dict:
-    from common.pb.llm.worker.v1 import worker_pb2
     from common.sampling import SamplingParams
     from scheduler_svc.engine.block_manager import BlockManager
     from scheduler_svc.engine.scheduler import Scheduler, SchedulerConfig
     from scheduler_svc.engine.sequence import Sequence
     from scheduler_svc.engine.step_message import build_step_request, parse_step_response
 
-    await stub.Reset(worker_pb2.ResetRequest(lease_epoch=LEASE_EPOCH), timeout=60)
+    await client.reset(LEASE_EPOCH, timeout=60)
     step_ids = itertools.count(1)     # a reset worker expects step 1 next
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=case.batch, max_num_batched_tokens=args.max_num_batched_tokens,
                                           max_model_len=info.max_model_len, block_size=info.block_size),
@@ -161,7 +159,7 @@ async def _measure_one(stub, info, case: Case, rng: random.Random, top_id: int, 
             request.lease_epoch = LEASE_EPOCH
             host_ms = (time.perf_counter() - t0) * 1e3
             pure = not output.new_requests and len(output.seqs) == case.batch and not output.cached.multi_token_indices
-            in_flight.append((output, pure, host_ms, asyncio.ensure_future(stub.Step(request, timeout=600))))
+            in_flight.append((output, pure, host_ms, asyncio.ensure_future(client.step(request, timeout=600))))
         output, pure, host_ms, task = in_flight.pop(0)
         reply = await task
         now = time.perf_counter()

@@ -63,6 +63,11 @@ class EngineConfig:
         help="with async scheduling, keep a fourth step in flight while at most N requests run or wait (bounded by "
              "the third step's N; a stream or a few: the service's round trip outlasts two of their device steps; not "
              "with speculative decoding; 0: never)")
+    # One Steps stream per worker rank rather than a call per step: a stream's message costs the worker and
+    # this process about half a call's host work, which a one-row step feels (docs/PERF_NOTES.md v54).
+    step_stream: bool = flag(True, group=ENGINE,
+                             help="send each step to the workers as its own Step call rather than over one Steps stream "
+                                  "(the stream costs less host work a step)")
     step_log: str | None = flag(
         None, group=ENGINE, metavar="PATH",
         help="append a line per step to PATH (its time from the previous reply, the worker's device time, its "

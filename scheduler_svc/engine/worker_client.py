@@ -6,6 +6,7 @@ sampled tokens are the answer (the ranks keep their mirrors in step among themse
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Awaitable, Protocol, Sequence
 
 import grpc
@@ -40,11 +41,14 @@ class WorkerClient(Protocol):
 
 
 class GrpcWorkerClient:
-    """One worker rank reached through llm.worker.v1.Worker."""
+    """One worker rank reached through llm.worker.v1.Worker. Steps go over one Steps stream
+    (opened at the first step, again after it breaks), or as Step calls with step_stream=False."""
 
     def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, step_stream: bool = True) -> None:
         self.address = address
+        self.step_stream = step_stream
+        self._steps: _StepStream | None = None
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -68,9 +72,13 @@ class GrpcWorkerClient:
         return await self._call(self._stub.Describe, worker_pb2.DescribeRequest(), timeout)
 
     def step(self, request: worker_pb2.StepRequest, timeout: float) -> Awaitable[worker_pb2.StepResponse]:
-        """Starts the call now, before the caller next yields to the event loop (a step is on the
+        """Starts the step now, before the caller next yields to the event loop (a step is on the
         critical path: each task hop before it goes out waits behind the loop's other work)."""
-        return self._reply(self._stub.Step(request, timeout=timeout, metadata=self._metadata))
+        if not self.step_stream:
+            return self._reply(self._stub.Step(request, timeout=timeout, metadata=self._metadata))
+        if self._steps is None or self._steps.broken:
+            self._steps = _StepStream(self._stub, self._metadata, self.address)
+        return self._steps.step(request, timeout)
 
     async def _reply(self, call: grpc.aio.Call):
         """The answer of a call under way, or a WorkerError."""
@@ -94,7 +102,87 @@ class GrpcWorkerClient:
                          worker_pb2.PrepareGrammarRequest(constraint=message, lease_epoch=lease_epoch), timeout)
 
     async def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close("the client closed")
         await self._channel.close()
+
+
+class _StepStream:
+    """One Steps stream: requests written in the order sent, each reply matched to the oldest
+    step waiting. A step's StepError raises its WorkerError and the stream goes on; a step past its
+    timeout, or the stream ending, breaks it: every step waiting fails (the next step opens a new
+    stream), as the calls of a worker that stopped answering would."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, metadata, address: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._address = address
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._waiting: deque[tuple[asyncio.Future, asyncio.TimerHandle]] = deque()
+        self.broken = False
+        self._call = stub.Steps(self._requests(), metadata=metadata)
+        self._reader = self._loop.create_task(self._read())
+
+    def step(self, request: worker_pb2.StepRequest, timeout: float) -> Awaitable[worker_pb2.StepResponse]:
+        future = self._loop.create_future()
+        timer = self._loop.call_later(timeout, self._timed_out, future, request.step_id, timeout)
+        self._waiting.append((future, timer))
+        self._outgoing.put_nowait(request)
+        return future
+
+    async def _requests(self):
+        while (request := await self._outgoing.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        try:
+            async for result in self._call:
+                if not self._waiting:
+                    raise WorkerError(f"worker {self._address}: INTERNAL: a step result nobody waits for",
+                                      "INTERNAL", "a step result nobody waits for")
+                future, timer = self._waiting.popleft()
+                timer.cancel()
+                if future.done():
+                    continue
+                if result.HasField("error"):
+                    error = result.error
+                    future.set_exception(WorkerError(f"worker {self._address}: {error.code}: {error.message}",
+                                                     error.code, error.message))
+                else:
+                    future.set_result(result.response)
+            self._break(WorkerError(f"worker {self._address}: UNAVAILABLE: the worker ended the step stream",
+                                    "UNAVAILABLE", "the worker ended the step stream"))
+        except grpc.aio.AioRpcError as e:
+            self._break(WorkerError(f"worker {self._address}: {e.code().name}: {e.details()}", e.code().name,
+                                    e.details() or ""))
+        except asyncio.CancelledError:
+            self.close("the step stream was closed")
+            raise
+        except WorkerError as e:
+            self._break(e)
+
+    def _timed_out(self, future: asyncio.Future, step_id: int, timeout: float) -> None:
+        details = f"step {step_id} got no answer within {timeout:g} s"
+        if not future.done():
+            future.set_exception(WorkerError(f"worker {self._address}: DEADLINE_EXCEEDED: {details}",
+                                             "DEADLINE_EXCEEDED", details))
+        self.close(details)
+
+    def _break(self, error: WorkerError) -> None:
+        """Fails every step waiting with `error` and ends the stream (once)."""
+        if self.broken:
+            return
+        self.broken = True
+        self._outgoing.put_nowait(None)
+        while self._waiting:
+            future, timer = self._waiting.popleft()
+            timer.cancel()
+            if not future.done():
+                future.set_exception(error)
+        self._call.cancel()
+
+    def close(self, why: str) -> None:
+        """Ends the stream; the steps waiting fail (CANCELLED)."""
+        self._break(WorkerError(f"worker {self._address}: CANCELLED: {why}", "CANCELLED", why))
 
 
 class WorkerGroupClient:

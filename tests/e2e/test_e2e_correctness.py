@@ -58,8 +58,10 @@ def test_prefix_cache_hits_match_transformers(tiny_model_dir, services):
 def test_preemption_matches_transformers(tiny_model_dir, launch_services):
     rng = random.Random(3)
     requests = _random_requests(rng, 20, 20, 90)
-    # 24 blocks x 16 tokens: far less than the ~2000 tokens the 20 requests need at once.
-    with launch_services(worker_args=("--num-kv-blocks", "24")) as svc, svc.channel() as ch:
+    # 24 blocks x 16 tokens: far less than the ~2000 tokens the 20 requests need at once. Each step its
+    # own Step call here (the other tests send them over the Steps stream, the default).
+    with launch_services(worker_args=("--num-kv-blocks", "24"), scheduler_args=("--no-step-stream",)) as svc, \
+            svc.channel() as ch:
         completions = generate_many(ch, requests)
         info = model_info(ch)
         assert info.worker_groups[0].num_free_kv_blocks == 24

@@ -55,8 +55,9 @@ def code_of(call, *args, **kwargs) -> grpc.StatusCode:
 def test_token_guards_every_worker_call_but_not_health(serve):
     with grpc.insecure_channel(serve(auth_token="t0ken")) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        for call, request in ((stub.Step, worker_pb2.StepRequest()), (stub.Describe, worker_pb2.DescribeRequest()),
-                              (stub.Reset, worker_pb2.ResetRequest())):
+        steps = lambda request, **kw: list(stub.Steps(iter([request]), **kw))  # noqa: E731 - the stream, read out
+        for call, request in ((stub.Step, worker_pb2.StepRequest()), (steps, worker_pb2.StepRequest()),
+                              (stub.Describe, worker_pb2.DescribeRequest()), (stub.Reset, worker_pb2.ResetRequest())):
             assert code_of(call, request) == grpc.StatusCode.UNAUTHENTICATED
             assert code_of(call, request, metadata=(("authorization", "Bearer wrong"),)) == \
                 grpc.StatusCode.UNAUTHENTICATED

@@ -123,3 +123,62 @@ def test_the_lease_refuses_another_scheduler_and_steps_of_another_epoch(stub, wo
         sampling=pb.SamplingOptions(temperature=0.0))]), timeout=30)
     assert len(reply.token_ids) == 1
     stub.Reset(pb.ResetRequest(lease_epoch=EPOCH), timeout=5)
+
+
+def test_the_steps_stream_answers_each_step_in_order_and_refusals_in_band(stub, tiny_model_dir):
+    """Steps over one stream, all sent before the first answer (as a pipelining scheduler does):
+    greedy tokens equal transformers'; a bad step and a stale lease's step get a StepError with
+    the status Step would end with, and the stream goes on."""
+    stub.Reset(pb.ResetRequest(lease_epoch=EPOCH), timeout=5)
+    prompt = [5, 17, 33, 2, 99, 140, 7, 8, 250, 31, 12, 44, 61, 3, 9]
+    requests = [pb.StepRequest(lease_epoch=EPOCH, step_id=1, new_requests=[pb.NewRequest(
+        seq_id=31, token_ids=prompt, num_prompt_tokens=len(prompt), num_scheduled_tokens=len(prompt),
+        block_ids=[4], sampling=pb.SamplingOptions(temperature=0.0))])]
+    for step_id in range(2, 6):   # decodes of the token before, on the worker's device; the 17th needs a block
+        cached = pb.CachedRequests(seq_ids=[31])
+        if len(prompt) + step_id - 1 == 17:
+            cached.new_block_indices.append(0)
+            cached.new_block_counts.append(1)
+            cached.new_block_ids.append(9)
+        requests.append(pb.StepRequest(lease_epoch=EPOCH, step_id=step_id, cached=cached))
+    requests += [
+        pb.StepRequest(lease_epoch=EPOCH, step_id=6, new_requests=[pb.NewRequest(
+            seq_id=32, token_ids=[1, 2], num_prompt_tokens=2, num_scheduled_tokens=2, block_ids=[32])]),
+        pb.StepRequest(lease_epoch=EPOCH + 5, step_id=7, cached=pb.CachedRequests(seq_ids=[31])),
+        pb.StepRequest(lease_epoch=EPOCH, step_id=7, cached=pb.CachedRequests(seq_ids=[31])),
+        pb.StepRequest(lease_epoch=EPOCH, step_id=8, finished_seq_ids=[31]),
+    ]
+    results = list(stub.Steps(iter(requests), timeout=60))
+    assert len(results) == len(requests)
+    answered = [r.response for r in results[:5]]
+    assert [r.step_id for r in answered] == [1, 2, 3, 4, 5] and all(r.HasField("response") for r in results[:5])
+    assert [t for r in answered for t in r.token_ids] == hf_greedy(tiny_model_dir, prompt, 5)
+    bad, stale = results[5].error, results[6].error
+    assert (bad.step_id, bad.code) == (6, "INVALID_ARGUMENT") and "out of range" in bad.message
+    assert (stale.step_id, stale.code) == (7, "FAILED_PRECONDITION") and "lease held by scheduler 'tests'" in stale.message
+    assert results[7].response.step_id == 7 and len(results[7].response.token_ids) == 1
+    assert results[8].response.step_id == 8
+    stub.Reset(pb.ResetRequest(lease_epoch=EPOCH), timeout=5)
+
+
+def test_a_stream_cancelled_with_steps_in_flight_leaves_the_worker_serving(stub):
+    """The client goes away with steps launched and unanswered: each still releases its output slot
+    (five of them), so the steps of a new stream after a Reset are answered."""
+    stub.Reset(pb.ResetRequest(lease_epoch=EPOCH), timeout=5)
+
+    def steps(first_id: int, count: int):
+        yield pb.StepRequest(lease_epoch=EPOCH, step_id=first_id, new_requests=[pb.NewRequest(
+            seq_id=41, token_ids=[5, 17, 33], num_prompt_tokens=3, num_scheduled_tokens=3, block_ids=[1],
+            sampling=pb.SamplingOptions(temperature=0.0))])
+        for step_id in range(first_id + 1, first_id + count):
+            yield pb.StepRequest(lease_epoch=EPOCH, step_id=step_id, cached=pb.CachedRequests(seq_ids=[41]))
+
+    for _ in range(3):      # each cancelled stream holds up to all five slots
+        call = stub.Steps(steps(1, 8), timeout=60)
+        next(call)
+        call.cancel()
+        stub.Reset(pb.ResetRequest(lease_epoch=EPOCH), timeout=30)
+    results = list(stub.Steps(steps(1, 8), timeout=60))
+    assert [r.response.step_id for r in results] == list(range(1, 9))
+    assert all(len(r.response.token_ids) == 1 for r in results)
+    stub.Reset(pb.ResetRequest(lease_epoch=EPOCH), timeout=5)

@@ -174,6 +174,24 @@ class StepTimings(_message.Message):
     device_ms: float
     def __init__(self, prepare_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., device_ms: _Optional[float] = ...) -> None: ...
 
+class StepResult(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: StepResponse
+    error: StepError
+    def __init__(self, response: _Optional[_Union[StepResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("step_id", "code", "message")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    code: str
+    message: str
+    def __init__(self, step_id: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "token_ids", "logprobs", "timings", "top_logprobs", "prompt_logprobs", "failed", "token_counts", "num_drafts", "verified_drafts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]

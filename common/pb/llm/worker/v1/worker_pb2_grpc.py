@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/llm.worker.v1.Worker/Steps',
+                request_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepResult.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/llm.worker.v1.Worker/Reset',
                 request_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
@@ -73,6 +78,16 @@ class WorkerServicer:
 
     def Step(self, request, context):
         """One engine step. Returns the sampled tokens of requests whose prompt is fully computed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Steps(self, request_iterator, context):
+        """Steps as one stream, what the scheduler uses: each StepRequest in, its StepResult out, in the
+        order sent. A step refused or failed answers a StepError with the status Step would have
+        ended with, and the stream goes on; the steps in flight when the stream breaks are void (a
+        worker's Reset follows). One stream's message costs the worker about half a call's host work.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,6 +133,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=llm_dot_worker_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
@@ -189,6 +209,33 @@ class Worker:
             '/llm.worker.v1.Worker/Step',
             llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             llm_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llm.worker.v1.Worker/Steps',
+            llm_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            llm_dot_worker_dot_v1_dot_worker__pb2.StepResult.FromString,
             options,
             channel_credentials,
             insecure,
