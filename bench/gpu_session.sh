@@ -13,6 +13,8 @@
 #             (tools.trace_gaps; v53)
 #   blocking  decode (CASES, default 1/4/16/64 x 1024) with each step's done event spinning and sleeping in its wait
 #             (WORKER_BLOCKING_SYNC 0 and 1, BLOCK_ORDER "0 1 0 1"), one machine; BLOCK_SERVICE=1 adds the service (v53)
+#   stream    decode (CASES, default 1/4/16/64 x 1024) with steps as calls and over the Steps stream (QWEN3_SERVE_NO_STEP_STREAM
+#             1 and 0, STREAM_ORDER "1 0 1 0"), one machine; STREAM_SERVICE=1 adds the service (v54)
 #   spy       the decode stage's processes at CASES (default 1x1024) under py-spy (.whl/spy): which Python holds the
 #             interpreter lock, by process and function (tools.spy_table; v53)
 #   mixed     the mixed steps' CUDA graphs (WORKER_MIXED_GRAPHS, on by default since v53): their GPU tests, then the service
@@ -283,6 +285,20 @@ PY
                 cp "$BENCH/block-$b/service.json" "$OUT/service-block-$b.json" 2>/dev/null
             done
             service_steps "$OUT" "service-block-*.json" blocking
+        fi
+        ;;
+    stream) # the steps as Step calls (1) and over the Steps stream (0, the default since v54) in turn on one machine: decode at
+            # CASES (default 1/4/16/64 x 1024), then (STREAM_SERVICE=1) the service
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        decode_ab QWEN3_SERVE_NO_STEP_STREAM stream "${STREAM_ORDER:-1 0 1 0}" "${CASES:-1x1024,4x1024,16x1024,64x1024}"
+        if [[ -n ${STREAM_SERVICE:-} ]]; then
+            for c in 1 0; do
+                QWEN3_SERVE_NO_STEP_STREAM=$c NAME=calls-$c STAGES=service EXTRA="--stream-intervals 1" TIMEOUT=200 \
+                    LINES_OUT=2 bash "$0" bench
+                cp "$BENCH/calls-$c/service.json" "$OUT/service-calls-$c.json" 2>/dev/null
+            done
+            service_steps "$OUT" "service-calls-*.json" stream
         fi
         ;;
     spy)    # the decode stage's processes (CASES, default 1x1024) under py-spy (.whl/spy), --gil (the thread holding the
