@@ -45,6 +45,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._runner: ModelRunner | None = None
         self._order = StepOrder()
         self.lease = WorkerLease(max_duration_s=max_lease_s)
+        self._streams: set[_LaunchedSteps] = set()
+        self._streams_lock = threading.Lock()
 
     def attach(self, runner: ModelRunner) -> None:
         self._runner = runner
@@ -69,35 +71,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The steps of one stream: a thread reads and launches each in its turn while this one
         waits for their tokens in order and answers each (a StepError where Step would abort)."""
         runner = self._ready_runner(context)
-        launched: queue.SimpleQueue = queue.SimpleQueue()
+        steps = _LaunchedSteps()
 
         def read() -> None:
             try:
                 for request in requests:
-                    launched.put(self._launch(runner, request))
+                    steps.put(self._launch(runner, request), self._settle)
             except grpc.RpcError:      # the stream ended under it (cancelled, the client gone)
                 pass
             except Exception:          # noqa: BLE001 - the steps launched so far are still answered
                 logger.exception("the step stream's reader failed")
             finally:
-                launched.put(None)
+                steps.end()
 
+        with self._streams_lock:
+            self._streams.add(steps)
         threading.Thread(target=read, name="worker-steps", daemon=True).start()
-        item = launched.get()
         try:
-            while item is not None:
+            while (item := steps.get()) is not None:
                 code, message, response = self._settle(*item)
                 if code is None:
                     yield worker_pb2.StepResult(response=response)
                 else:
                     yield worker_pb2.StepResult(error=worker_pb2.StepError(
                         step_id=item[0].step_id, code=code.name, message=message))
-                item = launched.get()
-        finally:   # the stream closed early: each launched step still releases what it holds
-            while item is not None:
-                item = launched.get()
-                if item is not None:
-                    self._settle(*item)
+        finally:   # ended, or closed early: each step launched and not answered still releases what it holds
+            steps.close(self._settle)
+            with self._streams_lock:
+                self._streams.discard(steps)
+
+    def end_streams(self) -> None:
+        """Ends every Steps stream once the steps it launched are answered (the worker is stopping)."""
+        with self._streams_lock:
+            for steps in self._streams:
+                steps.end()
 
     def _launch(self, runner: ModelRunner, request):
         """(request, code, message, pending): the step launched in its turn, or why it was not."""
@@ -202,6 +209,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.PrepareGrammarResponse()
 
 
+class _LaunchedSteps:
+    """One Steps stream's launched steps on their way from its reading thread to its answering one,
+    in order; None once the reader is done or the worker stops. Once the stream is closed (answered
+    to the end, or cancelled), a step handed over is settled where it is, so it still releases its
+    output slot."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def put(self, item, settle) -> None:
+        with self._lock:
+            if not self._closed:
+                self._queue.put(item)
+                return
+        settle(*item)
+
+    def get(self):
+        return self._queue.get()
+
+    def end(self) -> None:
+        self._queue.put(None)
+
+    def close(self, settle) -> None:
+        """No more answers: settles every step handed over and not taken."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                settle(*item)
+
+
 class WorkerServer:
     def __init__(self, host: str, port: int, *, auth_token: str | None = None,
                  credentials: grpc.ServerCredentials | None = None,
@@ -247,7 +291,10 @@ class WorkerServer:
         logger.info("serving %s", WORKER_SERVICE)
 
     def stop(self, grace: float = 5.0) -> None:
-        """Reports NOT_SERVING, lets in-flight calls finish for up to `grace` seconds, stops."""
+        """Reports NOT_SERVING, lets in-flight calls finish for up to `grace` seconds (a step stream
+        ends once the steps it launched are answered), stops."""
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)     # no new calls from here
+        self.servicer.end_streams()
+        stopped.wait()
         logger.info("stopped")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 
 import grpc
 import pytest
@@ -182,3 +183,32 @@ def test_a_stream_cancelled_with_steps_in_flight_leaves_the_worker_serving(stub)
     assert [r.response.step_id for r in results] == list(range(1, 9))
     assert all(len(r.response.token_ids) == 1 for r in results)
     stub.Reset(pb.ResetRequest(lease_epoch=EPOCH), timeout=5)
+
+
+def test_sigterm_ends_an_open_step_stream_cleanly(tiny_model_dir, tmp_path):
+    """A worker stopped while a scheduler's stream is open answers the steps launched and ends the
+    stream with OK (the scheduler hears "the worker ended the step stream"), instead of keeping it
+    open until the server's grace runs out and cancelling it."""
+    proc = worker_proc(tiny_model_dir, tmp_path, "--num-kv-blocks", "8").start()
+    try:
+        proc.wait_serving()
+        with grpc.insecure_channel(proc.addr) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            stub.Claim(pb.ClaimRequest(owner="tests", epoch=EPOCH, lease_ms=600_000), timeout=5)
+            done = threading.Event()
+
+            def requests():
+                yield pb.StepRequest(lease_epoch=EPOCH, step_id=1, new_requests=[pb.NewRequest(
+                    seq_id=1, token_ids=[5, 17, 33], num_prompt_tokens=3, num_scheduled_tokens=3, block_ids=[1],
+                    sampling=pb.SamplingOptions(temperature=0.0))])
+                done.wait(timeout=120)      # the stream stays open: a scheduler between steps
+
+            call = stub.Steps(requests(), timeout=120)
+            assert next(call).response.step_id == 1
+            proc.popen.send_signal(signal.SIGTERM)
+            assert list(call) == []
+            assert call.code() == grpc.StatusCode.OK
+            done.set()
+    finally:
+        status = proc.stop(signal.SIGTERM, timeout=15)
+    assert status == 0, proc.log.read_text()[-2000:]

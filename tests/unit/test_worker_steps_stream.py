@@ -4,6 +4,7 @@ answer in band, in order."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -39,6 +40,13 @@ class _Context:
         raise AssertionError(f"the stream aborted: {code} {message}")
 
 
+def _until(done, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the stream's threads did not get there"
+        time.sleep(0.01)
+
+
 def _servicer() -> tuple[WorkerServicer, _Runner]:
     servicer, runner = WorkerServicer(), _Runner()
     servicer.attach(runner)
@@ -71,8 +79,7 @@ def test_a_stream_closed_early_still_settles_every_step_it_launched():
 
     stream = servicer.Steps(requests(), _Context())
     assert next(stream).response.step_id == 1
-    while len(runner.launched) < 3:
-        threading.Event().wait(0.01)
+    _until(lambda: len(runner.launched) == 3)
     cancelled.set()
     stream.close()               # grpcio closes the response generator of a cancelled call
     assert runner.settled == [1, 2, 3]
@@ -96,3 +103,27 @@ def test_a_bad_step_answers_invalid_argument_and_the_next_goes_on(bad):
     results = list(servicer.Steps(iter([first, pb.StepRequest(lease_epoch=EPOCH, step_id=2)]), _Context()))
     assert results[0].error.code == "INVALID_ARGUMENT" and results[0].error.step_id == 1
     assert results[1].response.step_id == 2 and runner.launched == [2]
+
+
+def test_stopping_ends_a_stream_once_its_launched_steps_are_answered():
+    """end_streams (the worker's SIGTERM): the steps launched are answered, then the stream ends
+    (rather than waiting for the server's grace to cancel it); a step the reader launches after
+    that is settled where it is."""
+    servicer, runner = _servicer()
+    more = threading.Event()
+
+    def requests():
+        yield pb.StepRequest(lease_epoch=EPOCH, step_id=1)
+        yield pb.StepRequest(lease_epoch=EPOCH, step_id=2)
+        more.wait(timeout=30)
+        yield pb.StepRequest(lease_epoch=EPOCH, step_id=3)
+        raise grpc.RpcError()    # the call is over
+
+    stream = servicer.Steps(requests(), _Context())
+    assert next(stream).response.step_id == 1
+    _until(lambda: len(runner.launched) == 2)
+    servicer.end_streams()
+    assert [r.response.step_id for r in stream] == [2]
+    more.set()
+    _until(lambda: len(runner.settled) == 3)    # the reader settles step 3 itself
+    assert runner.launched == runner.settled == [1, 2, 3]
