@@ -73,7 +73,7 @@ def test_the_worker_lists_and_describes_its_services(worker_addr, version):
         listed = {s.name for s in _ask(channel, version, list_services="").list_services_response.service}
         assert listed == {"llm.worker.v1.Worker", "grpc.health.v1.Health", V1_SERVICE_NAME, V1ALPHA_SERVICE_NAME}
         worker = _files(_ask(channel, version, file_containing_symbol="llm.worker.v1.Worker"))["llm.worker.v1"]
-        assert [m.name for m in worker.service[0].method] == ["Describe", "Step", "Reset", "Claim",
+        assert [m.name for m in worker.service[0].method] == ["Describe", "Step", "Steps", "Reset", "Claim",
                                                                    "PrepareGrammar"]
         unknown = _ask(channel, version, file_containing_symbol="no.such.Service")
         assert unknown.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
