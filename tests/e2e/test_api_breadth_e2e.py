@@ -181,7 +181,7 @@ def chat_request(tool_choice: str, **sampling) -> pb.ChatRequest:
 
 def run_chat(channel, request: pb.ChatRequest) -> dict[int, list[pb.ChatResponse]]:
     by_index: dict[int, list[pb.ChatResponse]] = {}
-    for msg in generation_pb2_grpc.GenerationStub(channel).Chat(request, timeout=60):
+    for msg in generation_pb2_grpc.GenerationStub(channel).Chat(request, timeout=240):
         by_index.setdefault(msg.index, []).append(msg)
     return by_index
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def client(services):
-    with Client(services.scheduler_addr, timeout=60) as c:
+    with Client(services.scheduler_addr, timeout=240) as c:
         yield c
 
 

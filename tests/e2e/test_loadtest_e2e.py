@@ -19,7 +19,7 @@ def scheduler_addr(request) -> str:
 
 def run_json(tmp_path, target: str, *args: str) -> dict:
     path = tmp_path / "run.json"
-    assert main(["--target", target, "--seed", "3", "--disable-tqdm", "--timeout", "60",
+    assert main(["--target", target, "--seed", "3", "--disable-tqdm", "--timeout", "240",
                  "--save-json", str(path), *args]) == 0
     return json.loads(path.read_text())
 

@@ -22,7 +22,7 @@ import pytest
 from common.client import Client
 from tests.support.gateway import running_gateway
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 API_KEY = "test-gateway-key"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
@@ -46,7 +46,7 @@ def gateway(services, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(gateway):
     base, _ = gateway
-    with openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+    with openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=240) as c:
         yield c
 
 

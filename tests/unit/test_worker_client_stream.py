@@ -101,7 +101,8 @@ def test_a_timeout_fails_every_step_waiting_and_the_next_opens_a_new_stream(work
     servicer.held = {2}
 
     async def body(client):
-        stuck = await _outcomes([*_steps(client, [1]), *_steps(client, [2], timeout=0.5), *_steps(client, [3, 4])])
+        first = await _outcomes(_steps(client, [1]))     # answered before the next step's short timeout starts
+        stuck = first + await _outcomes([*_steps(client, [2], timeout=0.5), *_steps(client, [3, 4])])
         servicer.release.set()
         return stuck, await _outcomes(_steps(client, [5, 6]))
 
@@ -116,7 +117,7 @@ def test_the_worker_going_away_fails_the_steps_waiting_and_a_new_one_is_reached(
 
     async def body(client):
         waiting = _steps(client, [1, 2, 3])
-        await asyncio.sleep(0.3)
+        await asyncio.wait([waiting[0]])      # step 1 answered; step 2 is held
         threading.Thread(target=lambda: server.stop(0)).start()
         gone = await _outcomes(waiting)
         return gone, await _outcomes(_steps(client, [4]))
