@@ -31,8 +31,9 @@ def _tops(tops) -> list[tuple[list[int], list[float]]]:
 
 
 def generate(channel: grpc.Channel, *, text: str | None = None, token_ids: list[int] | None = None,
-             timeout: float = 120.0, request_id: str = "", **sampling) -> Completion:
-    """Runs one Generate stream to its end and gathers what it said, per sample."""
+             timeout: float = 240.0, request_id: str = "", **sampling) -> Completion:
+    """Runs one Generate stream to its end and gathers what it said, per sample (the deadline leaves
+    room for a first grammar, whose niced compiling child takes minutes to start on a busy machine)."""
     stub = generation_pb2_grpc.GenerationStub(channel)
     req = generation_pb2.GenerateRequest(request_id=request_id, sampling=generation_pb2.SamplingParams(**sampling))
     if text is not None:
