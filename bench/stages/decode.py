@@ -90,14 +90,18 @@ def run(args: argparse.Namespace) -> dict:
 
 
 async def _measure_all(worker_addr: str, all_cases: list[Case], args: argparse.Namespace) -> list[dict]:
+    from common.cli import ArgumentParser, add_config_arguments
+    from scheduler_svc.engine.config import EngineConfig
     from scheduler_svc.engine.worker_client import GrpcWorkerClient
 
     rng = random.Random(0)
     seq_ids = itertools.count(1)
     top_id = max_token_id(args)
-    # The engine core's own client: steps over its Steps stream, or as calls where the scheduler's
-    # QWEN3_SERVE_NO_STEP_STREAM says so.
-    client = GrpcWorkerClient(worker_addr, step_stream=os.environ.get("QWEN3_SERVE_NO_STEP_STREAM", "") in ("", "0"))
+    # The engine core's own client: steps over its Steps stream, or as calls where the scheduler's flags
+    # from the environment (QWEN3_SERVE_NO_STEP_STREAM) say so, read as the scheduler reads them.
+    engine_flags = ArgumentParser()
+    add_config_arguments(engine_flags, EngineConfig)
+    client = GrpcWorkerClient(worker_addr, step_stream=engine_flags.parse_args([]).step_stream)
     try:
         info = await client.describe(timeout=30)
         await client.claim("bench.stages.decode", LEASE_EPOCH, 3600.0, timeout=30)
