@@ -27,6 +27,11 @@ class WorkerError(RuntimeError):
         self.code, self.details = code, details
 
 
+def worker_error(address: str, code: str, details: str) -> WorkerError:
+    """The WorkerError of worker `address` answering `code` (a status code's name) with `details`."""
+    return WorkerError(f"worker {address}: {code}: {details}", code, details)
+
+
 class WorkerClient(Protocol):
     address: str
 
@@ -85,8 +90,7 @@ class GrpcWorkerClient:
         try:
             return await call
         except grpc.aio.AioRpcError as e:
-            raise WorkerError(f"worker {self.address}: {e.code().name}: {e.details()}", e.code().name,
-                              e.details() or "") from e
+            raise worker_error(self.address, e.code().name, e.details() or "") from e
 
     async def reset(self, lease_epoch: int, timeout: float) -> None:
         await self._call(self._stub.Reset, worker_pb2.ResetRequest(lease_epoch=lease_epoch), timeout)
@@ -137,23 +141,18 @@ class _StepStream:
         try:
             async for result in self._call:
                 if not self._waiting:
-                    raise WorkerError(f"worker {self._address}: INTERNAL: a step result nobody waits for",
-                                      "INTERNAL", "a step result nobody waits for")
+                    raise worker_error(self._address, "INTERNAL", "a step result nobody waits for")
                 future, timer = self._waiting.popleft()
                 timer.cancel()
                 if future.done():
                     continue
                 if result.HasField("error"):
-                    error = result.error
-                    future.set_exception(WorkerError(f"worker {self._address}: {error.code}: {error.message}",
-                                                     error.code, error.message))
+                    future.set_exception(worker_error(self._address, result.error.code, result.error.message))
                 else:
                     future.set_result(result.response)
-            self._break(WorkerError(f"worker {self._address}: UNAVAILABLE: the worker ended the step stream",
-                                    "UNAVAILABLE", "the worker ended the step stream"))
+            self._break(worker_error(self._address, "UNAVAILABLE", "the worker ended the step stream"))
         except grpc.aio.AioRpcError as e:
-            self._break(WorkerError(f"worker {self._address}: {e.code().name}: {e.details()}", e.code().name,
-                                    e.details() or ""))
+            self._break(worker_error(self._address, e.code().name, e.details() or ""))
         except asyncio.CancelledError:
             self.close("the step stream was closed")
             raise
@@ -163,8 +162,7 @@ class _StepStream:
     def _timed_out(self, future: asyncio.Future, step_id: int, timeout: float) -> None:
         details = f"step {step_id} got no answer within {timeout:g} s"
         if not future.done():
-            future.set_exception(WorkerError(f"worker {self._address}: DEADLINE_EXCEEDED: {details}",
-                                             "DEADLINE_EXCEEDED", details))
+            future.set_exception(worker_error(self._address, "DEADLINE_EXCEEDED", details))
         self.close(details)
 
     def _break(self, error: WorkerError) -> None:
@@ -182,7 +180,7 @@ class _StepStream:
 
     def close(self, why: str) -> None:
         """Ends the stream; the steps waiting fail (CANCELLED)."""
-        self._break(WorkerError(f"worker {self._address}: CANCELLED: {why}", "CANCELLED", why))
+        self._break(worker_error(self._address, "CANCELLED", why))
 
 
 class WorkerGroupClient:
