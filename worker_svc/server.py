@@ -71,12 +71,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The steps of one stream: a thread reads and launches each in its turn while this one
         waits for their tokens in order and answers each (a StepError where Step would abort)."""
         runner = self._ready_runner(context)
-        steps = _LaunchedSteps()
+        steps = _LaunchedSteps(self._settle)
 
         def read() -> None:
             try:
                 for request in requests:
-                    steps.put(self._launch(runner, request), self._settle)
+                    steps.put(self._launch(runner, request))
             except grpc.RpcError:      # the stream ended under it (cancelled, the client gone)
                 pass
             except Exception:          # noqa: BLE001 - the steps launched so far are still answered
@@ -96,7 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield worker_pb2.StepResult(error=worker_pb2.StepError(
                         step_id=item[0].step_id, code=code.name, message=message))
         finally:   # ended, or closed early: each step launched and not answered still releases what it holds
-            steps.close(self._settle)
+            steps.close()
             with self._streams_lock:
                 self._streams.discard(steps)
 
@@ -215,17 +215,18 @@ class _LaunchedSteps:
     to the end, or cancelled), a step handed over is settled where it is, so it still releases its
     output slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, settle) -> None:
+        self._settle = settle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
 
-    def put(self, item, settle) -> None:
+    def put(self, item) -> None:
         with self._lock:
             if not self._closed:
                 self._queue.put(item)
                 return
-        settle(*item)
+        self._settle(*item)
 
     def get(self):
         return self._queue.get()
@@ -233,7 +234,7 @@ class _LaunchedSteps:
     def end(self) -> None:
         self._queue.put(None)
 
-    def close(self, settle) -> None:
+    def close(self) -> None:
         """No more answers: settles every step handed over and not taken."""
         with self._lock:
             self._closed = True
@@ -243,7 +244,7 @@ class _LaunchedSteps:
             except queue.Empty:
                 return
             if item is not None:
-                settle(*item)
+                self._settle(*item)
 
 
 class WorkerServer:
