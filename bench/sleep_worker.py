@@ -3,7 +3,9 @@ measuring the host path (scheduler core, frontends, step messages, the worker's 
 without a GPU: `python -m bench.sleep_worker --forward-ms 7.4 --trace FILE <worker flags>`.
 
 Everything up to the device is the real code: the gRPC server, step parsing, validation, the
-persistent batch and the input preparation with its host-to-device staging. The "device" is a
+persistent batch and the input preparation with its host-to-device staging. A pure-decode step is
+prepared as on a GPU, staged for the decode graphs (batch_prep's staged path; a stand-in holds what it
+reads of them), unless --eager-host-path (the CPU worker's path, which has no graphs). The "device" is a
 clock: each step occupies it for --forward-ms after the previous one (as a CUDA stream runs work
 in order), launch returns at once and the result waits for its step's end, as on a GPU. Sampled
 tokens are a fixed function of the step and row. --trace writes one line per step: its end time,
@@ -17,6 +19,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 from worker_svc.model_runner import ModelRunner
 from worker_svc.step_batch import StepBatch
@@ -37,9 +40,25 @@ class _SleepingStep(PendingStep):
                           (time.perf_counter() - self._started) * 1e3)
 
 
+class StagedGraphs:
+    """What batch_prep reads of a GPU worker's decode graphs (cuda_graphs.DecodeGraphs) to stage a
+    pure-decode step for their replay: nothing replays here."""
+    staged = usable = True
+    sample = None
+
+    def __init__(self, largest: int) -> None:
+        self.batch_sizes = [largest]
+        self.rows = torch.zeros(largest, dtype=torch.int64)
+
+    def can_run(self, meta) -> bool:   # an unstaged step: the runner's eager path (which the sleep replaces)
+        return False
+
+
 class SleepRunner(ModelRunner):
-    def __init__(self, config, forward_ms: float, trace_path: str | None) -> None:
+    def __init__(self, config, forward_ms: float, trace_path: str | None, staged: bool = True) -> None:
         super().__init__(config)
+        if staged:
+            self.decode_graphs = StagedGraphs(self.graph_tokens)
         self.forward_s = forward_ms / 1e3
         self._device_free_at = 0.0
         self._trace_file = open(trace_path, "w", buffering=1) if trace_path else None
@@ -51,7 +70,10 @@ class SleepRunner(ModelRunner):
         self._device_free_at = done_at
         rows = batch.sampling_rows
         tokens = ((rows * 7 + step_id) % (self.vocab_size - 3) + 3).tolist()
-        num_requests, num_tokens = len(batch.meta.seq_lens_cpu), int(np.sum(batch.meta.query_lens_cpu))
+        if batch.graph:   # staged: one token a row
+            num_requests = num_tokens = len(rows)
+        else:
+            num_requests, num_tokens = len(batch.meta.seq_lens_cpu), int(np.sum(batch.meta.query_lens_cpu))
 
         def trace() -> None:
             if self._trace_file is not None:
@@ -66,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--forward-ms", type=float, required=True)
     extra.add_argument("--trace", default=None)
+    extra.add_argument("--eager-host-path", action="store_true",
+                       help="prepare decode steps as the CPU worker does (no graphs) rather than as a GPU's")
     ours, rest = extra.parse_known_args(argv)
     import worker_svc.__main__ as worker_main
     import worker_svc.model_runner
 
     # The worker's entry point builds ModelRunner(config): give it the sleeping one instead.
-    worker_svc.model_runner.ModelRunner = lambda config: SleepRunner(config, ours.forward_ms, ours.trace)
+    worker_svc.model_runner.ModelRunner = lambda config: SleepRunner(config, ours.forward_ms, ours.trace,
+                                                                          not ours.eager_host_path)
     return worker_main.main(rest)
 
 

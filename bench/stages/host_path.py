@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forward-ms", type=float, default=7.36, help="the host_path stage's forward, a wait")
     p.add_argument("--host-path-frontends", default="0,2", help="comma-separated frontend counts to compare")
     p.add_argument("--host-path-stream-intervals", default="1", help="comma-separated stream intervals to compare")
+    p.add_argument("--host-path-eager-prepare", action="store_true",
+                   help="the worker prepares decode steps as a CPU worker does, not staged for decode graphs as a GPU's")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -61,6 +63,7 @@ def _run_one(args: argparse.Namespace, model_dir: pathlib.Path, frontends: int, 
     port = free_port()
     worker = Proc(f"worker-{port}", f"127.0.0.1:{port}",
                   ["bench.sleep_worker", "--forward-ms", str(args.forward_ms), "--trace", str(trace),
+                   *(["--eager-host-path"] if args.host_path_eager_prepare else []),
                    "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
                    "--num-kv-blocks", str(blocks), *engine], logs / "worker.log")
     scheduler = scheduler_proc(model_dir, logs, [worker.addr], *engine, "--frontends", str(frontends),
