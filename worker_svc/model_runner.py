@@ -366,7 +366,7 @@ class ModelRunner:
         device_start = None
         if self.device.type == "cuda":
             device_start = torch.cuda.Event(enable_timing=True)
-            device_start.record()
+            device_start.record(self._staging.stream)
         # Constrained rows' masks are filled in the background while the forward runs.
         fill = (self.structured.start_fill(batch.constrained[1], batch.constrained_next_drafts)
                 if batch.constrained is not None else None)
@@ -408,7 +408,8 @@ class ModelRunner:
         event = None
         if device_start is not None:
             event = step_done_event()
-            event.record()
+            event.record(self._staging.stream)
+            self._staging.guard(event)   # behind this step's input copy too
         finish = None
         if spec is not None:
             spec.tokens, spec.event = host_tokens, event

@@ -146,7 +146,10 @@ class Staging:
     """One host buffer per step holding every integer input, copied to the device in one go.
     STAGING_BUFFERS pinned buffers are taken in turn; the host waits for a buffer's last copy before
     refilling it (a step's copy is the first thing it runs, so with up to four steps in flight the copy
-    three steps back is done long before: it never waits in practice)."""
+    three steps back is done long before: it never waits in practice). What it waits for is the event of
+    the step that copied it (`guard`: recorded behind the copy on the same stream, so done only once the
+    copy is), or, for a step that recorded none, an event of its own recorded at the next fill: one CUDA
+    call a step fewer than an event per copy (on a slow host each costs 50-130 us, PERF_NOTES v53)."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device
@@ -154,8 +157,26 @@ class Staging:
         self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda)
                      for _ in range(STAGING_BUFFERS if self.cuda else 1)]
         self.events = [None] * len(self.host)
+        self._own_events = [None] * len(self.host)
+        self._unguarded = None      # the buffer copied last, while no event guards it yet
+        # The worker enqueues everything on the device's current stream (it never sets one): asked once, since
+        # asking makes a Stream object each time.
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if self.cuda else None
         self._next = 0
+
+    def guard(self, event) -> None:
+        """`event`, recorded on the stream after the last fill's copy, now guards that copy's buffer."""
+        if self._unguarded is not None:
+            self.events[self._unguarded] = event
+            self._unguarded = None
+
+    def _guard_unguarded(self) -> None:
+        """An event of the buffer's own behind its copy (stream order: recorded after it), when no step's came."""
+        i, self._unguarded = self._unguarded, None
+        event = self._own_events[i] = self._own_events[i] or torch.cuda.Event()
+        event.record(self.stream)
+        self.events[i] = event
 
     def fill(self, parts: list[np.ndarray], offsets: list[int] = (), first_view: int = 0) -> list[torch.Tensor]:
         """Copies the parts to the device in one transfer; returns device views of each from parts[first_view]
@@ -164,6 +185,8 @@ class Staging:
         the other behind them."""
         i = self._next
         self._next = (i + 1) % len(self.host)
+        if self._unguarded is not None:
+            self._guard_unguarded()
         # Asked first: synchronize lets go of the interpreter lock, and taking it back can wait for another
         # thread's Python (a reply being built) while this step's launch waits (PERF_NOTES v52).
         if self.events[i] is not None and not self.events[i].query():
@@ -180,9 +203,7 @@ class Staging:
             view[offset:offset + size] = part
         if self.cuda:
             self.on_device[:end].copy_(host[:end], non_blocking=True)
-            event = self.events[i] or torch.cuda.Event()
-            event.record()
-            self.events[i] = event
+            self.events[i], self._unguarded = None, i
             flat = self.on_device
         else:
             flat = host[:end].clone()

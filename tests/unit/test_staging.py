@@ -117,6 +117,64 @@ def test_a_fill_waits_for_its_buffers_last_copy_only_when_that_copy_is_not_done(
         assert event.synchronized == waits
 
 
+class _RecordedEvent(_Event):
+    """A CUDA event as the staging uses it: recorded on a stream, done once asked to be."""
+    def __init__(self) -> None:
+        super().__init__(done=False)
+        self.records = []
+
+    def record(self, stream=None) -> None:
+        self.records.append(stream)
+
+
+def _staging_as_on_a_gpu(monkeypatch) -> tuple[Staging, list]:
+    """A Staging taking the device's branch with CPU tensors: three host buffers, a device buffer, made events."""
+    made = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **flags: made.append(_RecordedEvent()) or made[-1])
+    staging = Staging(16, CPU)
+    staging.cuda, staging.stream = True, "stream"
+    staging.host = [torch.zeros(16, dtype=torch.int64) for _ in range(3)]
+    staging.events, staging._own_events = [None] * 3, [None] * 3
+    staging.on_device = torch.zeros(16, dtype=torch.int64)
+    return staging, made
+
+
+def test_a_buffers_copy_is_guarded_by_its_steps_event_and_a_refill_waits_for_it(monkeypatch):
+    """One event a step, not two (PERF_NOTES v55): the step's done event, recorded behind its input copy, is
+    what the buffer's next fill waits for; the staging records none of its own."""
+    staging, made = _staging_as_on_a_gpu(monkeypatch)
+    steps = []
+    for step in range(3):
+        assert staging.fill([np.arange(step, step + 4)])[0].tolist() == list(range(step, step + 4))
+        steps.append(_Event(done=False))
+        staging.guard(steps[-1])
+    assert made == [] and staging.events == steps
+    staging.fill([np.arange(2)])            # buffer 0 again: its step is still running
+    assert [e.synchronized for e in steps] == [1, 0, 0]
+    steps[1].done = True
+    staging.fill([np.arange(2)])            # buffer 1: its step is done, nothing waits
+    assert steps[1].synchronized == 0
+
+
+def test_a_copy_no_step_event_guarded_gets_the_buffers_own_event_at_the_next_fill(monkeypatch):
+    """A step that records no done event (it sampled nothing): its copy is guarded by an event recorded at the
+    next fill, on the stream after that copy; the buffer keeps that event for its later copies."""
+    staging, made = _staging_as_on_a_gpu(monkeypatch)
+    staging.fill([np.arange(3)])                     # buffer 0, no guard follows
+    assert made == [] and staging.events == [None] * 3
+    staging.fill([np.arange(3)])                     # buffer 1: buffer 0's own event is recorded first
+    assert len(made) == 1 and made[0].records == ["stream"] and staging.events[0] is made[0]
+    step1 = _Event(done=True)
+    staging.guard(step1)
+    assert staging.events[1] is step1
+    staging.fill([np.arange(3)])                     # buffer 2, unguarded
+    staging.fill([np.arange(3)])                     # buffer 0 again: buffer 2's own event, then the wait on 0's
+    assert len(made) == 2 and made[1].records == ["stream"] and staging.events[2] is made[1]
+    assert made[0].synchronized == 1
+    staging.fill([np.arange(3)])                     # buffer 1: buffer 0's own event recorded again, not a new one
+    assert len(made) == 2 and made[0].records == ["stream", "stream"] and step1.synchronized == 0
+
+
 def test_a_steps_done_event_sleeps_in_its_wait_only_when_asked(monkeypatch):
     """WORKER_BLOCKING_SYNC (PERF_NOTES v53): the event a step's reply waits for is created blocking (its waiter
     sleeps until the device signals) only when asked; timed either way (the step's device time)."""
