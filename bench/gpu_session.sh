@@ -42,8 +42,8 @@
 #   prof06    Qwen3-0.6B decode-graph kernels a step at 1/16/256 rows, context 1024 (issue 23's table)
 #   depth     Qwen3-0.6B pipelined decode at 1/4/16/64/256 x 1024 with two and three steps in flight (the
 #             scheduler's third step at small batches, PERF_NOTES v39), the service's headline beside it
-#   ab06      Qwen3-0.6B pipelined decode at 1/4/16 x 1024 (each tree's default steps in flight; compare the device
-#             column) on .gpu/ref and on this tree, one
+#   ab06      Qwen3-0.6B pipelined decode at CASES (default 1/4/16 x 1024; each tree's default steps in flight; compare
+#             the device column) on .gpu/ref and on this tree in the order AB_ORDER (default "ref tree"), one
 #             machine (scripts/gpu_ref.sh REF first; carry .gpu): e.g. REF 62abf9d, before the folded norm and
 #             the late trigger (PERF_NOTES v40: two H200s disagreed on the one-row device step)
 #   longest   attention with its programs longest context first (PERF_NOTES v40): the splits stage's 256-request
@@ -440,11 +440,11 @@ PY
         base
         [[ -d .gpu/ref ]] || { echo "no .gpu/ref: run scripts/gpu_ref.sh REF here first" >&2; exit 2; }
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
-        for tree in ref tree; do
+        for tree in ${AB_ORDER:-ref tree}; do
             dir=$([[ $tree == ref ]] && echo .gpu/ref || echo .)
-            mkdir -p "/tmp/ab06-$tree" && cp "$BENCH/bandwidth.json" "/tmp/ab06-$tree/" 2>/dev/null
+            rm -rf "/tmp/ab06-$tree" && mkdir -p "/tmp/ab06-$tree" && cp "$BENCH/bandwidth.json" "/tmp/ab06-$tree/" 2>/dev/null
             (cd "$dir" && timeout ${TIMEOUT:-200} $PY -m bench.gpu_bench --out "/tmp/ab06-$tree" --model "$BENCH/model" \
-                --stages decode --decode-cases 1x1024,4x1024,16x1024 --decode-measured-steps 60 \
+                --stages decode --decode-cases ${CASES:-1x1024,4x1024,16x1024} --decode-measured-steps 60 \
                 2>&1 | grep -v "^ *$" | tail -5 | sed "s/^/$tree: /")
         done
         ;;
