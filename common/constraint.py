@@ -23,8 +23,9 @@ Guarantees of the grammars built here, for JSON (json_schema, json_object, tool-
   - enforced, or refused: xgrammar 0.2.9 ignores some keywords (allOf of several schemas, not,
     if/then/else, uniqueItems, contains, dependentRequired, dependentSchemas, a $ref to another
     document), so an output would not validate; `enforceable_schema` refuses them naming the
-    keyword. A required property the object does not declare would never be written under
-    strict objects: it is declared, with additionalProperties' schema (any value by default).
+    keyword, and an empty anyOf, oneOf or type list, which no value validates against. A required
+    property the object does not declare would never be written under strict objects: it is
+    declared, with additionalProperties' schema (any value by default).
 For every kind, the text is valid UTF-8: xgrammar 0.2.9 lets a negated character class (JSON's
 string character, `[^a]`, ...) and its expansion of the regex `.` match the 3-byte encoding of a
 UTF-16 surrogate (ED A0..BF xx), which is no character; the detokenizer renders it as three
@@ -68,6 +69,8 @@ _SURROGATES = r"\ud800-\udfff"
 # Keywords xgrammar 0.2.9 compiles as if they were absent (see the module docstring).
 _IGNORED_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
                      "dependentSchemas", "dependencies")
+# Keywords whose empty list no value validates against.
+_EMPTY_MATCHES_NOTHING = ("anyOf", "oneOf", "type")
 # A problem's text is cut to this: a status message travels in HTTP/2 trailers (16 KiB at most).
 _MAX_PROBLEM_CHARS = 1000
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -158,6 +161,11 @@ def _enforceable(schema, kind: str, path: str):
     if ignored:
         raise GrammarError(kind, f"{ignored[0]!r} at {path} is not supported: structured output could not hold "
                                  f"the output to it")
+    # No value validates against an empty anyOf, oneOf or type list; xgrammar 0.2.9 reads them as
+    # no constraint at all, or (a property's anyOf) writes no value: `{"a":}`, which is no JSON.
+    empty = next((key for key in _EMPTY_MATCHES_NOTHING if schema.get(key) == []), None)
+    if empty is not None:
+        raise GrammarError(kind, f"{empty!r} at {path} is an empty list: no output can validate")
     out = dict(schema)
     for key in SCHEMA_KEYWORDS:     # the ignored ones (not, if, ...) were refused above
         value = out.get(key)

@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common import strict_json
+from common.strict_json import JsonProblem
 from scheduler_svc.frontend.chat import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START, ToolCall
 
 _REASONING, _CONTENT, _TOOL_CALL = "reasoning", "content", "tool_call"
@@ -152,21 +154,38 @@ class ChatOutputParser:
             delta.text += text
 
     def _parse_call(self, body: str) -> ToolCall | None:
+        """The call a block's JSON makes, or None (the block stays text). The JSON is read as RFC
+        8259 has it (strict_json): NaN, Infinity or a number past a float's range would come back
+        as arguments_json no client's JSON parser reads; nesting past the parser's recursion, or
+        an integer too long to convert, is a malformed block too, never the call's error."""
         try:
-            value = json.loads(body)
-        except json.JSONDecodeError:
+            value = strict_json.loads(body)
+        except JsonProblem:
             return None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+            return None
+        if not _utf8_encodable(value["name"]):   # a lone surrogate (a \ud800 escape) names no tool
             return None
         arguments = value.get("arguments", {})
         if isinstance(arguments, str):   # some models write the arguments as a JSON string
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = strict_json.loads(arguments)
+            except JsonProblem:
                 return None
         if not isinstance(arguments, dict):
             return None
-        return ToolCall(id=self._new_id(), name=value["name"], arguments_json=json.dumps(arguments, ensure_ascii=False))
+        # A lone surrogate in a string (JSON can spell one as \ud800; UTF-8, and so the proto's
+        # string, cannot carry it) is written back as that escape: the same JSON value.
+        arguments_json = strict_json.utf8_safe(json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(id=self._new_id(), name=value["name"], arguments_json=arguments_json)
+
+
+def _utf8_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:

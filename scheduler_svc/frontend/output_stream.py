@@ -114,9 +114,7 @@ class OutputStream:
 
     def finish(self, reason: FinishReason, cached_prompt_tokens: int) -> RequestOutput:
         """The last message: whatever is buffered, the held-back text, the reason and usage."""
-        if self.stopped:
-            reason = FinishReason.STOP
-        else:
+        if not self.stopped:
             tail = self.detokenizer.flush()
             if self.stops is not None:
                 tail, self.stopped = self.stops.feed(tail)
@@ -124,6 +122,8 @@ class OutputStream:
                     tail += self.stops.flush()
             if tail:
                 self._text.append(tail)
+        if self.stopped:     # a stop string cut the text, in the tail the flush released too
+            reason = FinishReason.STOP
         out = self._take()
         out.finish_reason = reason
         out.usage = Usage(self.num_prompt_tokens, self.num_output_tokens, cached_prompt_tokens)
