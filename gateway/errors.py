@@ -143,6 +143,8 @@ def validation_error(exc: RequestValidationError, required: Sequence[str] = ()) 
     for part in loc:
         if part.isdigit():
             param += f"[{part}]"
+        elif part == "NamedFunction":   # the Responses tool_choice's object: its fields are named within it
+            continue
         elif part in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "NamedToolChoice") or "[" in part \
                 or part.startswith("literal"):
             break

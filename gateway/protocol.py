@@ -79,13 +79,21 @@ def _check_strings(strings: list[str]) -> None:
                                  f"{exc.start}, which UTF-8 cannot carry") from None
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="after")
     @classmethod
     def _carried_by_the_wire(cls, value: Any) -> Any:
-        check_wire_value(value)
+        kind = type(value)
+        if kind is str:   # most fields: a text, checked without the walk (one per field adds up)
+            if not value.isascii():
+                _check_strings([value])
+        elif kind not in _SCALARS:
+            check_wire_value(value)
         return value
 
 
@@ -247,3 +255,17 @@ class ChatCompletionRequest(_Sampling):
     # reasoning off. Other keys are refused.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None      # refused: Qwen3's switch is chat_template_kwargs.enable_thinking
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _tool_calls_in_all(cls, messages: Any) -> Any:
+        """At most MAX_ITEMS tool calls in all the messages, counted before any is read: each list
+        is bounded, but each call costs a validation and a parse of its arguments, so as many
+        messages of as many calls each held the event loop for seconds."""
+        if isinstance(messages, list) and len(messages) <= MAX_ITEMS:
+            sizes = [len(calls) for m in messages if isinstance(m, dict) and isinstance(calls := m.get("tool_calls"), list)]
+            total = sum(sizes)
+            # A list over MAX_ITEMS alone is refused by its own bound, which names it.
+            if total > MAX_ITEMS and max(sizes) <= MAX_ITEMS:
+                raise ValueError(f"the messages hold {total} tool calls in all, more than {MAX_ITEMS}")
+        return messages

@@ -143,19 +143,20 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             raise bad_param(f"tools[{i}].name", f"tools[{i}].name is required")
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or its text parts joined by newlines."""
+def _text(content: Any, where: str, key: str = "content") -> str:
+    """A message's text (or a function_call_output's, `key` "output"): a string, or its text parts
+    joined by newlines."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_param(f"{where}.content", f"{where}.content must be a string or a list of content parts")
+        raise bad_param(f"{where}.{key}", f"{where}.{key} must be a string or a list of content parts")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
-            raise unsupported(f"{where}.content[{j}].type", f"content parts of type {kind!r}: the model reads text")
+            raise unsupported(f"{where}.{key}[{j}].type", f"content parts of type {kind!r}: the model reads text")
         if not isinstance(part.get("text"), str):
-            raise bad_param(f"{where}.content[{j}].text", f"{where}.content[{j}].text must be a string")
+            raise bad_param(f"{where}.{key}[{j}].text", f"{where}.{key}[{j}].text must be a string")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -214,7 +215,7 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
         elif kind == "function_call_output":
             output = item.get("output")
             add({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                 "content": output if isinstance(output, str) else _text(output, where)}, where)
+                 "content": output if isinstance(output, str) else _text(output, where, "output")}, where)
         elif kind == "reasoning":
             reasoning[:] = [_reasoning_text(item, where)]
         else:

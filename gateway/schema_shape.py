@@ -20,7 +20,8 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _NUMBERS = ("minimum", "maximum")
 _STRINGS = ("pattern", "format", "$ref")
 # Subschemas checked at most, each on the event loop that serves every stream: four times the
-# scheduler's own bound (--max-json-schema-nodes), which refuses a longer schema anyway.
+# scheduler's own bound (--max-json-schema-nodes), which refuses a longer schema anyway. The
+# schemas of one request's tools share it (check_schema's `nodes`), as they share the scheduler's.
 MAX_NODES = 1 << 14
 
 
@@ -80,10 +81,16 @@ def _count(key: str, value: Any) -> int:
     return 1 if key in SCHEMA_VALUES else 0
 
 
-def check_schema(schema: Any) -> None:
-    """Raises SchemaProblem when `schema` (a parsed JSON value) is not shaped as a JSON schema."""
+class TooManySubschemas(SchemaProblem):
+    """The schemas checked together hold more than MAX_NODES subschemas."""
+
+
+def check_schema(schema: Any, nodes: int = 0) -> int:
+    """Raises SchemaProblem when `schema` (a parsed JSON value) is not shaped as a JSON schema, and
+    TooManySubschemas when it and the `nodes` subschemas checked before it (the other tools' of the
+    request) hold more than MAX_NODES; returns the subschemas counted so far, its own included."""
     todo: list[tuple[str, Any]] = [("", schema)]
-    nodes = 1
+    nodes += 1
     while todo:
         path, node = todo.pop()
         if isinstance(node, bool):
@@ -94,7 +101,8 @@ def check_schema(schema: Any) -> None:
             where = f"{path}.{key}" if path else key
             nodes += _count(key, value)
             if nodes > MAX_NODES:
-                raise SchemaProblem(f"{where}: the schema has more than {MAX_NODES} subschemas")
+                raise TooManySubschemas(f"{where}: the schema has more than {MAX_NODES} subschemas")
             if (problem := _keyword_problem(key, value)) is not None:
                 raise SchemaProblem(f"{where} {problem}")
             todo.extend((f"{path}.{sub}" if path else sub, child) for sub, child in _subschemas(key, value))
+    return nodes

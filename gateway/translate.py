@@ -18,7 +18,7 @@ from common.client import SamplingParams
 from common.sampling_bounds import MAX_TOP_LOGPROBS
 from gateway.errors import bad_param, unsupported
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling, check_wire_value
-from gateway.schema_shape import SchemaProblem, check_schema
+from gateway.schema_shape import MAX_NODES, SchemaProblem, TooManySubschemas, check_schema
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
 # What the llm.v1 wire can carry (the scheduler checks the tighter bounds, and names them).
@@ -95,12 +95,20 @@ def _response_format(req: _Sampling) -> dict[str, Any]:
     return {"json_schema": _schema(fmt.json_schema.schema_, "response_format.json_schema.schema")}
 
 
-def _schema(schema: Any, param: str) -> Any:
-    """`schema` when it is shaped as a JSON schema, else a 400 naming `param`."""
+def _schema(schema: Any, param: str, counted: list[int] | None = None) -> Any:
+    """`schema` when it is shaped as a JSON schema, else a 400 naming `param`. Schemas checked with
+    one `counted` (a one-item list: the subschemas so far) share MAX_NODES: a request's tools."""
     try:
-        check_schema(schema)
+        nodes = check_schema(schema, counted[0] if counted else 0)
+    except TooManySubschemas as problem:
+        if not counted or not counted[0]:   # this schema alone
+            raise bad_param(param, f"{param} is not a valid JSON schema: {problem}") from None
+        raise bad_param(param, f"{param}: the tools' parameters hold more than {MAX_NODES} subschemas together, "
+                               "more than the service takes") from None
     except SchemaProblem as problem:
         raise bad_param(param, f"{param} is not a valid JSON schema: {problem}") from None
+    if counted:
+        counted[0] = nodes
     return schema
 
 
@@ -262,8 +270,9 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str]:
             raise unsupported(f"tools[{i}].function.strict",
                               'strict arguments need tool_choice "required" or a named tool, which constrain the '
                               'output to calls whose arguments validate; with "auto" they are not constrained')
+    counted = [0]   # the tools' schemas share one bound, as the scheduler bounds them together
     specs = [{"name": t.function.name, "description": t.function.description or "",
-              "parameters": _schema(t.function.parameters, f"tools[{i}].function.parameters")}
+              "parameters": _schema(t.function.parameters, f"tools[{i}].function.parameters", counted)}
              for i, t in enumerate(tools)]
     return specs, name
 
