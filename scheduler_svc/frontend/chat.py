@@ -302,7 +302,7 @@ def _tool_dicts(tools: Sequence[Tool], limits: Limits) -> list[dict[str, Any]]:
         dicts.append(_tool_dict(i, tool, limits))
         nodes += measure(dicts[-1]["function"]["parameters"])[1]
         if nodes > limits.max_json_schema_nodes:
-            raise InvalidRequest("tools", f"the tools' parameters hold {nodes} JSON values, more than the limit of "
+            raise InvalidRequest("tools", f"tools' parameters hold {nodes} JSON values, more than the limit of "
                                           f"{limits.max_json_schema_nodes}")
     return dicts
 

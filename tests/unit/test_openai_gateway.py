@@ -43,6 +43,10 @@ def test_grpc_status_maps_to_http_status_with_openai_error_body(code, status, ki
     ("request_id has a control character (U+000A) at index 1", "request_id"),
     ("sampling.regex is invalid: Regex parsing error at position 2", "structured_outputs"),
     ("messages: the rendered prompt has 5000 tokens; max_model_len 4096 leaves no room", "messages"),
+    # the scheduler's refusals of a chat's totals (scheduler_svc/frontend/chat.py)
+    ("tools' parameters hold 5000 JSON values, more than the limit of 4096", "tools"),
+    ("tools has 129 tools, more than the limit of 128", "tools"),
+    ("messages hold 5000 tool calls, more than the limit of 4096", "messages"),
 ])
 def test_a_scheduler_refusal_names_the_openai_parameter(message, param):
     assert from_request_error(RequestError("INVALID_ARGUMENT", message)).param == param
