@@ -25,8 +25,15 @@ DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0   # what OpenAI sends for a logprob of minus infinity
 
 
+# Characters JSON leaves as they are that str.splitlines() (and so clients reading a stream's lines with
+# it, httpx's iter_lines among them) takes for line breaks, cutting an event in two: escaped in events.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict[str, Any], event: str | None = None) -> str:
     data = json.dumps(payload, ensure_ascii=False, separators=(',', ':'), allow_nan=False)
+    if not data.isascii():
+        data = data.translate(_LINE_BREAKS_JSON_KEEPS)
     return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 

@@ -277,3 +277,14 @@ def test_a_refusal_of_a_chats_messages_names_the_responses_input():
                                                                   "max_model_len 4096 leaves no room"))
     error = renamed(refusal, ["input"])
     assert error.param == "input" and error.message.startswith("input: the rendered prompt has 5000 tokens")
+
+
+def test_an_events_data_is_one_line_for_every_line_splitter():
+    """JSON leaves U+0085, U+2028 and U+2029 as they are; str.splitlines() (httpx's iter_lines) breaks
+    lines at them. An event's data escapes them: the same JSON value, on one line."""
+    import json
+
+    text = "a\x85b\u2028c\u2029d\ne\u00e9"
+    lines = outputs.sse({"text": text}, event="delta").splitlines()
+    assert lines == ["event: delta", 'data: {"text":"a\\u0085b\\u2028c\\u2029d\\ne\u00e9"}', ""]
+    assert json.loads(lines[1].removeprefix("data: ")) == {"text": text}
