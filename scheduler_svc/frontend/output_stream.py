@@ -59,6 +59,9 @@ class OutputStream:
     # matched_stop.
     stop_token_ids: frozenset[int] = frozenset()
     token_text: Callable[[int], str] | None = None
+    # Stop strings end the sample from its (min_tokens + 1)-th token on, as its EOS and stop tokens
+    # (the scheduler's rule) and as vLLM's detokenizer has it.
+    min_tokens: int = 0
     num_output_tokens: int = 0
     stopped: bool = False                        # a stop string matched: the request is over
     _tokens: list[int] = field(default_factory=list)
@@ -79,7 +82,7 @@ class OutputStream:
                    StopStringMatcher(params.stop) if params.stop else None, params.logprobs, stream_interval,
                    index=index, want_top_logprobs=params.top_logprobs > 0,
                    want_prompt_logprobs=params.prompt_logprobs, stop_token_ids=stop_ids,
-                   token_text=lambda token_id: tokenizer.decode([token_id]))
+                   token_text=lambda token_id: tokenizer.decode([token_id]), min_tokens=params.min_tokens)
 
     def add_prompt_logprobs(self, logprobs: list[float], top: list[TopLogprobs] | None) -> None:
         """Scores of the next prompt tokens (sent with the first message)."""
@@ -101,7 +104,7 @@ class OutputStream:
             self._top.append(top if top is not None else ([], []))
         text = self.detokenizer.push((token_id,))
         if self.stops is not None:
-            text, self.stopped = self.stops.feed(text)
+            text, self.stopped = self.stops.feed(text, self.num_output_tokens > self.min_tokens)
         if text:
             self._text.append(text)
 
@@ -117,7 +120,7 @@ class OutputStream:
         if not self.stopped:
             tail = self.detokenizer.flush()
             if self.stops is not None:
-                tail, self.stopped = self.stops.feed(tail)
+                tail, self.stopped = self.stops.feed(tail, self.num_output_tokens > self.min_tokens)
                 if not self.stopped:
                     tail += self.stops.flush()
             if tail:

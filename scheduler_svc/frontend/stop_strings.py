@@ -4,6 +4,8 @@ A stop string may arrive split over several pieces ("<|" then "end|>"), so the t
 is still the beginning of some stop string is held back until the next piece decides it. The first stop
 string to complete wins (the earliest in the text when one piece completes several, so overlapping stops
 resolve to the one that starts first); the output ends right before it and everything after is dropped.
+Pieces fed with `match=False` (a sample's first min_tokens tokens, as vLLM has it) are held back the same
+way but end nothing: a stop string that ends in them never matches, one that only starts in them can.
 """
 from __future__ import annotations
 
@@ -16,24 +18,28 @@ class StopStringMatcher:
         if any(not stop for stop in self.stops):
             raise ValueError("stop strings must be non-empty")
         self.matched: str | None = None   # the stop string that ended the text, once one has
-        self._held = ""                   # never contains a whole stop string
+        self._held = ""                   # never contains a whole stop string that may still match
+        self._blind = 0                   # how many of the held characters came with match=False
         self._first_chars = frozenset(stop[0] for stop in self.stops)
         self._max_held = max((len(stop) for stop in self.stops), default=1) - 1
 
-    def feed(self, piece: str) -> tuple[str, bool]:
+    def feed(self, piece: str, match: bool = True) -> tuple[str, bool]:
         """Returns (text safe to emit now, whether a stop string has matched). After a match every
-        later piece is dropped."""
+        later piece is dropped. With match=False no stop string ending in `piece` matches."""
         if self.matched is not None:
             return "", True
         if not self.stops:
             return piece, False
         text = self._held + piece
-        match_at, match = self._earliest_match(text)
-        if match is not None:
-            self.matched, self._held = match, ""
-            return text[:match_at], True
+        if match:
+            match_at, stop = self._earliest_match(text, self._blind)
+            if stop is not None:
+                self.matched, self._held = stop, ""
+                return text[:match_at], True
         hold_from = self._start_of_partial_match(text)
         self._held = text[hold_from:]
+        # The text's first `_blind` characters came blind (and now, with match=False, all of it).
+        self._blind = max(self._blind - hold_from, 0) if match else len(self._held)
         return text[:hold_from], False
 
     def flush(self) -> str:
@@ -41,11 +47,12 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _earliest_match(self, text: str) -> tuple[int, str | None]:
+    def _earliest_match(self, text: str, blind: int) -> tuple[int, str | None]:
+        """The earliest stop string in `text` that ends past its first `blind` characters."""
         best_at, best = len(text), None
         for stop in self.stops:
             # Search only where a match can end inside the window; finding past best_at is useless.
-            at = text.find(stop, 0, best_at + len(stop) - 1)
+            at = text.find(stop, max(blind - len(stop) + 1, 0), best_at + len(stop) - 1)
             if at != -1 and at < best_at:
                 best_at, best = at, stop
         return best_at, best

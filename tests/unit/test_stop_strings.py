@@ -106,3 +106,47 @@ def test_no_stops_passes_text_through():
 def test_empty_stop_string_is_refused():
     with pytest.raises(ValueError, match="stop strings must be non-empty"):
         StopStringMatcher(["ok", ""])
+
+
+def blind_reference(pieces: list[str], stops: list[str], blind_pieces: int) -> tuple[str, bool]:
+    """As `reference`, the first `blind_pieces` pieces matching nothing (a sample's first min_tokens
+    tokens): the first later piece that completes a stop string ending past them ends the text at the
+    earliest such match, wherever it starts."""
+    text = "".join(pieces[:blind_pieces])
+    blind = len(text)
+    for piece in pieces[blind_pieces:]:
+        text += piece
+        starts = [at for stop in stops for at in range(len(text) - len(stop) + 1)
+                  if text.startswith(stop, at) and at + len(stop) > blind]
+        if starts:
+            return text[: min(starts)], True
+    return text, False
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=pieces_st, stops=stops_st, blind_pieces=st.integers(0, 12))
+def test_pieces_fed_blind_end_nothing_and_a_stop_ending_after_them_matches_wherever_it_starts(pieces, stops,
+                                                                                             blind_pieces):
+    """min_tokens as vLLM has it for stop strings: the first pieces match nothing, but what they leave held can
+    start a stop string that a later piece completes."""
+    matcher = StopStringMatcher(stops)
+    emitted, stopped = "", False
+    for i, piece in enumerate(pieces):
+        text, stopped = matcher.feed(piece, match=i >= blind_pieces)
+        emitted += text
+        if stopped:
+            break
+    expected_text, expected_stopped = blind_reference(pieces, stops, blind_pieces)
+    assert stopped == (matcher.matched is not None) == expected_stopped
+    assert emitted + ("" if expected_stopped else matcher.flush()) == expected_text
+
+
+def test_a_stop_string_held_from_the_blind_pieces_does_not_match_later():
+    """Stops "abc" and "b": "ab" arrives blind and is held (it may begin "abc"); its "b" ended there, so the
+    next piece "x" matches nothing and releases it."""
+    matcher = StopStringMatcher(["abc", "b"])
+    assert matcher.feed("ab", match=False) == ("", False)
+    assert matcher.feed("x") == ("abx", False)
+    matcher = StopStringMatcher(["abc", "b"])
+    matcher.feed("ab", match=False)
+    assert matcher.feed("c") == ("", True) and matcher.matched == "abc"
