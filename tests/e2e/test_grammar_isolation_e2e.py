@@ -15,10 +15,20 @@ import pytest
 from common.pb.llm.v1 import generation_pb2 as pb
 from common.pb.llm.v1 import generation_pb2_grpc
 from tests.support.client import generate, generate_many, model_info
+from worker_svc.grammar_pool import STARTUP_TIMEOUT_S
 
-pytestmark = pytest.mark.timeout(600)
+# A grammar's compiling child runs niced: on a busy machine it takes minutes to start (the pool
+# allows STARTUP_TIMEOUT_S; more than the client's default 240 s deadline with six busy loops on two
+# cores), and one test here waits for two (the first, and the one replacing the child killed).
+pytestmark = pytest.mark.timeout(1800)
 
 EOS_IDS = (0, 2)          # the tiny checkpoint's
+GRAMMAR_DEADLINE_S = STARTUP_TIMEOUT_S + 120    # a request whose grammar may wait for a child to start
+# The worker's compile budget, and a schema far beyond it: the one test-side wait it costs is the
+# budget itself (the compilation is killed then). A small schema compiles in ~3 ms idle and ~0.06-0.13 s
+# with six busy loops (its child niced); arrays nested 800 deep take ~30 s idle (600: 14 s, 300: 1.9 s).
+BUDGET_S = 3
+OVER_BUDGET_DEPTH = 800
 FREE = [dict(token_ids=[10 + i, 20, 30], temperature=0.0, ignore_eos=True, max_tokens=60) for i in range(3)]
 
 
@@ -34,8 +44,10 @@ def budgeted(tiny_model_dir, tmp_path_factory):
     from tests.support.procs import running_services
 
     with running_services(tiny_model_dir, tmp_path_factory.mktemp("budget-logs"),
-                          worker_args=("--grammar-compile-timeout", "1", "--max-mask-ms", "5"),
-                          scheduler_args=("--max-json-depth", "400")) as svc:
+                          worker_args=("--grammar-compile-timeout", str(BUDGET_S), "--max-mask-ms", "5"),
+                          # a first grammar's wait for its child is no hung step
+                          scheduler_args=("--max-json-depth", str(OVER_BUDGET_DEPTH + 100),
+                                          "--step-timeout", str(GRAMMAR_DEADLINE_S))) as svc:
         yield svc
 
 
@@ -43,12 +55,15 @@ def test_a_grammar_over_its_compile_budget_is_refused_naming_it_and_the_next_com
     with budgeted.channel() as ch:
         for _ in range(2):       # the second time from the worker's memory of the refusal
             with pytest.raises(grpc.RpcError) as refused:
-                generate(ch, text="Hi", max_tokens=4, json_schema=_nested_arrays(300))
+                generate(ch, text="Hi", max_tokens=4, json_schema=_nested_arrays(OVER_BUDGET_DEPTH),
+                         timeout=GRAMMAR_DEADLINE_S)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert refused.value.details().startswith("sampling.json_schema is invalid: it takes over 1 s to compile")
+            assert refused.value.details().startswith(
+                f"sampling.json_schema is invalid: it takes over {BUDGET_S} s to compile")
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        # compiled by the child started in place of the one killed
         out = generate(ch, text="Hi", max_tokens=40, temperature=0.0, json_schema=json.dumps(schema),
-                       skip_special_tokens=True)
+                       skip_special_tokens=True, timeout=GRAMMAR_DEADLINE_S)
         if out.finish_reason == pb.FINISH_REASON_STOP:
             assert isinstance(json.loads(out.text)["n"], int)
 
@@ -64,14 +79,14 @@ def test_masks_costlier_than_the_budget_end_their_request_alone(budgeted):
 
         def run_ambiguous() -> None:
             try:
-                generate(ch, **ambiguous)
+                generate(ch, **ambiguous, timeout=GRAMMAR_DEADLINE_S)
             except grpc.RpcError as e:
                 failure.append(e)
 
         thread = threading.Thread(target=run_ambiguous)
         thread.start()
         beside = [out.token_ids for out in generate_many(ch, FREE)]
-        thread.join(300)
+        thread.join(GRAMMAR_DEADLINE_S + 60)
         assert beside == alone
         assert failure, "the ambiguous regex ran to its end within the budget"
         assert failure[0].code() == grpc.StatusCode.INVALID_ARGUMENT

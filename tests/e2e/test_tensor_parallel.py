@@ -140,9 +140,9 @@ def test_ranks_must_share_the_settings_that_decide_a_step():
         check_same_settings(store, dataclasses.replace(rank_0, rank=1, block_size=32))
 
 
-def _run_steps(order: StepOrder, step_ids: list[int]) -> list[int]:
+def _start_steps(order: StepOrder, step_ids: list[int]) -> tuple[list[threading.Thread], list[int]]:
     """Starts a thread per step, in the given order, each a little after the last; returns the
-    order in which they ran."""
+    threads and the list the steps append their ids to as they run."""
     ran = []
 
     def run(step_id: int) -> None:
@@ -154,8 +154,18 @@ def _run_steps(order: StepOrder, step_ids: list[int]) -> list[int]:
     for thread in threads:
         thread.start()
         time.sleep(0.005)
+    return threads, ran
+
+
+def _join(threads: list[threading.Thread]) -> None:
     for thread in threads:
         thread.join(timeout=10)
+
+
+def _run_steps(order: StepOrder, step_ids: list[int]) -> list[int]:
+    """Starts the steps as _start_steps does; returns the order in which they ran."""
+    threads, ran = _start_steps(order, step_ids)
+    _join(threads)
     return ran
 
 
@@ -171,7 +181,19 @@ def test_steps_run_one_at_a_time_in_step_id_order():
     assert time.monotonic() - start < 4.5                    # no step waited out its time (5 s)
     impatient = StepOrder(wait_s=0.3)
     start = time.monotonic()
-    assert _run_steps(impatient, [8, 7]) == [7, 8]           # numbered otherwise: the lowest first
+    # Numbered otherwise: the lowest first, also once the later arrival's wait is over (8 waits
+    # for 7). Both must have arrived within wait_s of each other, which a loaded machine may not
+    # grant to threads started 5 ms apart; so they arrive while the order is held (a Reset), which
+    # lets go as soon as both wait, well within their 0.3 s (or, later, with both waits over: the
+    # lowest must still go first).
+    with impatient.exclusive():
+        threads, ran = _start_steps(impatient, [8, 7])
+        deadline = time.monotonic() + 60
+        while impatient._waiting != {7, 8}:
+            assert time.monotonic() < deadline, "the steps never arrived"
+            time.sleep(0.001)
+    _join(threads)
+    assert ran == [7, 8]
     assert _run_steps(impatient, [10]) == [10]               # step 9 never comes: 10 runs anyway
     assert 0.6 <= time.monotonic() - start < 4.5           # two waits of 0.3 s, not forever
 
