@@ -137,7 +137,11 @@ def test_a_scheduler_limit_above_its_workers_is_refused_at_connect_naming_both_n
                           config=EngineConfig(max_num_batched_tokens=4096, reconnect_interval_s=0.01))
         await core.start()
         try:
-            assert not await core.wait_ready(timeout_s=0.3)
+            # The refusal is reported once the first connect is tried: waited for, not assumed within 0.3 s.
+            deadline = asyncio.get_running_loop().time() + 30
+            while "--max-num-batched-tokens" not in (core.status.reason or ""):
+                assert asyncio.get_running_loop().time() < deadline, core.status.reason
+                assert not await core.wait_ready(timeout_s=0.05)
             return core.status.reason
         finally:
             await core.shutdown(grace_s=0)
