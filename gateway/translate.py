@@ -9,6 +9,7 @@ left out of the text.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -272,9 +273,19 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str]:
                               'output to calls whose arguments validate; with "auto" they are not constrained')
     counted = [0]   # the tools' schemas share one bound, as the scheduler bounds them together
     specs = [{"name": t.function.name, "description": t.function.description or "",
-              "parameters": _schema(t.function.parameters, f"tools[{i}].function.parameters", counted)}
+              "parameters": _parameters(t.function.parameters, f"tools[{i}].function.parameters", counted)}
              for i, t in enumerate(tools)]
     return specs, name
+
+
+def _parameters(schema: Any, param: str, counted: list[int]) -> Any:
+    """A function's parameters: a JSON schema of an object (a call's arguments are one), as OpenAI requires."""
+    schema = _schema(schema, param, counted)
+    kind = schema.get("type", "object") if isinstance(schema, dict) else "object"
+    if kind not in ("object", ["object"]):
+        raise bad_param(param, f'{param} must be a JSON schema of type "object" (a call\'s arguments are an object), '
+                               f"got type {json.dumps(kind)[:100]}")
+    return schema
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -322,9 +322,17 @@ def _tool_dict(index: int, tool: Tool, limits: Limits) -> dict[str, Any]:
 
 
 def _parameters(tool: Tool, limits: Limits = DEFAULT_LIMITS, where: str = "tool") -> dict[str, Any]:
+    """The tool's parameters schema. A call's arguments are a JSON object, so a schema typed otherwise is
+    refused, as OpenAI refuses it: a call constrained to it would write arguments no call parses."""
     if not tool.parameters_json:
         return {"type": "object", "properties": {}}
-    return _json_object(f"{where}.parameters_json", tool.parameters_json, limits)
+    field = f"{where}.parameters_json"
+    schema = _json_object(field, tool.parameters_json, limits)
+    kind = schema.get("type", "object")
+    if kind not in ("object", ["object"]):
+        raise InvalidRequest(field, f'{field} must describe an object (type "object"): a call\'s arguments are '
+                                    f"one, got type {json.dumps(kind)[:100]}")
+    return schema
 
 
 def _json_object(where: str, text: str, limits: Limits) -> dict[str, Any]:

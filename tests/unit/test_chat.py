@@ -147,6 +147,8 @@ def test_tool_choice_none_leaves_the_tools_out(tokenizer):
     ([ChatMessage("assistant", "", tool_calls=[ToolCall("i", "f", "[1]")])], [], "auto",
      "messages[0].tool_calls[0].arguments_json", "must be a JSON object, got list"),
     ([ChatMessage("user", "x")], [Tool("f", "", "{oops")], "auto", "tools[0].parameters_json", "is not valid JSON"),
+    ([ChatMessage("user", "x")], [WEATHER, Tool("f", "", '{"type": "string"}')], "f", "tools[1].parameters_json",
+     'must describe an object (type "object"): a call\'s arguments are one, got type "string"'),
     ([ChatMessage("user", "x")], [Tool("")], "auto", "tools[0].name", "is empty"),
     ([ChatMessage("user", "x")], [WEATHER, WEATHER], "auto", "tools[1].name", "is given twice"),
     ([ChatMessage("user", "x")], [WEATHER, Tool("a</tool_call>")], "auto", "tools[1].name", "'</tool_call>'"),

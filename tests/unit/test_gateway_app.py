@@ -163,6 +163,7 @@ def test_responses_input_items_become_the_chat_turns():
     ({"tool_choice": "required"}, "tool_choice"), ({"conversation": "conv_1"}, "conversation"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": 5}}]}, "tools[0].parameters"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools[0].parameters"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"anyOf": []}}}},
      "text.format.json_schema.schema"),
     ({"input": [{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}]}, "input[0].content"),

@@ -93,6 +93,11 @@ def test_completion_parameters_the_api_lacks_are_refused_by_name(extra, param):
     ({"messages": [{"role": "user", "content": "Hi", "name": "bob"}]}, "messages[0].name"),
     ({"messages": []}, "messages"),
     ({"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools[0].function.parameters"),
+    # a call's arguments are an object: a forced call of a string-typed tool wrote arguments no call parses
+    ({"tools": [TOOL, {**TOOL, "function": {"name": "g", "parameters": {"type": "string"}}}]},
+     "tools[1].function.parameters"),
+    ({"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": ["object", "null"]}}}]},
+     "tools[0].function.parameters"),
     ({"tools": [TOOL, {**TOOL, "function": {"name": "g", "parameters": {"properties": {"x": {"maxLength": -1}}}}}],
       "tool_choice": "none"}, "tools[1].function.parameters"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
