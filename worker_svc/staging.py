@@ -22,9 +22,11 @@ EMPTY_PART = np.zeros(0, np.int64)   # a staging part with nothing in it
 # Launched steps whose tokens may not be read yet: as many as the engine core keeps in flight
 # (scheduler_svc/engine/config.py's MOST_STEPS_IN_FLIGHT, 4); one more only adds slack.
 OUTPUT_SLOTS = 5
-# Host buffers of the step inputs' copy, taken in turn: with up to four steps in flight the one a step
-# refills was copied three steps back, at that step's start (long done).
-STAGING_BUFFERS = 3
+# Host buffers of the step inputs' copy, taken in turn. A buffer is refilled once the step that last used it
+# has ended (its done event guards it, `Staging.guard`): one per output slot, so that step is five back, and
+# with up to four in flight it has replied before this one was sent (with three, the step three back was
+# often still running, and a step's preparation waited for it: v55).
+STAGING_BUFFERS = OUTPUT_SLOTS
 # An experiment (PERF_NOTES v53, to be measured): each launched step's reply waits for its end in its own thread, so
 # with steps in flight several threads sit in cudaEventSynchronize, which spins by default; their polling may slow
 # the launching thread's CUDA calls (a one-row step's 50-130 us copies and event records under py-spy on an H100).
