@@ -146,12 +146,11 @@ class OutputSlots:
 
 class Staging:
     """One host buffer per step holding every integer input, copied to the device in one go.
-    STAGING_BUFFERS pinned buffers are taken in turn; the host waits for a buffer's last copy before
-    refilling it (a step's copy is the first thing it runs, so with up to four steps in flight the copy
-    three steps back is done long before: it never waits in practice). What it waits for is the event of
-    the step that copied it (`guard`: recorded behind the copy on the same stream, so done only once the
-    copy is), or, for a step that recorded none, an event of its own recorded at the next fill: one CUDA
-    call a step fewer than an event per copy (on a slow host each costs 50-130 us, PERF_NOTES v53)."""
+    STAGING_BUFFERS pinned buffers are taken in turn; before refilling one the host waits for the event of
+    the step that copied from it last (`guard`: its done event, recorded after the copy on the same stream),
+    or, for a step that recorded none, an event of the buffer's own recorded at the next fill: one CUDA call
+    a step fewer than an event per copy (on a slow host each costs 50-130 us, PERF_NOTES v53). That step is
+    STAGING_BUFFERS back, more than the engine keeps in flight, so it has replied: it never waits in practice."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device
