@@ -26,3 +26,10 @@ def subschemas(key: str, value: Any) -> list[tuple[str | int | None, Any]]:
     if key in SCHEMA_VALUES:
         return [(None, value)]
     return []
+
+
+def describes_an_object(schema: Any) -> bool:
+    """Whether a tool's parameters schema may describe a call's arguments, which are a JSON object: its
+    `type`, if given, is "object" (OpenAI refuses other types; a call constrained to one would write
+    arguments no call parses)."""
+    return not isinstance(schema, dict) or schema.get("type", "object") in ("object", ["object"])

@@ -16,6 +16,7 @@ from typing import Any
 
 from common import strict_json
 from common.client import SamplingParams
+from common.json_schema import describes_an_object
 from common.sampling_bounds import MAX_TOP_LOGPROBS
 from gateway.errors import bad_param, unsupported
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Sampling, check_wire_value
@@ -281,10 +282,9 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str]:
 def _parameters(schema: Any, param: str, counted: list[int]) -> Any:
     """A function's parameters: a JSON schema of an object (a call's arguments are one), as OpenAI requires."""
     schema = _schema(schema, param, counted)
-    kind = schema.get("type", "object") if isinstance(schema, dict) else "object"
-    if kind not in ("object", ["object"]):
+    if not describes_an_object(schema):
         raise bad_param(param, f'{param} must be a JSON schema of type "object" (a call\'s arguments are an object), '
-                               f"got type {json.dumps(kind)[:100]}")
+                               f"got type {json.dumps(schema['type'])[:100]}")
     return schema
 
 

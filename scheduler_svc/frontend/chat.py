@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.constraint import TOOL_ARGUMENTS_MAX_WHITESPACE, Constraint
+from common.json_schema import describes_an_object
 from common.strict_json import JsonProblem, measure
 from scheduler_svc.frontend.bounded_json import parse_json_object
 from scheduler_svc.frontend.chat_tokens import escaper_for, tokenize_rendered
@@ -328,10 +329,9 @@ def _parameters(tool: Tool, limits: Limits = DEFAULT_LIMITS, where: str = "tool"
         return {"type": "object", "properties": {}}
     field = f"{where}.parameters_json"
     schema = _json_object(field, tool.parameters_json, limits)
-    kind = schema.get("type", "object")
-    if kind not in ("object", ["object"]):
+    if not describes_an_object(schema):
         raise InvalidRequest(field, f'{field} must describe an object (type "object"): a call\'s arguments are '
-                                    f"one, got type {json.dumps(kind)[:100]}")
+                                    f"one, got type {json.dumps(schema['type'])[:100]}")
     return schema
 
 

@@ -164,7 +164,7 @@ class ChatOutputParser:
             return None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
             return None
-        if not _utf8_encodable(value["name"]):   # a lone surrogate (a \ud800 escape) names no tool
+        if strict_json.utf8_safe(value["name"]) != value["name"]:   # a lone surrogate (a \ud800 escape) names no tool
             return None
         arguments = value.get("arguments", {})
         if isinstance(arguments, str):   # some models write the arguments as a JSON string
@@ -178,14 +178,6 @@ class ChatOutputParser:
         # string, cannot carry it) is written back as that escape: the same JSON value.
         arguments_json = strict_json.utf8_safe(json.dumps(arguments, ensure_ascii=False))
         return ToolCall(id=self._new_id(), name=value["name"], arguments_json=arguments_json)
-
-
-def _utf8_encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
