@@ -68,6 +68,8 @@
 #   decodeqk  pure-decode attention taking the raw qkv projection off and up to 64 rows in turn (WORKER_ATTENTION_DECODE_QK_ROWS, v48, v50)
 #   ws8       Qwen3-8B FP8 at one row with whole-slice GEMVs allowed for FP8 weights up to WS8_MIB's bounds (v47)
 #   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
+#   ncu       a decode step's kernels under Nsight Compute (bench/probes/ncu_decode.py): Qwen3-0.6B at NCU_BATCHES
+#             (default 1 16 64) x 1024, NCU8=1 adds Qwen3-8B FP8 at NCU8_BATCHES (default 1); per-kernel tables (v56)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
 #   ab        one stage module (STAGE) on .gpu/ref and on this tree, flags in EXTRA, each one's table in
 #             turn (the json of each under $OUT/ref and $OUT/tree)
@@ -562,6 +564,34 @@ PY
             OUT=$OUT/head$rows STAGES=decode_8b_fp8 EXTRA="--fixed-batch $rows --fixed-steps 256 --fixed-lm-head-dtype fp8" \
                 LINES_OUT=6 TIMEOUT=${TIMEOUT:-200} bash "$0" moe | grep "Qwen3-\|mean step"
         done
+        ;;
+    ncu)    # a decode step's kernels under Nsight Compute's counters (bench/probes/ncu_decode.py, v56): Qwen3-0.6B at
+            # NCU_BATCHES (default "1 16 64") x 1024, then (NCU8=1) Qwen3-8B FP8 at NCU8_BATCHES (default 1); tables here,
+            # CSVs under $OUT
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        copy=$($PY -c "import json; print(json.load(open('$BENCH/bandwidth.json'))['result']['copy_bytes_per_s'] / 1e12)" 2>/dev/null || echo 0)
+        ncu_case() {   # TAG, then the probe's run arguments
+            local tag=$1; shift
+            timeout ${TIMEOUT:-240} "$NCU_BIN" --profile-from-start off --clock-control none --target-processes all \
+                --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section MemoryWorkloadAnalysis --export "/tmp/ncu-$tag" --force-overwrite \
+                $PY -m bench.probes.ncu_decode run "$@" 2>&1 | grep -v "^==PROF==" | tail -3
+            "$NCU_BIN" --import "/tmp/ncu-$tag.ncu-rep" --csv --page raw > "/tmp/ncu-$tag.csv" 2>/dev/null
+            gzip -c "/tmp/ncu-$tag.csv" > "$OUT/ncu-$tag.csv.gz"
+            echo "== $tag"
+            $PY -m bench.probes.ncu_decode table "/tmp/ncu-$tag.csv" --copy-tbs "$copy" | head -${NCU_LINES:-16}
+        }
+        for b in ${NCU_BATCHES:-1 16 64}; do
+            ncu_case "06-b$b" --model "$BENCH/model" --batch "$b"
+        done
+        if [[ -n ${NCU8:-} ]]; then
+            $PY -c "import pathlib; from bench.model_dirs import write_config_dir; write_config_dir(pathlib.Path('$BENCH/m8b'), pathlib.Path('configs/qwen3-8b.json'))"
+            for b in ${NCU8_BATCHES:-1}; do
+                ncu_case "8b-fp8-b$b" --model "$BENCH/m8b" --batch "$b" --load-format dummy --quantization fp8
+            done
+        fi
         ;;
     stage)
         base
