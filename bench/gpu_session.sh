@@ -576,7 +576,7 @@ PY
             local tag=$1; shift
             timeout ${TIMEOUT:-240} "$NCU_BIN" --profile-from-start off --clock-control none --target-processes all \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-                --section MemoryWorkloadAnalysis --export "/tmp/ncu-$tag" --force-overwrite \
+                --section MemoryWorkloadAnalysis --launch-count ${NCU_COUNT:-80} --export "/tmp/ncu-$tag" --force-overwrite \
                 $PY -m bench.probes.ncu_decode run "$@" 2>&1 | grep -v "^==PROF==" | tail -3
             "$NCU_BIN" --import "/tmp/ncu-$tag.ncu-rep" --csv --page raw > "/tmp/ncu-$tag.csv" 2>/dev/null
             gzip -c "/tmp/ncu-$tag.csv" > "$OUT/ncu-$tag.csv.gz"
