@@ -68,6 +68,7 @@
 #   decodeqk  pure-decode attention taking the raw qkv projection off and up to 64 rows in turn (WORKER_ATTENTION_DECODE_QK_ROWS, v48, v50)
 #   ws8       Qwen3-8B FP8 at one row with whole-slice GEMVs allowed for FP8 weights up to WS8_MIB's bounds (v47)
 #   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
+#   aconf     the bf16 decode attention's tile (AC_TILES) and programs per SM (AC_WPS) in the decode chain (v56)
 #   ncu       a decode step's kernels under Nsight Compute (bench/probes/ncu_decode.py): Qwen3-0.6B at NCU_BATCHES
 #             (default 1 16 64) x 1024, NCU8=1 adds Qwen3-8B FP8 at NCU8_BATCHES (default 1); per-kernel tables (v56)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
@@ -119,7 +120,7 @@ decode_ab() {   # VAR TAG "VALUES" CASES [HOOK]: Qwen3-0.6B pipelined decode at 
             --stages decode --decode-cases "$cases" --decode-measured-steps 60 2>&1 \
             | grep -v "^ *$" | tail -${LINES_OUT:-6} | sed "s/^/$var=$n: /"
         [[ -n $hook ]] && $hook "/tmp/$tag-$n" | sed "s/^/$var=$n: /"
-        cp "/tmp/$tag-$n/decode.json" "$OUT/decode-$tag$n-$(date +%s).json" 2>/dev/null
+        cp "/tmp/$tag-$n/decode.json" "$OUT/decode-$tag${n//[^A-Za-z0-9._-]/_}-$(date +%s).json" 2>/dev/null
         rm -rf "/tmp/$tag-$n"
     done
 }
@@ -564,6 +565,15 @@ PY
             OUT=$OUT/head$rows STAGES=decode_8b_fp8 EXTRA="--fixed-batch $rows --fixed-steps 256 --fixed-lm-head-dtype fp8" \
                 LINES_OUT=6 TIMEOUT=${TIMEOUT:-200} bash "$0" moe | grep "Qwen3-\|mean step"
         done
+        ;;
+    aconf)  # the bf16 decode attention's tile (WORKER_ATTENTION_DECODE_TILE "KV_TILE,WARPS,STAGES", each of AC_TILES) and
+            # programs per SM (WORKER_ATTENTION_DECODE_WARPS_PER_SM, each of AC_WPS) in the decode chain, in turn, one machine:
+            # Qwen3-0.6B pipelined decode at CASES (default 16/64 x 1024; v56)
+        base
+        [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
+        [[ -n ${AC_TILES:-} ]] && decode_ab WORKER_ATTENTION_DECODE_TILE tile "$AC_TILES" "${CASES:-16x1024,64x1024}"
+        [[ -n ${AC_WPS:-} ]] && decode_ab WORKER_ATTENTION_DECODE_WARPS_PER_SM wps "$AC_WPS" "${CASES:-16x1024,64x1024}"
+        true
         ;;
     ncu)    # a decode step's kernels under Nsight Compute's counters (bench/probes/ncu_decode.py, v56): Qwen3-0.6B at
             # NCU_BATCHES (default "1 16 64") x 1024, then (NCU8=1) Qwen3-8B FP8 at NCU8_BATCHES (default 1); tables here,

@@ -68,6 +68,11 @@ class LaunchConfig:
 # Chosen on an H200 (docs/PERF_NOTES.md, v1 and v11). Decode: (largest batch, config), the first
 # entry that covers the batch (None: any batch).
 DECODE_LAUNCHES = ((None, LaunchConfig(tile_rows=16, kv_tile=64, num_warps=4, num_stages=3)),)
+# For measuring other tiles in the decode chain (PERF_NOTES v56): WORKER_ATTENTION_DECODE_TILE="KV_TILE,WARPS,STAGES"
+# replaces the bf16 table's config at every batch.
+if os.environ.get("WORKER_ATTENTION_DECODE_TILE"):
+    _kv, _warps, _stages = (int(v) for v in os.environ["WORKER_ATTENTION_DECODE_TILE"].split(","))
+    DECODE_LAUNCHES = ((None, LaunchConfig(tile_rows=16, kv_tile=_kv, num_warps=_warps, num_stages=_stages)),)
 DECODE_LAUNCHES_FP8 = ((None, LaunchConfig(tile_rows=16, kv_tile=128, num_warps=4, num_stages=3)),)
 # The decode kernel's table for an FP8 cache (bench/stages/attention.py on an H200, 2026-12-04:
 # 1.16-1.31x the tile kernel at 1..256 x 1024, 1.42x bf16 KV at 256 x 1024).
@@ -93,7 +98,7 @@ MIXED_DECODES_APART_FP8 = True
 FUSED_SPLIT_MERGE = True
 MERGE_ELEMENTS = 4096
 # Split-K is sized to give the GPU about this many warps per multiprocessor.
-DECODE_WARPS_PER_SM = 8
+DECODE_WARPS_PER_SM = int(os.environ.get("WORKER_ATTENTION_DECODE_WARPS_PER_SM", "8"))   # (the variable: v56's sweep)
 MAX_DECODE_SPLITS = 64
 STORE_TOKENS_PER_PROGRAM = 16
 # The decode kernel's narrowest tile of query heads: an MMA's N.
