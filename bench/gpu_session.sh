@@ -582,9 +582,13 @@ PY
         [[ -f $BENCH/model/config.json ]] || bash "$0" checkpoint
         NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
         copy=$($PY -c "import json; print(json.load(open('$BENCH/bandwidth.json'))['result']['copy_bytes_per_s'] / 1e12)" 2>/dev/null || echo 0)
-        ncu_case() {   # TAG, then the probe's run arguments
+        ncu_case() {   # TAG, then the probe's run arguments: once alone (its kernels compiled into Triton's cache,
+                       # its start-up timed), then under ncu, whose start-up is far slower (v56: past 180 s at 16 rows)
             local tag=$1; shift
-            timeout ${TIMEOUT:-240} "$NCU_BIN" --profile-from-start off --clock-control none --target-processes all \
+            local started=$SECONDS
+            timeout 300 $PY -m bench.probes.ncu_decode run "$@" 2>&1 | tail -2
+            echo "$tag alone: $((SECONDS - started)) s"
+            timeout ${TIMEOUT:-420} "$NCU_BIN" --profile-from-start off --clock-control none --target-processes all \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section MemoryWorkloadAnalysis --launch-count ${NCU_COUNT:-80} --export "/tmp/ncu-$tag" --force-overwrite \
                 $PY -m bench.probes.ncu_decode run "$@" 2>&1 | grep -v "^==PROF==" | tail -3
