@@ -69,6 +69,7 @@
 #   ws8       Qwen3-8B FP8 at one row with whole-slice GEMVs allowed for FP8 weights up to WS8_MIB's bounds (v47)
 #   pdlservice  the service (STAGES, default bandwidth,service) with WORKER_PDL_CHAIN=0 and 1 (v45), one machine
 #   aconf     the bf16 decode attention's tile (AC_TILES) and programs per SM (AC_WPS) in the decode chain (v56)
+#   smallgemm cuBLAS against a plain Triton GEMM on the projections at 64-512 rows (v56)
 #   ncu       a decode step's kernels under Nsight Compute (bench/probes/ncu_decode.py): Qwen3-0.6B at NCU_BATCHES
 #             (default 1 16 64) x 1024, NCU8=1 adds Qwen3-8B FP8 at NCU8_BATCHES (default 1); per-kernel tables (v56)
 #   stage     one stage module alone (STAGE, e.g. sampler) with the flags in EXTRA, results under NAME
@@ -574,6 +575,12 @@ PY
         [[ -n ${AC_TILES:-} ]] && decode_ab WORKER_ATTENTION_DECODE_TILE tile "$AC_TILES" "${CASES:-16x1024,64x1024}"
         [[ -n ${AC_WPS:-} ]] && decode_ab WORKER_ATTENTION_DECODE_WARPS_PER_SM wps "$AC_WPS" "${CASES:-16x1024,64x1024}"
         true
+        ;;
+    smallgemm)   # cuBLAS against a plain Triton GEMM on the projections at 64-512 rows (bench/probes/small_gemm.py, v56):
+                 # SG_ROWS (default 64,128,256,512), SG_MODELS (default 0.6b,8b)
+        base
+        timeout ${TIMEOUT:-300} $PY -m bench.probes.small_gemm --rows "${SG_ROWS:-64,128,256,512}" --models "${SG_MODELS:-0.6b,8b}" 2>&1 \
+            | tee "$OUT/small_gemm.txt" | tail -${LINES_OUT:-40}
         ;;
     ncu)    # a decode step's kernels under Nsight Compute's counters (bench/probes/ncu_decode.py, v56): Qwen3-0.6B at
             # NCU_BATCHES (default "1 16 64") x 1024, then (NCU8=1) Qwen3-8B FP8 at NCU8_BATCHES (default 1); tables here,
