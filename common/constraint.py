@@ -31,7 +31,10 @@ string character, `[^a]`, ...) and its expansion of the regex `.` match the 3-by
 UTF-16 surrogate (ED A0..BF xx), which is no character; the detokenizer renders it as three
 U+FFFD, which also breaks maxLength. `_exclude_surrogates` takes U+D800..U+DFFF out of those
 classes. Not covered: character classes inside a JSON schema's "pattern" (xgrammar keeps the
-pattern as a regex it matches itself).
+pattern as a regex it matches itself). A `\uD83D\uDE00` escape pair (how JavaScript and JSON spell
+a character past U+FFFF) in a regex, a grammar or a schema's "pattern" is the one character it
+spells (xgrammar would read two lone surrogates: six bytes that are no text), and a lone surrogate
+escape is refused, naming where it stands (`_surrogate_escapes`).
 Why xgrammar rather than llguidance, measured: docs/STRUCTURED_OUTPUT.md.
 """
 from __future__ import annotations
@@ -113,9 +116,9 @@ def to_grammar(constraint: Constraint) -> "xgrammar.Grammar":
             grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
                                                    separators=(",", ":"), strict_mode=False)
         elif kind == "regex":
-            grammar = xgr.Grammar.from_regex(text)
+            grammar = xgr.Grammar.from_regex(_surrogate_escapes(kind, text))
         elif kind == "grammar":
-            grammar = xgr.Grammar.from_ebnf(text)
+            grammar = xgr.Grammar.from_ebnf(_surrogate_escapes(kind, text))
         else:
             text = json.dumps(_enforceable_tag(_parse_json(kind, text), kind))
             grammar = xgr.Grammar.from_structural_tag(text)
@@ -167,6 +170,8 @@ def _enforceable(schema, kind: str, path: str):
     if empty is not None:
         raise GrammarError(kind, f"{empty!r} at {path} is an empty list: no output can validate")
     out = dict(schema)
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = _surrogate_escapes(kind, out["pattern"], f"{path}/pattern")
     for key in SCHEMA_KEYWORDS:     # the ignored ones (not, if, ...) were refused above
         value = out.get(key)
         if key in SCHEMA_VALUES:    # one schema (draft 7's list of items passes as it is)
@@ -201,6 +206,42 @@ def _enforceable_tag(value, kind: str):
     if value.get("type") == "json_schema" and "json_schema" in value:
         return {**value, "json_schema": enforceable_schema(value["json_schema"], kind)}
     return {key: _enforceable_tag(item, kind) for key, item in value.items()}
+
+
+_U_ESCAPE = re.compile(r"\\u([0-9A-Fa-f]{4})")
+
+
+def _surrogate_escapes(kind: str, text: str, where: str = "") -> str:
+    """`text` (a regex or an EBNF grammar) with each `\\uHHHH` escape pair of a high and a low UTF-16
+    surrogate written as the one character it spells (no regex or grammar syntax uses a character past
+    U+FFFF, and xgrammar's schema patterns read no `\\U` escape). Raises GrammarError for a lone
+    surrogate escape. An escaped backslash (`\\\\u...`) is no escape."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        if text[i] != "\\":
+            j = text.find("\\", i)
+            j = n if j < 0 else j
+            out.append(text[i:j])
+            i = j
+            continue
+        unit = _U_ESCAPE.match(text, i)
+        if unit is None:                     # another escape: copy it and the character it escapes
+            out.append(text[i:i + 2])
+            i += 2
+            continue
+        code = int(unit.group(1), 16)
+        if 0xD800 <= code <= 0xDBFF and (low := _U_ESCAPE.match(text, unit.end())) \
+                and 0xDC00 <= int(low.group(1), 16) <= 0xDFFF:
+            out.append(chr(0x10000 + ((code - 0xD800) << 10) + int(low.group(1), 16) - 0xDC00))
+            i = low.end()
+        elif 0xD800 <= code <= 0xDFFF:
+            at = f" in {where}" if where else ""
+            raise GrammarError(kind, f"{unit.group(0)} at character {i}{at} is a lone UTF-16 surrogate, which no "
+                                     f"text contains: write the character, or its pair of surrogate escapes")
+        else:
+            out.append(unit.group(0))
+            i = unit.end()
+    return "".join(out)
 
 
 def _exclude_surrogates(ebnf: str) -> str:

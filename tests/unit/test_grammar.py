@@ -324,6 +324,42 @@ def test_the_utf8_encoding_of_a_surrogate_is_never_accepted(compiler, constraint
             assert matcher.accept_token(quote)
 
 
+@pytest.mark.parametrize("constraint", [
+    Constraint("regex", r"\ud83d\ude00+"),
+    Constraint("regex", r"[\ud83d\ude00-\ud83d\ude4f]+"),
+    Constraint("grammar", r'root ::= "\ud83d\ude00"+'),
+    Constraint("json_schema", json.dumps({"type": "string", "pattern": r"^\ud83d\ude00+$"})),
+])
+def test_a_surrogate_pair_escape_is_the_character_it_spells(compiler, constraint):
+    # xgrammar 0.2.9 alone reads \ud83d\ude00 as two lone surrogates (six bytes that are no text).
+    byte_token = utf8_byte_tokens(compiler)
+    matcher = compiler.matcher(constraint)
+    if constraint.kind == "json_schema":
+        assert matcher.accept_token(byte_token[ord('"')])
+    assert matcher.accept_tokens([byte_token[b] for b in "😀😀".encode()])
+    assert not compiler.matcher(constraint).accept_tokens([byte_token[b] for b in b"\xed\xa0\xbd"])
+
+
+@pytest.mark.parametrize("constraint, where", [
+    (Constraint("regex", r"a\ud800"), "at character 1 is a lone"),
+    (Constraint("regex", r"[\udc00-\udfff]"), "at character 1 is a lone"),
+    (Constraint("regex", r"\ude00\ud83d"), "at character 0 is a lone"),   # low then high: no pair
+    (Constraint("grammar", r'root ::= "\udbff"'), "at character 10 is a lone"),
+    (Constraint("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "string",
+                                                                               "pattern": r"x\ud800"}}})),
+     "at character 1 in #/properties/a/pattern is a lone"),
+])
+def test_a_lone_surrogate_escape_is_refused_naming_where(constraint, where):
+    with pytest.raises(GrammarError, match=f"invalid {constraint.kind}: .*{where}"):
+        to_grammar(constraint)
+
+
+def test_an_escaped_backslash_before_u_is_no_escape(compiler):
+    byte_token = utf8_byte_tokens(compiler)
+    matcher = compiler.matcher(Constraint("regex", r"\\ud800"))   # a backslash, then "ud800"
+    assert matcher.accept_tokens([byte_token[b] for b in rb"\ud800"])
+
+
 def test_a_threaded_fill_writes_the_same_rows_as_one_by_one(compiler, tokenizer, stop_ids):
     constraints = [Constraint("json_schema", json.dumps(s)) for s in random_schemas(seed=4, count=5)]
     constraints.append(Constraint("regex", "ok"))
