@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: one llm.v1 Chat call, streamed as server-sent events or answered
 whole. A turn's choices are its n samples; reasoning comes as `reasoning_content`, tool calls
-whole (each in one delta when streamed, indexed within its choice). vLLM's `prompt_logprobs` is
+whole (each in one delta when streamed, indexed within its choice); a stream that ends before each
+choice's finish ends with an error event, as the unstreamed answer is refused. vLLM's `prompt_logprobs` is
 the response's (the first chunk's, streamed): the gateway does not see the rendered prompt's
 token ids, so each position lists its top prompt_logprobs tokens, the prompt token among them
 only when it is one of them.
@@ -16,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from common.client import ChatChunk, ChatCompletion, ToolCall
+from common.client import ChatChunk, ChatCompletion, RequestError, ToolCall
 from common.logging_setup import request_context
 from gateway import outputs
 from gateway.json_body import StrictJSONRoute
@@ -93,6 +94,7 @@ async def _prompt_logprobs(gateway: Gateway, first: ChatChunk | ChatCompletion,
 async def _chat_choices(gateway: Gateway, items: AsyncIterator[tuple[int, ChatChunk]], call: ChatCall,
                         usage: outputs.UsageTotal) -> AsyncIterator[dict[str, Any]]:
     calls_so_far: dict[int, int] = {}   # choice index -> tool calls sent (each delta's tool_calls[].index)
+    finished = set()
     async for _, chunk in items:
         i = chunk.index
         if i not in calls_so_far:   # a choice's first chunk names the role, as OpenAI's do
@@ -117,5 +119,9 @@ async def _chat_choices(gateway: Gateway, items: AsyncIterator[tuple[int, ChatCh
         usage.streamed_tokens += len(chunk.token_ids)
         if chunk.usage is not None:
             usage.add(chunk.usage, first_sample=i == 0)
+        if chunk.finish_reason is not None:
+            finished.add(i)
         if delta or chunk.finish_reason is not None or choice["logprobs"] is not None:
             yield choice
+    if len(finished) < (call.sampling.n or 1):   # as the unstreamed answer's accumulator refuses it
+        raise RequestError("INTERNAL", "the stream ended without a finish reason")

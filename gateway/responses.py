@@ -9,8 +9,8 @@ response.created, response.in_progress; per item response.output_item.added, the
 (response.content_part.added, response.output_text.delta ... response.output_text.done,
 response.content_part.done; reasoning_text events alike; function_call_arguments delta and
 done), response.output_item.done; then response.completed (or response.incomplete). A failure
-after the headers is an `error` event followed by response.failed. Every event is
-`event: TYPE` + `data: {...}`.
+after the headers, or a scheduler stream that ends before its finish, is an `error` event followed
+by response.failed, whose output holds what the deltas sent. Every event is `event: TYPE` + `data: {...}`.
 """
 from __future__ import annotations
 
@@ -179,6 +179,14 @@ class _EventWriter:
                            part=part),
                 self.event("response.output_item.done", output_index=index, item=item)]
 
+    def cut(self) -> list[dict[str, Any]]:
+        """The items so far, the open one holding the text its deltas sent (a failed response's output)."""
+        if self.open is None:
+            return self.items
+        item = _reasoning_item(self.rid, self.text, "incomplete") if self.open == "reasoning" else \
+            _message_item(self.rid, self.text, "incomplete")
+        return [*self.items[:-1], item]
+
     def call(self, call: ToolCall) -> list[str]:
         events = self.close("completed")
         item = _call_item(call)
@@ -214,10 +222,13 @@ async def _events(gateway: Gateway, chunks: AsyncIterator[ChatChunk], shell: dic
                         yield event
                 final = _finished(shell, writer.items, chunk.finish_reason, chunk.usage)
                 yield writer.event(f"response.{final['status']}", response=final)
+                return
+        # As the unstreamed answer's accumulator refuses it: the events end with what failed.
+        raise RequestError("INTERNAL", "the stream ended without a finish reason")
     except Exception as exc:  # noqa: BLE001 - the headers are sent: the stream's last events say what failed
         error = stream_failure(exc)["error"]
         yield writer.event("error", code=error["code"], message=error["message"], param=error["param"])
-        yield writer.event("response.failed", response={**shell, "status": "failed", "output": writer.items,
+        yield writer.event("response.failed", response={**shell, "status": "failed", "output": writer.cut(),
                                                         "error": {"code": error["code"], "message": error["message"]}})
     finally:
         gateway.metrics.count_usage(ROUTE, usage)

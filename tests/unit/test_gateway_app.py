@@ -10,7 +10,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from common.client import ToolCall
+from common.client import ChatChunk, ToolCall
 from gateway.app import create_app
 from gateway.metrics import method_of
 from gateway.responses_request import ResponsesRequest, to_chat
@@ -423,3 +423,32 @@ def test_a_refusal_says_what_is_wrong_with_the_value_sent(fake, raw, param, says
         reply = client.post(path, content=raw, headers={"content-type": "application/json"})
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["param"] == param and says in error["message"], error
+
+
+class _Unfinished(FakeScheduler):
+    """A scheduler stream that ends (status OK) before its sample's finish: after a piece of text
+    (`text`), or at once."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    async def stream_chat(self, messages, sampling=None, **kwargs):
+        if self.text:
+            yield ChatChunk("r", self.text, "", [], [5], None, None, 0)
+
+
+@pytest.mark.parametrize("text", ["partial", ""])
+def test_a_stream_that_ends_without_its_finish_ends_with_its_failure(text):
+    """The unstreamed answer to such a stream is a 500 (the client's accumulator refuses it); streamed,
+    the Responses events ended after the last delta (or after response.in_progress) with no terminal
+    event, and a chat stream sent [DONE] as if its choice had finished."""
+    sent = events(post(_Unfinished(text), "/v1/responses", {"input": "Hi", "stream": True}).text)
+    assert [e["type"] for e in sent[-2:]] == ["error", "response.failed"], [e["type"] for e in sent]
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    failed = sent[-1]["response"]
+    assert failed["status"] == "failed" and "without a finish reason" in failed["error"]["message"]
+    # The output holds what was streamed, as the deltas said it.
+    assert [part["text"] for item in failed["output"] for part in item["content"]] == ([text] if text else [])
+    chunks = events(post(_Unfinished(text), "/v1/chat/completions", {"messages": USER, "stream": True}).text)
+    assert chunks[-1]["error"]["code"] == "internal", chunks
