@@ -135,7 +135,9 @@ class _EventWriter:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
         self.open: str | None = None        # "reasoning" or "message": the item receiving deltas
+        self.open_rid = rid                 # what its id is made of
         self.text = ""
+        self.opened = {"reasoning": 0, "message": 0}
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -143,10 +145,12 @@ class _EventWriter:
         return outputs.sse(payload, event=kind)
 
     def start(self, kind: str) -> list[str]:
-        """Opens a reasoning or message item (closing the open one)."""
+        """Opens a reasoning or message item (closing the open one). Text after a tool call is a
+        second message item: its id is the first's with a suffix, as each item's id is its own."""
         events = self.close("completed")
-        item = _reasoning_item(self.rid, "", "in_progress") if kind == "reasoning" else \
-            _message_item(self.rid, "", "in_progress")
+        self.open_rid = self.rid if not self.opened[kind] else f"{self.rid}_{self.opened[kind]}"
+        self.opened[kind] += 1
+        item = self._item(kind, "", "in_progress")
         item["content"] = []
         self.items.append(item)
         self.open, self.text = kind, ""
@@ -155,6 +159,11 @@ class _EventWriter:
         return events + [self.event("response.output_item.added", output_index=index, item=item),
                          self.event("response.content_part.added", item_id=item["id"], output_index=index,
                                     content_index=0, part=part)]
+
+    def _item(self, kind: str, text: str, status: str) -> dict[str, Any]:
+        """The open item (of `kind`) as it stands."""
+        return _reasoning_item(self.open_rid, text, status) if kind == "reasoning" else \
+            _message_item(self.open_rid, text, status)
 
     def delta(self, kind: str, text: str) -> list[str]:
         events = self.start(kind) if self.open != kind else []
@@ -169,8 +178,7 @@ class _EventWriter:
             return []
         kind, self.open = self.open, None
         index = len(self.items) - 1
-        item = _reasoning_item(self.rid, self.text, status) if kind == "reasoning" else \
-            _message_item(self.rid, self.text, status)
+        item = self._item(kind, self.text, status)
         self.items[index] = item
         part = item["content"][0]
         done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
@@ -183,9 +191,7 @@ class _EventWriter:
         """The items so far, the open one holding the text its deltas sent (a failed response's output)."""
         if self.open is None:
             return self.items
-        item = _reasoning_item(self.rid, self.text, "incomplete") if self.open == "reasoning" else \
-            _message_item(self.rid, self.text, "incomplete")
-        return [*self.items[:-1], item]
+        return [*self.items[:-1], self._item(self.open, self.text, "incomplete")]
 
     def call(self, call: ToolCall) -> list[str]:
         events = self.close("completed")

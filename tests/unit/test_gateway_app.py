@@ -10,7 +10,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from common.client import ChatChunk, ToolCall
+from common.client import ChatChunk, ToolCall, Usage
 from gateway.app import create_app
 from gateway.metrics import method_of
 from gateway.responses_request import ResponsesRequest, to_chat
@@ -452,3 +452,23 @@ def test_a_stream_that_ends_without_its_finish_ends_with_its_failure(text):
     assert [part["text"] for item in failed["output"] for part in item["content"]] == ([text] if text else [])
     chunks = events(post(_Unfinished(text), "/v1/chat/completions", {"messages": USER, "stream": True}).text)
     assert chunks[-1]["error"]["code"] == "internal", chunks
+
+
+def test_streamed_responses_items_have_distinct_ids_when_text_follows_a_call():
+    """The chat parser lets content follow a tool call (text, call, text): streamed, that is a second
+    message item, which had the first one's id (msg_<id> twice in one response's output)."""
+    class TextAroundACall(FakeScheduler):
+        async def stream_chat(self, messages, sampling=None, **kwargs):
+            yield ChatChunk("r", "before", "", [], [5], None, None, 0)
+            yield ChatChunk("r", "", "", [ToolCall("call_1", "f", {})], [6], None, None, 0)
+            yield ChatChunk("r", "after", "", [], [7], "stop", Usage(3, 3, 0), 0)
+
+    sent = events(post(TextAroundACall(), "/v1/responses", {"input": "Hi", "stream": True}).text)
+    output = sent[-1]["response"]["output"]
+    assert [i["type"] for i in output] == ["message", "function_call", "message"]
+    ids = [i["id"] for i in output]
+    assert len(set(ids)) == 3, ids
+    # Every event names the item it is about by that item's id.
+    added = [e["item"]["id"] for e in sent if e["type"] == "response.output_item.added"]
+    assert added == ids
+    assert {e["item_id"] for e in sent if e["type"] == "response.output_text.delta"} == {ids[0], ids[2]}
