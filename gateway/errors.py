@@ -64,10 +64,15 @@ _ERROR_TYPES = {
 
 # The scheduler's messages start with the path of the field they refuse ("sampling.top_p must be
 # in (0, 1], got 1.5"); the OpenAI parameter behind each path, for the error's `param`.
-_FIELD_PATH = re.compile(
-    r"^(sampling\.[a-z_]+|text|token_ids|prompt|tool_choice|request_id|(?:messages|tools)(?:\[\d+\])?(?:\.[a-z_]+)*)\b")
+_FIELD_PATH = re.compile(r"^(sampling\.[a-z_]+|text|token_ids|prompt|tool_choice|request_id|"
+                         r"(?:messages|tools)(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*)\b")
 _PARAMS = {"text": "prompt", "token_ids": "prompt", "json_schema": "response_format", "json_object": "response_format",
            "regex": "structured_outputs", "grammar": "structured_outputs"}
+# A chat's tools and calls are flat llm.v1 messages (tools[0].name); the chat endpoint nests their
+# fields under `function` (tools[0].function.name), which the param, and the message, then name.
+_CHAT_FIELD = re.compile(r"^((?:tools|messages\[\d+\]\.tool_calls)\[\d+\])\.(name|description|parameters_json|"
+                         r"arguments_json)$")
+_CHAT_FIELDS = {"parameters_json": "parameters", "arguments_json": "arguments"}
 
 
 @dataclass
@@ -102,11 +107,14 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def from_request_error(error: RequestError) -> GatewayError:
     """The HTTP form of a failed gRPC call to the scheduler."""
     status = HTTP_STATUS.get(error.code, 500)
-    param = None
+    param, message = None, error.message or error.code
     if 400 <= status < 500 and (match := _FIELD_PATH.match(error.message)):   # 409: a request_id in flight
         path = match.group(1).removeprefix("sampling.")
         param = _PARAMS.get(path, path)
-    return GatewayError(status, error.message or error.code, param, error.code.lower())
+        if field := _CHAT_FIELD.match(path):
+            param = f"{field.group(1)}.function.{_CHAT_FIELDS.get(field.group(2), field.group(2))}"
+            message = param + message[match.end():]
+    return GatewayError(status, message, param, error.code.lower())
 
 
 class ClientGone(Exception):

@@ -94,3 +94,22 @@ def test_a_function_call_output_of_the_wrong_type_names_its_output(http):
     item = {"type": "function_call_output", "call_id": "c1", "output": 5}
     error = error_of(http.post("/v1/responses", json={"input": [item]}))
     assert error["param"] == "input[0].output", error
+
+
+def test_the_schedulers_refusal_of_a_call_or_tool_names_the_field_as_each_api_spells_it(http):
+    """The scheduler names the llm.v1 fields (tools[1].name, messages[1].tool_calls[0].name): the chat
+    endpoint nests them under `function`, and a Responses function_call item has them at its top."""
+    call = {"id": "c1", "type": "function", "function": {"name": "", "arguments": "{}"}}
+    error = error_of(http.post("/v1/chat/completions", json={
+        "messages": [USER, {"role": "assistant", "content": None, "tool_calls": [call]}], "max_tokens": 1}))
+    assert error["param"] == "messages[1].tool_calls[0].function.name", error
+    assert error["message"].startswith("messages[1].tool_calls[0].function.name "), error
+    item = {"type": "function_call", "call_id": "c1", "name": "", "arguments": "{}"}
+    error = error_of(http.post("/v1/responses", json={"input": [USER, item], "max_output_tokens": 1}))
+    assert error["param"] == "input[1].name" and error["message"].startswith("input[1].name "), error
+    twice = [{"type": "function", "function": {"name": "f"}}] * 2
+    error = error_of(http.post("/v1/chat/completions", json={"messages": [USER], "tools": twice, "max_tokens": 1}))
+    assert error["param"] == "tools[1].function.name", error
+    flat = [{"type": "function", "name": "f"}] * 2
+    error = error_of(http.post("/v1/responses", json={"input": "Hi", "tools": flat, "max_output_tokens": 1}))
+    assert error["param"] == "tools[1].name", error

@@ -47,6 +47,14 @@ def test_grpc_status_maps_to_http_status_with_openai_error_body(code, status, ki
     ("tools' parameters hold 5000 JSON values, more than the limit of 4096", "tools"),
     ("tools has 129 tools, more than the limit of 128", "tools"),
     ("messages hold 5000 tool calls, more than the limit of 4096", "messages"),
+    # the llm.v1 fields of a chat's tools and calls, as the chat endpoint spells them
+    ("messages[1].tool_calls[0].name is empty", "messages[1].tool_calls[0].function.name"),
+    ("messages[1].tool_calls[2].arguments_json is 70000 bytes, more than the limit of 65536",
+     "messages[1].tool_calls[2].function.arguments"),
+    ("messages[1].tool_calls: only assistant messages make tool calls", "messages[1].tool_calls"),
+    ("tools[3].name must not hold '<tool_call>', which delimits a tool call", "tools[3].function.name"),
+    ("tools[1].name 'f' is given twice", "tools[1].function.name"),
+    ("tools[0].parameters_json is not valid JSON: ...", "tools[0].function.parameters"),
 ])
 def test_a_scheduler_refusal_names_the_openai_parameter(message, param):
     assert from_request_error(RequestError("INVALID_ARGUMENT", message)).param == param
@@ -282,6 +290,16 @@ def test_a_refusal_of_a_chats_messages_names_the_responses_input():
                                                                   "max_model_len 4096 leaves no room"))
     error = renamed(refusal, ["input"])
     assert error.param == "input" and error.message.startswith("input: the rendered prompt has 5000 tokens")
+
+
+@pytest.mark.parametrize("message, param, says", [
+    ("messages[1].tool_calls[0].name is empty", "input[1].name", "input[1].name is empty"),
+    ("tools[2].name 'f' is given twice", "tools[2].name", "tools[2].name 'f' is given twice"),
+])
+def test_a_refusal_of_a_chats_call_or_tool_names_the_responses_item_field(message, param, says):
+    from gateway.responses_request import renamed
+    error = renamed(from_request_error(RequestError("INVALID_ARGUMENT", message)), ["input[0]", "input[1]"])
+    assert (error.param, error.message) == (param, says)
 
 
 def test_an_events_data_is_one_line_for_every_line_splitter():
