@@ -234,8 +234,15 @@ def _tool_choice(req: ResponsesRequest) -> Any:
 
 
 def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    """The chat's response_format; a schema is text.format.schema here, checked under that name."""
     fmt = req.text.format if req.text is not None else None
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
+        return None
+    if fmt.type == "json_schema" and fmt.schema_ is None:
+        raise bad_param("text.format.schema", 'text.format of type "json_schema" needs schema (a JSON schema object)')
+    if fmt.type != "json_schema" and fmt.schema_ is not None:
+        raise bad_param("text.format.schema", 'text.format.schema needs type "json_schema"')
+    if fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
@@ -275,6 +282,8 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCall, list[str]]:
 
 _CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
                       "chat_template_kwargs": "reasoning", "messages": "input"}
+# Fields the chat request nests one level deeper than the Responses request has them.
+_NESTED = (("response_format.json_schema.", "text.format."), ("tool_choice.function.", "tool_choice."))
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
 _TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function")
 _CALL_PARAM = re.compile(r"^\.tool_calls\[\d+\]\.function")
@@ -291,6 +300,8 @@ def renamed(error: GatewayError, origins: list[str]) -> GatewayError:
         param = (origins[index] if index < len(origins) else "input") + rest
     elif match := _TOOL_PARAM.match(param):
         param = f"tools[{match.group(1)}]" + param[match.end():]
+    elif nested := next(((chat, ours) for chat, ours in _NESTED if param.startswith(chat)), None):
+        param = nested[1] + param.removeprefix(nested[0])
     else:
         head, dot, rest = param.partition(".")
         param = _CHAT_TO_RESPONSES.get(head, head) + dot + rest

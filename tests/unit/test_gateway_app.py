@@ -159,20 +159,25 @@ def test_responses_input_items_become_the_chat_turns():
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 200}]}, "input[0].arguments"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.json_schema.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "text", "schema": {"type": "object"}}}}, "text.format.schema"),
+    ({"tools": [{"type": "function", "name": "auto"}], "tool_choice": {"type": "function", "name": "auto"}},
+     "tool_choice.name"),
     ({"tool_choice": "required"}, "tool_choice"), ({"conversation": "conv_1"}, "conversation"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": 5}}]}, "tools[0].parameters"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools[0].parameters"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"anyOf": []}}}},
-     "text.format.json_schema.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"anyOf": []}}}}, "text.format.schema"),
     ({"input": [{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}]}, "input[0].content"),
     ({"input": [{"type": "reasoning", "summary": [{"text": 5}]}, {"role": "user", "content": "x"}]},
      "input[0].summary[0].text"),
 ])
 def test_responses_refusals_name_the_responses_parameter(fake, body, param):
+    """As the Responses API spells it: text.format holds its schema, tool_choice its name."""
     reply = post(fake, "/v1/responses", {"input": "Hi", **body})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.json()
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param, error
+    assert "json_schema.schema" not in error["message"] and "function.name" not in error["message"], error
 
 
 def test_tokenize_and_detokenize_as_vllm_has_them(fake):
