@@ -187,11 +187,12 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
     """The chat messages of a request, and the Responses parameter each came from (for errors)."""
     messages: list[dict[str, Any]] = []
     origins: list[str] = []
-    reasoning: list[str] = []   # a reasoning item's text, for the next assistant turn
+    reasoning: list[str] = []   # a reasoning item's text, for the assistant turn it precedes
 
     def add(message: dict[str, Any], where: str) -> None:
         if message["role"] == "assistant" and reasoning:
             message["reasoning_content"] = reasoning.pop()
+        reasoning.clear()   # a turn that reasoned and wrote nothing: not the next turn's reasoning
         messages.append(message)
         origins.append(where)
 

@@ -477,3 +477,17 @@ def test_streamed_responses_items_have_distinct_ids_when_text_follows_a_call():
     added = [e["item"]["id"] for e in sent if e["type"] == "response.output_item.added"]
     assert added == ids
     assert {e["item_id"] for e in sent if e["type"] == "response.output_text.delta"} == {ids[0], ids[2]}
+
+
+def test_a_reasoning_item_is_its_own_turns_reasoning_only():
+    """A reasoning item belongs to the assistant turn it precedes; one whose turn wrote nothing else (a
+    user message follows it) was carried on to the next assistant turn, whose rendered <think> block
+    then held another turn's reasoning."""
+    call, _ = to_chat(ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "a"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "first turn's"}]},
+        {"role": "user", "content": "b"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}))
+    assert [m["role"] for m in call.messages] == ["user", "user", "assistant", "tool"]
+    assert "reasoning_content" not in call.messages[2], call.messages[2]
