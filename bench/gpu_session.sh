@@ -595,7 +595,7 @@ PY
             local started=$SECONDS
             timeout 300 $PY -m bench.probes.ncu_decode run "$@" 2>&1 | tail -2
             echo "$tag alone: $((SECONDS - started)) s"
-            timeout ${TIMEOUT:-420} "$NCU_BIN" --profile-from-start off --clock-control none --target-processes all \
+            timeout ${TIMEOUT:-420} "$NCU_BIN" --profile-from-start off --clock-control none --target-processes application-only \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section MemoryWorkloadAnalysis --launch-count ${NCU_COUNT:-80} --export "/tmp/ncu-$tag" --force-overwrite \
                 $PY -m bench.probes.ncu_decode run "$@" 2>&1 | grep -v "^==PROF==" | tail -3
