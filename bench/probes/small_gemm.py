@@ -4,8 +4,11 @@ At 128-256 rows the start-up selection keeps cuBLAS for Qwen3-0.6B's projections
 kernel's tensor-core loop as a tiled GEMM) is 2.4x slower on down (PERF_NOTES v56's selection log); cuBLAS itself
 runs o and down at 150-170 TFLOP/s there (16 output tiles of 128 x 128 for 132 SMs). Whether a plain Triton
 GEMM (grouped tile order, K pipelined, split over K with float32 atomics into a zeroed buffer, then one cast)
-beats cuBLAS on these shapes says whether a new candidate is worth building. Each method is timed as CUDA-graph
-replays of 16 calls over 8 copies of the weight (past L2), the split's memset and cast included.
+beats cuBLAS on these shapes says whether a new candidate is worth building. Beside them, F.linear through
+cuBLASLt (torch.backends.cuda.preferred_blas_library): if it wins, no kernel of ours is needed. (PyTorch's
+TunableOp would time other algorithms only on ROCm: on CUDA its GEMM has the default alone.) Each method is
+timed as CUDA-graph replays of 16 calls over 8 copies of the weight (past L2), the split's memset and cast
+included.
 
     python3 -m bench.probes.small_gemm [--rows 64,128,256,512] [--models 0.6b,8b]
     python3 -m bench.probes.small_gemm --check    # without CUDA: the kernel against F.linear, interpreted
@@ -104,9 +107,23 @@ def _graph_us(fn, weights, x) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _lt_us(weights, x) -> float:
+    """F.linear's microseconds a call through cuBLASLt; nan where this torch or device refuses."""
+    default = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        return _graph_us(lambda a, w: F.linear(a, w), weights, x)
+    except Exception as exc:   # noqa: BLE001 - a probe: say it and go on
+        print(f"  cuBLASLt: {type(exc).__name__}: {exc}")
+        return float("nan")
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+
+
 def measure(models: list[str], rows_list: list[int]) -> None:
     torch.manual_seed(0)
-    print(f"{'shape':>22} {'rows':>5} {'cuBLAS us':>9} {'TF/s':>5} {'triton us':>9} {'TF/s':>5} {'ratio':>5}  best tile (m n k warps stages) split")
+    print(f"{'shape':>22} {'rows':>5} {'cuBLAS us':>9} {'TF/s':>5} {'Lt us':>6} {'triton us':>9} {'TF/s':>5} "
+          f"{'ratio':>5}  best tile (m n k warps stages) split")
     for model in models:
         for name, (n, k) in SHAPES[model].items():
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(COPIES)]
@@ -114,6 +131,7 @@ def measure(models: list[str], rows_list: list[int]) -> None:
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                 flops = 2 * rows * n * k
                 cublas = _graph_us(lambda a, w: F.linear(a, w), weights, x)
+                lt = _lt_us(weights, x)
                 best = (float("inf"), None)
                 reference = F.linear(x, weights[0]).float()
                 for tile, split in itertools.product(TILES, SPLITS):
@@ -132,7 +150,8 @@ def measure(models: list[str], rows_list: list[int]) -> None:
                     best = min(best, (us, (tile, split)), key=lambda b: b[0])
                 us, (tile, split) = best
                 print(f"{model + ' ' + name + f' {n}x{k}':>22} {rows:5d} {cublas:9.2f} {flops / cublas / 1e6:5.0f} "
-                      f"{us:9.2f} {flops / us / 1e6:5.0f} {cublas / us:5.2f}  {tile} split{split}", flush=True)
+                      f"{lt:6.2f} {us:9.2f} {flops / us / 1e6:5.0f} {cublas / us:5.2f}  {tile} split{split}",
+                      flush=True)
 
 
 def check() -> None:
