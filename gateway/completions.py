@@ -13,6 +13,7 @@ text prompt is tokenized first (the Tokenize call tokenizes as Generate does) an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -163,20 +164,25 @@ async def _streamed_choices(gateway: Gateway, items: AsyncIterator[tuple[int, Co
                             usage: outputs.UsageTotal) -> AsyncIterator[dict[str, Any]]:
     """The choices of a stream, in order per choice. A choice's first event echoes its prompt (and
     carries its prompt_logprobs); the prompt's logprobs come with sample 0's first chunk, so the
-    other samples' chunks of a scored prompt wait for it."""
+    other samples' chunks of a scored prompt wait for it.
+
+    `items` is closed however this ends: a client that leaves while a choice waits for its tokens'
+    texts cancels this generator there, not in `items`, which would otherwise be left suspended,
+    its gRPC streams running to max_tokens, until the garbage collector found it."""
     scores: dict[int, tuple] = {}      # prompt index -> (logprobs, tops), once known
     held: dict[int, list[CompletionChunk]] = {}
     offsets: dict[int, int] = {}       # choice index -> length of its text so far (logprobs' text_offset)
-    async for p, chunk in items:
-        if plan.scored and p not in scores:
-            if chunk.index != 0:
-                held.setdefault(p, []).append(chunk)
-                continue
-            scores[p] = (chunk.prompt_logprobs or [], chunk.prompt_top_logprobs)
-        for ready in [*held.pop(p, []), chunk]:
-            async for choice in _chunk_choices(gateway, p, prompts[p], scores.get(p, ([], None)), ready, plan,
-                                               offsets, usage):
-                yield choice
+    async with contextlib.aclosing(items):
+        async for p, chunk in items:
+            if plan.scored and p not in scores:
+                if chunk.index != 0:
+                    held.setdefault(p, []).append(chunk)
+                    continue
+                scores[p] = (chunk.prompt_logprobs or [], chunk.prompt_top_logprobs)
+            for ready in [*held.pop(p, []), chunk]:
+                async for choice in _chunk_choices(gateway, p, prompts[p], scores.get(p, ([], None)), ready, plan,
+                                                   offsets, usage):
+                    yield choice
 
 
 async def _chunk_choices(gateway: Gateway, p: int, prompt: Prompt, scores, chunk: CompletionChunk, plan: Plan,

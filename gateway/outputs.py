@@ -154,8 +154,9 @@ async def merge(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[in
     with it; leaving the merge early (or an error) cancels every stream, which cancels their
     gRPC calls."""
     if len(streams) == 1:   # the common case: no tasks, no queue
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(streams[0]):   # closed when left, not when garbage-collected
+            async for item in streams[0]:
+                yield 0, item
         return
     queue: asyncio.Queue = asyncio.Queue()
 

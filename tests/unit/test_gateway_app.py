@@ -491,3 +491,70 @@ def test_a_reasoning_item_is_its_own_turns_reasoning_only():
         {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}))
     assert [m["role"] for m in call.messages] == ["user", "user", "assistant", "tool"]
     assert "reasoning_content" not in call.messages[2], call.messages[2]
+
+
+class _Endless(FakeScheduler):
+    """A scheduler whose streams go on until closed (counted in `open`), and whose token texts
+    never come: a client waiting for them can only leave. It keeps every stream it made, so that
+    no stream is closed by the garbage collector, only by the gateway."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texting = asyncio.Event()
+        self.open = 0
+        self.made = []
+
+    def stream(self, prompt, sampling=None, **kwargs):
+        self.made.append(self._endless(prompt, sampling))
+        return self.made[-1]
+
+    async def _endless(self, prompt, sampling):
+        self.open += 1
+        try:
+            first = self._chunks(list(prompt) if not isinstance(prompt, str) else None, sampling)[0]
+            while True:
+                yield first
+                await asyncio.sleep(0.01)
+        finally:
+            self.open -= 1
+
+    async def token_texts(self, token_ids, **kwargs):
+        self.texting.set()
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [11, 12], "echo": True, "logprobs": 1}, {"prompt": [11, 12], "prompt_logprobs": 1},
+    {"prompt": "Hi", "logprobs": 0}, {"prompt": [[11], [12]], "logprobs": 2},
+])
+def test_a_client_that_leaves_while_a_stream_names_its_tokens_closes_the_stream(body):
+    """A streamed choice's logprobs wait for the tokens' texts (a Detokenize call); a client that
+    leaves then ends the scheduler's streams at once, not when they are garbage-collected."""
+    from gateway.state import Gateway
+
+    fake = _Endless()
+    app = create_app(GatewayConfig("unused"), client_factory=lambda: fake)
+    app.state.gateway = Gateway(GatewayConfig("unused"), client=fake)
+    sent = []
+
+    async def run() -> int:
+        messages = [{"type": "http.request", "body": json.dumps({**body, "stream": True}).encode(),
+                     "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await fake.texting.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return fake.open
+
+    assert asyncio.run(run()) == 0
+    assert sent[0]["status"] == 200
