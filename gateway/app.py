@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 
 from common.client import AsyncClient
 from gateway import chat, completions, models, probes, responses, tokenize
@@ -56,4 +57,10 @@ def create_app(config: GatewayConfig, client_factory: Callable[[], AsyncClient] 
     install_handlers(app)
     for family in (completions, chat, responses, models, tokenize, probes):
         app.include_router(family.router)
+        for route in family.router.routes:
+            # HEAD as GET without the body (the server leaves it out), as RFC 9110 asks of every server
+            # and Starlette's own routes do; FastAPI's answer 405, and an uptime monitor probing /health
+            # by HEAD took the gateway for down. A route of its own: the schema lists GET alone.
+            if isinstance(route, APIRoute) and "GET" in route.methods:
+                app.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False)
     return app

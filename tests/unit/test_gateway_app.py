@@ -314,6 +314,16 @@ def test_metrics_labels_come_from_a_fixed_set(fake):
     assert 'method="other"' in scrape and "M1" not in scrape and "/made/up" not in scrape
 
 
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models", "/v1/models/fake-qwen3"])
+def test_a_get_route_answers_head(fake, path):
+    """As GET (uvicorn leaves the body out): uptime monitors probe by HEAD."""
+    with http(fake) as client:
+        got, head = client.get(path), client.head(path)
+    assert head.status_code == got.status_code == 200, head.text
+    assert head.headers["content-type"] == got.headers["content-type"]
+    assert client.head("/v1/completions").status_code == 405   # a POST route stays one
+
+
 @pytest.mark.parametrize("argv, refused", [
     (["--host", "0.0.0.0", "--scheduler-auth-token", "t"], True),
     (["--host", "0.0.0.0", "--scheduler-auth-token", "t", "--allow-unauthenticated"], False),
