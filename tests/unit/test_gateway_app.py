@@ -568,3 +568,58 @@ def test_a_client_that_leaves_while_a_stream_names_its_tokens_closes_the_stream(
 
     assert asyncio.run(run()) == 0
     assert sent[0]["status"] == 200
+
+
+def test_an_unstreamed_batch_lets_the_event_loop_run_between_its_choices():
+    """A batch's answer is built and encoded a choice at a time, the event loop running between
+    choices: built whole, a loglikelihood batch of 16 prompts of 4,000 tokens with 20 top logprobs
+    (120 MB of JSON) held the loop that writes every other client's stream for 7 s."""
+    from gateway.state import Gateway
+
+    prompts = 16
+    ticks = 0
+    seen: dict[str, int] = {}
+
+    class Counting(FakeScheduler):
+        async def generate(self, *args, **kwargs):
+            result = await super().generate(*args, **kwargs)
+            seen["generated"] = ticks   # the last prompt's
+            return result
+
+    fake = Counting()
+    app = create_app(GatewayConfig("unused"), client_factory=lambda: fake)
+    app.state.gateway = Gateway(GatewayConfig("unused"), client=fake)
+    body = {"prompt": [[11, 12]] * prompts, "max_tokens": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 2}
+    sent = []
+
+    async def run() -> None:
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()
+
+        async def send(message):
+            seen.setdefault("answered", ticks)
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        ticker.cancel()
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 200
+    answer = strict_json(b"".join(m.get("body", b"") for m in sent[1:]).decode())
+    assert [c["index"] for c in answer["choices"]] == list(range(prompts))
+    assert answer["choices"][0]["prompt_logprobs"][1]["12"]["logprob"] == -1.0
+    assert seen["answered"] - seen["generated"] >= prompts
