@@ -25,11 +25,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from common.client import Completion, CompletionChunk, Usage
+from common.client import Completion, CompletionChunk, RequestError, Usage
 from common.logging_setup import request_context
 from gateway import outputs
 from gateway.json_body import StrictJSONRoute
-from gateway.errors import bad_param
+from gateway.errors import bad_param, from_request_error
 from gateway.protocol import CompletionRequest
 from gateway.state import Gateway, gateway_of
 from gateway.streaming import EventStream, choice_events, gather, opened, unless_disconnected
@@ -87,17 +87,21 @@ async def completions(gateway: Gateway, req: CompletionRequest, request: Request
     rids = [rid] if len(texts) == 1 else [f"{rid}-{i}" for i in range(len(texts))]
     base = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model}
     continuous = bool(req.stream and req.stream_options and req.stream_options.continuous_usage_stats)
+    batch = len(texts) > 1
     with request_context(rid):
-        prompts = await asyncio.gather(*(_prompt(gateway, t, plan, plan.scored or continuous) for t in texts))
+        prompts = await asyncio.gather(*(_of_prompt(i, _prompt(gateway, t, plan, plan.scored or continuous), batch)
+                                         for i, t in enumerate(texts)))
         if req.stream:
-            streams = [gateway.client.stream(p.call, sampling, request_id=r) for p, r in zip(prompts, rids)]
+            streams = [_stream_of_prompt(i, gateway.client.stream(p.call, sampling, request_id=r), batch)
+                       for i, (p, r) in enumerate(zip(prompts, rids))]
             items = await opened(request, outputs.merge(streams))
             known = sum(len(p.token_ids or ()) for p in prompts)
             return EventStream(choice_events(
                 lambda usage: _streamed_choices(gateway, items, prompts, plan, usage), base,
                 req.stream_options, lambda usage: gateway.metrics.count_usage(ROUTE, usage), known))
         results: list[Completion] = await unless_disconnected(request, gather(
-            [gateway.client.generate(p.call, sampling, request_id=r) for p, r in zip(prompts, rids)]))
+            [_of_prompt(i, gateway.client.generate(p.call, sampling, request_id=r), batch)
+             for i, (p, r) in enumerate(zip(prompts, rids))]))
     usage = outputs.UsageTotal()
     choices = []
     for p, (prompt, result) in enumerate(zip(prompts, results)):
@@ -123,6 +127,40 @@ def _answer(base: dict[str, Any], choices: list[bytes], usage: dict[str, Any]) -
     head = _encoded(base)[:-1]   # base's members, without the closing brace
     return Response(b"".join((head, b',"choices":[', b",".join(choices), b'],"usage":', _encoded(usage), b"}")),
                     media_type="application/json")
+
+
+def _named(error: RequestError, index: int) -> RequestError:
+    """A scheduler's refusal of one prompt of a batch, saying which: its message names the call's
+    own field (token_ids[0], text), which a batch has one of per prompt."""
+    if from_request_error(error).param != "prompt":
+        return error
+    return RequestError(error.code, f"prompt[{index}]: {error.message}")
+
+
+async def _of_prompt(index: int, call, batch: bool):
+    """`call` (a coroutine) of prompt `index`, whose refusal of the prompt names it in a batch."""
+    try:
+        return await call
+    except RequestError as exc:
+        if not batch:
+            raise
+        raise _named(exc, index) from None
+
+
+def _stream_of_prompt(index: int, stream: AsyncIterator[CompletionChunk], batch: bool
+                      ) -> AsyncIterator[CompletionChunk]:
+    """`stream` of prompt `index`, whose refusal of the prompt names it in a batch."""
+    if not batch:
+        return stream
+
+    async def named() -> AsyncIterator[CompletionChunk]:
+        async with contextlib.aclosing(stream):
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except RequestError as exc:
+                raise _named(exc, index) from None
+    return named()
 
 
 def _prompt_count(prompt: str | list) -> int:

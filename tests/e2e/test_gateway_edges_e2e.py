@@ -7,7 +7,7 @@ of the session's real scheduler and worker (tiny model):
   messages' tool calls (a few MiB, within the body's byte and value bounds) held the event loop
   that writes every other client's stream for seconds before the scheduler refused it;
 - a refusal names the request's parameter as the client spelled it, never a pydantic class name
-  or another field's name.
+  or another field's name, and a batch's refusal of one of its prompts says which.
 """
 from __future__ import annotations
 
@@ -113,3 +113,20 @@ def test_the_schedulers_refusal_of_a_call_or_tool_names_the_field_as_each_api_sp
     flat = [{"type": "function", "name": "f"}] * 2
     error = error_of(http.post("/v1/responses", json={"input": "Hi", "tools": flat, "max_output_tokens": 1}))
     assert error["param"] == "tools[1].name", error
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [[5, 6], [5, 10 ** 6]]}, {"prompt": [[5, 6], [5, 10 ** 6]], "echo": True, "logprobs": 1},
+    {"prompt": ["Hi", ""]}, {"prompt": [[5, 10 ** 6], [5, 6]], "stream": True},
+    {"prompt": ["Hi", "x y " * 3000], "echo": True},
+])
+def test_a_refused_prompt_of_a_batch_is_named_by_its_index(http, body):
+    """A batch's refusal of one prompt (a token id past the vocabulary, an empty or too long prompt)
+    says which prompt; the scheduler's own message (token_ids[1] = ...) does not. (A stream's
+    refusal is one prompt 0's: another prompt's may come after prompt 0's first chunk, as an event.)"""
+    error = error_of(http.post("/v1/completions", json={**body, "max_tokens": 1}))
+    index = 0 if body["prompt"][0] == [5, 10 ** 6] else 1
+    assert error["param"] == "prompt" and error["message"].startswith(f"prompt[{index}]: "), error
+    # One prompt is the prompt: its refusal is the scheduler's message as it was.
+    error = error_of(http.post("/v1/completions", json={"prompt": [5, 10 ** 6], "max_tokens": 1}))
+    assert error["param"] == "prompt" and error["message"].startswith("token_ids[1] = 1000000 is out of range"), error
