@@ -8,6 +8,7 @@ only when it is one of them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -93,6 +94,16 @@ async def _prompt_logprobs(gateway: Gateway, first: ChatChunk | ChatCompletion,
 
 async def _chat_choices(gateway: Gateway, items: AsyncIterator[tuple[int, ChatChunk]], call: ChatCall,
                         usage: outputs.UsageTotal) -> AsyncIterator[dict[str, Any]]:
+    """The choices of a stream. `items` is closed however this ends (as completions' _streamed_choices):
+    a client that leaves while a choice waits for its tokens' texts cancels this generator there, and
+    `items`, left suspended, would keep its gRPC stream running until the garbage collector found it."""
+    async with contextlib.aclosing(items):
+        async for choice in _choices_of(gateway, items, call, usage):
+            yield choice
+
+
+async def _choices_of(gateway: Gateway, items: AsyncIterator[tuple[int, ChatChunk]], call: ChatCall,
+                      usage: outputs.UsageTotal) -> AsyncIterator[dict[str, Any]]:
     calls_so_far: dict[int, int] = {}   # choice index -> tool calls sent (each delta's tool_calls[].index)
     finished = set()
     async for _, chunk in items:

@@ -14,6 +14,7 @@ by response.failed, whose output holds what the deltas sent. Every event is `eve
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -215,20 +216,21 @@ async def _events(gateway: Gateway, chunks: AsyncIterator[ChatChunk], shell: dic
     yield writer.event("response.in_progress", response=shell)
     usage = outputs.UsageTotal()
     try:
-        async for chunk in chunks:
-            for event in _chunk_events(writer, chunk):
-                yield event
-            if chunk.finish_reason is not None:
-                usage.add(chunk.usage, first_sample=True)
-                status = "incomplete" if chunk.finish_reason == "length" else "completed"
-                for event in writer.close(status):
+        async with contextlib.aclosing(chunks):   # closed when left (a client gone), not when garbage-collected
+            async for chunk in chunks:
+                for event in _chunk_events(writer, chunk):
                     yield event
-                if not writer.items or all(i["type"] == "reasoning" for i in writer.items):
-                    for event in [*writer.start("message"), *writer.close(status)]:   # an empty answer
+                if chunk.finish_reason is not None:
+                    usage.add(chunk.usage, first_sample=True)
+                    status = "incomplete" if chunk.finish_reason == "length" else "completed"
+                    for event in writer.close(status):
                         yield event
-                final = _finished(shell, writer.items, chunk.finish_reason, chunk.usage)
-                yield writer.event(f"response.{final['status']}", response=final)
-                return
+                    if not writer.items or all(i["type"] == "reasoning" for i in writer.items):
+                        for event in [*writer.start("message"), *writer.close(status)]:   # an empty answer
+                            yield event
+                    final = _finished(shell, writer.items, chunk.finish_reason, chunk.usage)
+                    yield writer.event(f"response.{final['status']}", response=final)
+                    return
         # As the unstreamed answer's accumulator refuses it: the events end with what failed.
         raise RequestError("INTERNAL", "the stream ended without a finish reason")
     except Exception as exc:  # noqa: BLE001 - the headers are sent: the stream's last events say what failed

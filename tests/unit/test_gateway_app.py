@@ -4,6 +4,7 @@ streamed events, /tokenize and /detokenize, and the 400s that name what a client
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import json
 
@@ -528,6 +529,21 @@ class _Endless(FakeScheduler):
         finally:
             self.open -= 1
 
+    def stream_chat(self, messages, sampling=None, **kwargs):
+        self.made.append(self._endless_chat(messages, sampling, **kwargs))
+        return self.made[-1]
+
+    async def _endless_chat(self, messages, sampling, **kwargs):
+        self.open += 1
+        try:
+            first = await anext(FakeScheduler.stream_chat(self, messages, sampling, **kwargs))
+            first = dataclasses.replace(first, finish_reason=None)
+            while True:
+                yield first
+                await asyncio.sleep(0.01)
+        finally:
+            self.open -= 1
+
     async def token_texts(self, token_ids, **kwargs):
         self.texting.set()
         await asyncio.Event().wait()
@@ -562,6 +578,51 @@ def test_a_client_that_leaves_while_a_stream_names_its_tokens_closes_the_stream(
 
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
                  "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return fake.open
+
+    assert asyncio.run(run()) == 0
+    assert sent[0]["status"] == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/responses", {"input": "Hi"}),
+])
+def test_a_client_that_leaves_a_chat_or_responses_stream_closes_the_schedulers(path, body):
+    """As for completions (above): a chat client that leaves while its logprobs wait for the tokens'
+    texts, or any chat or Responses client that leaves between two events, ends the scheduler's stream
+    at once."""
+    from gateway.state import Gateway
+
+    fake = _Endless()
+    app = create_app(GatewayConfig("unused"), client_factory=lambda: fake)
+    app.state.gateway = Gateway(GatewayConfig("unused"), client=fake)
+    sent = []
+    bodies = asyncio.Event()
+
+    async def run() -> int:
+        messages = [{"type": "http.request", "body": json.dumps({**body, "stream": True}).encode(),
+                     "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            waits = [asyncio.ensure_future(fake.texting.wait()), asyncio.ensure_future(bodies.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if message["type"] == "http.response.body" and len(sent) > 3:   # a few events out: leave
+                bodies.set()
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
                  "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
         await asyncio.wait_for(app(scope, receive, send), 10)
         return fake.open
