@@ -237,8 +237,9 @@ def _in_range(value: float, field: str, bounds: FloatRange, *, what: str | None 
     """`value` (a proto float) if it lies within `bounds`, else InvalidRequest for `field`, whose
     message names `what` (default: the field)."""
     what = what or field
-    if not math.isfinite(value):
-        raise InvalidRequest(field, f"{what} must be a finite number, got {value}")
+    if not math.isfinite(value):   # an infinity may be a finite number past float32's range (1e39), as sent
+        past = " (a 32-bit float: a magnitude past 3.4e38 arrives as one)" if math.isinf(value) else ""
+        raise InvalidRequest(field, f"{what} must be a finite number, got {value}{past}")
     if value not in bounds:
         raise InvalidRequest(field, f"{what} must be in {bounds}, got {float32_text(value)}")
     return value
