@@ -363,36 +363,51 @@ class _Queued(FakeScheduler):
     stream_chat = stream
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "Hi", "stream": True}), ("/v1/completions", {"prompt": ["a", "b"], "stream": True}),
-    ("/v1/chat/completions", {"messages": USER, "stream": True}), ("/v1/responses", {"input": "Hi", "stream": True}),
-])
-def test_a_client_that_leaves_before_the_first_chunk_cancels_the_queued_stream(path, body):
+def _post_and_leave(fake, path: str, body: dict, *, leave_on=(), after_bodies: int | None = None, probe=None):
+    """POSTs `body` to the gateway app over ASGI, as a server would, `fake` its scheduler. The client leaves
+    (http.disconnect) once an event of `leave_on` is set, or once `after_bodies` body messages came back. The
+    messages sent back, and `probe()` taken as the app returns (inside the loop: asyncio.run's shutdown
+    closes every async generator left, and would hide one the gateway left open)."""
     from gateway.state import Gateway
 
-    fake = _Queued()
     app = create_app(GatewayConfig("unused"), client_factory=lambda: fake)
     app.state.gateway = Gateway(GatewayConfig("unused"), client=fake)
     sent = []
 
-    async def run() -> None:
+    async def run():
+        bodies = asyncio.Event()
         messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
         async def receive():
             if messages:
                 return messages.pop()
-            await fake.waiting.wait()
+            waits = [asyncio.ensure_future(e.wait()) for e in (*leave_on, bodies)]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
             return {"type": "http.disconnect"}
 
         async def send(message):
             sent.append(message)
+            if after_bodies is not None and message["type"] == "http.response.body" and len(sent) > after_bodies:
+                bodies.set()
 
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
                  "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
                  "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
         await asyncio.wait_for(app(scope, receive, send), 10)
+        return probe() if probe else None
 
-    asyncio.run(run())
+    return sent, asyncio.run(run())
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "stream": True}), ("/v1/completions", {"prompt": ["a", "b"], "stream": True}),
+    ("/v1/chat/completions", {"messages": USER, "stream": True}), ("/v1/responses", {"input": "Hi", "stream": True}),
+])
+def test_a_client_that_leaves_before_the_first_chunk_cancels_the_queued_stream(path, body):
+    fake = _Queued()
+    sent, _ = _post_and_leave(fake, path, body, leave_on=(fake.waiting,))
     assert fake.cancelled == (2 if body.get("prompt") == ["a", "b"] else 1)
     assert sent[0]["status"] == 499   # no 200 stream was started for a client that is gone
 
@@ -549,85 +564,21 @@ class _Endless(FakeScheduler):
         await asyncio.Event().wait()
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": [11, 12], "echo": True, "logprobs": 1}, {"prompt": [11, 12], "prompt_logprobs": 1},
-    {"prompt": "Hi", "logprobs": 0}, {"prompt": [[11], [12]], "logprobs": 2},
-])
-def test_a_client_that_leaves_while_a_stream_names_its_tokens_closes_the_stream(body):
-    """A streamed choice's logprobs wait for the tokens' texts (a Detokenize call); a client that
-    leaves then ends the scheduler's streams at once, not when they are garbage-collected."""
-    from gateway.state import Gateway
-
-    fake = _Endless()
-    app = create_app(GatewayConfig("unused"), client_factory=lambda: fake)
-    app.state.gateway = Gateway(GatewayConfig("unused"), client=fake)
-    sent = []
-
-    async def run() -> int:
-        messages = [{"type": "http.request", "body": json.dumps({**body, "stream": True}).encode(),
-                     "more_body": False}]
-
-        async def receive():
-            if messages:
-                return messages.pop()
-            await fake.texting.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-                 "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
-        await asyncio.wait_for(app(scope, receive, send), 10)
-        return fake.open
-
-    assert asyncio.run(run()) == 0
-    assert sent[0]["status"] == 200
-
-
 @pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
-    ("/v1/responses", {"input": "Hi"}),
+    ("/v1/completions", {"prompt": [11, 12], "echo": True, "logprobs": 1}),
+    ("/v1/completions", {"prompt": [11, 12], "prompt_logprobs": 1}), ("/v1/completions", {"prompt": "Hi", "logprobs": 0}),
+    ("/v1/completions", {"prompt": [[11], [12]], "logprobs": 2}),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True}),
+    ("/v1/chat/completions", {"messages": USER}), ("/v1/responses", {"input": "Hi"}),
 ])
-def test_a_client_that_leaves_a_chat_or_responses_stream_closes_the_schedulers(path, body):
-    """As for completions (above): a chat client that leaves while its logprobs wait for the tokens'
-    texts, or any chat or Responses client that leaves between two events, ends the scheduler's stream
-    at once."""
-    from gateway.state import Gateway
-
+def test_a_client_that_leaves_a_stream_closes_the_schedulers(path, body):
+    """A streamed choice's logprobs wait for the tokens' texts (a Detokenize call); a client that
+    leaves then, or between two events, ends the scheduler's streams at once, not when they are
+    garbage-collected (they ran on to max_tokens: completions and chat with logprobs did)."""
     fake = _Endless()
-    app = create_app(GatewayConfig("unused"), client_factory=lambda: fake)
-    app.state.gateway = Gateway(GatewayConfig("unused"), client=fake)
-    sent = []
-    bodies = asyncio.Event()
-
-    async def run() -> int:
-        messages = [{"type": "http.request", "body": json.dumps({**body, "stream": True}).encode(),
-                     "more_body": False}]
-
-        async def receive():
-            if messages:
-                return messages.pop()
-            waits = [asyncio.ensure_future(fake.texting.wait()), asyncio.ensure_future(bodies.wait())]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-            if message["type"] == "http.response.body" and len(sent) > 3:   # a few events out: leave
-                bodies.set()
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-                 "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
-        await asyncio.wait_for(app(scope, receive, send), 10)
-        return fake.open
-
-    assert asyncio.run(run()) == 0
+    sent, still_open = _post_and_leave(fake, path, {**body, "stream": True}, leave_on=(fake.texting,), after_bodies=3,
+                                       probe=lambda: fake.open)
+    assert still_open == 0
     assert sent[0]["status"] == 200
 
 
