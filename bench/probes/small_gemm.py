@@ -26,6 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from worker_svc.layers.fp8_kernels import grouped_tile  # noqa: E402
+
 SHAPES = {"0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
           "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -41,13 +43,7 @@ def _matmul_kernel(a_ptr, w_ptr, c_ptr, M, N, K, k_per_split, stride_am, stride_
                    SPLIT_K: tl.constexpr):
     """c = a @ w^T for a [M, K], w [N, K]; with SPLIT_K > 1 c is a zeroed float32 buffer each slice of K
     adds its partial product to."""
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(1) * k_per_split

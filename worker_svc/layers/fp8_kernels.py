@@ -93,6 +93,17 @@ def _quantize_tile(a, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` of an [M, N] output: programs sweep GROUP_M row tiles for
+    each column tile, so a weight tile is read from L2 by several row tiles in a row."""
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
 def _row_tile(a_ptr, cols, k_end, K, SILU_MUL: tl.constexpr):
     """Row 0's activations at cols [1, BLOCK_K] (zero from k_end on): (gate, up) of [gate | up] with
     SILU_MUL (up lies K columns later), else (x, x)."""
@@ -114,8 +125,7 @@ def _block_fp8_matmul_kernel(
     SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr, LATE_TRIGGER: tl.constexpr,
     SWAP_AB: tl.constexpr = False, SILU_MUL: tl.constexpr = False, ONE_ROW: tl.constexpr = False,
 ):
-    # Programs sweep GROUP_M row tiles for each column tile, so a weight tile is read from L2
-    # by several row tiles in a row. With SPLIT_K > 1, program_id(1) takes one of SPLIT_K slices
+    # Programs take their output tiles in grouped_tile's order. With SPLIT_K > 1, program_id(1) takes one of SPLIT_K slices
     # of K (groups_per_split groups each) and the tile's last program to finish sums the slices.
     # PDL (programmatic dependent launch, as gemv_kernels'): the kernel may start while the one
     # before it ends; it asks L2 for its first PREFETCH_TILES weight tiles (weights never depend
@@ -132,12 +142,7 @@ def _block_fp8_matmul_kernel(
     pid_k = tl.program_id(1)
     if PDL and not LATE_TRIGGER:
         gdc_launch_dependents()
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
