@@ -97,42 +97,36 @@ async def _chat_choices(gateway: Gateway, items: AsyncIterator[tuple[int, ChatCh
     """The choices of a stream. `items` is closed however this ends (as completions' _streamed_choices):
     a client that leaves while a choice waits for its tokens' texts cancels this generator there, and
     `items`, left suspended, would keep its gRPC stream running until the garbage collector found it."""
-    async with contextlib.aclosing(items):
-        async for choice in _choices_of(gateway, items, call, usage):
-            yield choice
-
-
-async def _choices_of(gateway: Gateway, items: AsyncIterator[tuple[int, ChatChunk]], call: ChatCall,
-                      usage: outputs.UsageTotal) -> AsyncIterator[dict[str, Any]]:
     calls_so_far: dict[int, int] = {}   # choice index -> tool calls sent (each delta's tool_calls[].index)
     finished = set()
-    async for _, chunk in items:
-        i = chunk.index
-        if i not in calls_so_far:   # a choice's first chunk names the role, as OpenAI's do
-            calls_so_far[i] = 0
-            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}
-            if i == 0 and call.prompt_logprobs is not None:
-                first["prompt_logprobs"] = await _prompt_logprobs(gateway, chunk, call.prompt_logprobs)
-            yield first
-        delta: dict[str, Any] = {}
-        if chunk.text:
-            delta["content"] = chunk.text
-        if chunk.reasoning:
-            delta["reasoning_content"] = chunk.reasoning
-        if chunk.tool_calls:
-            delta["tool_calls"] = [{"index": calls_so_far[i] + k, **tool_call_json(c)}
-                                   for k, c in enumerate(chunk.tool_calls)]
-            calls_so_far[i] += len(chunk.tool_calls)
-        choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": chunk.finish_reason}
-        if call.logprobs is not None and chunk.token_ids:
-            choice["logprobs"] = await _chat_logprobs(gateway, chunk, call.logprobs)
-        usage.streamed_tokens += len(chunk.token_ids)
-        if chunk.usage is not None:
-            usage.add(chunk.usage, first_sample=i == 0)
-        if chunk.finish_reason is not None:
-            finished.add(i)
-        if delta or chunk.finish_reason is not None or choice["logprobs"] is not None:
-            yield choice
+    async with contextlib.aclosing(items):
+        async for _, chunk in items:
+            i = chunk.index
+            if i not in calls_so_far:   # a choice's first chunk names the role, as OpenAI's do
+                calls_so_far[i] = 0
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                if i == 0 and call.prompt_logprobs is not None:
+                    first["prompt_logprobs"] = await _prompt_logprobs(gateway, chunk, call.prompt_logprobs)
+                yield first
+            delta: dict[str, Any] = {}
+            if chunk.text:
+                delta["content"] = chunk.text
+            if chunk.reasoning:
+                delta["reasoning_content"] = chunk.reasoning
+            if chunk.tool_calls:
+                delta["tool_calls"] = [{"index": calls_so_far[i] + k, **tool_call_json(c)}
+                                       for k, c in enumerate(chunk.tool_calls)]
+                calls_so_far[i] += len(chunk.tool_calls)
+            choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": chunk.finish_reason}
+            if call.logprobs is not None and chunk.token_ids:
+                choice["logprobs"] = await _chat_logprobs(gateway, chunk, call.logprobs)
+            usage.streamed_tokens += len(chunk.token_ids)
+            if chunk.usage is not None:
+                usage.add(chunk.usage, first_sample=i == 0)
+            if chunk.finish_reason is not None:
+                finished.add(i)
+            if delta or chunk.finish_reason is not None or choice["logprobs"] is not None:
+                yield choice
     if len(finished) < (call.sampling.n or 1):   # as the unstreamed answer's accumulator refuses it
         raise RequestError("INTERNAL", "the stream ended without a finish reason")
