@@ -32,11 +32,10 @@ import numpy as np
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from bench.stages.profile import _step
+    from bench.stages.profile import _step, prefill_contexts
     from worker_svc.config import WorkerConfig
     from worker_svc.layers.sampler import SamplingOptions
     from worker_svc.model_runner import ModelRunner
-    from worker_svc.step_message import NewRequest
 
     warm = 4
     block_size = 16
@@ -46,15 +45,9 @@ def run(args: argparse.Namespace) -> None:
         max_model_len=args.context + warm + 16, load_format=args.load_format, quantization=args.quantization,
         lm_head_dtype=args.lm_head_dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=block_size,
         num_kv_blocks=args.batch * blocks_per_seq + 1))
-    rng = np.random.default_rng(0)
-    options = SamplingOptions(temperature=1.0)
     seq_ids = list(range(1, args.batch + 1))
-    step_id = 0
-    for seq_id in seq_ids:
-        blocks = list(range((seq_id - 1) * blocks_per_seq, seq_id * blocks_per_seq))
-        prompt = rng.integers(0, min(10000, runner.vocab_size), args.context).tolist()
-        step_id += 1
-        _step(runner, step_id, new=[NewRequest(seq_id, prompt, args.context, 0, args.context, blocks, options)])
+    step_id = prefill_contexts(runner, seq_ids, args.context, blocks_per_seq, np.random.default_rng(0),
+                               SamplingOptions(temperature=1.0), 0)
     for _ in range(warm):
         step_id += 1
         _step(runner, step_id, cached=seq_ids)

@@ -58,7 +58,6 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
     from worker_svc.config import WorkerConfig
     from worker_svc.layers.sampler import SamplingOptions
     from worker_svc.model_runner import ModelRunner
-    from worker_svc.step_message import NewRequest
 
     largest = max(batches)
     steps_needed = 4 + 2 * PROFILED_STEPS
@@ -75,18 +74,7 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
     for batch in batches:
         runner.reset()
         seq_ids = list(range(1, batch + 1))
-        for seq_id in seq_ids:           # one prompt per step: prompts may exceed the token budget
-            blocks = list(range((seq_id - 1) * blocks_per_seq, seq_id * blocks_per_seq))
-            prompt = rng.integers(0, 10000, context).tolist()
-            done = 0
-            while done < context:
-                n = min(16384, context - done)
-                step_id += 1
-                if done == 0:
-                    _step(runner, step_id, new=[NewRequest(seq_id, prompt, context, 0, n, blocks, options)])
-                else:
-                    _step(runner, step_id, cached=[seq_id], counts=[n])
-                done += n
+        step_id = prefill_contexts(runner, seq_ids, context, blocks_per_seq, rng, options, step_id)
         for _ in range(4):               # warm-up decodes
             step_id += 1
             _step(runner, step_id, cached=seq_ids)
@@ -116,6 +104,27 @@ def profile_decode(path, *, batches: list[int], context: int, attention_backend:
                      "top_busy": [(name, round(us / 1e3 / PROFILED_STEPS, 4))
                                   for name, us in sorted(added.items(), key=lambda kv: -kv[1])[:25]]})
     return rows
+
+
+def prefill_contexts(runner, seq_ids: list[int], context: int, blocks_per_seq: int, rng, options, step_id: int) -> int:
+    """Request i of seq_ids (from 1) gets a prompt of `context` random tokens in KV blocks [(i - 1) *
+    blocks_per_seq, i * blocks_per_seq), prefilled one request a step (a prompt may exceed the step's token
+    budget: 16,384-token chunks). Returns the last step id."""
+    from worker_svc.step_message import NewRequest
+
+    for seq_id in seq_ids:
+        blocks = list(range((seq_id - 1) * blocks_per_seq, seq_id * blocks_per_seq))
+        prompt = rng.integers(0, min(10000, runner.vocab_size), context).tolist()
+        done = 0
+        while done < context:
+            n = min(16384, context - done)
+            step_id += 1
+            if done == 0:
+                _step(runner, step_id, new=[NewRequest(seq_id, prompt, context, 0, n, blocks, options)])
+            else:
+                _step(runner, step_id, cached=[seq_id], counts=[n])
+            done += n
+    return step_id
 
 
 def busy_attribution(spans) -> tuple[float, dict[str, float]]:
